@@ -1,0 +1,331 @@
+"""The wire protocol: header values, error codes and one declaration per message.
+
+Every message is ZeroMQ multipart: frame 0 is a small msgpack *metadata*
+frame ``[header, *fields]``; the frames after it are opaque *payload* the
+coordinator forwards without decoding. Headers 0-61 and their layouts are
+those of Megatron-LM's data-parallel coordinator after its multipart split;
+coordkit's own messages use 90 and up and go only to clients that said
+``{"coordkit": 1}`` in CONNECT.
+
+Each message is declared once, as a :class:`MessageSpec` (or a
+:class:`BatchedMessageSpec` for the per-entry batches engines send);
+``pack`` and ``parse`` are derived from the declaration, and ``parse``
+validates: a wrong frame count, field count or field type raises
+:class:`ProtocolError` naming the message and what was wrong.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+
+__all__ = [
+    "Header",
+    "ErrorCode",
+    "ProtocolError",
+    "Field",
+    "MessageSpec",
+    "BatchedMessageSpec",
+    "CONTROL_HEADERS",
+    "COORDKIT_HELLO",
+    "BLOCK_HASH_SIZE",
+    "packb",
+    "unpackb",
+]
+
+Buffer = bytes | bytearray | memoryview
+
+#: The map a coordkit client sends in CONNECT so the coordinator may answer
+#: it with coordkit's own messages (ERROR, STATS_REPLY).
+COORDKIT_HELLO = {"coordkit": 1}
+
+#: Bytes per entry of the optional block-hash frame (little-endian u64).
+BLOCK_HASH_SIZE = 8
+
+
+class Header(IntEnum):
+    CONNECT = 0
+    CONNECT_ACK = 1
+    SUBMIT_REQUEST = 20
+    ENGINE_REPLY = 21
+    ENGINE_REPLY_PARTIAL = 22
+    ABORT_REQUEST = 23
+    SUBMIT_REQUEST_WITH_KV = 24
+    RELEASE_KV = 25
+    PAUSE = 40
+    UNPAUSE = 41
+    SUSPEND = 42
+    RESUME = 43
+    SET_GENERATION_EPOCH = 44
+    STOP = 45
+    START_CUDA_PROFILER = 46
+    STOP_CUDA_PROFILER = 47
+    DISCONNECT = 60
+    SHUTDOWN = 61
+    # coordkit's own extensions
+    ERROR = 90
+    HEARTBEAT = 91
+    STATS = 92
+    STATS_REPLY = 93
+
+
+#: Control signals a client sends and the coordinator broadcasts to engines.
+CONTROL_HEADERS = frozenset(range(Header.PAUSE, Header.STOP_CUDA_PROFILER + 1))
+
+
+class ErrorCode(IntEnum):
+    """The ``code`` of an ERROR message."""
+
+    MALFORMED = 1  # the message does not parse
+    UNKNOWN_HEADER = 2  # a header this peer may not send
+    NOT_CONNECTED = 3  # the sender never sent CONNECT
+    BUSY = 4  # max_inflight (or the per-engine cap) reached
+    ENGINE_FAILED = 5  # the owning engine died after the request produced output
+    NO_ENGINES = 6  # no engine is registered and accepting work
+    UNKNOWN_REQUEST = 7  # abort of a request id that is not in flight
+    DUPLICATE_REQUEST = 8  # a request id already in flight for this client
+    INVALID_STATE = 9  # a control signal the state machine does not allow now
+    SHUTTING_DOWN = 10  # the coordinator stopped with the request in flight
+
+
+class ProtocolError(ValueError):
+    """A message that does not match its declaration.
+
+    ``rid`` is the request id when it could be read before the fault, so the
+    coordinator can fail that one request rather than drop the message.
+    """
+
+    def __init__(self, message: str, rid: int | None = None):
+        super().__init__(message)
+        self.rid = rid
+
+
+def packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpackb(data: Buffer) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+class Field:
+    """One metadata field: a name and the Python types it may decode to."""
+
+    __slots__ = ("name", "types", "nullable")
+
+    def __init__(self, name: str, types: type | tuple[type, ...] = object, nullable: bool = False):
+        self.name = name
+        self.types = types if isinstance(types, tuple) else (types,)
+        self.nullable = nullable
+
+    def check(self, message: str, value: Any) -> None:
+        if value is None and self.nullable:
+            return
+        # bool is an int in Python, never on the wire: keep them apart.
+        if isinstance(value, bool) and bool not in self.types:
+            ok = False
+        else:
+            ok = object in self.types or isinstance(value, self.types)
+        if not ok:
+            expected = " or ".join(t.__name__ for t in self.types)
+            raise ProtocolError(
+                f"{message}: field {self.name!r} must be {expected}, got {type(value).__name__}"
+            )
+
+    def __repr__(self) -> str:
+        return f"Field({self.name!r})"
+
+
+def _decode_metadata(message: str, frame: Buffer) -> list[Any]:
+    try:
+        metadata = unpackb(frame)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"{message}: metadata frame is not msgpack ({exc})") from None
+    if not isinstance(metadata, list) or not metadata:
+        raise ProtocolError(f"{message}: metadata frame must be a non-empty array")
+    return metadata
+
+
+class MessageSpec:
+    """A message: its header, metadata fields and payload frames, in wire order.
+
+    ``optional_frames`` may follow ``payload_frames`` (the block-hash frame of a
+    SUBMIT); ``parse`` gives ``None`` for an optional frame that is absent.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        header: Header,
+        metadata_fields: Sequence[Field] = (),
+        payload_frames: Sequence[str] = (),
+        optional_frames: Sequence[str] = (),
+    ):
+        self.name = name
+        self.header = header
+        self.metadata_fields = tuple(metadata_fields)
+        self.payload_frames = tuple(payload_frames)
+        self.optional_frames = tuple(optional_frames)
+        names = [f.name for f in self.metadata_fields] + list(self.payload_frames)
+        names += list(self.optional_frames)
+        self.message_type = namedtuple(  # type: ignore[misc]
+            name, names, defaults=[None] * len(self.optional_frames)
+        )
+
+    @property
+    def min_frames(self) -> int:
+        return 1 + len(self.payload_frames)
+
+    @property
+    def max_frames(self) -> int:
+        return self.min_frames + len(self.optional_frames)
+
+    def pack(self, *args: Any, **kwargs: Any) -> list[bytes | Any]:
+        """Frames for one message; payload frames are passed through as given."""
+        values = list(self.message_type(*args, **kwargs))
+        n_fields = len(self.metadata_fields)
+        for spec, value in zip(self.metadata_fields, values, strict=False):
+            spec.check(self.name, value)
+        frames: list[Any] = [packb([int(self.header), *values[:n_fields]])]
+        frames += values[n_fields : n_fields + len(self.payload_frames)]
+        frames += [f for f in values[n_fields + len(self.payload_frames) :] if f is not None]
+        return frames
+
+    def parse(self, frames: Sequence[Buffer]) -> Any:
+        """Decode and validate one message (without the ROUTER identity frame)."""
+        if not self.min_frames <= len(frames) <= self.max_frames:
+            expected = (
+                str(self.min_frames)
+                if self.min_frames == self.max_frames
+                else f"{self.min_frames}-{self.max_frames}"
+            )
+            raise ProtocolError(f"{self.name}: expected {expected} frames, got {len(frames)}")
+        metadata = _decode_metadata(self.name, frames[0])
+        if metadata[0] != self.header or isinstance(metadata[0], bool):
+            raise ProtocolError(f"{self.name}: header must be {int(self.header)}, got {metadata[0]!r}")
+        fields = metadata[1:]
+        if len(fields) != len(self.metadata_fields):
+            raise ProtocolError(
+                f"{self.name}: expected {len(self.metadata_fields)} metadata fields, "
+                f"got {len(fields)}"
+            )
+        for spec, value in zip(self.metadata_fields, fields, strict=True):
+            spec.check(self.name, value)
+        optional = list(frames[self.min_frames :])
+        optional += [None] * (len(self.optional_frames) - len(optional))
+        return self.message_type(*fields, *frames[1 : self.min_frames], *optional)
+
+
+class BatchedMessageSpec:
+    """An engine's batch: ``[header, [entry, ...]]`` and one payload frame per entry.
+
+    ``entry_fields`` with one field gives bare values (``[rid, ...]``), with
+    several an array per entry (``[[rid, flag], ...]``).
+    """
+
+    def __init__(self, name: str, header: Header, entry_fields: Sequence[Field]):
+        self.name = name
+        self.header = header
+        self.entry_fields = tuple(entry_fields)
+
+    def _check_entry(self, entry: Any) -> None:
+        if len(self.entry_fields) == 1:
+            self.entry_fields[0].check(self.name, entry)
+            return
+        if not isinstance(entry, (list, tuple)) or len(entry) != len(self.entry_fields):
+            raise ProtocolError(
+                f"{self.name}: each entry must be an array of {len(self.entry_fields)}"
+            )
+        for spec, value in zip(self.entry_fields, entry, strict=True):
+            spec.check(self.name, value)
+
+    def pack(self, entries: Sequence[Any], bodies: Sequence[Any]) -> list[bytes | Any]:
+        if len(entries) != len(bodies):
+            raise ProtocolError(
+                f"{self.name}: {len(entries)} entries but {len(bodies)} payload frames"
+            )
+        entries = [list(e) if isinstance(e, tuple) else e for e in entries]
+        for entry in entries:
+            self._check_entry(entry)
+        return [packb([int(self.header), entries]), *bodies]
+
+    def parse(self, frames: Sequence[Buffer]) -> tuple[list[Any], list[Buffer]]:
+        if not frames:
+            raise ProtocolError(f"{self.name}: empty message")
+        metadata = _decode_metadata(self.name, frames[0])
+        if metadata[0] != self.header or isinstance(metadata[0], bool):
+            raise ProtocolError(f"{self.name}: header must be {int(self.header)}, got {metadata[0]!r}")
+        if len(metadata) != 2 or not isinstance(metadata[1], list):
+            raise ProtocolError(f"{self.name}: metadata must be [header, [entries]]")
+        entries = metadata[1]
+        for entry in entries:
+            self._check_entry(entry)
+        bodies = list(frames[1:])
+        if len(entries) != len(bodies):
+            raise ProtocolError(
+                f"{self.name}: {len(entries)} entries but {len(bodies)} payload frames"
+            )
+        return entries, bodies
+
+
+_rid = Field("rid", int)
+_sampling = Field("sampling_params")
+
+CONNECT = MessageSpec("CONNECT", Header.CONNECT)
+#: CONNECT from a coordkit client: ``[0, {"coordkit": 1, ...}]``.
+CONNECT_COORDKIT = MessageSpec("CONNECT_COORDKIT", Header.CONNECT, [Field("hello", dict)])
+CONNECT_ACK = MessageSpec("CONNECT_ACK", Header.CONNECT_ACK)
+SUBMIT_REQUEST = MessageSpec(
+    "SUBMIT_REQUEST",
+    Header.SUBMIT_REQUEST,
+    [_rid, _sampling],
+    ["prompt"],
+    ["block_hashes"],
+)
+SUBMIT_REQUEST_WITH_KV = MessageSpec(
+    "SUBMIT_REQUEST_WITH_KV",
+    Header.SUBMIT_REQUEST_WITH_KV,
+    [_rid, _sampling, Field("kv_meta")],
+    ["prompt", "src_block_ids"],
+    ["block_hashes"],
+)
+ENGINE_REPLY = BatchedMessageSpec(
+    "ENGINE_REPLY", Header.ENGINE_REPLY, [Field("rid", int), Field("needs_detokenize", bool)]
+)
+ENGINE_REPLY_PARTIAL = BatchedMessageSpec(
+    "ENGINE_REPLY_PARTIAL", Header.ENGINE_REPLY_PARTIAL, [Field("rid", int)]
+)
+#: What a client receives for one entry of an engine's batch.
+CLIENT_REPLY = MessageSpec("CLIENT_REPLY", Header.ENGINE_REPLY, [_rid], ["body"])
+CLIENT_REPLY_PARTIAL = MessageSpec(
+    "CLIENT_REPLY_PARTIAL", Header.ENGINE_REPLY_PARTIAL, [_rid], ["body"]
+)
+ABORT_REQUEST = MessageSpec("ABORT_REQUEST", Header.ABORT_REQUEST, [_rid])
+RELEASE_KV = MessageSpec("RELEASE_KV", Header.RELEASE_KV, [_rid])
+SET_GENERATION_EPOCH = MessageSpec(
+    "SET_GENERATION_EPOCH", Header.SET_GENERATION_EPOCH, [Field("epoch", int)]
+)
+DISCONNECT = MessageSpec("DISCONNECT", Header.DISCONNECT)
+SHUTDOWN = MessageSpec("SHUTDOWN", Header.SHUTDOWN)
+ERROR = MessageSpec(
+    "ERROR",
+    Header.ERROR,
+    [Field("rid", int, nullable=True), Field("code", int), Field("message", str)],
+)
+HEARTBEAT = MessageSpec(
+    "HEARTBEAT", Header.HEARTBEAT, [Field("pending", int), Field("capacity", int)]
+)
+STATS = MessageSpec("STATS", Header.STATS)
+STATS_REPLY = MessageSpec("STATS_REPLY", Header.STATS_REPLY, [], ["stats"])
+
+#: The bare control signals (all but SET_GENERATION_EPOCH, which carries an epoch).
+CONTROL = {
+    h: MessageSpec(Header(h).name, Header(h))
+    for h in CONTROL_HEADERS
+    if h != Header.SET_GENERATION_EPOCH
+}
+CONTROL[Header.SET_GENERATION_EPOCH] = SET_GENERATION_EPOCH
