@@ -140,13 +140,15 @@ class Field:
         return f"Field({self.name!r})"
 
 
-def _decode_metadata(message: str, frame: Buffer) -> list[Any]:
+def _decode_metadata(message: str, header: Header, frame: Buffer) -> list[Any]:
     try:
         metadata = unpackb(frame)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ProtocolError(f"{message}: metadata frame is not msgpack ({exc})") from None
     if not isinstance(metadata, list) or not metadata:
         raise ProtocolError(f"{message}: metadata frame must be a non-empty array")
+    if metadata[0] != header or isinstance(metadata[0], bool):
+        raise ProtocolError(f"{message}: header must be {int(header)}, got {metadata[0]!r}")
     return metadata
 
 
@@ -204,9 +206,7 @@ class MessageSpec:
                 else f"{self.min_frames}-{self.max_frames}"
             )
             raise ProtocolError(f"{self.name}: expected {expected} frames, got {len(frames)}")
-        metadata = _decode_metadata(self.name, frames[0])
-        if metadata[0] != self.header or isinstance(metadata[0], bool):
-            raise ProtocolError(f"{self.name}: header must be {int(self.header)}, got {metadata[0]!r}")
+        metadata = _decode_metadata(self.name, self.header, frames[0])
         fields = metadata[1:]
         if len(fields) != len(self.metadata_fields):
             raise ProtocolError(
@@ -256,9 +256,7 @@ class BatchedMessageSpec:
     def parse(self, frames: Sequence[Buffer]) -> tuple[list[Any], list[Buffer]]:
         if not frames:
             raise ProtocolError(f"{self.name}: empty message")
-        metadata = _decode_metadata(self.name, frames[0])
-        if metadata[0] != self.header or isinstance(metadata[0], bool):
-            raise ProtocolError(f"{self.name}: header must be {int(self.header)}, got {metadata[0]!r}")
+        metadata = _decode_metadata(self.name, self.header, frames[0])
         if len(metadata) != 2 or not isinstance(metadata[1], list):
             raise ProtocolError(f"{self.name}: metadata must be [header, [entries]]")
         entries = metadata[1]

@@ -1,0 +1,132 @@
+"""Raw protocol peers for the coordinator tests: plain pyzmq DEALERs.
+
+They know nothing of coordkit beyond the published frame layouts, so they
+stand for Megatron-LM's own client and engines (and for any other peer that
+speaks the wire format).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import zmq
+
+WAIT = 5.0  # seconds any single expected message may take
+
+
+def m(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def um(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+class Peer:
+    """A DEALER connected to the coordinator."""
+
+    def __init__(self, ctx: zmq.Context, address: str, identity: bytes | None = None):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            self.sock.setsockopt(zmq.IDENTITY, identity)
+        self.sock.connect(address)
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout: float = WAIT) -> list[bytes]:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise TimeoutError("no message arrived")
+        return self.sock.recv_multipart()
+
+    def recv_all(self, timeout: float = 0.3) -> list[list[bytes]]:
+        """Every message that arrives until ``timeout`` passes with none."""
+        messages = []
+        while self.sock.poll(int(timeout * 1000)):
+            messages.append(self.sock.recv_multipart())
+        return messages
+
+    def assert_silent(self, timeout: float = 0.2) -> None:
+        assert not self.sock.poll(int(timeout * 1000)), self.sock.recv_multipart()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class RawClient(Peer):
+    def connect(self, coordkit: bool = False) -> RawClient:
+        self.send(m([0, {"coordkit": 1}]) if coordkit else m([0]))
+        assert self.recv() == [m([1])]
+        return self
+
+
+class RawEngine(Peer):
+    def register(self) -> RawEngine:
+        self.send(b"")
+        return self
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = WAIT) -> None:
+    """Wait until ``condition()`` holds (the coordinator runs on another thread)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.002)
+
+
+def n_engines(coord: Any, state: str = "alive") -> int:
+    return sum(e["state"] == state for e in coord.stats()["engines"])
+
+
+@contextlib.contextmanager
+def running(coord: Any) -> Iterator[Any]:
+    coord.start()
+    try:
+        yield coord
+    finally:
+        coord.stop()
+
+
+class Cluster:
+    """A running coordinator with raw engines and clients, closed on exit."""
+
+    def __init__(self, impl: Any, address: str, n_engines: int = 0, **options: Any):
+        self.ctx = zmq.Context()
+        self.coord = impl.Coordinator(address, **options)
+        self.coord.start()
+        self.engines: list[RawEngine] = []
+        self.peers: list[Peer] = []
+        for _ in range(n_engines):
+            self.add_engine()
+
+    def add_engine(self, identity: bytes | None = None) -> RawEngine:
+        rank = len(self.engines)
+        engine = RawEngine(self.ctx, self.coord.address, identity or f"engine-{rank}".encode())
+        engine.register()
+        self.engines.append(engine)
+        self.peers.append(engine)
+        wait_for(lambda: len(self.coord.stats()["engines"]) > rank)
+        return engine
+
+    def client(self, coordkit: bool = False, identity: bytes | None = None) -> RawClient:
+        client = RawClient(self.ctx, self.coord.address, identity)
+        self.peers.append(client)
+        return client.connect(coordkit)
+
+    def close(self) -> None:
+        self.coord.stop()
+        for peer in self.peers:
+            peer.close()
+        self.ctx.term()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
