@@ -186,6 +186,7 @@ def build_stats(
     *,
     implementation: str,
     policy: str,
+    messages: int,
     inflight: int,
     clients: int,
     control_state: int,
@@ -196,6 +197,7 @@ def build_stats(
     return {
         "implementation": implementation,
         "policy": policy,
+        "messages": messages,
         "inflight": inflight,
         "clients": clients,
         "control_state": ControlState(control_state).name.lower(),

@@ -380,7 +380,7 @@ cdef class Coordinator:
     cdef int control_state
     cdef uint64_t counters[N_COUNTERS]
     cdef uint64_t tick
-    cdef uint64_t debug_polls  # DEBUG builds: loop wake-ups, against messages handled
+    cdef uint64_t debug_polls  # DEBUG builds: loop wake-ups, against the messages handled
 
     cdef zmq_msg_t* parts
     cdef int n_parts
@@ -565,6 +565,7 @@ cdef class Coordinator:
         result = build_stats(
             implementation=self.implementation,
             policy=self.policy,
+            messages=self.tick,
             inflight=self.inflight,
             clients=self.n_clients,
             control_state=self.control_state,
@@ -580,7 +581,7 @@ cdef class Coordinator:
             ],
         )
         if DEBUG:
-            result["debug"] = {"polls": self.debug_polls, "messages": self.tick}
+            result["debug"] = {"polls": self.debug_polls}
         return result
 
     # -- the loop ------------------------------------------------------------------

@@ -257,6 +257,7 @@ class Coordinator:
         return build_stats(
             implementation=self.implementation,
             policy=self.policy,
+            messages=self._tick,
             inflight=len(self._requests),
             clients=len(self._clients),
             control_state=self._state,

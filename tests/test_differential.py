@@ -1,0 +1,105 @@
+"""One scripted conversation through both coordinators: the same frames at every peer.
+
+The script is random but seeded, and its moves depend on what the peers
+have seen (an engine replies to the requests it was given), so any
+difference between the two implementations — a routing decision, a server
+id, an error text, a dropped frame — shows up as a different frame log.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+import zmq
+from peers import Cluster, m, um, wait_for
+
+QUIET = 0.02  # seconds without a frame that end a step's delivery
+
+
+def _collect(cluster: Cluster, names: dict[zmq.Socket, str], log: dict) -> None:
+    poller = zmq.Poller()
+    for sock in names:
+        poller.register(sock, zmq.POLLIN)
+    while ready := dict(poller.poll(QUIET * 1000)):
+        for sock in ready:
+            log[names[sock]].append(sock.recv_multipart())
+
+
+def _conversation(impl, address: str, policy: str, seed: int, steps: int) -> dict:
+    rng = random.Random(seed)
+    log: dict[str, list[list[bytes]]] = defaultdict(list)
+    with Cluster(impl, address, policy=policy, seed=3, max_inflight=64, prefix_ttl=3600) as c:
+        for rank in range(3):
+            c.add_engine(f"e{rank}".encode())
+        clients = [c.client(coordkit=True, identity=b"ck"), c.client(identity=b"mg")]
+        peers = [*c.engines, *clients]
+        names = dict(zip([p.sock for p in peers], ["e0", "e1", "e2", "ck", "mg"], strict=True))
+        next_rid = [0, 0]
+        handled = c.coord.stats()["messages"]
+        prefixes = [[rng.randrange(1 << 64) for _ in range(4)] for _ in range(3)]
+
+        def send(peer, *frames):
+            nonlocal handled
+            peer.send(*frames)
+            handled += 1
+            wait_for(lambda: c.coord.stats()["messages"] >= handled)
+            _collect(c, names, log)
+
+        for _ in range(steps):
+            move = rng.random()
+            k = rng.randrange(2)
+            client = clients[k]
+            if move < 0.35:
+                rid = next_rid[k]
+                next_rid[k] += 1
+                frames = [m([20, rid, {"n": rid}]), m([rng.randrange(1000)] * 8)]
+                if rng.random() < 0.5:
+                    chain = prefixes[rng.randrange(3)][: rng.randrange(1, 5)]
+                    frames.append(b"".join(h.to_bytes(8, "little") for h in chain))
+                send(client, *frames)
+            elif move < 0.6:
+                # An engine finishes (or streams) some of what it was given.
+                rank = rng.randrange(3)
+                given = [um(f[0])[1] for f in log[f"e{rank}"] if um(f[0])[0] == 20]
+                if not given:
+                    continue
+                batch = rng.sample(given, min(len(given), rng.randrange(1, 4)))
+                if rng.random() < 0.3:
+                    send(c.engines[rank], m([22, batch]), *[b"partial"] * len(batch))
+                else:
+                    entries = [[rid, False] for rid in batch]
+                    send(c.engines[rank], m([21, entries]), *[m(rid) for rid in batch])
+            elif move < 0.68:
+                send(client, m([23, rng.randrange(max(1, next_rid[k]))]))
+            elif move < 0.74:
+                send(client, m([rng.choice([40, 41, 42, 43, 45, 46])]))
+            elif move < 0.78:
+                send(client, m([25, rng.randrange(100)]))
+            elif move < 0.82:
+                send(client, m([20, max(0, next_rid[k] - 1), {}]), b"dup")  # maybe in flight
+            elif move < 0.86:
+                rank = rng.randrange(3)
+                send(c.engines[rank], m([60]))
+            elif move < 0.9:
+                send(c.engines[rng.randrange(3)], b"")  # register again, or come back
+            else:
+                junk = rng.choice([b"\xc1", m([]), m([20, "x", {}]), m([77]), m([20, 1])])
+                send(client, junk, b"p")
+        stats = c.coord.stats()
+    return {"log": dict(log), "counters": stats["counters"], "inflight": stats["inflight"]}
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "power_of_two", "prefix"])
+def test_same_frames_at_every_peer(c_impl, py_impl, tmp_path, policy):
+    runs = [
+        _conversation(impl, f"ipc://{tmp_path}/{impl.name}.sock", policy, seed=11, steps=120)
+        for impl in (c_impl, py_impl)
+    ]
+    c_run, py_run = runs
+    assert sum(len(frames) for frames in c_run["log"].values()) > 50
+    for peer in sorted(set(c_run["log"]) | set(py_run["log"])):
+        assert c_run["log"].get(peer) == py_run["log"].get(peer), peer
+    assert c_run["counters"] == py_run["counters"]
+    assert c_run["inflight"] == py_run["inflight"]
