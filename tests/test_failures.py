@@ -1,0 +1,525 @@
+"""The failure model: bad input, lost clients, dead engines, admission control.
+
+Whatever arrives, the loop goes on, every accepted request ends with exactly
+one terminal reply (a final ENGINE_REPLY or an ERROR), and the tables return
+to empty when the traffic ends.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from peers import Cluster, RawClient, RawEngine, m, um, wait_for
+
+from coordkit.protocol import ErrorCode
+
+# -- helpers -------------------------------------------------------------------------
+
+
+def error_of(frames: list[bytes]) -> tuple[int | None, int]:
+    header, rid, code, message = um(frames[0])
+    assert header == 90 and isinstance(message, str) and message
+    return rid, code
+
+
+def expect_error(client: RawClient, rid: int | None, code: ErrorCode) -> None:
+    assert error_of(client.recv()) == (rid, code)
+
+
+def round_trip(cluster: Cluster, client: RawClient, rid: int, engine: RawEngine | None = None):
+    """A request that must still go through: the loop is alive and routing."""
+    client.send(m([20, rid, {}]), b"alive?")
+    engine = engine or cluster.engines[0]
+    meta, _ = engine.recv()
+    engine.send(m([21, [[um(meta)[1], False]]]), b"yes")
+    assert client.recv() == [m([21, rid]), b"yes"]
+
+
+def terminal(frames: list[bytes]) -> int | None:
+    """The client rid a final reply or an ERROR ends, None for a partial."""
+    header, rid = um(frames[0])[:2]
+    return rid if header in (21, 90) else None
+
+
+@pytest.fixture
+def cluster(impl, tmp_path):
+    with Cluster(impl, f"ipc://{tmp_path}/coord.sock", n_engines=1) as c:
+        yield c
+
+
+# -- malformed input -----------------------------------------------------------------
+
+BAD_FROM_CLIENT = [
+    # (frames, rid in the ERROR, code)
+    ([b"\xc1"], None, ErrorCode.MALFORMED),
+    ([m([])], None, ErrorCode.MALFORMED),
+    ([m("not an array")], None, ErrorCode.MALFORMED),
+    ([m(["20", 1, {}]), b"p"], None, ErrorCode.MALFORMED),
+    ([m([20]), b"p"], None, ErrorCode.MALFORMED),
+    ([m([20, "x", {}]), b"p"], None, ErrorCode.MALFORMED),
+    ([m([20, 2**64 - 1, {}]), b"p"], None, ErrorCode.MALFORMED),
+    ([m([20, 7]), b"p"], 7, ErrorCode.MALFORMED),
+    ([m([20, 7, {}, 1]), b"p"], 7, ErrorCode.MALFORMED),
+    ([m([20, 7, {}])], 7, ErrorCode.MALFORMED),
+    ([m([20, 7, {}]), b"p", b"h" * 8, b"extra"], 7, ErrorCode.MALFORMED),
+    ([m([20, 7, {}]), b"p", b"h" * 7], 7, ErrorCode.MALFORMED),
+    ([m([20, 7, {}]) + b"\x00", b"p"], 7, ErrorCode.MALFORMED),
+    ([m([20, 7, {"a": 1}])[:-1], b"p"], 7, ErrorCode.MALFORMED),
+    ([m([24, 7, {}]), b"p"], 7, ErrorCode.MALFORMED),
+    ([m([23]), b"x"], None, ErrorCode.MALFORMED),
+    ([m([23, 1, 2])], 1, ErrorCode.MALFORMED),
+    ([m([40, 1])], None, ErrorCode.MALFORMED),
+    ([m([44])], None, ErrorCode.MALFORMED),
+    ([m([61]), b"x"], None, ErrorCode.MALFORMED),
+    ([m([77])], None, ErrorCode.UNKNOWN_HEADER),
+    ([m([21, [[0, False]]]), b"body"], None, ErrorCode.UNKNOWN_HEADER),
+    ([m([91, 0, 0])], None, ErrorCode.UNKNOWN_HEADER),
+]
+
+
+@pytest.mark.parametrize(("frames", "rid", "code"), BAD_FROM_CLIENT)
+def test_malformed_from_client_answered_and_survived(cluster, frames, rid, code):
+    client = cluster.client(coordkit=True)
+    client.send(*frames)
+    expect_error(client, rid, code)
+    round_trip(cluster, client, 1000)
+    cluster.engines[0].assert_silent(0.05)
+    assert cluster.coord.stats()["inflight"] == 0
+
+
+def test_megatron_client_gets_no_error_frames(cluster):
+    client = cluster.client()  # never said {"coordkit": 1}: it could not parse ERROR
+    client.send(b"\xc1", b"p")
+    client.send(m([23, 5]))
+    client.assert_silent()
+    counters = cluster.coord.stats()["counters"]
+    assert counters["malformed"] == 1 and counters["unknown_request"] == 1
+    round_trip(cluster, client, 1)
+
+
+BAD_FROM_ENGINE = [
+    [b"\xc1"],
+    [m([21, [[0, False], [1, False]]]), b"only one body"],
+    [m([21, [[0, False]]]), b"one", b"two"],
+    [m([21, [[0]]]), b"b"],
+    [m([21, [[0, 1]]]), b"b"],
+    [m([21, [0]]), b"b"],
+    [m([22, [[0, False]]]), b"b"],
+    [m([21, "x"]), b"b"],
+    [m([21])],
+    [m([21, [[-1, False]]]), b"b"],
+    [m([21, [[12345, False]]]), b"b"],
+    [m([91, "x", 0])],
+    [m([60, 1])],
+    [m([20, 0, {}]), b"p"],
+]
+
+
+@pytest.mark.parametrize("frames", BAD_FROM_ENGINE)
+def test_malformed_from_engine_counted_and_survived(cluster, frames):
+    client = cluster.client(coordkit=True)
+    client.send(m([20, 0, {}]), b"p")
+    engine = cluster.engines[0]
+    engine.recv()
+    before = cluster.coord.stats()["messages"]
+    engine.send(*frames)
+    wait_for(lambda: cluster.coord.stats()["messages"] > before)
+    client.assert_silent(0.05)
+    engine.send(m([21, [[0, False]]]), b"real")  # the request is still there, untouched
+    assert client.recv() == [m([21, 0]), b"real"]
+    round_trip(cluster, client, 1)
+    assert cluster.coord.stats()["engines"][0]["state"] == "alive"
+
+
+def test_reply_from_engine_not_owning_the_request_is_dropped(impl, tmp_path):
+    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=2, policy="round_robin") as c:
+        client = c.client()
+        client.send(m([20, 0, {}]), b"p")
+        server_rid = um(c.engines[0].recv()[0])[1]
+        c.engines[1].send(m([21, [[server_rid, False]]]), b"impostor")
+        client.assert_silent()
+        c.engines[0].send(m([21, [[server_rid, False]]]), b"owner")
+        assert client.recv() == [m([21, 0]), b"owner"]
+        assert c.coord.stats()["counters"]["unknown_request"] == 1
+
+
+def test_reply_from_unregistered_sender_is_dropped(cluster):
+    client = cluster.client()
+    client.send(m([20, 0, {}]), b"p")
+    server_rid = um(cluster.engines[0].recv()[0])[1]
+    stranger = RawEngine(cluster.ctx, cluster.coord.address, b"stranger")
+    cluster.peers.append(stranger)
+    stranger.send(m([21, [[server_rid, False]]]), b"forged")
+    wait_for(lambda: cluster.coord.stats()["counters"]["not_connected"] == 1)
+    client.assert_silent()
+
+
+def test_duplicate_registration_counted(cluster):
+    cluster.engines[0].register()
+    wait_for(lambda: cluster.coord.stats()["counters"]["duplicate_register"] == 1)
+    assert len(cluster.coord.stats()["engines"]) == 1
+
+
+def test_message_over_max_message_size_drops_the_sender_only(impl, tmp_path):
+    address = f"ipc://{tmp_path}/c.sock"
+    with Cluster(impl, address, n_engines=1, max_message_size=64 * 1024) as c:
+        good = c.client(coordkit=True)
+        hostile = c.client(coordkit=True)
+        hostile.send(m([20, 0, {}]), b"x" * (256 * 1024))
+        round_trip(c, good, 0)
+        hostile.assert_silent()
+        c.engines[0].assert_silent(0.05)
+
+
+def test_duplicate_request_id_in_flight(cluster):
+    client = cluster.client(coordkit=True)
+    client.send(m([20, 3, {}]), b"a")
+    cluster.engines[0].recv()
+    client.send(m([20, 3, {}]), b"b")
+    expect_error(client, 3, ErrorCode.DUPLICATE_REQUEST)
+    cluster.engines[0].assert_silent(0.05)
+
+
+# -- admission control ---------------------------------------------------------------
+
+
+def test_busy_exactly_at_max_inflight(impl, tmp_path):
+    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=1, max_inflight=5) as c:
+        client = c.client(coordkit=True)
+        for rid in range(5):
+            client.send(m([20, rid, {}]), b"p")
+        server_rids = [um(c.engines[0].recv()[0])[1] for _ in range(5)]
+        client.assert_silent(0.05)
+        client.send(m([20, 5, {}]), b"p")
+        expect_error(client, 5, ErrorCode.BUSY)
+        c.engines[0].send(m([21, [[server_rids[0], False]]]), b"done")
+        assert client.recv() == [m([21, 0]), b"done"]
+        client.send(m([20, 6, {}]), b"p")
+        assert um(c.engines[0].recv()[0])[0] == 20
+        assert c.coord.stats()["counters"]["busy"] == 1
+
+
+def test_busy_at_the_per_engine_cap(impl, tmp_path):
+    address = f"ipc://{tmp_path}/c.sock"
+    with Cluster(impl, address, n_engines=2, max_inflight_per_engine=2) as c:
+        client = c.client(coordkit=True)
+        for rid in range(4):
+            client.send(m([20, rid, {}]), b"p")
+        for engine in c.engines:
+            engine.recv(), engine.recv()
+        client.send(m([20, 4, {}]), b"p")
+        expect_error(client, 4, ErrorCode.BUSY)
+
+
+def test_no_engines(impl, tmp_path):
+    with Cluster(impl, f"ipc://{tmp_path}/c.sock") as c:
+        client = c.client(coordkit=True)
+        client.send(m([20, 0, {}]), b"p")
+        expect_error(client, 0, ErrorCode.NO_ENGINES)
+        c.add_engine()
+        round_trip(c, client, 1)
+
+
+def test_client_table_is_bounded(impl, tmp_path):
+    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=1, max_clients=2) as c:
+        busy = c.client(coordkit=True)
+        busy.send(m([20, 0, {}]), b"p")  # in flight: this client cannot be evicted
+        c.engines[0].recv()
+        c.client()  # idle: the next newcomer takes its place
+        newcomer = c.client(coordkit=True)
+        newcomer.send(m([20, 0, {}]), b"p")
+        c.engines[0].recv()
+        blocked = RawClient(c.ctx, c.coord.address)
+        c.peers.append(blocked)
+        blocked.send(m([0, {"coordkit": 1}]))  # nobody idle to make room
+        assert error_of(blocked.recv()) == (None, ErrorCode.BUSY)
+        stats = c.coord.stats()
+        assert stats["clients"] == 2 and stats["counters"]["table_full"] == 1
+
+
+# -- vanished peers ------------------------------------------------------------------
+
+
+def test_vanished_client_leaves_no_state(impl, tmp_path):
+    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=1) as c:
+        other = c.client(coordkit=True)
+        leaver = c.client(coordkit=True)
+        for rid in range(3):
+            leaver.send(m([20, rid, {}]), b"p")
+        server_rids = [um(c.engines[0].recv()[0])[1] for _ in range(3)]
+        leaver.close()
+        c.peers.remove(leaver)
+        time.sleep(0.1)  # let libzmq notice the closed pipe
+        c.engines[0].send(m([21, [[server_rids[0], False]]]), b"nobody home")
+        # The coordinator aborts the client's other requests at their engine...
+        aborts = [c.engines[0].recv() for _ in range(2)]
+        assert sorted(um(a[0])[1] for a in aborts) == server_rids[1:]
+        assert all(um(a[0])[0] == 23 for a in aborts)
+        # ...and forgets it: nothing left in flight, the engine's late finals are dropped.
+        c.engines[0].send(m([21, [[rid, False] for rid in server_rids[1:]]]), b"a", b"b")
+        wait_for(lambda: c.coord.stats()["counters"]["unknown_request"] == 2)
+        stats = c.coord.stats()
+        assert stats["inflight"] == 0 and stats["clients"] == 1
+        assert stats["engines"][0]["pending"] == 0
+        round_trip(c, other, 0)
+
+
+def test_unreachable_engine_is_failed_and_its_requests_rerouted(impl, tmp_path):
+    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=2, policy="round_robin") as c:
+        client = c.client(coordkit=True)
+        for rid in range(4):
+            client.send(m([20, rid, {}]), f"p{rid}".encode())
+        held = [um(c.engines[0].recv()[0])[1] for _ in range(2)]
+        [c.engines[1].recv() for _ in range(2)]
+        c.engines[0].send(m([22, [held[0]]]), b"started")  # held[0] produced output
+        assert client.recv() == [m([22, 0]), b"started"]
+        c.engines[0].close()  # dies without a word
+        c.peers.remove(c.engines[0])
+        time.sleep(0.1)
+        client.send(m([20, 4, {}]), b"p4")  # round robin points at the dead rank
+        # held[1] produced nothing: re-sent to rank 1 with its server id and prompt.
+        frames = [c.engines[1].recv() for _ in range(2)]
+        assert sorted((um(f[0])[1], f[1]) for f in frames) == sorted([(held[1], b"p2"), (4, b"p4")])
+        expect_error(client, 0, ErrorCode.ENGINE_FAILED)  # held[0] cannot be re-run
+        stats = c.coord.stats()
+        assert stats["engines"][0]["state"] == "gone"
+        assert stats["counters"]["rerouted"] == 1 and stats["counters"]["engine_failed"] == 1
+
+
+def test_heartbeat_timeout_fails_a_silent_engine(impl, tmp_path):
+    address = f"ipc://{tmp_path}/c.sock"
+    with Cluster(impl, address, n_engines=2, policy="round_robin", heartbeat_timeout=0.3) as c:
+        c.engines[0].send(m([91, 0, 8]))
+        client = c.client(coordkit=True)
+        client.send(m([20, 0, {}]), b"p")
+        server_rid = um(c.engines[0].recv()[0])[1]
+        # Rank 0 stops heartbeating but keeps its socket: only the timeout can tell.
+        assert c.engines[1].recv(2.0) == [m([20, server_rid, {}]), b"p"]
+        assert c.coord.stats()["engines"][0]["state"] == "gone"
+        c.engines[1].send(m([21, [[server_rid, False]]]), b"done")
+        assert client.recv() == [m([21, 0]), b"done"]
+
+
+def test_engine_without_heartbeats_is_never_timed_out(impl, tmp_path):
+    address = f"ipc://{tmp_path}/c.sock"
+    with Cluster(impl, address, n_engines=1, heartbeat_timeout=0.1) as c:
+        client = c.client()
+        client.send(m([20, 0, {}]), b"p")
+        c.engines[0].recv()
+        time.sleep(0.4)
+        assert c.coord.stats()["engines"][0]["state"] == "alive"
+
+
+def test_drain_timeout_reroutes_what_is_left(impl, tmp_path):
+    address = f"ipc://{tmp_path}/c.sock"
+    with Cluster(impl, address, n_engines=2, policy="round_robin", drain_timeout=0.3) as c:
+        client = c.client(coordkit=True)
+        client.send(m([20, 0, {}]), b"p")
+        server_rid = um(c.engines[0].recv()[0])[1]
+        c.engines[0].send(m([60]))
+        assert c.engines[1].recv(2.0) == [m([20, server_rid, {}]), b"p"]
+        assert c.coord.stats()["engines"][0]["state"] == "gone"
+
+
+def test_shutdown_ends_requests_in_flight_with_an_error(impl, tmp_path):
+    c = Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=1)
+    try:
+        client = c.client(coordkit=True)
+        client.send(m([20, 0, {}]), b"p")
+        c.engines[0].recv()
+        client.send(m([61]))
+        expect_error(client, 0, ErrorCode.SHUTTING_DOWN)
+    finally:
+        c.close()
+
+
+# -- killed engine processes ---------------------------------------------------------
+
+
+def spawn_engine(address: str, rank: int, heartbeat: float) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "coordkit.engine", "--address", address, "--rank", str(rank),
+         "--latency", "0.02", "--batch", "8", "--heartbeat", str(heartbeat)],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("heartbeat", [0.1, 0.0], ids=["heartbeats", "no-heartbeats"])
+def test_sigkill_engine_mid_run_loses_and_duplicates_nothing(impl, tmp_path, heartbeat):
+    address = f"ipc://{tmp_path}/c.sock"
+    # Without heartbeats a dead rank is found only by sending to it: round robin does.
+    policy = "least_loaded" if heartbeat else "round_robin"
+    n_requests = 300
+    with Cluster(impl, address, policy=policy, heartbeat_timeout=0.5) as c:
+        engines = [spawn_engine(c.coord.address, rank, heartbeat) for rank in range(2)]
+        try:
+            wait_for(lambda: len(c.coord.stats()["engines"]) == 2, timeout=20)
+            client = c.client(coordkit=True)
+            terminals: dict[int, list[list[bytes]]] = {}
+            sent = 0
+            killed = False
+            deadline = time.monotonic() + 60
+            while len(terminals) < n_requests:
+                assert time.monotonic() < deadline, f"{n_requests - len(terminals)} lost"
+                while sent < n_requests and sent - len(terminals) < 32:
+                    client.send(m([20, sent, {}]), m(list(range(sent % 50))))
+                    sent += 1
+                frames = client.recv(10)
+                rid = terminal(frames)
+                if rid is not None:
+                    terminals.setdefault(rid, []).append(frames)
+                if not killed and len(terminals) >= 60:
+                    engines[0].send_signal(signal.SIGKILL)  # requests in flight there
+                    killed = True
+            client.assert_silent(0.3)
+            assert all(len(replies) == 1 for replies in terminals.values())
+            assert sorted(terminals) == list(range(n_requests))
+            finals = sum(um(r[0][0])[0] == 21 for r in terminals.values())
+            assert finals == n_requests  # nothing had produced output: all re-run
+            stats = c.coord.stats()
+            assert stats["inflight"] == 0
+            states = {e["identity"]: e["state"] for e in stats["engines"]}
+            assert states == {"engine-0": "gone", "engine-1": "alive"}
+        finally:
+            for process in engines:
+                process.kill()
+                process.wait()
+
+
+# -- fuzz ----------------------------------------------------------------------------
+
+VALID = [
+    [m([0])],
+    [m([0, {"coordkit": 1}])],
+    [m([20, 1, {"t": 1}]), m([1, 2])],
+    [m([24, 2, {}, {"k": 1}]), b"p", b"s"],
+    [m([21, [[0, False], [1, True]]]), b"a", b"b"],
+    [m([22, [0]]), b"a"],
+    [m([23, 1])],
+    [m([25, 1])],
+    [m([40])],
+    [m([44, 2])],
+    [m([60])],
+    [m([91, 1, 2])],
+    [m([92])],
+]
+
+
+@st.composite
+def hostile_message(draw):
+    if draw(st.booleans()):
+        frames = [draw(st.binary(max_size=40)) for _ in range(draw(st.integers(1, 4)))]
+    else:
+        frames = [bytearray(f) for f in draw(st.sampled_from(VALID))]
+        for _ in range(draw(st.integers(1, 3))):
+            frame = frames[draw(st.integers(0, len(frames) - 1))]
+            op = draw(st.sampled_from(["flip", "cut", "grow"]))
+            if op == "flip" and frame:
+                i = draw(st.integers(0, len(frame) - 1))
+                frame[i] = draw(st.integers(0, 255))
+            elif op == "cut" and frame:
+                del frame[draw(st.integers(0, len(frame) - 1)) :]
+            else:
+                frame += draw(st.binary(min_size=1, max_size=4))
+        frames = [bytes(f) for f in frames]
+    try:
+        shutdown = um(frames[0]) == [61]
+    except Exception:
+        shutdown = False
+    if shutdown or frames == [b""]:
+        frames = [b"\xc1"]  # a SHUTDOWN or a silent engine's registration: disruptive, not bad
+    return draw(st.sampled_from(["client", "stranger", "engine"])), frames
+
+
+class EchoEngines(threading.Thread):
+    """Engines that answer every SUBMIT, and send whatever junk they are handed."""
+
+    def __init__(self, cluster: Cluster, n: int):
+        super().__init__(daemon=True)
+        self.engines = [cluster.add_engine() for _ in range(n)]
+        self.junk: queue.Queue[list[bytes]] = queue.Queue()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for engine in self.engines:
+            poller.register(engine.sock, zmq.POLLIN)
+        while not self.stop.is_set():
+            while not self.junk.empty():
+                self.engines[0].send(*self.junk.get())
+            for sock in dict(poller.poll(5)):
+                frames = sock.recv_multipart()
+                meta = um(frames[0]) if frames[0][:1] in (b"\x93", b"\x94") else None
+                if meta and meta[0] in (20, 24):
+                    if meta[1] % 3 == 0:
+                        sock.send_multipart([m([22, [meta[1]]]), b"partial"])
+                    sock.send_multipart([m([21, [[meta[1], False]]]), frames[1]])
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_fuzz_loop_survives_and_keeps_every_promise(impl, tmp_path, seed):
+    with Cluster(impl, f"ipc://{tmp_path}/c.sock", max_clients=64) as c:
+        echo = EchoEngines(c, 2)
+        echo.start()
+        good = c.client(coordkit=True)
+        hostile = c.client(coordkit=True)
+        stranger = RawClient(c.ctx, c.coord.address, b"stranger")
+        c.peers.append(stranger)
+        next_rid = iter(range(10**9))
+        terminals: dict[int, int] = {}
+
+        def drain_good(timeout: float) -> None:
+            while good.sock.poll(int(timeout * 1000)):
+                rid = terminal(good.sock.recv_multipart())
+                if rid is not None:
+                    terminals[rid] = terminals.get(rid, 0) + 1
+
+        @settings(
+            max_examples=int(os.environ.get("COORDKIT_FUZZ_EXAMPLES", "60")),
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+        )
+        @given(st.lists(hostile_message(), min_size=1, max_size=40))
+        def interleave(messages):
+            sent = []
+            for sender, frames in messages:
+                if sender == "client":
+                    hostile.send(*frames)
+                elif sender == "stranger":
+                    stranger.send(*frames)
+                else:
+                    echo.junk.put(frames)
+                rid = next(next_rid)
+                good.send(m([20, rid, {"n": rid}]), m([rid]))
+                sent.append(rid)
+            deadline = time.monotonic() + 10
+            while any(rid not in terminals for rid in sent):
+                assert time.monotonic() < deadline, "a well-formed request got no reply"
+                drain_good(0.05)
+            hostile.recv_all(0)
+
+        try:
+            interleave()
+            drain_good(0.3)
+            assert all(count == 1 for count in terminals.values()), "a request got two replies"
+            wait_for(lambda: c.coord.stats()["inflight"] == 0, timeout=10)
+            stats = c.coord.stats()
+            assert stats["engines"][0]["state"] in ("alive", "draining", "gone")
+            good.send(m([20, -1, {}]), m([0]))
+            deadline = time.monotonic() + 5
+            while -1 not in terminals:
+                assert time.monotonic() < deadline
+                drain_good(0.05)
+        finally:
+            echo.stop.set()
+            echo.join(5)
