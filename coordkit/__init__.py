@@ -30,6 +30,10 @@ __all__ = [
     "Header",
     "ErrorCode",
     "ProtocolError",
+    "Client",
+    "CoordinatorError",
+    "Engine",
+    "FakeEngine",
 ]
 __version__ = "0.1.0"
 
@@ -66,7 +70,8 @@ def _select() -> SimpleNamespace:
     except ImportError as exc:
         if _flag("COORDKIT_REQUIRE_EXTENSION"):
             raise ImportError(
-                f"coordkit: COORDKIT_REQUIRE_EXTENSION=1 but the C extension failed to import: {exc}"
+                "coordkit: COORDKIT_REQUIRE_EXTENSION=1 but the C extension failed to import: "
+                f"{exc}"
             ) from exc
         warnings.warn(
             f"coordkit: the C extension failed to import ({exc}); "
@@ -82,3 +87,20 @@ IMPLEMENTATION: str = _impl.name
 codec = _impl.codec
 Router = _impl.Router
 Coordinator = _impl.Coordinator
+
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+from .client import Client, CoordinatorError  # noqa: E402
+
+if TYPE_CHECKING:
+    from .engine import Engine, FakeEngine
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that `python -m coordkit.engine` does not find the module already
+    # imported (runpy warns, and would run a second copy of it).
+    if name in ("Engine", "FakeEngine"):
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'coordkit' has no attribute {name!r}")

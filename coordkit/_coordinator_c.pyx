@@ -1193,8 +1193,8 @@ cdef class Coordinator:
             self._reject(client, None, ErrorCode.INVALID_STATE, header, C_INVALID_CONTROL)
             return
         self.counters[C_CONTROL] += 1
-        self._broadcast()
         self.control_state = state
+        self._broadcast()
 
     cdef bint _simple(self, int32_t client, int64_t header, uint32_t length, size_t end):
         """Whether a ``[header]`` message is exactly that; answers it as malformed if not."""

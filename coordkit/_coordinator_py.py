@@ -653,8 +653,8 @@ class Coordinator:
             self._reject(client, None, ErrorCode.INVALID_STATE, header, Counter.INVALID_CONTROL)
             return
         self._count(Counter.CONTROL)
-        self._broadcast(frames[1])
         self._state = ControlState(state)
+        self._broadcast(frames[1])
 
     def _simple(
         self, client: _Client, header: int, frames: list[zmq.Frame], length: int, end: int

@@ -1,0 +1,230 @@
+"""The ``coordkit`` command: ``serve`` and ``stats`` as subprocesses, ``bench`` delegation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import coordkit
+from coordkit import Client, FakeEngine, cli
+
+TIMEOUT = 20.0
+LISTENING = re.compile(r"coordkit listening on (\S+) \(implementation (\w+), policy (\w+)\)")
+
+
+def coordkit_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "coordkit", *args]
+
+
+def python_env() -> dict[str, str]:
+    """The environment for a child Python that must import this coordkit."""
+    root = str(Path(coordkit.__file__).parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
+class Serve:
+    """``coordkit serve`` as a subprocess, its stderr read line by line on a thread."""
+
+    def __init__(self, *args: str):
+        self.process = subprocess.Popen(
+            coordkit_command("serve", *args), env=python_env(), stderr=subprocess.PIPE, text=True
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def listening(self) -> re.Match[str]:
+        """The ``coordkit listening on ...`` line, once it came."""
+        while (line := self.lines.get(timeout=TIMEOUT)) is not None:
+            self.stderr.append(line)
+            if match := LISTENING.fullmatch(line.strip()):
+                return match
+        raise AssertionError(f"serve exited without its line: {''.join(self.stderr)}")
+
+    def wait(self) -> int:
+        code = self.process.wait(TIMEOUT)
+        while (line := self.lines.get(timeout=TIMEOUT)) is not None:
+            self.stderr.append(line)
+        return code
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture
+def serve():
+    """Starts ``coordkit serve`` processes, killed at teardown if still running."""
+    started: list[Serve] = []
+
+    def start(*args: str) -> Serve:
+        started.append(Serve(*args))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.kill()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_stops_on_signal(impl, serve, signum):
+    server = serve("--bind", "tcp://127.0.0.1:0", "--implementation", impl.name)
+    address, implementation, policy = server.listening().groups()
+    assert re.fullmatch(r"tcp://127\.0\.0\.1:\d+", address) and not address.endswith(":0")
+    assert (implementation, policy) == (impl.name, "least_loaded")
+    stats = asyncio.run(fetch_stats(address))
+    assert stats["implementation"] == impl.name
+    server.process.send_signal(signum)
+    assert server.wait() == 0
+    assert sum(bool(LISTENING.fullmatch(line.strip())) for line in server.stderr) == 1
+
+
+def test_serve_stops_on_shutdown(impl, serve, tmp_path):
+    server = serve("--bind", f"ipc://{tmp_path}/c.sock", "--implementation", impl.name)
+    address = server.listening().group(1)
+
+    async def shutdown():
+        async with await Client.connect(address, timeout=TIMEOUT) as client:
+            await client.shutdown_coordinator()
+
+    asyncio.run(shutdown())
+    assert server.wait() == 0
+
+
+def test_serve_options(impl, serve, tmp_path):
+    server = serve(
+        "--bind",
+        f"ipc://{tmp_path}/c.sock",
+        "--implementation",
+        impl.name,
+        "--policy",
+        "prefix",
+        "--max-inflight",
+        "100",
+        "--max-inflight-per-engine",
+        "50",
+        "--heartbeat-timeout",
+        "5",
+        "--drain-timeout",
+        "5",
+        "--max-message-size",
+        "1000000",
+        "--seed",
+        "7",
+        "--prefix-alpha",
+        "0.5",
+        "--prefix-ttl",
+        "60",
+        "--prefix-max-entries",
+        "1000",
+        "--detokenizer",
+        "json:dumps",  # any importable callable of the token ids
+    )
+    address, _, policy = server.listening().groups()
+    assert policy == "prefix"
+
+    async def detokenized():
+        async with await Client.connect(address, timeout=TIMEOUT) as client:
+            await client.wait_for_engines(1, timeout=TIMEOUT)
+            return await client.submit([1, 2, 3], {"detokenize": True}, block_size=2)
+
+    stop = threading.Event()
+    with FakeEngine(address, heartbeat_interval=None, output_tokens=3) as engine:
+        thread = threading.Thread(target=engine.run, args=(stop,))
+        thread.start()
+        try:
+            reply = asyncio.run(asyncio.wait_for(detokenized(), TIMEOUT))
+        finally:
+            stop.set()
+            thread.join(TIMEOUT)
+    assert reply["generated_text"] == json.dumps(FakeEngine.generate([1, 2, 3], 3))
+    server.process.send_signal(signal.SIGTERM)
+    assert server.wait() == 0
+
+
+def test_serve_rejects_a_bad_address(serve):
+    server = serve("--bind", "nonsense://x", "--implementation", "py")
+    assert server.wait() == 1
+    assert "coordkit serve:" in "".join(server.stderr)
+
+
+def test_serve_requires_the_chosen_implementation(serve):
+    try:
+        coordkit.load_implementation("c")
+    except ImportError:
+        pass
+    else:
+        pytest.skip("the C implementation is available here")
+    server = serve("--bind", "tcp://127.0.0.1:0", "--implementation", "c")
+    assert server.wait() == 1
+    assert "the 'c' implementation is not available" in "".join(server.stderr)
+
+
+async def fetch_stats(address: str) -> dict:
+    async with await Client.connect(address, timeout=TIMEOUT) as client:
+        return await client.stats()
+
+
+def test_stats_command(impl, tmp_path):
+    with impl.Coordinator(f"ipc://{tmp_path}/c.sock") as coord:
+        result = subprocess.run(
+            coordkit_command("stats", "--address", coord.address),
+            env=python_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+    assert result.returncode == 0, result.stderr
+    stats = json.loads(result.stdout)
+    assert stats["implementation"] == impl.name
+    assert stats["engines"] == []
+
+
+def test_stats_command_without_coordinator(tmp_path):
+    result = subprocess.run(
+        coordkit_command("stats", "--address", f"ipc://{tmp_path}/none.sock", "--timeout", "0.3"),
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 1
+    assert "no coordinator answered" in result.stderr
+
+
+def test_bench_is_delegated(monkeypatch):
+    calls = []
+    bench = SimpleNamespace(main=lambda argv: calls.append(argv) or 3)
+    monkeypatch.setitem(sys.modules, "coordkit.bench", bench)
+    monkeypatch.setattr(coordkit, "bench", bench, raising=False)
+    assert cli.main(["bench", "--sizes", "16", "--help"]) == 3
+    assert calls == [["--sizes", "16", "--help"]]
+
+
+def test_help():
+    result = subprocess.run(
+        coordkit_command("--help"),
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert result.returncode == 0
+    for command in ("serve", "demo", "stats", "bench"):
+        assert command in result.stdout

@@ -1,0 +1,398 @@
+"""coordkit.Client: exact frames against a scripted ROUTER, round trips through both coordinators.
+
+Async bodies run under ``asyncio.run`` with an overall timeout (no
+pytest-asyncio); every receive has its own timeout too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+import coordkit
+from coordkit import Client, CoordinatorError, ErrorCode, FakeEngine, Header
+from coordkit._routing_py import block_hashes
+from coordkit.engine import Control, Engine
+from coordkit.protocol import packb, unpackb
+
+TIMEOUT = 5.0
+
+
+def run(coroutine, timeout: float = 60.0):
+    """Run an async test body, bounded in time."""
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+# -- against a scripted coordinator ---------------------------------------------------------
+
+
+class Script:
+    """A bare ROUTER standing in for the coordinator, on the test's event loop."""
+
+    def __init__(self, tmp_path: Path):
+        self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.address = f"ipc://{tmp_path}/script.sock"
+        self.socket.bind(self.address)
+        self.identity = b""
+
+    async def recv(self) -> list[bytes]:
+        identity, *frames = await asyncio.wait_for(self.socket.recv_multipart(), TIMEOUT)
+        self.identity = identity
+        return frames
+
+    async def send(self, *frames: bytes) -> None:
+        await self.socket.send_multipart([self.identity, *frames])
+
+    async def connect(self, **kwargs) -> Client:
+        connecting = asyncio.ensure_future(Client.connect(self.address, timeout=TIMEOUT, **kwargs))
+        assert await self.recv() == [packb([0, {"coordkit": 1}])]
+        await self.send(packb([1]))
+        return await connecting
+
+
+@contextlib.asynccontextmanager
+async def scripted(tmp_path, **kwargs):
+    script = Script(tmp_path)
+    try:
+        async with await script.connect(**kwargs) as client:
+            yield script, client
+    finally:
+        script.socket.close()
+
+
+def test_submit_frames(tmp_path):
+    async def body():
+        async with scripted(tmp_path) as (script, client):
+            client.submit("héllo", {"temperature": 0.5})
+            client.submit([1, 2, 3])
+            prompt = bytearray(packb([4, 5]))
+            client.submit(memoryview(prompt))  # bytes-like: sent as they are
+            tokens = list(range(40))
+            client.submit(tokens, block_size=16)
+            assert await script.recv() == [packb([20, 0, {"temperature": 0.5}]), packb("héllo")]
+            assert await script.recv() == [packb([20, 1, {}]), packb([1, 2, 3])]
+            assert await script.recv() == [packb([20, 2, {}]), bytes(prompt)]
+            hashes = block_hashes(tokens, 16)
+            assert len(hashes) == 16  # two full blocks of 16; the last 8 tokens have none
+            assert await script.recv() == [packb([20, 3, {}]), packb(tokens), hashes]
+            client.stream([7])
+            assert await script.recv() == [packb([20, 4, {"stream": True}]), packb([7])]
+            for not_tokens in ("text", b"bytes"):
+                with pytest.raises(ValueError, match="token ids"):
+                    client.submit(not_tokens, block_size=16)
+
+    run(body())
+
+
+def test_replies_and_errors(tmp_path):
+    errors: list[CoordinatorError] = []
+
+    async def body():
+        async with scripted(tmp_path, on_error=errors.append) as (script, client):
+            plain = client.submit([1])
+            raw = client.submit([2], raw=True)
+            failing = client.submit([3])
+            stream = client.stream([4])
+            for _ in range(4):
+                await script.recv()
+            await script.send(packb([22, 0]), packb({"part": 1}))  # partials of a submit: dropped
+            await script.send(packb([21, 0]), packb({"status": "finished"}))
+            await script.send(packb([21, 1]), b"\x01raw")
+            await script.send(packb([90, 2, int(ErrorCode.BUSY), "SUBMIT_REQUEST: busy"]))
+            await script.send(packb([22, 3]), packb([1]))
+            await script.send(packb([22, 3]), packb([1, 2]))
+            await script.send(packb([21, 3]), packb([1, 2, 3]))
+            await script.send(packb([90, None, int(ErrorCode.INVALID_STATE), "UNPAUSE: no"]))
+            await script.send(packb([21, 77]), packb({}))  # not pending: dropped
+            assert await plain == {"status": "finished"}
+            assert await raw == b"\x01raw"
+            with pytest.raises(CoordinatorError) as caught:
+                await failing
+            assert caught.value.code is ErrorCode.BUSY
+            assert caught.value.request_id == 2
+            assert caught.value.message == "SUBMIT_REQUEST: busy"
+            assert [part async for part in stream] == [[1], [1, 2], [1, 2, 3]]
+            stats = asyncio.ensure_future(client.stats())
+            assert await script.recv() == [packb([92])]
+            await script.send(packb([93]), packb({"inflight": 0}))
+            assert await stats == {"inflight": 0}
+            assert client.pending == 0
+            assert [e.code for e in client.errors] == [ErrorCode.INVALID_STATE]
+            assert errors == list(client.errors)
+
+    run(body())
+
+
+def test_abort_cancel_and_close(tmp_path):
+    async def body():
+        async with scripted(tmp_path) as (script, client):
+            aborted = client.submit([1])
+            cancelled = client.submit([2])
+            stream = client.stream([3])
+            left = client.submit([4])
+            for _ in range(4):
+                await script.recv()
+            await client.abort(aborted)
+            assert await script.recv() == [packb([23, 0])]
+            await client.abort(stream)
+            assert await script.recv() == [packb([23, 2])]
+            cancelled.cancel()  # cancelling aborts the request at its engine
+            assert await script.recv() == [packb([23, 1])]
+            # After an abort the engine's final still resolves the request.
+            await script.send(packb([21, 0]), packb({"status": "aborted"}))
+            assert await aborted == {"status": "aborted"}
+            await client.abort(0)  # already ended: nothing is sent
+            await client.pause()
+            assert await script.recv() == [packb([40])]
+        # Closing failed what was still pending.
+        with pytest.raises(ConnectionError, match="closed"):
+            await left
+        with pytest.raises(ConnectionError, match="closed"):
+            await anext(stream)
+        with pytest.raises(ConnectionError):
+            client.submit([5])
+
+    run(body())
+
+
+def test_connect_timeout(tmp_path):
+    async def body():
+        with pytest.raises(ConnectionError, match="no coordinator answered"):
+            await Client.connect(f"ipc://{tmp_path}/nobody.sock", timeout=0.3)
+        with pytest.raises(ConnectionError, match="no coordinator answered"):
+            await Client.connect("tcp://127.0.0.1:1", timeout=0.3)
+
+    run(body())
+
+
+# -- through a real coordinator ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def coordinator(impl, tmp_path, transport: str = "ipc", **options):
+    bind = f"ipc://{tmp_path}/coord.sock" if transport == "ipc" else "tcp://127.0.0.1:0"
+    coord = impl.Coordinator(bind, **options)
+    coord.start()
+    try:
+        yield coord
+    finally:
+        coord.stop()
+
+
+@contextlib.contextmanager
+def fake_engines(address: str, count: int, **options):
+    """``count`` FakeEngines running on threads."""
+    stop = threading.Event()
+    engines = [
+        FakeEngine(address, rank, heartbeat_interval=None, **options) for rank in range(count)
+    ]
+    threads = [threading.Thread(target=e.run, args=(stop,), daemon=True) for e in engines]
+    for thread in threads:
+        thread.start()
+    try:
+        yield engines
+    finally:
+        stop.set()
+        for thread, engine in zip(threads, engines, strict=True):
+            thread.join(TIMEOUT)
+            engine.close()
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_round_trip(impl, tmp_path, transport):
+    async def body(address):
+        async with await Client.connect(address, timeout=TIMEOUT) as client:
+            await client.wait_for_engines(2, timeout=TIMEOUT)
+            prompts = [[i, i + 1, i + 2] for i in range(20)]
+            replies = await asyncio.gather(*(client.submit(p) for p in prompts))
+            for prompt, reply in zip(prompts, replies, strict=True):
+                assert reply["status"] == "finished"
+                assert reply["generated_tokens"] == FakeEngine.generate(prompt, 4)
+            assert {reply["rank"] for reply in replies} == {0, 1}
+            text = await client.submit("hello")
+            assert text["generated_tokens"] == FakeEngine.generate("hello", 4)
+            raw = await client.submit(packb([9, 9]), raw=True)
+            assert unpackb(raw)["generated_tokens"] == FakeEngine.generate([9, 9], 4)
+            stats = await client.stats()
+            assert stats["inflight"] == 0
+            assert len(stats["engines"]) == 2
+
+    with (
+        coordinator(impl, tmp_path, transport) as coord,
+        fake_engines(coord.address, 2, output_tokens=4),
+    ):
+        run(body(coord.address))
+
+
+def test_prefix_routing_round_trip(impl, tmp_path):
+    async def body(address):
+        async with await Client.connect(address, timeout=TIMEOUT) as client:
+            await client.wait_for_engines(2, timeout=TIMEOUT)
+            prompt = list(range(64))
+            replies = [await client.submit(prompt, block_size=16) for _ in range(4)]
+            # Sequential and idle, the same prefix stays with the rank that has it cached.
+            assert len({reply["rank"] for reply in replies}) == 1
+
+    with coordinator(impl, tmp_path, policy="prefix") as coord, fake_engines(coord.address, 2):
+        run(body(coord.address))
+
+
+def test_stream(impl, tmp_path):
+    async def body(address):
+        async with await Client.connect(address, timeout=TIMEOUT) as client:
+            await client.wait_for_engines(1, timeout=TIMEOUT)
+            parts = [part async for part in client.stream([1, 2], {"max_tokens": 4})]
+            tokens = FakeEngine.generate([1, 2], 4)
+            assert [p["generated_tokens"] for p in parts] == [tokens[:n] for n in range(1, 5)]
+            assert [p["status"] for p in parts] == ["generating"] * 3 + ["finished"]
+
+    with coordinator(impl, tmp_path) as coord, fake_engines(coord.address, 1, output_tokens=4):
+        run(body(coord.address))
+
+
+def test_abort(impl, tmp_path):
+    async def body(address):
+        async with await Client.connect(address, timeout=TIMEOUT) as client:
+            await client.wait_for_engines(1, timeout=TIMEOUT)
+            # 1000 steps of 10 ms: only an abort ends it within the test's time.
+            stream = client.stream([5])
+            first = await anext(stream)
+            await client.abort(stream)
+            parts = [first] + [part async for part in stream]
+            assert parts[-1]["status"] == "aborted"
+            future = client.submit([6])
+            await client.abort(future)
+            reply = await asyncio.wait_for(future, TIMEOUT)
+            assert reply["status"] == "aborted"
+            assert len(reply["generated_tokens"]) < 1000
+
+    options = {"output_tokens": 1000, "latency": 0.01}
+    with coordinator(impl, tmp_path) as coord, fake_engines(coord.address, 1, **options):
+        run(body(coord.address))
+
+
+def test_error_reply_fails_the_future(impl, tmp_path):
+    async def body(address):
+        async with await Client.connect(address, timeout=TIMEOUT) as client:
+            with pytest.raises(CoordinatorError) as caught:
+                await client.submit([1, 2, 3])  # no engine registered
+            assert caught.value.code is ErrorCode.NO_ENGINES
+            assert caught.value.request_id == 0
+            assert client.pending == 0
+
+    with coordinator(impl, tmp_path) as coord:
+        run(body(coord.address))
+
+
+def test_control_signals_reach_engines(impl, tmp_path):
+    received: queue.Queue[Control] = queue.Queue()
+
+    def engine_loop(engine: Engine, stop: threading.Event) -> None:
+        while not stop.is_set():
+            for event in engine.poll(0.05):
+                received.put(event)
+
+    async def body(address):
+        refused: asyncio.Future[CoordinatorError] = asyncio.get_running_loop().create_future()
+        async with await Client.connect(
+            address, timeout=TIMEOUT, on_error=refused.set_result
+        ) as client:
+            await client.wait_for_engines(1, timeout=TIMEOUT)
+            await client.pause()
+            await client.suspend()
+            await client.resume()
+            await client.set_generation_epoch(3)
+            await client.unpause()
+            await client.pause()
+            await client.stop_engines()
+            for expected in [
+                Control(Header.PAUSE),
+                Control(Header.SUSPEND),
+                Control(Header.RESUME),
+                Control(Header.SET_GENERATION_EPOCH, 3),
+                Control(Header.UNPAUSE),
+                Control(Header.PAUSE),
+                Control(Header.STOP),
+            ]:
+                event = await asyncio.to_thread(received.get, timeout=TIMEOUT)
+                assert event == expected
+            assert not client.errors
+            await client.resume()  # RUNNING after STOP: not allowed
+            error = await asyncio.wait_for(refused, TIMEOUT)
+            assert error.code is ErrorCode.INVALID_STATE
+            assert error.request_id is None
+
+    stop = threading.Event()
+    with coordinator(impl, tmp_path) as coord, Engine(coord.address) as engine:
+        thread = threading.Thread(target=engine_loop, args=(engine, stop))
+        thread.start()
+        try:
+            run(body(coord.address))
+        finally:
+            stop.set()
+            thread.join(TIMEOUT)
+
+
+def test_stop_ends_engine_processes(impl, tmp_path):
+    async def body(address, processes):
+        async with await Client.connect(address, timeout=TIMEOUT) as client:
+            await client.wait_for_engines(len(processes), timeout=TIMEOUT)
+            await client.pause()
+            await client.stop_engines()
+        for process in processes:
+            assert await asyncio.to_thread(process.wait, TIMEOUT) == 0
+
+    with coordinator(impl, tmp_path) as coord:
+        processes = [engine_process(coord.address, rank) for rank in range(2)]
+        try:
+            run(body(coord.address, processes))
+        finally:
+            for process in processes:
+                process.kill()
+                process.wait()
+
+
+def engine_process(address: str, rank: int, *options: str) -> subprocess.Popen[bytes]:
+    """``python -m coordkit.engine`` importing this very coordkit."""
+    root = str(Path(coordkit.__file__).parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "coordkit.engine", "--address", address, "--rank", str(rank)]
+    return subprocess.Popen([*command, *options], env=env)
+
+
+def test_killed_engine(impl, tmp_path):
+    """SIGKILL one of two engine processes mid-flight: every request still ends."""
+
+    async def body(address, processes):
+        async with await Client.connect(address, timeout=TIMEOUT) as client:
+            await client.wait_for_engines(2, timeout=TIMEOUT)
+            futures = [client.submit([i]) for i in range(20)]
+            stats = await client.stats()
+            assert stats["inflight"] == 20
+            processes[1].send_signal(signal.SIGKILL)
+            # None had produced output, so the dead engine's requests are re-routed to rank 0.
+            replies = await asyncio.gather(*futures)
+        assert {(reply["status"], reply["rank"]) for reply in replies} == {("finished", 0)}
+
+    # 40 steps of 20 ms: the requests are still running when the engine dies.
+    options = ("--latency", "0.02", "--output-tokens", "40", "--heartbeat", "0.1")
+    with coordinator(impl, tmp_path, heartbeat_timeout=1.0) as coord:
+        processes = [engine_process(coord.address, rank, *options) for rank in range(2)]
+        try:
+            run(body(coord.address, processes))
+        finally:
+            for process in processes:
+                process.kill()
+                process.wait()

@@ -1,0 +1,313 @@
+"""coordkit.Engine and FakeEngine against a bare ROUTER playing the coordinator.
+
+The ROUTER checks the exact frames an engine puts on the wire; the fake
+engine is driven step by step from the test, so what it batches is exact.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+import coordkit
+from coordkit.engine import Abort, Control, Engine, FakeEngine, ReleaseKV, Request
+from coordkit.protocol import Header, packb, unpackb
+
+TIMEOUT_MS = 5000
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def router(request, tmp_path):
+    """A ROUTER bound on ipc (in tmp_path) or tcp://127.0.0.1; yields (socket, address)."""
+    socket = zmq.Context.instance().socket(zmq.ROUTER)
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    socket.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)  # a missing message fails, never hangs
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind(f"ipc://{tmp_path}/r.sock" if request.param == "ipc" else "tcp://127.0.0.1:0")
+    yield socket, socket.getsockopt_string(zmq.LAST_ENDPOINT)
+    socket.close()
+
+
+def registered(router, engine_cls=Engine, **kwargs):
+    """An engine connected to ``router``, its registration already received."""
+    socket, address = router
+    engine = engine_cls(address, **kwargs)
+    assert socket.recv_multipart() == [engine.identity, b""]
+    return engine
+
+
+def drive(engine: FakeEngine, socket, count: int = 1) -> list[list[bytes]]:
+    """Step ``engine`` until ``socket`` has received ``count`` messages; return them."""
+    messages = []
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while len(messages) < count:
+        assert time.monotonic() < deadline, f"got {len(messages)} of {count} messages"
+        engine.step()
+        while socket.poll(0):
+            messages.append(socket.recv_multipart()[1:])
+    return messages
+
+
+def collect(engine: Engine, count: int) -> list:
+    """Poll ``engine`` until it has produced ``count`` events."""
+    events: list = []
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while len(events) < count and time.monotonic() < deadline:
+        events += engine.poll(0.1)
+    assert len(events) == count
+    return events
+
+
+def final(engine: FakeEngine, socket) -> list[bytes]:
+    """Step ``engine`` until an ENGINE_REPLY arrives (skipping partials); return it."""
+    while True:
+        for message in drive(engine, socket):
+            if unpackb(message[0])[0] == Header.ENGINE_REPLY:
+                return message
+
+
+def step_until(engine: FakeEngine, condition) -> None:
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while not condition():
+        assert time.monotonic() < deadline
+        engine.step()
+
+
+def submit(socket, engine, rid, prompt=(1, 2, 3), params=None):
+    socket.send_multipart([engine.identity, packb([20, rid, params or {}]), packb(list(prompt))])
+
+
+def queue_paused(engine: FakeEngine, socket, requests) -> None:
+    """Queue ``requests`` (rid, prompt[, params]) while paused, so one step sees them all."""
+    socket.send_multipart([engine.identity, packb([40])])
+    for request in requests:
+        submit(socket, engine, *request)
+    step_until(engine, lambda: engine.pending == len(requests))
+    assert engine.state == "paused"
+    socket.send_multipart([engine.identity, packb([41])])
+
+
+def test_registers_with_its_identity(router):
+    with registered(router, rank=3) as engine:
+        assert engine.identity == b"engine-3"
+    with registered(router, identity="mp-coord-0") as engine:
+        assert engine.identity == b"mp-coord-0"
+
+
+def test_poll_gives_events(router):
+    socket, _ = router
+    with registered(router) as engine:
+        identity = engine.identity
+        socket.send_multipart([identity, packb([20, 7, {"max_tokens": 2}]), packb([1, 2, 3])])
+        socket.send_multipart([identity, packb([24, 8, {}, {"k": 1}]), packb("hi"), b"\x01\x02"])
+        socket.send_multipart([identity, packb([23, 7])])
+        socket.send_multipart([identity, packb([25, 4])])
+        socket.send_multipart([identity, packb([40])])
+        socket.send_multipart([identity, packb([44, 5])])
+        submit_, with_kv, abort, release, pause, epoch = collect(engine, 6)
+    assert isinstance(submit_, Request)
+    assert (submit_.server_rid, submit_.sampling_params) == (7, {"max_tokens": 2})
+    assert isinstance(submit_.prompt, zmq.Frame)  # the received frame, not a copy
+    assert submit_.prompt_tokens() == [1, 2, 3]
+    assert (with_kv.server_rid, with_kv.kv_meta, with_kv.prompt_tokens()) == (8, {"k": 1}, "hi")
+    assert with_kv.src_block_ids.bytes == b"\x01\x02"
+    assert abort == Abort(7)
+    assert release == ReleaseKV(4)
+    assert pause == Control(Header.PAUSE)
+    assert epoch == Control(Header.SET_GENERATION_EPOCH, 5)
+    assert engine.pending == 2
+
+
+def test_malformed_message_is_dropped(router):
+    socket, _ = router
+    with registered(router) as engine:
+        socket.send_multipart([engine.identity, b"\xc1"])  # not msgpack
+        socket.send_multipart([engine.identity, packb([20, "x", {}]), b""])  # rid not an int
+        socket.send_multipart([engine.identity, packb([41])])
+        assert collect(engine, 1) == [Control(Header.UNPAUSE)]
+
+
+def test_reply_is_one_batched_message(router):
+    socket, _ = router
+    with registered(router) as engine:
+        engine.reply([(1, b"raw body"), (2, {"x": 1}, True), (3, [4, 5])])
+        engine.reply([])  # nothing to send: no message
+        engine.reply_partial([(4, {"p": 1}), (5, b"part")])
+        engine.disconnect()
+        identity = engine.identity
+        assert socket.recv_multipart() == [
+            identity,
+            packb([21, [[1, False], [2, True], [3, False]]]),
+            b"raw body",
+            packb({"x": 1}),
+            packb([4, 5]),
+        ]
+        assert socket.recv_multipart() == [identity, packb([22, [4, 5]]), packb({"p": 1}), b"part"]
+        assert socket.recv_multipart() == [identity, packb([60])]
+
+
+def test_heartbeat_reports_pending_and_capacity(router):
+    socket, _ = router
+    with registered(router, heartbeat_interval=0.05, capacity=9) as engine:
+        engine.poll(0)  # the first heartbeat is due at once
+        assert socket.recv_multipart()[1:] == [packb([91, 0, 9])]
+        submit(socket, engine, 1)
+        collect(engine, 1)
+        engine.poll(0.1)  # waits out the interval, sending the next heartbeat
+        # Heartbeats sent while the request was on its way still say 0.
+        while (heartbeat := socket.recv_multipart()[1:]) == [packb([91, 0, 9])]:
+            pass
+        assert heartbeat == [packb([91, 1, 9])]
+        engine.reply([(1, b"")])
+        assert engine.pending == 0
+
+
+# -- FakeEngine -------------------------------------------------------------------------
+
+
+def fake(router, **kwargs) -> FakeEngine:
+    return registered(router, FakeEngine, heartbeat_interval=None, **kwargs)
+
+
+def test_fake_engine_is_deterministic(router):
+    socket, _ = router
+    prompt = [5, 6, 7, 8]
+    bodies = []
+    for rank in (0, 1):
+        with fake(router, rank=rank, output_tokens=5) as engine:
+            submit(socket, engine, 10 + rank, prompt)
+            [[meta, body]] = drive(engine, socket)
+            assert unpackb(meta) == [21, [[10 + rank, False]]]
+            bodies.append(unpackb(body))
+    expected = FakeEngine.generate(prompt, 5)
+    assert expected == [(26 * 31 + k) % 32000 for k in range(5)]
+    for rank, body in enumerate(bodies):
+        assert body["request_id"] == 10 + rank
+        assert body["rank"] == rank
+        assert body["status"] == "finished"
+        assert body["generated_tokens"] == expected
+        assert len(body["logprobs"]) == 5 and all(isinstance(p, float) for p in body["logprobs"])
+        assert body["generated_text"] is None
+    assert bodies[0]["logprobs"] == bodies[1]["logprobs"]
+
+
+def test_fake_engine_text_and_raw_prompts(router):
+    socket, _ = router
+    with fake(router, output_tokens=2) as engine:
+        for rid, prompt in enumerate([packb("héllo"), b"\xc1\xc1raw"]):  # the latter: not msgpack
+            socket.send_multipart([engine.identity, packb([20, rid, {}]), prompt])
+            [[_, body]] = drive(engine, socket)
+            expected = "héllo" if rid == 0 else prompt
+            assert unpackb(body)["generated_tokens"] == FakeEngine.generate(expected, 2)
+
+
+def test_fake_engine_batches_a_step_into_one_reply(router):
+    socket, _ = router
+    with fake(router, max_batch=4, output_tokens=3) as engine:
+        queue_paused(engine, socket, [(rid, [rid]) for rid in range(5)])
+        first, second = drive(engine, socket, 2)  # the first step admits four of the five
+    meta = unpackb(first[0])
+    assert meta == [21, [[0, False], [1, False], [2, False], [3, False]]]
+    assert [unpackb(b)["generated_tokens"] for b in first[1:]] == [
+        FakeEngine.generate([rid], 3) for rid in range(4)
+    ]
+    assert unpackb(second[0]) == [21, [[4, False]]]
+
+
+def test_fake_engine_streams_partials_then_final(router):
+    socket, _ = router
+    with fake(router, output_tokens=3) as engine:
+        queue_paused(engine, socket, [(1, [9], {"stream": True, "detokenize": True}), (2, [9])])
+        messages = drive(engine, socket, 3)
+    tokens = FakeEngine.generate([9], 3)
+    for n, (meta, body) in enumerate(messages[:2], start=1):
+        assert unpackb(meta) == [22, [1]]  # the non-streaming request gets no partials
+        assert unpackb(body)["generated_tokens"] == tokens[:n]
+        assert unpackb(body)["status"] == "generating"
+    assert unpackb(messages[2][0]) == [21, [[1, True], [2, False]]]
+
+
+def test_fake_engine_honours_abort(router):
+    socket, _ = router
+    with fake(router, output_tokens=1000) as engine:
+        submit(socket, engine, 1, [3], {"stream": True})
+        drive(engine, socket, 2)  # two steps: two partials
+        socket.send_multipart([engine.identity, packb([23, 1])])
+        socket.send_multipart([engine.identity, packb([23, 99])])  # unknown: ignored
+        meta, body = final(engine, socket)
+        assert unpackb(meta) == [21, [[1, False]]]
+        reply = unpackb(body)
+        assert reply["status"] == "aborted"
+        tokens = reply["generated_tokens"]
+        assert 2 <= len(tokens) < 1000
+        assert tokens == FakeEngine.generate([3], len(tokens))
+        assert engine.pending == 0
+
+
+def test_fake_engine_control_states(router):
+    socket, _ = router
+    with fake(router) as engine:
+        for header, state in [(40, "paused"), (42, "suspended"), (43, "paused"), (41, "running")]:
+            socket.send_multipart([engine.identity, packb([header])])
+            step_until(engine, lambda state=state: engine.state == state)
+        socket.send_multipart([engine.identity, packb([44, 7])])
+        step_until(engine, lambda: engine.epoch == 7)
+        # STOP: the queued request is answered as aborted, then DISCONNECT.
+        socket.send_multipart([engine.identity, packb([40])])
+        submit(socket, engine, 5)
+        socket.send_multipart([engine.identity, packb([45])])
+        engine.run()
+        assert engine.state == "stopped"
+        meta, body = socket.recv_multipart()[1:]
+        assert unpackb(meta) == [21, [[5, False]]]
+        assert unpackb(body)["status"] == "aborted"
+        assert socket.recv_multipart()[1:] == [packb([60])]
+
+
+def test_fake_engine_run_ends_on_stop_event(router):
+    socket, _ = router
+    stop = threading.Event()
+    with fake(router) as engine:
+        thread = threading.Thread(target=engine.run, args=(stop,))
+        thread.start()
+        submit(socket, engine, 1)
+        assert unpackb(socket.recv_multipart()[2])["status"] == "finished"
+        stop.set()
+        thread.join(TIMEOUT_MS / 1000)
+        assert not thread.is_alive()
+        assert socket.recv_multipart()[1:] == [packb([60])]
+
+
+def python_env() -> dict[str, str]:
+    """The environment for a child Python that must import this coordkit."""
+    root = str(Path(coordkit.__file__).parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
+def test_engine_process(router):
+    socket, address = router
+    command = [sys.executable, "-m", "coordkit.engine", "--address", address, "--rank", "2"]
+    command += ["--output-tokens", "3", "--heartbeat", "0"]
+    process = subprocess.Popen(command, env=python_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        assert socket.recv_multipart() == [b"engine-2", b""]
+        socket.send_multipart([b"engine-2", packb([20, 1, {}]), packb([1, 2])])
+        identity, meta, body = socket.recv_multipart()
+        assert unpackb(meta) == [21, [[1, False]]]
+        assert msgpack.unpackb(body)["generated_tokens"] == FakeEngine.generate([1, 2], 3)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(TIMEOUT_MS / 1000) == 0
+        assert socket.recv_multipart() == [b"engine-2", packb([60])]
+        assert "found in sys.modules" not in process.stderr.read()  # no runpy double import
+    finally:
+        process.kill()
+        process.wait()
