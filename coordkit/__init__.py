@@ -18,7 +18,9 @@ import importlib
 import os
 import warnings
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
+from .client import Client, CoordinatorError
 from .protocol import ErrorCode, Header, ProtocolError
 
 __all__ = [
@@ -87,10 +89,6 @@ IMPLEMENTATION: str = _impl.name
 codec = _impl.codec
 Router = _impl.Router
 Coordinator = _impl.Coordinator
-
-from typing import TYPE_CHECKING, Any  # noqa: E402
-
-from .client import Client, CoordinatorError  # noqa: E402
 
 if TYPE_CHECKING:
     from .engine import Engine, FakeEngine
