@@ -1,0 +1,74 @@
+# cython: language_level=3
+"""The Cython router, for the coordinator to call without the GIL.
+
+``choose_c``, ``release_c`` and ``accepting_c`` are the hot path: they touch
+only the C tables below, all allocated by the constructor. The rules are
+those of coordkit._routing_py (the reference).
+"""
+
+cimport cython
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+
+
+cdef struct PrefixEntry:
+    uint64_t hash
+    double last_used
+    uint32_t older   # LRU neighbours, CK_NIL at the ends; older links the free list
+    uint32_t newer
+
+
+@cython.final
+cdef class Router:
+    cdef:
+        str _policy
+        int policy_id
+        int max_ranks
+        int n_ranks          # 1 + the highest rank ever added
+        int cursor           # rotating start, in [0, n_ranks)
+        int n_members
+        int64_t pending_limit  # rank_cap, or INT64_MAX without a cap: eligible below it
+        uint64_t rng_state   # splitmix64
+        uint8_t* is_accepting
+        int64_t* pending_count
+        int* members         # the accepting ranks, compact: power_of_two draws from it
+        int* member_pos      # rank -> its index in members
+
+        # The prefix table: allocated for the prefix policy only, NULL otherwise.
+        double prefix_alpha
+        double prefix_ttl
+        uint32_t max_entries
+        uint32_t n_entries
+        uint32_t n_used      # pool high-water mark; below it, freed entries are on free_list
+        uint32_t free_list
+        uint32_t lru_oldest
+        uint32_t lru_newest
+        size_t stride        # mask words per entry: ceil(max_ranks / 64)
+        int slot_shift       # 64 - log2(number of slots)
+        uint64_t slot_mask
+        PrefixEntry* entries
+        uint64_t* masks      # each entry's ranks, stride words
+        uint32_t* slots      # open addressing, linear probing: entry index + 1, 0 = empty
+        uint64_t* running    # scratch: candidate ranks along the chain
+        uint64_t* matched    # scratch: the ranks of the chain's first entry (depth > 0)
+        int* depth           # scratch: matched depth per rank
+
+    cdef int choose_c(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil
+    cdef void release_c(self, int rank) noexcept nogil
+    cdef bint accepting_c(self, int rank) noexcept nogil
+
+    # Internals (a cdef class declared in a .pxd declares all its C methods here).
+    cdef bint _eligible(self, int rank) noexcept nogil
+    cdef int _round_robin(self) noexcept nogil
+    cdef int _least_loaded(self) noexcept nogil
+    cdef uint64_t _rand(self) noexcept nogil
+    cdef int _power_of_two(self) noexcept nogil
+    cdef int _prefix(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil
+    cdef int _match(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil
+    cdef void _record(self, const uint8_t* hashes, size_t n_hashes, int rank,
+                      double now) noexcept nogil
+    cdef uint64_t _home(self, uint64_t h) noexcept nogil
+    cdef uint32_t _lookup(self, uint64_t h) noexcept nogil
+    cdef uint32_t _insert(self, uint64_t h) noexcept nogil
+    cdef void _delete(self, uint32_t e) noexcept nogil
+    cdef void _unlink(self, uint32_t e) noexcept nogil
+    cdef void _append(self, uint32_t e) noexcept nogil

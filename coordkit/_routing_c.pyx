@@ -1,0 +1,527 @@
+# cython: language_level=3, embedsignature=True
+# cython: cdivision=True, boundscheck=False, wraparound=False
+"""The router in Cython: coordkit._routing_py's Router over C tables.
+
+The rules, and the block-hash function, are defined once in
+coordkit._routing_py; this module makes the same decisions bit for bit.
+Every table is allocated by the constructor, so a decision allocates nothing
+and needs neither the GIL nor a Python object (see ``Router.choose_c``).
+"""
+
+cimport cython
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from libc.stdint cimport INT64_MAX, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memcpy, memset
+
+from coordkit._routing_py import POLICIES, _check_args, block_hashes
+from coordkit.protocol import BLOCK_HASH_SIZE
+
+__all__ = ["Router", "block_hashes", "POLICIES"]
+
+
+cdef extern from *:
+    """
+    #include <string.h>
+    #define CK_NIL UINT32_MAX
+    #define CK_GOLDEN 0x9E3779B97F4A7C15ULL  /* 2**64 / phi: splitmix64, Fibonacci hashing */
+
+    /* The hash frame is a zmq message body: no alignment guarantee. */
+    static inline uint64_t ck_load_le64(const uint8_t *p) {
+        uint64_t v;
+        memcpy(&v, p, sizeof v);
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        v = __builtin_bswap64(v);
+    #endif
+        return v;
+    }
+
+    static inline int ck_ctz64(uint64_t x) {  /* x != 0 */
+    #if defined(__GNUC__)
+        return __builtin_ctzll(x);
+    #else
+        int n = 0;
+        while (!(x & 1)) { x >>= 1; n++; }
+        return n;
+    #endif
+    }
+    """
+    uint32_t CK_NIL
+    uint64_t CK_GOLDEN
+    uint64_t ck_load_le64(const uint8_t* p) noexcept nogil
+    int ck_ctz64(uint64_t x) noexcept nogil
+
+
+# In the order of POLICIES.
+cdef enum:
+    ROUND_ROBIN
+    LEAST_LOADED
+    POWER_OF_TWO
+    PREFIX
+
+
+cdef inline double _score(int depth, int64_t pending, double alpha, double mean,
+                          double denom) noexcept nogil:
+    # The reference's expression, term for term: the same doubles.
+    return <double>depth - alpha * (<double>pending - mean) / denom
+
+
+cdef int _check_rank(Router self, int rank) except -1:
+    if not 0 <= rank < self.max_ranks:
+        raise ValueError(f"rank {rank} is out of range [0, {self.max_ranks})")
+    return 0
+
+
+@cython.final
+cdef class Router:
+    """Picks a rank per request; the rules are coordkit._routing_py's."""
+
+    def __cinit__(
+        self,
+        policy,
+        max_ranks=1024,
+        *,
+        seed=0,
+        rank_cap=0,
+        double prefix_alpha=1.0,
+        double prefix_ttl=600.0,
+        prefix_max_entries=1_000_000,
+    ):
+        cdef uint64_t n_slots = 2
+        _check_args(policy, max_ranks, seed, rank_cap, prefix_alpha, prefix_max_entries)
+        self._policy = policy
+        self.policy_id = POLICIES.index(policy)
+        self.max_ranks = max_ranks
+        self.pending_limit = rank_cap if rank_cap else INT64_MAX
+        self.rng_state = seed
+        self.prefix_alpha = prefix_alpha
+        self.prefix_ttl = prefix_ttl
+        self.free_list = self.lru_oldest = self.lru_newest = CK_NIL
+        self.is_accepting = <uint8_t*>calloc(self.max_ranks, sizeof(uint8_t))
+        self.pending_count = <int64_t*>calloc(self.max_ranks, sizeof(int64_t))
+        self.members = <int*>calloc(self.max_ranks, sizeof(int))
+        self.member_pos = <int*>calloc(self.max_ranks, sizeof(int))
+        if (self.is_accepting == NULL or self.pending_count == NULL
+                or self.members == NULL or self.member_pos == NULL):
+            raise MemoryError()
+        if self.policy_id != PREFIX:
+            return
+        # The pools can be large (1M entries x 1024 ranks = 128 MB of masks),
+        # but calloc maps fresh zero pages and the pool fills from its start,
+        # so memory grows with the entries actually used.
+        self.max_entries = prefix_max_entries
+        self.stride = (self.max_ranks + 63) >> 6
+        self.slot_shift = 63
+        while n_slots < 2 * <uint64_t>self.max_entries:  # load factor <= 1/2
+            n_slots <<= 1
+            self.slot_shift -= 1
+        self.slot_mask = n_slots - 1
+        self.entries = <PrefixEntry*>calloc(self.max_entries, sizeof(PrefixEntry))
+        self.masks = <uint64_t*>calloc(self.max_entries * self.stride, sizeof(uint64_t))
+        self.slots = <uint32_t*>calloc(n_slots, sizeof(uint32_t))
+        self.running = <uint64_t*>calloc(self.stride, sizeof(uint64_t))
+        self.matched = <uint64_t*>calloc(self.stride, sizeof(uint64_t))
+        self.depth = <int*>calloc(self.max_ranks, sizeof(int))
+        if (self.entries == NULL or self.masks == NULL or self.slots == NULL
+                or self.running == NULL or self.matched == NULL or self.depth == NULL):
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.is_accepting)
+        free(self.pending_count)
+        free(self.members)
+        free(self.member_pos)
+        free(self.entries)
+        free(self.masks)
+        free(self.slots)
+        free(self.running)
+        free(self.matched)
+        free(self.depth)
+
+    # -- Python API -------------------------------------------------------
+
+    @property
+    def policy(self) -> str:
+        return self._policy
+
+    @property
+    def n_accepting(self) -> int:
+        return self.n_members
+
+    @property
+    def prefix_len(self) -> int:
+        """Entries in the prefix table, expired ones included until purged."""
+        return self.n_entries
+
+    def add_rank(self, int rank) -> None:
+        _check_rank(self, rank)
+        if self.is_accepting[rank]:
+            return
+        self.is_accepting[rank] = 1
+        self.member_pos[rank] = self.n_members
+        self.members[self.n_members] = rank
+        self.n_members += 1
+        if rank >= self.n_ranks:
+            self.n_ranks = rank + 1
+
+    def remove_rank(self, int rank) -> None:
+        cdef int pos, last
+        cdef uint32_t e, newer
+        cdef uint64_t* mask
+        cdef uint64_t bit = (<uint64_t>1) << (rank & 63)
+        cdef size_t w
+        cdef bint empty
+        _check_rank(self, rank)
+        if not self.is_accepting[rank]:
+            return
+        self.is_accepting[rank] = 0
+        self.n_members -= 1
+        last = self.members[self.n_members]
+        pos = self.member_pos[rank]
+        self.members[pos] = last
+        self.member_pos[last] = pos
+        # Walk oldest to newest: deleting an entry leaves the others' order alone.
+        e = self.lru_oldest
+        while e != CK_NIL:
+            newer = self.entries[e].newer
+            mask = self.masks + e * self.stride
+            if mask[rank >> 6] & bit:
+                mask[rank >> 6] ^= bit
+                empty = True
+                for w in range(self.stride):
+                    if mask[w]:
+                        empty = False
+                        break
+                if empty:
+                    self._delete(e)
+            e = newer
+
+    def accepting(self, int rank) -> bool:
+        _check_rank(self, rank)
+        return self.is_accepting[rank] != 0
+
+    def pending(self, int rank) -> int:
+        _check_rank(self, rank)
+        return self.pending_count[rank]
+
+    def release(self, int rank) -> None:
+        _check_rank(self, rank)
+        self.release_c(rank)
+
+    def choose(self, block_hashes=None, double now=0.0) -> int:
+        """The rank for the next request, or -1 when none is eligible."""
+        cdef Py_buffer frame
+        cdef int rank
+        if block_hashes is None:
+            return self.choose_c(NULL, 0, now)
+        PyObject_GetBuffer(block_hashes, &frame, PyBUF_SIMPLE)
+        try:
+            if frame.len % BLOCK_HASH_SIZE:
+                raise ValueError(
+                    f"the block-hash frame is {frame.len} bytes, "
+                    f"not a multiple of {BLOCK_HASH_SIZE}"
+                )
+            rank = self.choose_c(<const uint8_t*>frame.buf, <size_t>frame.len >> 3, now)
+        finally:
+            PyBuffer_Release(&frame)
+        return rank
+
+    def prefix_ranks(self, uint64_t hash, double now) -> list:
+        """The ranks recorded for ``hash``, ascending; [] if absent or expired."""
+        cdef uint32_t e
+        cdef uint64_t* mask
+        cdef int r
+        if self.entries == NULL:
+            return []
+        e = self._lookup(hash)
+        if e == CK_NIL or now - self.entries[e].last_used > self.prefix_ttl:
+            return []
+        mask = self.masks + e * self.stride
+        return [r for r in range(self.max_ranks) if mask[r >> 6] >> (r & 63) & 1]
+
+    # -- C API ------------------------------------------------------------
+
+    cdef int choose_c(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
+        """``choose`` over a frame of ``n_hashes`` LE u64s (unaligned is fine)."""
+        cdef int rank
+        if self.policy_id == ROUND_ROBIN:
+            rank = self._round_robin()
+        elif self.policy_id == LEAST_LOADED:
+            rank = self._least_loaded()
+        elif self.policy_id == POWER_OF_TWO:
+            rank = self._power_of_two()
+        else:
+            rank = self._prefix(hashes, n_hashes, now)
+        if rank >= 0:
+            self.pending_count[rank] += 1
+        return rank
+
+    cdef void release_c(self, int rank) noexcept nogil:
+        if 0 <= rank < self.max_ranks and self.pending_count[rank] > 0:
+            self.pending_count[rank] -= 1
+
+    cdef bint accepting_c(self, int rank) noexcept nogil:
+        return 0 <= rank < self.max_ranks and self.is_accepting[rank]
+
+    # -- policies ---------------------------------------------------------
+
+    cdef inline bint _eligible(self, int rank) noexcept nogil:
+        return self.is_accepting[rank] and self.pending_count[rank] < self.pending_limit
+
+    cdef int _round_robin(self) noexcept nogil:
+        cdef int n = self.n_ranks, k, r
+        for k in range(n):
+            r = (self.cursor + k) % n
+            if self._eligible(r):
+                self.cursor = (r + 1) % n
+                return r
+        return -1
+
+    cdef int _least_loaded(self) noexcept nogil:
+        cdef int n = self.n_ranks, start, r, best = -1
+        cdef const uint8_t* accepting = self.is_accepting
+        cdef const int64_t* pending = self.pending_count
+        # Eligible and strictly below the best so far: one compare does both.
+        cdef int64_t limit = self.pending_limit
+        if n == 0:
+            return -1
+        start = self.cursor % n
+        for r in range(start, n):
+            if accepting[r] and pending[r] < limit:
+                best = r
+                limit = pending[r]
+        for r in range(start):
+            if accepting[r] and pending[r] < limit:
+                best = r
+                limit = pending[r]
+        if best >= 0:
+            self.cursor = (start + 1) % n
+        return best
+
+    cdef uint64_t _rand(self) noexcept nogil:
+        cdef uint64_t z
+        self.rng_state += CK_GOLDEN
+        z = self.rng_state
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL
+        return z ^ (z >> 31)
+
+    cdef int _power_of_two(self) noexcept nogil:
+        cdef int n = self.n_members, i, j, a, b
+        cdef bint a_ok, b_ok
+        if n == 0:
+            return -1
+        if n == 1:
+            a = b = self.members[0]
+        else:
+            i = <int>(self._rand() % <uint64_t>n)
+            j = <int>(self._rand() % <uint64_t>(n - 1))
+            if j >= i:
+                j += 1
+            a = self.members[i]
+            b = self.members[j]
+        a_ok = self._eligible(a)
+        b_ok = self._eligible(b)
+        if a_ok and b_ok:
+            return b if self.pending_count[b] < self.pending_count[a] else a
+        if a_ok:
+            return a
+        if b_ok:
+            return b
+        return self._least_loaded()
+
+    cdef int _prefix(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
+        cdef int n = self.n_ranks, w, r, rank = -1, count = 0
+        cdef const uint8_t* accepting = self.is_accepting
+        cdef const int64_t* pending = self.pending_count
+        cdef int64_t limit = self.pending_limit, least = limit, total = 0, p
+        cdef uint64_t word, bits
+        cdef double mean, denom, score, best_score
+        if n_hashes == 0:
+            return self._least_loaded()
+        # One pass: the eligible ranks (the candidates to match, as a mask
+        # built in a register), their load, and the least loaded of them.
+        for w in range((n + 63) >> 6):
+            word = 0
+            for r in range(w << 6, min(n, (w + 1) << 6)):
+                p = pending[r]
+                if accepting[r] and p < limit:
+                    word |= (<uint64_t>1) << (r & 63)
+                    total += p
+                    count += 1
+                    if p < least:
+                        least = p
+                        rank = r
+            self.running[w] = word
+        if count == 0:
+            return -1
+        if self._match(hashes, n_hashes, now) == 0:
+            rank = self._least_loaded()
+        else:
+            # With alpha >= 0 the score never rises with pending nor falls with
+            # depth, so the least loaded rank (the first of them) beats or
+            # ties-and-wins every unmatched rank: the winner is either it or
+            # one of the few matched ranks. A later candidate that ties on
+            # score and pending has a higher rank, so it loses as in the
+            # reference's full ascending scan.
+            mean = <double>total / <double>count
+            denom = mean if mean > 1.0 else 1.0
+            best_score = _score(
+                self.depth[rank] if self.matched[rank >> 6] >> (rank & 63) & 1 else 0,
+                least, self.prefix_alpha, mean, denom,
+            )
+            for w in range((n + 63) >> 6):
+                bits = self.matched[w]
+                while bits:
+                    r = (w << 6) + ck_ctz64(bits)
+                    bits &= bits - 1
+                    p = pending[r]
+                    score = _score(self.depth[r], p, self.prefix_alpha, mean, denom)
+                    if score > best_score or (score == best_score and p < least):
+                        rank = r
+                        best_score = score
+                        least = p
+        self._record(hashes, n_hashes, rank, now)
+        return rank
+
+    cdef int _match(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
+        """Narrow ``running`` along the chain and return the deepest match.
+
+        When that is > 0, ``matched`` holds the ranks of the first entry and
+        ``depth`` their depths; the other candidates have depth 0. The
+        candidates only shrink, so a rank's depth is the step it drops out at,
+        and only the (few) ranks of the first entry need a depth written.
+        """
+        cdef size_t nw = (self.n_ranks + 63) >> 6, w, i
+        cdef uint64_t* running = self.running
+        cdef uint64_t* mask
+        cdef uint64_t kept, dropped, alive
+        cdef uint32_t e
+        cdef int d = 0
+        for i in range(n_hashes):
+            e = self._lookup(ck_load_le64(hashes + 8 * i))
+            if e == CK_NIL or now - self.entries[e].last_used > self.prefix_ttl:
+                break
+            mask = self.masks + e * self.stride
+            alive = 0
+            for w in range(nw):
+                kept = running[w] & mask[w]
+                dropped = running[w] ^ kept
+                running[w] = kept
+                alive |= kept
+                while dropped and i:
+                    self.depth[(w << 6) + ck_ctz64(dropped)] = d
+                    dropped &= dropped - 1
+            if not alive:
+                return d
+            if i == 0:
+                memcpy(self.matched, running, nw * sizeof(uint64_t))
+            d += 1
+        for w in range(nw):
+            kept = running[w]
+            while kept:
+                self.depth[(w << 6) + ck_ctz64(kept)] = d
+                kept &= kept - 1
+        return d
+
+    cdef void _record(self, const uint8_t* hashes, size_t n_hashes, int rank,
+                      double now) noexcept nogil:
+        cdef size_t i, word = rank >> 6
+        cdef uint64_t bit = (<uint64_t>1) << (rank & 63)
+        cdef uint64_t h
+        cdef uint32_t e
+        while (self.lru_oldest != CK_NIL
+               and now - self.entries[self.lru_oldest].last_used > self.prefix_ttl):
+            self._delete(self.lru_oldest)
+        for i in range(n_hashes):
+            h = ck_load_le64(hashes + 8 * i)
+            e = self._lookup(h)
+            if e == CK_NIL:
+                if self.n_entries == self.max_entries:
+                    self._delete(self.lru_oldest)
+                e = self._insert(h)
+            else:
+                if now - self.entries[e].last_used > self.prefix_ttl:
+                    memset(self.masks + e * self.stride, 0, self.stride * sizeof(uint64_t))
+                self._unlink(e)
+            self.masks[e * self.stride + word] |= bit
+            self.entries[e].last_used = now
+            self._append(e)
+
+    # -- prefix table: open addressing over a pool, with an intrusive LRU list --
+
+    cdef inline uint64_t _home(self, uint64_t h) noexcept nogil:
+        # Fibonacci hashing: spreads even small test hashes over the slots.
+        return (h * CK_GOLDEN) >> self.slot_shift
+
+    cdef uint32_t _lookup(self, uint64_t h) noexcept nogil:
+        cdef uint64_t i = self._home(h)
+        cdef uint32_t s
+        while True:
+            s = self.slots[i]
+            if s == 0:
+                return CK_NIL
+            if self.entries[s - 1].hash == h:
+                return s - 1
+            i = (i + 1) & self.slot_mask
+
+    cdef uint32_t _insert(self, uint64_t h) noexcept nogil:
+        """A new entry for ``h`` with no ranks, in the slots but not yet in the LRU list."""
+        cdef uint32_t e
+        cdef uint64_t i = self._home(h)
+        if self.free_list != CK_NIL:
+            e = self.free_list
+            self.free_list = self.entries[e].older
+        else:
+            e = self.n_used
+            self.n_used += 1
+        self.entries[e].hash = h
+        memset(self.masks + e * self.stride, 0, self.stride * sizeof(uint64_t))
+        while self.slots[i]:
+            i = (i + 1) & self.slot_mask
+        self.slots[i] = e + 1
+        self.n_entries += 1
+        return e
+
+    cdef void _delete(self, uint32_t e) noexcept nogil:
+        cdef uint64_t i = self._home(self.entries[e].hash), j, k
+        cdef uint32_t s
+        self._unlink(e)
+        while self.slots[i] != e + 1:
+            i = (i + 1) & self.slot_mask
+        # Backward-shift deletion: pull each later entry of the probe run into
+        # the hole unless its home lies cyclically after the hole.
+        j = i
+        while True:
+            j = (j + 1) & self.slot_mask
+            s = self.slots[j]
+            if s == 0:
+                break
+            k = self._home(self.entries[s - 1].hash)
+            if ((j - k) & self.slot_mask) >= ((j - i) & self.slot_mask):
+                self.slots[i] = s
+                i = j
+        self.slots[i] = 0
+        self.entries[e].older = self.free_list
+        self.free_list = e
+        self.n_entries -= 1
+
+    cdef void _unlink(self, uint32_t e) noexcept nogil:
+        cdef uint32_t older = self.entries[e].older, newer = self.entries[e].newer
+        if older != CK_NIL:
+            self.entries[older].newer = newer
+        else:
+            self.lru_oldest = newer
+        if newer != CK_NIL:
+            self.entries[newer].older = older
+        else:
+            self.lru_newest = older
+
+    cdef void _append(self, uint32_t e) noexcept nogil:
+        self.entries[e].older = self.lru_newest
+        self.entries[e].newer = CK_NIL
+        if self.lru_newest != CK_NIL:
+            self.entries[self.lru_newest].newer = e
+        else:
+            self.lru_oldest = e
+        self.lru_newest = e
