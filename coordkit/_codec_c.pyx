@@ -1,0 +1,701 @@
+# cython: language_level=3, embedsignature=True
+"""The header codec, unrolled by hand over a byte pointer and a length.
+
+The twin of :mod:`coordkit._codec_py`: same functions, byte-identical results,
+:class:`~coordkit.protocol.ProtocolError` for the same inputs. The ``ck_*``
+functions are the C-level API declared in ``_codec_c.pxd`` for the Cython
+coordinator; the Python functions are thin wrappers over them, so the tests
+exercise the code the coordinator runs.
+
+Every read goes through the bounds-checked cursor of ``_cursor.h``, and every
+length read from the data is checked against the bytes left before it is used.
+"""
+
+from cpython.bool cimport PyBool_Check
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer
+from cpython.bytes cimport (
+    PyBytes_AS_STRING,
+    PyBytes_CheckExact,
+    PyBytes_FromStringAndSize,
+    PyBytes_GET_SIZE,
+)
+from cpython.list cimport PyList_Check, PyList_New, PyList_SET_ITEM
+from cpython.long cimport (
+    PyLong_AsLongLongAndOverflow,
+    PyLong_AsUnsignedLongLong,
+    PyLong_Check,
+    PyLong_FromLongLong,
+    PyLong_FromUnsignedLongLong,
+)
+from cpython.ref cimport Py_INCREF
+from cpython.sequence cimport PySequence_Fast_GET_ITEM, PySequence_Fast_GET_SIZE
+from cpython.tuple cimport PyTuple_Check
+from libc.stdint cimport (
+    INT32_MIN,
+    INT64_MAX,
+    UINT32_MAX,
+    int8_t,
+    int16_t,
+    int32_t,
+    uint16_t,
+    uint64_t,
+)
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memcpy
+
+from coordkit.protocol import ProtocolError
+
+cdef extern from "_cursor.h" nogil:
+    ctypedef struct ck_cursor:
+        const uint8_t* p
+        const uint8_t* end
+
+    uint16_t ck_load_be16(const uint8_t* p)
+    uint32_t ck_load_be32(const uint8_t* p)
+    uint64_t ck_load_be64(const uint8_t* p)
+    void ck_store_be16(uint8_t* p, uint16_t v)
+    void ck_store_be32(uint8_t* p, uint32_t v)
+    void ck_store_be64(uint8_t* p, uint64_t v)
+    size_t ck_left(const ck_cursor* c)
+    const uint8_t* ck_take(ck_cursor* c, size_t n)
+
+__all__ = [
+    "MAX_NESTING",
+    "read_header",
+    "read_submit",
+    "rewrite_submit",
+    "read_reply",
+    "write_header",
+    "write_header_int",
+    "encode",
+    "decode",
+]
+
+cdef enum:
+    _MAX_NESTING = 512
+    # msgpack's unpacker refuses a container opened this deep; the skip of
+    # read_submit does the same, so it accepts exactly what Unpacker.skip does.
+    _SKIP_DEPTH = 1024
+    _ENGINE_REPLY = 21
+    _ENGINE_REPLY_PARTIAL = 22
+    # read_reply takes batches up to this size without a heap allocation.
+    _LOCAL_ENTRIES = 64
+
+#: encode and decode refuse arrays nested deeper than this.
+MAX_NESTING = _MAX_NESTING
+
+cdef const char* ck_strstatus(int status) noexcept nogil:
+    if status == CK_OK:
+        return "ok"
+    if status == CK_TRUNCATED:
+        return "truncated"
+    if status == CK_BAD_TYPE:
+        return "unexpected type"
+    if status == CK_TRAILING:
+        return "trailing bytes"
+    if status == CK_RANGE:
+        return "int out of int64 range"
+    if status == CK_TOO_MANY:
+        return "more entries than the buffer holds"
+    if status == CK_RID_RANGE:
+        return "request id out of range"
+    if status == CK_BAD_LENGTH:
+        return "array of the wrong length"
+    if status == CK_BAD_HEADER:
+        return "not an engine reply header"
+    if status == CK_RESERVED:
+        return "reserved byte 0xc1"
+    if status == CK_TOO_DEEP:
+        return "nested too deep"
+    return "unknown status"
+
+
+# -- reading -----------------------------------------------------------------
+
+cdef inline int _read_array(ck_cursor* c, uint32_t* length) noexcept nogil:
+    cdef const uint8_t* p = ck_take(c, 1)
+    if p == NULL:
+        return CK_TRUNCATED
+    cdef uint8_t b = p[0]
+    if (b & 0xf0) == 0x90:
+        length[0] = b & 0x0f
+        return CK_OK
+    if b == 0xdc:
+        p = ck_take(c, 2)
+        if p == NULL:
+            return CK_TRUNCATED
+        length[0] = ck_load_be16(p)
+        return CK_OK
+    if b == 0xdd:
+        p = ck_take(c, 4)
+        if p == NULL:
+            return CK_TRUNCATED
+        length[0] = ck_load_be32(p)
+        return CK_OK
+    return CK_BAD_TYPE
+
+
+cdef inline int _read_int(ck_cursor* c, int64_t* value) noexcept nogil:
+    """Any msgpack int. A uint64 above INT64_MAX gives CK_RANGE, with its bits in *value."""
+    cdef const uint8_t* p = ck_take(c, 1)
+    if p == NULL:
+        return CK_TRUNCATED
+    cdef uint8_t b = p[0]
+    cdef uint64_t u
+    if b < 0x80 or b >= 0xe0:
+        # positive and negative fixint: the byte is the value as an int8
+        value[0] = <int8_t>b
+        return CK_OK
+    if b < 0xcc or b > 0xd3:
+        return CK_BAD_TYPE
+    # uint8-64 (0xcc-0xcf) and int8-64 (0xd0-0xd3): the low two bits give the width
+    p = ck_take(c, <size_t>1 << (b & 3))
+    if p == NULL:
+        return CK_TRUNCATED
+    if b == 0xcc:
+        value[0] = p[0]
+    elif b == 0xcd:
+        value[0] = ck_load_be16(p)
+    elif b == 0xce:
+        value[0] = ck_load_be32(p)
+    elif b == 0xcf:
+        u = ck_load_be64(p)
+        value[0] = <int64_t>u
+        if u > <uint64_t>INT64_MAX:
+            return CK_RANGE
+    elif b == 0xd0:
+        value[0] = <int8_t>p[0]
+    elif b == 0xd1:
+        value[0] = <int16_t>ck_load_be16(p)
+    elif b == 0xd2:
+        value[0] = <int32_t>ck_load_be32(p)
+    else:
+        value[0] = <int64_t>ck_load_be64(p)
+    return CK_OK
+
+
+cdef int _skip(ck_cursor* c, size_t count) noexcept nogil:
+    """Skip `count` whole objects of any type, iteratively.
+
+    pending[d] counts the objects still to skip inside the d-th open
+    container (pending[0] those asked for); a container pushes its element
+    count, and nothing is ever recursed into.
+    """
+    cdef size_t pending[_SKIP_DEPTH + 1]
+    cdef size_t depth = 0
+    cdef size_t size            # bytes to jump over (str, bin, ext, float, int)
+    cdef size_t width           # bytes of the length before them
+    cdef uint64_t elements      # objects in a container (twice the pairs of a map)
+    cdef const uint8_t* p
+    cdef uint8_t b
+    # every object takes at least one byte
+    if count > ck_left(c):
+        return CK_TRUNCATED
+    pending[0] = count
+    while True:
+        while pending[depth] == 0:
+            if depth == 0:
+                return CK_OK
+            depth -= 1
+        pending[depth] -= 1
+        p = ck_take(c, 1)
+        if p == NULL:
+            return CK_TRUNCATED
+        b = p[0]
+        if b < 0x80 or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3:
+            continue
+        if b < 0x90:
+            elements = 2 * <uint64_t>(b & 0x0f)
+        elif b < 0xa0:
+            elements = b & 0x0f
+        elif b < 0xc0:
+            if ck_take(c, b & 0x1f) == NULL:
+                return CK_TRUNCATED
+            continue
+        elif b == 0xc1:
+            return CK_RESERVED
+        elif b == 0xdc or b == 0xdd or b == 0xde or b == 0xdf:
+            p = ck_take(c, 2 if b == 0xdc or b == 0xde else 4)
+            if p == NULL:
+                return CK_TRUNCATED
+            elements = ck_load_be16(p) if b == 0xdc or b == 0xde else ck_load_be32(p)
+            if b >= 0xde:
+                elements *= 2
+        else:
+            # the rest: a fixed size, or a big-endian length `width` bytes long
+            # followed by that many bytes (and ext's type byte)
+            width = 0
+            size = 0
+            if b == 0xc4 or b == 0xd9:      # bin8, str8
+                width = 1
+            elif b == 0xc5 or b == 0xda:    # bin16, str16
+                width = 2
+            elif b == 0xc6 or b == 0xdb:    # bin32, str32
+                width = 4
+            elif b <= 0xc9:                 # ext8, ext16, ext32
+                width = <size_t>1 << (b - 0xc7)
+                size = 1
+            elif b == 0xca:                 # float32
+                size = 4
+            elif b == 0xcb:                 # float64
+                size = 8
+            elif b <= 0xd3:                 # uint8-64, int8-64
+                size = <size_t>1 << (b & 3)
+            else:                           # fixext 1-16 (0xd4-0xd8), after a type byte
+                size = 1 + (<size_t>1 << (b - 0xd4))
+            if width:
+                p = ck_take(c, width)
+                if p == NULL:
+                    return CK_TRUNCATED
+                size += p[0] if width == 1 else ck_load_be16(p) if width == 2 else ck_load_be32(p)
+            if ck_take(c, size) == NULL:
+                return CK_TRUNCATED
+            continue
+        # a container, empty or not, may not open deeper than msgpack's stack
+        if depth == _SKIP_DEPTH:
+            return CK_TOO_DEEP
+        if elements > ck_left(c):
+            return CK_TRUNCATED
+        if elements:
+            depth += 1
+            pending[depth] = <size_t>elements
+
+
+cdef int ck_read_header(const uint8_t* buf, size_t n, int64_t* header, uint32_t* length,
+                        size_t* end) noexcept nogil:
+    cdef ck_cursor c
+    c.p = buf
+    c.end = buf + n
+    cdef int status = _read_array(&c, length)
+    if status != CK_OK:
+        return status
+    if length[0] == 0:
+        return CK_BAD_LENGTH
+    status = _read_int(&c, header)
+    if status != CK_OK:
+        return status
+    end[0] = <size_t>(c.p - buf)
+    return CK_OK
+
+
+cdef int ck_read_submit(const uint8_t* buf, size_t n, ck_submit* out) noexcept nogil:
+    cdef ck_cursor c
+    c.p = buf
+    c.end = buf + n
+    out.offset = 0
+    cdef int status = _read_array(&c, &out.length)
+    if status != CK_OK:
+        return status
+    if out.length < 2:
+        return CK_BAD_LENGTH
+    status = _read_int(&c, &out.header)
+    if status != CK_OK:
+        return status
+    status = _read_int(&c, &out.rid)
+    if status != CK_OK:
+        return CK_RID_RANGE if status == CK_RANGE else status
+    out.offset = <size_t>(c.p - buf)
+    status = _skip(&c, out.length - 2)
+    if status != CK_OK:
+        return status
+    if c.p != c.end:
+        return CK_TRAILING
+    return CK_OK
+
+
+cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* entries,
+                       uint32_t capacity, uint32_t* count) noexcept nogil:
+    cdef ck_cursor c
+    c.p = buf
+    c.end = buf + n
+    cdef uint32_t length, i
+    cdef int64_t rid
+    cdef const uint8_t* p
+    cdef bint flag = False
+    count[0] = 0
+    cdef int status = _read_array(&c, &length)
+    if status != CK_OK:
+        return status
+    if length != 2:
+        return CK_BAD_LENGTH
+    status = _read_int(&c, header)
+    if status != CK_OK:
+        return status
+    if header[0] != _ENGINE_REPLY and header[0] != _ENGINE_REPLY_PARTIAL:
+        return CK_BAD_HEADER
+    status = _read_array(&c, &length)
+    if status != CK_OK:
+        return status
+    if length > ck_left(&c):
+        return CK_TRUNCATED
+    cdef bint full = header[0] == _ENGINE_REPLY
+    cdef uint32_t pair
+    for i in range(length):
+        if full:
+            status = _read_array(&c, &pair)
+            if status != CK_OK:
+                return status
+            if pair != 2:
+                return CK_BAD_LENGTH
+        status = _read_int(&c, &rid)
+        if status != CK_OK:
+            return CK_RID_RANGE if status == CK_RANGE else status
+        if full:
+            p = ck_take(&c, 1)
+            if p == NULL:
+                return CK_TRUNCATED
+            if p[0] != 0xc2 and p[0] != 0xc3:
+                return CK_BAD_TYPE
+            flag = p[0] == 0xc3
+        if i < capacity:
+            entries[i].rid = rid
+            entries[i].needs_detokenize = flag
+    if c.p != c.end:
+        return CK_TRAILING
+    count[0] = length
+    return CK_TOO_MANY if length > capacity else CK_OK
+
+
+# -- writing -----------------------------------------------------------------
+
+cdef inline size_t _write_int(uint8_t* out, int64_t v) noexcept nogil:
+    """v in the smallest form, the one msgpack.packb chooses."""
+    if v >= 0:
+        if v < 0x80:
+            out[0] = <uint8_t>v
+            return 1
+        if v <= 0xff:
+            out[0] = 0xcc
+            out[1] = <uint8_t>v
+            return 2
+        if v <= 0xffff:
+            out[0] = 0xcd
+            ck_store_be16(out + 1, <uint16_t>v)
+            return 3
+        if v <= UINT32_MAX:
+            out[0] = 0xce
+            ck_store_be32(out + 1, <uint32_t>v)
+            return 5
+        out[0] = 0xcf
+        ck_store_be64(out + 1, <uint64_t>v)
+        return 9
+    if v >= -32:
+        out[0] = <uint8_t>v     # negative fixint, 0xe0-0xff
+        return 1
+    if v >= -0x80:
+        out[0] = 0xd0
+        out[1] = <uint8_t>v
+        return 2
+    if v >= -0x8000:
+        out[0] = 0xd1
+        ck_store_be16(out + 1, <uint16_t>v)
+        return 3
+    if v >= INT32_MIN:
+        out[0] = 0xd2
+        ck_store_be32(out + 1, <uint32_t>v)
+        return 5
+    out[0] = 0xd3
+    ck_store_be64(out + 1, <uint64_t>v)
+    return 9
+
+
+cdef inline size_t _write_array(uint8_t* out, uint32_t length) noexcept nogil:
+    if length < 16:
+        out[0] = 0x90 | length
+        return 1
+    if length <= 0xffff:
+        out[0] = 0xdc
+        ck_store_be16(out + 1, <uint16_t>length)
+        return 3
+    out[0] = 0xdd
+    ck_store_be32(out + 1, length)
+    return 5
+
+
+cdef inline size_t _write_prefix(uint8_t* out, const ck_submit* prefix, int64_t rid) noexcept nogil:
+    cdef size_t n = _write_array(out, prefix.length)
+    n += _write_int(out + n, prefix.header)
+    return n + _write_int(out + n, rid)
+
+
+cdef size_t ck_submit_size(const ck_submit* prefix, int64_t rid, size_t rest_len) noexcept nogil:
+    # written, not computed, so it cannot drift from what ck_write_submit writes
+    cdef uint8_t scratch[CK_SUBMIT_PREFIX_MAX]
+    return _write_prefix(scratch, prefix, rid) + rest_len
+
+
+cdef size_t ck_write_submit(uint8_t* out, const ck_submit* prefix, int64_t rid,
+                            const uint8_t* rest, size_t rest_len) noexcept nogil:
+    cdef size_t n = _write_prefix(out, prefix, rid)
+    memcpy(out + n, rest, rest_len)
+    return n + rest_len
+
+
+cdef size_t ck_write_header_int(uint8_t* out, int64_t header, int64_t value) noexcept nogil:
+    out[0] = 0x92
+    cdef size_t n = 1 + _write_int(out + 1, header)
+    return n + _write_int(out + n, value)
+
+
+cdef size_t ck_write_header(uint8_t* out, int64_t header) noexcept nogil:
+    out[0] = 0x91
+    return 1 + _write_int(out + 1, header)
+
+
+# -- the Python API ----------------------------------------------------------
+
+cdef inline int _acquire(object frame, Py_buffer* view) except -1:
+    # bytes, the common case, skips the lookup of its buffer slot
+    if PyBytes_CheckExact(frame):
+        return PyBuffer_FillInfo(
+            view, frame, PyBytes_AS_STRING(frame), PyBytes_GET_SIZE(frame), 1, PyBUF_SIMPLE
+        )
+    return PyObject_GetBuffer(frame, view, PyBUF_SIMPLE)
+
+
+cdef object _error(str what, int status, object rid=None):
+    return ProtocolError(f"{what}: {ck_strstatus(status).decode()}", rid)
+
+
+cdef inline int64_t _int64_arg(object value) except? -1:
+    # stricter than Cython's own int64_t conversion, which truncates floats
+    cdef int overflow
+    if not PyLong_Check(value) or PyBool_Check(value):
+        raise TypeError(f"expected an int, got {type(value).__name__}")
+    cdef long long v = PyLong_AsLongLongAndOverflow(value, &overflow)
+    if overflow:
+        raise OverflowError(f"{value} does not fit int64")
+    return v
+
+
+def read_header(frame) -> tuple[int, int, int]:
+    """``(header, length, end)`` of a metadata frame ``[header, ...]``.
+
+    ``end`` is the offset just after the header int; nothing after it is read.
+    """
+    cdef Py_buffer view
+    cdef int64_t header
+    cdef uint32_t length
+    cdef size_t end
+    _acquire(frame, &view)
+    cdef int status = ck_read_header(<const uint8_t*>view.buf, view.len, &header, &length, &end)
+    PyBuffer_Release(&view)
+    if status != CK_OK:
+        raise _error("malformed metadata frame", status)
+    return header, length, end
+
+
+def read_submit(frame) -> tuple[int, int, int, int]:
+    """``(header, length, rid, offset)`` of ``[header, rid, *rest]``, validated whole.
+
+    ``rest`` may hold any msgpack objects; ``offset`` is where they start.
+    A fault after the rid raises ProtocolError with ``rid`` set.
+    """
+    cdef Py_buffer view
+    cdef ck_submit s
+    _acquire(frame, &view)
+    cdef int status = ck_read_submit(<const uint8_t*>view.buf, view.len, &s)
+    PyBuffer_Release(&view)
+    if status != CK_OK:
+        raise _error("malformed metadata frame", status, s.rid if s.offset else None)
+    return s.header, s.length, s.rid, s.offset
+
+
+def rewrite_submit(frame, rid) -> bytes:
+    """``frame``, validated as by read_submit, with its request id replaced by ``rid``."""
+    cdef int64_t new_rid = _int64_arg(rid)
+    cdef Py_buffer view
+    cdef ck_submit s
+    _acquire(frame, &view)
+    cdef const uint8_t* buf = <const uint8_t*>view.buf
+    cdef int status = ck_read_submit(buf, view.len, &s)
+    if status != CK_OK:
+        PyBuffer_Release(&view)
+        raise _error("malformed metadata frame", status, s.rid if s.offset else None)
+    cdef size_t rest_len = view.len - s.offset
+    try:
+        out = PyBytes_FromStringAndSize(NULL, ck_submit_size(&s, new_rid, rest_len))
+        ck_write_submit(<uint8_t*>PyBytes_AS_STRING(out), &s, new_rid, buf + s.offset, rest_len)
+    finally:
+        PyBuffer_Release(&view)
+    return out
+
+
+def read_reply(frame) -> tuple[int, list[tuple[int, bool]]]:
+    """``(header, [(rid, needs_detokenize), ...])`` of an engine's batch.
+
+    ``[21, [[rid, needs_detokenize], ...]]`` or ``[22, [rid, ...]]``, whose
+    entries come back as ``(rid, False)``.
+    """
+    cdef Py_buffer view
+    cdef ck_entry local[_LOCAL_ENTRIES]
+    cdef ck_entry* entries = local
+    cdef int64_t header
+    cdef uint32_t count, i
+    _acquire(frame, &view)
+    cdef const uint8_t* buf = <const uint8_t*>view.buf
+    cdef int status = ck_read_reply(buf, view.len, &header, local, _LOCAL_ENTRIES, &count)
+    if status == CK_TOO_MANY:
+        entries = <ck_entry*>malloc(count * sizeof(ck_entry))
+        if entries == NULL:
+            PyBuffer_Release(&view)
+            raise MemoryError()
+        status = ck_read_reply(buf, view.len, &header, entries, count, &count)
+    PyBuffer_Release(&view)
+    try:
+        if status != CK_OK:
+            raise _error("malformed engine reply", status)
+        return header, [(entries[i].rid, entries[i].needs_detokenize) for i in range(count)]
+    finally:
+        if entries != local:
+            free(entries)
+
+
+def write_header(header) -> bytes:
+    """``msgpack.packb([header])``."""
+    cdef uint8_t out[CK_HEADER_MAX]
+    cdef size_t n = ck_write_header(out, _int64_arg(header))
+    return PyBytes_FromStringAndSize(<char*>out, n)
+
+
+def write_header_int(header, value) -> bytes:
+    """``msgpack.packb([header, value])``."""
+    cdef uint8_t out[CK_HEADER_INT_MAX]
+    cdef size_t n = ck_write_header_int(out, _int64_arg(header), _int64_arg(value))
+    return PyBytes_FromStringAndSize(<char*>out, n)
+
+
+# -- encode and decode: None, bool, int and arrays of them --------------------
+
+cdef struct _Writer:
+    uint8_t* buf
+    size_t len
+    size_t cap
+    uint8_t local[256]
+
+
+cdef int _grow(_Writer* w, size_t need) except -1:
+    cdef size_t cap = max(2 * w.cap, w.len + need)
+    cdef uint8_t* buf
+    if w.buf == w.local:
+        buf = <uint8_t*>malloc(cap)
+        if buf != NULL:
+            memcpy(buf, w.local, w.len)
+    else:
+        buf = <uint8_t*>realloc(w.buf, cap)
+    if buf == NULL:
+        raise MemoryError()
+    w.buf = buf
+    w.cap = cap
+    return 0
+
+
+cdef int _encode(_Writer* w, object obj, int level) except -1:
+    cdef int overflow
+    cdef long long v
+    cdef Py_ssize_t i, size
+    # the largest single write: a uint64 or an array32 header
+    if w.cap - w.len < 9:
+        _grow(w, 9)
+    cdef uint8_t* out = w.buf + w.len
+    if obj is None:
+        out[0] = 0xc0
+        w.len += 1
+    elif obj is True:
+        out[0] = 0xc3
+        w.len += 1
+    elif obj is False:
+        out[0] = 0xc2
+        w.len += 1
+    elif PyLong_Check(obj):
+        v = PyLong_AsLongLongAndOverflow(obj, &overflow)
+        if overflow == 0:
+            w.len += _write_int(out, v)
+        elif overflow > 0:
+            try:
+                out[0] = 0xcf
+                ck_store_be64(out + 1, PyLong_AsUnsignedLongLong(obj))
+            except OverflowError:
+                raise ProtocolError(f"encode: {obj} is out of range") from None
+            w.len += 9
+        else:
+            raise ProtocolError(f"encode: {obj} is out of range")
+    elif PyList_Check(obj) or PyTuple_Check(obj):
+        if level >= _MAX_NESTING:
+            raise ProtocolError("encode: nested too deep")
+        size = PySequence_Fast_GET_SIZE(obj)
+        if size > UINT32_MAX:
+            raise ProtocolError("encode: array too long")
+        w.len += _write_array(out, <uint32_t>size)
+        # no Python code runs below (int subclasses convert without calls),
+        # so the sequence cannot change size under the loop
+        for i in range(size):
+            _encode(w, <object>PySequence_Fast_GET_ITEM(obj, i), level + 1)
+    else:
+        raise ProtocolError(f"encode: unsupported type {type(obj).__name__}")
+    return 0
+
+
+def encode(obj) -> bytes:
+    """``msgpack.packb(obj)`` for None, bool, int (-2**63 .. 2**64-1) and lists
+    or tuples of them, nested at most MAX_NESTING deep; ProtocolError otherwise."""
+    cdef _Writer w
+    w.buf = w.local
+    w.len = 0
+    w.cap = sizeof(w.local)
+    try:
+        _encode(&w, obj, 0)
+        return PyBytes_FromStringAndSize(<char*>w.buf, w.len)
+    finally:
+        if w.buf != w.local:
+            free(w.buf)
+
+
+cdef object _decode(ck_cursor* c, int level):
+    cdef int64_t v
+    cdef uint32_t length, i
+    cdef int status
+    if ck_left(c) == 0:
+        raise _error("decode", CK_TRUNCATED)
+    cdef uint8_t b = c.p[0]
+    if b == 0xc0 or b == 0xc2 or b == 0xc3:
+        c.p += 1
+        return None if b == 0xc0 else b == 0xc3
+    if (b & 0xf0) == 0x90 or b == 0xdc or b == 0xdd:
+        status = _read_array(c, &length)
+        if status == CK_OK and level >= _MAX_NESTING:
+            status = CK_TOO_DEEP
+        # every element takes at least one byte: no list larger than the frame
+        if status == CK_OK and length > ck_left(c):
+            status = CK_TRUNCATED
+        if status != CK_OK:
+            raise _error("decode", status)
+        result = PyList_New(length)
+        for i in range(length):
+            item = _decode(c, level + 1)
+            Py_INCREF(item)
+            PyList_SET_ITEM(result, i, item)
+        return result
+    status = _read_int(c, &v)
+    if status == CK_OK:
+        return PyLong_FromLongLong(v)
+    if status == CK_RANGE:
+        return PyLong_FromUnsignedLongLong(<uint64_t>v)
+    raise _error("decode", status)
+
+
+def decode(frame) -> object:
+    """``msgpack.unpackb(frame)`` for the types encode writes; ProtocolError for
+    anything else, for trailing bytes and for arrays nested deeper than MAX_NESTING."""
+    cdef Py_buffer view
+    cdef ck_cursor c
+    _acquire(frame, &view)
+    c.p = <const uint8_t*>view.buf
+    c.end = c.p + view.len
+    try:
+        result = _decode(&c, 0)
+        if c.p != c.end:
+            raise _error("decode", CK_TRAILING)
+        return result
+    finally:
+        PyBuffer_Release(&view)
