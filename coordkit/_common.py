@@ -17,7 +17,6 @@ from .protocol import Buffer, ErrorCode, Header, packb, unpackb
 
 logger = logging.getLogger("coordkit")
 
-POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix")
 
 #: Frames in one message beyond which it is dropped as malformed (a batch of
 #: that many replies is far beyond any engine step).
@@ -142,7 +141,6 @@ class RateLimitedLog:
 
 def check_options(
     *,
-    policy: str,
     max_inflight: int,
     max_inflight_per_engine: int,
     heartbeat_timeout: float,
@@ -151,8 +149,6 @@ def check_options(
     max_clients: int,
     max_engines: int,
 ) -> None:
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     if not 1 <= max_inflight <= 1 << 30:
         raise ValueError("max_inflight must be between 1 and 2**30")
     if max_inflight_per_engine < 0:

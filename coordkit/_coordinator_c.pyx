@@ -417,7 +417,6 @@ cdef class Coordinator:
         context=None,
     ):
         check_options(
-            policy=policy,
             max_inflight=max_inflight,
             max_inflight_per_engine=max_inflight_per_engine,
             heartbeat_timeout=heartbeat_timeout,

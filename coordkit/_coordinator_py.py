@@ -129,7 +129,6 @@ class Coordinator:
         context: zmq.Context | None = None,
     ):
         check_options(
-            policy=policy,
             max_inflight=max_inflight,
             max_inflight_per_engine=max_inflight_per_engine,
             heartbeat_timeout=heartbeat_timeout,

@@ -32,7 +32,7 @@ from typing import Any
 
 import coordkit
 
-from ._common import POLICIES
+from ._routing_py import POLICIES
 from .client import Client, CoordinatorError
 
 __all__ = ["main"]
