@@ -17,6 +17,7 @@ import importlib
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ import coordkit
 
 from ._routing_py import POLICIES
 from .client import Client, CoordinatorError
+from .engine import DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
 
 __all__ = ["main"]
 
@@ -86,6 +88,34 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--concurrency", type=_positive_int, default=64, metavar="N")
     demo.add_argument("--latency", type=float, default=0.0, metavar="S", help="per engine step")
     demo.add_argument("--stream", action="store_true", help="stream partial replies")
+    demo.add_argument(
+        "--shared-prefixes",
+        type=_positive_int,
+        metavar="N",
+        help=f"each prompt: one of N shared system prompts, then {_SUFFIX_TOKENS} unique tokens",
+    )
+    demo.add_argument(
+        "--prefix-tokens", type=_positive_int, default=512, metavar="N", help="per shared prompt"
+    )
+    demo.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=DEFAULT_PREFIX_BLOCK_SIZE,
+        metavar="N",
+        help="tokens per block, for the prefix hashes and the engines' prefix caches",
+    )
+    demo.add_argument(
+        "--cache-blocks",
+        type=_positive_int,
+        default=DEFAULT_CACHE_BLOCKS,
+        metavar="N",
+        help="each engine's prefix cache capacity",
+    )
+    demo.add_argument(
+        "--compare-policies",
+        action="store_true",
+        help=f"run {' then '.join(_COMPARED_POLICIES)} and show both (ignores --policy)",
+    )
 
     stats = commands.add_parser("stats", help="print a coordinator's stats as JSON")
     stats.set_defaults(command=_stats)
@@ -196,14 +226,21 @@ def _stats(args: argparse.Namespace) -> int:
 
 # -- demo ------------------------------------------------------------------------------
 
+_COMPARED_POLICIES = ("least_loaded", "prefix")
+_SUFFIX_TOKENS = 32  # the unique part of a shared-prefix prompt: a short user turn
+_WORKLOAD_SEED = 0  # every run draws the same prefixes in the same order
+
 
 @dataclass
 class _Results:
     latencies: list[float] = field(default_factory=list)
     ranks: Counter[int] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
+    cached_blocks: int = 0
+    prompt_blocks: int = 0
     start: float = 0.0
     end: float = 0.0
+    interrupted: bool = False
 
 
 class _Progress:
@@ -235,27 +272,62 @@ class _Progress:
 
 def _demo(args: argparse.Namespace) -> int:
     impl = _load(args.implementation)
-    results = _Results()
-    interrupted = False
+    policies = _COMPARED_POLICIES if args.compare_policies else (args.policy,)
+    prompt = _workload(args)
+    runs: dict[str, _Results] = {}
+    for policy in policies:
+        runs[policy] = results = _Results()
+        try:
+            _run_cluster(impl, policy, prompt, args, results)
+        except (ConnectionError, TimeoutError) as exc:
+            print(f"coordkit demo: {exc}", file=sys.stderr)
+            return 1
+        if results.interrupted:
+            break
+    _print_results(args, impl.name, runs)
+    return 0
+
+
+def _workload(args: argparse.Namespace) -> Callable[[int], list[int]]:
+    """Request ``i``'s prompt: the same in every run, so that runs compare."""
+    if args.shared_prefixes is None:
+        # A few distinct prompts, so that prefix routing has something to be affine to.
+        prompts = [[k * 1000 + j for j in range(args.prompt_tokens)] for k in range(8)]
+        return lambda i: prompts[i % len(prompts)]
+    count, length = args.shared_prefixes, args.prefix_tokens
+    prefixes = [list(range(k * length, (k + 1) * length)) for k in range(count)]
+    # Drawn at random, not in turn: least_loaded rotates over the ranks, so prefixes in
+    # turn could each land on one rank by accident, as if routed by prefix.
+    rng = random.Random(_WORKLOAD_SEED)
+    draws = [rng.randrange(count) for _ in range(args.requests)]
+    first_suffix = count * length  # suffix tokens never occur in a prefix or another suffix
+    return lambda i: prefixes[draws[i]] + list(
+        range(first_suffix + i * _SUFFIX_TOKENS, first_suffix + (i + 1) * _SUFFIX_TOKENS)
+    )
+
+
+def _run_cluster(
+    impl: SimpleNamespace,
+    policy: str,
+    prompt: Callable[[int], list[int]],
+    args: argparse.Namespace,
+    results: _Results,
+) -> None:
+    """Run the load on a cluster of its own, so that every run starts with cold caches."""
     with tempfile.TemporaryDirectory(prefix="coordkit-demo-") as tmp:
         address = f"ipc://{tmp}/coordinator.sock"
-        coord = impl.Coordinator(address, policy=args.policy)
+        coord = impl.Coordinator(address, policy=policy)
         coord.start()
         engines: list[subprocess.Popen[bytes]] = []
         try:
             engines += (_spawn_engine(address, rank, args) for rank in range(args.engines))
-            asyncio.run(_run_load(address, args, results, engines))
+            asyncio.run(_run_load(address, policy, prompt, args, results, engines))
         except KeyboardInterrupt:
-            interrupted = True
-        except (ConnectionError, TimeoutError) as exc:
-            print(f"coordkit demo: {exc}", file=sys.stderr)
-            return 1
+            results.interrupted = True
         finally:
             # Engines first, while the coordinator can still take their DISCONNECT.
             _stop_processes(engines)
             coord.stop()
-    _print_results(args, impl.name, results, interrupted)
-    return 0
 
 
 def _spawn_engine(address: str, rank: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
@@ -276,6 +348,10 @@ def _spawn_engine(address: str, rank: int, args: argparse.Namespace) -> subproce
         str(args.latency),
         "--output-tokens",
         str(args.output_tokens),
+        "--cache-blocks",
+        str(args.cache_blocks),
+        "--prefix-block-size",
+        str(args.block_size),
     ]
     # Its own session: Ctrl-C reaches only the demo, which then stops the engines itself.
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
@@ -295,13 +371,15 @@ def _stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
 
 async def _run_load(
     address: str,
+    policy: str,
+    prompt: Callable[[int], list[int]],
     args: argparse.Namespace,
     results: _Results,
     engines: list[subprocess.Popen[bytes]],
 ) -> None:
-    # A few distinct prompts, so that prefix routing has something to be affine to.
-    prompts = [[k * 1000 + j for j in range(args.prompt_tokens)] for k in range(8)]
-    block_size = 16 if args.policy == "prefix" else None
+    # With shared prefixes every policy gets the hashes, so that runs differ in routing only.
+    hashed = policy == "prefix" or args.shared_prefixes is not None
+    block_size = args.block_size if hashed else None
     async with await Client.connect(address, timeout=10.0) as client:
         try:
             await client.wait_for_engines(args.engines, timeout=30.0)
@@ -313,19 +391,21 @@ async def _run_load(
 
         async def worker() -> None:
             for i in indices:
-                prompt = prompts[i % len(prompts)]
+                tokens = prompt(i)
                 sent = time.perf_counter()
                 try:
                     if args.stream:
-                        stream = client.stream(prompt, block_size=block_size)
+                        stream = client.stream(tokens, block_size=block_size)
                         reply = [part async for part in stream][-1]
                     else:
-                        reply = await client.submit(prompt, block_size=block_size)
+                        reply = await client.submit(tokens, block_size=block_size)
                 except CoordinatorError as exc:
                     results.errors[getattr(exc.code, "name", str(exc.code))] += 1
                 else:
                     results.latencies.append(time.perf_counter() - sent)
                     results.ranks[reply["rank"]] += 1
+                    results.cached_blocks += reply.get("cached_blocks", 0)
+                    results.prompt_blocks += reply.get("prompt_blocks", 0)
                 progress.update()
                 results.end = time.perf_counter()
 
@@ -336,30 +416,57 @@ async def _run_load(
             progress.close()
 
 
-def _print_results(
-    args: argparse.Namespace, implementation: str, results: _Results, interrupted: bool
-) -> None:
+def _print_results(args: argparse.Namespace, implementation: str, runs: dict[str, _Results]) -> None:
+    """The results table, with one column of values per run (policy)."""
+    ranks = sorted({rank for results in runs.values() for rank in results.ranks})
+    columns = []
+    for policy, results in runs.items():
+        rows = _rows(args, implementation, policy, results)
+        rows.update((f"rank {rank}", str(results.ranks[rank])) for rank in ranks)
+        columns.append(rows)
+    name_width = max(16, *(len(name) + 2 for name in columns[0]))
+    value_width = max(len(value) for rows in columns for value in rows.values()) + 2
+    print("coordkit demo results")
+    for name in columns[0]:
+        *values, last = (rows[name] for rows in columns)
+        print(f"  {name:<{name_width}}" + "".join(f"{v:<{value_width}}" for v in values) + last)
+
+
+def _rows(
+    args: argparse.Namespace, implementation: str, policy: str, results: _Results
+) -> dict[str, str]:
     done = len(results.latencies)
     wall = max(results.end - results.start, 1e-9)
     latencies = sorted(results.latencies)
     errors = ", ".join(f"{n} {code}" for code, n in results.errors.items()) or "none"
-    rows = [
-        ("implementation", implementation),
-        ("policy", args.policy),
-        ("engines", str(args.engines)),
-        ("requests", f"{done} of {args.requests}" + (" (interrupted)" if interrupted else "")),
-        ("errors", errors),
-        ("prompt tokens", str(args.prompt_tokens)),
-        ("streaming", "yes" if args.stream else "no"),
-        ("wall time", f"{wall:.2f} s"),
-        ("requests/s", f"{done / wall:.0f}"),
-        ("latency p50", _percentile_ms(latencies, 50)),
-        ("latency p99", _percentile_ms(latencies, 99)),
-    ]
-    rows += [(f"rank {rank}", str(n)) for rank, n in sorted(results.ranks.items())]
-    print("coordkit demo results")
-    for name, value in rows:
-        print(f"  {name:<16}{value}")
+    shared = args.shared_prefixes is not None
+    rows = {
+        "implementation": implementation,
+        "policy": policy,
+        "engines": str(args.engines),
+        "requests": f"{done} of {args.requests}" + (" (interrupted)" if results.interrupted else ""),
+        "errors": errors,
+        "prompt tokens": str(args.prefix_tokens + _SUFFIX_TOKENS if shared else args.prompt_tokens),
+    }
+    if shared:
+        rows["shared prefixes"] = f"{args.shared_prefixes} of {args.prefix_tokens} tokens"
+    rows |= {
+        "streaming": "yes" if args.stream else "no",
+        "wall time": f"{wall:.2f} s",
+        "requests/s": f"{done / wall:.0f}",
+        "latency p50": _percentile_ms(latencies, 50),
+        "latency p99": _percentile_ms(latencies, 99),
+    }
+    if shared or args.compare_policies:
+        rows["prefix cache"] = f"{args.cache_blocks} blocks of {args.block_size} tokens per engine"
+        rows["prefix cache hit rate"] = _hit_rate(results)
+    return rows
+
+
+def _hit_rate(results: _Results) -> str:
+    if not results.prompt_blocks:
+        return "-"
+    return f"{100 * results.cached_blocks / results.prompt_blocks:.1f}% of prompt blocks"
 
 
 def _percentile_ms(ordered: list[float], p: float) -> str:

@@ -22,8 +22,10 @@ import argparse
 import logging
 import math
 import signal
+import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +33,8 @@ from typing import Any
 import zmq
 
 from . import protocol
-from .protocol import Header, ProtocolError, packb, unpackb
+from ._routing_py import block_hashes
+from .protocol import BLOCK_HASH_SIZE, Header, ProtocolError, packb, unpackb
 
 __all__ = ["Engine", "FakeEngine", "Request", "Abort", "ReleaseKV", "Control", "Event", "main"]
 
@@ -233,6 +236,11 @@ def _encode_body(body: Any) -> Any:
 
 RUNNING, PAUSED, SUSPENDED, STOPPED = "running", "paused", "suspended", "stopped"
 
+#: The simulated prefix cache's defaults: its capacity, and tokens per block (the
+#: ``block_size`` a client should hash with, so that routing and cache agree).
+DEFAULT_CACHE_BLOCKS = 4096
+DEFAULT_PREFIX_BLOCK_SIZE = 16
+
 _IDLE_WAIT = 0.1  # seconds an idle step waits for messages; bounds how late a stop_event is seen
 _STATE_AFTER = {
     Header.PAUSE: PAUSED,
@@ -249,6 +257,8 @@ class _Job:
     seed: int
     stream: bool
     detokenize: bool
+    blocks: list[bytes] | None  # the prompt's chained block hashes; None: not token ids
+    cached_blocks: int = 0  # leading blocks found in the prefix cache on admission
     tokens: list[int] = field(default_factory=list)
 
 
@@ -263,6 +273,14 @@ class FakeEngine(Engine):
     ``request_id`` (the server rid), ``rank``, ``status`` ("finished",
     "aborted", or "generating" in partials), ``generated_tokens``,
     ``logprobs`` (one per token) and ``generated_text`` (None).
+
+    A simulated prefix (KV) cache holds the chained hashes (see
+    :func:`coordkit._routing_py.block_hashes`) of up to ``cache_blocks``
+    prompt blocks of ``prefix_block_size`` tokens, least recently used
+    evicted first. When a request with a token-id prompt is admitted, its
+    leading blocks already cached (up to the first miss) are its hits, and
+    then all its blocks are cached. Its bodies add ``cached_blocks`` (the
+    hits) and ``prompt_blocks`` (its full blocks); other prompts get neither.
 
     Requests whose sampling params have ``"stream": True`` get one
     ENGINE_REPLY_PARTIAL per step with the tokens so far before their final;
@@ -283,12 +301,16 @@ class FakeEngine(Engine):
         max_batch: int = 64,
         output_tokens: int = 8,
         vocab_size: int = 32000,
+        cache_blocks: int = DEFAULT_CACHE_BLOCKS,
+        prefix_block_size: int = DEFAULT_PREFIX_BLOCK_SIZE,
         heartbeat_interval: float | None = 1.0,
         identity: bytes | str | None = None,
         context: zmq.Context | None = None,
     ):
-        if output_tokens < 1 or max_batch < 1:
-            raise ValueError("output_tokens and max_batch must be at least 1")
+        if min(output_tokens, max_batch, cache_blocks, prefix_block_size) < 1:
+            raise ValueError(
+                "output_tokens, max_batch, cache_blocks and prefix_block_size must be at least 1"
+            )
         super().__init__(
             address,
             rank,
@@ -301,10 +323,13 @@ class FakeEngine(Engine):
         self.max_batch = max_batch
         self.output_tokens = output_tokens
         self.vocab_size = vocab_size
+        self.cache_blocks = cache_blocks
+        self.prefix_block_size = prefix_block_size
         self.state = RUNNING
         self.epoch: int | None = None
         self._waiting: dict[int, _Job] = {}  # dicts: arrival order and O(1) removal on abort
         self._active: dict[int, _Job] = {}
+        self._prefix_cache: OrderedDict[bytes, None] = OrderedDict()  # block hashes, LRU first
 
     @staticmethod
     def generate(prompt: Sequence[int] | str | bytes, n: int, vocab_size: int = 32000) -> list[int]:
@@ -344,11 +369,13 @@ class FakeEngine(Engine):
         for event in events:
             if isinstance(event, Request):
                 params = event.sampling_params if isinstance(event.sampling_params, dict) else {}
+                prompt = _decode_prompt(event.prompt)
                 self._waiting[event.server_rid] = _Job(
                     event.server_rid,
-                    _seed(_decode_prompt(event.prompt)),
+                    _seed(prompt),
                     bool(params.get("stream")),
                     bool(params.get("detokenize")),
+                    self._blocks(prompt),
                 )
             elif isinstance(event, Abort):
                 rid = event.server_rid
@@ -364,7 +391,8 @@ class FakeEngine(Engine):
     def _advance(self) -> None:
         while self._waiting and len(self._active) < self.max_batch:
             rid = next(iter(self._waiting))
-            self._active[rid] = self._waiting.pop(rid)
+            self._active[rid] = job = self._waiting.pop(rid)
+            self._prefill(job)
         partial, finished = [], []
         for job in self._active.values():
             job.tokens.append((job.seed * 31 + len(job.tokens)) % self.vocab_size)
@@ -377,6 +405,31 @@ class FakeEngine(Engine):
         self.reply_partial((job.server_rid, self._body(job, "generating")) for job in partial)
         self._finish(finished, "finished")
 
+    def _blocks(self, prompt: list[int] | str | bytes) -> list[bytes] | None:
+        """The prompt's chained block hashes, as a client computes them; None if not token ids."""
+        if not isinstance(prompt, list):
+            return None
+        try:
+            frame = block_hashes(prompt, self.prefix_block_size)
+        except struct.error:  # ids outside u32 have no block hashes (a client cannot send them)
+            return None
+        return [frame[i : i + BLOCK_HASH_SIZE] for i in range(0, len(frame), BLOCK_HASH_SIZE)]
+
+    def _prefill(self, job: _Job) -> None:
+        """Count the job's leading cached blocks, then cache all of its blocks."""
+        if job.blocks is None:
+            return
+        cache = self._prefix_cache
+        # A prefix cache reuses KV only up to the first missing block.
+        job.cached_blocks = next(
+            (i for i, block in enumerate(job.blocks) if block not in cache), len(job.blocks)
+        )
+        for block in job.blocks:
+            cache[block] = None
+            cache.move_to_end(block)
+        while len(cache) > self.cache_blocks:
+            cache.popitem(last=False)
+
     def _abort_all(self) -> None:
         jobs = [*self._active.values(), *self._waiting.values()]
         self._active.clear()
@@ -387,7 +440,7 @@ class FakeEngine(Engine):
         self.reply((job.server_rid, self._body(job, status), job.detokenize) for job in jobs)
 
     def _body(self, job: _Job, status: str) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "request_id": job.server_rid,
             "rank": self.rank,
             "status": status,
@@ -395,6 +448,10 @@ class FakeEngine(Engine):
             "logprobs": [-((t % 1000) + 1) / 1000 for t in job.tokens],
             "generated_text": None,
         }
+        if job.blocks is not None:
+            body["cached_blocks"] = job.cached_blocks
+            body["prompt_blocks"] = len(job.blocks)
+        return body
 
 
 def _decode_prompt(frame: zmq.Frame) -> list[int] | str | bytes:
@@ -425,6 +482,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="max requests per step")
     parser.add_argument("--output-tokens", type=int, default=8, help="tokens per request")
     parser.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=DEFAULT_CACHE_BLOCKS,
+        help="prefix cache capacity in blocks",
+    )
+    parser.add_argument(
+        "--prefix-block-size",
+        type=int,
+        default=DEFAULT_PREFIX_BLOCK_SIZE,
+        help="tokens per prefix cache block (the clients' block_size)",
+    )
+    parser.add_argument(
         "--heartbeat", type=float, default=1.0, help="seconds between heartbeats (0: none)"
     )
     args = parser.parse_args(argv)
@@ -437,6 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         latency=args.latency,
         max_batch=args.batch,
         output_tokens=args.output_tokens,
+        cache_blocks=args.cache_blocks,
+        prefix_block_size=args.prefix_block_size,
         heartbeat_interval=args.heartbeat or None,
     ) as engine:
         engine.run(stop)
