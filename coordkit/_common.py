@@ -8,10 +8,13 @@ option checks) live here once.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from enum import IntEnum
 from typing import Any
+
+import zmq
 
 from .protocol import Buffer, ErrorCode, Header, packb, unpackb
 
@@ -118,6 +121,44 @@ def detokenize(detokenizer: Callable[[list[int]], str], body: Buffer) -> bytes:
     reply = unpackb(body)
     reply["generated_text"] = detokenizer(reply["generated_tokens"])
     return packb(reply)
+
+
+class LoopSockets:
+    """A coordinator's ROUTER, and the inproc pair through which stop() wakes its loop."""
+
+    LINGER_MS = 500  # lets the final ERRORs of a shutdown reach their clients
+
+    def __init__(self, bind: str, max_message_size: int, context: zmq.Context | None):
+        self.context = context or zmq.Context.instance()
+        self.router = self.context.socket(zmq.ROUTER)
+        # A send to a peer that is gone fails (EHOSTUNREACH) instead of vanishing.
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.SNDHWM, 0)  # memory is bounded by max_inflight instead
+        self.router.setsockopt(zmq.RCVHWM, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+        self.router.setsockopt(zmq.LINGER, self.LINGER_MS)
+        self.router.bind(bind)
+        self.address: str = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        wake = f"inproc://coordkit-wake-{id(self):x}"
+        self.wake_recv = self.context.socket(zmq.PAIR)
+        self.wake_recv.bind(wake)
+        self._wake_send = self.context.socket(zmq.PAIR)
+        self._wake_send.connect(wake)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def wake(self) -> None:
+        """Ask the loop to stop; safe from any thread, a no-op once closed."""
+        with self._lock:
+            if not self.closed:
+                self._wake_send.send(b"")
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self.router.close()
+            self.wake_recv.close()
+            self._wake_send.close(linger=0)
 
 
 class RateLimitedLog:

@@ -59,14 +59,13 @@ from coordkit._routing_c cimport Router
 
 import threading
 
-import zmq
-
 from coordkit import _codec_c
 from coordkit._common import (
     CONTROL_TRANSITIONS,
     MAX_PARTS,
     ControlState,
     Counter,
+    LoopSockets,
     RateLimitedLog,
     build_stats,
     check_options,
@@ -167,7 +166,6 @@ if (
 cdef enum:
     IDENTITY_STRIDE = 256  # a ZeroMQ routing id is at most 255 bytes, plus its length
     TIMER_INTERVAL_MS = 50
-    LINGER_MS = 500
     FIRST_PARTS = 64
     FIRST_ENTRIES = 64
     UNREACHABLE = -1
@@ -355,13 +353,13 @@ cdef class Coordinator:
     cdef readonly int max_clients
     cdef readonly int max_engines
 
-    cdef object _context, _sock, _wake_recv, _wake_send, _wake_lock, _thread, _log
+    cdef object _sockets, _thread, _log
     cdef object _detokenizer
     cdef bint has_detokenizer
     cdef void* sock
     cdef void* wake
     cdef Router router
-    cdef bint running, started, closed
+    cdef bint running, started
 
     cdef Request* requests
     cdef uint64_t mask
@@ -464,23 +462,10 @@ cdef class Coordinator:
         id_table_init(&self.engine_ids, max_engines)
         self.control_state = ControlState.RUNNING
 
-        self._context = context or zmq.Context.instance()
-        self._sock = self._context.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.SNDHWM, 0)  # memory is bounded by max_inflight instead
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
-        self._sock.setsockopt(zmq.LINGER, LINGER_MS)
-        self._sock.bind(bind)
-        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        wake = f"inproc://coordkit-wake-{id(self):x}"
-        self._wake_recv = self._context.socket(zmq.PAIR)
-        self._wake_recv.bind(wake)
-        self._wake_send = self._context.socket(zmq.PAIR)
-        self._wake_send.connect(wake)
-        self._wake_lock = threading.Lock()
-        self.sock = <void*><size_t>self._sock.underlying
-        self.wake = <void*><size_t>self._wake_recv.underlying
+        self._sockets = LoopSockets(bind, max_message_size, context)
+        self.address = self._sockets.address
+        self.sock = <void*><size_t>self._sockets.router.underlying
+        self.wake = <void*><size_t>self._sockets.wake_recv.underlying
 
     def __dealloc__(self):
         cdef uint64_t slot
@@ -505,7 +490,7 @@ cdef class Coordinator:
 
         The loop releases the GIL; it takes it back only on rare paths.
         """
-        if self.closed:
+        if self._sockets.closed:
             raise RuntimeError("coordinator is closed")
         self.running = self.started = True
         try:
@@ -526,9 +511,7 @@ cdef class Coordinator:
         if not self.started:
             self._finish()
             return
-        with self._wake_lock:
-            if not self.closed:
-                self._wake_send.send(b"")
+        self._sockets.wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -542,7 +525,7 @@ cdef class Coordinator:
     cdef _finish(self):
         cdef uint32_t i, n
         cdef RidSlot* order
-        if self.closed:
+        if self._sockets.closed:
             return
         order = self._sorted_requests(-1, -1, &n)
         try:
@@ -551,11 +534,7 @@ cdef class Coordinator:
                     self._fail(order[i].slot, ErrorCode.SHUTTING_DOWN, Header.SHUTDOWN)
         finally:
             free(order)
-        with self._wake_lock:
-            self.closed = True
-            self._sock.close()
-            self._wake_recv.close()
-            self._wake_send.close(linger=0)
+        self._sockets.close()
 
     # -- stats ---------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from ._common import (
     MAX_PARTS,
     ControlState,
     Counter,
+    LoopSockets,
     RateLimitedLog,
     build_stats,
     check_options,
@@ -49,7 +50,6 @@ __all__ = ["Coordinator"]
 
 ALIVE, DRAINING, GONE = 0, 1, 2
 _TIMER_INTERVAL = 0.05  # seconds between heartbeat / drain checks on an idle loop
-_LINGER_MS = 500  # lets the final ERRORs of a shutdown reach their clients
 
 Detokenizer = Callable[[list[int]], str]
 
@@ -165,42 +165,28 @@ class Coordinator:
         self._tick = 0
         self._log = RateLimitedLog()
 
-        self._context = context or zmq.Context.instance()
-        self._sock = self._context.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.SNDHWM, 0)  # memory is bounded by max_inflight instead
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
-        self._sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        self._sock.bind(bind)
-        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        # stop() may come from any thread: it pokes the loop through an inproc pair.
-        wake = f"inproc://coordkit-wake-{id(self):x}"
-        self._wake_recv = self._context.socket(zmq.PAIR)
-        self._wake_recv.bind(wake)
-        self._wake_send = self._context.socket(zmq.PAIR)
-        self._wake_send.connect(wake)
-        self._wake_lock = threading.Lock()
+        self._sockets = LoopSockets(bind, max_message_size, context)
+        self._sock = self._sockets.router
+        self.address = self._sockets.address
         self._thread: threading.Thread | None = None
         self._running = self._started = False
-        self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------
 
     def serve_forever(self) -> None:
         """Run the loop until SHUTDOWN or :meth:`stop`; then close the sockets."""
-        if self._closed:
+        if self._sockets.closed:
             raise RuntimeError("coordinator is closed")
         self._running = self._started = True
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_recv, zmq.POLLIN)
+        poller.register(self._sockets.wake_recv, zmq.POLLIN)
         next_timer = time.monotonic() + _TIMER_INTERVAL
         try:
             while self._running:
                 ready = dict(poller.poll(_TIMER_INTERVAL * 1000))
-                if self._wake_recv in ready:
-                    self._wake_recv.recv()
+                if self._sockets.wake_recv in ready:
+                    self._sockets.wake_recv.recv()
                     self._running = False
                     break
                 if self._sock in ready:
@@ -224,9 +210,7 @@ class Coordinator:
         if not self._started:
             self._finish()
             return
-        with self._wake_lock:
-            if not self._closed:
-                self._wake_send.send(b"")
+        self._sockets.wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -239,16 +223,12 @@ class Coordinator:
 
     def _finish(self) -> None:
         """End of the loop: every request still in flight gets its terminal reply."""
-        if self._closed:
+        if self._sockets.closed:
             return
         for request in self._sorted_requests(lambda r: True):
             if self._lookup(request.server_rid) is request:  # not freed with a gone client
                 self._fail(request, ErrorCode.SHUTTING_DOWN, Header.SHUTDOWN)
-        with self._wake_lock:
-            self._closed = True
-            self._sock.close()
-            self._wake_recv.close()
-            self._wake_send.close(linger=0)
+        self._sockets.close()
 
     # -- stats -------------------------------------------------------------------
 
