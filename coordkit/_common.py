@@ -7,6 +7,7 @@ option checks) live here once.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -123,6 +124,9 @@ def detokenize(detokenizer: Callable[[list[int]], str], body: Buffer) -> bytes:
     return packb(reply)
 
 
+_wake_ids = itertools.count()
+
+
 class LoopSockets:
     """A coordinator's ROUTER, and the inproc pair through which stop() wakes its loop."""
 
@@ -139,7 +143,8 @@ class LoopSockets:
         self.router.setsockopt(zmq.LINGER, self.LINGER_MS)
         self.router.bind(bind)
         self.address: str = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        wake = f"inproc://coordkit-wake-{id(self):x}"
+        # A fresh name each time: libzmq frees an inproc name only a little after close.
+        wake = f"inproc://coordkit-wake-{next(_wake_ids)}"
         self.wake_recv = self.context.socket(zmq.PAIR)
         self.wake_recv.bind(wake)
         self._wake_send = self.context.socket(zmq.PAIR)

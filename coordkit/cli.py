@@ -4,7 +4,8 @@
   SHUTDOWN, SIGINT or SIGTERM;
 * ``coordkit demo`` runs a whole cluster on ipc sockets in a temporary
   directory (coordinator, fake engine processes, a client load) and prints
-  a results table;
+  a results table; ``--compare-policies`` runs one cluster per policy, with
+  a column each;
 * ``coordkit stats --address ADDRESS`` prints a coordinator's stats as JSON;
 * ``coordkit bench ...`` runs the benchmarks (:mod:`coordkit.bench`).
 """
@@ -300,10 +301,13 @@ def _workload(args: argparse.Namespace) -> Callable[[int], list[int]]:
     # turn could each land on one rank by accident, as if routed by prefix.
     rng = random.Random(_WORKLOAD_SEED)
     draws = [rng.randrange(count) for _ in range(args.requests)]
-    first_suffix = count * length  # suffix tokens never occur in a prefix or another suffix
-    return lambda i: prefixes[draws[i]] + list(
-        range(first_suffix + i * _SUFFIX_TOKENS, first_suffix + (i + 1) * _SUFFIX_TOKENS)
-    )
+
+    def prompt(i: int) -> list[int]:
+        # Suffix tokens occur in no prefix and no other suffix: their blocks never hit.
+        suffix = count * length + i * _SUFFIX_TOKENS
+        return prefixes[draws[i]] + list(range(suffix, suffix + _SUFFIX_TOKENS))
+
+    return prompt
 
 
 def _run_cluster(
@@ -416,7 +420,9 @@ async def _run_load(
             progress.close()
 
 
-def _print_results(args: argparse.Namespace, implementation: str, runs: dict[str, _Results]) -> None:
+def _print_results(
+    args: argparse.Namespace, implementation: str, runs: dict[str, _Results]
+) -> None:
     """The results table, with one column of values per run (policy)."""
     ranks = sorted({rank for results in runs.values() for rank in results.ranks})
     columns = []
@@ -438,27 +444,30 @@ def _rows(
     done = len(results.latencies)
     wall = max(results.end - results.start, 1e-9)
     latencies = sorted(results.latencies)
+    requests = f"{done} of {args.requests}" + (" (interrupted)" if results.interrupted else "")
     errors = ", ".join(f"{n} {code}" for code, n in results.errors.items()) or "none"
-    shared = args.shared_prefixes is not None
+    if args.shared_prefixes is None:
+        prompts = {"prompt tokens": str(args.prompt_tokens)}
+    else:
+        prompts = {
+            "prompt tokens": str(args.prefix_tokens + _SUFFIX_TOKENS),
+            "shared prefixes": f"{args.shared_prefixes} ({args.prefix_tokens} tokens each)",
+        }
     rows = {
         "implementation": implementation,
         "policy": policy,
         "engines": str(args.engines),
-        "requests": f"{done} of {args.requests}" + (" (interrupted)" if results.interrupted else ""),
+        "requests": requests,
         "errors": errors,
-        "prompt tokens": str(args.prefix_tokens + _SUFFIX_TOKENS if shared else args.prompt_tokens),
-    }
-    if shared:
-        rows["shared prefixes"] = f"{args.shared_prefixes} of {args.prefix_tokens} tokens"
-    rows |= {
+        **prompts,
         "streaming": "yes" if args.stream else "no",
         "wall time": f"{wall:.2f} s",
         "requests/s": f"{done / wall:.0f}",
         "latency p50": _percentile_ms(latencies, 50),
         "latency p99": _percentile_ms(latencies, 99),
     }
-    if shared or args.compare_policies:
-        rows["prefix cache"] = f"{args.cache_blocks} blocks of {args.block_size} tokens per engine"
+    if args.shared_prefixes is not None or args.compare_policies:
+        rows["prefix cache"] = f"{args.cache_blocks} blocks of {args.block_size} tokens"
         rows["prefix cache hit rate"] = _hit_rate(results)
     return rows
 

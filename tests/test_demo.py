@@ -50,6 +50,7 @@ def test_demo(impl):
     assert float(rows["requests/s"]) > 0
     assert rows["latency p50"].endswith(" ms") and rows["latency p99"].endswith(" ms")
     assert int(rows["rank 0"]) + int(rows["rank 1"]) == 200
+    assert "prefix cache hit rate" not in rows  # only with shared prefixes or a comparison
 
 
 def test_demo_streaming_with_prefix_routing(impl):
@@ -59,6 +60,29 @@ def test_demo_streaming_with_prefix_routing(impl):
     rows = table(result.stdout)
     assert (rows["policy"], rows["streaming"], rows["requests"]) == ("prefix", "yes", "150 of 150")
     assert sum(int(rows.get(f"rank {rank}", 0)) for rank in range(3)) == 150
+
+
+def hit_rate(value: str) -> float:
+    assert value.endswith("% of prompt blocks"), value
+    return float(value.partition("%")[0])
+
+
+def test_demo_compares_prefix_cache_hit_rates(impl):
+    args = ["--shared-prefixes", "4", "--engines", "4", "--compare-policies", "--requests", "400"]
+    result = demo(*args, "--implementation", impl.name)
+    assert result.returncode == 0, result.stderr
+    # One column per run: least_loaded, then prefix.
+    rows = {name: re.split(r"\s{2,}", value) for name, value in table(result.stdout).items()}
+    assert rows["policy"] == ["least_loaded", "prefix"]
+    assert rows["requests"] == ["400 of 400"] * 2 and rows["errors"] == ["none"] * 2
+    assert rows["prompt tokens"] == ["544"] * 2  # 512 shared and 32 unique
+    assert all(float(value) > 0 for value in rows["requests/s"])
+    least_loaded, prefix = map(hit_rate, rows["prefix cache hit rate"])
+    # Every engine's cache holds all four prefixes, so only a prefix's first request on an
+    # engine misses its 32 blocks (the 2 suffix blocks always miss). Prefix routing keeps
+    # each prefix on one engine: 4 such misses. least_loaded spreads each over all 4: ~16.
+    assert prefix == round(100 * 32 * (400 - 4) / (34 * 400), 1)
+    assert 0 < least_loaded < prefix
 
 
 def children(pid: int) -> list[int]:

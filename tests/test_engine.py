@@ -202,12 +202,48 @@ def test_fake_engine_is_deterministic(router):
 
 def test_fake_engine_text_and_raw_prompts(router):
     socket, _ = router
-    with fake(router, output_tokens=2) as engine:
-        for rid, prompt in enumerate([packb("héllo"), b"\xc1\xc1raw"]):  # the latter: not msgpack
-            socket.send_multipart([engine.identity, packb([20, rid, {}]), prompt])
+    # Ids outside u32 have no block hashes either: the prefix cache skips all three.
+    prompts = {packb("héllo"): "héllo", b"\xc1\xc1raw": b"\xc1\xc1raw", packb([2**40]): [2**40]}
+    with fake(router, output_tokens=2, prefix_block_size=1) as engine:
+        for rid, (frame, prompt) in enumerate(prompts.items()):
+            socket.send_multipart([engine.identity, packb([20, rid, {}]), frame])
             [[_, body]] = drive(engine, socket)
-            expected = "héllo" if rid == 0 else prompt
-            assert unpackb(body)["generated_tokens"] == FakeEngine.generate(expected, 2)
+            reply = unpackb(body)
+            assert reply["generated_tokens"] == FakeEngine.generate(prompt, 2)
+            assert "cached_blocks" not in reply and "prompt_blocks" not in reply
+
+
+def prefix_cache_hits(engine: FakeEngine, socket, prompt: list[int]) -> tuple[int, int]:
+    """(cached_blocks, prompt_blocks) of ``prompt``, run on ``engine`` on its own."""
+    submit(socket, engine, 1, prompt)
+    [[_, body]] = drive(engine, socket)
+    reply = unpackb(body)
+    return reply["cached_blocks"], reply["prompt_blocks"]
+
+
+def test_fake_engine_prefix_cache_counts_leading_blocks(router):
+    socket, _ = router
+    prompt = list(range(10))  # two full blocks of 4, and a partial one that is not cached
+    with fake(router, output_tokens=1, prefix_block_size=4) as engine:
+        assert prefix_cache_hits(engine, socket, prompt) == (0, 2)
+        assert prefix_cache_hits(engine, socket, prompt) == (2, 2)
+        assert prefix_cache_hits(engine, socket, prompt[:4] + [99] * 6) == (1, 2)
+        # Hashes are chained: the same second block after another first one is a miss.
+        assert prefix_cache_hits(engine, socket, [99] + prompt[1:]) == (0, 2)
+        assert prefix_cache_hits(engine, socket, prompt[:3]) == (0, 0)
+
+
+def test_fake_engine_prefix_cache_evicts_least_recently_used(router):
+    socket, _ = router
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10]
+    with fake(router, output_tokens=1, prefix_block_size=2, cache_blocks=4) as engine:
+        assert prefix_cache_hits(engine, socket, a) == (0, 2)
+        assert prefix_cache_hits(engine, socket, b) == (0, 2)
+        assert prefix_cache_hits(engine, socket, a) == (2, 2)  # a's blocks are now the newest
+        assert prefix_cache_hits(engine, socket, c) == (0, 1)  # evicts b's first block
+        # b's second block is still cached, but a prefix cache stops at the first miss.
+        assert prefix_cache_hits(engine, socket, b) == (0, 2)
+        assert prefix_cache_hits(engine, socket, c) == (1, 1)
 
 
 def test_fake_engine_batches_a_step_into_one_reply(router):
@@ -297,13 +333,18 @@ def test_engine_process(router):
     socket, address = router
     command = [sys.executable, "-m", "coordkit.engine", "--address", address, "--rank", "2"]
     command += ["--output-tokens", "3", "--heartbeat", "0"]
+    command += ["--prefix-block-size", "1", "--cache-blocks", "1"]
     process = subprocess.Popen(command, env=python_env(), stderr=subprocess.PIPE, text=True)
     try:
         assert socket.recv_multipart() == [b"engine-2", b""]
-        socket.send_multipart([b"engine-2", packb([20, 1, {}]), packb([1, 2])])
-        identity, meta, body = socket.recv_multipart()
-        assert unpackb(meta) == [21, [[1, False]]]
-        assert msgpack.unpackb(body)["generated_tokens"] == FakeEngine.generate([1, 2], 3)
+        for rid in (1, 2):
+            socket.send_multipart([b"engine-2", packb([20, rid, {}]), packb([1, 2])])
+            identity, meta, body = socket.recv_multipart()
+            assert unpackb(meta) == [21, [[rid, False]]]
+            reply = msgpack.unpackb(body)
+            assert reply["generated_tokens"] == FakeEngine.generate([1, 2], 3)
+            # Blocks of 1 token; a cache of 1 block keeps only the second: never a hit.
+            assert (reply["cached_blocks"], reply["prompt_blocks"]) == (0, 2)
         process.send_signal(signal.SIGTERM)
         assert process.wait(TIMEOUT_MS / 1000) == 0
         assert socket.recv_multipart() == [b"engine-2", packb([60])]
