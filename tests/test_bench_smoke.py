@@ -1,0 +1,48 @@
+"""Smoke test of ``coordkit bench --quick``: it runs, and reports every point.
+
+Timings and ratios are never asserted (DESIGN.md: benchmarks, not tests);
+only that every variant and prompt length produced positive figures.
+"""
+
+from __future__ import annotations
+
+import json
+
+from conftest import REQUIRE_EXTENSION
+
+import coordkit
+from coordkit import bench
+
+
+def _variants() -> list[str]:
+    try:
+        coordkit.load_implementation("c")
+    except ImportError:
+        if REQUIRE_EXTENSION:
+            raise
+        return [v for v in bench.VARIANTS if v != "c"]  # as the [c] tests are skipped
+    return list(bench.VARIANTS)
+
+
+def test_quick_run_reports_every_point(tmp_path):
+    variants = _variants()
+    path = tmp_path / "cost.json"
+    assert bench.main(["--quick", "--variants", *variants, "--json", str(path)]) == 0
+
+    result = json.loads(path.read_text())
+    assert not result["failures"]
+    assert result["environment"]["libzmq"]
+    summary = result["summary"]
+    assert sorted(summary, key=int) == [str(t) for t in bench.LENGTHS]
+    for tokens, point in summary.items():
+        assert sorted(point) == sorted(variants), tokens
+        for variant, figures in point.items():
+            for key in ("total_us", "requests_per_s"):
+                assert figures[key] > 0, (tokens, variant, key)
+            assert figures["user_us"] >= 0 and figures["sys_us"] >= 0
+    runs = result["runs"]
+    assert len(runs) == len(variants) * len(bench.LENGTHS)
+    memory = {m["variant"]: m for m in result["memory"]}
+    for variant in {"c", "py"} & set(variants):
+        assert memory[variant]["inflight"] > 0
+        assert memory[variant]["rss_with"] > memory[variant]["rss_before"] > 0
