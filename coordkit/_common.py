@@ -22,6 +22,10 @@ from .protocol import Buffer, ErrorCode, Header, packb, unpackb
 logger = logging.getLogger("coordkit")
 
 
+#: A kept prompt below this many bytes is copied: sharing it would pin the whole
+#: receive buffer libzmq decoded it from (pyzmq's copy-below-a-threshold rule).
+COPY_BELOW = 8192
+
 #: Frames in one message beyond which it is dropped as malformed (a batch of
 #: that many replies is far beyond any engine step).
 MAX_PARTS = 1 << 16

@@ -17,7 +17,7 @@ file for the why of each step.
 cimport cython
 from cpython.exc cimport PyErr_CheckSignals
 from libc.errno cimport EINTR
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcmp, memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -62,6 +62,7 @@ import threading
 from coordkit import _codec_c
 from coordkit._common import (
     CONTROL_TRANSITIONS,
+    COPY_BELOW,
     MAX_PARTS,
     ControlState,
     Counter,
@@ -99,7 +100,6 @@ cdef enum:
 cdef enum:  # Request.flags
     PRODUCED = 1
     ABORTED = 2
-    RETAINED = 4  # meta and prompt kept to re-send the request if its engine dies
 
 cdef enum:  # the headers the hot path reads
     H_CONNECT = 0
@@ -154,12 +154,14 @@ cdef enum:  # the ErrorCode values the hot path returns
 cdef enum:
     N_MAX_PARTS = 1 << 16
     HASH_SIZE = 8
+    KEEP_COPY_BELOW = 8192
 
 if (
     E_BUSY != ErrorCode.BUSY
     or E_NO_ENGINES != ErrorCode.NO_ENGINES
     or N_MAX_PARTS != MAX_PARTS
     or HASH_SIZE != BLOCK_HASH_SIZE
+    or KEEP_COPY_BELOW != COPY_BELOW
 ):
     raise ImportError("coordkit: _coordinator_c constants out of step with the Python ones")
 
@@ -177,8 +179,15 @@ cdef struct Request:
     int32_t client
     int32_t rank  # -1 while it is being re-routed or failed
     uint32_t flags
-    zmq_msg_t meta
-    zmq_msg_t prompt
+    Kept* kept  # what re-sends it if its engine dies; NULL: it is never re-sent
+
+
+cdef struct Kept:
+    # One allocation per kept request: this head, then either the metadata bytes
+    # and the prompt's bytes, or (prompt_size == UINT32_MAX) a zmq_msg_t
+    # sharing the prompt, then the metadata bytes.
+    uint32_t meta_size
+    uint32_t prompt_size
 
 
 cdef struct Client:
@@ -201,6 +210,51 @@ cdef struct IdTable:
     uint8_t* ids
     int32_t* slots
     uint32_t mask
+
+
+cdef Kept* keep(zmq_msg_t* meta, zmq_msg_t* prompt) noexcept nogil:
+    """What re-sends a request, or NULL when memory is short (it is then not kept).
+
+    A prompt below KEEP_COPY_BELOW bytes is copied: a refcounted copy of a small
+    frame would pin the whole receive buffer libzmq decoded it from (pyzmq's
+    copy-below-a-threshold rule). A larger one has a buffer of its own: shared.
+    """
+    cdef size_t meta_size = zmq_msg_size(meta), prompt_size = zmq_msg_size(prompt)
+    cdef bint shared = prompt_size >= KEEP_COPY_BELOW
+    cdef Kept* kept = <Kept*>malloc(
+        sizeof(Kept) + meta_size + (sizeof(zmq_msg_t) if shared else prompt_size)
+    )
+    cdef uint8_t* data
+    if kept == NULL:
+        return NULL
+    kept.meta_size = meta_size
+    data = <uint8_t*>(kept + 1)
+    if shared:
+        kept.prompt_size = UINT32_MAX
+        zmq_msg_init(<zmq_msg_t*>data)
+        zmq_msg_copy(<zmq_msg_t*>data, prompt)
+        memcpy(data + sizeof(zmq_msg_t), zmq_msg_data(meta), meta_size)
+    else:
+        kept.prompt_size = prompt_size
+        memcpy(data, zmq_msg_data(meta), meta_size)
+        memcpy(data + meta_size, zmq_msg_data(prompt), prompt_size)
+    return kept
+
+
+cdef void send_kept(void* sock, Kept* kept) noexcept nogil:
+    cdef uint8_t* data = <uint8_t*>(kept + 1)
+    if kept.prompt_size == UINT32_MAX:
+        send_copy(sock, data + sizeof(zmq_msg_t), kept.meta_size, ZMQ_SNDMORE)
+        send_msg_copy(sock, <zmq_msg_t*>data, 0)
+    else:
+        send_copy(sock, data, kept.meta_size, ZMQ_SNDMORE)
+        send_copy(sock, data + kept.meta_size, kept.prompt_size, 0)
+
+
+cdef void release_kept(Kept* kept) noexcept nogil:
+    if kept != NULL and kept.prompt_size == UINT32_MAX:
+        zmq_msg_close(<zmq_msg_t*>(kept + 1))
+    free(kept)
 
 
 cdef struct RidSlot:  # for sorting requests by server id on the rare paths
@@ -356,6 +410,7 @@ cdef class Coordinator:
     cdef object _sockets, _thread, _log
     cdef object _detokenizer
     cdef bint has_detokenizer
+    cdef readonly bint keep_prompts
     cdef void* sock
     cdef void* wake
     cdef Router router
@@ -412,6 +467,7 @@ cdef class Coordinator:
         int prefix_max_entries=1_000_000,
         int max_clients=65536,
         int max_engines=1024,
+        bint keep_prompts=True,
         context=None,
     ):
         check_options(
@@ -431,6 +487,7 @@ cdef class Coordinator:
         self.max_engines = max_engines
         self._detokenizer = detokenizer
         self.has_detokenizer = detokenizer is not None
+        self.keep_prompts = keep_prompts
         self._log = RateLimitedLog()
         self.router = Router(
             policy,
@@ -471,9 +528,8 @@ cdef class Coordinator:
         cdef uint64_t slot
         if self.requests != NULL:
             for slot in range(self.mask + 1):
-                if self.requests[slot].tag and self.requests[slot].flags & RETAINED:
-                    zmq_msg_close(&self.requests[slot].meta)
-                    zmq_msg_close(&self.requests[slot].prompt)
+                if self.requests[slot].tag:
+                    release_kept(self.requests[slot].kept)
         free(self.requests)
         free(self.by_client)
         free(self.clients)
@@ -878,6 +934,7 @@ cdef class Coordinator:
         cdef uint32_t slot
         cdef Request* request
         cdef int rank
+        cdef zmq_msg_t meta
         if status != 0:
             with gil:
                 self._bad_submit(client, header, status, &prefix)
@@ -886,7 +943,7 @@ cdef class Coordinator:
             hashes = self._data(2 + n_payload)
             n_hashes = self._size(2 + n_payload) // HASH_SIZE
         if (
-            prefix.length != 2 + n_payload
+            prefix.length != <uint32_t>(2 + n_payload)
             or not n_payload <= n_frames <= n_payload + 1
             or (hashes != NULL and self._size(2 + n_payload) % HASH_SIZE)
         ):
@@ -908,14 +965,13 @@ cdef class Coordinator:
         request.client_rid = prefix.rid
         request.flags = 0
         # The rewritten metadata goes out as a new message; the payload frames as themselves.
-        self._rewrite(&request.meta, &prefix, server_rid)
-        if header == H_SUBMIT:
-            request.flags = RETAINED
-            zmq_msg_init(&request.prompt)
-            zmq_msg_copy(&request.prompt, &self.parts[2])
-        rank = self._route(slot, hashes, n_hashes, &self.parts[2], n_payload)
+        self._rewrite(&meta, &prefix, server_rid)
+        # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
+        request.kept = keep(&meta, &self.parts[2]) if header == H_SUBMIT and self.keep_prompts else NULL
+        rank = self._route(slot, hashes, n_hashes, &meta, &self.parts[2], n_payload)
+        zmq_msg_close(&meta)
         if rank < 0:
-            self._release_retained(request)
+            release_kept(request.kept)
             with gil:
                 if rank == -E_NO_ENGINES:
                     self._reject(client, prefix.rid, ErrorCode.NO_ENGINES, header, C_NO_ENGINES)
@@ -936,12 +992,6 @@ cdef class Coordinator:
             <uint8_t*>zmq_msg_data(out), prefix, server_rid, self._data(1) + prefix.offset, rest_len
         )
 
-    cdef inline void _release_retained(self, Request* request) noexcept nogil:
-        zmq_msg_close(&request.meta)
-        if request.flags & RETAINED:
-            zmq_msg_close(&request.prompt)
-        request.flags = 0
-
     cdef uint64_t _allocate_rid(self) noexcept nogil:
         cdef uint64_t rid = self.next_rid
         while self.requests[rid & self.mask].tag:
@@ -950,13 +1000,18 @@ cdef class Coordinator:
         return rid
 
     cdef int _route(
-        self, uint32_t slot, const uint8_t* hashes, size_t n_hashes, zmq_msg_t* payload, int n_payload
+        self,
+        uint32_t slot,
+        const uint8_t* hashes,
+        size_t n_hashes,
+        zmq_msg_t* meta,
+        zmq_msg_t* payload,
+        int n_payload,
     ) noexcept nogil:
         """Choose a rank and send the request at ``slot`` there: its rank, or -ErrorCode.
 
-        The request's own meta is sent as a copy and kept; ``payload`` frames
-        are sent as themselves when given (a new request) and as copies of the
-        retained prompt when NULL (a re-send).
+        A new request sends ``meta`` and its ``payload`` frames as themselves; a
+        re-send (``meta`` NULL) sends what the request kept.
         """
         cdef Request* request = &self.requests[slot]
         cdef int rank, i
@@ -971,15 +1026,12 @@ cdef class Coordinator:
             request.rank = -1  # so failing that engine does not settle this request too
             with gil:
                 self._engine_failed(rank, "unreachable")
-        if payload == NULL:
-            send_msg_copy(self.sock, &request.meta, ZMQ_SNDMORE)
-            send_msg_copy(self.sock, &request.prompt, 0)
+        if meta == NULL:
+            send_kept(self.sock, request.kept)
             return rank
-        send_msg_copy(self.sock, &request.meta, ZMQ_SNDMORE)
+        send_msg(self.sock, meta, ZMQ_SNDMORE)
         for i in range(n_payload):
             send_msg(self.sock, &payload[i], ZMQ_SNDMORE if i + 1 < n_payload else 0)
-        if not request.flags & RETAINED:
-            zmq_msg_close(&request.meta)
         return rank
 
     cdef inline int _send_identity(self, IdTable* table, int32_t index) noexcept nogil:
@@ -1038,8 +1090,8 @@ cdef class Coordinator:
         cdef Request* request = &self.requests[slot]
         cdef int rank = request.rank
         self._remove_by_client(slot)
-        if request.flags & RETAINED:
-            self._release_retained(request)
+        release_kept(request.kept)
+        request.kept = NULL
         request.tag = 0
         self.clients[request.client].inflight -= 1
         self.inflight -= 1
@@ -1243,10 +1295,10 @@ cdef class Coordinator:
                     continue  # settled by a nested failure meanwhile
                 self.router.release_c(rank)
                 request.rank = -1
-                if request.flags & (PRODUCED | ABORTED) or not request.flags & RETAINED:
+                if request.flags & (PRODUCED | ABORTED) or request.kept == NULL:
                     self._fail(slot, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
                     continue
-                routed = self._route(slot, NULL, 0, NULL, 0)
+                routed = self._route(slot, NULL, 0, NULL, NULL, 0)
                 if routed >= 0:
                     self.counters[C_REROUTED] += 1
                 else:

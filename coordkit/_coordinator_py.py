@@ -23,6 +23,7 @@ import zmq
 from . import _codec_py as codec
 from ._common import (
     CONTROL_TRANSITIONS,
+    COPY_BELOW,
     MAX_PARTS,
     ControlState,
     Counter,
@@ -85,7 +86,7 @@ class _Request:
         "produced",
         "aborted",
         "meta",
-        "payload",
+        "prompt",
     )
 
     def __init__(self, server_rid: int, client: _Client, client_rid: int, rank: int):
@@ -96,7 +97,7 @@ class _Request:
         self.produced = False
         self.aborted = False
         self.meta: bytes | None = None  # kept to re-send the request if its engine dies
-        self.payload: list[zmq.Frame] = []
+        self.prompt: zmq.Frame | bytes | None = None
 
 
 class _Unroutable(Exception):
@@ -126,6 +127,7 @@ class Coordinator:
         prefix_max_entries: int = 1_000_000,
         max_clients: int = 65536,
         max_engines: int = 1024,
+        keep_prompts: bool = True,
         context: zmq.Context | None = None,
     ):
         check_options(
@@ -144,6 +146,7 @@ class Coordinator:
         self.max_clients = max_clients
         self.max_engines = max_engines
         self._detokenizer = detokenizer
+        self.keep_prompts = keep_prompts
         self._router = Router(
             policy,
             max_engines,
@@ -476,18 +479,18 @@ class Coordinator:
             return
         server_rid = self._allocate_rid()
         request = _Request(server_rid, client, rid, -1)
-        request.meta = codec.rewrite_submit(meta, server_rid)
-        request.payload = frames[2 : 2 + n_payload]
+        out_meta = codec.rewrite_submit(meta, server_rid)
         try:
-            self._route(request, hashes)
+            self._route(request, hashes, [out_meta, *frames[2 : 2 + n_payload]])
         except _Unroutable as exc:
             counter = Counter.NO_ENGINES if exc.code == ErrorCode.NO_ENGINES else Counter.BUSY
             self._reject(client, rid, exc.code, header, counter)
             return
-        if header == Header.SUBMIT_REQUEST_WITH_KV:
-            # Its source blocks are tied to the engine chosen now: it is never re-sent.
-            request.meta = None
-            request.payload = []
+        # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
+        if header == Header.SUBMIT_REQUEST and self.keep_prompts:
+            prompt = frames[2]
+            request.meta = out_meta
+            request.prompt = prompt.bytes if len(prompt) < COPY_BELOW else prompt
         self._requests[server_rid & self._mask] = request
         self._by_client[(client.identity, rid)] = request
         client.inflight += 1
@@ -500,8 +503,8 @@ class Coordinator:
         self._next_rid = rid + 1
         return rid
 
-    def _route(self, request: _Request, hashes: memoryview | None) -> None:
-        """Choose a rank and send the request there; engines found gone are failed."""
+    def _route(self, request: _Request, hashes: memoryview | None, message: list[Any]) -> None:
+        """Choose a rank and send ``message`` there; engines found gone are failed."""
         while True:
             rank = self._router.choose(hashes, time.monotonic())
             if rank < 0:
@@ -509,7 +512,7 @@ class Coordinator:
                 raise _Unroutable(code)
             engine = self._engines[rank]
             request.rank = rank
-            if self._send(engine.identity, [request.meta, *request.payload]):
+            if self._send(engine.identity, message):
                 return
             self._router.release(rank)
             request.rank = -1  # so failing that engine does not settle this request too
@@ -680,7 +683,7 @@ class Coordinator:
                 self._fail(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
                 continue
             try:
-                self._route(request, None)
+                self._route(request, None, [request.meta, request.prompt])
                 self._count(Counter.REROUTED)
             except _Unroutable as exc:
                 self._fail(request, exc.code, Header.SUBMIT_REQUEST)

@@ -228,15 +228,19 @@ def _measure_memory(
     memory: list[dict[str, Any]],
     failures: dict[str, str],
 ) -> None:
-    plan = [(v, args.inflight) for v in ("c", "py")] + [("c", args.inflight_large)]
-    for variant, n in plan:
+    # The large run goes twice: keeping each prompt to re-send it, and not.
+    plan = [(v, args.inflight, True) for v in ("c", "py")]
+    plan += [("c", args.inflight_large, keep) for keep in (True, False)]
+    for variant, n, keep_prompts in plan:
         if n <= 0 or variant not in args.variants or variant in failures:
             continue
         warmup = min(n, 2 * args.window)
         session = None
+        options = {"max_inflight": n, "keep_prompts": keep_prompts}
         try:
-            session = _Session(variant, args, directory, max_inflight=n, hold_after=warmup)
+            session = _Session(variant, args, directory, options, hold_after=warmup)
             result = session.fill(n, warmup, args.window)
+            result["keep_prompts"] = keep_prompts
         except _Failure as exc:
             failures[f"{variant} memory"] = f"holding {n} requests: {exc}"
             continue
@@ -274,7 +278,7 @@ class _Session:
         variant: str,
         args: argparse.Namespace,
         directory: str,
-        max_inflight: int | None = None,
+        coordinator_options: dict[str, Any] | None = None,
         hold_after: int | None = None,
     ):
         self.variant = variant
@@ -286,7 +290,12 @@ class _Session:
             else:
                 endpoints = [f"ipc://{directory}/{variant}-{side}" for side in ("front", "back")]
             self.coordinator = self._start(
-                "coordinator", _coordinator_child, variant, endpoints, args.policy, max_inflight
+                "coordinator",
+                _coordinator_child,
+                variant,
+                endpoints,
+                args.policy,
+                coordinator_options or {},
             )
             _, client_address, engine_address = self._receive(self.coordinator)
             self.engine = self._start(
@@ -476,7 +485,7 @@ def _coordinator_child(
     variant: str,
     endpoints: list[str],
     policy: str,
-    max_inflight: int | None,
+    options: dict[str, Any],
 ) -> None:
     context = zmq.Context()
     server: _Server
@@ -485,7 +494,7 @@ def _coordinator_child(
     elif variant == "mono":
         server = _Mono(context, endpoints[0])
     else:
-        server = _Coordkit(context, variant, endpoints[0], policy, max_inflight)
+        server = _Coordkit(context, variant, endpoints[0], policy, options)
     conn.send(("ready", server.client_address, server.engine_address))
     # The loop runs here; a thread answers the bench (rarely: a few times per point).
     threading.Thread(target=_answer, args=(conn, server), daemon=True).start()
@@ -540,9 +549,8 @@ class _Coordkit:
         variant: str,
         endpoint: str,
         policy: str,
-        max_inflight: int | None,
+        options: dict[str, Any],
     ):
-        options = {} if max_inflight is None else {"max_inflight": max_inflight}
         implementation = coordkit.load_implementation(variant)
         self.coord = implementation.Coordinator(endpoint, policy=policy, context=context, **options)
         self.client_address = self.engine_address = self.coord.address
@@ -912,11 +920,13 @@ def _print_memory(memory: list[dict[str, Any]]) -> None:
         return
     print(f"\ncoordinator memory with requests in flight ({MEMORY_PROMPT_TOKENS}-token prompts)")
     print(
-        f"{'variant':<7} {'in flight':>10} {'RSS before':>11} {'RSS with':>11} {'per request':>12}"
+        f"{'variant':<7} {'in flight':>10} {'prompts kept':>13} {'RSS before':>11} "
+        f"{'RSS with':>11} {'per request':>12}"
     )
     for m in memory:
         print(
-            f"{m['variant']:<7} {m['inflight']:>10} {m['rss_before'] / 2**20:>7.1f} MiB "
+            f"{m['variant']:<7} {m['inflight']:>10} {'yes' if m['keep_prompts'] else 'no':>13} "
+            f"{m['rss_before'] / 2**20:>7.1f} MiB "
             f"{m['rss_with'] / 2**20:>7.1f} MiB {m['bytes_per_request']:>8.0f} B"
         )
 

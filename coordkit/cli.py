@@ -65,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_coordinator_choices(serve)
     serve.add_argument("--max-inflight", type=int, metavar="N")
     serve.add_argument("--max-inflight-per-engine", type=int, metavar="N", help="0: no cap")
+    serve.add_argument(
+        "--no-keep-prompts",
+        dest="keep_prompts",
+        action="store_false",
+        default=None,
+        help="do not keep prompts to re-send requests whose engine dies (less memory)",
+    )
     serve.add_argument("--heartbeat-timeout", type=float, metavar="S", help="0: never expire")
     serve.add_argument("--drain-timeout", type=float, metavar="S")
     serve.add_argument("--max-message-size", type=int, metavar="BYTES")
@@ -165,6 +172,7 @@ def _load(name: str) -> SimpleNamespace:
 _SERVE_OPTIONS = (
     "max_inflight",
     "max_inflight_per_engine",
+    "keep_prompts",
     "heartbeat_timeout",
     "drain_timeout",
     "max_message_size",

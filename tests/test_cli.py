@@ -133,6 +133,7 @@ def test_serve_options(impl, serve, tmp_path):
         "60",
         "--prefix-max-entries",
         "1000",
+        "--no-keep-prompts",
         "--detokenizer",
         "json:dumps",  # any importable callable of the token ids
     )

@@ -296,6 +296,30 @@ def test_unreachable_engine_is_failed_and_its_requests_rerouted(impl, tmp_path):
         assert stats["counters"]["rerouted"] == 1 and stats["counters"]["engine_failed"] == 1
 
 
+@pytest.mark.parametrize("keep_prompts", [True, False])
+@pytest.mark.parametrize("size", [7, 8191, 8192, 300_000])  # copied below 8 KiB, shared above
+def test_rerouted_prompt_arrives_intact_unless_not_kept(impl, tmp_path, size, keep_prompts):
+    address = f"ipc://{tmp_path}/c.sock"
+    options = {"policy": "round_robin", "keep_prompts": keep_prompts}
+    with Cluster(impl, address, n_engines=2, **options) as c:
+        client = c.client(coordkit=True)
+        prompt = bytes(range(256)) * (size // 256) + b"\xc1" * (size % 256)
+        params = {"temperature": 0.5, "stop": ["\n"]}
+        client.send(m([20, 0, params]), prompt)
+        server_rid = um(c.engines[0].recv()[0])[1]
+        client.send(m([20, 1, {}]), b"p")
+        assert um(c.engines[1].recv()[0])[1] == 1
+        c.engines[0].close()
+        c.peers.remove(c.engines[0])
+        time.sleep(0.1)
+        client.send(m([20, 2, {}]), b"p")  # round robin: rank 0 is found gone
+        if keep_prompts:
+            assert c.engines[1].recv() == [m([20, server_rid, params]), prompt]
+        else:
+            expect_error(client, 0, ErrorCode.ENGINE_FAILED)
+        assert um(c.engines[1].recv()[0])[1] == 2
+
+
 def test_heartbeat_timeout_fails_a_silent_engine(impl, tmp_path):
     address = f"ipc://{tmp_path}/c.sock"
     with Cluster(impl, address, n_engines=2, policy="round_robin", heartbeat_timeout=0.3) as c:
