@@ -15,6 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import zmq
+from peers import RawClient, RawEngine, m, um, wait_for
 
 import coordkit
 from coordkit import Client, FakeEngine, cli
@@ -93,6 +95,33 @@ def test_serve_stops_on_signal(impl, serve, signum):
     server.process.send_signal(signum)
     assert server.wait() == 0
     assert sum(bool(LISTENING.fullmatch(line.strip())) for line in server.stderr) == 1
+
+
+def test_serve_speaks_megatrons_frames(impl, serve, tmp_path):
+    """A client and an engine that know only Megatron-LM's layouts, against the command."""
+    server = serve("--bind", f"ipc://{tmp_path}/c.sock", "--implementation", impl.name)
+    address = server.listening().group(1)
+    ctx = zmq.Context()
+    try:
+        engine = RawEngine(ctx, address, b"mp-coord-0").register()
+        probe = RawClient(ctx, address).connect(coordkit=True)
+
+        def registered() -> bool:
+            probe.send(m([92]))
+            return len(um(probe.recv(TIMEOUT)[1])["engines"]) == 1
+
+        wait_for(registered)
+        client = RawClient(ctx, address).connect()
+        params = {"temperature": 1.0, "num_tokens_to_generate": 4}
+        client.send(m([20, 0, params]), m([1, 2, 3]))
+        meta, prompt = engine.recv(TIMEOUT)
+        assert um(meta)[0::2] == [20, params] and prompt == m([1, 2, 3])
+        engine.send(m([21, [[um(meta)[1], False]]]), m({"generated_tokens": [4]}))
+        assert client.recv(TIMEOUT) == [m([21, 0]), m({"generated_tokens": [4]})]
+        client.send(m([61]))
+        assert server.wait() == 0
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_serve_stops_on_shutdown(impl, serve, tmp_path):
