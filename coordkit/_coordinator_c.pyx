@@ -972,6 +972,7 @@ cdef class Coordinator:
         zmq_msg_close(&meta)
         if rank < 0:
             release_kept(request.kept)
+            request.kept = NULL
             with gil:
                 if rank == -E_NO_ENGINES:
                     self._reject(client, prefix.rid, ErrorCode.NO_ENGINES, header, C_NO_ENGINES)
