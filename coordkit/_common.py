@@ -112,6 +112,35 @@ def error_text(code: int, header: int) -> str:
     return f"{header_name(header)}: {_ERROR_TEXT[ErrorCode(code)]}"
 
 
+def read_connect(frames: int, frame: Buffer, length: int, end: int) -> bool | None:
+    """Whether a CONNECT comes from a coordkit client; None when it is malformed.
+
+    ``length`` and ``end`` are what the codec's ``read_header`` gave for ``frame``.
+    """
+    if frames != 1 or length > 2 or (length == 1 and end != len(frame)):
+        return None
+    if length == 1:
+        return False  # Megatron's [0]
+    try:
+        hello = unpackb(frame)[1]
+    except Exception:  # msgpack raises several unrelated types
+        return None
+    if not isinstance(hello, dict):
+        return None
+    version = hello.get("coordkit")
+    return isinstance(version, int) and not isinstance(version, bool) and version >= 1
+
+
+def valid_heartbeat(frames: int, metadata: Any) -> bool:
+    """Whether a decoded HEARTBEAT is ``[91, pending, capacity]`` in one frame."""
+    return (
+        frames == 1
+        and isinstance(metadata, list)
+        and len(metadata) == 3
+        and all(type(v) is int for v in metadata)
+    )
+
+
 def error_frame(rid: int | None, code: int, header: int) -> bytes:
     """The metadata frame of an ERROR message."""
     return packb([Header.ERROR, rid, code, error_text(code, header)])

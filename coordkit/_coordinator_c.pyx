@@ -73,9 +73,11 @@ from coordkit._common import (
     detokenize,
     error_frame,
     header_name,
+    read_connect,
     table_size,
+    valid_heartbeat,
 )
-from coordkit.protocol import BLOCK_HASH_SIZE, ErrorCode, Header, ProtocolError, packb, unpackb
+from coordkit.protocol import BLOCK_HASH_SIZE, ErrorCode, Header, ProtocolError, packb
 
 bind_libzmq()
 
@@ -826,21 +828,11 @@ cdef class Coordinator:
         self.router.add_rank(rank)
 
     cdef _connect(self, int32_t client, uint32_t length, size_t end):
-        cdef bint coordkit = False
         cdef int32_t index
-        if self.n_parts != 2 or length > 2 or (length == 1 and end != self._size(1)):
+        coordkit = read_connect(self.n_parts - 1, self._frame_bytes(1), length, end)
+        if coordkit is None:
             self._bad(None, ErrorCode.MALFORMED, Header.CONNECT, "bad CONNECT", -1)
             return
-        if length == 2:
-            try:
-                hello = unpackb(self._frame_bytes(1))[1]
-            except Exception:
-                hello = None
-            if not isinstance(hello, dict):
-                self._bad(None, ErrorCode.MALFORMED, Header.CONNECT, "bad CONNECT", -1)
-                return
-            version = hello.get("coordkit")
-            coordkit = isinstance(version, int) and not isinstance(version, bool) and version >= 1
         if client >= 0:
             self.counters[C_DUPLICATE_CONNECT] += 1
             self.clients[client].coordkit = coordkit
@@ -887,11 +879,7 @@ cdef class Coordinator:
             metadata = _codec_c.decode(self._frame_bytes(1))
         except ProtocolError:
             metadata = None
-        if (
-            self.n_parts != 2
-            or len(metadata or ()) != 3
-            or not all(type(v) is int for v in metadata)
-        ):
+        if not valid_heartbeat(self.n_parts - 1, metadata):
             self._bad(None, ErrorCode.MALFORMED, Header.HEARTBEAT, "bad HEARTBEAT", -1)
             return
         if self.engines[engine].state != GONE:

@@ -34,7 +34,9 @@ from ._common import (
     detokenize,
     error_frame,
     header_name,
+    read_connect,
     table_size,
+    valid_heartbeat,
 )
 from ._routing_py import Router
 from .protocol import (
@@ -44,7 +46,6 @@ from .protocol import (
     Header,
     ProtocolError,
     packb,
-    unpackb,
 )
 
 __all__ = ["Coordinator"]
@@ -376,21 +377,10 @@ class Coordinator:
         length: int,
         end: int,
     ) -> None:
-        meta = frames[1].buffer
-        coordkit = False
-        if len(frames) != 2 or length > 2 or (length == 1 and end != len(meta)):
+        coordkit = read_connect(len(frames) - 1, frames[1].buffer, length, end)
+        if coordkit is None:
             self._bad(identity, None, ErrorCode.MALFORMED, Header.CONNECT, "bad CONNECT")
             return
-        if length == 2:
-            try:
-                hello = unpackb(meta)[1]
-            except Exception:
-                hello = None
-            if not isinstance(hello, dict):
-                self._bad(identity, None, ErrorCode.MALFORMED, Header.CONNECT, "bad CONNECT")
-                return
-            version = hello.get("coordkit")
-            coordkit = isinstance(version, int) and not isinstance(version, bool) and version >= 1
         if client is not None:
             self._count(Counter.DUPLICATE_CONNECT)
             client.coordkit = coordkit
@@ -417,11 +407,7 @@ class Coordinator:
             metadata = codec.decode(frames[1].buffer)
         except ProtocolError:
             metadata = None
-        if (
-            len(frames) != 2
-            or len(metadata or ()) != 3
-            or not all(type(v) is int for v in metadata)  # type: ignore[union-attr]
-        ):
+        if not valid_heartbeat(len(frames) - 1, metadata):
             self._bad(engine.identity, None, ErrorCode.MALFORMED, Header.HEARTBEAT, "bad HEARTBEAT")
             return
         if engine.state != GONE:
