@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgpack
 import pytest
+import zmq
 from conftest import load
 
 import coordkit
@@ -24,12 +26,22 @@ REPORT = (
 )
 
 
-def run(env: dict[str, str], path: Path = PACKAGE.parent) -> subprocess.CompletedProcess[str]:
+def run(env: dict[str, str], copy: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Import coordkit in a new interpreter: the installed one, or a ``copy`` of it.
+
+    For a copy, ``-S`` keeps site-packages' .pth files out: an editable install
+    adds an import hook there that would find the real package's modules.
+    """
     clean = {k: v for k, v in os.environ.items() if not k.startswith("COORDKIT_")}
+    if copy is None:
+        flags, path = [], PACKAGE.parent
+    else:
+        dependencies = [Path(module.__file__).parent.parent for module in (zmq, msgpack)]
+        flags, path = ["-S"], os.pathsep.join(map(str, [copy, *dependencies]))
     return subprocess.run(
-        [sys.executable, "-W", "always", "-c", REPORT],
+        [sys.executable, *flags, "-W", "always", "-c", REPORT],
         env={**clean, "PYTHONPATH": str(path), **env},
-        cwd=path,  # `-c` puts the working directory first on sys.path
+        cwd=copy or PACKAGE.parent,  # `-c` puts the working directory first on sys.path
         capture_output=True,
         text=True,
         timeout=60,
