@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -354,22 +355,25 @@ def test_stop_ends_engine_processes(impl, tmp_path):
         for process in processes:
             assert await asyncio.to_thread(process.wait, TIMEOUT) == 0
 
-    with coordinator(impl, tmp_path) as coord:
-        processes = [engine_process(coord.address, rank) for rank in range(2)]
-        try:
-            run(body(coord.address, processes))
-        finally:
-            for process in processes:
-                process.kill()
-                process.wait()
+    with coordinator(impl, tmp_path) as coord, engine_processes(coord.address, 2) as processes:
+        run(body(coord.address, processes))
 
 
-def engine_process(address: str, rank: int, *options: str) -> subprocess.Popen[bytes]:
-    """``python -m coordkit.engine`` importing this very coordkit."""
+@contextlib.contextmanager
+def engine_processes(address: str, n: int, *options: str) -> Iterator[list[subprocess.Popen]]:
+    """``n`` ``python -m coordkit.engine`` ranks importing this very coordkit, killed at exit."""
     root = str(Path(coordkit.__file__).parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "coordkit.engine", "--address", address, "--rank", str(rank)]
-    return subprocess.Popen([*command, *options], env=env)
+    command = [sys.executable, "-m", "coordkit.engine", "--address", address]
+    processes = [
+        subprocess.Popen([*command, "--rank", str(rank), *options], env=env) for rank in range(n)
+    ]
+    try:
+        yield processes
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
 
 
 def test_killed_engine(impl, tmp_path):
@@ -388,11 +392,8 @@ def test_killed_engine(impl, tmp_path):
 
     # 40 steps of 20 ms: the requests are still running when the engine dies.
     options = ("--latency", "0.02", "--output-tokens", "40", "--heartbeat", "0.1")
-    with coordinator(impl, tmp_path, heartbeat_timeout=1.0) as coord:
-        processes = [engine_process(coord.address, rank, *options) for rank in range(2)]
-        try:
-            run(body(coord.address, processes))
-        finally:
-            for process in processes:
-                process.kill()
-                process.wait()
+    with (
+        coordinator(impl, tmp_path, heartbeat_timeout=1.0) as coord,
+        engine_processes(coord.address, 2, *options) as processes,
+    ):
+        run(body(coord.address, processes))
