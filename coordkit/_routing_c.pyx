@@ -14,10 +14,10 @@ from libc.stdint cimport INT64_MAX, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memset
 
-from coordkit._routing_py import POLICIES, _check_args, block_hashes
+from coordkit._routing_py import POLICIES, _check_args
 from coordkit.protocol import BLOCK_HASH_SIZE
 
-__all__ = ["Router", "block_hashes", "POLICIES"]
+__all__ = ["Router", "POLICIES"]
 
 
 cdef extern from *:

@@ -45,7 +45,7 @@ Ranks and eligibility
 
 ``prefix``
     Prefix-cache affinity over the request's block hashes ``h[0 .. m-1]``
-    (see :func:`block_hashes`). The router keeps a table ``hash -> (ranks,
+    (see :func:`coordkit.protocol.block_hashes`). The router keeps a table ``hash -> (ranks,
     last_used)`` in LRU order; an entry is *live* at ``now`` when
     ``now - last_used <= prefix_ttl``.
 
@@ -72,26 +72,19 @@ Ranks and eligibility
       entries left empty; the others keep their LRU order.
 
 Block hashes
-    A request's prefix is described by one u64 per *full* block of
-    ``block_size`` tokens, chained so that hash ``i`` covers blocks
-    ``0 .. i``: ``h[-1] = 0`` and ``h[i]`` is the little-endian value of
-    ``blake2b(h[i-1] as 8 bytes LE + block i's tokens as u32 LE,
-    digest_size=8)``. A trailing partial block has no hash. On the wire the
-    hashes are one frame of little-endian u64s (:data:`BLOCK_HASH_SIZE` bytes
-    each) that the coordinator reads in place.
+    ``h[0 .. m-1]`` are defined by :func:`coordkit.protocol.block_hashes`; the
+    coordinator reads their frame in place.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
 
 from .protocol import BLOCK_HASH_SIZE
 
-__all__ = ["Router", "block_hashes", "POLICIES"]
+__all__ = ["Router", "POLICIES"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -102,20 +95,6 @@ MAX_RANKS_LIMIT = 1 << 16
 MAX_PREFIX_ENTRIES_LIMIT = (1 << 31) - 1
 
 _U64 = (1 << 64) - 1
-
-
-def block_hashes(tokens: Sequence[int], block_size: int) -> bytes:
-    """The chained hashes of the full blocks of ``tokens``, as one LE u64 frame."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be positive, not {block_size}")
-    block = struct.Struct(f"<{block_size}I")
-    out = bytearray()
-    prev = bytes(8)  # h[-1] = 0
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        data = prev + block.pack(*tokens[start : start + block_size])
-        prev = hashlib.blake2b(data, digest_size=8).digest()
-        out += prev
-    return bytes(out)
 
 
 def _check_args(

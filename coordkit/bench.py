@@ -46,8 +46,8 @@ import zmq
 
 import coordkit
 
-from ._routing_py import POLICIES, block_hashes
-from .protocol import Header, packb, unpackb
+from ._routing_py import POLICIES
+from .protocol import Header, block_hashes, packb, unpackb
 
 __all__ = ["main", "VARIANTS", "LENGTHS"]
 

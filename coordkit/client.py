@@ -27,15 +27,20 @@ import zmq
 import zmq.asyncio
 
 from . import protocol
-from .protocol import COORDKIT_HELLO, ErrorCode, Header, ProtocolError, packb, unpackb
+from .protocol import (
+    COORDKIT_HELLO,
+    STREAM_KEY,
+    ErrorCode,
+    Header,
+    ProtocolError,
+    block_hashes,
+    packb,
+    unpackb,
+)
 
-__all__ = ["Client", "CoordinatorError", "ReplyFuture", "Stream", "STREAM_KEY"]
+__all__ = ["Client", "CoordinatorError", "ReplyFuture", "Stream"]
 
 log = logging.getLogger(__name__)
-
-#: The sampling-params key that asks an engine for partial replies
-#: (:class:`coordkit.FakeEngine` honours it); :meth:`Client.stream` sets it.
-STREAM_KEY = "stream"
 
 #: A prompt: text, token ids, or bytes sent as they are.
 Prompt = str | bytes | bytearray | memoryview | zmq.Frame | Sequence[int]
@@ -224,8 +229,6 @@ class Client:
         if block_size is not None:
             if isinstance(prompt, (str, *_BYTES_LIKE)):
                 raise ValueError("block hashes need a prompt of token ids")
-            from ._routing_py import block_hashes  # only prefix routing needs it
-
             frames.append(block_hashes(prompt, block_size))
         self._pending[rid] = target
         sent = self._socket.send_multipart(frames, copy=False)

@@ -33,8 +33,7 @@ from typing import Any
 import zmq
 
 from . import protocol
-from ._routing_py import block_hashes
-from .protocol import BLOCK_HASH_SIZE, Header, ProtocolError, packb, unpackb
+from .protocol import BLOCK_HASH_SIZE, Header, ProtocolError, block_hashes, packb, unpackb
 
 __all__ = ["Engine", "FakeEngine", "Request", "Abort", "ReleaseKV", "Control", "Event", "main"]
 
@@ -275,7 +274,7 @@ class FakeEngine(Engine):
     ``logprobs`` (one per token) and ``generated_text`` (None).
 
     A simulated prefix (KV) cache holds the chained hashes (see
-    :func:`coordkit._routing_py.block_hashes`) of up to ``cache_blocks``
+    :func:`coordkit.protocol.block_hashes`) of up to ``cache_blocks``
     prompt blocks of ``prefix_block_size`` tokens, least recently used
     evicted first. When a request with a token-id prompt is admitted, its
     leading blocks already cached (up to the first miss) are its hits, and

@@ -16,6 +16,8 @@ validates: a wrong frame count, field count or field type raises
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import namedtuple
 from collections.abc import Sequence
 from enum import IntEnum
@@ -33,6 +35,8 @@ __all__ = [
     "CONTROL_HEADERS",
     "COORDKIT_HELLO",
     "BLOCK_HASH_SIZE",
+    "STREAM_KEY",
+    "block_hashes",
     "packb",
     "unpackb",
 ]
@@ -45,6 +49,10 @@ COORDKIT_HELLO = {"coordkit": 1}
 
 #: Bytes per entry of the optional block-hash frame (little-endian u64).
 BLOCK_HASH_SIZE = 8
+
+#: The sampling-params key that asks an engine for partial replies
+#: (:class:`coordkit.FakeEngine` honours it); ``Client.stream`` sets it.
+STREAM_KEY = "stream"
 
 
 class Header(IntEnum):
@@ -110,6 +118,29 @@ def packb(obj: Any) -> bytes:
 
 def unpackb(data: Buffer) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> bytes:
+    """The chained hashes of the full blocks of ``tokens``, as one LE u64 frame.
+
+    A request's prefix is described by one u64 per *full* block of
+    ``block_size`` tokens, chained so that hash ``i`` covers blocks ``0 .. i``:
+    ``h[-1] = 0`` and ``h[i]`` is the little-endian value of
+    ``blake2b(h[i-1] as 8 bytes LE + block i's tokens as u32 LE, digest_size=8)``.
+    A trailing partial block has no hash. On the wire the hashes are one frame
+    of little-endian u64s (:data:`BLOCK_HASH_SIZE` bytes each), sent after a
+    SUBMIT's payload frames, that the coordinator reads in place and consumes.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, not {block_size}")
+    block = struct.Struct(f"<{block_size}I")
+    out = bytearray()
+    prev = bytes(8)  # h[-1] = 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        data = prev + block.pack(*tokens[start : start + block_size])
+        prev = hashlib.blake2b(data, digest_size=8).digest()
+        out += prev
+    return bytes(out)
 
 
 class Field:

@@ -23,9 +23,8 @@ import zmq.asyncio
 
 import coordkit
 from coordkit import Client, CoordinatorError, ErrorCode, FakeEngine, Header
-from coordkit._routing_py import block_hashes
 from coordkit.engine import Control, Engine
-from coordkit.protocol import packb, unpackb
+from coordkit.protocol import block_hashes, packb, unpackb
 
 TIMEOUT = 5.0
 

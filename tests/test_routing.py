@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import importlib
 import random
 import struct
 
 import pytest
+
+from coordkit import protocol
 
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix")
 U64 = (1 << 64) - 1
@@ -197,7 +198,7 @@ def test_power_of_two_with_one_rank(impl):
 
 
 def chain(impl, tokens: list[int]) -> bytes:
-    return importlib.import_module(impl.Router.__module__).block_hashes(tokens, 16)
+    return protocol.block_hashes(tokens, 16)
 
 
 def test_prefix_shared_prefix_lands_on_the_same_rank(impl):
@@ -338,27 +339,25 @@ def test_hash_frame_not_a_multiple_of_8(impl, policy, size):
 # -- block hashes ----------------------------------------------------------------
 
 
-def test_block_hashes_definition(impl):
-    routing = importlib.import_module(impl.Router.__module__)
+def test_block_hashes_definition():
     tokens = list(range(40))  # two full blocks of 16, and 8 tokens that have no hash
     expected, prev = b"", bytes(8)
     for start in (0, 16):
         data = prev + b"".join(t.to_bytes(4, "little") for t in tokens[start : start + 16])
         prev = hashlib.blake2b(data, digest_size=8).digest()
         expected += prev
-    assert routing.block_hashes(tokens, 16) == expected
-    assert routing.block_hashes(tokens[:15], 16) == b""
+    assert protocol.block_hashes(tokens, 16) == expected
+    assert protocol.block_hashes(tokens[:15], 16) == b""
 
 
-def test_block_hashes_are_chained(impl):
-    routing = importlib.import_module(impl.Router.__module__)
+def test_block_hashes_are_chained():
     base = list(range(64))
-    assert routing.block_hashes(base + [7] * 32, 16)[:32] == routing.block_hashes(base, 16)
-    other = routing.block_hashes([1] + base[1:], 16)
-    mine = routing.block_hashes(base, 16)
+    assert protocol.block_hashes(base + [7] * 32, 16)[:32] == protocol.block_hashes(base, 16)
+    other = protocol.block_hashes([1] + base[1:], 16)
+    mine = protocol.block_hashes(base, 16)
     assert all(other[i : i + 8] != mine[i : i + 8] for i in range(0, 32, 8))
     with pytest.raises(ValueError):
-        routing.block_hashes(base, 0)
+        protocol.block_hashes(base, 0)
 
 
 # -- differential: the same trace through both routers ---------------------------
