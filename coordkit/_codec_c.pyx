@@ -43,7 +43,16 @@ from libc.stdint cimport (
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
 
+from coordkit._constants cimport (
+    HEADER_ENGINE_REPLY,
+    HEADER_ENGINE_REPLY_PARTIAL,
+    generated_constants,
+)
+
+from coordkit._shared import check_constants
 from coordkit.protocol import ProtocolError
+
+check_constants(generated_constants())
 
 cdef extern from "_cursor.h" nogil:
     ctypedef struct ck_cursor:
@@ -76,8 +85,6 @@ cdef enum:
     # msgpack's unpacker refuses a container opened this deep; the skip of
     # read_submit does the same, so it accepts exactly what Unpacker.skip does.
     _SKIP_DEPTH = 1024
-    _ENGINE_REPLY = 21
-    _ENGINE_REPLY_PARTIAL = 22
     # read_reply takes batches up to this size without a heap allocation.
     _LOCAL_ENTRIES = 64
 
@@ -321,14 +328,14 @@ cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* 
     status = _read_int(&c, header)
     if status != CK_OK:
         return status
-    if header[0] != _ENGINE_REPLY and header[0] != _ENGINE_REPLY_PARTIAL:
+    if header[0] != HEADER_ENGINE_REPLY and header[0] != HEADER_ENGINE_REPLY_PARTIAL:
         return CK_BAD_HEADER
     status = _read_array(&c, &length)
     if status != CK_OK:
         return status
     if length > ck_left(&c):
         return CK_TRUNCATED
-    cdef bint full = header[0] == _ENGINE_REPLY
+    cdef bint full = header[0] == HEADER_ENGINE_REPLY
     cdef uint32_t pair
     for i in range(length):
         if full:

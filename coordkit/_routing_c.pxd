@@ -1,20 +1,31 @@
 # cython: language_level=3
-"""The Cython router, for the coordinator to call without the GIL.
+"""The Cython router, for the loop core to call without the GIL.
 
-``choose_c``, ``release_c`` and ``accepting_c`` are the hot path: they touch
-only the C tables below, all allocated by the constructor. The rules are
-those of coordkit._routing_py (the reference).
+``choose_c``, ``release_c``, ``accepting_c`` and ``remove_rank_c`` touch only
+the C tables below, all allocated by the constructor. The rules are those of
+coordkit._routing_py (the reference).
 """
 
 cimport cython
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
 
-cdef struct PrefixEntry:
-    uint64_t hash
-    double last_used
-    uint32_t older   # LRU neighbours, CK_NIL at the ends; older links the free list
-    uint32_t newer
+cdef extern from "_tables.h" nogil:
+    uint64_t CK_GOLDEN
+
+    ctypedef struct ck_prefix_entry:
+        uint64_t hash
+        double last_used
+        uint32_t older  # LRU neighbours, CK_NIL at the ends; older links the free list
+        uint32_t newer
+
+    ctypedef struct ck_prefix:
+        uint32_t* cells
+
+    int ck_prefix_init(ck_prefix* t, ck_prefix_entry* entries, uint32_t max_entries)
+    uint32_t ck_prefix_find(const ck_prefix* t, uint64_t hash)
+    void ck_prefix_insert(ck_prefix* t, uint32_t e)
+    void ck_prefix_remove(ck_prefix* t, uint32_t e)
 
 
 @cython.final
@@ -43,11 +54,9 @@ cdef class Router:
         uint32_t lru_oldest
         uint32_t lru_newest
         size_t stride        # mask words per entry: ceil(max_ranks / 64)
-        int slot_shift       # 64 - log2(number of slots)
-        uint64_t slot_mask
-        PrefixEntry* entries
+        ck_prefix_entry* entries
+        ck_prefix table      # hash -> entry
         uint64_t* masks      # each entry's ranks, stride words
-        uint32_t* slots      # open addressing, linear probing: entry index + 1, 0 = empty
         uint64_t* running    # scratch: candidate ranks along the chain
         uint64_t* matched    # scratch: the ranks of the chain's first entry (depth > 0)
         int* depth           # scratch: matched depth per rank
@@ -55,6 +64,7 @@ cdef class Router:
     cdef int choose_c(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil
     cdef void release_c(self, int rank) noexcept nogil
     cdef bint accepting_c(self, int rank) noexcept nogil
+    cdef void remove_rank_c(self, int rank) noexcept nogil
 
     # Internals (a cdef class declared in a .pxd declares all its C methods here).
     cdef bint _eligible(self, int rank) noexcept nogil
@@ -66,8 +76,6 @@ cdef class Router:
     cdef int _match(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil
     cdef void _record(self, const uint8_t* hashes, size_t n_hashes, int rank,
                       double now) noexcept nogil
-    cdef uint64_t _home(self, uint64_t h) noexcept nogil
-    cdef uint32_t _lookup(self, uint64_t h) noexcept nogil
     cdef uint32_t _insert(self, uint64_t h) noexcept nogil
     cdef void _delete(self, uint32_t e) noexcept nogil
     cdef void _unlink(self, uint32_t e) noexcept nogil

@@ -2,10 +2,10 @@
 # cython: cdivision=True, boundscheck=False, wraparound=False
 """The router in Cython: coordkit._routing_py's Router over C tables.
 
-The rules, and the block-hash function, are defined once in
-coordkit._routing_py; this module makes the same decisions bit for bit.
-Every table is allocated by the constructor, so a decision allocates nothing
-and needs neither the GIL nor a Python object (see ``Router.choose_c``).
+The rules are defined once, in coordkit._routing_py; this module makes the
+same decisions bit for bit. Every table is allocated by the constructor (the
+prefix table's hash part is _tables.h's ck_prefix), so a decision allocates
+nothing and needs neither the GIL nor a Python object (see ``Router.choose_c``).
 """
 
 cimport cython
@@ -14,8 +14,12 @@ from libc.stdint cimport INT64_MAX, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memset
 
+from coordkit._constants cimport BLOCK_HASH_SIZE, generated_constants
+
 from coordkit._routing_py import POLICIES, _check_args
-from coordkit.protocol import BLOCK_HASH_SIZE
+from coordkit._shared import check_constants
+
+check_constants(generated_constants())
 
 __all__ = ["Router", "POLICIES"]
 
@@ -24,7 +28,6 @@ cdef extern from *:
     """
     #include <string.h>
     #define CK_NIL UINT32_MAX
-    #define CK_GOLDEN 0x9E3779B97F4A7C15ULL  /* 2**64 / phi: splitmix64, Fibonacci hashing */
 
     /* The hash frame is a zmq message body: no alignment guarantee. */
     static inline uint64_t ck_load_le64(const uint8_t *p) {
@@ -47,7 +50,6 @@ cdef extern from *:
     }
     """
     uint32_t CK_NIL
-    uint64_t CK_GOLDEN
     uint64_t ck_load_le64(const uint8_t* p) noexcept nogil
     int ck_ctz64(uint64_t x) noexcept nogil
 
@@ -87,7 +89,6 @@ cdef class Router:
         double prefix_ttl=600.0,
         prefix_max_entries=1_000_000,
     ):
-        cdef uint64_t n_slots = 2
         _check_args(policy, max_ranks, seed, rank_cap, prefix_alpha, prefix_max_entries)
         self._policy = policy
         self.policy_id = POLICIES.index(policy)
@@ -111,19 +112,14 @@ cdef class Router:
         # so memory grows with the entries actually used.
         self.max_entries = prefix_max_entries
         self.stride = (self.max_ranks + 63) >> 6
-        self.slot_shift = 63
-        while n_slots < 2 * <uint64_t>self.max_entries:  # load factor <= 1/2
-            n_slots <<= 1
-            self.slot_shift -= 1
-        self.slot_mask = n_slots - 1
-        self.entries = <PrefixEntry*>calloc(self.max_entries, sizeof(PrefixEntry))
+        self.entries = <ck_prefix_entry*>calloc(self.max_entries, sizeof(ck_prefix_entry))
         self.masks = <uint64_t*>calloc(self.max_entries * self.stride, sizeof(uint64_t))
-        self.slots = <uint32_t*>calloc(n_slots, sizeof(uint32_t))
         self.running = <uint64_t*>calloc(self.stride, sizeof(uint64_t))
         self.matched = <uint64_t*>calloc(self.stride, sizeof(uint64_t))
         self.depth = <int*>calloc(self.max_ranks, sizeof(int))
-        if (self.entries == NULL or self.masks == NULL or self.slots == NULL
-                or self.running == NULL or self.matched == NULL or self.depth == NULL):
+        if (self.entries == NULL or self.masks == NULL or self.running == NULL
+                or self.matched == NULL or self.depth == NULL
+                or ck_prefix_init(&self.table, self.entries, self.max_entries) != 0):
             raise MemoryError()
 
     def __dealloc__(self):
@@ -133,7 +129,7 @@ cdef class Router:
         free(self.member_pos)
         free(self.entries)
         free(self.masks)
-        free(self.slots)
+        free(self.table.cells)
         free(self.running)
         free(self.matched)
         free(self.depth)
@@ -165,13 +161,17 @@ cdef class Router:
             self.n_ranks = rank + 1
 
     def remove_rank(self, int rank) -> None:
+        _check_rank(self, rank)
+        self.remove_rank_c(rank)
+
+    cdef void remove_rank_c(self, int rank) noexcept nogil:
+        """``remove_rank`` of a rank in range."""
         cdef int pos, last
         cdef uint32_t e, newer
         cdef uint64_t* mask
         cdef uint64_t bit = (<uint64_t>1) << (rank & 63)
         cdef size_t w
         cdef bint empty
-        _check_rank(self, rank)
         if not self.is_accepting[rank]:
             return
         self.is_accepting[rank] = 0
@@ -233,7 +233,7 @@ cdef class Router:
         cdef int r
         if self.entries == NULL:
             return []
-        e = self._lookup(hash)
+        e = ck_prefix_find(&self.table, hash)
         if e == CK_NIL or now - self.entries[e].last_used > self.prefix_ttl:
             return []
         mask = self.masks + e * self.stride
@@ -399,7 +399,7 @@ cdef class Router:
         cdef uint32_t e
         cdef int d = 0
         for i in range(n_hashes):
-            e = self._lookup(ck_load_le64(hashes + 8 * i))
+            e = ck_prefix_find(&self.table, ck_load_le64(hashes + 8 * i))
             if e == CK_NIL or now - self.entries[e].last_used > self.prefix_ttl:
                 break
             mask = self.masks + e * self.stride
@@ -435,7 +435,7 @@ cdef class Router:
             self._delete(self.lru_oldest)
         for i in range(n_hashes):
             h = ck_load_le64(hashes + 8 * i)
-            e = self._lookup(h)
+            e = ck_prefix_find(&self.table, h)
             if e == CK_NIL:
                 if self.n_entries == self.max_entries:
                     self._delete(self.lru_oldest)
@@ -448,27 +448,11 @@ cdef class Router:
             self.entries[e].last_used = now
             self._append(e)
 
-    # -- prefix table: open addressing over a pool, with an intrusive LRU list --
-
-    cdef inline uint64_t _home(self, uint64_t h) noexcept nogil:
-        # Fibonacci hashing: spreads even small test hashes over the slots.
-        return (h * CK_GOLDEN) >> self.slot_shift
-
-    cdef uint32_t _lookup(self, uint64_t h) noexcept nogil:
-        cdef uint64_t i = self._home(h)
-        cdef uint32_t s
-        while True:
-            s = self.slots[i]
-            if s == 0:
-                return CK_NIL
-            if self.entries[s - 1].hash == h:
-                return s - 1
-            i = (i + 1) & self.slot_mask
+    # -- prefix table: entries in a pool, found by hash (ck_prefix), in an LRU list --
 
     cdef uint32_t _insert(self, uint64_t h) noexcept nogil:
-        """A new entry for ``h`` with no ranks, in the slots but not yet in the LRU list."""
+        """A new entry for ``h`` with no ranks, filed under ``h`` but not yet in the LRU list."""
         cdef uint32_t e
-        cdef uint64_t i = self._home(h)
         if self.free_list != CK_NIL:
             e = self.free_list
             self.free_list = self.entries[e].older
@@ -477,31 +461,13 @@ cdef class Router:
             self.n_used += 1
         self.entries[e].hash = h
         memset(self.masks + e * self.stride, 0, self.stride * sizeof(uint64_t))
-        while self.slots[i]:
-            i = (i + 1) & self.slot_mask
-        self.slots[i] = e + 1
+        ck_prefix_insert(&self.table, e)
         self.n_entries += 1
         return e
 
     cdef void _delete(self, uint32_t e) noexcept nogil:
-        cdef uint64_t i = self._home(self.entries[e].hash), j, k
-        cdef uint32_t s
         self._unlink(e)
-        while self.slots[i] != e + 1:
-            i = (i + 1) & self.slot_mask
-        # Backward-shift deletion: pull each later entry of the probe run into
-        # the hole unless its home lies cyclically after the hole.
-        j = i
-        while True:
-            j = (j + 1) & self.slot_mask
-            s = self.slots[j]
-            if s == 0:
-                break
-            k = self._home(self.entries[s - 1].hash)
-            if ((j - k) & self.slot_mask) >= ((j - i) & self.slot_mask):
-                self.slots[i] = s
-                i = j
-        self.slots[i] = 0
+        ck_prefix_remove(&self.table, e)
         self.entries[e].older = self.free_list
         self.free_list = e
         self.n_entries -= 1

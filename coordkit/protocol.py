@@ -32,10 +32,16 @@ __all__ = [
     "Field",
     "MessageSpec",
     "BatchedMessageSpec",
+    "ControlState",
     "CONTROL_HEADERS",
+    "CONTROL_TRANSITIONS",
     "COORDKIT_HELLO",
     "BLOCK_HASH_SIZE",
+    "MAX_PARTS",
     "STREAM_KEY",
+    "error_text",
+    "header_name",
+    "parse_connect",
     "block_hashes",
     "packb",
     "unpackb",
@@ -49,6 +55,13 @@ COORDKIT_HELLO = {"coordkit": 1}
 
 #: Bytes per entry of the optional block-hash frame (little-endian u64).
 BLOCK_HASH_SIZE = 8
+
+#: Frames in one message beyond which it is malformed (a batch of that many
+#: replies is far beyond any engine step).
+MAX_PARTS = 1 << 16
+
+#: Every int on the wire (request ids, epochs, counts) is an int64.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 #: The sampling-params key that asks an engine for partial replies
 #: (:class:`coordkit.FakeEngine` honours it); ``Client.stream`` sets it.
@@ -85,6 +98,35 @@ class Header(IntEnum):
 CONTROL_HEADERS = frozenset(range(Header.PAUSE, Header.STOP_CUDA_PROFILER + 1))
 
 
+class ControlState(IntEnum):
+    """Where the coordinator's control state machine stands."""
+
+    RUNNING = 0
+    PAUSED = 1
+    SUSPENDED = 2
+
+
+#: (state, signal) -> state after it; a signal absent for a state is refused.
+#: SET_GENERATION_EPOCH and the profiler signals are allowed in every state.
+CONTROL_TRANSITIONS: dict[tuple[int, int], int] = {
+    (ControlState.RUNNING, Header.PAUSE): ControlState.PAUSED,
+    (ControlState.PAUSED, Header.UNPAUSE): ControlState.RUNNING,
+    (ControlState.PAUSED, Header.SUSPEND): ControlState.SUSPENDED,
+    (ControlState.SUSPENDED, Header.RESUME): ControlState.PAUSED,
+    (ControlState.PAUSED, Header.STOP): ControlState.RUNNING,
+    (ControlState.SUSPENDED, Header.STOP): ControlState.RUNNING,
+    **{
+        (state, signal): state
+        for state in ControlState
+        for signal in (
+            Header.SET_GENERATION_EPOCH,
+            Header.START_CUDA_PROFILER,
+            Header.STOP_CUDA_PROFILER,
+        )
+    },
+}
+
+
 class ErrorCode(IntEnum):
     """The ``code`` of an ERROR message."""
 
@@ -110,6 +152,36 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, rid: int | None = None):
         super().__init__(message)
         self.rid = rid
+
+
+_ERROR_TEXTS = {
+    ErrorCode.MALFORMED: "malformed message",
+    ErrorCode.UNKNOWN_HEADER: "header not accepted from a client",
+    ErrorCode.NOT_CONNECTED: "send CONNECT first",
+    ErrorCode.BUSY: "coordinator at capacity",
+    ErrorCode.ENGINE_FAILED: "the engine serving the request failed",
+    ErrorCode.NO_ENGINES: "no engine is available",
+    ErrorCode.UNKNOWN_REQUEST: "no such request in flight",
+    ErrorCode.DUPLICATE_REQUEST: "request id already in flight",
+    ErrorCode.INVALID_STATE: "signal not allowed in the current control state",
+    ErrorCode.SHUTTING_DOWN: "coordinator shut down",
+}
+
+
+def header_name(header: int) -> str:
+    """``header``'s name, for texts and logs; a negative header is one that did not parse."""
+    if header < 0:
+        return "message"
+    try:
+        return Header(header).name
+    except ValueError:
+        return f"header {header}"
+
+
+def error_text(code: int, header: int) -> str:
+    """An ERROR's message: ``"<HEADER>: <reason>"``, a fixed table, so every
+    implementation puts the same bytes on the wire."""
+    return f"{header_name(header)}: {_ERROR_TEXTS[ErrorCode(code)]}"
 
 
 def packb(obj: Any) -> bytes:
@@ -144,7 +216,10 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> bytes:
 
 
 class Field:
-    """One metadata field: a name and the Python types it may decode to."""
+    """One metadata field: a name and the Python types it may decode to.
+
+    An int field takes int64 values only (every int on the wire is one).
+    """
 
     __slots__ = ("name", "types", "nullable")
 
@@ -161,6 +236,8 @@ class Field:
             ok = False
         else:
             ok = object in self.types or isinstance(value, self.types)
+        if ok and type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+            raise ProtocolError(f"{message}: field {self.name!r} does not fit int64")
         if not ok:
             expected = " or ".join(t.__name__ for t in self.types)
             raise ProtocolError(
@@ -229,7 +306,25 @@ class MessageSpec:
         return frames
 
     def parse(self, frames: Sequence[Buffer]) -> Any:
-        """Decode and validate one message (without the ROUTER identity frame)."""
+        """Decode and validate one message (without the ROUTER identity frame).
+
+        A fault found after a valid leading ``rid`` field raises
+        :class:`ProtocolError` with that ``rid``, so the request can be named.
+        """
+        if not frames:
+            raise ProtocolError(f"{self.name}: empty message")
+        metadata = _decode_metadata(self.name, self.header, frames[0])
+        fields = metadata[1:]
+        try:
+            self._check(frames, fields)
+        except ProtocolError as exc:
+            exc.rid = self._leading_rid(fields)
+            raise
+        optional = list(frames[self.min_frames :])
+        optional += [None] * (len(self.optional_frames) - len(optional))
+        return self.message_type(*fields, *frames[1 : self.min_frames], *optional)
+
+    def _check(self, frames: Sequence[Buffer], fields: list[Any]) -> None:
         if not self.min_frames <= len(frames) <= self.max_frames:
             expected = (
                 str(self.min_frames)
@@ -237,8 +332,6 @@ class MessageSpec:
                 else f"{self.min_frames}-{self.max_frames}"
             )
             raise ProtocolError(f"{self.name}: expected {expected} frames, got {len(frames)}")
-        metadata = _decode_metadata(self.name, self.header, frames[0])
-        fields = metadata[1:]
         if len(fields) != len(self.metadata_fields):
             raise ProtocolError(
                 f"{self.name}: expected {len(self.metadata_fields)} metadata fields, "
@@ -246,9 +339,12 @@ class MessageSpec:
             )
         for spec, value in zip(self.metadata_fields, fields, strict=True):
             spec.check(self.name, value)
-        optional = list(frames[self.min_frames :])
-        optional += [None] * (len(self.optional_frames) - len(optional))
-        return self.message_type(*fields, *frames[1 : self.min_frames], *optional)
+
+    def _leading_rid(self, fields: list[Any]) -> int | None:
+        if not self.metadata_fields or self.metadata_fields[0].name != "rid" or not fields:
+            return None
+        rid = fields[0]
+        return rid if type(rid) is int and INT64_MIN <= rid <= INT64_MAX else None
 
 
 class BatchedMessageSpec:
@@ -350,6 +446,19 @@ HEARTBEAT = MessageSpec(
 )
 STATS = MessageSpec("STATS", Header.STATS)
 STATS_REPLY = MessageSpec("STATS_REPLY", Header.STATS_REPLY, [], ["stats"])
+
+
+def parse_connect(frames: Sequence[Buffer]) -> bool:
+    """Whether a CONNECT comes from a coordkit client: ``[0, {"coordkit": n}]``
+    with an int ``n >= 1``; any other map, or Megatron's ``[0]``, is not one.
+    Raises :class:`ProtocolError` for anything else."""
+    try:
+        version = CONNECT_COORDKIT.parse(frames).hello.get("coordkit")
+    except ProtocolError:
+        CONNECT.parse(frames)
+        return False
+    return type(version) is int and version >= 1
+
 
 #: The bare control signals (all but SET_GENERATION_EPOCH, which carries an epoch).
 CONTROL = {

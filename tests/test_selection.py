@@ -21,8 +21,8 @@ import coordkit
 
 PACKAGE = Path(coordkit.__file__).parent
 REPORT = (
-    "import coordkit, warnings; "
-    "print(coordkit.IMPLEMENTATION, coordkit.Coordinator.__module__, coordkit.codec.__name__)"
+    "import coordkit; impl = coordkit.load_implementation(coordkit.IMPLEMENTATION); "
+    "print(coordkit.IMPLEMENTATION, impl.loop.__name__, impl.codec.__name__)"
 )
 
 
@@ -57,7 +57,7 @@ def without_extensions(tmp_path) -> Path:
 
 def test_purepython_selects_the_reference():
     result = run({"COORDKIT_PUREPYTHON": "1"})
-    assert result.stdout.split() == ["py", "coordkit._coordinator_py", "coordkit._codec_py"]
+    assert result.stdout.split() == ["py", "coordkit._loop_py", "coordkit._codec_py"]
     assert "RuntimeWarning" not in result.stderr
 
 
@@ -66,7 +66,7 @@ def test_purepython_selects_the_reference():
 def test_the_extension_is_the_default(env):
     load("c")  # skips (or fails under COORDKIT_REQUIRE_EXTENSION=1) without it
     result = run(env)
-    assert result.stdout.split() == ["c", "coordkit._coordinator_c", "coordkit._codec_c"]
+    assert result.stdout.split() == ["c", "coordkit._loop_c", "coordkit._codec_c"]
 
 
 def test_a_missing_extension_falls_back_loudly(without_extensions):

@@ -1,0 +1,162 @@
+# cython: language_level=3
+"""Declarations of the Cython loop core (its C tables are in _tables.h)."""
+
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+
+from coordkit._codec_c cimport ck_entry, ck_submit
+from coordkit._constants cimport N_COUNTERS
+from coordkit._libzmq cimport zmq_msg_t
+from coordkit._routing_c cimport Router
+
+
+cdef extern from "_tables.h" nogil:
+    ctypedef struct ck_ids:
+        pass
+
+    ctypedef struct ck_request:
+        int64_t server_rid
+        int64_t client_rid
+        void* kept
+        uint32_t client
+        uint32_t flags
+        int32_t rank
+
+    ctypedef struct ck_requests:
+        ck_request* pool
+        uint32_t used
+        uint32_t live
+
+    int ck_ids_init(ck_ids* t, uint32_t capacity)
+    void ck_ids_free(ck_ids* t)
+    int32_t ck_ids_find(const ck_ids* t, const uint8_t* id, size_t n)
+    void ck_ids_insert(ck_ids* t, int32_t index, const uint8_t* id, size_t n)
+    void ck_ids_remove(ck_ids* t, int32_t index)
+    const uint8_t* ck_ids_get(const ck_ids* t, int32_t index, size_t* n)
+
+    int ck_requests_init(ck_requests* t, uint32_t capacity, uint64_t index_size)
+    void ck_requests_free(ck_requests* t)
+    int64_t ck_requests_find(const ck_requests* t, int64_t server_rid)
+    int64_t ck_requests_find_client(const ck_requests* t, uint32_t client, int64_t client_rid)
+    uint32_t ck_requests_add(ck_requests* t, uint32_t client, int64_t client_rid)
+    void ck_requests_remove(ck_requests* t, uint32_t slot)
+
+
+cdef struct Client:
+    bint used
+    bint coordkit  # said {"coordkit": 1} in CONNECT: may be sent ERROR and STATS_REPLY
+    int64_t inflight
+    uint64_t last_seen  # the message count when it last sent one
+
+
+cdef struct Engine:
+    int state  # EngineState
+    bint heartbeats  # has sent a HEARTBEAT: may be timed out
+    double last_heartbeat
+    double drain_deadline
+    int gone_reason  # why it was found gone, for the log
+
+
+cdef enum GoneReason:
+    GONE_UNREACHABLE
+    GONE_NO_HEARTBEAT
+    GONE_DRAIN_TIMED_OUT
+
+
+cdef struct RequestOrder:  # a request on the rare paths that walk them in server-id order
+    int64_t server_rid
+    uint32_t slot
+
+
+cdef class Loop:
+    cdef:
+        object _log, _detokenizer, _router_socket, _wake_socket
+        Router router
+        void* sock  # the ROUTER's raw libzmq handle
+        void* wake  # the inproc PAIR that stop() writes to
+        bint stopping  # SHUTDOWN arrived, or stop() woke us
+
+        int64_t max_inflight
+        double heartbeat_timeout
+        double drain_timeout
+        int max_clients
+        int max_engines
+        bint keep_prompts
+        bint has_detokenizer
+
+        ck_requests requests
+        Client* clients
+        ck_ids client_ids
+        int n_clients
+        Engine* engines
+        ck_ids engine_ids
+        int n_engines
+        int* gone  # ranks found gone whose requests are not settled yet, oldest first
+        int n_gone
+        int control_state
+        uint64_t counters[N_COUNTERS]
+        uint64_t messages
+        uint64_t debug_polls  # DEBUG builds: loop wake-ups, against the messages handled
+
+        # The message being handled: its frames, and the entries of a reply batch.
+        zmq_msg_t* parts
+        int n_parts
+        int parts_capacity
+        bint oversized  # it had more than MAX_PARTS frames: malformed
+        ck_entry* entries
+        uint32_t entries_capacity
+
+    # the hot path (no GIL)
+    cdef bint _serve_for(self, double timeout) noexcept nogil
+    cdef void _drain(self) noexcept nogil
+    cdef bint _receive(self) noexcept nogil
+    cdef void _discard_rest(self) noexcept nogil
+    cdef void _handle(self) noexcept nogil
+    cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil
+    cdef void _submit(self, int32_t client, int64_t header) noexcept nogil
+    cdef void _rewrite_submit(self, zmq_msg_t* out, ck_submit* submit, int64_t server_rid) noexcept nogil
+    cdef int _route(self, uint32_t slot, const uint8_t* hashes, size_t n_hashes,
+                    zmq_msg_t* meta, int n_payload) noexcept nogil
+    cdef int _resend(self, uint32_t slot) noexcept nogil
+    cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, int* rank) noexcept nogil
+    cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil
+    cdef void _forward_replies(self, int32_t engine) noexcept nogil
+    cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil
+    cdef void _forget(self, uint32_t slot) noexcept nogil
+    cdef void _mark_gone(self, int rank, int reason) noexcept nogil
+    cdef int _send_identity(self, ck_ids* table, int32_t index) noexcept nogil
+    cdef const uint8_t* _data(self, int part) noexcept nogil
+    cdef size_t _size(self, int part) noexcept nogil
+
+    # rare paths (with the GIL)
+    cdef _from_client_rarely(self, int32_t client, int64_t header)
+    cdef _from_engine_rarely(self, int32_t engine, int64_t header)
+    cdef _register(self, int32_t engine)
+    cdef _connect(self, int32_t client)
+    cdef int32_t _vacant_client(self) except -2
+    cdef _remove_client(self, int32_t client)
+    cdef _heartbeat(self, int32_t engine)
+    cdef _disconnect(self, int32_t engine)
+    cdef _abort(self, int32_t client)
+    cdef _release_kv(self, int32_t client)
+    cdef _control(self, int32_t client, int64_t header)
+    cdef _shutdown_signal(self, int32_t client)
+    cdef _stats_request(self, int32_t client)
+    cdef object _parse(self, object spec, int32_t client, int64_t header)
+    cdef _broadcast(self)
+    cdef _detokenize(self, int part)
+
+    # failures
+    cdef _settle(self)
+    cdef _settle_engine(self, int rank)
+    cdef RequestOrder* _in_order(self, int rank, int32_t client, uint32_t* count) except NULL
+    cdef _fail_request(self, uint32_t slot, int code, int64_t header)
+    cdef _client_gone(self, int32_t client)
+
+    # answers and malformed input
+    cdef list _frames(self)
+    cdef bytes _frame_bytes(self, int part)
+    cdef bint _send_frames(self, ck_ids* table, int32_t index, list frames)
+    cdef _reply_to_sender(self, list frames)
+    cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header)
+    cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter)
+    cdef _malformed(self, int32_t client, object rid, int64_t header, str detail)

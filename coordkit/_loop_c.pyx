@@ -1,0 +1,1066 @@
+# cython: language_level=3, embedsignature=True
+"""The Cython loop core: the coordinator's tables and message handlers over raw libzmq.
+
+:class:`coordkit.Coordinator` owns the sockets, the thread and the timers and
+drives this core, or its twin :mod:`coordkit._loop_py`, the reference: both
+make the same decisions in the same order and put the same frames on the
+wire. pyzmq creates the sockets; the core takes their raw handles and calls
+the libzmq that pyzmq loaded (see _libzmq.h).
+
+The hot path (a SUBMIT out to an engine; an engine's batch of replies out to
+their clients) comes first in this file. It runs without the GIL and without
+Python objects: frames are received into ``zmq_msg_t``, the metadata frame is
+read and rewritten by the C codec, payload frames go on as the same messages,
+and state lives in the C tables of _tables.h. The rare paths come after it
+(peers joining and leaving, control signals, failures, malformed input): they
+take the GIL and parse with the message specs of coordkit.protocol. An engine
+found gone on the hot path is only marked; its requests are settled on a
+rare path once the message at hand is done (docs/design.md, "Failure model").
+"""
+
+cimport cython
+from libc.errno cimport EINTR
+from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc, qsort
+from libc.string cimport memcpy
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+from coordkit._codec_c cimport (
+    CK_HEADER_INT_MAX,
+    CK_OK,
+    CK_TOO_MANY,
+    ck_entry,
+    ck_read_header,
+    ck_read_reply,
+    ck_read_submit,
+    ck_strstatus,
+    ck_submit,
+    ck_submit_size,
+    ck_write_header_int,
+    ck_write_submit,
+)
+from coordkit._constants cimport *
+from coordkit._libzmq cimport (
+    ZMQ_DONTWAIT,
+    ZMQ_POLLIN,
+    ZMQ_SNDMORE,
+    bind_libzmq,
+    zmq_errno,
+    zmq_msg_close,
+    zmq_msg_copy,
+    zmq_msg_data,
+    zmq_msg_init,
+    zmq_msg_init_size,
+    zmq_msg_more,
+    zmq_msg_move,
+    zmq_msg_recv,
+    zmq_msg_send,
+    zmq_msg_size,
+    zmq_msg_t,
+    zmq_poll,
+    zmq_pollitem_t,
+)
+from coordkit._routing_c cimport Router
+
+from coordkit import protocol
+from coordkit._shared import RateLimitedLog, check_constants, detokenize, stats_map
+from coordkit.protocol import (
+    CONTROL_TRANSITIONS,
+    ProtocolError,
+    error_text,
+    header_name,
+    packb,
+    parse_connect,
+)
+
+bind_libzmq()
+check_constants(generated_constants())
+
+__all__ = ["Loop"]
+
+cdef extern from *:
+    """
+    #ifdef COORDKIT_DEBUG
+    #define CK_DEBUG 1
+    #else
+    #define CK_DEBUG 0
+    #endif
+    """
+    bint DEBUG "CK_DEBUG"
+
+cdef enum:
+    FIRST_PARTS = 64  # frames of a message before the buffer grows
+    FIRST_ENTRIES = 64  # entries of a reply batch before the buffer grows
+
+GONE_REASONS = ("unreachable", "no heartbeat", "drain timed out")  # by GoneReason
+
+
+# -- sending ---------------------------------------------------------------------------
+
+cdef inline int send_bytes(void* sock, const void* data, size_t n, int flags) noexcept nogil:
+    """Send a copy of ``data`` as one frame; 0, or -1 when the peer is gone."""
+    cdef zmq_msg_t msg
+    zmq_msg_init_size(&msg, n)
+    memcpy(zmq_msg_data(&msg), data, n)
+    if zmq_msg_send(&msg, sock, flags) < 0:
+        zmq_msg_close(&msg)
+        return -1
+    return 0
+
+
+cdef inline void send_msg(void* sock, zmq_msg_t* msg, int flags) noexcept nogil:
+    """Send ``msg`` itself (libzmq takes it; closing it afterwards is harmless).
+
+    Only a message's first frame can fail (ROUTER_MANDATORY): this sends the rest.
+    """
+    zmq_msg_send(msg, sock, flags)
+
+
+cdef inline void send_shared(void* sock, zmq_msg_t* msg, int flags) noexcept nogil:
+    """Send a refcounted copy of ``msg``, keeping ours (pyzmq's rule for re-sends)."""
+    cdef zmq_msg_t copy
+    zmq_msg_init(&copy)
+    zmq_msg_copy(&copy, msg)
+    if zmq_msg_send(&copy, sock, flags) < 0:
+        zmq_msg_close(&copy)
+
+
+cdef inline double monotonic() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+# -- kept prompts ----------------------------------------------------------------------
+
+cdef struct Kept:
+    # One allocation per kept request: this head, then either the metadata bytes
+    # and the prompt's bytes, or (prompt_size == UINT32_MAX) a zmq_msg_t
+    # sharing the prompt, then the metadata bytes.
+    uint32_t meta_size
+    uint32_t prompt_size
+
+
+cdef Kept* keep(zmq_msg_t* meta, zmq_msg_t* prompt) noexcept nogil:
+    """What re-sends a request, or NULL when memory is short (it is then not kept).
+
+    A prompt below COPY_BELOW bytes is copied: a refcounted copy of a small
+    frame would pin the whole receive buffer libzmq decoded it from (pyzmq's
+    copy-below-a-threshold rule). A larger one has a buffer of its own: shared.
+    """
+    cdef size_t meta_size = zmq_msg_size(meta), prompt_size = zmq_msg_size(prompt)
+    cdef bint shared = prompt_size >= COPY_BELOW
+    cdef Kept* kept = <Kept*>malloc(
+        sizeof(Kept) + meta_size + (sizeof(zmq_msg_t) if shared else prompt_size)
+    )
+    cdef uint8_t* data
+    if kept == NULL:
+        return NULL
+    kept.meta_size = meta_size
+    data = <uint8_t*>(kept + 1)
+    if shared:
+        kept.prompt_size = UINT32_MAX
+        zmq_msg_init(<zmq_msg_t*>data)
+        zmq_msg_copy(<zmq_msg_t*>data, prompt)
+        memcpy(data + sizeof(zmq_msg_t), zmq_msg_data(meta), meta_size)
+    else:
+        kept.prompt_size = prompt_size
+        memcpy(data, zmq_msg_data(meta), meta_size)
+        memcpy(data + meta_size, zmq_msg_data(prompt), prompt_size)
+    return kept
+
+
+cdef void send_kept(void* sock, Kept* kept) noexcept nogil:
+    cdef uint8_t* data = <uint8_t*>(kept + 1)
+    if kept.prompt_size == UINT32_MAX:
+        send_bytes(sock, data + sizeof(zmq_msg_t), kept.meta_size, ZMQ_SNDMORE)
+        send_shared(sock, <zmq_msg_t*>data, 0)
+    else:
+        send_bytes(sock, data, kept.meta_size, ZMQ_SNDMORE)
+        send_bytes(sock, data + kept.meta_size, kept.prompt_size, 0)
+
+
+cdef void release_kept(void* kept) noexcept nogil:
+    if kept != NULL and (<Kept*>kept).prompt_size == UINT32_MAX:
+        zmq_msg_close(<zmq_msg_t*>(<Kept*>kept + 1))
+    free(kept)
+
+
+cdef inline int refusal(int status) noexcept nogil:
+    """The ErrorCode for a request no engine could take (a RouteStatus other than SENT)."""
+    return ERROR_NO_ENGINES if status == ROUTE_NO_ENGINES else ERROR_BUSY
+
+
+cdef int compare_server_rids(const void* a, const void* b) noexcept nogil:
+    cdef int64_t x = (<const RequestOrder*>a).server_rid, y = (<const RequestOrder*>b).server_rid
+    return (x > y) - (x < y)
+
+
+@cython.final
+cdef class Loop:
+    """The Cython loop core; :class:`coordkit.Coordinator` builds and drives it."""
+
+    implementation = "c"
+
+    def __cinit__(self):
+        self.clients = NULL
+        self.engines = NULL
+        self.gone = NULL
+        self.parts = NULL
+        self.entries = NULL
+
+    def __init__(self, options, Router router not None, router_socket, wake_socket):
+        self.router = router
+        # Held so that the raw handles below stay valid as long as this core.
+        self._router_socket = router_socket
+        self._wake_socket = wake_socket
+        self.sock = <void*><size_t>router_socket.underlying
+        self.wake = <void*><size_t>wake_socket.underlying
+        self.max_inflight = options.max_inflight
+        self.heartbeat_timeout = options.heartbeat_timeout
+        self.drain_timeout = options.drain_timeout
+        self.max_clients = options.max_clients
+        self.max_engines = options.max_engines
+        self.keep_prompts = options.keep_prompts
+        self._detokenizer = options.detokenizer
+        self.has_detokenizer = options.detokenizer is not None
+        self._log = RateLimitedLog()
+        self.control_state = CONTROL_RUNNING
+        self.clients = <Client*>calloc(self.max_clients, sizeof(Client))
+        self.engines = <Engine*>calloc(self.max_engines, sizeof(Engine))
+        self.gone = <int*>malloc(self.max_engines * sizeof(int))
+        self.parts_capacity = FIRST_PARTS
+        self.parts = <zmq_msg_t*>malloc(FIRST_PARTS * sizeof(zmq_msg_t))
+        self.entries_capacity = FIRST_ENTRIES
+        self.entries = <ck_entry*>malloc(FIRST_ENTRIES * sizeof(ck_entry))
+        if (
+            self.clients == NULL or self.engines == NULL or self.gone == NULL
+            or self.parts == NULL or self.entries == NULL
+            or ck_requests_init(&self.requests, options.max_inflight, options.index_size) != 0
+            or ck_ids_init(&self.client_ids, self.max_clients) != 0
+            or ck_ids_init(&self.engine_ids, self.max_engines) != 0
+        ):
+            raise MemoryError()
+
+    def __dealloc__(self):
+        cdef uint32_t slot
+        if self.requests.pool != NULL:
+            for slot in range(self.requests.used):
+                if self.requests.pool[slot].server_rid >= 0:
+                    release_kept(self.requests.pool[slot].kept)
+        ck_requests_free(&self.requests)
+        ck_ids_free(&self.client_ids)
+        ck_ids_free(&self.engine_ids)
+        free(self.clients)
+        free(self.engines)
+        free(self.gone)
+        free(self.parts)
+        free(self.entries)
+
+    # -- what the Coordinator calls ------------------------------------------------------
+
+    def serve(self, double timeout) -> bool:
+        """Handle messages for up to ``timeout`` seconds, without the GIL.
+
+        False once the loop must stop (a SHUTDOWN arrived, or ``stop()`` woke
+        it); True when the time is up or a signal interrupted the wait.
+        """
+        cdef bint stop
+        with nogil:
+            stop = self._serve_for(timeout)
+        return not stop
+
+    def expire(self, double now) -> None:
+        """Declare gone the engines whose drain or heartbeat timed out, and settle them."""
+        cdef int rank
+        for rank in range(self.n_engines):
+            if self.engines[rank].state == ENGINE_GONE:
+                continue
+            if self.engines[rank].state == ENGINE_DRAINING:
+                if now >= self.engines[rank].drain_deadline:
+                    self._mark_gone(rank, GONE_DRAIN_TIMED_OUT)
+            elif (
+                self.heartbeat_timeout
+                and self.engines[rank].heartbeats
+                and now - self.engines[rank].last_heartbeat > self.heartbeat_timeout
+            ):
+                self._mark_gone(rank, GONE_NO_HEARTBEAT)
+        self._settle()
+
+    def shutdown(self) -> None:
+        """End every request still in flight with ERROR(SHUTTING_DOWN): its terminal reply."""
+        cdef uint32_t i, n
+        cdef RequestOrder* order = self._in_order(-1, -1, &n)
+        try:
+            for i in range(n):
+                if self.requests.pool[order[i].slot].server_rid == order[i].server_rid:
+                    self._fail_request(order[i].slot, ERROR_SHUTTING_DOWN, HEADER_SHUTDOWN)
+        finally:
+            free(order)
+        self._settle()
+
+    def stats(self) -> dict:
+        cdef int rank
+        cdef size_t n
+        cdef const uint8_t* identity
+        engines = []
+        for rank in range(self.n_engines):
+            identity = ck_ids_get(&self.engine_ids, rank, &n)
+            engines.append((rank, identity[:n], self.engines[rank].state, self.router.pending(rank)))
+        result = stats_map(
+            implementation=self.implementation,
+            policy=self.router.policy,
+            messages=self.messages,
+            inflight=self.requests.live,
+            clients=self.n_clients,
+            control_state=self.control_state,
+            counters=[self.counters[i] for i in range(N_COUNTERS)],
+            engines=engines,
+        )
+        if DEBUG:
+            result["debug"] = {"polls": self.debug_polls}
+        return result
+
+    # -- the hot path (no GIL) -----------------------------------------------------------
+
+    cdef bint _serve_for(self, double timeout) noexcept nogil:
+        """Poll and handle messages for up to ``timeout`` seconds; True once the loop must stop."""
+        cdef zmq_pollitem_t items[2]
+        cdef zmq_msg_t wake
+        cdef double deadline = monotonic() + timeout
+        cdef long wait_ms
+        items[0].socket = self.sock
+        items[0].fd = 0
+        items[0].events = ZMQ_POLLIN
+        items[1].socket = self.wake
+        items[1].fd = 0
+        items[1].events = ZMQ_POLLIN
+        while not self.stopping:
+            wait_ms = <long>((deadline - monotonic()) * 1000.0)
+            if wait_ms <= 0:
+                return False
+            if zmq_poll(items, 2, wait_ms) < 0:
+                # EINTR: back to Python, which runs the signal handlers; anything
+                # else means the context was terminated.
+                return zmq_errno() != EINTR
+            if DEBUG:
+                self.debug_polls += 1
+            if items[1].revents & ZMQ_POLLIN:
+                zmq_msg_init(&wake)
+                zmq_msg_recv(&wake, self.wake, ZMQ_DONTWAIT)
+                zmq_msg_close(&wake)
+                self.stopping = True
+            elif items[0].revents & ZMQ_POLLIN:
+                self._drain()
+        return True
+
+    cdef void _drain(self) noexcept nogil:
+        """Handle every message waiting, one at a time."""
+        cdef int i
+        while not self.stopping and self._receive():
+            self.messages += 1
+            self._handle()
+            for i in range(self.n_parts):
+                zmq_msg_close(&self.parts[i])
+            self.n_parts = 0
+            if self.n_gone:
+                with gil:
+                    self._settle()
+
+    cdef bint _receive(self) noexcept nogil:
+        """Receive every frame of the next message into ``parts``; False if none waits."""
+        cdef zmq_msg_t* grown
+        cdef int i
+        zmq_msg_init(&self.parts[0])
+        if zmq_msg_recv(&self.parts[0], self.sock, ZMQ_DONTWAIT) < 0:
+            zmq_msg_close(&self.parts[0])
+            return False
+        self.n_parts = 1
+        self.oversized = False
+        while zmq_msg_more(&self.parts[self.n_parts - 1]):
+            if self.n_parts == MAX_PARTS:
+                break
+            if self.n_parts == self.parts_capacity:
+                grown = <zmq_msg_t*>malloc(2 * self.parts_capacity * sizeof(zmq_msg_t))
+                if grown == NULL:
+                    break
+                for i in range(self.n_parts):
+                    zmq_msg_init(&grown[i])
+                    zmq_msg_move(&grown[i], &self.parts[i])
+                free(self.parts)
+                self.parts = grown
+                self.parts_capacity *= 2
+            zmq_msg_init(&self.parts[self.n_parts])
+            zmq_msg_recv(&self.parts[self.n_parts], self.sock, 0)
+            self.n_parts += 1
+        if zmq_msg_more(&self.parts[self.n_parts - 1]):
+            self._discard_rest()
+        return True
+
+    cdef void _discard_rest(self) noexcept nogil:
+        """Drop the remaining frames of an oversized message; it is then malformed."""
+        cdef zmq_msg_t extra
+        cdef int more = 1
+        while more:
+            zmq_msg_init(&extra)
+            zmq_msg_recv(&extra, self.sock, 0)
+            more = zmq_msg_more(&extra)
+            zmq_msg_close(&extra)
+        self.oversized = True
+
+    cdef inline const uint8_t* _data(self, int part) noexcept nogil:
+        return <const uint8_t*>zmq_msg_data(&self.parts[part])
+
+    cdef inline size_t _size(self, int part) noexcept nogil:
+        return zmq_msg_size(&self.parts[part])
+
+    cdef void _handle(self) noexcept nogil:
+        """Dispatch the message in ``parts`` (frame 0 is the sender's routing id)."""
+        cdef const uint8_t* identity = self._data(0)
+        cdef size_t identity_size = self._size(0)
+        cdef int32_t engine = ck_ids_find(&self.engine_ids, identity, identity_size)
+        cdef int32_t client
+        cdef int64_t header
+        cdef uint32_t length
+        cdef size_t end
+        if self.n_parts == 2 and self._size(1) == 0:
+            with gil:
+                self._register(engine)
+            return
+        client = ck_ids_find(&self.client_ids, identity, identity_size)
+        if self.oversized or ck_read_header(
+            self._data(1), self._size(1), &header, &length, &end
+        ) != CK_OK:
+            with gil:
+                self._malformed(client, None, -1, "malformed metadata frame")
+            return
+        if engine >= 0:
+            self._from_engine(engine, header)
+        elif header == HEADER_CONNECT:
+            with gil:
+                self._connect(client)
+        elif client < 0:
+            self.counters[COUNTER_NOT_CONNECTED] += 1
+            with gil:
+                self._log.warn(
+                    "not_connected",
+                    f"dropped {header_name(header)} from a peer that never connected",
+                )
+        else:
+            self.clients[client].last_seen = self.messages
+            self._from_client(client, header)
+
+    cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil:
+        if header == HEADER_SUBMIT_REQUEST or header == HEADER_SUBMIT_REQUEST_WITH_KV:
+            self._submit(client, header)
+        else:
+            with gil:
+                self._from_client_rarely(client, header)
+
+    cdef void _submit(self, int32_t client, int64_t header) noexcept nogil:
+        """A new request: a server id, an engine, and the frames on to it."""
+        cdef ck_submit submit
+        cdef int read = ck_read_submit(self._data(1), self._size(1), &submit)
+        cdef int n_payload = 1 if header == HEADER_SUBMIT_REQUEST else 2
+        cdef int n_frames = self.n_parts - 2
+        cdef const uint8_t* hashes = NULL
+        cdef size_t n_hashes = 0
+        cdef uint32_t slot
+        cdef int64_t server_rid
+        cdef ck_request* request
+        cdef int status
+        cdef zmq_msg_t meta
+        if read != CK_OK:
+            with gil:
+                rid = submit.rid if submit.offset else None
+                self._malformed(client, rid, header, ck_strstatus(read).decode())
+            return
+        if n_frames == n_payload + 1:  # the optional block-hash frame
+            hashes = self._data(2 + n_payload)
+            n_hashes = self._size(2 + n_payload) // BLOCK_HASH_SIZE
+        if (
+            submit.length != <uint32_t>(2 + n_payload)
+            or not n_payload <= n_frames <= n_payload + 1
+            or (hashes != NULL and self._size(2 + n_payload) % BLOCK_HASH_SIZE)
+        ):
+            with gil:
+                self._malformed(client, submit.rid, header, "bad frame layout")
+            return
+        if ck_requests_find_client(&self.requests, client, submit.rid) >= 0:
+            with gil:
+                self._refuse(
+                    client, submit.rid, ERROR_DUPLICATE_REQUEST, header, COUNTER_DUPLICATE_REQUEST
+                )
+            return
+        if self.requests.live >= self.max_inflight:
+            with gil:
+                self._refuse(client, submit.rid, ERROR_BUSY, header, COUNTER_BUSY)
+            return
+        slot = ck_requests_add(&self.requests, client, submit.rid)
+        self.clients[client].inflight += 1
+        request = &self.requests.pool[slot]
+        server_rid = request.server_rid
+        self._rewrite_submit(&meta, &submit, server_rid)
+        # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
+        if header == HEADER_SUBMIT_REQUEST and self.keep_prompts:
+            request.kept = keep(&meta, &self.parts[2])
+        status = self._route(slot, hashes, n_hashes, &meta, n_payload)
+        while status == ROUTE_ENGINE_GONE:
+            # The gone engine's requests are older than this one: they go first.
+            with gil:
+                self._settle()
+            if request.server_rid != server_rid:  # its client went away meanwhile
+                zmq_msg_close(&meta)
+                return
+            status = self._route(slot, hashes, n_hashes, &meta, n_payload)
+        zmq_msg_close(&meta)
+        if status == ROUTE_SENT:
+            self.counters[COUNTER_SUBMITTED] += 1
+            return
+        self._forget(slot)
+        with gil:
+            self._refuse(
+                client,
+                submit.rid,
+                refusal(status),
+                header,
+                COUNTER_NO_ENGINES if status == ROUTE_NO_ENGINES else COUNTER_BUSY,
+            )
+
+    cdef void _rewrite_submit(
+        self, zmq_msg_t* out, ck_submit* submit, int64_t server_rid
+    ) noexcept nogil:
+        """The SUBMIT's metadata frame with ``server_rid``, written into a new message."""
+        cdef size_t rest_size = self._size(1) - submit.offset
+        zmq_msg_init_size(out, ck_submit_size(submit, server_rid, rest_size))
+        ck_write_submit(
+            <uint8_t*>zmq_msg_data(out),
+            submit,
+            server_rid,
+            self._data(1) + submit.offset,
+            rest_size,
+        )
+
+    cdef int _route(
+        self,
+        uint32_t slot,
+        const uint8_t* hashes,
+        size_t n_hashes,
+        zmq_msg_t* meta,
+        int n_payload,
+    ) noexcept nogil:
+        """Send a new request to the engine chosen for it; a RouteStatus.
+
+        ``meta`` (the rewritten metadata) and the payload frames go out as themselves.
+        """
+        cdef int rank, i
+        cdef int status = self._pick_engine(hashes, n_hashes, &rank)
+        if status == ROUTE_SENT:
+            self.requests.pool[slot].rank = rank
+            send_msg(self.sock, meta, ZMQ_SNDMORE)
+            for i in range(n_payload):
+                send_msg(self.sock, &self.parts[2 + i], ZMQ_SNDMORE if i + 1 < n_payload else 0)
+        return status
+
+    cdef int _resend(self, uint32_t slot) noexcept nogil:
+        """Send a request whose engine died to another, from what it kept; a RouteStatus."""
+        cdef int rank
+        cdef int status = ROUTE_ENGINE_GONE
+        while status == ROUTE_ENGINE_GONE:  # that one waits in the queue of gone engines
+            status = self._pick_engine(NULL, 0, &rank)
+        if status == ROUTE_SENT:
+            self.requests.pool[slot].rank = rank
+            send_kept(self.sock, <Kept*>self.requests.pool[slot].kept)
+        return status
+
+    cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, int* rank) noexcept nogil:
+        """The router's choice into ``rank``, its routing id sent (the request's frames
+        follow); a RouteStatus. An unreachable choice is marked gone: ENGINE_GONE."""
+        rank[0] = self.router.choose_c(hashes, n_hashes, monotonic())
+        if rank[0] < 0:
+            return ROUTE_NO_ENGINES if self.router.n_members == 0 else ROUTE_ALL_BUSY
+        if self._send_identity(&self.engine_ids, rank[0]) == 0:
+            return ROUTE_SENT
+        self.router.release_c(rank[0])
+        self._mark_gone(rank[0], GONE_UNREACHABLE)
+        return ROUTE_ENGINE_GONE
+
+    cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil:
+        if header == HEADER_ENGINE_REPLY or header == HEADER_ENGINE_REPLY_PARTIAL:
+            self._forward_replies(engine)
+        else:
+            with gil:
+                self._from_engine_rarely(engine, header)
+
+    cdef void _forward_replies(self, int32_t engine) noexcept nogil:
+        """Each entry of an engine's batch to its request's client, the body as itself."""
+        cdef int64_t header, slot, client_rid
+        cdef uint32_t count, i
+        cdef int32_t client
+        cdef bint final
+        cdef uint8_t out[CK_HEADER_INT_MAX]
+        cdef size_t n
+        if self._read_replies(&header, &count) != CK_OK:
+            with gil:
+                self._malformed(-1, None, -1, "bad ENGINE_REPLY metadata")
+            return
+        if count != <uint32_t>(self.n_parts - 2):
+            with gil:
+                self._malformed(
+                    -1, None, header, f"{count} entries but {self.n_parts - 2} payload frames"
+                )
+            return
+        final = header == HEADER_ENGINE_REPLY
+        for i in range(count):
+            slot = ck_requests_find(&self.requests, self.entries[i].rid)
+            if slot < 0 or self.requests.pool[slot].rank != engine:
+                self.counters[COUNTER_UNKNOWN_REQUEST] += 1
+                continue
+            client = self.requests.pool[slot].client
+            client_rid = self.requests.pool[slot].client_rid
+            if final:
+                self._forget(<uint32_t>slot)
+                self.counters[COUNTER_REPLIES] += 1
+            else:
+                self.requests.pool[slot].flags |= FLAG_PRODUCED
+                self.counters[COUNTER_PARTIALS] += 1
+            if self.entries[i].needs_detokenize and self.has_detokenizer:
+                with gil:
+                    self._detokenize(2 + i)
+            n = ck_write_header_int(out, header, client_rid)
+            if self._send_identity(&self.client_ids, client) != 0:
+                with gil:
+                    self._client_gone(client)
+                continue
+            send_bytes(self.sock, out, n, ZMQ_SNDMORE)
+            send_msg(self.sock, &self.parts[2 + i], 0)
+
+    cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil:
+        """Read the batch's entries into ``entries``, growing it for a large batch."""
+        cdef ck_entry* grown
+        cdef int status = ck_read_reply(
+            self._data(1), self._size(1), header, self.entries, self.entries_capacity, count
+        )
+        if status != CK_TOO_MANY:
+            return status
+        grown = <ck_entry*>malloc(count[0] * sizeof(ck_entry))
+        if grown == NULL:
+            return status
+        free(self.entries)
+        self.entries = grown
+        self.entries_capacity = count[0]
+        return ck_read_reply(
+            self._data(1), self._size(1), header, self.entries, self.entries_capacity, count
+        )
+
+    cdef void _forget(self, uint32_t slot) noexcept nogil:
+        """Take the request at ``slot`` out of every table and count; a draining
+        engine whose last request this was is gone."""
+        cdef ck_request* request = &self.requests.pool[slot]
+        cdef int rank = request.rank
+        self.clients[request.client].inflight -= 1
+        release_kept(request.kept)
+        ck_requests_remove(&self.requests, slot)
+        if rank < 0:
+            return
+        self.router.release_c(rank)
+        if self.engines[rank].state == ENGINE_DRAINING and self.router.pending_count[rank] == 0:
+            self.engines[rank].state = ENGINE_GONE
+
+    cdef void _mark_gone(self, int rank, int reason) noexcept nogil:
+        """Take ``rank`` out of the pool now; its requests are settled after the
+        message at hand (see _settle), so a failure never recurses into routing."""
+        if self.engines[rank].state == ENGINE_GONE:
+            return
+        if self.engines[rank].state == ENGINE_ALIVE:
+            self.router.remove_rank_c(rank)
+        self.engines[rank].state = ENGINE_GONE
+        self.engines[rank].gone_reason = reason
+        self.counters[COUNTER_ENGINE_FAILURES] += 1
+        self.gone[self.n_gone] = rank
+        self.n_gone += 1
+
+    cdef int _send_identity(self, ck_ids* table, int32_t index) noexcept nogil:
+        """Start a message to a peer; -1 when it is gone (ROUTER_MANDATORY)."""
+        cdef size_t n
+        cdef const uint8_t* identity = ck_ids_get(table, index, &n)
+        return send_bytes(self.sock, identity, n, ZMQ_SNDMORE)
+
+    # -- rare paths (with the GIL) -------------------------------------------------------
+
+    cdef _from_client_rarely(self, int32_t client, int64_t header):
+        if header == HEADER_ABORT_REQUEST:
+            self._abort(client)
+        elif header == HEADER_RELEASE_KV:
+            self._release_kv(client)
+        elif HEADER_PAUSE <= header <= HEADER_STOP_CUDA_PROFILER:
+            self._control(client, header)
+        elif header == HEADER_SHUTDOWN:
+            self._shutdown_signal(client)
+        elif header == HEADER_STATS:
+            self._stats_request(client)
+        else:
+            self._refuse(client, None, ERROR_UNKNOWN_HEADER, header, COUNTER_UNKNOWN_HEADER)
+
+    cdef _from_engine_rarely(self, int32_t engine, int64_t header):
+        if header == HEADER_HEARTBEAT:
+            self._heartbeat(engine)
+        elif header == HEADER_DISCONNECT:
+            self._disconnect(engine)
+        else:
+            self.counters[COUNTER_UNKNOWN_HEADER] += 1
+            self._log.warn(
+                "unknown_header", f"dropped {header_name(header)} from engine {engine}"
+            )
+
+    cdef _register(self, int32_t engine):
+        """An engine announced itself (one empty frame): a new rank, or one coming back."""
+        cdef int32_t rank
+        cdef size_t n = self._size(0)
+        if engine >= 0:
+            if self.engines[engine].state == ENGINE_ALIVE:
+                self.counters[COUNTER_DUPLICATE_REGISTER] += 1
+                return
+            self.engines[engine].state = ENGINE_ALIVE  # it left or was declared gone
+            self.engines[engine].heartbeats = False
+            self.router.add_rank(engine)
+            return
+        if ck_ids_find(&self.client_ids, self._data(0), n) >= 0:
+            self._malformed(-1, None, -1, "a client sent an engine registration")
+            return
+        rank = self.n_engines
+        if rank == self.max_engines:  # reuse a gone rank with nothing left in flight
+            rank = -1
+            for engine in range(self.n_engines):
+                if self.engines[engine].state == ENGINE_GONE and self.router.pending(engine) == 0:
+                    rank = engine
+                    break
+            if rank < 0:
+                self.counters[COUNTER_TABLE_FULL] += 1
+                self._log.warn("engines_full", "engine table full: registration dropped")
+                return
+            ck_ids_remove(&self.engine_ids, rank)
+        else:
+            self.n_engines += 1
+        self.engines[rank].state = ENGINE_ALIVE
+        self.engines[rank].heartbeats = False
+        self.engines[rank].last_heartbeat = 0.0
+        self.engines[rank].drain_deadline = 0.0
+        ck_ids_insert(&self.engine_ids, rank, self._data(0), n)
+        self.router.add_rank(rank)
+
+    cdef _connect(self, int32_t client):
+        """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
+        cdef int32_t index
+        try:
+            coordkit = parse_connect(self._frames())
+        except ProtocolError as exc:
+            self._malformed(-1, None, HEADER_CONNECT, str(exc))
+            return
+        if client >= 0:
+            self.counters[COUNTER_DUPLICATE_CONNECT] += 1
+            self.clients[client].coordkit = coordkit
+            self.clients[client].last_seen = self.messages
+        else:
+            index = self._vacant_client()
+            if index < 0:
+                self.counters[COUNTER_TABLE_FULL] += 1
+                if coordkit:
+                    self.counters[COUNTER_ERRORS_SENT] += 1
+                    self._reply_to_sender(
+                        protocol.ERROR.pack(None, ERROR_BUSY, error_text(ERROR_BUSY, HEADER_CONNECT))
+                    )
+                return
+            self.clients[index].used = True
+            self.clients[index].coordkit = coordkit
+            self.clients[index].inflight = 0
+            self.clients[index].last_seen = self.messages
+            ck_ids_insert(&self.client_ids, index, self._data(0), self._size(0))
+            self.n_clients += 1
+        self._reply_to_sender(protocol.CONNECT_ACK.pack())
+
+    cdef int32_t _vacant_client(self) except -2:
+        """A free client index; when all are used, the idle client seen longest ago
+        gives up its own; -1 when none is idle."""
+        cdef int32_t index, idle = -1
+        if self.n_clients < self.max_clients:
+            for index in range(self.max_clients):
+                if not self.clients[index].used:
+                    return index
+        for index in range(self.max_clients):
+            if self.clients[index].used and self.clients[index].inflight == 0:
+                if idle < 0 or self.clients[index].last_seen < self.clients[idle].last_seen:
+                    idle = index
+        if idle >= 0:
+            self._remove_client(idle)
+        return idle
+
+    cdef _remove_client(self, int32_t client):
+        ck_ids_remove(&self.client_ids, client)
+        self.clients[client].used = False
+        self.n_clients -= 1
+
+    cdef _heartbeat(self, int32_t engine):
+        if self._parse(protocol.HEARTBEAT, -1, HEADER_HEARTBEAT) is None:
+            return
+        if self.engines[engine].state != ENGINE_GONE:
+            self.engines[engine].heartbeats = True
+            self.engines[engine].last_heartbeat = monotonic()
+
+    cdef _disconnect(self, int32_t engine):
+        """DISCONNECT: no new work; its requests in flight may finish, for a while."""
+        if self._parse(protocol.DISCONNECT, -1, HEADER_DISCONNECT) is None:
+            return
+        if self.engines[engine].state != ENGINE_ALIVE:
+            return
+        self.router.remove_rank(engine)
+        self.engines[engine].state = ENGINE_DRAINING
+        self.engines[engine].drain_deadline = monotonic() + self.drain_timeout
+        if self.router.pending(engine) == 0:
+            self.engines[engine].state = ENGINE_GONE
+
+    cdef _abort(self, int32_t client):
+        """ABORT_REQUEST: on to the owning engine, once, with the server id."""
+        cdef int64_t slot
+        cdef ck_request* request
+        message = self._parse(protocol.ABORT_REQUEST, client, HEADER_ABORT_REQUEST)
+        if message is None:
+            return
+        slot = ck_requests_find_client(&self.requests, client, message.rid)
+        if slot < 0:
+            self._refuse(
+                client,
+                message.rid,
+                ERROR_UNKNOWN_REQUEST,
+                HEADER_ABORT_REQUEST,
+                COUNTER_UNKNOWN_REQUEST,
+            )
+            return
+        self.counters[COUNTER_ABORTS] += 1
+        request = &self.requests.pool[slot]
+        if request.flags & FLAG_ABORTED:
+            return
+        request.flags |= FLAG_ABORTED
+        abort = protocol.ABORT_REQUEST.pack(request.server_rid)
+        if not self._send_frames(&self.engine_ids, request.rank, abort):
+            self._mark_gone(request.rank, GONE_UNREACHABLE)
+
+    cdef _release_kv(self, int32_t client):
+        if self._parse(protocol.RELEASE_KV, client, HEADER_RELEASE_KV) is not None:
+            self.counters[COUNTER_RELEASE_KV] += 1
+            self._broadcast()
+
+    cdef _control(self, int32_t client, int64_t header):
+        """A control signal: through the state machine, then to every engine."""
+        if self._parse(protocol.CONTROL[header], client, header) is None:
+            return
+        state = CONTROL_TRANSITIONS.get((self.control_state, header))
+        if state is None:
+            self._refuse(client, None, ERROR_INVALID_STATE, header, COUNTER_INVALID_CONTROL)
+            return
+        self.counters[COUNTER_CONTROL] += 1
+        self.control_state = state
+        self._broadcast()
+
+    cdef _shutdown_signal(self, int32_t client):
+        if self._parse(protocol.SHUTDOWN, client, HEADER_SHUTDOWN) is not None:
+            self.stopping = True
+
+    cdef _stats_request(self, int32_t client):
+        if self._parse(protocol.STATS, client, HEADER_STATS) is not None:
+            if self.clients[client].coordkit:
+                reply = protocol.STATS_REPLY.pack(packb(self.stats()))
+                self._send_frames(&self.client_ids, client, reply)
+
+    cdef object _parse(self, object spec, int32_t client, int64_t header):
+        """The message parsed by ``spec``, or None after handling it as malformed."""
+        try:
+            return spec.parse(self._frames())
+        except ProtocolError as exc:
+            self._malformed(client, exc.rid, header, str(exc))
+            return None
+
+    cdef _broadcast(self):
+        """The metadata frame as it came (refcounted copies) to every engine not gone."""
+        cdef int rank
+        for rank in range(self.n_engines):
+            if self.engines[rank].state == ENGINE_GONE:
+                continue
+            if self._send_identity(&self.engine_ids, rank) != 0:
+                self._mark_gone(rank, GONE_UNREACHABLE)
+            else:
+                send_shared(self.sock, &self.parts[1], 0)
+
+    cdef _detokenize(self, int part):
+        """Replace a reply body by its detokenized copy (on failure, forward it as is)."""
+        try:
+            body = detokenize(self._detokenizer, self._frame_bytes(part))
+        except Exception as exc:  # a bad body or a failing detokenizer
+            self.counters[COUNTER_DETOKENIZE_ERRORS] += 1
+            self._log.warn("detokenize", f"detokenize failed, body forwarded as is: {exc!r}")
+            return
+        self.counters[COUNTER_DETOKENIZED] += 1
+        zmq_msg_close(&self.parts[part])
+        zmq_msg_init_size(&self.parts[part], len(body))
+        memcpy(zmq_msg_data(&self.parts[part]), <const char*>body, len(body))
+
+    # -- failures ------------------------------------------------------------------------
+
+    cdef _settle(self):
+        """Re-send or fail the requests of the engines found gone, oldest first.
+
+        Settling one engine may find others gone (a re-send that cannot reach
+        its engine): they join the queue, so the work stays a loop, not a recursion.
+        """
+        cdef int i = 0
+        while i < self.n_gone:
+            self._settle_engine(self.gone[i])
+            i += 1
+        self.n_gone = 0
+
+    cdef _settle_engine(self, int rank):
+        """Each request of a gone engine, by server id: re-sent when it produced
+        nothing and was kept, otherwise ended with ERROR(ENGINE_FAILED)."""
+        cdef uint32_t i, n, slot
+        cdef RequestOrder* order
+        cdef ck_request* request
+        cdef int status
+        reason = GONE_REASONS[self.engines[rank].gone_reason]
+        self._log.warn("engine_failed", f"engine {rank} gone ({reason})")
+        order = self._in_order(rank, -1, &n)
+        try:
+            for i in range(n):
+                slot = order[i].slot
+                request = &self.requests.pool[slot]
+                if request.server_rid != order[i].server_rid or request.rank != rank:
+                    continue  # ended meanwhile: its client went away
+                self.router.release_c(rank)
+                request.rank = -1
+                if request.flags & (FLAG_PRODUCED | FLAG_ABORTED) or request.kept == NULL:
+                    self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
+                    continue
+                status = self._resend(slot)
+                if status == ROUTE_SENT:
+                    self.counters[COUNTER_REROUTED] += 1
+                else:
+                    self._fail_request(slot, refusal(status), HEADER_SUBMIT_REQUEST)
+        finally:
+            free(order)
+
+    cdef RequestOrder* _in_order(self, int rank, int32_t client, uint32_t* count) except NULL:
+        """The requests in flight (of ``rank`` / ``client`` when >= 0) by server id;
+        the caller frees the array."""
+        cdef RequestOrder* order = <RequestOrder*>malloc(
+            (self.requests.live + 1) * sizeof(RequestOrder)
+        )
+        cdef ck_request* request
+        cdef uint32_t slot, n = 0
+        if order == NULL:
+            raise MemoryError()
+        for slot in range(self.requests.used):
+            request = &self.requests.pool[slot]
+            if request.server_rid < 0:
+                continue
+            if (rank >= 0 and request.rank != rank) or (client >= 0 and request.client != client):
+                continue
+            order[n].server_rid = request.server_rid
+            order[n].slot = slot
+            n += 1
+        qsort(order, n, sizeof(RequestOrder), compare_server_rids)
+        count[0] = n
+        return order
+
+    cdef _fail_request(self, uint32_t slot, int code, int64_t header):
+        """End the request at ``slot`` with ERROR(code): its one terminal reply."""
+        cdef int32_t client = self.requests.pool[slot].client
+        rid = self.requests.pool[slot].client_rid
+        self._forget(slot)
+        if code == ERROR_ENGINE_FAILED:
+            self.counters[COUNTER_ENGINE_FAILED] += 1
+        if not self._send_error(client, rid, code, header):
+            self._client_gone(client)
+
+    cdef _client_gone(self, int32_t client):
+        """A client that cannot be reached: its requests are aborted at their
+        engines and forgotten, and so is the client."""
+        cdef uint32_t i, n, slot
+        cdef RequestOrder* order
+        cdef ck_request* request
+        cdef int rank
+        cdef bint aborted
+        if not self.clients[client].used:
+            return
+        self.counters[COUNTER_CLIENT_GONE] += 1
+        order = self._in_order(-1, client, &n)
+        try:
+            for i in range(n):
+                slot = order[i].slot
+                request = &self.requests.pool[slot]
+                if request.server_rid != order[i].server_rid:
+                    continue
+                rank = request.rank
+                aborted = request.flags & FLAG_ABORTED
+                self._forget(slot)
+                if aborted or rank < 0 or self.engines[rank].state == ENGINE_GONE:
+                    continue
+                abort = protocol.ABORT_REQUEST.pack(order[i].server_rid)
+                if not self._send_frames(&self.engine_ids, rank, abort):
+                    self._mark_gone(rank, GONE_UNREACHABLE)
+        finally:
+            free(order)
+        self._remove_client(client)
+
+    # -- answers and malformed input ------------------------------------------------------
+
+    cdef list _frames(self):
+        """The current message's frames after the routing id, as bytes."""
+        return [self._frame_bytes(part) for part in range(1, self.n_parts)]
+
+    cdef bytes _frame_bytes(self, int part):
+        return (<const char*>self._data(part))[:self._size(part)]
+
+    cdef bint _send_frames(self, ck_ids* table, int32_t index, list frames):
+        """Send ``frames`` (bytes) to a peer; False when it is gone."""
+        cdef bytes frame
+        cdef Py_ssize_t i, last = len(frames) - 1
+        if self._send_identity(table, index) != 0:
+            return False
+        for i in range(last + 1):
+            frame = frames[i]
+            send_bytes(self.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i < last else 0)
+        return True
+
+    cdef _reply_to_sender(self, list frames):
+        """Send ``frames`` to the sender of the current message, in no table perhaps."""
+        cdef bytes frame
+        cdef Py_ssize_t i, last = len(frames) - 1
+        if send_bytes(self.sock, self._data(0), self._size(0), ZMQ_SNDMORE) != 0:
+            return
+        for i in range(last + 1):
+            frame = frames[i]
+            send_bytes(self.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i < last else 0)
+
+    cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header):
+        """ERROR to a coordkit client (others cannot parse it); False when it is gone."""
+        if not self.clients[client].coordkit:
+            return True
+        self.counters[COUNTER_ERRORS_SENT] += 1
+        error = protocol.ERROR.pack(rid, code, error_text(code, header))
+        return self._send_frames(&self.client_ids, client, error)
+
+    cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter):
+        """Count a refused message and answer its client with ERROR(code)."""
+        self.counters[counter] += 1
+        if not self._send_error(client, rid, code, header):
+            self._client_gone(client)
+
+    cdef _malformed(self, int32_t client, object rid, int64_t header, str detail):
+        """A message that does not parse: counted, logged (rate-limited), and
+        answered when its sender is a client (``client`` >= 0)."""
+        self._log.warn(
+            "malformed", f"malformed {header_name(header)} from {self._frame_bytes(0)!r}: {detail}"
+        )
+        if client < 0:
+            self.counters[COUNTER_MALFORMED] += 1
+        else:
+            self._refuse(client, rid, ERROR_MALFORMED, header, COUNTER_MALFORMED)

@@ -1,0 +1,701 @@
+"""The reference loop core: the coordinator's tables and message handlers over pyzmq.
+
+:class:`coordkit.Coordinator` owns the sockets, the thread and the timers and
+drives this core, or its Cython twin (``_loop_c.pyx``). This one is the
+oracle: both make the same decisions in the same order and put the same
+frames on the wire, method for method under the same names.
+
+The hot path (a SUBMIT out to an engine; an engine's batch of replies out to
+their clients) comes first; the rare paths after it parse with the message
+specs of :mod:`coordkit.protocol`. Requests are filed by ``server_rid &
+mask``: server ids advance by one, skipping an id whose position is held,
+exactly as the C index does. An engine found gone on the hot path is only
+marked; its requests are settled once the message at hand is done.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from . import _codec_py as codec
+from . import protocol
+from ._shared import (
+    COPY_BELOW,
+    Counter,
+    EngineState,
+    Options,
+    RateLimitedLog,
+    RequestFlag,
+    RouteStatus,
+    detokenize,
+    stats_map,
+)
+from .protocol import (
+    BLOCK_HASH_SIZE,
+    CONTROL_HEADERS,
+    CONTROL_TRANSITIONS,
+    MAX_PARTS,
+    ControlState,
+    ErrorCode,
+    Header,
+    MessageSpec,
+    ProtocolError,
+    error_text,
+    header_name,
+    packb,
+    parse_connect,
+)
+
+if TYPE_CHECKING:
+    from ._routing_py import Router
+
+__all__ = ["Loop"]
+
+ALIVE, DRAINING, GONE = EngineState.ALIVE, EngineState.DRAINING, EngineState.GONE
+PRODUCED, ABORTED = RequestFlag.PRODUCED, RequestFlag.ABORTED
+
+
+class _Client:
+    __slots__ = ("identity", "coordkit", "inflight", "last_seen")
+
+    def __init__(self, identity: bytes, coordkit: bool, last_seen: int):
+        self.identity = identity
+        self.coordkit = coordkit  # may be sent ERROR and STATS_REPLY
+        self.inflight = 0
+        self.last_seen = last_seen  # the message count when it last sent one
+
+
+class _Engine:
+    __slots__ = ("rank", "identity", "state", "heartbeats", "last_heartbeat", "drain_deadline")
+
+    def __init__(self, rank: int, identity: bytes):
+        self.rank = rank
+        self.identity = identity
+        self.state = ALIVE
+        self.heartbeats = False  # has sent a HEARTBEAT: may be timed out
+        self.last_heartbeat = 0.0
+        self.drain_deadline = 0.0
+
+
+class _Request:
+    __slots__ = ("server_rid", "client", "client_rid", "rank", "flags", "kept")
+
+    def __init__(self, server_rid: int, client: _Client, client_rid: int):
+        self.server_rid = server_rid
+        self.client = client
+        self.client_rid = client_rid
+        self.rank = -1  # -1 while it is being re-sent or failed
+        self.flags = 0
+        # The rewritten metadata and the prompt, to re-send it if its engine dies.
+        self.kept: tuple[bytes, zmq.Frame | bytes] | None = None
+
+
+class Loop:
+    """The reference loop core; :class:`coordkit.Coordinator` builds and drives it."""
+
+    implementation = "py"
+
+    def __init__(
+        self, options: Options, router: Router, router_socket: zmq.Socket, wake_socket: zmq.Socket
+    ):
+        self._router = router
+        self._sock = router_socket
+        self._wake = wake_socket
+        self._options = options
+        self._log = RateLimitedLog()
+        self._stopping = False
+        self._mask = options.index_size - 1
+        self._requests: dict[int, _Request] = {}  # server_rid & mask -> request
+        self._by_client: dict[tuple[bytes, int], _Request] = {}
+        self._next_rid = 0
+        self._clients: dict[bytes, _Client] = {}
+        self._engines: list[_Engine] = []
+        self._engine_by_identity: dict[bytes, _Engine] = {}
+        self._gone: list[tuple[_Engine, str]] = []  # found gone, not settled yet
+        self._control_state = ControlState.RUNNING
+        self._counters = [0] * len(Counter)
+        self._messages = 0
+        self._poller = zmq.Poller()
+        self._poller.register(router_socket, zmq.POLLIN)
+        self._poller.register(wake_socket, zmq.POLLIN)
+
+    # -- what the Coordinator calls ------------------------------------------------------
+
+    def serve(self, timeout: float) -> bool:
+        """Handle messages for up to ``timeout`` seconds; False once the loop must stop."""
+        deadline = time.monotonic() + timeout
+        while not self._stopping:
+            wait_ms = int((deadline - time.monotonic()) * 1000)
+            if wait_ms <= 0:
+                return True
+            ready = dict(self._poller.poll(wait_ms))
+            if self._wake in ready:
+                self._wake.recv()
+                self._stopping = True
+            elif self._sock in ready:
+                self._drain()
+        return False
+
+    def expire(self, now: float) -> None:
+        """Declare gone the engines whose drain or heartbeat timed out, and settle them."""
+        timeout = self._options.heartbeat_timeout
+        for engine in self._engines:
+            if engine.state == GONE:
+                continue
+            if engine.state == DRAINING:
+                if now >= engine.drain_deadline:
+                    self._mark_gone(engine, "drain timed out")
+            elif timeout and engine.heartbeats and now - engine.last_heartbeat > timeout:
+                self._mark_gone(engine, "no heartbeat")
+        self._settle()
+
+    def shutdown(self) -> None:
+        """End every request still in flight with ERROR(SHUTTING_DOWN): its terminal reply."""
+        for request in self._in_order(lambda r: True):
+            if self._find(request.server_rid) is request:
+                self._fail_request(request, ErrorCode.SHUTTING_DOWN, Header.SHUTDOWN)
+        self._settle()
+
+    def stats(self) -> dict[str, Any]:
+        return stats_map(
+            implementation=self.implementation,
+            policy=self._router.policy,
+            messages=self._messages,
+            inflight=len(self._requests),
+            clients=len(self._clients),
+            control_state=self._control_state,
+            counters=list(self._counters),
+            engines=[
+                (e.rank, e.identity, e.state, self._router.pending(e.rank))
+                for e in list(self._engines)
+            ],
+        )
+
+    # -- the hot path --------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Handle every message waiting, one at a time."""
+        receive = self._sock.recv_multipart
+        while not self._stopping:
+            try:
+                frames = receive(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._messages += 1
+            self._handle(frames)
+            if self._gone:
+                self._settle()
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        """Dispatch a message (frame 0 is the sender's routing id)."""
+        identity = frames[0].bytes
+        engine = self._engine_by_identity.get(identity)
+        if len(frames) == 2 and len(frames[1]) == 0:
+            self._register(identity, engine)
+            return
+        client = self._clients.get(identity)
+        try:
+            if len(frames) > MAX_PARTS:
+                raise ProtocolError(f"more than {MAX_PARTS} frames")
+            header = codec.read_header(frames[1].buffer)[0]
+        except ProtocolError as exc:
+            self._malformed(client, None, -1, str(exc), frames)
+            return
+        if engine is not None:
+            self._from_engine(engine, header, frames)
+        elif header == Header.CONNECT:
+            self._connect(identity, client, frames)
+        elif client is None:
+            self._counters[Counter.NOT_CONNECTED] += 1
+            self._log.warn(
+                "not_connected", f"dropped {header_name(header)} from a peer that never connected"
+            )
+        else:
+            client.last_seen = self._messages
+            self._from_client(client, header, frames)
+
+    def _from_client(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
+        if header == Header.SUBMIT_REQUEST or header == Header.SUBMIT_REQUEST_WITH_KV:
+            self._submit(client, header, frames)
+        else:
+            self._from_client_rarely(client, header, frames)
+
+    def _submit(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
+        """A new request: a server id, an engine, and the frames on to it."""
+        meta = frames[1].buffer
+        try:
+            _, length, rid, _ = codec.read_submit(meta)
+        except ProtocolError as exc:
+            self._malformed(client, exc.rid, header, str(exc), frames)
+            return
+        n_payload = 1 if header == Header.SUBMIT_REQUEST else 2
+        n_frames = len(frames) - 2
+        hashes = frames[2 + n_payload].buffer if n_frames == n_payload + 1 else None
+        if (
+            length != 2 + n_payload
+            or not n_payload <= n_frames <= n_payload + 1
+            or (hashes is not None and len(hashes) % BLOCK_HASH_SIZE)
+        ):
+            self._malformed(client, rid, header, "bad frame layout", frames)
+            return
+        if (client.identity, rid) in self._by_client:
+            self._refuse(
+                client, rid, ErrorCode.DUPLICATE_REQUEST, header, Counter.DUPLICATE_REQUEST
+            )
+            return
+        if len(self._requests) >= self._options.max_inflight:
+            self._refuse(client, rid, ErrorCode.BUSY, header, Counter.BUSY)
+            return
+        request = self._add(client, rid)
+        client.inflight += 1
+        out_meta = codec.rewrite_submit(meta, request.server_rid)
+        # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
+        if header == Header.SUBMIT_REQUEST and self._options.keep_prompts:
+            prompt = frames[2]
+            request.kept = (out_meta, prompt.bytes if len(prompt) < COPY_BELOW else prompt)
+        message = [out_meta, *frames[2 : 2 + n_payload]]
+        status = self._route(request, hashes, message)
+        while status == RouteStatus.ENGINE_GONE:
+            # The gone engine's requests are older than this one: they go first.
+            self._settle()
+            if self._find(request.server_rid) is not request:  # its client went away meanwhile
+                return
+            status = self._route(request, hashes, message)
+        if status == RouteStatus.SENT:
+            self._counters[Counter.SUBMITTED] += 1
+            return
+        self._forget(request)
+        counter = Counter.NO_ENGINES if status == RouteStatus.NO_ENGINES else Counter.BUSY
+        self._refuse(client, rid, _refusal(status), header, counter)
+
+    def _route(
+        self, request: _Request, hashes: memoryview | None, message: list[Any]
+    ) -> RouteStatus:
+        """Send a new request to the engine chosen for it; its payload frames go as themselves."""
+        rank, status = self._pick_engine(hashes)
+        if status == RouteStatus.SENT:
+            request.rank = rank
+            self._sock.send_multipart(message, copy=False)
+        return status
+
+    def _resend(self, request: _Request) -> RouteStatus:
+        """Send a request whose engine died to another, from what it kept."""
+        status = RouteStatus.ENGINE_GONE
+        while status == RouteStatus.ENGINE_GONE:  # that one waits in the queue of gone engines
+            rank, status = self._pick_engine(None)
+        if status == RouteStatus.SENT:
+            request.rank = rank
+            assert request.kept is not None
+            self._sock.send_multipart(list(request.kept), copy=False)
+        return status
+
+    def _pick_engine(self, hashes: memoryview | None) -> tuple[int, RouteStatus]:
+        """The router's choice, its routing id sent (the request's frames follow).
+        An unreachable choice is marked gone: ENGINE_GONE."""
+        rank = self._router.choose(hashes, time.monotonic())
+        if rank < 0:
+            if self._router.n_accepting == 0:
+                return rank, RouteStatus.NO_ENGINES
+            return rank, RouteStatus.ALL_BUSY
+        if self._send_identity(self._engines[rank].identity):
+            return rank, RouteStatus.SENT
+        self._router.release(rank)
+        self._mark_gone(self._engines[rank], "unreachable")
+        return rank, RouteStatus.ENGINE_GONE
+
+    def _from_engine(self, engine: _Engine, header: int, frames: list[zmq.Frame]) -> None:
+        if header == Header.ENGINE_REPLY or header == Header.ENGINE_REPLY_PARTIAL:
+            self._forward_replies(engine, frames)
+        else:
+            self._from_engine_rarely(engine, header, frames)
+
+    def _forward_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
+        """Each entry of an engine's batch to its request's client, the body as itself."""
+        try:
+            header, entries = codec.read_reply(frames[1].buffer)
+        except ProtocolError as exc:
+            self._malformed(None, None, -1, str(exc), frames)
+            return
+        bodies = frames[2:]
+        if len(entries) != len(bodies):
+            detail = f"{len(entries)} entries but {len(bodies)} payload frames"
+            self._malformed(None, None, header, detail, frames)
+            return
+        final = header == Header.ENGINE_REPLY
+        for (server_rid, needs_detokenize), body in zip(entries, bodies, strict=True):
+            request = self._find(server_rid)
+            if request is None or request.rank != engine.rank:
+                self._counters[Counter.UNKNOWN_REQUEST] += 1
+                continue
+            client = request.client
+            if final:
+                self._forget(request)
+                self._counters[Counter.REPLIES] += 1
+            else:
+                request.flags |= PRODUCED
+                self._counters[Counter.PARTIALS] += 1
+            out: Any = body
+            if needs_detokenize and self._options.detokenizer is not None:
+                out = self._detokenize(body)
+            if not self._send_identity(client.identity):
+                self._client_gone(client)
+                continue
+            self._sock.send_multipart(
+                [codec.write_header_int(header, request.client_rid), out], copy=False
+            )
+
+    def _add(self, client: _Client, client_rid: int) -> _Request:
+        """A new request: the next server id whose position is free."""
+        rid = self._next_rid
+        while (rid & self._mask) in self._requests:
+            rid += 1
+        self._next_rid = rid + 1
+        request = _Request(rid, client, client_rid)
+        self._requests[rid & self._mask] = request
+        self._by_client[(client.identity, client_rid)] = request
+        return request
+
+    def _remove(self, request: _Request) -> None:
+        del self._requests[request.server_rid & self._mask]
+        del self._by_client[(request.client.identity, request.client_rid)]
+
+    def _find(self, server_rid: int) -> _Request | None:
+        request = self._requests.get(server_rid & self._mask)
+        return request if request is not None and request.server_rid == server_rid else None
+
+    def _forget(self, request: _Request) -> None:
+        """Take a request out of every table and count; a draining engine whose
+        last request this was is gone."""
+        request.client.inflight -= 1
+        self._remove(request)
+        if request.rank < 0:
+            return
+        self._router.release(request.rank)
+        engine = self._engines[request.rank]
+        if engine.state == DRAINING and self._router.pending(engine.rank) == 0:
+            engine.state = GONE
+
+    def _mark_gone(self, engine: _Engine, reason: str) -> None:
+        """Take an engine out of the pool now; its requests are settled after the
+        message at hand (see _settle), so a failure never recurses into routing."""
+        if engine.state == GONE:
+            return
+        if engine.state == ALIVE:
+            self._router.remove_rank(engine.rank)
+        engine.state = GONE
+        self._counters[Counter.ENGINE_FAILURES] += 1
+        self._gone.append((engine, reason))
+
+    def _send_identity(self, identity: bytes) -> bool:
+        """Start a message to a peer; False when it is gone (ROUTER_MANDATORY)."""
+        try:
+            self._sock.send(identity, zmq.SNDMORE)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        return True
+
+    # -- rare paths ----------------------------------------------------------------------
+
+    def _from_client_rarely(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
+        if header == Header.ABORT_REQUEST:
+            self._abort(client, frames)
+        elif header == Header.RELEASE_KV:
+            self._release_kv(client, frames)
+        elif header in CONTROL_HEADERS:
+            self._control(client, header, frames)
+        elif header == Header.SHUTDOWN:
+            self._shutdown_signal(client, frames)
+        elif header == Header.STATS:
+            self._stats_request(client, frames)
+        else:
+            self._refuse(client, None, ErrorCode.UNKNOWN_HEADER, header, Counter.UNKNOWN_HEADER)
+
+    def _from_engine_rarely(self, engine: _Engine, header: int, frames: list[zmq.Frame]) -> None:
+        if header == Header.HEARTBEAT:
+            self._heartbeat(engine, frames)
+        elif header == Header.DISCONNECT:
+            self._disconnect(engine, frames)
+        else:
+            self._counters[Counter.UNKNOWN_HEADER] += 1
+            self._log.warn(
+                "unknown_header", f"dropped {header_name(header)} from engine {engine.rank}"
+            )
+
+    def _register(self, identity: bytes, engine: _Engine | None) -> None:
+        """An engine announced itself (one empty frame): a new rank, or one coming back."""
+        if engine is not None:
+            if engine.state == ALIVE:
+                self._counters[Counter.DUPLICATE_REGISTER] += 1
+                return
+            engine.state = ALIVE  # it left or was declared gone
+            engine.heartbeats = False
+            self._router.add_rank(engine.rank)
+            return
+        if identity in self._clients:
+            self._malformed(None, None, -1, "a client sent an engine registration", [identity])
+            return
+        rank = len(self._engines)
+        if rank == self._options.max_engines:  # reuse a gone rank with nothing left in flight
+            rank = next(
+                (
+                    e.rank
+                    for e in self._engines
+                    if e.state == GONE and not self._router.pending(e.rank)
+                ),
+                -1,
+            )
+            if rank < 0:
+                self._counters[Counter.TABLE_FULL] += 1
+                self._log.warn("engines_full", "engine table full: registration dropped")
+                return
+            del self._engine_by_identity[self._engines[rank].identity]
+            self._engines[rank] = _Engine(rank, identity)
+        else:
+            self._engines.append(_Engine(rank, identity))
+        self._engine_by_identity[identity] = self._engines[rank]
+        self._router.add_rank(rank)
+
+    def _connect(self, identity: bytes, client: _Client | None, frames: list[zmq.Frame]) -> None:
+        """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
+        try:
+            coordkit = parse_connect(_buffers(frames))
+        except ProtocolError as exc:
+            self._malformed(None, None, Header.CONNECT, str(exc), frames)
+            return
+        if client is not None:
+            self._counters[Counter.DUPLICATE_CONNECT] += 1
+            client.coordkit = coordkit
+            client.last_seen = self._messages
+        else:
+            if len(self._clients) >= self._options.max_clients and not self._vacant_client():
+                self._counters[Counter.TABLE_FULL] += 1
+                if coordkit:
+                    self._counters[Counter.ERRORS_SENT] += 1
+                    text = error_text(ErrorCode.BUSY, Header.CONNECT)
+                    self._send(identity, protocol.ERROR.pack(None, ErrorCode.BUSY, text))
+                return
+            self._clients[identity] = _Client(identity, coordkit, self._messages)
+        self._send(identity, protocol.CONNECT_ACK.pack())
+
+    def _vacant_client(self) -> bool:
+        """Make room for a client: the idle one seen longest ago gives up its place."""
+        idle = [c for c in self._clients.values() if c.inflight == 0]
+        if not idle:
+            return False
+        del self._clients[min(idle, key=lambda c: c.last_seen).identity]
+        return True
+
+    def _heartbeat(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
+        if self._parse(protocol.HEARTBEAT, None, Header.HEARTBEAT, frames) is None:
+            return
+        if engine.state != GONE:
+            engine.heartbeats = True
+            engine.last_heartbeat = time.monotonic()
+
+    def _disconnect(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
+        """DISCONNECT: no new work; its requests in flight may finish, for a while."""
+        if self._parse(protocol.DISCONNECT, None, Header.DISCONNECT, frames) is None:
+            return
+        if engine.state != ALIVE:
+            return
+        self._router.remove_rank(engine.rank)
+        engine.state = DRAINING
+        engine.drain_deadline = time.monotonic() + self._options.drain_timeout
+        if self._router.pending(engine.rank) == 0:
+            engine.state = GONE
+
+    def _abort(self, client: _Client, frames: list[zmq.Frame]) -> None:
+        """ABORT_REQUEST: on to the owning engine, once, with the server id."""
+        message = self._parse(protocol.ABORT_REQUEST, client, Header.ABORT_REQUEST, frames)
+        if message is None:
+            return
+        request = self._by_client.get((client.identity, message.rid))
+        if request is None:
+            self._refuse(
+                client,
+                message.rid,
+                ErrorCode.UNKNOWN_REQUEST,
+                Header.ABORT_REQUEST,
+                Counter.UNKNOWN_REQUEST,
+            )
+            return
+        self._counters[Counter.ABORTS] += 1
+        if request.flags & ABORTED:
+            return
+        request.flags |= ABORTED
+        engine = self._engines[request.rank]
+        if not self._send(engine.identity, protocol.ABORT_REQUEST.pack(request.server_rid)):
+            self._mark_gone(engine, "unreachable")
+
+    def _release_kv(self, client: _Client, frames: list[zmq.Frame]) -> None:
+        if self._parse(protocol.RELEASE_KV, client, Header.RELEASE_KV, frames) is not None:
+            self._counters[Counter.RELEASE_KV] += 1
+            self._broadcast(frames[1])
+
+    def _control(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
+        """A control signal: through the state machine, then to every engine."""
+        if self._parse(protocol.CONTROL[header], client, header, frames) is None:
+            return
+        state = CONTROL_TRANSITIONS.get((self._control_state, header))
+        if state is None:
+            self._refuse(client, None, ErrorCode.INVALID_STATE, header, Counter.INVALID_CONTROL)
+            return
+        self._counters[Counter.CONTROL] += 1
+        self._control_state = ControlState(state)
+        self._broadcast(frames[1])
+
+    def _shutdown_signal(self, client: _Client, frames: list[zmq.Frame]) -> None:
+        if self._parse(protocol.SHUTDOWN, client, Header.SHUTDOWN, frames) is not None:
+            self._stopping = True
+
+    def _stats_request(self, client: _Client, frames: list[zmq.Frame]) -> None:
+        if self._parse(protocol.STATS, client, Header.STATS, frames) is not None:
+            if client.coordkit:
+                self._send(client.identity, protocol.STATS_REPLY.pack(packb(self.stats())))
+
+    def _parse(
+        self, spec: MessageSpec, client: _Client | None, header: int, frames: list[zmq.Frame]
+    ) -> Any:
+        """The message parsed by ``spec``, or None after handling it as malformed."""
+        try:
+            return spec.parse(_buffers(frames))
+        except ProtocolError as exc:
+            self._malformed(client, exc.rid, header, str(exc), frames)
+            return None
+
+    def _broadcast(self, frame: zmq.Frame) -> None:
+        """The metadata frame as it came to every engine not gone."""
+        for engine in self._engines:
+            if engine.state == GONE:
+                continue
+            if not self._send(engine.identity, [frame]):
+                self._mark_gone(engine, "unreachable")
+
+    def _detokenize(self, body: zmq.Frame) -> zmq.Frame | bytes:
+        """A reply body detokenized (on failure, the body as it is)."""
+        try:
+            out = detokenize(self._options.detokenizer, body.buffer)  # type: ignore[arg-type]
+        except Exception as exc:  # a bad body or a failing detokenizer
+            self._counters[Counter.DETOKENIZE_ERRORS] += 1
+            self._log.warn("detokenize", f"detokenize failed, body forwarded as is: {exc!r}")
+            return body
+        self._counters[Counter.DETOKENIZED] += 1
+        return out
+
+    # -- failures ------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Re-send or fail the requests of the engines found gone, oldest first.
+
+        Settling one engine may find others gone (a re-send that cannot reach
+        its engine): they join the queue, so the work stays a loop, not a recursion.
+        """
+        i = 0
+        while i < len(self._gone):
+            self._settle_engine(*self._gone[i])
+            i += 1
+        self._gone.clear()
+
+    def _settle_engine(self, engine: _Engine, reason: str) -> None:
+        """Each request of a gone engine, by server id: re-sent when it produced
+        nothing and was kept, otherwise ended with ERROR(ENGINE_FAILED)."""
+        self._log.warn("engine_failed", f"engine {engine.rank} gone ({reason})")
+        for request in self._in_order(lambda r: r.rank == engine.rank):
+            if self._find(request.server_rid) is not request or request.rank != engine.rank:
+                continue  # ended meanwhile: its client went away
+            self._router.release(engine.rank)
+            request.rank = -1
+            if request.flags & (PRODUCED | ABORTED) or request.kept is None:
+                self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
+                continue
+            status = self._resend(request)
+            if status == RouteStatus.SENT:
+                self._counters[Counter.REROUTED] += 1
+            else:
+                self._fail_request(request, _refusal(status), Header.SUBMIT_REQUEST)
+
+    def _in_order(self, keep: Any) -> list[_Request]:
+        """The requests in flight for which ``keep`` holds, by server id."""
+        return sorted((r for r in self._requests.values() if keep(r)), key=lambda r: r.server_rid)
+
+    def _fail_request(self, request: _Request, code: ErrorCode, header: int) -> None:
+        """End ``request`` with ERROR(code): its one terminal reply."""
+        self._forget(request)
+        if code == ErrorCode.ENGINE_FAILED:
+            self._counters[Counter.ENGINE_FAILED] += 1
+        if not self._send_error(request.client, request.client_rid, code, header):
+            self._client_gone(request.client)
+
+    def _client_gone(self, client: _Client) -> None:
+        """A client that cannot be reached: its requests are aborted at their
+        engines and forgotten, and so is the client."""
+        if self._clients.get(client.identity) is not client:
+            return
+        self._counters[Counter.CLIENT_GONE] += 1
+        for request in self._in_order(lambda r: r.client is client):
+            if self._find(request.server_rid) is not request:
+                continue
+            rank = request.rank
+            self._forget(request)
+            if request.flags & ABORTED or rank < 0 or self._engines[rank].state == GONE:
+                continue
+            engine = self._engines[rank]
+            if not self._send(engine.identity, protocol.ABORT_REQUEST.pack(request.server_rid)):
+                self._mark_gone(engine, "unreachable")
+        del self._clients[client.identity]
+
+    # -- answers and malformed input ------------------------------------------------------
+
+    def _send(self, identity: bytes, frames: list[Any]) -> bool:
+        """Send one message to a peer; False when it is gone."""
+        if not self._send_identity(identity):
+            return False
+        self._sock.send_multipart(frames, copy=False)
+        return True
+
+    def _send_error(self, client: _Client, rid: int | None, code: int, header: int) -> bool:
+        """ERROR to a coordkit client (others cannot parse it); False when it is gone."""
+        if not client.coordkit:
+            return True
+        self._counters[Counter.ERRORS_SENT] += 1
+        return self._send(client.identity, protocol.ERROR.pack(rid, code, error_text(code, header)))
+
+    def _refuse(
+        self, client: _Client, rid: int | None, code: int, header: int, counter: Counter
+    ) -> None:
+        """Count a refused message and answer its client with ERROR(code)."""
+        self._counters[counter] += 1
+        if not self._send_error(client, rid, code, header):
+            self._client_gone(client)
+
+    def _malformed(
+        self,
+        client: _Client | None,
+        rid: int | None,
+        header: int,
+        detail: str,
+        frames: list[Any],
+    ) -> None:
+        """A message that does not parse: counted, logged (rate-limited), and
+        answered when its sender is a client."""
+        sender = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+        self._log.warn("malformed", f"malformed {header_name(header)} from {sender!r}: {detail}")
+        if client is None:
+            self._counters[Counter.MALFORMED] += 1
+        else:
+            self._refuse(client, rid, ErrorCode.MALFORMED, header, Counter.MALFORMED)
+
+
+def _refusal(status: RouteStatus) -> ErrorCode:
+    """The ErrorCode for a request no engine could take (a RouteStatus other than SENT)."""
+    return ErrorCode.NO_ENGINES if status == RouteStatus.NO_ENGINES else ErrorCode.BUSY
+
+
+def _buffers(frames: list[zmq.Frame]) -> list[memoryview]:
+    """A message's frames after the routing id, for the specs to parse."""
+    return [frame.buffer for frame in frames[1:]]

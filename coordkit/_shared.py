@@ -1,0 +1,219 @@
+"""What the two loop cores share: their counters, states and thresholds, and
+the little Python both run off the hot path (options, stats, logging).
+
+The enums and ints here, with those of :mod:`coordkit.protocol`, are the one
+source of the constants the Cython modules use: ``make constants`` writes them
+into ``_constants.pxd`` (``Counter.SUBMITTED`` is ``COUNTER_SUBMITTED``
+there), and each module checks at import that what it was compiled with
+still matches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from . import protocol
+from .protocol import Buffer, ControlState, packb, unpackb
+
+logger = logging.getLogger("coordkit")
+
+Detokenizer = Callable[[list[int]], str]
+
+#: A kept prompt below this many bytes is copied: sharing it would pin the whole
+#: receive buffer libzmq decoded it from (pyzmq's copy-below-a-threshold rule).
+COPY_BELOW = 8192
+
+
+class Counter(IntEnum):
+    """Event counters, in the order both loops keep them (``stats()["counters"]``)."""
+
+    SUBMITTED = 0
+    REPLIES = 1
+    PARTIALS = 2
+    ABORTS = 3
+    RELEASE_KV = 4
+    CONTROL = 5
+    ERRORS_SENT = 6
+    MALFORMED = 7
+    UNKNOWN_HEADER = 8
+    NOT_CONNECTED = 9
+    UNKNOWN_REQUEST = 10
+    DUPLICATE_REQUEST = 11
+    BUSY = 12
+    NO_ENGINES = 13
+    INVALID_CONTROL = 14
+    DUPLICATE_CONNECT = 15
+    DUPLICATE_REGISTER = 16
+    TABLE_FULL = 17
+    REROUTED = 18
+    ENGINE_FAILED = 19
+    ENGINE_FAILURES = 20
+    CLIENT_GONE = 21
+    DETOKENIZED = 22
+    DETOKENIZE_ERRORS = 23
+
+
+class EngineState(IntEnum):
+    """An engine rank's life: it takes work while ALIVE, finishes it while
+    DRAINING (after DISCONNECT), and takes nothing once GONE."""
+
+    ALIVE = 0
+    DRAINING = 1
+    GONE = 2
+
+
+class RequestFlag(IntEnum):
+    """Bits of a request in flight that decide what its engine's death means."""
+
+    PRODUCED = 1  # a partial reply went out: it cannot be re-sent
+    ABORTED = 2  # its client aborted it: it is never re-sent
+
+
+class RouteStatus(IntEnum):
+    """How sending a request to an engine went."""
+
+    SENT = 0
+    NO_ENGINES = 1  # no engine is registered and accepting work
+    ALL_BUSY = 2  # every engine is at its cap
+    ENGINE_GONE = 3  # the engine chosen was unreachable: it is marked gone, choose again
+
+
+@dataclass(frozen=True)
+class Options:
+    """A coordinator's options as its loop core reads them, already validated.
+
+    :class:`coordkit.Coordinator` checks them and builds this; the router's
+    own options go to the router it builds.
+    """
+
+    max_inflight: int
+    max_inflight_per_engine: int
+    heartbeat_timeout: float
+    drain_timeout: float
+    detokenizer: Detokenizer | None
+    max_clients: int
+    max_engines: int
+    keep_prompts: bool
+
+    @property
+    def index_size(self) -> int:
+        """Positions in the server-id index: the power of two at or above max_inflight."""
+        return 1 << (self.max_inflight - 1).bit_length()
+
+
+#: The enums the Cython modules take from Python, with the prefix their
+#: members get there (``Header.CONNECT`` is ``HEADER_CONNECT``).
+CYTHON_ENUMS: tuple[tuple[type[IntEnum], str], ...] = (
+    (protocol.Header, "HEADER_"),
+    (protocol.ErrorCode, "ERROR_"),
+    (protocol.ControlState, "CONTROL_"),
+    (Counter, "COUNTER_"),
+    (EngineState, "ENGINE_"),
+    (RequestFlag, "FLAG_"),
+    (RouteStatus, "ROUTE_"),
+)
+
+
+def cython_constants() -> dict[str, int]:
+    """Every constant the Cython modules take from Python, by its Python name."""
+    values = {
+        f"{enum.__name__}.{member.name}": int(member) for enum, _ in CYTHON_ENUMS for member in enum
+    }
+    values.update(
+        BLOCK_HASH_SIZE=protocol.BLOCK_HASH_SIZE,
+        MAX_PARTS=protocol.MAX_PARTS,
+        COPY_BELOW=COPY_BELOW,
+        N_COUNTERS=len(Counter),
+    )
+    return values
+
+
+def check_constants(generated: dict[str, int]) -> None:
+    """ImportError unless the values compiled into a Cython module (from the
+    generated ``_constants.pxd``) are today's Python ones, member for member."""
+    current = cython_constants()
+    if generated != current:
+        stale = sorted(
+            k for k in generated.keys() | current.keys() if generated.get(k) != current.get(k)
+        )
+        raise ImportError(
+            "coordkit: the compiled constants differ from the Python ones "
+            f"({', '.join(stale)}): run make constants and rebuild"
+        )
+
+
+def detokenize(detokenizer: Detokenizer, body: Buffer) -> bytes:
+    """A reply body with ``generated_text`` set from ``generated_tokens``.
+
+    Raises whatever a bad body or a failing detokenizer raises; the caller
+    then forwards the body untouched.
+    """
+    reply = unpackb(body)
+    reply["generated_text"] = detokenizer(reply["generated_tokens"])
+    return packb(reply)
+
+
+class RateLimitedLog:
+    """At most one warning per kind per interval, with the count of those skipped."""
+
+    def __init__(self, interval: float = 1.0):
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+
+    def warn(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -self.interval) < self.interval:
+            self._skipped[kind] = self._skipped.get(kind, 0) + 1
+            return
+        skipped = self._skipped.pop(kind, 0)
+        self._last[kind] = now
+        suffix = f" ({skipped} more since the last report)" if skipped else ""
+        logger.warning("%s%s", message, suffix)
+
+
+def identity_text(identity: bytes) -> str:
+    """A ZeroMQ routing id for humans: its text when printable, else hex."""
+    try:
+        text = identity.decode()
+    except UnicodeDecodeError:
+        return identity.hex()
+    return text if text.isprintable() else identity.hex()
+
+
+def stats_map(
+    *,
+    implementation: str,
+    policy: str,
+    messages: int,
+    inflight: int,
+    clients: int,
+    control_state: int,
+    counters: list[int],
+    engines: list[tuple[int, bytes, int, int]],
+) -> dict[str, Any]:
+    """The map of ``Coordinator.stats()`` and STATS_REPLY; ``engines`` is
+    (rank, identity, state, pending) per rank."""
+    return {
+        "implementation": implementation,
+        "policy": policy,
+        "messages": messages,
+        "inflight": inflight,
+        "clients": clients,
+        "control_state": ControlState(control_state).name.lower(),
+        "counters": {c.name.lower(): counters[c] for c in Counter},
+        "engines": [
+            {
+                "rank": rank,
+                "identity": identity_text(identity),
+                "state": EngineState(state).name.lower(),
+                "pending": pending,
+            }
+            for rank, identity, state, pending in engines
+        ],
+    }

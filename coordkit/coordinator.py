@@ -1,0 +1,194 @@
+"""The coordinator: one ROUTER socket between the clients and the engine ranks.
+
+:class:`Coordinator` is the public face, the same whichever implementation
+runs it: it checks its options, owns the sockets, runs the loop on the
+calling thread or a background one, keeps its timers and answers
+:meth:`~Coordinator.stats`. The work is done by a *loop core*, the tables and
+the message handlers: ``coordkit._loop_c.Loop`` (Cython, over raw libzmq,
+without the GIL) or ``coordkit._loop_py.Loop`` (the pure-Python reference),
+as pyzmq layers ``zmq.Socket`` over its Cython backend.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from ._implementation import load_implementation, selected
+from ._shared import Detokenizer, Options
+
+__all__ = ["Coordinator"]
+
+#: Seconds between checks of heartbeats and drains when nothing else wakes the loop.
+TIMER_INTERVAL = 0.05
+
+_wake_ids = itertools.count()
+
+
+class _Sockets:
+    """The coordinator's ROUTER, and the inproc pair through which stop() wakes its loop."""
+
+    LINGER_MS = 500  # lets the final ERRORs of a shutdown reach their clients
+
+    def __init__(self, bind: str, max_message_size: int, context: zmq.Context | None):
+        self.context = context or zmq.Context.instance()
+        self.router = self.context.socket(zmq.ROUTER)
+        # A send to a peer that is gone fails (EHOSTUNREACH) instead of vanishing.
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.SNDHWM, 0)  # memory is bounded by max_inflight instead
+        self.router.setsockopt(zmq.RCVHWM, 0)
+        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+        self.router.setsockopt(zmq.LINGER, self.LINGER_MS)
+        try:
+            self.router.bind(bind)
+        except zmq.ZMQError:
+            self.router.close(linger=0)
+            raise
+        self.address: str = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        # A fresh name each time: libzmq frees an inproc name only a little after close.
+        wake = f"inproc://coordkit-wake-{next(_wake_ids)}"
+        self.wake_recv = self.context.socket(zmq.PAIR)
+        self.wake_recv.bind(wake)
+        self._wake_send = self.context.socket(zmq.PAIR)
+        self._wake_send.connect(wake)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def wake(self) -> None:
+        """Ask the loop to stop; safe from any thread, a no-op once closed."""
+        with self._lock:
+            if not self.closed:
+                self._wake_send.send(b"")
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self.router.close()
+            self.wake_recv.close()
+            self._wake_send.close(linger=0)
+
+
+class Coordinator:
+    """A data-parallel coordinator bound to ``bind`` (any ZeroMQ endpoint).
+
+    Every option is keyword-only; the README's table says what each means.
+    ``implementation`` is ``"c"`` or ``"py"`` (default: the one selected at
+    import, :data:`coordkit.IMPLEMENTATION`); both behave alike, frame for frame.
+    """
+
+    def __init__(
+        self,
+        bind: str = "ipc:///tmp/coordkit.sock",
+        *,
+        policy: str = "least_loaded",
+        max_inflight: int = 1_000_000,
+        max_inflight_per_engine: int = 0,
+        heartbeat_timeout: float = 10.0,
+        drain_timeout: float = 30.0,
+        max_message_size: int = 256 << 20,
+        detokenizer: Detokenizer | None = None,
+        seed: int = 0,
+        prefix_alpha: float = 1.0,
+        prefix_ttl: float = 600.0,
+        prefix_max_entries: int = 1_000_000,
+        max_clients: int = 65536,
+        max_engines: int = 1024,
+        keep_prompts: bool = True,
+        context: zmq.Context | None = None,
+        implementation: str | None = None,
+    ):
+        if not 1 <= max_inflight <= 1 << 30:
+            raise ValueError("max_inflight must be between 1 and 2**30")
+        if max_inflight_per_engine < 0:
+            raise ValueError("max_inflight_per_engine must be >= 0 (0: no cap)")
+        if heartbeat_timeout < 0 or drain_timeout < 0:
+            raise ValueError("timeouts must be >= 0 (0 disables heartbeat expiry)")
+        if max_message_size < -1 or max_message_size == 0:
+            raise ValueError("max_message_size must be positive, or -1 for no limit")
+        if not 1 <= max_clients <= 1 << 24 or not 1 <= max_engines <= 1 << 16:
+            raise ValueError("max_clients must be in 1..2**24 and max_engines in 1..65536")
+        impl = load_implementation(implementation) if implementation else selected()
+        #: ``"c"`` or ``"py"``: which loop core runs this coordinator.
+        self.implementation: str = impl.name
+        self.policy = policy
+        self.options = Options(
+            max_inflight=max_inflight,
+            max_inflight_per_engine=max_inflight_per_engine,
+            heartbeat_timeout=heartbeat_timeout,
+            drain_timeout=drain_timeout,
+            detokenizer=detokenizer,
+            max_clients=max_clients,
+            max_engines=max_engines,
+            keep_prompts=keep_prompts,
+        )
+        router = impl.Router(
+            policy,
+            max_engines,
+            seed=seed,
+            rank_cap=max_inflight_per_engine,
+            prefix_alpha=prefix_alpha,
+            prefix_ttl=prefix_ttl,
+            prefix_max_entries=prefix_max_entries,
+        )
+        self._sockets = _Sockets(bind, max_message_size, context)
+        #: The bound endpoint (a tcp port asked for as 0 or * is resolved).
+        self.address = self._sockets.address
+        self._loop = impl.loop.Loop(
+            self.options, router, self._sockets.router, self._sockets.wake_recv
+        )
+        self._thread: threading.Thread | None = None
+        self._started = False
+
+    def serve_forever(self) -> None:
+        """Run the loop until SHUTDOWN or :meth:`stop`; then close the sockets.
+
+        Every request still in flight then gets ERROR(SHUTTING_DOWN).
+        """
+        if self._sockets.closed:
+            raise RuntimeError("coordinator is closed")
+        self._started = True
+        next_timer = time.monotonic() + TIMER_INTERVAL
+        try:
+            while self._loop.serve(max(next_timer - time.monotonic(), 0.001)):
+                now = time.monotonic()
+                if now >= next_timer:
+                    self._loop.expire(now)
+                    next_timer = now + TIMER_INTERVAL
+        finally:
+            self._close()
+
+    def start(self) -> None:
+        """Run :meth:`serve_forever` on a background thread named ``coordkit``."""
+        if self._thread is not None:
+            raise RuntimeError("coordinator already started")
+        self._thread = threading.Thread(target=self.serve_forever, name="coordkit", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Stop the loop (from any thread) and wait for it when it runs on another."""
+        if not self._started:
+            self._close()
+            return
+        self._sockets.wake()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, requests in flight, clients, control state and engines."""
+        return self._loop.stats()  # type: ignore[no-any-return]
+
+    def __enter__(self) -> Coordinator:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _close(self) -> None:
+        if not self._sockets.closed:
+            self._loop.shutdown()
+            self._sockets.close()
