@@ -45,9 +45,8 @@ import msgpack
 import zmq
 
 import coordkit
-
-from ._routing_py import POLICIES
-from .protocol import Header, block_hashes, packb, unpackb
+from coordkit._routing_py import POLICIES
+from coordkit.protocol import Header, block_hashes, packb, unpackb
 
 __all__ = ["main", "VARIANTS", "LENGTHS"]
 

@@ -7,7 +7,7 @@
   a results table; ``--compare-policies`` runs one cluster per policy, with
   a column each;
 * ``coordkit stats --address ADDRESS`` prints a coordinator's stats as JSON;
-* ``coordkit bench ...`` runs the benchmarks (:mod:`coordkit.bench`).
+* ``coordkit bench ...`` runs the benchmarks (:mod:`coordkit.tools.bench`).
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import coordkit
-
-from ._routing_py import POLICIES
-from .client import Client, CoordinatorError
-from .engine import DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
+from coordkit._routing_py import POLICIES
+from coordkit.client import Client, CoordinatorError
+from coordkit.engine import DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
 
 __all__ = ["main"]
 
