@@ -1,0 +1,288 @@
+"""``coordkit demo``: a local cluster under a client load, and its results table.
+
+Each run is a cluster of its own on ipc sockets in a temporary directory: the
+coordinator on a thread of this process, fake engine processes, and an
+asyncio client keeping ``--concurrency`` requests in flight. The table has
+one column per run; ``--compare-policies`` runs one cluster per policy.
+:mod:`coordkit.tools.cli` parses the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import coordkit
+from coordkit.client import Client, CoordinatorError
+
+__all__ = ["run", "COMPARED_POLICIES", "SUFFIX_TOKENS"]
+
+COMPARED_POLICIES = ("least_loaded", "prefix")
+SUFFIX_TOKENS = 32  # the unique part of a shared-prefix prompt: a short user turn
+_WORKLOAD_SEED = 0  # every run draws the same prefixes in the same order
+_ENGINE_STOP_TIMEOUT = 5.0  # seconds a terminated engine process gets before SIGKILL
+
+
+@dataclass
+class _Results:
+    latencies: list[float] = field(default_factory=list)
+    ranks: Counter[int] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    cached_blocks: int = 0
+    prompt_blocks: int = 0
+    start: float = 0.0
+    end: float = 0.0
+    interrupted: bool = False
+
+
+class _Progress:
+    """A tqdm bar if tqdm is installed, else a line on stderr at most once a second."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.done = 0
+        self._last_line = time.monotonic()
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self._bar = None
+        else:
+            self._bar = tqdm(total=total, unit="req", desc="coordkit demo", file=sys.stderr)
+
+    def update(self) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update()
+        elif time.monotonic() - self._last_line >= 1.0 or self.done == self.total:
+            self._last_line = time.monotonic()
+            print(f"coordkit demo: {self.done}/{self.total} requests", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def run(impl: SimpleNamespace, args: argparse.Namespace) -> int:
+    """Run the load on ``impl``'s coordinator, one cluster per policy, and print the table."""
+    policies = COMPARED_POLICIES if args.compare_policies else (args.policy,)
+    prompt = _workload(args)
+    runs: dict[str, _Results] = {}
+    for policy in policies:
+        runs[policy] = results = _Results()
+        try:
+            _run_cluster(impl, policy, prompt, args, results)
+        except (ConnectionError, TimeoutError) as exc:
+            print(f"coordkit demo: {exc}", file=sys.stderr)
+            return 1
+        if results.interrupted:
+            break
+    _print_results(args, impl.name, runs)
+    return 0
+
+
+def _workload(args: argparse.Namespace) -> Callable[[int], list[int]]:
+    """Request ``i``'s prompt: the same in every run, so that runs compare."""
+    if args.shared_prefixes is None:
+        # A few distinct prompts, so that prefix routing has something to be affine to.
+        prompts = [[k * 1000 + j for j in range(args.prompt_tokens)] for k in range(8)]
+        return lambda i: prompts[i % len(prompts)]
+    count, length = args.shared_prefixes, args.prefix_tokens
+    prefixes = [list(range(k * length, (k + 1) * length)) for k in range(count)]
+    # Drawn at random, not in turn: least_loaded rotates over the ranks, so prefixes in
+    # turn could each land on one rank by accident, as if routed by prefix.
+    rng = random.Random(_WORKLOAD_SEED)
+    draws = [rng.randrange(count) for _ in range(args.requests)]
+
+    def prompt(i: int) -> list[int]:
+        # Suffix tokens occur in no prefix and no other suffix: their blocks never hit.
+        suffix = count * length + i * SUFFIX_TOKENS
+        return prefixes[draws[i]] + list(range(suffix, suffix + SUFFIX_TOKENS))
+
+    return prompt
+
+
+def _run_cluster(
+    impl: SimpleNamespace,
+    policy: str,
+    prompt: Callable[[int], list[int]],
+    args: argparse.Namespace,
+    results: _Results,
+) -> None:
+    """Run the load on a cluster of its own, so that every run starts with cold caches."""
+    with tempfile.TemporaryDirectory(prefix="coordkit-demo-") as tmp:
+        address = f"ipc://{tmp}/coordinator.sock"
+        coord = impl.Coordinator(address, policy=policy)
+        coord.start()
+        engines: list[subprocess.Popen[bytes]] = []
+        try:
+            engines += (_spawn_engine(address, rank, args) for rank in range(args.engines))
+            asyncio.run(_run_load(address, policy, prompt, args, results, engines))
+        except KeyboardInterrupt:
+            results.interrupted = True
+        finally:
+            # Engines first, while the coordinator can still take their DISCONNECT.
+            _stop_processes(engines)
+            coord.stop()
+
+
+def _spawn_engine(address: str, rank: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    # The child must import this very coordkit, installed or not.
+    package_root = str(Path(coordkit.__file__).parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    env["COORDKIT_PUREPYTHON"] = "1"  # an engine runs no coordinator: skip loading the extension
+    command = [
+        sys.executable,
+        "-m",
+        "coordkit.engine",
+        "--address",
+        address,
+        "--rank",
+        str(rank),
+        "--latency",
+        str(args.latency),
+        "--output-tokens",
+        str(args.output_tokens),
+        "--cache-blocks",
+        str(args.cache_blocks),
+        "--prefix-block-size",
+        str(args.block_size),
+    ]
+    # Its own session: Ctrl-C reaches only the demo, which then stops the engines itself.
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        process.terminate()
+    deadline = time.monotonic() + _ENGINE_STOP_TIMEOUT
+    for process in processes:
+        try:
+            process.wait(max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def _run_load(
+    address: str,
+    policy: str,
+    prompt: Callable[[int], list[int]],
+    args: argparse.Namespace,
+    results: _Results,
+    engines: list[subprocess.Popen[bytes]],
+) -> None:
+    # With shared prefixes every policy gets the hashes, so that runs differ in routing only.
+    hashed = policy == "prefix" or args.shared_prefixes is not None
+    block_size = args.block_size if hashed else None
+    async with await Client.connect(address, timeout=10.0) as client:
+        try:
+            await client.wait_for_engines(args.engines, timeout=30.0)
+        except TimeoutError as exc:
+            codes = [engine.poll() for engine in engines]
+            raise TimeoutError(f"{exc} (engine exit codes: {codes})") from None
+        progress = _Progress(args.requests)
+        indices = iter(range(args.requests))  # shared by the workers
+
+        async def worker() -> None:
+            for i in indices:
+                tokens = prompt(i)
+                sent = time.perf_counter()
+                try:
+                    if args.stream:
+                        stream = client.stream(tokens, block_size=block_size)
+                        reply = [part async for part in stream][-1]
+                    else:
+                        reply = await client.submit(tokens, block_size=block_size)
+                except CoordinatorError as exc:
+                    results.errors[getattr(exc.code, "name", str(exc.code))] += 1
+                else:
+                    results.latencies.append(time.perf_counter() - sent)
+                    results.ranks[reply["rank"]] += 1
+                    results.cached_blocks += reply.get("cached_blocks", 0)
+                    results.prompt_blocks += reply.get("prompt_blocks", 0)
+                progress.update()
+                results.end = time.perf_counter()
+
+        results.start = time.perf_counter()
+        try:
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        finally:
+            progress.close()
+
+
+def _print_results(
+    args: argparse.Namespace, implementation: str, runs: dict[str, _Results]
+) -> None:
+    """The results table, with one column of values per run (policy)."""
+    ranks = sorted({rank for results in runs.values() for rank in results.ranks})
+    columns = []
+    for policy, results in runs.items():
+        rows = _rows(args, implementation, policy, results)
+        rows.update((f"rank {rank}", str(results.ranks[rank])) for rank in ranks)
+        columns.append(rows)
+    name_width = max(16, *(len(name) + 2 for name in columns[0]))
+    value_width = max(len(value) for rows in columns for value in rows.values()) + 2
+    print("coordkit demo results")
+    for name in columns[0]:
+        *values, last = (rows[name] for rows in columns)
+        print(f"  {name:<{name_width}}" + "".join(f"{v:<{value_width}}" for v in values) + last)
+
+
+def _rows(
+    args: argparse.Namespace, implementation: str, policy: str, results: _Results
+) -> dict[str, str]:
+    done = len(results.latencies)
+    wall = max(results.end - results.start, 1e-9)
+    latencies = sorted(results.latencies)
+    requests = f"{done} of {args.requests}" + (" (interrupted)" if results.interrupted else "")
+    errors = ", ".join(f"{n} {code}" for code, n in results.errors.items()) or "none"
+    if args.shared_prefixes is None:
+        prompts = {"prompt tokens": str(args.prompt_tokens)}
+    else:
+        prompts = {
+            "prompt tokens": str(args.prefix_tokens + SUFFIX_TOKENS),
+            "shared prefixes": f"{args.shared_prefixes} ({args.prefix_tokens} tokens each)",
+        }
+    rows = {
+        "implementation": implementation,
+        "policy": policy,
+        "engines": str(args.engines),
+        "requests": requests,
+        "errors": errors,
+        **prompts,
+        "streaming": "yes" if args.stream else "no",
+        "wall time": f"{wall:.2f} s",
+        "requests/s": f"{done / wall:.0f}",
+        "latency p50": _percentile_ms(latencies, 50),
+        "latency p99": _percentile_ms(latencies, 99),
+    }
+    if args.shared_prefixes is not None or args.compare_policies:
+        rows["prefix cache"] = f"{args.cache_blocks} blocks of {args.block_size} tokens"
+        rows["prefix cache hit rate"] = _hit_rate(results)
+    return rows
+
+
+def _hit_rate(results: _Results) -> str:
+    if not results.prompt_blocks:
+        return "-"
+    return f"{100 * results.cached_blocks / results.prompt_blocks:.1f}% of prompt blocks"
+
+
+def _percentile_ms(ordered: list[float], p: float) -> str:
+    if not ordered:
+        return "-"
+    index = max(math.ceil(p / 100 * len(ordered)) - 1, 0)  # nearest rank
+    return f"{ordered[index] * 1000:.1f} ms"
