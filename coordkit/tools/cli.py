@@ -1,4 +1,4 @@
-"""The ``coordkit`` command: ``serve``, ``demo``, ``stats`` and ``bench``.
+"""The ``coordkit`` command: ``serve``, ``demo``, ``stats``, ``bench`` and ``fake-engine``.
 
 * ``coordkit serve --bind ADDRESS [options]`` runs a coordinator until
   SHUTDOWN, SIGINT or SIGTERM;
@@ -7,7 +7,9 @@
   a results table; ``--compare-policies`` runs one cluster per policy, with
   a column each (:mod:`coordkit.tools.demo`);
 * ``coordkit stats --address ADDRESS`` prints a coordinator's stats as JSON;
-* ``coordkit bench ...`` runs the benchmarks (:mod:`coordkit.tools.bench`).
+* ``coordkit bench ...`` runs the benchmarks (:mod:`coordkit.tools.bench`);
+* ``coordkit fake-engine --address ADDRESS --rank N [options]`` runs one fake
+  engine rank until STOP, SIGINT or SIGTERM (:mod:`coordkit.tools.fake_engine`).
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from typing import Any
 import coordkit
 from coordkit._routing_py import POLICIES
 from coordkit.client import Client
-from coordkit.engine import DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
 
 from .demo import COMPARED_POLICIES, SUFFIX_TOKENS
 from .demo import run as run_demo
+from .fake_engine import DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
+from .fake_engine import run as run_fake_engine
 
 __all__ = ["main"]
 
@@ -120,6 +123,43 @@ def _parser() -> argparse.ArgumentParser:
     stats.set_defaults(command=_stats)
     stats.add_argument("--address", required=True)
     stats.add_argument("--timeout", type=float, default=5.0, metavar="S")
+
+    fake = commands.add_parser(
+        "fake-engine",
+        help="run a fake engine rank, for demos and tests",
+        description="Run a fake coordkit engine rank.",
+    )
+    fake.set_defaults(command=run_fake_engine)
+    fake.add_argument(
+        "--address", required=True, metavar="ADDRESS", help="the coordinator's endpoint"
+    )
+    fake.add_argument("--rank", type=int, default=0, metavar="N")
+    fake.add_argument("--latency", type=float, default=0.0, metavar="S", help="seconds per step")
+    fake.add_argument("--batch", type=int, default=64, metavar="N", help="max requests per step")
+    fake.add_argument(
+        "--output-tokens", type=int, default=8, metavar="N", help="tokens per request"
+    )
+    fake.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=DEFAULT_CACHE_BLOCKS,
+        metavar="N",
+        help="prefix cache capacity in blocks",
+    )
+    fake.add_argument(
+        "--prefix-block-size",
+        type=int,
+        default=DEFAULT_PREFIX_BLOCK_SIZE,
+        metavar="N",
+        help="tokens per prefix cache block (the clients' block_size)",
+    )
+    fake.add_argument(
+        "--heartbeat",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds between heartbeats (0: none)",
+    )
 
     # Listed for --help only: main() hands `bench` its arguments before parsing.
     commands.add_parser("bench", help="run the benchmarks (coordkit bench --help)")

@@ -1,9 +1,9 @@
 """``coordkit demo``: a local cluster under a client load, and its results table.
 
 Each run is a cluster of its own on ipc sockets in a temporary directory: the
-coordinator on a thread of this process, fake engine processes, and an
-asyncio client keeping ``--concurrency`` requests in flight. The table has
-one column per run; ``--compare-policies`` runs one cluster per policy.
+coordinator on a thread of this process, ``coordkit fake-engine`` processes,
+and an asyncio client keeping ``--concurrency`` requests in flight. The table
+has one column per run; ``--compare-policies`` runs one cluster per policy.
 :mod:`coordkit.tools.cli` parses the options.
 """
 
@@ -146,7 +146,8 @@ def _spawn_engine(address: str, rank: int, args: argparse.Namespace) -> subproce
     command = [
         sys.executable,
         "-m",
-        "coordkit.engine",
+        "coordkit",
+        "fake-engine",
         "--address",
         address,
         "--rank",
