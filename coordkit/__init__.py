@@ -41,14 +41,18 @@ __version__ = "0.1.0"
 IMPLEMENTATION: str = selected().name
 
 if TYPE_CHECKING:
-    from .engine import Engine, FakeEngine
+    from .engine import Engine
+    from .tools.fake_engine import FakeEngine
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that `python -m coordkit.engine` does not find the module already
-    # imported (runpy warns, and would run a second copy of it).
-    if name in ("Engine", "FakeEngine"):
-        from . import engine
+    # Lazy: importing coordkit loads neither the engine side nor the tools.
+    if name == "Engine":
+        from .engine import Engine
 
-        return getattr(engine, name)
+        return Engine
+    if name == "FakeEngine":
+        from .tools.fake_engine import FakeEngine
+
+        return FakeEngine
     raise AttributeError(f"module 'coordkit' has no attribute {name!r}")

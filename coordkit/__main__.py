@@ -1,5 +1,5 @@
 """``python -m coordkit``: the ``coordkit`` command."""
 
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

@@ -16,7 +16,7 @@ def main(port: int) -> None:
     endpoint = f"tcp://{socket.gethostname()}:{coord.address.rsplit(':', 1)[1]}"
     print(f"coordinator ({coordkit.IMPLEMENTATION}) listening on {coord.address}")
     print("on each engine host, one per rank N:")
-    print(f"  python -m coordkit.engine --address {endpoint} --rank N")
+    print(f"  python -m coordkit fake-engine --address {endpoint} --rank N")
     print("on a client host:")
     print(f"  python examples/minimal_client.py {endpoint}")
     print(f"  coordkit stats --address {endpoint}")

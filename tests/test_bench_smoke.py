@@ -11,7 +11,7 @@ import json
 from conftest import REQUIRE_EXTENSION
 
 import coordkit
-from coordkit import bench
+from coordkit.tools import bench
 
 
 def _variants() -> list[str]:

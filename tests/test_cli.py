@@ -19,7 +19,8 @@ import zmq
 from peers import RawClient, RawEngine, m, um, wait_for
 
 import coordkit
-from coordkit import Client, FakeEngine, cli
+from coordkit import Client, FakeEngine
+from coordkit.tools import cli
 
 TIMEOUT = 20.0
 LISTENING = re.compile(r"coordkit listening on (\S+) \(implementation (\w+), policy (\w+)\)")
@@ -241,8 +242,8 @@ def test_stats_command_without_coordinator(tmp_path):
 def test_bench_is_delegated(monkeypatch):
     calls = []
     bench = SimpleNamespace(main=lambda argv: calls.append(argv) or 3)
-    monkeypatch.setitem(sys.modules, "coordkit.bench", bench)
-    monkeypatch.setattr(coordkit, "bench", bench, raising=False)
+    monkeypatch.setitem(sys.modules, "coordkit.tools.bench", bench)
+    monkeypatch.setattr(coordkit.tools, "bench", bench, raising=False)
     assert cli.main(["bench", "--sizes", "16", "--help"]) == 3
     assert calls == [["--sizes", "16", "--help"]]
 

@@ -360,10 +360,10 @@ def test_stop_ends_engine_processes(impl, tmp_path):
 
 @contextlib.contextmanager
 def engine_processes(address: str, n: int, *options: str) -> Iterator[list[subprocess.Popen]]:
-    """``n`` ``python -m coordkit.engine`` ranks importing this very coordkit, killed at exit."""
+    """``n`` ``coordkit fake-engine`` ranks importing this very coordkit, killed at exit."""
     root = str(Path(coordkit.__file__).parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "coordkit.engine", "--address", address]
+    command = [sys.executable, "-m", "coordkit", "fake-engine", "--address", address]
     processes = [
         subprocess.Popen([*command, "--rank", str(rank), *options], env=env) for rank in range(n)
     ]

@@ -163,7 +163,7 @@ def test_examples_over_tcp():
     try:
         listening = coordinator.stdout.readline()
         port = re.search(r"listening on tcp://0\.0\.0\.0:(\d+)", listening)[1]
-        assert "python -m coordkit.engine --address tcp://" in coordinator.stdout.readline() + (
+        assert "coordkit fake-engine --address tcp://" in coordinator.stdout.readline() + (
             coordinator.stdout.readline()
         )
         address = f"tcp://127.0.0.1:{port}"

@@ -19,8 +19,9 @@ import pytest
 import zmq
 
 import coordkit
-from coordkit.engine import Abort, Control, Engine, FakeEngine, ReleaseKV, Request
+from coordkit.engine import Abort, Control, Engine, ReleaseKV, Request
 from coordkit.protocol import Header, packb, unpackb
+from coordkit.tools.fake_engine import FakeEngine
 
 TIMEOUT_MS = 5000
 
@@ -331,7 +332,7 @@ def python_env() -> dict[str, str]:
 
 def test_engine_process(router):
     socket, address = router
-    command = [sys.executable, "-m", "coordkit.engine", "--address", address, "--rank", "2"]
+    command = [sys.executable, "-m", "coordkit", "fake-engine", "--address", address, "--rank", "2"]
     command += ["--output-tokens", "3", "--heartbeat", "0"]
     command += ["--prefix-block-size", "1", "--cache-blocks", "1"]
     process = subprocess.Popen(command, env=python_env(), stderr=subprocess.PIPE, text=True)

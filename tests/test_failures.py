@@ -372,7 +372,7 @@ def test_shutdown_ends_requests_in_flight_with_an_error(impl, tmp_path):
 
 def spawn_engine(address: str, rank: int, heartbeat: float) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "coordkit.engine", "--address", address, "--rank", str(rank),
+        [sys.executable, "-m", "coordkit", "fake-engine", "--address", address, "--rank", str(rank),
          "--latency", "0.02", "--batch", "8", "--heartbeat", str(heartbeat)],
     )  # fmt: skip
 

@@ -1,0 +1,204 @@
+"""The coordinator child: the process whose CPU time and memory the bench measures.
+
+It runs one variant's server -- libzmq's proxy (``floor``), the design
+before the split (``mono``) or a coordkit Coordinator (``c``, ``py``) -- and
+a thread that answers the bench: samples of its ``getrusage`` and VmRSS, how
+many engines registered, and stop.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+import zmq
+
+import coordkit
+from coordkit.protocol import packb, unpackb
+
+from .workload import CONNECT, CONNECT_ACK, RANKS, REPLY, SUBMIT
+
+
+def _usage() -> dict[str, float]:
+    """This process's CPU time (every thread), context switches, faults and resident memory."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    with open("/proc/self/status") as status:
+        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return {
+        "user": usage.ru_utime,
+        "sys": usage.ru_stime,
+        "switches": usage.ru_nvcsw + usage.ru_nivcsw,
+        "involuntary": usage.ru_nivcsw,
+        "page_faults": usage.ru_minflt + usage.ru_majflt,
+        "rss": rss * 1024,
+    }
+
+
+def coordinator_child(
+    conn: Connection,
+    variant: str,
+    endpoints: list[str],
+    policy: str,
+    options: dict[str, Any],
+) -> None:
+    context = zmq.Context()
+    server: _Server
+    if variant == "floor":
+        server = _Floor(context, *endpoints)
+    elif variant == "mono":
+        server = _Mono(context, endpoints[0])
+    else:
+        server = _Coordkit(context, variant, endpoints[0], policy, options)
+    conn.send(("ready", server.client_address, server.engine_address))
+    # The loop runs here; a thread answers the bench (rarely: a few times per point).
+    threading.Thread(target=_answer, args=(conn, server), daemon=True).start()
+    try:
+        server.serve()
+    finally:
+        context.destroy(linger=0)
+
+
+def _answer(conn: Connection, server: _Server) -> None:
+    while True:
+        try:
+            command = conn.recv()[0]
+        except EOFError:
+            os._exit(1)  # the bench is gone: do not outlive it
+        if command == "sample":
+            conn.send(("usage", _usage()))
+        elif command == "engines":
+            conn.send(("engines", server.engines()))
+        else:
+            server.stop()
+            return
+
+
+class _Server(Protocol):
+    """What the coordinator child runs: a loop, its addresses, a way to stop it."""
+
+    client_address: str
+    engine_address: str
+
+    def serve(self) -> None: ...
+
+    def stop(self) -> None:
+        """From the answering thread: make serve() return."""
+
+    def engines(self) -> int:
+        """How many engine ranks registered (read while the loop runs)."""
+
+
+def _bound(context: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)  # as the coordinators do
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(endpoint)
+    return sock
+
+
+class _Coordkit:
+    def __init__(
+        self,
+        context: zmq.Context,
+        variant: str,
+        endpoint: str,
+        policy: str,
+        options: dict[str, Any],
+    ):
+        implementation = coordkit.load_implementation(variant)
+        self.coord = implementation.Coordinator(endpoint, policy=policy, context=context, **options)
+        self.client_address = self.engine_address = self.coord.address
+
+    def serve(self) -> None:
+        self.coord.serve_forever()
+
+    def stop(self) -> None:
+        self.coord.stop(timeout=0)
+
+    def engines(self) -> int:
+        return len(self.coord.stats()["engines"])
+
+
+class _Floor:
+    """libzmq's proxy: clients on a ROUTER, engines on a DEALER; nothing decoded, no state.
+
+    ``proxy_steerable`` is ``zmq.proxy`` with a control socket, the way to stop it.
+    """
+
+    def __init__(self, context: zmq.Context, front: str, back: str):
+        self.front = _bound(context, zmq.ROUTER, front)
+        self.back = _bound(context, zmq.DEALER, back)
+        self.client_address = self.front.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.engine_address = self.back.getsockopt_string(zmq.LAST_ENDPOINT)
+        control = f"inproc://coordkit-bench-floor-{id(self):x}"
+        self.control = context.socket(zmq.PAIR)
+        self.control.bind(control)
+        self.stopper = context.socket(zmq.PAIR)  # used by the answering thread only
+        self.stopper.connect(control)
+
+    def serve(self) -> None:
+        zmq.proxy_steerable(self.front, self.back, None, self.control)
+
+    def stop(self) -> None:
+        self.stopper.send(b"TERMINATE")
+
+    def engines(self) -> int:
+        return RANKS  # a DEALER cannot tell; it holds messages until an engine connects
+
+
+class _Mono:
+    """The design before the split: a Python loop that unpacks and repacks whole messages.
+
+    Clients send ``[20, rid, prompt_tokens, sampling_params]`` as one msgpack
+    message; engines reply ``[21, [[rid, reply_map], ...]]``. Ids are
+    translated, engines taken round robin.
+    """
+
+    def __init__(self, context: zmq.Context, endpoint: str):
+        self.sock = _bound(context, zmq.ROUTER, endpoint)
+        self.client_address = self.engine_address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        wake = f"inproc://coordkit-bench-mono-{id(self):x}"
+        self.wake = context.socket(zmq.PAIR)
+        self.wake.bind(wake)
+        self.waker = context.socket(zmq.PAIR)  # used by the answering thread only
+        self.waker.connect(wake)
+        self.ranks: list[bytes] = []
+
+    def serve(self) -> None:
+        sock, ranks = self.sock, self.ranks
+        requests: dict[int, tuple[bytes, int]] = {}  # server rid -> (client, client rid)
+        next_rid = 0
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self.wake, zmq.POLLIN)
+        while self.wake not in dict(poller.poll()):
+            while True:
+                try:
+                    identity, message = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if not message:  # an engine registers with an empty frame
+                    ranks.append(identity)
+                    continue
+                decoded = unpackb(message)
+                if decoded[0] == SUBMIT:
+                    _, rid, prompt, sampling = decoded
+                    requests[next_rid] = (identity, rid)
+                    rank = ranks[next_rid % len(ranks)]
+                    sock.send_multipart([rank, packb([SUBMIT, next_rid, prompt, sampling])])
+                    next_rid += 1
+                elif decoded[0] == REPLY:
+                    for server_rid, reply in decoded[1]:
+                        client, rid = requests.pop(server_rid)
+                        sock.send_multipart([client, packb([REPLY, rid, reply])])
+                elif decoded[0] == CONNECT:
+                    sock.send_multipart([identity, packb([CONNECT_ACK])])
+
+    def stop(self) -> None:
+        self.waker.send(b"")
+
+    def engines(self) -> int:
+        return len(self.ranks)

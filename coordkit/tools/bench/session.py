@@ -1,0 +1,235 @@
+"""One variant's processes, started and driven from the bench's own process.
+
+A :class:`Session` spawns the variant's coordinator child
+(:mod:`.servers`), then its engine and client load generators (:mod:`.load`),
+each with a pipe for commands and answers; a child that fails, dies or falls
+silent becomes a :class:`Failure` naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from .load import client_child, engine_child
+from .servers import coordinator_child
+from .workload import MEMORY_PROMPT_TOKENS, RANKS, TIMEOUT
+
+_STOP_TIMEOUT = 10.0  # seconds the coordinator gets to exit before it is terminated
+_GRACE = 2.0  # the same for a load generator, and for any process after SIGTERM
+_SPAWN = multiprocessing.get_context("spawn")  # children hold no state of ours
+
+
+class Failure(Exception):
+    """A benchmark process failed; the message says which one and why."""
+
+
+@dataclass
+class _Proc:
+    name: str  # "coordinator", "engine" or "client"
+    process: BaseProcess
+    conn: Connection  # commands to it, answers from it
+
+
+class Session:
+    """One variant's coordinator, engine and client processes, and how to drive them.
+
+    ``hold_after`` makes it a memory session: the engine answers that many
+    requests (the warm-up), then holds every later one without replying.
+    """
+
+    def __init__(
+        self,
+        variant: str,
+        args: argparse.Namespace,
+        directory: str,
+        coordinator_options: dict[str, Any] | None = None,
+        hold_after: int | None = None,
+    ):
+        self.variant = variant
+        self.procs: list[_Proc] = []
+        self.held = _SPAWN.Value("q", 0, lock=False)  # requests the engine holds
+        try:
+            if args.transport == "tcp":
+                endpoints = ["tcp://127.0.0.1:*"] * 2  # the ports are read back once bound
+            else:
+                endpoints = [f"ipc://{directory}/{variant}-{side}" for side in ("front", "back")]
+            self.coordinator = self._start(
+                "coordinator",
+                coordinator_child,
+                variant,
+                endpoints,
+                args.policy,
+                coordinator_options or {},
+            )
+            _, client_address, engine_address = self._receive(self.coordinator)
+            self.engine = self._start(
+                "engine", engine_child, variant, engine_address, hold_after, self.held
+            )
+            self._receive(self.engine)
+            self._wait_for_engines()
+            prefix = args.policy == "prefix"
+            self.client = self._start(
+                "client", client_child, variant, client_address, prefix, self.held
+            )
+            self._receive(self.client)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, tokens: int, n: int, warmup: int, window: int) -> dict[str, Any]:
+        """Warm up, then ``n`` requests with the coordinator's CPU sampled around them."""
+        self.client.conn.send(("load", tokens, n, warmup, window))
+        self._receive(self.client, timeout=None)  # warm: the client progresses or says why not
+        _, messages0, entries0 = self._call(self.engine, ("stats",))
+        before = self._call(self.coordinator, ("sample",))[1]
+        self.client.conn.send(("go",))
+        wall = self._receive(self.client, timeout=None)[1]
+        after = self._call(self.coordinator, ("sample",))[1]
+        _, messages1, entries1 = self._call(self.engine, ("stats",))
+        user, sys_ = after["user"] - before["user"], after["sys"] - before["sys"]
+        return {
+            "requests": n,
+            "total_us": (user + sys_) / n * 1e6,
+            "user_us": user / n * 1e6,
+            "sys_us": sys_ / n * 1e6,
+            "requests_per_s": n / wall,
+            "wall_s": wall,
+            "reply_batch": (entries1 - entries0) / max(messages1 - messages0, 1),
+            "context_switches": after["switches"] - before["switches"],
+            "involuntary_switches": after["involuntary"] - before["involuntary"],
+            "page_faults": after["page_faults"] - before["page_faults"],
+            "rss_before": before["rss"],
+            "rss_after": after["rss"],
+        }
+
+    def fill(self, n: int, warmup: int, window: int) -> dict[str, Any]:
+        """Hold ``n`` requests at the engine; the coordinator's RSS before and with them."""
+        self.client.conn.send(("fill", MEMORY_PROMPT_TOKENS, n, warmup, window))
+        self._receive(self.client, timeout=None)
+        before = self._call(self.coordinator, ("sample",))[1]
+        self.client.conn.send(("go",))
+        wall = self._receive(self.client, timeout=None)[1]
+        self._wait(lambda: self.held.value >= n, f"the engine to hold {n} requests")
+        held = self._call(self.coordinator, ("sample",))[1]
+        cpu = held["user"] + held["sys"] - before["user"] - before["sys"]
+        return {
+            "variant": self.variant,
+            "inflight": n,
+            "prompt_tokens": MEMORY_PROMPT_TOKENS,
+            "rss_before": before["rss"],
+            "rss_with": held["rss"],
+            "bytes_per_request": (held["rss"] - before["rss"]) / n,
+            "submit_cpu_us": cpu / n * 1e6,
+            "fill_s": wall,
+        }
+
+    def close(self) -> None:
+        """Stop the processes, the coordinator first (its peers' exits then go unlogged).
+
+        A client stopped in the middle of a load (a failure, Ctrl-C) does not
+        read its commands: it is terminated after a short grace.
+        """
+        for proc in self.procs:
+            try:
+                proc.conn.send(("stop",))
+            except OSError:
+                pass  # it is gone already
+            # The coordinator may have many requests in flight to fail first.
+            proc.process.join(_STOP_TIMEOUT if proc is self.procs[0] else _GRACE)
+            if proc.process.exitcode is None:
+                proc.process.terminate()
+                proc.process.join(_GRACE)
+            if proc.process.exitcode is None:
+                proc.process.kill()
+                proc.process.join()
+            proc.conn.close()
+        self.procs = []
+
+    def _start(self, name: str, target: Callable[..., None], *args: Any) -> _Proc:
+        ours, theirs = _SPAWN.Pipe()
+        process = _SPAWN.Process(
+            target=_child,
+            args=(theirs, target, *args),
+            name=f"coordkit-bench-{self.variant}-{name}",
+            daemon=True,
+        )
+        process.start()
+        theirs.close()  # so that its death reads as EOF here
+        proc = _Proc(name, process, ours)
+        self.procs.append(proc)
+        return proc
+
+    def _call(self, proc: _Proc, command: tuple[Any, ...]) -> Any:
+        proc.conn.send(command)
+        return self._receive(proc)
+
+    def _receive(self, proc: _Proc, timeout: float | None = TIMEOUT) -> Any:
+        """``proc``'s next message; a failure if it reports one, or any process dies."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not proc.conn.poll(0.1):
+            self._check_alive()
+            if deadline is not None and time.monotonic() > deadline:
+                raise Failure(f"the {proc.name} did not answer within {timeout:.0f} s")
+        try:
+            message = proc.conn.recv()
+        except EOFError:
+            proc.process.join(_STOP_TIMEOUT)
+            raise Failure(f"the {proc.name} exited (code {proc.process.exitcode})") from None
+        if message[0] == "error":
+            raise Failure(f"{proc.name}: {message[1]}")
+        return message
+
+    def _check_alive(self) -> None:
+        for proc in self.procs:
+            if proc.process.exitcode is None:
+                continue
+            reason = f"exited with code {proc.process.exitcode}"
+            if proc.conn.poll():  # its last word, when it had the time to say it
+                try:
+                    message = proc.conn.recv()
+                except EOFError:
+                    message = ()
+                if message[:1] == ("error",):
+                    reason = message[1]
+            raise Failure(f"the {proc.name} {reason}")
+
+    def _wait(self, condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + TIMEOUT
+        while not condition():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise Failure(f"timed out waiting for {what}")
+            time.sleep(0.01)
+
+    def _wait_for_engines(self) -> None:
+        # c and py would drop a plain client's requests while no engine is registered.
+        deadline = time.monotonic() + TIMEOUT
+        while self._call(self.coordinator, ("engines",))[1] < RANKS:
+            if time.monotonic() > deadline:
+                raise Failure(f"the {RANKS} engine ranks did not register")
+            time.sleep(0.01)
+
+
+def _child(conn: Connection, target: Callable[..., None], *args: Any) -> None:
+    """A child's entry point: failures are reported to the bench, not just printed."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the bench's to handle
+    try:
+        target(conn, *args)
+    except EOFError:
+        pass  # the bench is gone: so are we
+    except BaseException as exc:
+        traceback.print_exc()
+        try:
+            conn.send(("error", "".join(traceback.format_exception_only(exc)).strip()))
+        except OSError:
+            pass
+        raise SystemExit(1) from None

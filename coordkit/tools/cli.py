@@ -1,0 +1,271 @@
+"""The ``coordkit`` command: ``serve``, ``demo``, ``stats``, ``bench`` and ``fake-engine``.
+
+* ``coordkit serve --bind ADDRESS [options]`` runs a coordinator until
+  SHUTDOWN, SIGINT or SIGTERM;
+* ``coordkit demo`` runs a whole cluster on ipc sockets in a temporary
+  directory (coordinator, fake engine processes, a client load) and prints
+  a results table; ``--compare-policies`` runs one cluster per policy, with
+  a column each (:mod:`coordkit.tools.demo`);
+* ``coordkit stats --address ADDRESS`` prints a coordinator's stats as JSON;
+* ``coordkit bench ...`` runs the benchmarks (:mod:`coordkit.tools.bench`);
+* ``coordkit fake-engine --address ADDRESS --rank N [options]`` runs one fake
+  engine rank until STOP, SIGINT or SIGTERM (:mod:`coordkit.tools.fake_engine`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import coordkit
+from coordkit._routing_py import POLICIES
+from coordkit.client import Client
+
+from .demo import COMPARED_POLICIES, SUFFIX_TOKENS
+from .demo import run as run_demo
+from .fake_engine import DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
+from .fake_engine import run as run_fake_engine
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # bench parses its own options
+        from . import bench
+
+        return bench.main(argv[1:]) or 0
+    args = _parser().parse_args(argv)
+    return args.command(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="coordkit", description="A data-parallel inference coordinator."
+    )
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run a coordinator")
+    serve.set_defaults(command=_serve)
+    serve.add_argument("--bind", required=True, metavar="ADDRESS", help="e.g. tcp://0.0.0.0:5555")
+    _add_coordinator_choices(serve)
+    serve.add_argument("--max-inflight", type=int, metavar="N")
+    serve.add_argument("--max-inflight-per-engine", type=int, metavar="N", help="0: no cap")
+    serve.add_argument(
+        "--no-keep-prompts",
+        dest="keep_prompts",
+        action="store_false",
+        default=None,
+        help="do not keep prompts to re-send requests whose engine dies (less memory)",
+    )
+    serve.add_argument("--heartbeat-timeout", type=float, metavar="S", help="0: never expire")
+    serve.add_argument("--drain-timeout", type=float, metavar="S")
+    serve.add_argument("--max-message-size", type=int, metavar="BYTES")
+    serve.add_argument(
+        "--detokenizer",
+        type=_import_callable,
+        metavar="MODULE:CALLABLE",
+        help="fills generated_text of replies flagged needs_detokenize",
+    )
+    serve.add_argument("--seed", type=int, metavar="N", help="for power_of_two")
+    serve.add_argument("--prefix-alpha", type=float, metavar="F")
+    serve.add_argument("--prefix-ttl", type=float, metavar="S")
+    serve.add_argument("--prefix-max-entries", type=int, metavar="N")
+
+    demo = commands.add_parser("demo", help="run a local cluster under a client load")
+    demo.set_defaults(command=_demo)
+    _add_coordinator_choices(demo)
+    demo.add_argument("--engines", type=_positive_int, default=2, metavar="N")
+    demo.add_argument("--requests", type=_positive_int, default=2000, metavar="N")
+    demo.add_argument("--prompt-tokens", type=_positive_int, default=16, metavar="N")
+    demo.add_argument("--output-tokens", type=_positive_int, default=8, metavar="N")
+    demo.add_argument("--concurrency", type=_positive_int, default=64, metavar="N")
+    demo.add_argument("--latency", type=float, default=0.0, metavar="S", help="per engine step")
+    demo.add_argument("--stream", action="store_true", help="stream partial replies")
+    demo.add_argument(
+        "--shared-prefixes",
+        type=_positive_int,
+        metavar="N",
+        help=f"each prompt: one of N shared system prompts, then {SUFFIX_TOKENS} unique tokens",
+    )
+    demo.add_argument(
+        "--prefix-tokens", type=_positive_int, default=512, metavar="N", help="per shared prompt"
+    )
+    demo.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=DEFAULT_PREFIX_BLOCK_SIZE,
+        metavar="N",
+        help="tokens per block, for the prefix hashes and the engines' prefix caches",
+    )
+    demo.add_argument(
+        "--cache-blocks",
+        type=_positive_int,
+        default=DEFAULT_CACHE_BLOCKS,
+        metavar="N",
+        help="each engine's prefix cache capacity",
+    )
+    demo.add_argument(
+        "--compare-policies",
+        action="store_true",
+        help=f"run {' then '.join(COMPARED_POLICIES)} and show both (ignores --policy)",
+    )
+
+    stats = commands.add_parser("stats", help="print a coordinator's stats as JSON")
+    stats.set_defaults(command=_stats)
+    stats.add_argument("--address", required=True)
+    stats.add_argument("--timeout", type=float, default=5.0, metavar="S")
+
+    fake = commands.add_parser(
+        "fake-engine",
+        help="run a fake engine rank, for demos and tests",
+        description="Run a fake coordkit engine rank.",
+    )
+    fake.set_defaults(command=run_fake_engine)
+    fake.add_argument(
+        "--address", required=True, metavar="ADDRESS", help="the coordinator's endpoint"
+    )
+    fake.add_argument("--rank", type=int, default=0, metavar="N")
+    fake.add_argument("--latency", type=float, default=0.0, metavar="S", help="seconds per step")
+    fake.add_argument("--batch", type=int, default=64, metavar="N", help="max requests per step")
+    fake.add_argument(
+        "--output-tokens", type=int, default=8, metavar="N", help="tokens per request"
+    )
+    fake.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=DEFAULT_CACHE_BLOCKS,
+        metavar="N",
+        help="prefix cache capacity in blocks",
+    )
+    fake.add_argument(
+        "--prefix-block-size",
+        type=int,
+        default=DEFAULT_PREFIX_BLOCK_SIZE,
+        metavar="N",
+        help="tokens per prefix cache block (the clients' block_size)",
+    )
+    fake.add_argument(
+        "--heartbeat",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds between heartbeats (0: none)",
+    )
+
+    # Listed for --help only: main() hands `bench` its arguments before parsing.
+    commands.add_parser("bench", help="run the benchmarks (coordkit bench --help)")
+    return parser
+
+
+def _add_coordinator_choices(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", choices=POLICIES, default="least_loaded")
+    parser.add_argument(
+        "--implementation",
+        choices=("c", "py"),
+        default=coordkit.IMPLEMENTATION,
+        help=f"coordinator implementation (default: {coordkit.IMPLEMENTATION})",
+    )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _import_callable(spec: str) -> Callable[..., Any]:
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot import {spec!r}: {exc}") from None
+
+
+def _load(name: str) -> SimpleNamespace:
+    try:
+        return coordkit.load_implementation(name)
+    except ImportError as exc:
+        raise SystemExit(f"coordkit: the {name!r} implementation is not available: {exc}") from None
+
+
+# -- serve -----------------------------------------------------------------------------
+
+_SERVE_OPTIONS = (
+    "max_inflight",
+    "max_inflight_per_engine",
+    "keep_prompts",
+    "heartbeat_timeout",
+    "drain_timeout",
+    "max_message_size",
+    "detokenizer",
+    "seed",
+    "prefix_alpha",
+    "prefix_ttl",
+    "prefix_max_entries",
+)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    impl = _load(args.implementation)
+    # Options not given keep the Coordinator's own defaults.
+    options = {name: getattr(args, name) for name in _SERVE_OPTIONS}
+    options = {name: value for name, value in options.items() if value is not None}
+    try:
+        coord = impl.Coordinator(args.bind, policy=args.policy, **options)
+    except Exception as exc:  # a bad option or an address that cannot be bound
+        raise SystemExit(f"coordkit serve: {exc}") from None
+
+    failures: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            coord.serve_forever()
+        except BaseException as exc:
+            failures.append(exc)
+            raise
+
+    # The loop runs on a thread so that the main thread stays free for signal handlers.
+    thread = threading.Thread(target=serve, name="coordkit-serve")
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: coord.stop(timeout=0))
+    thread.start()
+    print(
+        f"coordkit listening on {coord.address} (implementation {impl.name}, policy {args.policy})",
+        file=sys.stderr,
+        flush=True,
+    )
+    thread.join()
+    return 1 if failures else 0
+
+
+# -- stats -----------------------------------------------------------------------------
+
+
+def _stats(args: argparse.Namespace) -> int:
+    async def fetch() -> dict[str, Any]:
+        async with await Client.connect(args.address, timeout=args.timeout) as client:
+            return await client.stats(timeout=args.timeout)
+
+    try:
+        stats = asyncio.run(fetch())
+    except (ConnectionError, TimeoutError) as exc:
+        raise SystemExit(f"coordkit stats: {exc}") from None
+    print(json.dumps(stats, indent=2, sort_keys=True))
+    return 0
+
+
+# -- demo ------------------------------------------------------------------------------
+
+
+def _demo(args: argparse.Namespace) -> int:
+    return run_demo(_load(args.implementation), args)
