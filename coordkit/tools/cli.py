@@ -22,10 +22,10 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import coordkit
+from coordkit import Implementation
 from coordkit._routing_py import POLICIES
 from coordkit.client import Client
 
@@ -191,7 +191,7 @@ def _import_callable(spec: str) -> Callable[..., Any]:
         raise argparse.ArgumentTypeError(f"cannot import {spec!r}: {exc}") from None
 
 
-def _load(name: str) -> SimpleNamespace:
+def _load(name: str) -> Implementation:
     try:
         return coordkit.load_implementation(name)
     except ImportError as exc:

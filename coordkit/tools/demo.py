@@ -22,9 +22,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import coordkit
+from coordkit import Implementation
 from coordkit.client import Client, CoordinatorError
 
 __all__ = ["run", "COMPARED_POLICIES", "SUFFIX_TOKENS"]
@@ -74,7 +74,7 @@ class _Progress:
             self._bar.close()
 
 
-def run(impl: SimpleNamespace, args: argparse.Namespace) -> int:
+def run(impl: Implementation, args: argparse.Namespace) -> int:
     """Run the load on ``impl``'s coordinator, one cluster per policy, and print the table."""
     policies = COMPARED_POLICIES if args.compare_policies else (args.policy,)
     prompt = _workload(args)
@@ -114,7 +114,7 @@ def _workload(args: argparse.Namespace) -> Callable[[int], list[int]]:
 
 
 def _run_cluster(
-    impl: SimpleNamespace,
+    impl: Implementation,
     policy: str,
     prompt: Callable[[int], list[int]],
     args: argparse.Namespace,
