@@ -21,7 +21,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 import zmq.asyncio
@@ -37,6 +37,9 @@ from .protocol import (
     packb,
     unpackb,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["Client", "CoordinatorError", "ReplyFuture", "Stream"]
 
@@ -225,13 +228,14 @@ class Client:
         self._check_open()
         rid = target.request_id
         params = {} if sampling_params is None else sampling_params
-        frames = [packb([Header.SUBMIT_REQUEST, rid, params]), _encode_prompt(prompt)]
+        hashes = None
         if block_size is not None:
             if isinstance(prompt, (str, *_BYTES_LIKE)):
                 raise ValueError("block hashes need a prompt of token ids")
-            frames.append(block_hashes(prompt, block_size))
+            hashes = block_hashes(prompt, block_size)
+        frames = protocol.SUBMIT_REQUEST.pack(rid, params, _encode_prompt(prompt), hashes)
         self._pending[rid] = target
-        sent = self._socket.send_multipart(frames, copy=False)
+        sent = cast("asyncio.Future[Any]", self._socket.send_multipart(frames, copy=False))
         sent.add_done_callback(lambda done: self._on_sent(rid, done))
 
     def _on_sent(self, rid: int, sent: asyncio.Future[Any]) -> None:
@@ -246,20 +250,20 @@ class Client:
     # -- control -----------------------------------------------------------------
 
     async def pause(self) -> None:
-        await self._send([packb([Header.PAUSE])])
+        await self._send(protocol.CONTROL[Header.PAUSE].pack())
 
     async def unpause(self) -> None:
-        await self._send([packb([Header.UNPAUSE])])
+        await self._send(protocol.CONTROL[Header.UNPAUSE].pack())
 
     async def suspend(self) -> None:
-        await self._send([packb([Header.SUSPEND])])
+        await self._send(protocol.CONTROL[Header.SUSPEND].pack())
 
     async def resume(self) -> None:
-        await self._send([packb([Header.RESUME])])
+        await self._send(protocol.CONTROL[Header.RESUME].pack())
 
     async def stop_engines(self) -> None:
         """Send STOP (the coordinator allows it only while paused or suspended)."""
-        await self._send([packb([Header.STOP])])
+        await self._send(protocol.CONTROL[Header.STOP].pack())
 
     async def set_generation_epoch(self, epoch: int) -> None:
         await self._send(protocol.SET_GENERATION_EPOCH.pack(epoch))
@@ -303,7 +307,7 @@ class Client:
         self._fail_all(ConnectionError("coordkit client closed with the request pending"))
         self._socket.close(linger=_CLOSE_LINGER_MS)
 
-    async def __aenter__(self) -> Client:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -14,12 +14,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from ._implementation import load_implementation, selected
 from ._shared import Detokenizer, Options
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["Coordinator"]
 
@@ -179,9 +182,9 @@ class Coordinator:
 
     def stats(self) -> dict[str, Any]:
         """Counters, requests in flight, clients, control state and engines."""
-        return self._loop.stats()  # type: ignore[no-any-return]
+        return self._loop.stats()
 
-    def __enter__(self) -> Coordinator:
+    def __enter__(self) -> Self:
         self.start()
         return self
 

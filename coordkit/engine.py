@@ -22,12 +22,15 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from . import protocol
 from .protocol import Header, ProtocolError, packb, unpackb
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["Engine", "Request", "Abort", "ReleaseKV", "Control", "Event"]
 
@@ -169,14 +172,14 @@ class Engine:
         if self._own_context:
             self._context.term()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _send_heartbeat(self, now: float) -> None:
-        self._socket.send(packb([Header.HEARTBEAT, self.pending, self.capacity]))
+        self._socket.send_multipart(protocol.HEARTBEAT.pack(self.pending, self.capacity))
         self._next_heartbeat = now + (self.heartbeat_interval or math.inf)
 
     def _drain(self) -> list[Event]:

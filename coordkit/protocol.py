@@ -24,6 +24,7 @@ from enum import IntEnum
 from typing import Any
 
 import msgpack
+import zmq
 
 __all__ = [
     "Header",
@@ -48,6 +49,8 @@ __all__ = [
 ]
 
 Buffer = bytes | bytearray | memoryview
+#: A frame as specs parse it: bytes-like, or a zmq.Frame (which exports its buffer).
+Frame = Buffer | zmq.Frame
 
 #: The map a coordkit client sends in CONNECT so the coordinator may answer
 #: it with coordkit's own messages (ERROR, STATS_REPLY).
@@ -188,7 +191,7 @@ def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpackb(data: Buffer) -> Any:
+def unpackb(data: Frame) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
@@ -248,7 +251,7 @@ class Field:
         return f"Field({self.name!r})"
 
 
-def _decode_metadata(message: str, header: Header, frame: Buffer) -> list[Any]:
+def _decode_metadata(message: str, header: Header, frame: Frame) -> list[Any]:
     try:
         metadata = unpackb(frame)
     except Exception as exc:  # msgpack raises several unrelated types
@@ -305,7 +308,7 @@ class MessageSpec:
         frames += [f for f in values[n_fields + len(self.payload_frames) :] if f is not None]
         return frames
 
-    def parse(self, frames: Sequence[Buffer]) -> Any:
+    def parse(self, frames: Sequence[Frame]) -> Any:
         """Decode and validate one message (without the ROUTER identity frame).
 
         A fault found after a valid leading ``rid`` field raises
@@ -320,11 +323,11 @@ class MessageSpec:
         except ProtocolError as exc:
             exc.rid = self._leading_rid(fields)
             raise
-        optional = list(frames[self.min_frames :])
+        optional: list[Frame | None] = list(frames[self.min_frames :])
         optional += [None] * (len(self.optional_frames) - len(optional))
         return self.message_type(*fields, *frames[1 : self.min_frames], *optional)
 
-    def _check(self, frames: Sequence[Buffer], fields: list[Any]) -> None:
+    def _check(self, frames: Sequence[Frame], fields: list[Any]) -> None:
         if not self.min_frames <= len(frames) <= self.max_frames:
             expected = (
                 str(self.min_frames)
@@ -380,7 +383,7 @@ class BatchedMessageSpec:
             self._check_entry(entry)
         return [packb([int(self.header), entries]), *bodies]
 
-    def parse(self, frames: Sequence[Buffer]) -> tuple[list[Any], list[Buffer]]:
+    def parse(self, frames: Sequence[Frame]) -> tuple[list[Any], list[Frame]]:
         if not frames:
             raise ProtocolError(f"{self.name}: empty message")
         metadata = _decode_metadata(self.name, self.header, frames[0])
@@ -448,7 +451,7 @@ STATS = MessageSpec("STATS", Header.STATS)
 STATS_REPLY = MessageSpec("STATS_REPLY", Header.STATS_REPLY, [], ["stats"])
 
 
-def parse_connect(frames: Sequence[Buffer]) -> bool:
+def parse_connect(frames: Sequence[Frame]) -> bool:
     """Whether a CONNECT comes from a coordkit client: ``[0, {"coordkit": n}]``
     with an int ``n >= 1``; any other map, or Megatron's ``[0]``, is not one.
     Raises :class:`ProtocolError` for anything else."""

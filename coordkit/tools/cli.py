@@ -186,7 +186,7 @@ def _positive_int(text: str) -> int:
 def _import_callable(spec: str) -> Callable[..., Any]:
     module, _, name = spec.partition(":")
     try:
-        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+        return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(f"cannot import {spec!r}: {exc}") from None
 

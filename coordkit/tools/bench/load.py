@@ -52,7 +52,7 @@ def _rid(metadata: memoryview) -> int:
     unpacker.feed(metadata[:16])  # array head, header and an int fit in 11 bytes
     unpacker.read_array_header()
     unpacker.skip()
-    return unpacker.unpack()  # type: ignore[no-any-return]
+    return unpacker.unpack()
 
 
 def _submitter(variant: str, tokens: int, prefix: bool) -> Callable[[int], list[Any]]:
@@ -77,7 +77,7 @@ def client_child(conn: Connection, variant: str, address: str, prefix: bool, hel
         sock.connect(address)
         if variant != "floor":  # the proxy has no CONNECT
             sock.send(packb([CONNECT]))
-            if not sock.poll(TIMEOUT * 1000) or sock.recv() != packb([CONNECT_ACK]):
+            if not sock.poll(int(TIMEOUT * 1000)) or sock.recv() != packb([CONNECT_ACK]):
                 raise RuntimeError("no CONNECT_ACK")
         conn.send(("ready",))
         rid = 0  # never reused: a coordinator would refuse a duplicate in flight
@@ -112,7 +112,7 @@ def _round_trips(
         while sent < n and sent - done < window:
             sock.send_multipart(submit(first + sent), copy=False)
             sent += 1
-        if not sock.poll(TIMEOUT * 1000):
+        if not sock.poll(int(TIMEOUT * 1000)):
             raise TimeoutError(f"no reply for {TIMEOUT:.0f} s ({done} of {n} answered)")
         while True:
             try:
