@@ -24,8 +24,9 @@ cdef extern from "_libzmq.h" nogil:
 
     int zmq_msg_init "ck_msg_init"(zmq_msg_t* msg)
     int zmq_msg_init_size "ck_msg_init_size"(zmq_msg_t* msg, size_t size)
-    int zmq_msg_init_data "ck_msg_init_data"(zmq_msg_t* msg, void* data, size_t size,
-                                              zmq_free_fn* ffn, void* hint)
+    int zmq_msg_init_data "ck_msg_init_data"(
+        zmq_msg_t* msg, void* data, size_t size, zmq_free_fn* ffn, void* hint
+    )
     int zmq_msg_recv "ck_msg_recv"(zmq_msg_t* msg, void* socket, int flags)
     int zmq_msg_send "ck_msg_send"(zmq_msg_t* msg, void* socket, int flags)
     int zmq_msg_close "ck_msg_close"(zmq_msg_t* msg)

@@ -113,7 +113,9 @@ cdef class Loop:
     cdef void _handle(self) noexcept nogil
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil
     cdef void _submit(self, int32_t client, int64_t header) noexcept nogil
-    cdef void _rewrite_submit(self, zmq_msg_t* out, ck_submit* submit, int64_t server_rid) noexcept nogil
+    cdef void _rewrite_submit(
+        self, zmq_msg_t* out, ck_submit* submit, int64_t server_rid
+    ) noexcept nogil
     cdef int _route(self, uint32_t slot, const uint8_t* hashes, size_t n_hashes,
                     zmq_msg_t* meta, int n_payload) noexcept nogil
     cdef int _resend(self, uint32_t slot) noexcept nogil

@@ -20,7 +20,7 @@ rare path once the message at hand is done (docs/design.md, "Failure model").
 
 cimport cython
 from libc.errno cimport EINTR
-from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -306,7 +306,8 @@ cdef class Loop:
         engines = []
         for rank in range(self.n_engines):
             identity = ck_ids_get(&self.engine_ids, rank, &n)
-            engines.append((rank, identity[:n], self.engines[rank].state, self.router.pending(rank)))
+            state = self.engines[rank].state
+            engines.append((rank, identity[:n], state, self.router.pending(rank)))
         result = stats_map(
             implementation=self.implementation,
             policy=self.router.policy,
@@ -767,9 +768,8 @@ cdef class Loop:
                 self.counters[COUNTER_TABLE_FULL] += 1
                 if coordkit:
                     self.counters[COUNTER_ERRORS_SENT] += 1
-                    self._reply_to_sender(
-                        protocol.ERROR.pack(None, ERROR_BUSY, error_text(ERROR_BUSY, HEADER_CONNECT))
-                    )
+                    text = error_text(ERROR_BUSY, HEADER_CONNECT)
+                    self._reply_to_sender(protocol.ERROR.pack(None, ERROR_BUSY, text))
                 return
             self.clients[index].used = True
             self.clients[index].coordkit = coordkit
