@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 import zmq
-from peers import RawClient, RawEngine, m, um, wait_for
 
 import coordkit
 from coordkit import Client, FakeEngine, cli
+from tests.support.peers import RawClient, RawEngine, m, um, wait_for
 
 TIMEOUT = 20.0
 LISTENING = re.compile(r"coordkit listening on (\S+) \(implementation (\w+), policy (\w+)\)")

@@ -11,9 +11,10 @@ import threading
 
 import pytest
 import zmq
-from peers import Cluster, RawClient, m, um, wait_for
 
 from coordkit.protocol import ErrorCode
+from tests.support.cluster import Cluster
+from tests.support.peers import RawClient, m, um, wait_for
 
 SP = {"temperature": 0.7, "num_tokens_to_generate": 8}
 

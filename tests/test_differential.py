@@ -13,7 +13,9 @@ from collections import defaultdict
 
 import pytest
 import zmq
-from peers import Cluster, m, um, wait_for
+
+from tests.support.cluster import Cluster
+from tests.support.peers import m, um, wait_for
 
 QUIET = 0.02  # seconds without a frame that end a step's delivery
 

@@ -19,9 +19,10 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from peers import Cluster, RawClient, RawEngine, m, um, wait_for
 
 from coordkit.protocol import ErrorCode
+from tests.support.cluster import Cluster
+from tests.support.peers import RawClient, RawEngine, m, um, wait_for
 
 # -- helpers -------------------------------------------------------------------------
 

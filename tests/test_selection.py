@@ -15,9 +15,9 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from conftest import load
 
 import coordkit
+from tests.support.implementations import load
 
 PACKAGE = Path(coordkit.__file__).parent
 REPORT = (

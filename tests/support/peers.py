@@ -7,9 +7,8 @@ speaks the wire format).
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -78,55 +77,3 @@ def wait_for(condition: Callable[[], bool], timeout: float = WAIT) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         time.sleep(0.002)
-
-
-def n_engines(coord: Any, state: str = "alive") -> int:
-    return sum(e["state"] == state for e in coord.stats()["engines"])
-
-
-@contextlib.contextmanager
-def running(coord: Any) -> Iterator[Any]:
-    coord.start()
-    try:
-        yield coord
-    finally:
-        coord.stop()
-
-
-class Cluster:
-    """A running coordinator with raw engines and clients, closed on exit."""
-
-    def __init__(self, impl: Any, address: str, n_engines: int = 0, **options: Any):
-        self.ctx = zmq.Context()
-        self.coord = impl.Coordinator(address, **options)
-        self.coord.start()
-        self.engines: list[RawEngine] = []
-        self.peers: list[Peer] = []
-        for _ in range(n_engines):
-            self.add_engine()
-
-    def add_engine(self, identity: bytes | None = None) -> RawEngine:
-        rank = len(self.engines)
-        engine = RawEngine(self.ctx, self.coord.address, identity or f"engine-{rank}".encode())
-        engine.register()
-        self.engines.append(engine)
-        self.peers.append(engine)
-        wait_for(lambda: len(self.coord.stats()["engines"]) > rank)
-        return engine
-
-    def client(self, coordkit: bool = False, identity: bytes | None = None) -> RawClient:
-        client = RawClient(self.ctx, self.coord.address, identity)
-        self.peers.append(client)
-        return client.connect(coordkit)
-
-    def close(self) -> None:
-        self.coord.stop()
-        for peer in self.peers:
-            peer.close()
-        self.ctx.term()
-
-    def __enter__(self) -> Cluster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
