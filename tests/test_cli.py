@@ -211,8 +211,8 @@ async def fetch_stats(address: str) -> dict:
         return await client.stats()
 
 
-def test_stats_command(impl, tmp_path):
-    with impl.Coordinator(f"ipc://{tmp_path}/c.sock") as coord:
+def test_stats_command(impl, make_coordinator):
+    with make_coordinator() as coord:
         result = subprocess.run(
             coordkit_command("stats", "--address", coord.address),
             env=python_env(),

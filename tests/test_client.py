@@ -181,17 +181,6 @@ def test_connect_timeout(tmp_path):
 
 
 @contextlib.contextmanager
-def coordinator(impl, tmp_path, transport: str = "ipc", **options):
-    bind = f"ipc://{tmp_path}/coord.sock" if transport == "ipc" else "tcp://127.0.0.1:0"
-    coord = impl.Coordinator(bind, **options)
-    coord.start()
-    try:
-        yield coord
-    finally:
-        coord.stop()
-
-
-@contextlib.contextmanager
 def fake_engines(address: str, count: int, **options):
     """``count`` FakeEngines running on threads."""
     stop = threading.Event()
@@ -211,7 +200,7 @@ def fake_engines(address: str, count: int, **options):
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
-def test_round_trip(impl, tmp_path, transport):
+def test_round_trip(make_coordinator, transport):
     async def body(address):
         async with await Client.connect(address, timeout=TIMEOUT) as client:
             await client.wait_for_engines(2, timeout=TIMEOUT)
@@ -230,13 +219,13 @@ def test_round_trip(impl, tmp_path, transport):
             assert len(stats["engines"]) == 2
 
     with (
-        coordinator(impl, tmp_path, transport) as coord,
+        make_coordinator(transport) as coord,
         fake_engines(coord.address, 2, output_tokens=4),
     ):
         run(body(coord.address))
 
 
-def test_prefix_routing_round_trip(impl, tmp_path):
+def test_prefix_routing_round_trip(make_coordinator):
     async def body(address):
         async with await Client.connect(address, timeout=TIMEOUT) as client:
             await client.wait_for_engines(2, timeout=TIMEOUT)
@@ -245,11 +234,11 @@ def test_prefix_routing_round_trip(impl, tmp_path):
             # Sequential and idle, the same prefix stays with the rank that has it cached.
             assert len({reply["rank"] for reply in replies}) == 1
 
-    with coordinator(impl, tmp_path, policy="prefix") as coord, fake_engines(coord.address, 2):
+    with make_coordinator(policy="prefix") as coord, fake_engines(coord.address, 2):
         run(body(coord.address))
 
 
-def test_stream(impl, tmp_path):
+def test_stream(make_coordinator):
     async def body(address):
         async with await Client.connect(address, timeout=TIMEOUT) as client:
             await client.wait_for_engines(1, timeout=TIMEOUT)
@@ -258,11 +247,11 @@ def test_stream(impl, tmp_path):
             assert [p["generated_tokens"] for p in parts] == [tokens[:n] for n in range(1, 5)]
             assert [p["status"] for p in parts] == ["generating"] * 3 + ["finished"]
 
-    with coordinator(impl, tmp_path) as coord, fake_engines(coord.address, 1, output_tokens=4):
+    with make_coordinator() as coord, fake_engines(coord.address, 1, output_tokens=4):
         run(body(coord.address))
 
 
-def test_abort(impl, tmp_path):
+def test_abort(make_coordinator):
     async def body(address):
         async with await Client.connect(address, timeout=TIMEOUT) as client:
             await client.wait_for_engines(1, timeout=TIMEOUT)
@@ -279,11 +268,11 @@ def test_abort(impl, tmp_path):
             assert len(reply["generated_tokens"]) < 1000
 
     options = {"output_tokens": 1000, "latency": 0.01}
-    with coordinator(impl, tmp_path) as coord, fake_engines(coord.address, 1, **options):
+    with make_coordinator() as coord, fake_engines(coord.address, 1, **options):
         run(body(coord.address))
 
 
-def test_error_reply_fails_the_future(impl, tmp_path):
+def test_error_reply_fails_the_future(make_coordinator):
     async def body(address):
         async with await Client.connect(address, timeout=TIMEOUT) as client:
             with pytest.raises(CoordinatorError) as caught:
@@ -292,11 +281,11 @@ def test_error_reply_fails_the_future(impl, tmp_path):
             assert caught.value.request_id == 0
             assert client.pending == 0
 
-    with coordinator(impl, tmp_path) as coord:
+    with make_coordinator() as coord:
         run(body(coord.address))
 
 
-def test_control_signals_reach_engines(impl, tmp_path):
+def test_control_signals_reach_engines(make_coordinator):
     received: queue.Queue[Control] = queue.Queue()
 
     def engine_loop(engine: Engine, stop: threading.Event) -> None:
@@ -335,7 +324,7 @@ def test_control_signals_reach_engines(impl, tmp_path):
             assert error.request_id is None
 
     stop = threading.Event()
-    with coordinator(impl, tmp_path) as coord, Engine(coord.address) as engine:
+    with make_coordinator() as coord, Engine(coord.address) as engine:
         thread = threading.Thread(target=engine_loop, args=(engine, stop))
         thread.start()
         try:
@@ -345,7 +334,7 @@ def test_control_signals_reach_engines(impl, tmp_path):
             thread.join(TIMEOUT)
 
 
-def test_stop_ends_engine_processes(impl, tmp_path):
+def test_stop_ends_engine_processes(make_coordinator):
     async def body(address, processes):
         async with await Client.connect(address, timeout=TIMEOUT) as client:
             await client.wait_for_engines(len(processes), timeout=TIMEOUT)
@@ -354,7 +343,7 @@ def test_stop_ends_engine_processes(impl, tmp_path):
         for process in processes:
             assert await asyncio.to_thread(process.wait, TIMEOUT) == 0
 
-    with coordinator(impl, tmp_path) as coord, engine_processes(coord.address, 2) as processes:
+    with make_coordinator() as coord, engine_processes(coord.address, 2) as processes:
         run(body(coord.address, processes))
 
 
@@ -375,7 +364,7 @@ def engine_processes(address: str, n: int, *options: str) -> Iterator[list[subpr
             process.wait()
 
 
-def test_killed_engine(impl, tmp_path):
+def test_killed_engine(make_coordinator):
     """SIGKILL one of two engine processes mid-flight: every request still ends."""
 
     async def body(address, processes):
@@ -392,7 +381,7 @@ def test_killed_engine(impl, tmp_path):
     # 40 steps of 20 ms: the requests are still running when the engine dies.
     options = ("--latency", "0.02", "--output-tokens", "40", "--heartbeat", "0.1")
     with (
-        coordinator(impl, tmp_path, heartbeat_timeout=1.0) as coord,
+        make_coordinator(heartbeat_timeout=1.0) as coord,
         engine_processes(coord.address, 2, *options) as processes,
     ):
         run(body(coord.address, processes))

@@ -13,26 +13,15 @@ import pytest
 import zmq
 
 from coordkit.protocol import ErrorCode
-from tests.support.cluster import Cluster
 from tests.support.peers import RawClient, m, um, wait_for
 
 SP = {"temperature": 0.7, "num_tokens_to_generate": 8}
 
 
-@pytest.fixture(params=["ipc", "tcp"])
-def address(request, tmp_path):
-    return f"ipc://{tmp_path}/coord.sock" if request.param == "ipc" else "tcp://127.0.0.1:0"
-
-
-@pytest.fixture
-def cluster(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/coord.sock", n_engines=1) as c:
-        yield c
-
-
-def test_megatron_client_round_trip(impl, address):
-    with Cluster(impl, address, n_engines=1) as c:
-        if address.startswith("tcp"):
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_megatron_client_round_trip(make_cluster, transport):
+    with make_cluster(n_engines=1, transport=transport) as c:
+        if transport == "tcp":
             assert c.coord.address.startswith("tcp://127.0.0.1:")
             assert not c.coord.address.endswith(":0")
         client = c.client()
@@ -79,9 +68,10 @@ def test_block_hash_frame_is_consumed(cluster):
     assert cluster.engines[0].recv() == [m([20, 0, {}]), m([1] * 64)]
 
 
-def test_two_clients_three_engines_thousands_of_requests(impl, address):
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_two_clients_three_engines_thousands_of_requests(make_cluster, transport):
     n_per_client = 1500
-    with Cluster(impl, address, n_engines=3, policy="round_robin") as c:
+    with make_cluster(n_engines=3, transport=transport, policy="round_robin") as c:
         clients = [c.client(), c.client(coordkit=True)]
         rng = random.Random(7)
         for i in range(n_per_client):
@@ -160,8 +150,8 @@ def test_late_joining_engine_gets_traffic(cluster):
     assert late.recv() == [m([20, 1, {}]), b"y"]
 
 
-def test_abort_reaches_only_the_owner(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=2, policy="round_robin") as c:
+def test_abort_reaches_only_the_owner(make_cluster):
+    with make_cluster(n_engines=2, policy="round_robin") as c:
         client = c.client()
         client.send(m([20, 10, {}]), b"a")
         client.send(m([20, 11, {}]), b"b")
@@ -183,16 +173,16 @@ def test_abort_unknown_request_answers_coordkit_client(cluster):
     assert "ABORT_REQUEST" in message
 
 
-def test_release_kv_goes_to_all_engines_untranslated(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=3) as c:
+def test_release_kv_goes_to_all_engines_untranslated(make_cluster):
+    with make_cluster(n_engines=3) as c:
         client = c.client()
         client.send(m([25, 42]))
         for engine in c.engines:
             assert engine.recv() == [m([25, 42])]
 
 
-def test_control_signals_follow_the_state_machine(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=2) as c:
+def test_control_signals_follow_the_state_machine(make_cluster):
+    with make_cluster(n_engines=2) as c:
         client = c.client(coordkit=True)
 
         def signal(*meta, allowed: bool):
@@ -242,8 +232,8 @@ def test_each_connect_gets_one_ack(cluster):
     assert cluster.coord.stats()["counters"]["duplicate_connect"] == 1
 
 
-def test_disconnect_removes_engine_after_its_finals(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=2, policy="round_robin") as c:
+def test_disconnect_removes_engine_after_its_finals(make_cluster):
+    with make_cluster(n_engines=2, policy="round_robin") as c:
         client = c.client()
         client.send(m([20, 0, {}]), b"a")
         c.engines[0].recv()
@@ -258,8 +248,8 @@ def test_disconnect_removes_engine_after_its_finals(impl, tmp_path):
         wait_for(lambda: c.coord.stats()["engines"][0]["state"] == "gone")
 
 
-def test_least_loaded_spreads_and_follows_load(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=3, policy="least_loaded") as c:
+def test_least_loaded_spreads_and_follows_load(make_cluster):
+    with make_cluster(n_engines=3, policy="least_loaded") as c:
         client = c.client()
         for rid in range(3):
             client.send(m([20, rid, {}]), b"p")
@@ -271,11 +261,11 @@ def test_least_loaded_spreads_and_follows_load(impl, tmp_path):
         assert um(c.engines[1].recv()[0])[1] == 3
 
 
-def test_detokenizer_only_for_flagged_entries(impl, tmp_path):
+def test_detokenizer_only_for_flagged_entries(make_cluster):
     def detok(tokens):
         return " ".join(f"t{t}" for t in tokens)
 
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=1, detokenizer=detok) as c:
+    with make_cluster(n_engines=1, detokenizer=detok) as c:
         client = c.client()
         client.send(m([20, 0, {}]), b"a")
         client.send(m([20, 1, {}]), b"b")
@@ -302,9 +292,9 @@ def test_stats_reply_for_coordkit_clients(cluster):
     assert stats["clients"] == 1
 
 
-def test_shutdown_ends_serve_forever(impl, tmp_path):
+def test_shutdown_ends_serve_forever(make_coordinator):
     ctx = zmq.Context()
-    coord = impl.Coordinator(f"ipc://{tmp_path}/c.sock")
+    coord = make_coordinator()
     thread = threading.Thread(target=coord.serve_forever)
     thread.start()
     client = RawClient(ctx, coord.address).connect()
@@ -315,8 +305,8 @@ def test_shutdown_ends_serve_forever(impl, tmp_path):
     ctx.term()
 
 
-def test_stop_from_another_thread(impl, tmp_path):
-    coord = impl.Coordinator(f"ipc://{tmp_path}/c.sock")
+def test_stop_from_another_thread(make_coordinator):
+    coord = make_coordinator()
     coord.start()
     coord.stop()
     with pytest.raises(RuntimeError):

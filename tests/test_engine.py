@@ -21,6 +21,7 @@ import zmq
 import coordkit
 from coordkit.engine import Abort, Control, Engine, FakeEngine, ReleaseKV, Request
 from coordkit.protocol import Header, packb, unpackb
+from tests.support.cluster import bind_address
 
 TIMEOUT_MS = 5000
 
@@ -32,7 +33,7 @@ def router(request, tmp_path):
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     socket.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)  # a missing message fails, never hangs
     socket.setsockopt(zmq.LINGER, 0)
-    socket.bind(f"ipc://{tmp_path}/r.sock" if request.param == "ipc" else "tcp://127.0.0.1:0")
+    socket.bind(bind_address(request.param, tmp_path))
     yield socket, socket.getsockopt_string(zmq.LAST_ENDPOINT)
     socket.close()
 

@@ -52,12 +52,6 @@ def terminal(frames: list[bytes]) -> int | None:
     return rid if header in (21, 90) else None
 
 
-@pytest.fixture
-def cluster(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/coord.sock", n_engines=1) as c:
-        yield c
-
-
 # -- malformed input -----------------------------------------------------------------
 
 BAD_FROM_CLIENT = [
@@ -142,8 +136,8 @@ def test_malformed_from_engine_counted_and_survived(cluster, frames):
     assert cluster.coord.stats()["engines"][0]["state"] == "alive"
 
 
-def test_reply_from_engine_not_owning_the_request_is_dropped(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=2, policy="round_robin") as c:
+def test_reply_from_engine_not_owning_the_request_is_dropped(make_cluster):
+    with make_cluster(n_engines=2, policy="round_robin") as c:
         client = c.client()
         client.send(m([20, 0, {}]), b"p")
         server_rid = um(c.engines[0].recv()[0])[1]
@@ -171,9 +165,8 @@ def test_duplicate_registration_counted(cluster):
     assert len(cluster.coord.stats()["engines"]) == 1
 
 
-def test_message_over_max_message_size_drops_the_sender_only(impl, tmp_path):
-    address = f"ipc://{tmp_path}/c.sock"
-    with Cluster(impl, address, n_engines=1, max_message_size=64 * 1024) as c:
+def test_message_over_max_message_size_drops_the_sender_only(make_cluster):
+    with make_cluster(n_engines=1, max_message_size=64 * 1024) as c:
         good = c.client(coordkit=True)
         hostile = c.client(coordkit=True)
         hostile.send(m([20, 0, {}]), b"x" * (256 * 1024))
@@ -194,8 +187,8 @@ def test_duplicate_request_id_in_flight(cluster):
 # -- admission control ---------------------------------------------------------------
 
 
-def test_busy_exactly_at_max_inflight(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=1, max_inflight=5) as c:
+def test_busy_exactly_at_max_inflight(make_cluster):
+    with make_cluster(n_engines=1, max_inflight=5) as c:
         client = c.client(coordkit=True)
         for rid in range(5):
             client.send(m([20, rid, {}]), b"p")
@@ -210,9 +203,8 @@ def test_busy_exactly_at_max_inflight(impl, tmp_path):
         assert c.coord.stats()["counters"]["busy"] == 1
 
 
-def test_busy_at_the_per_engine_cap(impl, tmp_path):
-    address = f"ipc://{tmp_path}/c.sock"
-    with Cluster(impl, address, n_engines=2, max_inflight_per_engine=2) as c:
+def test_busy_at_the_per_engine_cap(make_cluster):
+    with make_cluster(n_engines=2, max_inflight_per_engine=2) as c:
         client = c.client(coordkit=True)
         for rid in range(4):
             client.send(m([20, rid, {}]), b"p")
@@ -222,8 +214,8 @@ def test_busy_at_the_per_engine_cap(impl, tmp_path):
         expect_error(client, 4, ErrorCode.BUSY)
 
 
-def test_no_engines(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock") as c:
+def test_no_engines(make_cluster):
+    with make_cluster() as c:
         client = c.client(coordkit=True)
         client.send(m([20, 0, {}]), b"p")
         expect_error(client, 0, ErrorCode.NO_ENGINES)
@@ -231,8 +223,8 @@ def test_no_engines(impl, tmp_path):
         round_trip(c, client, 1)
 
 
-def test_client_table_is_bounded(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=1, max_clients=2) as c:
+def test_client_table_is_bounded(make_cluster):
+    with make_cluster(n_engines=1, max_clients=2) as c:
         busy = c.client(coordkit=True)
         busy.send(m([20, 0, {}]), b"p")  # in flight: this client cannot be evicted
         c.engines[0].recv()
@@ -251,8 +243,8 @@ def test_client_table_is_bounded(impl, tmp_path):
 # -- vanished peers ------------------------------------------------------------------
 
 
-def test_vanished_client_leaves_no_state(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=1) as c:
+def test_vanished_client_leaves_no_state(make_cluster):
+    with make_cluster(n_engines=1) as c:
         other = c.client(coordkit=True)
         leaver = c.client(coordkit=True)
         for rid in range(3):
@@ -275,8 +267,8 @@ def test_vanished_client_leaves_no_state(impl, tmp_path):
         round_trip(c, other, 0)
 
 
-def test_unreachable_engine_is_failed_and_its_requests_rerouted(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=2, policy="round_robin") as c:
+def test_unreachable_engine_is_failed_and_its_requests_rerouted(make_cluster):
+    with make_cluster(n_engines=2, policy="round_robin") as c:
         client = c.client(coordkit=True)
         for rid in range(4):
             client.send(m([20, rid, {}]), f"p{rid}".encode())
@@ -299,10 +291,9 @@ def test_unreachable_engine_is_failed_and_its_requests_rerouted(impl, tmp_path):
 
 @pytest.mark.parametrize("keep_prompts", [True, False])
 @pytest.mark.parametrize("size", [7, 8191, 8192, 300_000])  # copied below 8 KiB, shared above
-def test_rerouted_prompt_arrives_intact_unless_not_kept(impl, tmp_path, size, keep_prompts):
-    address = f"ipc://{tmp_path}/c.sock"
+def test_rerouted_prompt_arrives_intact_unless_not_kept(make_cluster, size, keep_prompts):
     options = {"policy": "round_robin", "keep_prompts": keep_prompts}
-    with Cluster(impl, address, n_engines=2, **options) as c:
+    with make_cluster(n_engines=2, **options) as c:
         client = c.client(coordkit=True)
         prompt = bytes(range(256)) * (size // 256) + b"\xc1" * (size % 256)
         params = {"temperature": 0.5, "stop": ["\n"]}
@@ -321,9 +312,8 @@ def test_rerouted_prompt_arrives_intact_unless_not_kept(impl, tmp_path, size, ke
         assert um(c.engines[1].recv()[0])[1] == 2
 
 
-def test_heartbeat_timeout_fails_a_silent_engine(impl, tmp_path):
-    address = f"ipc://{tmp_path}/c.sock"
-    with Cluster(impl, address, n_engines=2, policy="round_robin", heartbeat_timeout=0.3) as c:
+def test_heartbeat_timeout_fails_a_silent_engine(make_cluster):
+    with make_cluster(n_engines=2, policy="round_robin", heartbeat_timeout=0.3) as c:
         c.engines[0].send(m([91, 0, 8]))
         client = c.client(coordkit=True)
         client.send(m([20, 0, {}]), b"p")
@@ -335,9 +325,8 @@ def test_heartbeat_timeout_fails_a_silent_engine(impl, tmp_path):
         assert client.recv() == [m([21, 0]), b"done"]
 
 
-def test_engine_without_heartbeats_is_never_timed_out(impl, tmp_path):
-    address = f"ipc://{tmp_path}/c.sock"
-    with Cluster(impl, address, n_engines=1, heartbeat_timeout=0.1) as c:
+def test_engine_without_heartbeats_is_never_timed_out(make_cluster):
+    with make_cluster(n_engines=1, heartbeat_timeout=0.1) as c:
         client = c.client()
         client.send(m([20, 0, {}]), b"p")
         c.engines[0].recv()
@@ -345,9 +334,8 @@ def test_engine_without_heartbeats_is_never_timed_out(impl, tmp_path):
         assert c.coord.stats()["engines"][0]["state"] == "alive"
 
 
-def test_drain_timeout_reroutes_what_is_left(impl, tmp_path):
-    address = f"ipc://{tmp_path}/c.sock"
-    with Cluster(impl, address, n_engines=2, policy="round_robin", drain_timeout=0.3) as c:
+def test_drain_timeout_reroutes_what_is_left(make_cluster):
+    with make_cluster(n_engines=2, policy="round_robin", drain_timeout=0.3) as c:
         client = c.client(coordkit=True)
         client.send(m([20, 0, {}]), b"p")
         server_rid = um(c.engines[0].recv()[0])[1]
@@ -356,16 +344,12 @@ def test_drain_timeout_reroutes_what_is_left(impl, tmp_path):
         assert c.coord.stats()["engines"][0]["state"] == "gone"
 
 
-def test_shutdown_ends_requests_in_flight_with_an_error(impl, tmp_path):
-    c = Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=1)
-    try:
-        client = c.client(coordkit=True)
-        client.send(m([20, 0, {}]), b"p")
-        c.engines[0].recv()
-        client.send(m([61]))
-        expect_error(client, 0, ErrorCode.SHUTTING_DOWN)
-    finally:
-        c.close()
+def test_shutdown_ends_requests_in_flight_with_an_error(cluster):
+    client = cluster.client(coordkit=True)
+    client.send(m([20, 0, {}]), b"p")
+    cluster.engines[0].recv()
+    client.send(m([61]))
+    expect_error(client, 0, ErrorCode.SHUTTING_DOWN)
 
 
 # -- killed engine processes ---------------------------------------------------------
@@ -379,12 +363,11 @@ def spawn_engine(address: str, rank: int, heartbeat: float) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("heartbeat", [0.1, 0.0], ids=["heartbeats", "no-heartbeats"])
-def test_sigkill_engine_mid_run_loses_and_duplicates_nothing(impl, tmp_path, heartbeat):
-    address = f"ipc://{tmp_path}/c.sock"
+def test_sigkill_engine_mid_run_loses_and_duplicates_nothing(make_cluster, heartbeat):
     # Without heartbeats a dead rank is found only by sending to it: round robin does.
     policy = "least_loaded" if heartbeat else "round_robin"
     n_requests = 300
-    with Cluster(impl, address, policy=policy, heartbeat_timeout=0.5) as c:
+    with make_cluster(policy=policy, heartbeat_timeout=0.5) as c:
         engines = [spawn_engine(c.coord.address, rank, heartbeat) for rank in range(2)]
         try:
             wait_for(lambda: len(c.coord.stats()["engines"]) == 2, timeout=20)
@@ -491,8 +474,8 @@ class EchoEngines(threading.Thread):
 
 
 @pytest.mark.parametrize("seed", [0])
-def test_fuzz_loop_survives_and_keeps_every_promise(impl, tmp_path, seed):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", max_clients=64) as c:
+def test_fuzz_loop_survives_and_keeps_every_promise(make_cluster, seed):
+    with make_cluster(max_clients=64) as c:
         echo = EchoEngines(c, 2)
         echo.start()
         good = c.client(coordkit=True)

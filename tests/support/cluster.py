@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -9,11 +10,21 @@ import zmq
 from tests.support.peers import Peer, RawClient, RawEngine, wait_for
 
 
+def bind_address(transport: str, directory: Path, name: str = "coord") -> str:
+    """An ipc socket in ``directory``, or any free port on tcp://127.0.0.1."""
+    if transport == "ipc":
+        return f"ipc://{directory}/{name}.sock"
+    if transport == "tcp":
+        return "tcp://127.0.0.1:0"
+    raise ValueError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
+
+
 class Cluster:
     """A running coordinator with raw engines and clients, closed on exit."""
 
     def __init__(self, impl: Any, address: str, n_engines: int = 0, **options: Any):
         self.ctx = zmq.Context()
+        self.closed = False
         self.coord = impl.Coordinator(address, **options)
         self.coord.start()
         self.engines: list[RawEngine] = []
@@ -36,6 +47,9 @@ class Cluster:
         return client.connect(coordkit)
 
     def close(self) -> None:
+        if self.closed:  # by its with block, then by the fixture that made it
+            return
+        self.closed = True
         self.coord.stop()
         for peer in self.peers:
             peer.close()
