@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import queue
 import re
 import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,19 +18,10 @@ import zmq
 import coordkit
 from coordkit import Client, FakeEngine, cli
 from tests.support.peers import RawClient, RawEngine, m, um, wait_for
+from tests.support.processes import coordkit_command, python_env
 
 TIMEOUT = 20.0
 LISTENING = re.compile(r"coordkit listening on (\S+) \(implementation (\w+), policy (\w+)\)")
-
-
-def coordkit_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "coordkit", *args]
-
-
-def python_env() -> dict[str, str]:
-    """The environment for a child Python that must import this coordkit."""
-    root = str(Path(coordkit.__file__).parent.parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
 
 
 class Serve:

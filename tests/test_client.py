@@ -8,23 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import queue
 import signal
-import subprocess
-import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
 import zmq.asyncio
 
-import coordkit
 from coordkit import Client, CoordinatorError, ErrorCode, FakeEngine, Header
 from coordkit.engine import Control, Engine
 from coordkit.protocol import block_hashes, packb, unpackb
+from tests.support.processes import engine_processes
 
 TIMEOUT = 5.0
 
@@ -345,23 +341,6 @@ def test_stop_ends_engine_processes(make_coordinator):
 
     with make_coordinator() as coord, engine_processes(coord.address, 2) as processes:
         run(body(coord.address, processes))
-
-
-@contextlib.contextmanager
-def engine_processes(address: str, n: int, *options: str) -> Iterator[list[subprocess.Popen]]:
-    """``n`` ``python -m coordkit.engine`` ranks importing this very coordkit, killed at exit."""
-    root = str(Path(coordkit.__file__).parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "coordkit.engine", "--address", address]
-    processes = [
-        subprocess.Popen([*command, "--rank", str(rank), *options], env=env) for rank in range(n)
-    ]
-    try:
-        yield processes
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
 
 
 def test_killed_engine(make_coordinator):

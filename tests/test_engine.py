@@ -6,22 +6,19 @@ engine is driven step by step from the test, so what it batches is exact.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
 
-import coordkit
 from coordkit.engine import Abort, Control, Engine, FakeEngine, ReleaseKV, Request
 from coordkit.protocol import Header, packb, unpackb
 from tests.support.cluster import bind_address
+from tests.support.processes import engine_processes
 
 TIMEOUT_MS = 5000
 
@@ -324,19 +321,11 @@ def test_fake_engine_run_ends_on_stop_event(router):
         assert socket.recv_multipart()[1:] == [packb([60])]
 
 
-def python_env() -> dict[str, str]:
-    """The environment for a child Python that must import this coordkit."""
-    root = str(Path(coordkit.__file__).parent.parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-
-
 def test_engine_process(router):
     socket, address = router
-    command = [sys.executable, "-m", "coordkit.engine", "--address", address, "--rank", "2"]
-    command += ["--output-tokens", "3", "--heartbeat", "0"]
-    command += ["--prefix-block-size", "1", "--cache-blocks", "1"]
-    process = subprocess.Popen(command, env=python_env(), stderr=subprocess.PIPE, text=True)
-    try:
+    options = ["--output-tokens", "3", "--heartbeat", "0"]
+    options += ["--prefix-block-size", "1", "--cache-blocks", "1"]
+    with engine_processes(address, [2], *options, stderr=subprocess.PIPE, text=True) as [process]:
         assert socket.recv_multipart() == [b"engine-2", b""]
         for rid in (1, 2):
             socket.send_multipart([b"engine-2", packb([20, rid, {}]), packb([1, 2])])
@@ -350,6 +339,3 @@ def test_engine_process(router):
         assert process.wait(TIMEOUT_MS / 1000) == 0
         assert socket.recv_multipart() == [b"engine-2", packb([60])]
         assert "found in sys.modules" not in process.stderr.read()  # no runpy double import
-    finally:
-        process.kill()
-        process.wait()

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -23,6 +21,7 @@ from hypothesis import strategies as st
 from coordkit.protocol import ErrorCode
 from tests.support.cluster import Cluster
 from tests.support.peers import RawClient, RawEngine, m, um, wait_for
+from tests.support.processes import engine_processes
 
 # -- helpers -------------------------------------------------------------------------
 
@@ -355,52 +354,43 @@ def test_shutdown_ends_requests_in_flight_with_an_error(cluster):
 # -- killed engine processes ---------------------------------------------------------
 
 
-def spawn_engine(address: str, rank: int, heartbeat: float) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "coordkit.engine", "--address", address, "--rank", str(rank),
-         "--latency", "0.02", "--batch", "8", "--heartbeat", str(heartbeat)],
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("heartbeat", [0.1, 0.0], ids=["heartbeats", "no-heartbeats"])
 def test_sigkill_engine_mid_run_loses_and_duplicates_nothing(make_cluster, heartbeat):
     # Without heartbeats a dead rank is found only by sending to it: round robin does.
     policy = "least_loaded" if heartbeat else "round_robin"
     n_requests = 300
-    with make_cluster(policy=policy, heartbeat_timeout=0.5) as c:
-        engines = [spawn_engine(c.coord.address, rank, heartbeat) for rank in range(2)]
-        try:
-            wait_for(lambda: len(c.coord.stats()["engines"]) == 2, timeout=20)
-            client = c.client(coordkit=True)
-            terminals: dict[int, list[list[bytes]]] = {}
-            sent = 0
-            killed = False
-            deadline = time.monotonic() + 60
-            while len(terminals) < n_requests:
-                assert time.monotonic() < deadline, f"{n_requests - len(terminals)} lost"
-                while sent < n_requests and sent - len(terminals) < 32:
-                    client.send(m([20, sent, {}]), m(list(range(sent % 50))))
-                    sent += 1
-                frames = client.recv(10)
-                rid = terminal(frames)
-                if rid is not None:
-                    terminals.setdefault(rid, []).append(frames)
-                if not killed and len(terminals) >= 60:
-                    engines[0].send_signal(signal.SIGKILL)  # requests in flight there
-                    killed = True
-            client.assert_silent(0.3)
-            assert all(len(replies) == 1 for replies in terminals.values())
-            assert sorted(terminals) == list(range(n_requests))
-            finals = sum(um(r[0][0])[0] == 21 for r in terminals.values())
-            assert finals == n_requests  # nothing had produced output: all re-run
-            stats = c.coord.stats()
-            assert stats["inflight"] == 0
-            states = {e["identity"]: e["state"] for e in stats["engines"]}
-            assert states == {"engine-0": "gone", "engine-1": "alive"}
-        finally:
-            for process in engines:
-                process.kill()
-                process.wait()
+    options = ("--latency", "0.02", "--batch", "8", "--heartbeat", str(heartbeat))
+    with (
+        make_cluster(policy=policy, heartbeat_timeout=0.5) as c,
+        engine_processes(c.coord.address, 2, *options) as engines,
+    ):
+        wait_for(lambda: len(c.coord.stats()["engines"]) == 2, timeout=20)
+        client = c.client(coordkit=True)
+        terminals: dict[int, list[list[bytes]]] = {}
+        sent = 0
+        killed = False
+        deadline = time.monotonic() + 60
+        while len(terminals) < n_requests:
+            assert time.monotonic() < deadline, f"{n_requests - len(terminals)} lost"
+            while sent < n_requests and sent - len(terminals) < 32:
+                client.send(m([20, sent, {}]), m(list(range(sent % 50))))
+                sent += 1
+            frames = client.recv(10)
+            rid = terminal(frames)
+            if rid is not None:
+                terminals.setdefault(rid, []).append(frames)
+            if not killed and len(terminals) >= 60:
+                engines[0].send_signal(signal.SIGKILL)  # requests in flight there
+                killed = True
+        client.assert_silent(0.3)
+        assert all(len(replies) == 1 for replies in terminals.values())
+        assert sorted(terminals) == list(range(n_requests))
+        finals = sum(um(r[0][0])[0] == 21 for r in terminals.values())
+        assert finals == n_requests  # nothing had produced output: all re-run
+        stats = c.coord.stats()
+        assert stats["inflight"] == 0
+        states = {e["identity"]: e["state"] for e in stats["engines"]}
+        assert states == {"engine-0": "gone", "engine-1": "alive"}
 
 
 # -- fuzz ----------------------------------------------------------------------------
