@@ -14,11 +14,12 @@ import pytest
 import zmq
 
 from coordkit._libzmq_path import libzmq_candidates
+from tests.support.peers import REPLY, SUBMIT
 
 pytestmark = pytest.mark.c_extension
 
 # metadata, a large payload, a frame that is not msgpack at all, an empty frame
-FRAMES = [msgpack.packb([20, 5, {"max_tokens": 16}]), os.urandom(1 << 20), b"\xc1\xc1", b""]
+FRAMES = [msgpack.packb([SUBMIT, 5, {"max_tokens": 16}]), os.urandom(1 << 20), b"\xc1\xc1", b""]
 
 
 @pytest.fixture
@@ -76,7 +77,7 @@ def test_forward_through_router(zmqutil, ctx, tmp_path, transport):
     assert side_out.recv_multipart() == [b"client-1", *FRAMES]
 
     # out: the identity frame routes the message back to the dealer
-    reply = [msgpack.packb([21, 5]), os.urandom(1 << 20)]
+    reply = [msgpack.packb([REPLY, 5]), os.urandom(1 << 20)]
     side_out.send_multipart([b"client-1", *reply])
     assert zmqutil.forward(side, router) == len(reply) + 1
     assert dealer.poll(5000)

@@ -17,7 +17,17 @@ import zmq
 
 import coordkit
 from coordkit import Client, FakeEngine, cli
-from tests.support.peers import RawClient, RawEngine, m, um, wait_for
+from tests.support.peers import (
+    REPLY,
+    SHUTDOWN,
+    STATS,
+    SUBMIT,
+    RawClient,
+    RawEngine,
+    m,
+    um,
+    wait_for,
+)
 from tests.support.processes import coordkit_command, python_env
 
 TIMEOUT = 20.0
@@ -96,18 +106,18 @@ def test_serve_speaks_megatrons_frames(impl, serve, tmp_path):
         probe = RawClient(ctx, address).connect(coordkit=True)
 
         def registered() -> bool:
-            probe.send(m([92]))
+            probe.send(m([STATS]))
             return len(um(probe.recv(TIMEOUT)[1])["engines"]) == 1
 
         wait_for(registered)
         client = RawClient(ctx, address).connect()
         params = {"temperature": 1.0, "num_tokens_to_generate": 4}
-        client.send(m([20, 0, params]), m([1, 2, 3]))
+        client.send(m([SUBMIT, 0, params]), m([1, 2, 3]))
         meta, prompt = engine.recv(TIMEOUT)
-        assert um(meta)[0::2] == [20, params] and prompt == m([1, 2, 3])
-        engine.send(m([21, [[um(meta)[1], False]]]), m({"generated_tokens": [4]}))
-        assert client.recv(TIMEOUT) == [m([21, 0]), m({"generated_tokens": [4]})]
-        client.send(m([61]))
+        assert um(meta)[0::2] == [SUBMIT, params] and prompt == m([1, 2, 3])
+        engine.send(m([REPLY, [[um(meta)[1], False]]]), m({"generated_tokens": [4]}))
+        assert client.recv(TIMEOUT) == [m([REPLY, 0]), m({"generated_tokens": [4]})]
+        client.send(m([SHUTDOWN]))
         assert server.wait() == 0
     finally:
         ctx.destroy(linger=0)

@@ -20,6 +20,18 @@ import zmq.asyncio
 from coordkit import Client, CoordinatorError, ErrorCode, FakeEngine, Header
 from coordkit.engine import Control, Engine
 from coordkit.protocol import block_hashes, packb, unpackb
+from tests.support.peers import (
+    ABORT,
+    CONNECT,
+    CONNECT_ACK,
+    ERROR,
+    PARTIAL,
+    PAUSE,
+    REPLY,
+    STATS,
+    STATS_REPLY,
+    SUBMIT,
+)
 from tests.support.processes import engine_processes
 
 TIMEOUT = 5.0
@@ -53,8 +65,8 @@ class Script:
 
     async def connect(self, **kwargs) -> Client:
         connecting = asyncio.ensure_future(Client.connect(self.address, timeout=TIMEOUT, **kwargs))
-        assert await self.recv() == [packb([0, {"coordkit": 1}])]
-        await self.send(packb([1]))
+        assert await self.recv() == [packb([CONNECT, {"coordkit": 1}])]
+        await self.send(packb([CONNECT_ACK]))
         return await connecting
 
 
@@ -77,14 +89,14 @@ def test_submit_frames(tmp_path):
             client.submit(memoryview(prompt))  # bytes-like: sent as they are
             tokens = list(range(40))
             client.submit(tokens, block_size=16)
-            assert await script.recv() == [packb([20, 0, {"temperature": 0.5}]), packb("héllo")]
-            assert await script.recv() == [packb([20, 1, {}]), packb([1, 2, 3])]
-            assert await script.recv() == [packb([20, 2, {}]), bytes(prompt)]
+            assert await script.recv() == [packb([SUBMIT, 0, {"temperature": 0.5}]), packb("héllo")]
+            assert await script.recv() == [packb([SUBMIT, 1, {}]), packb([1, 2, 3])]
+            assert await script.recv() == [packb([SUBMIT, 2, {}]), bytes(prompt)]
             hashes = block_hashes(tokens, 16)
             assert len(hashes) == 16  # two full blocks of 16; the last 8 tokens have none
-            assert await script.recv() == [packb([20, 3, {}]), packb(tokens), hashes]
+            assert await script.recv() == [packb([SUBMIT, 3, {}]), packb(tokens), hashes]
             client.stream([7])
-            assert await script.recv() == [packb([20, 4, {"stream": True}]), packb([7])]
+            assert await script.recv() == [packb([SUBMIT, 4, {"stream": True}]), packb([7])]
             for not_tokens in ("text", b"bytes"):
                 with pytest.raises(ValueError, match="token ids"):
                     client.submit(not_tokens, block_size=16)
@@ -103,15 +115,16 @@ def test_replies_and_errors(tmp_path):
             stream = client.stream([4])
             for _ in range(4):
                 await script.recv()
-            await script.send(packb([22, 0]), packb({"part": 1}))  # partials of a submit: dropped
-            await script.send(packb([21, 0]), packb({"status": "finished"}))
-            await script.send(packb([21, 1]), b"\x01raw")
-            await script.send(packb([90, 2, int(ErrorCode.BUSY), "SUBMIT_REQUEST: busy"]))
-            await script.send(packb([22, 3]), packb([1]))
-            await script.send(packb([22, 3]), packb([1, 2]))
-            await script.send(packb([21, 3]), packb([1, 2, 3]))
-            await script.send(packb([90, None, int(ErrorCode.INVALID_STATE), "UNPAUSE: no"]))
-            await script.send(packb([21, 77]), packb({}))  # not pending: dropped
+            # partials of a submit: dropped
+            await script.send(packb([PARTIAL, 0]), packb({"part": 1}))
+            await script.send(packb([REPLY, 0]), packb({"status": "finished"}))
+            await script.send(packb([REPLY, 1]), b"\x01raw")
+            await script.send(packb([ERROR, 2, int(ErrorCode.BUSY), "SUBMIT_REQUEST: busy"]))
+            await script.send(packb([PARTIAL, 3]), packb([1]))
+            await script.send(packb([PARTIAL, 3]), packb([1, 2]))
+            await script.send(packb([REPLY, 3]), packb([1, 2, 3]))
+            await script.send(packb([ERROR, None, int(ErrorCode.INVALID_STATE), "UNPAUSE: no"]))
+            await script.send(packb([REPLY, 77]), packb({}))  # not pending: dropped
             assert await plain == {"status": "finished"}
             assert await raw == b"\x01raw"
             with pytest.raises(CoordinatorError) as caught:
@@ -121,8 +134,8 @@ def test_replies_and_errors(tmp_path):
             assert caught.value.message == "SUBMIT_REQUEST: busy"
             assert [part async for part in stream] == [[1], [1, 2], [1, 2, 3]]
             stats = asyncio.ensure_future(client.stats())
-            assert await script.recv() == [packb([92])]
-            await script.send(packb([93]), packb({"inflight": 0}))
+            assert await script.recv() == [packb([STATS])]
+            await script.send(packb([STATS_REPLY]), packb({"inflight": 0}))
             assert await stats == {"inflight": 0}
             assert client.pending == 0
             assert [e.code for e in client.errors] == [ErrorCode.INVALID_STATE]
@@ -141,17 +154,17 @@ def test_abort_cancel_and_close(tmp_path):
             for _ in range(4):
                 await script.recv()
             await client.abort(aborted)
-            assert await script.recv() == [packb([23, 0])]
+            assert await script.recv() == [packb([ABORT, 0])]
             await client.abort(stream)
-            assert await script.recv() == [packb([23, 2])]
+            assert await script.recv() == [packb([ABORT, 2])]
             cancelled.cancel()  # cancelling aborts the request at its engine
-            assert await script.recv() == [packb([23, 1])]
+            assert await script.recv() == [packb([ABORT, 1])]
             # After an abort the engine's final still resolves the request.
-            await script.send(packb([21, 0]), packb({"status": "aborted"}))
+            await script.send(packb([REPLY, 0]), packb({"status": "aborted"}))
             assert await aborted == {"status": "aborted"}
             await client.abort(0)  # already ended: nothing is sent
             await client.pause()
-            assert await script.recv() == [packb([40])]
+            assert await script.recv() == [packb([PAUSE])]
         # Closing failed what was still pending.
         with pytest.raises(ConnectionError, match="closed"):
             await left

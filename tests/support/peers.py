@@ -16,6 +16,32 @@ import zmq
 
 WAIT = 5.0  # seconds any single expected message may take
 
+# The published header values, spelled out rather than imported: these peers
+# stand for implementations that share the wire format, not coordkit's code.
+CONNECT = 0
+CONNECT_ACK = 1
+SUBMIT = 20
+REPLY = 21
+PARTIAL = 22
+ABORT = 23
+SUBMIT_KV = 24
+RELEASE_KV = 25
+PAUSE = 40
+UNPAUSE = 41
+SUSPEND = 42
+RESUME = 43
+SET_GENERATION_EPOCH = 44
+STOP = 45
+START_CUDA_PROFILER = 46
+STOP_CUDA_PROFILER = 47
+DISCONNECT = 60
+SHUTDOWN = 61
+# coordkit's own messages
+ERROR = 90
+HEARTBEAT = 91
+STATS = 92
+STATS_REPLY = 93
+
 
 def m(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
@@ -59,8 +85,8 @@ class Peer:
 
 class RawClient(Peer):
     def connect(self, coordkit: bool = False) -> RawClient:
-        self.send(m([0, {"coordkit": 1}]) if coordkit else m([0]))
-        assert self.recv() == [m([1])]
+        self.send(m([CONNECT, {"coordkit": 1}]) if coordkit else m([CONNECT]))
+        assert self.recv() == [m([CONNECT_ACK])]
         return self
 
 
