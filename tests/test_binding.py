@@ -1,12 +1,13 @@
-"""The raw libzmq binding drives pyzmq's own sockets (coordkit._zmqutil_c).
+"""The raw libzmq binding drives pyzmq's own sockets.
 
-Real sockets, real transports: frames sent with pyzmq, moved by the binding,
-received intact with pyzmq, and the other way round.
+Through ``zmqutil``, a tiny Cython user of the binding that the session
+compiles (tests/support/_zmqutil_c.pyx): real sockets, real transports, frames
+sent with pyzmq, moved by the binding, received intact with pyzmq, and the
+other way round.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import msgpack
@@ -20,12 +21,6 @@ pytestmark = pytest.mark.c_extension
 
 # metadata, a large payload, a frame that is not msgpack at all, an empty frame
 FRAMES = [msgpack.packb([SUBMIT, 5, {"max_tokens": 16}]), os.urandom(1 << 20), b"\xc1\xc1", b""]
-
-
-@pytest.fixture
-def zmqutil(c_impl):
-    # c_impl skips without the extensions, or fails under COORDKIT_REQUIRE_EXTENSION=1
-    return importlib.import_module("coordkit._zmqutil_c")
 
 
 @pytest.fixture

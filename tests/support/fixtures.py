@@ -7,19 +7,24 @@ the extension does not import the ``[c]`` cases skip, unless
 
 ``make_cluster`` and ``make_coordinator`` build coordinators of ``impl`` on
 fresh sockets in the test's tmp_path; ``cluster`` is one with a single engine.
+
+``zmqutil`` is the test-only helper built on coordkit's libzmq binding,
+compiled once per session (see extension.py); where it does not build or
+import, its tests skip, or fail under ``COORDKIT_REQUIRE_EXTENSION=1``.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 
+from tests.support import extension
 from tests.support.cluster import Cluster, bind_address
-from tests.support.implementations import load
+from tests.support.implementations import load, unavailable
 
 IMPLEMENTATIONS = [
     pytest.param("c", marks=pytest.mark.c_extension, id="c"),
@@ -78,3 +83,14 @@ def cluster(make_cluster) -> Iterator[Cluster]:
     """A running coordinator with one raw engine."""
     with make_cluster(n_engines=1) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def zmqutil(tmp_path_factory) -> ModuleType:
+    try:
+        return extension.build(tmp_path_factory.mktemp("zmqutil"))
+    except extension.BuildError as exc:
+        reason, details = str(exc), exc.output
+    except ImportError as exc:  # built, but it could not bind to pyzmq's libzmq
+        reason, details = f"{extension.NAME} did not import: {exc}", ""
+    unavailable(reason, details)  # outside the except: no "during handling" chain

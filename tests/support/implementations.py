@@ -14,10 +14,14 @@ import coordkit
 REQUIRE_EXTENSION = os.environ.get("COORDKIT_REQUIRE_EXTENSION", "") not in ("", "0")
 
 
-def unavailable(reason: str) -> NoReturn:
-    """Skip a test that needs something compiled; fail it under COORDKIT_REQUIRE_EXTENSION=1."""
+def unavailable(reason: str, details: str = "") -> NoReturn:
+    """Skip a test that needs something compiled; fail it under COORDKIT_REQUIRE_EXTENSION=1.
+
+    ``details`` (a build's output, say) go into the failure only: a skip stays one line.
+    """
     if REQUIRE_EXTENSION:
-        pytest.fail(f"required under COORDKIT_REQUIRE_EXTENSION=1, but {reason}", pytrace=False)
+        message = f"required under COORDKIT_REQUIRE_EXTENSION=1, but {reason}"
+        pytest.fail(f"{message}\n{details}".strip(), pytrace=False)
     pytest.skip(reason)
 
 
@@ -25,4 +29,5 @@ def load(name: str) -> SimpleNamespace:
     try:
         return coordkit.load_implementation(name)
     except ImportError as exc:
-        unavailable(f"the C extension did not import: {exc}")
+        reason = f"the C extension did not import: {exc}"
+    unavailable(reason)
