@@ -332,9 +332,16 @@ def test_shutdown_ends_serve_forever(make_coordinator):
     ctx.term()
 
 
+def loop_threads() -> list[threading.Thread]:
+    """The live threads running a coordinator's loop (start() names them "coordkit")."""
+    return [thread for thread in threading.enumerate() if thread.name == "coordkit"]
+
+
 def test_stop_from_another_thread(make_coordinator):
     coord = make_coordinator()
     coord.start()
+    assert loop_threads()  # else the check below would hold whatever stop() did
     coord.stop()
+    assert not loop_threads()  # stop() returns once the loop has ended, not just been told to
     with pytest.raises(RuntimeError):
         coord.serve_forever()
