@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 
+import hypothesis
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
@@ -483,6 +484,7 @@ class EchoEngines(threading.Thread):
                     sock.send_multipart([m([REPLY, [[meta[1], False]]]), frames[1]])
 
 
+# The seed fixes the examples drawn: a failure replays from its test id.
 @pytest.mark.parametrize("seed", [0])
 def test_fuzz_loop_survives_and_keeps_every_promise(make_cluster, seed):
     with make_cluster(max_clients=64) as c:
@@ -501,6 +503,7 @@ def test_fuzz_loop_survives_and_keeps_every_promise(make_cluster, seed):
                 if rid is not None:
                     terminals[rid] = terminals.get(rid, 0) + 1
 
+        @hypothesis.seed(seed)
         @settings(
             max_examples=int(os.environ.get("COORDKIT_FUZZ_EXAMPLES", "60")),
             deadline=None,
