@@ -484,6 +484,12 @@ class EchoEngines(threading.Thread):
                     sock.send_multipart([m([REPLY, [[meta[1], False]]]), frames[1]])
 
 
+def settled(stats: dict) -> bool:
+    engines = stats["engines"]
+    idle = all(e["pending"] == 0 and e["state"] != "draining" for e in engines)
+    return stats["inflight"] == 0 and idle
+
+
 # The seed fixes the examples drawn: a failure replays from its test id.
 @pytest.mark.parametrize("seed", [0])
 def test_fuzz_loop_survives_and_keeps_every_promise(make_cluster, seed):
@@ -533,9 +539,13 @@ def test_fuzz_loop_survives_and_keeps_every_promise(make_cluster, seed):
             interleave()
             drain_good(0.3)
             assert all(count == 1 for count in terminals.values()), "a request got two replies"
-            wait_for(lambda: c.coord.stats()["inflight"] == 0, timeout=10)
-            stats = c.coord.stats()
-            assert stats["engines"][0]["state"] in ("alive", "draining", "gone")
+            # With nothing in flight, no engine owes work or is left draining. (Waited for:
+            # stats() read from this thread may fall between two steps of the loop's bookkeeping.)
+            wait_for(lambda: settled(c.coord.stats()), timeout=10)
+            # Junk comes from engine 0 alone: a DISCONNECT or a lapsed HEARTBEAT in it may have
+            # ended that engine, but engine 1 is untouched.
+            states = [engine["state"] for engine in c.coord.stats()["engines"]]
+            assert states[0] in ("alive", "gone") and states[1:] == ["alive"], states
             good.send(m([SUBMIT, -1, {}]), m([0]))
             deadline = time.monotonic() + 5
             while -1 not in terminals:
