@@ -123,33 +123,40 @@ def test_megatron_client_gets_no_error_frames(cluster):
 
 
 BAD_FROM_ENGINE = [
-    [b"\xc1"],
-    [m([REPLY, [[0, False], [1, False]]]), b"only one body"],
-    [m([REPLY, [[0, False]]]), b"one", b"two"],
-    [m([REPLY, [[0]]]), b"b"],
-    [m([REPLY, [[0, 1]]]), b"b"],
-    [m([REPLY, [0]]), b"b"],
-    [m([PARTIAL, [[0, False]]]), b"b"],
-    [m([REPLY, "x"]), b"b"],
-    [m([REPLY])],
-    [m([REPLY, [[-1, False]]]), b"b"],
-    [m([REPLY, [[12345, False]]]), b"b"],
-    [m([HEARTBEAT, "x", 0])],
-    [m([DISCONNECT, 1])],
-    [m([SUBMIT, 0, {}]), b"p"],
+    # (frames, the counter that counts them)
+    ([b"\xc1"], "malformed"),
+    ([m([REPLY, [[0, False], [1, False]]]), b"only one body"], "malformed"),
+    ([m([REPLY, [[0, False]]]), b"one", b"two"], "malformed"),
+    ([m([REPLY, [[0]]]), b"b"], "malformed"),
+    ([m([REPLY, [[0, 1]]]), b"b"], "malformed"),
+    ([m([REPLY, [0]]), b"b"], "malformed"),
+    ([m([PARTIAL, [[0, False]]]), b"b"], "malformed"),
+    ([m([REPLY, "x"]), b"b"], "malformed"),
+    ([m([REPLY])], "malformed"),
+    ([m([REPLY, [[-1, False]]]), b"b"], "unknown_request"),
+    ([m([REPLY, [[12345, False]]]), b"b"], "unknown_request"),
+    ([m([HEARTBEAT, "x", 0])], "malformed"),
+    ([m([DISCONNECT, 1])], "malformed"),
+    ([m([SUBMIT, 0, {}]), b"p"], "unknown_header"),
 ]
 
 
-@pytest.mark.parametrize("frames", BAD_FROM_ENGINE)
-def test_malformed_from_engine_counted_and_survived(cluster, frames):
+@pytest.mark.parametrize(("frames", "counter"), BAD_FROM_ENGINE)
+def test_malformed_from_engine_counted_and_survived(cluster, frames, counter):
     client = cluster.client(coordkit=True)
     client.send(m([SUBMIT, 0, {}]), b"p")
     engine = cluster.engines[0]
     engine.recv()
-    before = cluster.coord.stats()["messages"]
+    # The loop counts a SUBMIT after forwarding it: the snapshot waits for that count.
+    wait_for(lambda: cluster.coord.stats()["counters"]["submitted"] == 1)
+    before = cluster.coord.stats()
     engine.send(*frames)
-    wait_for(lambda: cluster.coord.stats()["messages"] > before)
+    wait_for(lambda: cluster.coord.stats()["messages"] > before["messages"])
+    wait_for(lambda: cluster.coord.stats()["counters"] != before["counters"])
     client.assert_silent(0.05)
+    counters = cluster.coord.stats()["counters"]
+    moved = {name: n - before["counters"][name] for name, n in counters.items()}
+    assert {name: n for name, n in moved.items() if n} == {counter: 1}
     engine.send(m([REPLY, [[0, False]]]), b"real")  # the request is still there, untouched
     assert client.recv() == [m([REPLY, 0]), b"real"]
     round_trip(cluster, client, 1)
