@@ -8,11 +8,14 @@ other way round.
 
 from __future__ import annotations
 
+import ctypes
 import os
+from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
+import zmq.backend.cython._zmq as backend
 
 from coordkit._libzmq_path import libzmq_candidates
 from tests.support.peers import REPLY, SUBMIT
@@ -38,10 +41,28 @@ def pair(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
     return bound, connected
 
 
+def loaded_zmq_version(path: str) -> tuple[int, int, int]:
+    """The version of the libzmq that ``path``, already loaded here, resolves symbols to."""
+    # RTLD_NOLOAD, as _libzmq.h binds: a library this process has not loaded raises OSError.
+    library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    version = [ctypes.c_int() for _ in range(3)]
+    library.zmq_version(*map(ctypes.byref, version))
+    return tuple(v.value for v in version)
+
+
 def test_libzmq_candidates():
     candidates = libzmq_candidates()
-    assert candidates
+    # pyzmq's backend module is always the last resort and always exists, so that a candidate
+    # exists proves nothing: each must be loaded here and be (or link) pyzmq's libzmq.
+    assert candidates[-1] == backend.__file__
+    assert len(set(candidates)) == len(candidates)
     assert any(os.path.exists(path) for path in candidates)
+    for path in candidates:
+        assert loaded_zmq_version(path) == zmq.zmq_version_info(), path
+    # A pyzmq wheel bundles its libzmq as a shared object: the scan of the maps finds it first.
+    bundled = Path(zmq.__file__).parent.parent / "pyzmq.libs"
+    if any(bundled.glob("libzmq*.so*")):
+        assert Path(candidates[0]).parent == bundled, candidates
 
 
 def test_forward_inproc(zmqutil, ctx):
