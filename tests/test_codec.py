@@ -14,16 +14,13 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordkit.protocol import ProtocolError
 from tests.support.peers import PARTIAL, REPLY, SUBMIT
 
-# The fixtures are stateless, so reusing one across hypothesis examples is fine.
-SETTINGS = settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+SETTINGS = settings(max_examples=300, deadline=None)
 DIFFERENTIAL = settings(SETTINGS, max_examples=1000)
 
 INT64_MIN, INT64_MAX, UINT64_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
