@@ -14,6 +14,7 @@ import threading
 import time
 
 import hypothesis
+import msgpack
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
@@ -484,11 +485,24 @@ class EchoEngines(threading.Thread):
                 self.engines[0].send(*self.junk.get())
             for sock in dict(poller.poll(5)):
                 frames = sock.recv_multipart()
-                meta = um(frames[0]) if frames[0][:1] in (b"\x93", b"\x94") else None
-                if meta and meta[0] in (SUBMIT, SUBMIT_KV):
-                    if meta[1] % 3 == 0:
-                        sock.send_multipart([m([PARTIAL, [meta[1]]]), b"partial"])
-                    sock.send_multipart([m([REPLY, [[meta[1], False]]]), frames[1]])
+                submitted = submitted_rid(frames[0])
+                if submitted is not None:
+                    if submitted % 3 == 0:
+                        sock.send_multipart([m([PARTIAL, [submitted]]), b"partial"])
+                    sock.send_multipart([m([REPLY, [[submitted, False]]]), frames[1]])
+
+
+def submitted_rid(meta: bytes) -> int | None:
+    """The rid of a SUBMIT (with or without KV) the coordinator forwarded, else None.
+
+    Only the header and the rid, which the coordinator wrote: the sampling params are
+    the client's, forwarded as they came (a hostile one's str need not even be UTF-8).
+    """
+    unpacker = msgpack.Unpacker()
+    unpacker.feed(meta)
+    if unpacker.read_array_header() < 2 or unpacker.unpack() not in (SUBMIT, SUBMIT_KV):
+        return None
+    return unpacker.unpack()
 
 
 def settled(stats: dict) -> bool:
@@ -538,6 +552,7 @@ def test_fuzz_loop_survives_and_keeps_every_promise(make_cluster, seed):
                 sent.append(rid)
             deadline = time.monotonic() + 10
             while any(rid not in terminals for rid in sent):
+                assert echo.is_alive(), "the echo engines' thread died: see its warning"
                 assert time.monotonic() < deadline, "a well-formed request got no reply"
                 drain_good(0.05)
             hostile.recv_all(0)
