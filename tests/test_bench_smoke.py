@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 
-from conftest import REQUIRE_EXTENSION
-
 import coordkit
 from coordkit.tools import bench
+from tests.support.implementations import REQUIRE_EXTENSION
 
 
 def _variants() -> list[str]:

@@ -1,30 +1,29 @@
-"""The raw libzmq binding drives pyzmq's own sockets (coordkit._zmqutil_c).
+"""The raw libzmq binding drives pyzmq's own sockets.
 
-Real sockets, real transports: frames sent with pyzmq, moved by the binding,
-received intact with pyzmq, and the other way round.
+Through ``zmqutil``, a tiny Cython user of the binding that the session
+compiles (tests/support/_zmqutil_c.pyx): real sockets, real transports, frames
+sent with pyzmq, moved by the binding, received intact with pyzmq, and the
+other way round.
 """
 
 from __future__ import annotations
 
-import importlib
+import ctypes
 import os
+from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
+import zmq.backend.cython._zmq as backend
 
 from coordkit._libzmq_path import libzmq_candidates
+from tests.support.peers import REPLY, SUBMIT
 
 pytestmark = pytest.mark.c_extension
 
 # metadata, a large payload, a frame that is not msgpack at all, an empty frame
-FRAMES = [msgpack.packb([20, 5, {"max_tokens": 16}]), os.urandom(1 << 20), b"\xc1\xc1", b""]
-
-
-@pytest.fixture
-def zmqutil(c_impl):
-    # c_impl skips without the extensions, or fails under COORDKIT_REQUIRE_EXTENSION=1
-    return importlib.import_module("coordkit._zmqutil_c")
+FRAMES = [msgpack.packb([SUBMIT, 5, {"max_tokens": 16}]), os.urandom(1 << 20), b"\xc1\xc1", b""]
 
 
 @pytest.fixture
@@ -42,10 +41,28 @@ def pair(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
     return bound, connected
 
 
+def loaded_zmq_version(path: str) -> tuple[int, int, int]:
+    """The version of the libzmq that ``path``, already loaded here, resolves symbols to."""
+    # RTLD_NOLOAD, as _libzmq.h binds: a library this process has not loaded raises OSError.
+    library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    version = [ctypes.c_int() for _ in range(3)]
+    library.zmq_version(*map(ctypes.byref, version))
+    return tuple(v.value for v in version)
+
+
 def test_libzmq_candidates():
     candidates = libzmq_candidates()
-    assert candidates
+    # pyzmq's backend module is always the last resort and always exists, so that a candidate
+    # exists proves nothing: each must be loaded here and be (or link) pyzmq's libzmq.
+    assert candidates[-1] == backend.__file__
+    assert len(set(candidates)) == len(candidates)
     assert any(os.path.exists(path) for path in candidates)
+    for path in candidates:
+        assert loaded_zmq_version(path) == zmq.zmq_version_info(), path
+    # A pyzmq wheel bundles its libzmq as a shared object: the scan of the maps finds it first.
+    bundled = Path(zmq.__file__).parent.parent / "pyzmq.libs"
+    if any(bundled.glob("libzmq*.so*")):
+        assert Path(candidates[0]).parent == bundled, candidates
 
 
 def test_forward_inproc(zmqutil, ctx):
@@ -76,7 +93,7 @@ def test_forward_through_router(zmqutil, ctx, tmp_path, transport):
     assert side_out.recv_multipart() == [b"client-1", *FRAMES]
 
     # out: the identity frame routes the message back to the dealer
-    reply = [msgpack.packb([21, 5]), os.urandom(1 << 20)]
+    reply = [msgpack.packb([REPLY, 5]), os.urandom(1 << 20)]
     side_out.send_multipart([b"client-1", *reply])
     assert zmqutil.forward(side, router) == len(reply) + 1
     assert dealer.poll(5000)

@@ -4,36 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import queue
 import re
 import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import zmq
-from peers import RawClient, RawEngine, m, um, wait_for
 
 import coordkit
 from coordkit import Client, FakeEngine
 from coordkit.tools import cli
+from tests.support.peers import (
+    REPLY,
+    SHUTDOWN,
+    STATS,
+    SUBMIT,
+    RawClient,
+    RawEngine,
+    m,
+    um,
+    wait_for,
+)
+from tests.support.processes import coordkit_command, python_env
 
 TIMEOUT = 20.0
 LISTENING = re.compile(r"coordkit listening on (\S+) \(implementation (\w+), policy (\w+)\)")
-
-
-def coordkit_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "coordkit", *args]
-
-
-def python_env() -> dict[str, str]:
-    """The environment for a child Python that must import this coordkit."""
-    root = str(Path(coordkit.__file__).parent.parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
 
 
 class Serve:
@@ -108,18 +107,18 @@ def test_serve_speaks_megatrons_frames(impl, serve, tmp_path):
         probe = RawClient(ctx, address).connect(coordkit=True)
 
         def registered() -> bool:
-            probe.send(m([92]))
+            probe.send(m([STATS]))
             return len(um(probe.recv(TIMEOUT)[1])["engines"]) == 1
 
         wait_for(registered)
         client = RawClient(ctx, address).connect()
         params = {"temperature": 1.0, "num_tokens_to_generate": 4}
-        client.send(m([20, 0, params]), m([1, 2, 3]))
+        client.send(m([SUBMIT, 0, params]), m([1, 2, 3]))
         meta, prompt = engine.recv(TIMEOUT)
-        assert um(meta)[0::2] == [20, params] and prompt == m([1, 2, 3])
-        engine.send(m([21, [[um(meta)[1], False]]]), m({"generated_tokens": [4]}))
-        assert client.recv(TIMEOUT) == [m([21, 0]), m({"generated_tokens": [4]})]
-        client.send(m([61]))
+        assert um(meta)[0::2] == [SUBMIT, params] and prompt == m([1, 2, 3])
+        engine.send(m([REPLY, [[um(meta)[1], False]]]), m({"generated_tokens": [4]}))
+        assert client.recv(TIMEOUT) == [m([REPLY, 0]), m({"generated_tokens": [4]})]
+        client.send(m([SHUTDOWN]))
         assert server.wait() == 0
     finally:
         ctx.destroy(linger=0)
@@ -212,8 +211,8 @@ async def fetch_stats(address: str) -> dict:
         return await client.stats()
 
 
-def test_stats_command(impl, tmp_path):
-    with impl.Coordinator(f"ipc://{tmp_path}/c.sock") as coord:
+def test_stats_command(impl, make_coordinator):
+    with make_coordinator() as coord:
         result = subprocess.run(
             coordkit_command("stats", "--address", coord.address),
             env=python_env(),

@@ -8,23 +8,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import queue
 import signal
-import subprocess
-import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
 import zmq.asyncio
 
-import coordkit
 from coordkit import Client, CoordinatorError, ErrorCode, FakeEngine, Header
 from coordkit.engine import Control, Engine
 from coordkit.protocol import block_hashes, packb, unpackb
+from tests.support.peers import (
+    ABORT,
+    CONNECT,
+    CONNECT_ACK,
+    ERROR,
+    PARTIAL,
+    PAUSE,
+    REPLY,
+    STATS,
+    STATS_REPLY,
+    SUBMIT,
+)
+from tests.support.processes import engine_processes
 
 TIMEOUT = 5.0
 
@@ -57,8 +65,8 @@ class Script:
 
     async def connect(self, **kwargs) -> Client:
         connecting = asyncio.ensure_future(Client.connect(self.address, timeout=TIMEOUT, **kwargs))
-        assert await self.recv() == [packb([0, {"coordkit": 1}])]
-        await self.send(packb([1]))
+        assert await self.recv() == [packb([CONNECT, {"coordkit": 1}])]
+        await self.send(packb([CONNECT_ACK]))
         return await connecting
 
 
@@ -81,14 +89,14 @@ def test_submit_frames(tmp_path):
             client.submit(memoryview(prompt))  # bytes-like: sent as they are
             tokens = list(range(40))
             client.submit(tokens, block_size=16)
-            assert await script.recv() == [packb([20, 0, {"temperature": 0.5}]), packb("héllo")]
-            assert await script.recv() == [packb([20, 1, {}]), packb([1, 2, 3])]
-            assert await script.recv() == [packb([20, 2, {}]), bytes(prompt)]
+            assert await script.recv() == [packb([SUBMIT, 0, {"temperature": 0.5}]), packb("héllo")]
+            assert await script.recv() == [packb([SUBMIT, 1, {}]), packb([1, 2, 3])]
+            assert await script.recv() == [packb([SUBMIT, 2, {}]), bytes(prompt)]
             hashes = block_hashes(tokens, 16)
             assert len(hashes) == 16  # two full blocks of 16; the last 8 tokens have none
-            assert await script.recv() == [packb([20, 3, {}]), packb(tokens), hashes]
+            assert await script.recv() == [packb([SUBMIT, 3, {}]), packb(tokens), hashes]
             client.stream([7])
-            assert await script.recv() == [packb([20, 4, {"stream": True}]), packb([7])]
+            assert await script.recv() == [packb([SUBMIT, 4, {"stream": True}]), packb([7])]
             for not_tokens in ("text", b"bytes"):
                 with pytest.raises(ValueError, match="token ids"):
                     client.submit(not_tokens, block_size=16)
@@ -107,15 +115,16 @@ def test_replies_and_errors(tmp_path):
             stream = client.stream([4])
             for _ in range(4):
                 await script.recv()
-            await script.send(packb([22, 0]), packb({"part": 1}))  # partials of a submit: dropped
-            await script.send(packb([21, 0]), packb({"status": "finished"}))
-            await script.send(packb([21, 1]), b"\x01raw")
-            await script.send(packb([90, 2, int(ErrorCode.BUSY), "SUBMIT_REQUEST: busy"]))
-            await script.send(packb([22, 3]), packb([1]))
-            await script.send(packb([22, 3]), packb([1, 2]))
-            await script.send(packb([21, 3]), packb([1, 2, 3]))
-            await script.send(packb([90, None, int(ErrorCode.INVALID_STATE), "UNPAUSE: no"]))
-            await script.send(packb([21, 77]), packb({}))  # not pending: dropped
+            # partials of a submit: dropped
+            await script.send(packb([PARTIAL, 0]), packb({"part": 1}))
+            await script.send(packb([REPLY, 0]), packb({"status": "finished"}))
+            await script.send(packb([REPLY, 1]), b"\x01raw")
+            await script.send(packb([ERROR, 2, int(ErrorCode.BUSY), "SUBMIT_REQUEST: busy"]))
+            await script.send(packb([PARTIAL, 3]), packb([1]))
+            await script.send(packb([PARTIAL, 3]), packb([1, 2]))
+            await script.send(packb([REPLY, 3]), packb([1, 2, 3]))
+            await script.send(packb([ERROR, None, int(ErrorCode.INVALID_STATE), "UNPAUSE: no"]))
+            await script.send(packb([REPLY, 77]), packb({}))  # not pending: dropped
             assert await plain == {"status": "finished"}
             assert await raw == b"\x01raw"
             with pytest.raises(CoordinatorError) as caught:
@@ -125,8 +134,8 @@ def test_replies_and_errors(tmp_path):
             assert caught.value.message == "SUBMIT_REQUEST: busy"
             assert [part async for part in stream] == [[1], [1, 2], [1, 2, 3]]
             stats = asyncio.ensure_future(client.stats())
-            assert await script.recv() == [packb([92])]
-            await script.send(packb([93]), packb({"inflight": 0}))
+            assert await script.recv() == [packb([STATS])]
+            await script.send(packb([STATS_REPLY]), packb({"inflight": 0}))
             assert await stats == {"inflight": 0}
             assert client.pending == 0
             assert [e.code for e in client.errors] == [ErrorCode.INVALID_STATE]
@@ -145,17 +154,17 @@ def test_abort_cancel_and_close(tmp_path):
             for _ in range(4):
                 await script.recv()
             await client.abort(aborted)
-            assert await script.recv() == [packb([23, 0])]
+            assert await script.recv() == [packb([ABORT, 0])]
             await client.abort(stream)
-            assert await script.recv() == [packb([23, 2])]
+            assert await script.recv() == [packb([ABORT, 2])]
             cancelled.cancel()  # cancelling aborts the request at its engine
-            assert await script.recv() == [packb([23, 1])]
+            assert await script.recv() == [packb([ABORT, 1])]
             # After an abort the engine's final still resolves the request.
-            await script.send(packb([21, 0]), packb({"status": "aborted"}))
+            await script.send(packb([REPLY, 0]), packb({"status": "aborted"}))
             assert await aborted == {"status": "aborted"}
             await client.abort(0)  # already ended: nothing is sent
             await client.pause()
-            assert await script.recv() == [packb([40])]
+            assert await script.recv() == [packb([PAUSE])]
         # Closing failed what was still pending.
         with pytest.raises(ConnectionError, match="closed"):
             await left
@@ -181,17 +190,6 @@ def test_connect_timeout(tmp_path):
 
 
 @contextlib.contextmanager
-def coordinator(impl, tmp_path, transport: str = "ipc", **options):
-    bind = f"ipc://{tmp_path}/coord.sock" if transport == "ipc" else "tcp://127.0.0.1:0"
-    coord = impl.Coordinator(bind, **options)
-    coord.start()
-    try:
-        yield coord
-    finally:
-        coord.stop()
-
-
-@contextlib.contextmanager
 def fake_engines(address: str, count: int, **options):
     """``count`` FakeEngines running on threads."""
     stop = threading.Event()
@@ -211,7 +209,7 @@ def fake_engines(address: str, count: int, **options):
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
-def test_round_trip(impl, tmp_path, transport):
+def test_round_trip(make_coordinator, transport):
     async def body(address):
         async with await Client.connect(address, timeout=TIMEOUT) as client:
             await client.wait_for_engines(2, timeout=TIMEOUT)
@@ -230,13 +228,13 @@ def test_round_trip(impl, tmp_path, transport):
             assert len(stats["engines"]) == 2
 
     with (
-        coordinator(impl, tmp_path, transport) as coord,
+        make_coordinator(transport) as coord,
         fake_engines(coord.address, 2, output_tokens=4),
     ):
         run(body(coord.address))
 
 
-def test_prefix_routing_round_trip(impl, tmp_path):
+def test_prefix_routing_round_trip(make_coordinator):
     async def body(address):
         async with await Client.connect(address, timeout=TIMEOUT) as client:
             await client.wait_for_engines(2, timeout=TIMEOUT)
@@ -245,11 +243,11 @@ def test_prefix_routing_round_trip(impl, tmp_path):
             # Sequential and idle, the same prefix stays with the rank that has it cached.
             assert len({reply["rank"] for reply in replies}) == 1
 
-    with coordinator(impl, tmp_path, policy="prefix") as coord, fake_engines(coord.address, 2):
+    with make_coordinator(policy="prefix") as coord, fake_engines(coord.address, 2):
         run(body(coord.address))
 
 
-def test_stream(impl, tmp_path):
+def test_stream(make_coordinator):
     async def body(address):
         async with await Client.connect(address, timeout=TIMEOUT) as client:
             await client.wait_for_engines(1, timeout=TIMEOUT)
@@ -258,11 +256,11 @@ def test_stream(impl, tmp_path):
             assert [p["generated_tokens"] for p in parts] == [tokens[:n] for n in range(1, 5)]
             assert [p["status"] for p in parts] == ["generating"] * 3 + ["finished"]
 
-    with coordinator(impl, tmp_path) as coord, fake_engines(coord.address, 1, output_tokens=4):
+    with make_coordinator() as coord, fake_engines(coord.address, 1, output_tokens=4):
         run(body(coord.address))
 
 
-def test_abort(impl, tmp_path):
+def test_abort(make_coordinator):
     async def body(address):
         async with await Client.connect(address, timeout=TIMEOUT) as client:
             await client.wait_for_engines(1, timeout=TIMEOUT)
@@ -279,11 +277,11 @@ def test_abort(impl, tmp_path):
             assert len(reply["generated_tokens"]) < 1000
 
     options = {"output_tokens": 1000, "latency": 0.01}
-    with coordinator(impl, tmp_path) as coord, fake_engines(coord.address, 1, **options):
+    with make_coordinator() as coord, fake_engines(coord.address, 1, **options):
         run(body(coord.address))
 
 
-def test_error_reply_fails_the_future(impl, tmp_path):
+def test_error_reply_fails_the_future(make_coordinator):
     async def body(address):
         async with await Client.connect(address, timeout=TIMEOUT) as client:
             with pytest.raises(CoordinatorError) as caught:
@@ -292,11 +290,11 @@ def test_error_reply_fails_the_future(impl, tmp_path):
             assert caught.value.request_id == 0
             assert client.pending == 0
 
-    with coordinator(impl, tmp_path) as coord:
+    with make_coordinator() as coord:
         run(body(coord.address))
 
 
-def test_control_signals_reach_engines(impl, tmp_path):
+def test_control_signals_reach_engines(make_coordinator):
     received: queue.Queue[Control] = queue.Queue()
 
     def engine_loop(engine: Engine, stop: threading.Event) -> None:
@@ -335,7 +333,7 @@ def test_control_signals_reach_engines(impl, tmp_path):
             assert error.request_id is None
 
     stop = threading.Event()
-    with coordinator(impl, tmp_path) as coord, Engine(coord.address) as engine:
+    with make_coordinator() as coord, Engine(coord.address) as engine:
         thread = threading.Thread(target=engine_loop, args=(engine, stop))
         thread.start()
         try:
@@ -345,7 +343,7 @@ def test_control_signals_reach_engines(impl, tmp_path):
             thread.join(TIMEOUT)
 
 
-def test_stop_ends_engine_processes(impl, tmp_path):
+def test_stop_ends_engine_processes(make_coordinator):
     async def body(address, processes):
         async with await Client.connect(address, timeout=TIMEOUT) as client:
             await client.wait_for_engines(len(processes), timeout=TIMEOUT)
@@ -354,28 +352,11 @@ def test_stop_ends_engine_processes(impl, tmp_path):
         for process in processes:
             assert await asyncio.to_thread(process.wait, TIMEOUT) == 0
 
-    with coordinator(impl, tmp_path) as coord, engine_processes(coord.address, 2) as processes:
+    with make_coordinator() as coord, engine_processes(coord.address, 2) as processes:
         run(body(coord.address, processes))
 
 
-@contextlib.contextmanager
-def engine_processes(address: str, n: int, *options: str) -> Iterator[list[subprocess.Popen]]:
-    """``n`` ``coordkit fake-engine`` ranks importing this very coordkit, killed at exit."""
-    root = str(Path(coordkit.__file__).parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "coordkit", "fake-engine", "--address", address]
-    processes = [
-        subprocess.Popen([*command, "--rank", str(rank), *options], env=env) for rank in range(n)
-    ]
-    try:
-        yield processes
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
-
-
-def test_killed_engine(impl, tmp_path):
+def test_killed_engine(make_coordinator):
     """SIGKILL one of two engine processes mid-flight: every request still ends."""
 
     async def body(address, processes):
@@ -392,7 +373,7 @@ def test_killed_engine(impl, tmp_path):
     # 40 steps of 20 ms: the requests are still running when the engine dies.
     options = ("--latency", "0.02", "--output-tokens", "40", "--heartbeat", "0.1")
     with (
-        coordinator(impl, tmp_path, heartbeat_timeout=1.0) as coord,
+        make_coordinator(heartbeat_timeout=1.0) as coord,
         engine_processes(coord.address, 2, *options) as processes,
     ):
         run(body(coord.address, processes))

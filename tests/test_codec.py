@@ -14,15 +14,13 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordkit.protocol import ProtocolError
+from tests.support.peers import PARTIAL, REPLY, SUBMIT
 
-# The fixtures are stateless, so reusing one across hypothesis examples is fine.
-SETTINGS = settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+SETTINGS = settings(max_examples=300, deadline=None)
 DIFFERENTIAL = settings(SETTINGS, max_examples=1000)
 
 INT64_MIN, INT64_MAX, UINT64_MAX = -(1 << 63), (1 << 63) - 1, (1 << 64) - 1
@@ -76,9 +74,9 @@ submits = st.builds(
     submit_frame, int64s, int64s, st.lists(anything, max_size=4) | st.lists(st.none(), max_size=20)
 )
 replies = st.builds(
-    lambda entries: packb([21, [[rid, flag] for rid, flag in entries]]),
+    lambda entries: packb([REPLY, [[rid, flag] for rid, flag in entries]]),
     st.lists(st.tuples(int64s, st.booleans()), max_size=20),
-) | st.builds(lambda rids: packb([22, rids]), st.lists(int64s, max_size=20))
+) | st.builds(lambda rids: packb([PARTIAL, rids]), st.lists(int64s, max_size=20))
 valid_frames = submits | replies | supported.map(packb)
 
 
@@ -234,9 +232,9 @@ def test_submit(impl, header, rid, rest, new_rid):
 
 def test_submit_array16_and_large_remainder(impl):
     rest = [None] * 20 + [b"\0" * (1 << 20)]
-    frame = submit_frame(20, 5, rest)
-    assert impl.codec.read_submit(frame) == (20, 23, 5, 5)
-    assert impl.codec.rewrite_submit(frame, 1 << 40) == submit_frame(20, 1 << 40, rest)
+    frame = submit_frame(SUBMIT, 5, rest)
+    assert impl.codec.read_submit(frame) == (SUBMIT, 23, 5, 5)
+    assert impl.codec.rewrite_submit(frame, 1 << 40) == submit_frame(SUBMIT, 1 << 40, rest)
 
 
 def test_header_ignores_what_follows(impl):
@@ -312,36 +310,36 @@ def test_submit_remainder_depth_is_msgpacks(impl, depth, last, ok):
 @SETTINGS
 @given(entries=st.lists(st.tuples(int64s, st.booleans()), max_size=100))
 def test_reply(impl, entries):
-    frame = packb([21, [list(e) for e in entries]])
-    assert impl.codec.read_reply(frame) == (21, entries)
-    partial = packb([22, [rid for rid, _ in entries]])
-    assert impl.codec.read_reply(partial) == (22, [(rid, False) for rid, _ in entries])
+    frame = packb([REPLY, [list(e) for e in entries]])
+    assert impl.codec.read_reply(frame) == (REPLY, entries)
+    partial = packb([PARTIAL, [rid for rid, _ in entries]])
+    assert impl.codec.read_reply(partial) == (PARTIAL, [(rid, False) for rid, _ in entries])
 
 
 def test_reply_larger_than_the_local_buffer(impl):
     entries = [(i, i % 3 == 0) for i in range(5000)]
-    assert impl.codec.read_reply(packb([21, [list(e) for e in entries]])) == (21, entries)
+    assert impl.codec.read_reply(packb([REPLY, [list(e) for e in entries]])) == (REPLY, entries)
 
 
 @pytest.mark.parametrize(
     "frame",
     [
         b"",
-        packb([21]),
-        packb([21, [], 1]),
-        packb([20, []]),  # not a reply header
+        packb([REPLY]),
+        packb([REPLY, [], 1]),
+        packb([SUBMIT, []]),  # not a reply header
         packb([True, []]),
-        packb([21, {}]),
-        packb([21, [[1]]]),
-        packb([21, [[1, True, 2]]]),
-        packb([21, [[1, 1]]]),  # flag is an int
-        packb([21, [[True, True]]]),
-        packb([21, [[INT64_MAX + 1, True]]]),
-        packb([21, [1]]),  # a PARTIAL entry under ENGINE_REPLY
-        packb([22, [[1, True]]]),  # and the other way round
-        packb([22, [None]]),
-        packb([21, [[1, True]]]) + b"\x00",  # trailing
-        packb([21, [[1, True]]])[:-1],  # truncated
+        packb([REPLY, {}]),
+        packb([REPLY, [[1]]]),
+        packb([REPLY, [[1, True, 2]]]),
+        packb([REPLY, [[1, 1]]]),  # flag is an int
+        packb([REPLY, [[True, True]]]),
+        packb([REPLY, [[INT64_MAX + 1, True]]]),
+        packb([REPLY, [1]]),  # a PARTIAL entry under ENGINE_REPLY
+        packb([PARTIAL, [[1, True]]]),  # and the other way round
+        packb([PARTIAL, [None]]),
+        packb([REPLY, [[1, True]]]) + b"\x00",  # trailing
+        packb([REPLY, [[1, True]]])[:-1],  # truncated
         b"\x92\x15\xdd\xff\xff\xff\xff",  # claims 2**32-1 entries
     ],
 )
@@ -376,9 +374,9 @@ def test_int_arguments(impl, value, error):
     with pytest.raises(error):
         impl.codec.write_header(value)
     with pytest.raises(error):
-        impl.codec.write_header_int(21, value)
+        impl.codec.write_header_int(REPLY, value)
     with pytest.raises(error):
-        impl.codec.rewrite_submit(packb([20, 1]), value)
+        impl.codec.rewrite_submit(packb([SUBMIT, 1]), value)
 
 
 def test_int_enum_arguments(impl):
@@ -389,7 +387,7 @@ def test_int_enum_arguments(impl):
 
 
 def test_buffers(impl):
-    frame = submit_frame(20, 5, [{"n": 1}])
+    frame = submit_frame(SUBMIT, 5, [{"n": 1}])
     padded = b"xx" + frame
     views = [
         frame,
@@ -399,11 +397,11 @@ def test_buffers(impl):
         zmq.Frame(frame).buffer,
     ]
     for view in views:
-        assert impl.codec.read_header(view) == (20, 3, 2)
-        assert impl.codec.read_submit(view) == (20, 3, 5, 3)
-        assert impl.codec.rewrite_submit(view, 6) == submit_frame(20, 6, [{"n": 1}])
-    reply = packb([21, [[1, True]]])
-    assert impl.codec.read_reply(memoryview(b"x" + reply)[1:]) == (21, [(1, True)])
+        assert impl.codec.read_header(view) == (SUBMIT, 3, 2)
+        assert impl.codec.read_submit(view) == (SUBMIT, 3, 5, 3)
+        assert impl.codec.rewrite_submit(view, 6) == submit_frame(SUBMIT, 6, [{"n": 1}])
+    reply = packb([REPLY, [[1, True]]])
+    assert impl.codec.read_reply(memoryview(b"x" + reply)[1:]) == (REPLY, [(1, True)])
     assert impl.codec.decode(bytearray(packb([1, None]))) == [1, None]
 
 

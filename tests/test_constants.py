@@ -40,4 +40,3 @@ def test_a_module_compiled_from_stale_constants_refuses_to_import():
     with pytest.raises(ImportError, match=r"Counter\.SUBMITTED, Header\.CONNECT"):
         check_constants(compiled)
     check_constants(cython_constants())  # today's values pass
-

@@ -11,37 +11,53 @@ import threading
 
 import pytest
 import zmq
-from peers import Cluster, RawClient, m, um, wait_for
 
 from coordkit.protocol import ErrorCode
+from tests.support.peers import (
+    ABORT,
+    CONNECT,
+    CONNECT_ACK,
+    DISCONNECT,
+    ERROR,
+    PARTIAL,
+    PAUSE,
+    RELEASE_KV,
+    REPLY,
+    RESUME,
+    SET_GENERATION_EPOCH,
+    SHUTDOWN,
+    START_CUDA_PROFILER,
+    STATS,
+    STATS_REPLY,
+    STOP,
+    STOP_CUDA_PROFILER,
+    SUBMIT,
+    SUBMIT_KV,
+    SUSPEND,
+    UNPAUSE,
+    RawClient,
+    m,
+    um,
+    wait_for,
+)
 
 SP = {"temperature": 0.7, "num_tokens_to_generate": 8}
 
 
-@pytest.fixture(params=["ipc", "tcp"])
-def address(request, tmp_path):
-    return f"ipc://{tmp_path}/coord.sock" if request.param == "ipc" else "tcp://127.0.0.1:0"
-
-
-@pytest.fixture
-def cluster(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/coord.sock", n_engines=1) as c:
-        yield c
-
-
-def test_megatron_client_round_trip(impl, address):
-    with Cluster(impl, address, n_engines=1) as c:
-        if address.startswith("tcp"):
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_megatron_client_round_trip(make_cluster, transport):
+    with make_cluster(n_engines=1, transport=transport) as c:
+        if transport == "tcp":
             assert c.coord.address.startswith("tcp://127.0.0.1:")
             assert not c.coord.address.endswith(":0")
         client = c.client()
-        client.send(m([20, 7, SP]), m([1, 2, 3]))
+        client.send(m([SUBMIT, 7, SP]), m([1, 2, 3]))
         meta, prompt = c.engines[0].recv()
-        assert meta == m([20, 0, SP])  # only the id is rewritten
+        assert meta == m([SUBMIT, 0, SP])  # only the id is rewritten
         assert prompt == m([1, 2, 3])
         body = m({"request_id": 0, "generated_tokens": [4, 5]})
-        c.engines[0].send(m([21, [[0, False]]]), body)
-        assert client.recv() == [m([21, 7]), body]
+        c.engines[0].send(m([REPLY, [[0, False]]]), body)
+        assert client.recv() == [m([REPLY, 7]), body]
 
 
 def test_sampling_params_bytes_forwarded_verbatim(cluster):
@@ -56,37 +72,39 @@ def test_sampling_params_bytes_forwarded_verbatim(cluster):
 def test_payload_forwarded_byte_identical_even_if_not_msgpack(cluster):
     client = cluster.client()
     prompt = b"\xc1\xc1\xff" + bytes(range(256)) * 64
-    client.send(m([20, 1, {}]), prompt)
+    client.send(m([SUBMIT, 1, {}]), prompt)
     assert cluster.engines[0].recv()[1] == prompt
     body = b"\xc1not msgpack either"
-    cluster.engines[0].send(m([21, [[0, False]]]), body)
-    assert client.recv() == [m([21, 1]), body]
+    cluster.engines[0].send(m([REPLY, [[0, False]]]), body)
+    assert client.recv() == [m([REPLY, 1]), body]
 
 
 def test_submit_with_kv(cluster):
     client = cluster.client()
     kv_meta = {"src_rank": 3, "blocks": 4}
-    client.send(m([24, 11, SP, kv_meta]), m([9, 9]), b"\x01\x02\x03\x04")
-    assert cluster.engines[0].recv() == [m([24, 0, SP, kv_meta]), m([9, 9]), b"\x01\x02\x03\x04"]
-    cluster.engines[0].send(m([21, [[0, False]]]), b"done")
-    assert client.recv() == [m([21, 11]), b"done"]
+    blocks = b"\x01\x02\x03\x04"
+    client.send(m([SUBMIT_KV, 11, SP, kv_meta]), m([9, 9]), blocks)
+    assert cluster.engines[0].recv() == [m([SUBMIT_KV, 0, SP, kv_meta]), m([9, 9]), blocks]
+    cluster.engines[0].send(m([REPLY, [[0, False]]]), b"done")
+    assert client.recv() == [m([REPLY, 11]), b"done"]
 
 
 def test_block_hash_frame_is_consumed(cluster):
     client = cluster.client()
-    client.send(m([20, 1, {}]), m([1] * 64), (12345).to_bytes(8, "little") * 2)
-    assert cluster.engines[0].recv() == [m([20, 0, {}]), m([1] * 64)]
+    client.send(m([SUBMIT, 1, {}]), m([1] * 64), (12345).to_bytes(8, "little") * 2)
+    assert cluster.engines[0].recv() == [m([SUBMIT, 0, {}]), m([1] * 64)]
 
 
-def test_two_clients_three_engines_thousands_of_requests(impl, address):
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_two_clients_three_engines_thousands_of_requests(make_cluster, transport):
     n_per_client = 1500
-    with Cluster(impl, address, n_engines=3, policy="round_robin") as c:
+    with make_cluster(n_engines=3, transport=transport, policy="round_robin") as c:
         clients = [c.client(), c.client(coordkit=True)]
         rng = random.Random(7)
         for i in range(n_per_client):
             for k, client in enumerate(clients):
                 # Overlapping request ids; the prompt says who sent it.
-                client.send(m([20, i, SP]), m([k, i]))
+                client.send(m([SUBMIT, i, SP]), m([k, i]))
         by_owner: list[list[tuple[int, bytes]]] = [[], [], []]
         received = 0
         poller = zmq.Poller()
@@ -99,7 +117,7 @@ def test_two_clients_three_engines_thousands_of_requests(impl, address):
                 while engine.sock in ready and engine.sock.poll(0):
                     meta, prompt = engine.sock.recv_multipart()
                     header, server_rid, params = um(meta)
-                    assert (header, params) == (20, SP)
+                    assert (header, params) == (SUBMIT, SP)
                     by_owner[rank].append((server_rid, prompt))
                     received += 1
         assert [len(items) for items in by_owner] == [1000, 1000, 1000]
@@ -109,13 +127,13 @@ def test_two_clients_three_engines_thousands_of_requests(impl, address):
             for start in range(0, len(items), 7):
                 batch = items[start : start + 7]
                 entries = [[rid, False] for rid, _ in batch]
-                c.engines[rank].send(m([21, entries]), *[p for _, p in batch])
+                c.engines[rank].send(m([REPLY, entries]), *[p for _, p in batch])
         for k, client in enumerate(clients):
             got = {}
             for _ in range(n_per_client):
                 meta, body = client.recv()
                 header, rid = um(meta)
-                assert header == 21
+                assert header == REPLY
                 assert rid not in got
                 got[rid] = um(body)
             assert got == {i: [k, i] for i in range(n_per_client)}
@@ -124,74 +142,74 @@ def test_two_clients_three_engines_thousands_of_requests(impl, address):
 
 def test_batch_split_across_clients(cluster):
     a, b = cluster.client(), cluster.client()
-    a.send(m([20, 5, {}]), b"pa")
-    b.send(m([20, 5, {}]), b"pb")
+    a.send(m([SUBMIT, 5, {}]), b"pa")
+    b.send(m([SUBMIT, 5, {}]), b"pb")
     engine = cluster.engines[0]
     got = [um(engine.recv()[0])[1] for _ in range(2)]
-    engine.send(m([21, [[got[1], False], [got[0], False]]]), b"second", b"first")
-    assert a.recv() == [m([21, 5]), b"first"]
-    assert b.recv() == [m([21, 5]), b"second"]
+    engine.send(m([REPLY, [[got[1], False], [got[0], False]]]), b"second", b"first")
+    assert a.recv() == [m([REPLY, 5]), b"first"]
+    assert b.recv() == [m([REPLY, 5]), b"second"]
 
 
 def test_partials_then_final(cluster):
     client = cluster.client()
-    client.send(m([20, 3, {}]), b"p")
+    client.send(m([SUBMIT, 3, {}]), b"p")
     engine = cluster.engines[0]
     engine.recv()
-    engine.send(m([22, [0]]), b"part1")
-    engine.send(m([22, [0]]), b"part2")
-    engine.send(m([21, [[0, False]]]), b"final")
-    assert client.recv() == [m([22, 3]), b"part1"]
-    assert client.recv() == [m([22, 3]), b"part2"]
-    assert client.recv() == [m([21, 3]), b"final"]
+    engine.send(m([PARTIAL, [0]]), b"part1")
+    engine.send(m([PARTIAL, [0]]), b"part2")
+    engine.send(m([REPLY, [[0, False]]]), b"final")
+    assert client.recv() == [m([PARTIAL, 3]), b"part1"]
+    assert client.recv() == [m([PARTIAL, 3]), b"part2"]
+    assert client.recv() == [m([REPLY, 3]), b"final"]
     # A second final for the same id is dropped: a request never gets two.
-    engine.send(m([21, [[0, False]]]), b"again")
+    engine.send(m([REPLY, [[0, False]]]), b"again")
     client.assert_silent()
     wait_for(lambda: cluster.coord.stats()["counters"]["unknown_request"] == 1)
 
 
 def test_late_joining_engine_gets_traffic(cluster):
     client = cluster.client()
-    client.send(m([20, 0, {}]), b"x")
+    client.send(m([SUBMIT, 0, {}]), b"x")
     cluster.engines[0].recv()
     late = cluster.add_engine()
-    client.send(m([20, 1, {}]), b"y")  # least_loaded: rank 0 holds one, rank 1 none
-    assert late.recv() == [m([20, 1, {}]), b"y"]
+    client.send(m([SUBMIT, 1, {}]), b"y")  # least_loaded: rank 0 holds one, rank 1 none
+    assert late.recv() == [m([SUBMIT, 1, {}]), b"y"]
 
 
-def test_abort_reaches_only_the_owner(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=2, policy="round_robin") as c:
+def test_abort_reaches_only_the_owner(make_cluster):
+    with make_cluster(n_engines=2, policy="round_robin") as c:
         client = c.client()
-        client.send(m([20, 10, {}]), b"a")
-        client.send(m([20, 11, {}]), b"b")
+        client.send(m([SUBMIT, 10, {}]), b"a")
+        client.send(m([SUBMIT, 11, {}]), b"b")
         assert um(c.engines[0].recv()[0])[1] == 0
         assert um(c.engines[1].recv()[0])[1] == 1
-        client.send(m([23, 11]))
-        assert c.engines[1].recv() == [m([23, 1])]
+        client.send(m([ABORT, 11]))
+        assert c.engines[1].recv() == [m([ABORT, 1])]
         c.engines[0].assert_silent()
         # After an abort the engine still sends a final, which is forwarded.
-        c.engines[1].send(m([21, [[1, False]]]), b"aborted")
-        assert client.recv() == [m([21, 11]), b"aborted"]
+        c.engines[1].send(m([REPLY, [[1, False]]]), b"aborted")
+        assert client.recv() == [m([REPLY, 11]), b"aborted"]
 
 
 def test_abort_unknown_request_answers_coordkit_client(cluster):
     client = cluster.client(coordkit=True)
-    client.send(m([23, 99]))
+    client.send(m([ABORT, 99]))
     header, rid, code, message = um(client.recv()[0])
-    assert (header, rid, code) == (90, 99, ErrorCode.UNKNOWN_REQUEST)
+    assert (header, rid, code) == (ERROR, 99, ErrorCode.UNKNOWN_REQUEST)
     assert "ABORT_REQUEST" in message
 
 
-def test_release_kv_goes_to_all_engines_untranslated(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=3) as c:
+def test_release_kv_goes_to_all_engines_untranslated(make_cluster):
+    with make_cluster(n_engines=3) as c:
         client = c.client()
-        client.send(m([25, 42]))
+        client.send(m([RELEASE_KV, 42]))
         for engine in c.engines:
-            assert engine.recv() == [m([25, 42])]
+            assert engine.recv() == [m([RELEASE_KV, 42])]
 
 
-def test_control_signals_follow_the_state_machine(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=2) as c:
+def test_control_signals_follow_the_state_machine(make_cluster):
+    with make_cluster(n_engines=2) as c:
         client = c.client(coordkit=True)
 
         def signal(*meta, allowed: bool):
@@ -204,21 +222,21 @@ def test_control_signals_follow_the_state_machine(impl, tmp_path):
             if not allowed:
                 assert um(client.recv()[0])[2] == ErrorCode.INVALID_STATE
 
-        signal(41, allowed=False)  # UNPAUSE while running
-        signal(42, allowed=False)  # SUSPEND while running
-        signal(45, allowed=False)  # STOP while running
-        signal(40, allowed=True)  # PAUSE
-        signal(40, allowed=False)  # PAUSE again
-        signal(44, 3, allowed=True)  # SET_GENERATION_EPOCH in any state
-        signal(42, allowed=True)  # SUSPEND
-        signal(41, allowed=False)  # UNPAUSE while suspended
-        signal(43, allowed=True)  # RESUME -> paused
-        signal(42, allowed=True)  # SUSPEND
-        signal(45, allowed=True)  # STOP from suspended -> running
-        signal(46, allowed=True)  # profiler signals in any state
-        signal(47, allowed=True)
-        signal(40, allowed=True)
-        signal(41, allowed=True)  # UNPAUSE -> running
+        signal(UNPAUSE, allowed=False)  # while running
+        signal(SUSPEND, allowed=False)  # while running
+        signal(STOP, allowed=False)  # while running
+        signal(PAUSE, allowed=True)
+        signal(PAUSE, allowed=False)  # again
+        signal(SET_GENERATION_EPOCH, 3, allowed=True)  # in any state
+        signal(SUSPEND, allowed=True)
+        signal(UNPAUSE, allowed=False)  # while suspended
+        signal(RESUME, allowed=True)  # -> paused
+        signal(SUSPEND, allowed=True)
+        signal(STOP, allowed=True)  # from suspended -> running
+        signal(START_CUDA_PROFILER, allowed=True)  # profiler signals in any state
+        signal(STOP_CUDA_PROFILER, allowed=True)
+        signal(PAUSE, allowed=True)
+        signal(UNPAUSE, allowed=True)  # -> running
         stats = c.coord.stats()
         assert stats["control_state"] == "running"
         assert stats["counters"]["invalid_control"] == 5
@@ -227,7 +245,7 @@ def test_control_signals_follow_the_state_machine(impl, tmp_path):
 def test_unconnected_client_is_dropped_and_counted(cluster):
     stranger = RawClient(cluster.ctx, cluster.coord.address)
     cluster.peers.append(stranger)
-    stranger.send(m([20, 1, {}]), b"p")
+    stranger.send(m([SUBMIT, 1, {}]), b"p")
     wait_for(lambda: cluster.coord.stats()["counters"]["not_connected"] == 1)
     cluster.engines[0].assert_silent()
     stranger.assert_silent()
@@ -235,54 +253,54 @@ def test_unconnected_client_is_dropped_and_counted(cluster):
 
 def test_each_connect_gets_one_ack(cluster):
     client = cluster.client()
-    client.send(m([0]))
-    assert client.recv() == [m([1])]
+    client.send(m([CONNECT]))
+    assert client.recv() == [m([CONNECT_ACK])]
     client.assert_silent()
     assert cluster.coord.stats()["counters"]["duplicate_connect"] == 1
 
 
-def test_disconnect_removes_engine_after_its_finals(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=2, policy="round_robin") as c:
+def test_disconnect_removes_engine_after_its_finals(make_cluster):
+    with make_cluster(n_engines=2, policy="round_robin") as c:
         client = c.client()
-        client.send(m([20, 0, {}]), b"a")
+        client.send(m([SUBMIT, 0, {}]), b"a")
         c.engines[0].recv()
-        c.engines[0].send(m([60]))
+        c.engines[0].send(m([DISCONNECT]))
         wait_for(lambda: c.coord.stats()["engines"][0]["state"] == "draining")
         for rid in range(1, 4):  # no new work for the leaving engine
-            client.send(m([20, rid, {}]), b"b")
+            client.send(m([SUBMIT, rid, {}]), b"b")
             c.engines[1].recv()
         c.engines[0].assert_silent()
-        c.engines[0].send(m([21, [[0, False]]]), b"last")  # flushed after DISCONNECT
-        assert client.recv() == [m([21, 0]), b"last"]
+        c.engines[0].send(m([REPLY, [[0, False]]]), b"last")  # flushed after DISCONNECT
+        assert client.recv() == [m([REPLY, 0]), b"last"]
         wait_for(lambda: c.coord.stats()["engines"][0]["state"] == "gone")
 
 
-def test_least_loaded_spreads_and_follows_load(impl, tmp_path):
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=3, policy="least_loaded") as c:
+def test_least_loaded_spreads_and_follows_load(make_cluster):
+    with make_cluster(n_engines=3, policy="least_loaded") as c:
         client = c.client()
         for rid in range(3):
-            client.send(m([20, rid, {}]), b"p")
+            client.send(m([SUBMIT, rid, {}]), b"p")
         firsts = [um(e.recv()[0])[1] for e in c.engines]
         assert sorted(firsts) == [0, 1, 2]
-        c.engines[1].send(m([21, [[firsts[1], False]]]), b"done")
+        c.engines[1].send(m([REPLY, [[firsts[1], False]]]), b"done")
         client.recv()
-        client.send(m([20, 3, {}]), b"p")  # rank 1 is now the least loaded
+        client.send(m([SUBMIT, 3, {}]), b"p")  # rank 1 is now the least loaded
         assert um(c.engines[1].recv()[0])[1] == 3
 
 
-def test_detokenizer_only_for_flagged_entries(impl, tmp_path):
+def test_detokenizer_only_for_flagged_entries(make_cluster):
     def detok(tokens):
         return " ".join(f"t{t}" for t in tokens)
 
-    with Cluster(impl, f"ipc://{tmp_path}/c.sock", n_engines=1, detokenizer=detok) as c:
+    with make_cluster(n_engines=1, detokenizer=detok) as c:
         client = c.client()
-        client.send(m([20, 0, {}]), b"a")
-        client.send(m([20, 1, {}]), b"b")
+        client.send(m([SUBMIT, 0, {}]), b"a")
+        client.send(m([SUBMIT, 1, {}]), b"b")
         engine = c.engines[0]
         engine.recv(), engine.recv()
         flagged = m({"generated_tokens": [1, 2], "generated_text": None, "x": 1})
         plain = m({"generated_tokens": [3], "generated_text": None})
-        engine.send(m([21, [[0, True], [1, False]]]), flagged, plain)
+        engine.send(m([REPLY, [[0, True], [1, False]]]), flagged, plain)
         assert um(client.recv()[1]) == {
             "generated_tokens": [1, 2],
             "generated_text": "t1 t2",
@@ -293,30 +311,37 @@ def test_detokenizer_only_for_flagged_entries(impl, tmp_path):
 
 def test_stats_reply_for_coordkit_clients(cluster):
     client = cluster.client(coordkit=True)
-    client.send(m([92]))
+    client.send(m([STATS]))
     meta, body = client.recv()
-    assert meta == m([93])
+    assert meta == m([STATS_REPLY])
     stats = um(body)
     assert stats["engines"][0]["identity"] == "engine-0"
     assert stats["clients"] == 1
 
 
-def test_shutdown_ends_serve_forever(impl, tmp_path):
+def test_shutdown_ends_serve_forever(make_coordinator):
     ctx = zmq.Context()
-    coord = impl.Coordinator(f"ipc://{tmp_path}/c.sock")
+    coord = make_coordinator()
     thread = threading.Thread(target=coord.serve_forever)
     thread.start()
     client = RawClient(ctx, coord.address).connect()
-    client.send(m([61]))
+    client.send(m([SHUTDOWN]))
     thread.join(5)
     assert not thread.is_alive()
     client.close()
     ctx.term()
 
 
-def test_stop_from_another_thread(impl, tmp_path):
-    coord = impl.Coordinator(f"ipc://{tmp_path}/c.sock")
+def loop_threads() -> list[threading.Thread]:
+    """The live threads running a coordinator's loop (start() names them "coordkit")."""
+    return [thread for thread in threading.enumerate() if thread.name == "coordkit"]
+
+
+def test_stop_from_another_thread(make_coordinator):
+    coord = make_coordinator()
     coord.start()
+    assert loop_threads()  # else the check below would hold whatever stop() did
     coord.stop()
+    assert not loop_threads()  # stop() returns once the loop has ended, not just been told to
     with pytest.raises(RuntimeError):
         coord.serve_forever()

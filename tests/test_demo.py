@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -10,20 +9,14 @@ import sys
 import threading
 from pathlib import Path
 
-import coordkit
+from tests.support.processes import coordkit_command, python_env
 
 TIMEOUT = 120.0
 
 
-def python_env() -> dict[str, str]:
-    """The environment for a child Python that must import this coordkit."""
-    root = str(Path(coordkit.__file__).parent.parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-
-
 def demo(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "coordkit", "demo", *args],
+        coordkit_command("demo", *args),
         env=python_env(),
         capture_output=True,
         text=True,
@@ -99,7 +92,7 @@ def children(pid: int) -> list[int]:
 
 def test_demo_cleans_up_on_ctrl_c(impl):
     process = subprocess.Popen(
-        [sys.executable, "-m", "coordkit", "demo", "--requests", "1000000", "--latency", "0.01"]
+        coordkit_command("demo", "--requests", "1000000", "--latency", "0.01")
         + ["--implementation", impl.name],
         env=python_env(),
         stdout=subprocess.PIPE,

@@ -13,9 +13,28 @@ from collections import defaultdict
 
 import pytest
 import zmq
-from peers import Cluster, m, um, wait_for
+
+from tests.support.cluster import Cluster
+from tests.support.peers import (
+    ABORT,
+    DISCONNECT,
+    PARTIAL,
+    PAUSE,
+    RELEASE_KV,
+    REPLY,
+    RESUME,
+    START_CUDA_PROFILER,
+    STOP,
+    SUBMIT,
+    SUSPEND,
+    UNPAUSE,
+    m,
+    um,
+    wait_for,
+)
 
 QUIET = 0.02  # seconds without a frame that end a step's delivery
+SIGNALS = [PAUSE, UNPAUSE, SUSPEND, RESUME, STOP, START_CUDA_PROFILER]
 
 
 def _collect(cluster: Cluster, names: dict[zmq.Socket, str], log: dict) -> None:
@@ -54,7 +73,7 @@ def _conversation(impl, address: str, policy: str, seed: int, steps: int) -> dic
             if move < 0.35:
                 rid = next_rid[k]
                 next_rid[k] += 1
-                frames = [m([20, rid, {"n": rid}]), m([rng.randrange(1000)] * 8)]
+                frames = [m([SUBMIT, rid, {"n": rid}]), m([rng.randrange(1000)] * 8)]
                 if rng.random() < 0.5:
                     chain = prefixes[rng.randrange(3)][: rng.randrange(1, 5)]
                     frames.append(b"".join(h.to_bytes(8, "little") for h in chain))
@@ -62,30 +81,30 @@ def _conversation(impl, address: str, policy: str, seed: int, steps: int) -> dic
             elif move < 0.6:
                 # An engine finishes (or streams) some of what it was given.
                 rank = rng.randrange(3)
-                given = [um(f[0])[1] for f in log[f"e{rank}"] if um(f[0])[0] == 20]
+                given = [um(f[0])[1] for f in log[f"e{rank}"] if um(f[0])[0] == SUBMIT]
                 if not given:
                     continue
                 batch = rng.sample(given, min(len(given), rng.randrange(1, 4)))
                 if rng.random() < 0.3:
-                    send(c.engines[rank], m([22, batch]), *[b"partial"] * len(batch))
+                    send(c.engines[rank], m([PARTIAL, batch]), *[b"partial"] * len(batch))
                 else:
                     entries = [[rid, False] for rid in batch]
-                    send(c.engines[rank], m([21, entries]), *[m(rid) for rid in batch])
+                    send(c.engines[rank], m([REPLY, entries]), *[m(rid) for rid in batch])
             elif move < 0.68:
-                send(client, m([23, rng.randrange(max(1, next_rid[k]))]))
+                send(client, m([ABORT, rng.randrange(max(1, next_rid[k]))]))
             elif move < 0.74:
-                send(client, m([rng.choice([40, 41, 42, 43, 45, 46])]))
+                send(client, m([rng.choice(SIGNALS)]))
             elif move < 0.78:
-                send(client, m([25, rng.randrange(100)]))
+                send(client, m([RELEASE_KV, rng.randrange(100)]))
             elif move < 0.82:
-                send(client, m([20, max(0, next_rid[k] - 1), {}]), b"dup")  # maybe in flight
+                send(client, m([SUBMIT, max(0, next_rid[k] - 1), {}]), b"dup")  # maybe in flight
             elif move < 0.86:
                 rank = rng.randrange(3)
-                send(c.engines[rank], m([60]))
+                send(c.engines[rank], m([DISCONNECT]))
             elif move < 0.9:
                 send(c.engines[rng.randrange(3)], b"")  # register again, or come back
             else:
-                junk = rng.choice([b"\xc1", m([]), m([20, "x", {}]), m([77]), m([20, 1])])
+                junk = rng.choice([b"\xc1", m([]), m([SUBMIT, "x", {}]), m([77]), m([SUBMIT, 1])])
                 send(client, junk, b"p")
         stats = c.coord.stats()
     return {"log": dict(log), "counters": stats["counters"], "inflight": stats["inflight"]}

@@ -6,22 +6,36 @@ engine is driven step by step from the test, so what it batches is exact.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import msgpack
 import pytest
 import zmq
 
-import coordkit
 from coordkit.engine import Abort, Control, Engine, ReleaseKV, Request
 from coordkit.protocol import Header, packb, unpackb
 from coordkit.tools.fake_engine import FakeEngine
+from tests.support.cluster import bind_address
+from tests.support.peers import (
+    ABORT,
+    DISCONNECT,
+    HEARTBEAT,
+    PARTIAL,
+    PAUSE,
+    RELEASE_KV,
+    REPLY,
+    RESUME,
+    SET_GENERATION_EPOCH,
+    STOP,
+    SUBMIT,
+    SUBMIT_KV,
+    SUSPEND,
+    UNPAUSE,
+)
+from tests.support.processes import engine_processes
 
 TIMEOUT_MS = 5000
 
@@ -33,7 +47,7 @@ def router(request, tmp_path):
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     socket.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)  # a missing message fails, never hangs
     socket.setsockopt(zmq.LINGER, 0)
-    socket.bind(f"ipc://{tmp_path}/r.sock" if request.param == "ipc" else "tcp://127.0.0.1:0")
+    socket.bind(bind_address(request.param, tmp_path))
     yield socket, socket.getsockopt_string(zmq.LAST_ENDPOINT)
     socket.close()
 
@@ -84,17 +98,18 @@ def step_until(engine: FakeEngine, condition) -> None:
 
 
 def submit(socket, engine, rid, prompt=(1, 2, 3), params=None):
-    socket.send_multipart([engine.identity, packb([20, rid, params or {}]), packb(list(prompt))])
+    meta = packb([SUBMIT, rid, params or {}])
+    socket.send_multipart([engine.identity, meta, packb(list(prompt))])
 
 
 def queue_paused(engine: FakeEngine, socket, requests) -> None:
     """Queue ``requests`` (rid, prompt[, params]) while paused, so one step sees them all."""
-    socket.send_multipart([engine.identity, packb([40])])
+    socket.send_multipart([engine.identity, packb([PAUSE])])
     for request in requests:
         submit(socket, engine, *request)
     step_until(engine, lambda: engine.pending == len(requests))
     assert engine.state == "paused"
-    socket.send_multipart([engine.identity, packb([41])])
+    socket.send_multipart([engine.identity, packb([UNPAUSE])])
 
 
 def test_registers_with_its_identity(router):
@@ -108,12 +123,13 @@ def test_poll_gives_events(router):
     socket, _ = router
     with registered(router) as engine:
         identity = engine.identity
-        socket.send_multipart([identity, packb([20, 7, {"max_tokens": 2}]), packb([1, 2, 3])])
-        socket.send_multipart([identity, packb([24, 8, {}, {"k": 1}]), packb("hi"), b"\x01\x02"])
-        socket.send_multipart([identity, packb([23, 7])])
-        socket.send_multipart([identity, packb([25, 4])])
-        socket.send_multipart([identity, packb([40])])
-        socket.send_multipart([identity, packb([44, 5])])
+        socket.send_multipart([identity, packb([SUBMIT, 7, {"max_tokens": 2}]), packb([1, 2, 3])])
+        with_kv = packb([SUBMIT_KV, 8, {}, {"k": 1}])
+        socket.send_multipart([identity, with_kv, packb("hi"), b"\x01\x02"])
+        socket.send_multipart([identity, packb([ABORT, 7])])
+        socket.send_multipart([identity, packb([RELEASE_KV, 4])])
+        socket.send_multipart([identity, packb([PAUSE])])
+        socket.send_multipart([identity, packb([SET_GENERATION_EPOCH, 5])])
         submit_, with_kv, abort, release, pause, epoch = collect(engine, 6)
     assert isinstance(submit_, Request)
     assert (submit_.server_rid, submit_.sampling_params) == (7, {"max_tokens": 2})
@@ -132,8 +148,8 @@ def test_malformed_message_is_dropped(router):
     socket, _ = router
     with registered(router) as engine:
         socket.send_multipart([engine.identity, b"\xc1"])  # not msgpack
-        socket.send_multipart([engine.identity, packb([20, "x", {}]), b""])  # rid not an int
-        socket.send_multipart([engine.identity, packb([41])])
+        socket.send_multipart([engine.identity, packb([SUBMIT, "x", {}]), b""])  # rid not an int
+        socket.send_multipart([engine.identity, packb([UNPAUSE])])
         assert collect(engine, 1) == [Control(Header.UNPAUSE)]
 
 
@@ -147,27 +163,28 @@ def test_reply_is_one_batched_message(router):
         identity = engine.identity
         assert socket.recv_multipart() == [
             identity,
-            packb([21, [[1, False], [2, True], [3, False]]]),
+            packb([REPLY, [[1, False], [2, True], [3, False]]]),
             b"raw body",
             packb({"x": 1}),
             packb([4, 5]),
         ]
-        assert socket.recv_multipart() == [identity, packb([22, [4, 5]]), packb({"p": 1}), b"part"]
-        assert socket.recv_multipart() == [identity, packb([60])]
+        partial = [packb([PARTIAL, [4, 5]]), packb({"p": 1}), b"part"]
+        assert socket.recv_multipart() == [identity, *partial]
+        assert socket.recv_multipart() == [identity, packb([DISCONNECT])]
 
 
 def test_heartbeat_reports_pending_and_capacity(router):
     socket, _ = router
     with registered(router, heartbeat_interval=0.05, capacity=9) as engine:
         engine.poll(0)  # the first heartbeat is due at once
-        assert socket.recv_multipart()[1:] == [packb([91, 0, 9])]
+        assert socket.recv_multipart()[1:] == [packb([HEARTBEAT, 0, 9])]
         submit(socket, engine, 1)
         collect(engine, 1)
         engine.poll(0.1)  # waits out the interval, sending the next heartbeat
         # Heartbeats sent while the request was on its way still say 0.
-        while (heartbeat := socket.recv_multipart()[1:]) == [packb([91, 0, 9])]:
+        while (heartbeat := socket.recv_multipart()[1:]) == [packb([HEARTBEAT, 0, 9])]:
             pass
-        assert heartbeat == [packb([91, 1, 9])]
+        assert heartbeat == [packb([HEARTBEAT, 1, 9])]
         engine.reply([(1, b"")])
         assert engine.pending == 0
 
@@ -187,7 +204,7 @@ def test_fake_engine_is_deterministic(router):
         with fake(router, rank=rank, output_tokens=5) as engine:
             submit(socket, engine, 10 + rank, prompt)
             [[meta, body]] = drive(engine, socket)
-            assert unpackb(meta) == [21, [[10 + rank, False]]]
+            assert unpackb(meta) == [REPLY, [[10 + rank, False]]]
             bodies.append(unpackb(body))
     expected = FakeEngine.generate(prompt, 5)
     assert expected == [(26 * 31 + k) % 32000 for k in range(5)]
@@ -207,7 +224,7 @@ def test_fake_engine_text_and_raw_prompts(router):
     prompts = {packb("héllo"): "héllo", b"\xc1\xc1raw": b"\xc1\xc1raw", packb([2**40]): [2**40]}
     with fake(router, output_tokens=2, prefix_block_size=1) as engine:
         for rid, (frame, prompt) in enumerate(prompts.items()):
-            socket.send_multipart([engine.identity, packb([20, rid, {}]), frame])
+            socket.send_multipart([engine.identity, packb([SUBMIT, rid, {}]), frame])
             [[_, body]] = drive(engine, socket)
             reply = unpackb(body)
             assert reply["generated_tokens"] == FakeEngine.generate(prompt, 2)
@@ -253,11 +270,11 @@ def test_fake_engine_batches_a_step_into_one_reply(router):
         queue_paused(engine, socket, [(rid, [rid]) for rid in range(5)])
         first, second = drive(engine, socket, 2)  # the first step admits four of the five
     meta = unpackb(first[0])
-    assert meta == [21, [[0, False], [1, False], [2, False], [3, False]]]
+    assert meta == [REPLY, [[0, False], [1, False], [2, False], [3, False]]]
     assert [unpackb(b)["generated_tokens"] for b in first[1:]] == [
         FakeEngine.generate([rid], 3) for rid in range(4)
     ]
-    assert unpackb(second[0]) == [21, [[4, False]]]
+    assert unpackb(second[0]) == [REPLY, [[4, False]]]
 
 
 def test_fake_engine_streams_partials_then_final(router):
@@ -267,10 +284,10 @@ def test_fake_engine_streams_partials_then_final(router):
         messages = drive(engine, socket, 3)
     tokens = FakeEngine.generate([9], 3)
     for n, (meta, body) in enumerate(messages[:2], start=1):
-        assert unpackb(meta) == [22, [1]]  # the non-streaming request gets no partials
+        assert unpackb(meta) == [PARTIAL, [1]]  # the non-streaming request gets no partials
         assert unpackb(body)["generated_tokens"] == tokens[:n]
         assert unpackb(body)["status"] == "generating"
-    assert unpackb(messages[2][0]) == [21, [[1, True], [2, False]]]
+    assert unpackb(messages[2][0]) == [REPLY, [[1, True], [2, False]]]
 
 
 def test_fake_engine_honours_abort(router):
@@ -278,10 +295,10 @@ def test_fake_engine_honours_abort(router):
     with fake(router, output_tokens=1000) as engine:
         submit(socket, engine, 1, [3], {"stream": True})
         drive(engine, socket, 2)  # two steps: two partials
-        socket.send_multipart([engine.identity, packb([23, 1])])
-        socket.send_multipart([engine.identity, packb([23, 99])])  # unknown: ignored
+        socket.send_multipart([engine.identity, packb([ABORT, 1])])
+        socket.send_multipart([engine.identity, packb([ABORT, 99])])  # unknown: ignored
         meta, body = final(engine, socket)
-        assert unpackb(meta) == [21, [[1, False]]]
+        assert unpackb(meta) == [REPLY, [[1, False]]]
         reply = unpackb(body)
         assert reply["status"] == "aborted"
         tokens = reply["generated_tokens"]
@@ -293,21 +310,26 @@ def test_fake_engine_honours_abort(router):
 def test_fake_engine_control_states(router):
     socket, _ = router
     with fake(router) as engine:
-        for header, state in [(40, "paused"), (42, "suspended"), (43, "paused"), (41, "running")]:
+        for header, state in [
+            (PAUSE, "paused"),
+            (SUSPEND, "suspended"),
+            (RESUME, "paused"),
+            (UNPAUSE, "running"),
+        ]:
             socket.send_multipart([engine.identity, packb([header])])
             step_until(engine, lambda state=state: engine.state == state)
-        socket.send_multipart([engine.identity, packb([44, 7])])
+        socket.send_multipart([engine.identity, packb([SET_GENERATION_EPOCH, 7])])
         step_until(engine, lambda: engine.epoch == 7)
         # STOP: the queued request is answered as aborted, then DISCONNECT.
-        socket.send_multipart([engine.identity, packb([40])])
+        socket.send_multipart([engine.identity, packb([PAUSE])])
         submit(socket, engine, 5)
-        socket.send_multipart([engine.identity, packb([45])])
+        socket.send_multipart([engine.identity, packb([STOP])])
         engine.run()
         assert engine.state == "stopped"
         meta, body = socket.recv_multipart()[1:]
-        assert unpackb(meta) == [21, [[5, False]]]
+        assert unpackb(meta) == [REPLY, [[5, False]]]
         assert unpackb(body)["status"] == "aborted"
-        assert socket.recv_multipart()[1:] == [packb([60])]
+        assert socket.recv_multipart()[1:] == [packb([DISCONNECT])]
 
 
 def test_fake_engine_run_ends_on_stop_event(router):
@@ -321,35 +343,24 @@ def test_fake_engine_run_ends_on_stop_event(router):
         stop.set()
         thread.join(TIMEOUT_MS / 1000)
         assert not thread.is_alive()
-        assert socket.recv_multipart()[1:] == [packb([60])]
-
-
-def python_env() -> dict[str, str]:
-    """The environment for a child Python that must import this coordkit."""
-    root = str(Path(coordkit.__file__).parent.parent)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        assert socket.recv_multipart()[1:] == [packb([DISCONNECT])]
 
 
 def test_engine_process(router):
     socket, address = router
-    command = [sys.executable, "-m", "coordkit", "fake-engine", "--address", address, "--rank", "2"]
-    command += ["--output-tokens", "3", "--heartbeat", "0"]
-    command += ["--prefix-block-size", "1", "--cache-blocks", "1"]
-    process = subprocess.Popen(command, env=python_env(), stderr=subprocess.PIPE, text=True)
-    try:
+    options = ["--output-tokens", "3", "--heartbeat", "0"]
+    options += ["--prefix-block-size", "1", "--cache-blocks", "1"]
+    with engine_processes(address, [2], *options, stderr=subprocess.PIPE, text=True) as [process]:
         assert socket.recv_multipart() == [b"engine-2", b""]
         for rid in (1, 2):
-            socket.send_multipart([b"engine-2", packb([20, rid, {}]), packb([1, 2])])
+            socket.send_multipart([b"engine-2", packb([SUBMIT, rid, {}]), packb([1, 2])])
             identity, meta, body = socket.recv_multipart()
-            assert unpackb(meta) == [21, [[rid, False]]]
+            assert unpackb(meta) == [REPLY, [[rid, False]]]
             reply = msgpack.unpackb(body)
             assert reply["generated_tokens"] == FakeEngine.generate([1, 2], 3)
             # Blocks of 1 token; a cache of 1 block keeps only the second: never a hit.
             assert (reply["cached_blocks"], reply["prompt_blocks"]) == (0, 2)
         process.send_signal(signal.SIGTERM)
         assert process.wait(TIMEOUT_MS / 1000) == 0
-        assert socket.recv_multipart() == [b"engine-2", packb([60])]
+        assert socket.recv_multipart() == [b"engine-2", packb([DISCONNECT])]
         assert "found in sys.modules" not in process.stderr.read()  # no runpy double import
-    finally:
-        process.kill()
-        process.wait()

@@ -15,7 +15,6 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from conftest import load
 
 import coordkit
 
@@ -50,8 +49,9 @@ def run(env: dict[str, str], copy: Path | None = None) -> subprocess.CompletedPr
 
 @pytest.fixture
 def without_extensions(tmp_path) -> Path:
-    """A copy of the package whose extensions were never built."""
-    shutil.copytree(PACKAGE, tmp_path / "coordkit", ignore=shutil.ignore_patterns("*.so", "*.c"))
+    """A copy of the package whose extensions were never built: its sources, nothing compiled."""
+    compiled = shutil.ignore_patterns("*.so", "*.pyd", "*.c", "__pycache__")
+    shutil.copytree(PACKAGE, tmp_path / "coordkit", ignore=compiled)
     return tmp_path
 
 
@@ -63,8 +63,8 @@ def test_purepython_selects_the_reference():
 
 @pytest.mark.c_extension
 @pytest.mark.parametrize("env", [{}, {"COORDKIT_PUREPYTHON": "0"}, {"COORDKIT_PUREPYTHON": ""}])
-def test_the_extension_is_the_default(env):
-    load("c")  # skips (or fails under COORDKIT_REQUIRE_EXTENSION=1) without it
+def test_the_extension_is_the_default(c_impl, env):
+    # c_impl: skipped without the extension (failed under COORDKIT_REQUIRE_EXTENSION=1)
     result = run(env)
     assert result.stdout.split() == ["c", "coordkit._loop_c", "coordkit._codec_c"]
 

@@ -7,15 +7,40 @@ speaks the wire format).
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import zmq
 
 WAIT = 5.0  # seconds any single expected message may take
+
+# The published header values, spelled out rather than imported: these peers
+# stand for implementations that share the wire format, not coordkit's code.
+CONNECT = 0
+CONNECT_ACK = 1
+SUBMIT = 20
+REPLY = 21
+PARTIAL = 22
+ABORT = 23
+SUBMIT_KV = 24
+RELEASE_KV = 25
+PAUSE = 40
+UNPAUSE = 41
+SUSPEND = 42
+RESUME = 43
+SET_GENERATION_EPOCH = 44
+STOP = 45
+START_CUDA_PROFILER = 46
+STOP_CUDA_PROFILER = 47
+DISCONNECT = 60
+SHUTDOWN = 61
+# coordkit's own messages
+ERROR = 90
+HEARTBEAT = 91
+STATS = 92
+STATS_REPLY = 93
 
 
 def m(obj: Any) -> bytes:
@@ -60,8 +85,8 @@ class Peer:
 
 class RawClient(Peer):
     def connect(self, coordkit: bool = False) -> RawClient:
-        self.send(m([0, {"coordkit": 1}]) if coordkit else m([0]))
-        assert self.recv() == [m([1])]
+        self.send(m([CONNECT, {"coordkit": 1}]) if coordkit else m([CONNECT]))
+        assert self.recv() == [m([CONNECT_ACK])]
         return self
 
 
@@ -78,55 +103,3 @@ def wait_for(condition: Callable[[], bool], timeout: float = WAIT) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         time.sleep(0.002)
-
-
-def n_engines(coord: Any, state: str = "alive") -> int:
-    return sum(e["state"] == state for e in coord.stats()["engines"])
-
-
-@contextlib.contextmanager
-def running(coord: Any) -> Iterator[Any]:
-    coord.start()
-    try:
-        yield coord
-    finally:
-        coord.stop()
-
-
-class Cluster:
-    """A running coordinator with raw engines and clients, closed on exit."""
-
-    def __init__(self, impl: Any, address: str, n_engines: int = 0, **options: Any):
-        self.ctx = zmq.Context()
-        self.coord = impl.Coordinator(address, **options)
-        self.coord.start()
-        self.engines: list[RawEngine] = []
-        self.peers: list[Peer] = []
-        for _ in range(n_engines):
-            self.add_engine()
-
-    def add_engine(self, identity: bytes | None = None) -> RawEngine:
-        rank = len(self.engines)
-        engine = RawEngine(self.ctx, self.coord.address, identity or f"engine-{rank}".encode())
-        engine.register()
-        self.engines.append(engine)
-        self.peers.append(engine)
-        wait_for(lambda: len(self.coord.stats()["engines"]) > rank)
-        return engine
-
-    def client(self, coordkit: bool = False, identity: bytes | None = None) -> RawClient:
-        client = RawClient(self.ctx, self.coord.address, identity)
-        self.peers.append(client)
-        return client.connect(coordkit)
-
-    def close(self) -> None:
-        self.coord.stop()
-        for peer in self.peers:
-            peer.close()
-        self.ctx.term()
-
-    def __enter__(self) -> Cluster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -1,0 +1,1 @@
+"""coordkit's tests: a package so that ``tests.support`` is one importable name."""

@@ -1,0 +1,62 @@
+"""A running coordinator of either implementation, with raw peers around it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from tests.support.peers import Peer, RawClient, RawEngine, wait_for
+
+
+def bind_address(transport: str, directory: Path, name: str = "coord") -> str:
+    """An ipc socket in ``directory``, or any free port on tcp://127.0.0.1."""
+    if transport == "ipc":
+        return f"ipc://{directory}/{name}.sock"
+    if transport == "tcp":
+        return "tcp://127.0.0.1:0"
+    raise ValueError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
+
+
+class Cluster:
+    """A running coordinator with raw engines and clients, closed on exit."""
+
+    def __init__(self, impl: Any, address: str, n_engines: int = 0, **options: Any):
+        self.ctx = zmq.Context()
+        self.closed = False
+        self.coord = impl.Coordinator(address, **options)
+        self.coord.start()
+        self.engines: list[RawEngine] = []
+        self.peers: list[Peer] = []
+        for _ in range(n_engines):
+            self.add_engine()
+
+    def add_engine(self, identity: bytes | None = None) -> RawEngine:
+        rank = len(self.engines)
+        engine = RawEngine(self.ctx, self.coord.address, identity or f"engine-{rank}".encode())
+        engine.register()
+        self.engines.append(engine)
+        self.peers.append(engine)
+        wait_for(lambda: len(self.coord.stats()["engines"]) > rank)
+        return engine
+
+    def client(self, coordkit: bool = False, identity: bytes | None = None) -> RawClient:
+        client = RawClient(self.ctx, self.coord.address, identity)
+        self.peers.append(client)
+        return client.connect(coordkit)
+
+    def close(self) -> None:
+        if self.closed:  # by its with block, then by the fixture that made it
+            return
+        self.closed = True
+        self.coord.stop()
+        for peer in self.peers:
+            peer.close()
+        self.ctx.term()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,96 @@
+"""The pytest plugin of tests/ and bench/ (registered by the root conftest.py).
+
+``impl`` is parametrised over the two implementations, ids ``[c]`` and ``[py]``:
+a namespace with the ``codec``, ``Router`` and ``Coordinator`` of either. Where
+the extension does not import the ``[c]`` cases skip, unless
+``COORDKIT_REQUIRE_EXTENSION=1`` (CI), where they fail.
+
+``make_cluster`` and ``make_coordinator`` build coordinators of ``impl`` on
+fresh sockets in the test's tmp_path; ``cluster`` is one with a single engine.
+
+``zmqutil`` is the test-only helper built on coordkit's libzmq binding,
+compiled once per session (see extension.py); where it does not build or
+import, its tests skip, or fail under ``COORDKIT_REQUIRE_EXTENSION=1``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.support import extension
+from tests.support.cluster import Cluster, bind_address
+from tests.support.implementations import load, unavailable
+
+IMPLEMENTATIONS = [
+    pytest.param("c", marks=pytest.mark.c_extension, id="c"),
+    pytest.param("py", id="py"),
+]
+
+
+# Session scope: an implementation is a set of imported modules, loaded once.
+@pytest.fixture(scope="session", params=IMPLEMENTATIONS)
+def impl(request) -> SimpleNamespace:
+    return load(request.param)
+
+
+@pytest.fixture(scope="session")
+def c_impl() -> SimpleNamespace:
+    return load("c")
+
+
+@pytest.fixture(scope="session")
+def py_impl() -> SimpleNamespace:
+    return load("py")
+
+
+@pytest.fixture
+def make_coordinator(impl, tmp_path) -> Callable[..., Any]:
+    """``make_coordinator(transport="ipc", **options)``: a coordinator, not yet started."""
+    names = itertools.count()
+
+    def make(transport: str = "ipc", **options: Any) -> Any:
+        return impl.Coordinator(bind_address(transport, tmp_path, f"coord{next(names)}"), **options)
+
+    return make
+
+
+@pytest.fixture
+def make_cluster(impl, tmp_path) -> Iterator[Callable[..., Cluster]]:
+    """``make_cluster(n_engines=0, transport="ipc", **options)``: a running Cluster.
+
+    Every one it made is closed at teardown, even one a test left open.
+    """
+    names = itertools.count()
+    made: list[Cluster] = []
+
+    def make(n_engines: int = 0, transport: str = "ipc", **options: Any) -> Cluster:
+        address = bind_address(transport, tmp_path, f"coord{next(names)}")
+        made.append(Cluster(impl, address, n_engines, **options))
+        return made[-1]
+
+    yield make
+    for cluster in made:
+        cluster.close()
+
+
+@pytest.fixture
+def cluster(make_cluster) -> Iterator[Cluster]:
+    """A running coordinator with one raw engine."""
+    with make_cluster(n_engines=1) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def zmqutil(tmp_path_factory) -> ModuleType:
+    try:
+        return extension.build(tmp_path_factory.mktemp("zmqutil"))
+    except extension.BuildError as exc:
+        reason, details = str(exc), exc.output
+    except ImportError as exc:  # built, but it could not bind to pyzmq's libzmq
+        reason, details = f"{extension.NAME} did not import: {exc}", ""
+    unavailable(reason, details)  # outside the except: no "during handling" chain
