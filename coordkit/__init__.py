@@ -15,11 +15,10 @@ runs a coordinator on either.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from ._implementation import Implementation, load_implementation, selected
 from .client import Client, CoordinatorError
 from .coordinator import Coordinator
+from .engine import Engine
 from .protocol import ErrorCode, Header, ProtocolError
 
 __all__ = [
@@ -33,26 +32,8 @@ __all__ = [
     "Client",
     "CoordinatorError",
     "Engine",
-    "FakeEngine",
 ]
 __version__ = "0.1.0"
 
 #: ``"c"`` or ``"py"``: the implementation chosen at import.
 IMPLEMENTATION: str = selected().name
-
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .tools.fake_engine import FakeEngine
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy: importing coordkit loads neither the engine side nor the tools.
-    if name == "Engine":
-        from .engine import Engine
-
-        return Engine
-    if name == "FakeEngine":
-        from .tools.fake_engine import FakeEngine
-
-        return FakeEngine
-    raise AttributeError(f"module 'coordkit' has no attribute {name!r}")

@@ -17,10 +17,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .coordinator import Coordinator
+from typing import Any
 
 __all__ = ["Implementation", "load_implementation", "selected"]
 
@@ -40,12 +37,6 @@ class Implementation:
     @property
     def Router(self) -> Any:  # noqa: N802 - the class it names
         return self.routing.Router
-
-    def Coordinator(self, *args: Any, **options: Any) -> Coordinator:  # noqa: N802
-        """A :class:`coordkit.Coordinator` run by this implementation."""
-        from .coordinator import Coordinator
-
-        return Coordinator(*args, implementation=self.name, **options)
 
 
 @functools.cache

@@ -10,7 +10,8 @@ import tempfile
 import threading
 
 import coordkit
-from coordkit import Client, FakeEngine
+from coordkit import Client
+from coordkit.tools.fake_engine import FakeEngine
 
 
 async def use(address: str) -> None:

@@ -1,6 +1,6 @@
 """Smoke test of ``coordkit bench --quick``: it runs, and reports every point.
 
-Timings and ratios are never asserted (DESIGN.md: benchmarks, not tests);
+Timings and ratios are never asserted (docs/design.md: benchmarks, not tests);
 only that every variant and prompt length produced positive figures.
 """
 

@@ -16,8 +16,9 @@ import pytest
 import zmq
 
 import coordkit
-from coordkit import Client, FakeEngine
+from coordkit import Client
 from coordkit.tools import cli
+from coordkit.tools.fake_engine import FakeEngine
 from tests.support.peers import (
     REPLY,
     SHUTDOWN,

@@ -17,9 +17,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from coordkit import Client, CoordinatorError, ErrorCode, FakeEngine, Header
+from coordkit import Client, CoordinatorError, ErrorCode, Header
 from coordkit.engine import Control, Engine
 from coordkit.protocol import block_hashes, packb, unpackb
+from coordkit.tools.fake_engine import FakeEngine
 from tests.support.peers import (
     ABORT,
     CONNECT,

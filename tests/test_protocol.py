@@ -1,6 +1,6 @@
 """Message declarations: pack and parse derive from one spec, and parse validates.
 
-The layouts are checked against DESIGN.md's table byte for byte, and against
+The layouts are checked against the published table byte for byte, and against
 both codecs: what ``pack`` writes, the coordinator's codec reads the same way.
 """
 

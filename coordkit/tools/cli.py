@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import coordkit
-from coordkit import Implementation
+from coordkit import Coordinator, Implementation
 from coordkit._routing_py import POLICIES
 from coordkit.client import Client
 
@@ -221,7 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = {name: getattr(args, name) for name in _SERVE_OPTIONS}
     options = {name: value for name, value in options.items() if value is not None}
     try:
-        coord = impl.Coordinator(args.bind, policy=args.policy, **options)
+        coord = Coordinator(args.bind, implementation=impl.name, policy=args.policy, **options)
     except Exception as exc:  # a bad option or an address that cannot be bound
         raise SystemExit(f"coordkit serve: {exc}") from None
 

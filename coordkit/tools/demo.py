@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import coordkit
-from coordkit import Implementation
+from coordkit import Coordinator, Implementation
 from coordkit.client import Client, CoordinatorError
 
 __all__ = ["run", "COMPARED_POLICIES", "SUFFIX_TOKENS"]
@@ -123,7 +123,7 @@ def _run_cluster(
     """Run the load on a cluster of its own, so that every run starts with cold caches."""
     with tempfile.TemporaryDirectory(prefix="coordkit-demo-") as tmp:
         address = f"ipc://{tmp}/coordinator.sock"
-        coord = impl.Coordinator(address, policy=policy)
+        coord = Coordinator(address, implementation=impl.name, policy=policy)
         coord.start()
         engines: list[subprocess.Popen[bytes]] = []
         try:

@@ -7,6 +7,7 @@ from typing import Any
 
 import zmq
 
+from coordkit import Coordinator
 from tests.support.peers import Peer, RawClient, RawEngine, wait_for
 
 
@@ -25,7 +26,7 @@ class Cluster:
     def __init__(self, impl: Any, address: str, n_engines: int = 0, **options: Any):
         self.ctx = zmq.Context()
         self.closed = False
-        self.coord = impl.Coordinator(address, **options)
+        self.coord = Coordinator(address, implementation=impl.name, **options)
         self.coord.start()
         self.engines: list[RawEngine] = []
         self.peers: list[Peer] = []

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from coordkit import Coordinator
 from tests.support import extension
 from tests.support.cluster import Cluster, bind_address
 from tests.support.implementations import load, unavailable
@@ -54,7 +55,8 @@ def make_coordinator(impl, tmp_path) -> Callable[..., Any]:
     names = itertools.count()
 
     def make(transport: str = "ipc", **options: Any) -> Any:
-        return impl.Coordinator(bind_address(transport, tmp_path, f"coord{next(names)}"), **options)
+        address = bind_address(transport, tmp_path, f"coord{next(names)}")
+        return Coordinator(address, implementation=impl.name, **options)
 
     return make
 

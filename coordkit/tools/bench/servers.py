@@ -108,8 +108,9 @@ class _Coordkit:
         policy: str,
         options: dict[str, Any],
     ):
-        implementation = coordkit.load_implementation(variant)
-        self.coord = implementation.Coordinator(endpoint, policy=policy, context=context, **options)
+        self.coord = coordkit.Coordinator(
+            endpoint, implementation=variant, policy=policy, context=context, **options
+        )
         self.client_address = self.engine_address = self.coord.address
 
     def serve(self) -> None:
