@@ -25,6 +25,9 @@ cdef enum:  # coordkit.protocol.Header
     HEADER_HEARTBEAT = 91
     HEADER_STATS = 92
     HEADER_STATS_REPLY = 93
+    HEADER_ENGINE_HELLO = 94
+    HEADER_SUBMIT_BATCH = 95
+    HEADER_REPLY_BATCH = 96
 
 cdef enum:  # coordkit.protocol.ErrorCode
     ERROR_MALFORMED = 1
@@ -115,6 +118,9 @@ cdef inline dict generated_constants():
         "Header.HEARTBEAT": 91,
         "Header.STATS": 92,
         "Header.STATS_REPLY": 93,
+        "Header.ENGINE_HELLO": 94,
+        "Header.SUBMIT_BATCH": 95,
+        "Header.REPLY_BATCH": 96,
         "ErrorCode.MALFORMED": 1,
         "ErrorCode.UNKNOWN_HEADER": 2,
         "ErrorCode.NOT_CONNECTED": 3,

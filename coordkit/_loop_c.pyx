@@ -754,7 +754,7 @@ cdef class Loop:
         """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
         cdef int32_t index
         try:
-            coordkit = parse_connect(self._frames())
+            coordkit = parse_connect(self._frames()).coordkit
         except ProtocolError as exc:
             self._malformed(-1, None, HEADER_CONNECT, str(exc))
             return

@@ -463,7 +463,7 @@ class Loop:
     def _connect(self, identity: bytes, client: _Client | None, frames: list[zmq.Frame]) -> None:
         """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
         try:
-            coordkit = parse_connect(_buffers(frames))
+            coordkit = parse_connect(_buffers(frames)).coordkit
         except ProtocolError as exc:
             self._malformed(None, None, Header.CONNECT, str(exc), frames)
             return

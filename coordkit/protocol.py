@@ -21,7 +21,7 @@ import struct
 from collections import namedtuple
 from collections.abc import Sequence
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import zmq
@@ -43,6 +43,9 @@ __all__ = [
     "error_text",
     "header_name",
     "parse_connect",
+    "parse_engine_hello",
+    "Hello",
+    "BATCH_FEATURE",
     "block_hashes",
     "packb",
     "unpackb",
@@ -55,6 +58,11 @@ Frame = Buffer | zmq.Frame
 #: The map a coordkit client sends in CONNECT so the coordinator may answer
 #: it with coordkit's own messages (ERROR, STATS_REPLY).
 COORDKIT_HELLO = {"coordkit": 1}
+
+#: The key of a CONNECT or ENGINE_HELLO map that asks for batched messages
+#: (SUBMIT_BATCH, REPLY_BATCH); a coordinator that grants it to a client says
+#: so in its CONNECT_ACK.
+BATCH_FEATURE = "batch"
 
 #: Bytes per entry of the optional block-hash frame (little-endian u64).
 BLOCK_HASH_SIZE = 8
@@ -95,6 +103,9 @@ class Header(IntEnum):
     HEARTBEAT = 91
     STATS = 92
     STATS_REPLY = 93
+    ENGINE_HELLO = 94
+    SUBMIT_BATCH = 95
+    REPLY_BATCH = 96
 
 
 #: Control signals a client sends and the coordinator broadcasts to engines.
@@ -400,6 +411,61 @@ class BatchedMessageSpec:
         return entries, bodies
 
 
+class SubmitBatchSpec:
+    """A client's SUBMIT_BATCH: ``[95, [[rid, sampling_params, hashed], ...]]``,
+    then for each entry its prompt frame, and its block-hash frame when ``hashed``."""
+
+    name = "SUBMIT_BATCH"
+    header = Header.SUBMIT_BATCH
+    entry_fields = (Field("rid", int), Field("sampling_params"), Field("hashed", bool))
+
+    def pack(self, requests: Sequence[Sequence[Any]]) -> list[bytes | Any]:
+        """Frames for ``(rid, sampling_params, prompt, block_hashes or None)`` requests."""
+        entries, frames = [], []
+        for rid, params, prompt, hashes in requests:
+            entry = [rid, params, hashes is not None]
+            for spec, value in zip(self.entry_fields, entry, strict=True):
+                spec.check(self.name, value)
+            entries.append(entry)
+            frames.append(prompt)
+            if hashes is not None:
+                frames.append(hashes)
+        return [packb([int(self.header), entries]), *frames]
+
+    def parse(self, frames: Sequence[Frame]) -> list[SubmitEntry]:
+        if not frames:
+            raise ProtocolError(f"{self.name}: empty message")
+        metadata = _decode_metadata(self.name, self.header, frames[0])
+        if len(metadata) != 2 or not isinstance(metadata[1], list):
+            raise ProtocolError(f"{self.name}: metadata must be [header, [entries]]")
+        requests, next_frame = [], 1
+        for entry in metadata[1]:
+            if not isinstance(entry, list) or len(entry) != len(self.entry_fields):
+                raise ProtocolError(f"{self.name}: each entry must be an array of 3")
+            for spec, value in zip(self.entry_fields, entry, strict=True):
+                spec.check(self.name, value)
+            rid, params, hashed = entry
+            if next_frame + hashed >= len(frames):
+                raise ProtocolError(f"{self.name}: fewer payload frames than the entries need")
+            hashes = frames[next_frame + 1] if hashed else None
+            requests.append(SubmitEntry(rid, params, frames[next_frame], hashes))
+            next_frame += 1 + hashed
+        if next_frame != len(frames):
+            raise ProtocolError(f"{self.name}: more payload frames than the entries need")
+        return requests
+
+
+#: One request of a client's SUBMIT_BATCH.
+SubmitEntry = namedtuple("SubmitEntry", "rid sampling_params prompt block_hashes")
+
+
+class Hello(NamedTuple):
+    """What a peer said of itself in CONNECT or ENGINE_HELLO."""
+
+    coordkit: bool  # a coordkit peer: may be sent ERROR and STATS_REPLY
+    batch: bool  # asks for SUBMIT_BATCH / REPLY_BATCH
+
+
 _rid = Field("rid", int)
 _sampling = Field("sampling_params")
 
@@ -407,6 +473,8 @@ CONNECT = MessageSpec("CONNECT", Header.CONNECT)
 #: CONNECT from a coordkit client: ``[0, {"coordkit": 1, ...}]``.
 CONNECT_COORDKIT = MessageSpec("CONNECT_COORDKIT", Header.CONNECT, [Field("hello", dict)])
 CONNECT_ACK = MessageSpec("CONNECT_ACK", Header.CONNECT_ACK)
+#: CONNECT_ACK to a coordkit client that asked for batches: ``[1, {"batch": 1}]``.
+CONNECT_ACK_BATCH = MessageSpec("CONNECT_ACK_BATCH", Header.CONNECT_ACK, [Field("features", dict)])
 SUBMIT_REQUEST = MessageSpec(
     "SUBMIT_REQUEST",
     Header.SUBMIT_REQUEST,
@@ -449,18 +517,54 @@ HEARTBEAT = MessageSpec(
 )
 STATS = MessageSpec("STATS", Header.STATS)
 STATS_REPLY = MessageSpec("STATS_REPLY", Header.STATS_REPLY, [], ["stats"])
+#: A coordkit engine's registration: ``[94, {"coordkit": 1, "batch": 1}]``.
+ENGINE_HELLO = MessageSpec("ENGINE_HELLO", Header.ENGINE_HELLO, [Field("hello", dict)])
+SUBMIT_BATCH = SubmitBatchSpec()
+#: SUBMIT_BATCH as the coordinator sends it to an engine that asked for batches.
+ENGINE_SUBMIT_BATCH = BatchedMessageSpec(
+    "ENGINE_SUBMIT_BATCH", Header.SUBMIT_BATCH, [_rid, _sampling]
+)
+#: Replies for one client, from one engine batch, to a client that asked for batches.
+REPLY_BATCH = BatchedMessageSpec("REPLY_BATCH", Header.REPLY_BATCH, [_rid, Field("final", bool)])
+
+# Megatron-Core's single-frame dialect (up to release 0.19): each message is one
+# frame, the prompt and the replies inside it.
+SINGLE_SUBMIT_REQUEST = MessageSpec(
+    "SINGLE_SUBMIT_REQUEST",
+    Header.SUBMIT_REQUEST,
+    [_rid, Field("prompt", (str, list)), _sampling],
+)
+#: An engine's finished requests: maps whose "request_id" is the server id.
+SINGLE_ENGINE_REPLY = MessageSpec(
+    "SINGLE_ENGINE_REPLY", Header.ENGINE_REPLY, [Field("finished_requests", list)]
+)
+#: One finished request to its client.
+SINGLE_CLIENT_REPLY = MessageSpec(
+    "SINGLE_CLIENT_REPLY", Header.ENGINE_REPLY, [_rid, Field("reply", dict)]
+)
 
 
-def parse_connect(frames: Sequence[Frame]) -> bool:
-    """Whether a CONNECT comes from a coordkit client: ``[0, {"coordkit": n}]``
-    with an int ``n >= 1``; any other map, or Megatron's ``[0]``, is not one.
-    Raises :class:`ProtocolError` for anything else."""
+def _hello(hello: dict[Any, Any]) -> Hello:
+    version, batch = hello.get("coordkit"), hello.get(BATCH_FEATURE)
+    coordkit = type(version) is int and version >= 1
+    return Hello(coordkit, coordkit and type(batch) is int and batch >= 1)
+
+
+def parse_connect(frames: Sequence[Frame]) -> Hello:
+    """Who sent a CONNECT: a coordkit client says ``[0, {"coordkit": n}]``
+    with an int ``n >= 1`` (and ``"batch": 1`` to ask for batches); any other
+    map, or Megatron's ``[0]``, is not one. ProtocolError for anything else."""
     try:
-        version = CONNECT_COORDKIT.parse(frames).hello.get("coordkit")
+        hello = CONNECT_COORDKIT.parse(frames).hello
     except ProtocolError:
         CONNECT.parse(frames)
-        return False
-    return type(version) is int and version >= 1
+        return Hello(False, False)
+    return _hello(hello)
+
+
+def parse_engine_hello(frames: Sequence[Frame]) -> Hello:
+    """What an ENGINE_HELLO says; ProtocolError when it is not one."""
+    return _hello(ENGINE_HELLO.parse(frames).hello)
 
 
 #: The bare control signals (all but SET_GENERATION_EPOCH, which carries an epoch).
