@@ -24,6 +24,11 @@ logger = logging.getLogger("coordkit")
 
 Detokenizer = Callable[[list[int]], str]
 
+#: The wire formats a coordinator can speak to peers that are not coordkit's own:
+#: Megatron-LM's multipart format (PR #6497), or Megatron-Core's single frames
+#: (releases up to 0.19). coordkit clients and engines always speak multipart.
+DIALECTS = ("multipart", "megatron-core")
+
 #: A kept prompt below this many bytes is copied: sharing it would pin the whole
 #: receive buffer libzmq decoded it from (pyzmq's copy-below-a-threshold rule).
 COPY_BELOW = 8192
@@ -99,6 +104,8 @@ class Options:
     max_clients: int
     max_engines: int
     keep_prompts: bool
+    dialect: str
+    block_size: int
 
     @property
     def index_size(self) -> int:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ._implementation import load_implementation, selected
-from ._shared import Detokenizer, Options
+from ._shared import DIALECTS, Detokenizer, Options
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -101,6 +101,8 @@ class Coordinator:
         max_clients: int = 65536,
         max_engines: int = 1024,
         keep_prompts: bool = True,
+        dialect: str = "multipart",
+        block_size: int = 16,
         context: zmq.Context | None = None,
         implementation: str | None = None,
     ):
@@ -114,6 +116,10 @@ class Coordinator:
             raise ValueError("max_message_size must be positive, or -1 for no limit")
         if not 1 <= max_clients <= 1 << 24 or not 1 <= max_engines <= 1 << 16:
             raise ValueError("max_clients must be in 1..2**24 and max_engines in 1..65536")
+        if dialect not in DIALECTS:
+            raise ValueError(f"dialect must be one of {', '.join(DIALECTS)}, not {dialect!r}")
+        if block_size < 1:
+            raise ValueError("block_size must be at least 1")
         impl = load_implementation(implementation) if implementation else selected()
         #: ``"c"`` or ``"py"``: which loop core runs this coordinator.
         self.implementation: str = impl.name
@@ -127,6 +133,8 @@ class Coordinator:
             max_clients=max_clients,
             max_engines=max_engines,
             keep_prompts=keep_prompts,
+            dialect=dialect,
+            block_size=block_size,
         )
         router = impl.Router(
             policy,
