@@ -33,7 +33,9 @@ cdef extern from "_tables.h" nogil:
     void ck_ids_remove(ck_ids* t, int32_t index)
     const uint8_t* ck_ids_get(const ck_ids* t, int32_t index, size_t* n)
 
-    int ck_requests_init(ck_requests* t, uint32_t capacity, uint64_t index_size)
+    int ck_requests_init(
+        ck_requests* t, uint32_t capacity, uint64_t index_size, uint64_t window_min
+    )
     void ck_requests_free(ck_requests* t)
     int64_t ck_requests_find(const ck_requests* t, int64_t server_rid)
     int64_t ck_requests_find_client(const ck_requests* t, uint32_t client, int64_t client_rid)
@@ -50,6 +52,7 @@ cdef struct Client:
 
 cdef struct Engine:
     int state  # EngineState
+    bint coordkit  # sent ENGINE_HELLO: may be sent ERROR for the entries it got wrong
     bint heartbeats  # has sent a HEARTBEAT: may be timed out
     double last_heartbeat
     double drain_deadline
@@ -82,6 +85,7 @@ cdef class Loop:
         int max_engines
         bint keep_prompts
         bint has_detokenizer
+        double request_timeout  # 0: requests never time out
 
         ck_requests requests
         Client* clients
@@ -92,6 +96,13 @@ cdef class Loop:
         int n_engines
         int* gone  # ranks found gone whose requests are not settled yet, oldest first
         int n_gone
+        # With a request_timeout: when each request (by slot) was submitted, and the
+        # requests in submission order (deadline order), a list through the slots.
+        double* submitted
+        uint32_t* older
+        uint32_t* newer
+        uint32_t oldest
+        uint32_t newest
         int control_state
         uint64_t counters[N_COUNTERS]
         uint64_t messages
@@ -124,6 +135,8 @@ cdef class Loop:
     cdef void _forward_replies(self, int32_t engine) noexcept nogil
     cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil
     cdef void _forget(self, uint32_t slot) noexcept nogil
+    cdef void _queue(self, uint32_t slot) noexcept nogil
+    cdef void _unqueue(self, uint32_t slot) noexcept nogil
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil
     cdef int _send_identity(self, ck_ids* table, int32_t index) noexcept nogil
     cdef const uint8_t* _data(self, int part) noexcept nogil
@@ -133,6 +146,8 @@ cdef class Loop:
     cdef _from_client_rarely(self, int32_t client, int64_t header)
     cdef _from_engine_rarely(self, int32_t engine, int64_t header)
     cdef _register(self, int32_t engine)
+    cdef _engine_hello(self, int32_t engine)
+    cdef int32_t _new_engine(self, int32_t engine) except -2
     cdef _connect(self, int32_t client)
     cdef int32_t _vacant_client(self) except -2
     cdef _remove_client(self, int32_t client)
@@ -152,6 +167,8 @@ cdef class Loop:
     cdef _settle_engine(self, int rank)
     cdef RequestOrder* _in_order(self, int rank, int32_t client, uint32_t* count) except NULL
     cdef _fail_request(self, uint32_t slot, int code, int64_t header)
+    cdef _time_out(self, uint32_t slot)
+    cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header)
     cdef _client_gone(self, int32_t client)
 
     # answers and malformed input

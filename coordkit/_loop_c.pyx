@@ -71,6 +71,7 @@ from coordkit.protocol import (
     header_name,
     packb,
     parse_connect,
+    parse_engine_hello,
 )
 
 bind_libzmq()
@@ -208,6 +209,10 @@ cdef class Loop:
         self.gone = NULL
         self.parts = NULL
         self.entries = NULL
+        self.submitted = NULL
+        self.older = NULL
+        self.newer = NULL
+        self.oldest = self.newest = UINT32_MAX
 
     def __init__(self, options, Router router not None, router_socket, wake_socket):
         self.router = router
@@ -226,6 +231,13 @@ cdef class Loop:
         self.has_detokenizer = options.detokenizer is not None
         self._log = RateLimitedLog()
         self.control_state = CONTROL_RUNNING
+        self.request_timeout = options.request_timeout
+        if self.request_timeout:
+            self.submitted = <double*>malloc(options.max_inflight * sizeof(double))
+            self.older = <uint32_t*>malloc(options.max_inflight * sizeof(uint32_t))
+            self.newer = <uint32_t*>malloc(options.max_inflight * sizeof(uint32_t))
+            if self.submitted == NULL or self.older == NULL or self.newer == NULL:
+                raise MemoryError()
         self.clients = <Client*>calloc(self.max_clients, sizeof(Client))
         self.engines = <Engine*>calloc(self.max_engines, sizeof(Engine))
         self.gone = <int*>malloc(self.max_engines * sizeof(int))
@@ -236,7 +248,9 @@ cdef class Loop:
         if (
             self.clients == NULL or self.engines == NULL or self.gone == NULL
             or self.parts == NULL or self.entries == NULL
-            or ck_requests_init(&self.requests, options.max_inflight, options.index_size) != 0
+            or ck_requests_init(
+                &self.requests, options.max_inflight, options.index_size, INDEX_WINDOW_MIN
+            ) != 0
             or ck_ids_init(&self.client_ids, self.max_clients) != 0
             or ck_ids_init(&self.engine_ids, self.max_engines) != 0
         ):
@@ -256,6 +270,9 @@ cdef class Loop:
         free(self.gone)
         free(self.parts)
         free(self.entries)
+        free(self.submitted)
+        free(self.older)
+        free(self.newer)
 
     # -- what the Coordinator calls ------------------------------------------------------
 
@@ -271,8 +288,10 @@ cdef class Loop:
         return not stop
 
     def expire(self, double now) -> None:
-        """Declare gone the engines whose drain or heartbeat timed out, and settle them."""
+        """Declare gone the engines whose drain or heartbeat timed out, end the
+        requests in flight longer than request_timeout, and settle what that left."""
         cdef int rank
+        cdef double deadline = now - self.request_timeout
         for rank in range(self.n_engines):
             if self.engines[rank].state == ENGINE_GONE:
                 continue
@@ -285,6 +304,9 @@ cdef class Loop:
                 and now - self.engines[rank].last_heartbeat > self.heartbeat_timeout
             ):
                 self._mark_gone(rank, GONE_NO_HEARTBEAT)
+        # The oldest first: only the requests that are due are touched.
+        while self.oldest != UINT32_MAX and self.submitted[self.oldest] < deadline:
+            self._time_out(self.oldest)
         self._settle()
 
     def shutdown(self) -> None:
@@ -440,6 +462,9 @@ cdef class Loop:
         elif header == HEADER_CONNECT:
             with gil:
                 self._connect(client)
+        elif header == HEADER_ENGINE_HELLO and client < 0:
+            with gil:
+                self._engine_hello(-1)
         elif client < 0:
             self.counters[COUNTER_NOT_CONNECTED] += 1
             with gil:
@@ -499,6 +524,9 @@ cdef class Loop:
             return
         slot = ck_requests_add(&self.requests, client, submit.rid)
         self.clients[client].inflight += 1
+        if self.submitted != NULL:
+            self.submitted[slot] = monotonic()
+            self._queue(slot)
         request = &self.requests.pool[slot]
         server_rid = request.server_rid
         self._rewrite_submit(&meta, &submit, server_rid)
@@ -613,9 +641,19 @@ cdef class Loop:
             return
         final = header == HEADER_ENGINE_REPLY
         for i in range(count):
+            if not self.entries[i].valid:
+                with gil:
+                    self._reject_entry(engine, None, ERROR_MALFORMED, header)
+                continue
             slot = ck_requests_find(&self.requests, self.entries[i].rid)
             if slot < 0 or self.requests.pool[slot].rank != engine:
+                # A late reply (its request ended: aborted, timed out, its client
+                # gone), or a reply the engine got wrong.
                 self.counters[COUNTER_UNKNOWN_REQUEST] += 1
+                if self.engines[engine].coordkit:
+                    with gil:
+                        rid = self.entries[i].rid
+                        self._reject_entry(engine, rid, ERROR_UNKNOWN_REQUEST, header)
                 continue
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
@@ -660,6 +698,8 @@ cdef class Loop:
         cdef ck_request* request = &self.requests.pool[slot]
         cdef int rank = request.rank
         self.clients[request.client].inflight -= 1
+        if self.submitted != NULL:
+            self._unqueue(slot)
         release_kept(request.kept)
         ck_requests_remove(&self.requests, slot)
         if rank < 0:
@@ -667,6 +707,27 @@ cdef class Loop:
         self.router.release_c(rank)
         if self.engines[rank].state == ENGINE_DRAINING and self.router.pending_count[rank] == 0:
             self.engines[rank].state = ENGINE_GONE
+
+    cdef void _queue(self, uint32_t slot) noexcept nogil:
+        """Append a new request to the submission-order list (request_timeout)."""
+        self.older[slot] = self.newest
+        self.newer[slot] = UINT32_MAX
+        if self.newest != UINT32_MAX:
+            self.newer[self.newest] = slot
+        else:
+            self.oldest = slot
+        self.newest = slot
+
+    cdef void _unqueue(self, uint32_t slot) noexcept nogil:
+        cdef uint32_t older = self.older[slot], newer = self.newer[slot]
+        if older != UINT32_MAX:
+            self.newer[older] = newer
+        else:
+            self.oldest = newer
+        if newer != UINT32_MAX:
+            self.older[newer] = older
+        else:
+            self.newest = older
 
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil:
         """Take ``rank`` out of the pool now; its requests are settled after the
@@ -706,6 +767,8 @@ cdef class Loop:
     cdef _from_engine_rarely(self, int32_t engine, int64_t header):
         if header == HEADER_HEARTBEAT:
             self._heartbeat(engine)
+        elif header == HEADER_ENGINE_HELLO:
+            self._engine_hello(engine)
         elif header == HEADER_DISCONNECT:
             self._disconnect(engine)
         else:
@@ -715,40 +778,59 @@ cdef class Loop:
             )
 
     cdef _register(self, int32_t engine):
-        """An engine announced itself (one empty frame): a new rank, or one coming back."""
+        """An engine announced itself (one empty frame): a new rank, or one coming
+        back after it left or was declared gone."""
+        if engine >= 0 and self.engines[engine].state == ENGINE_ALIVE:
+            self.counters[COUNTER_DUPLICATE_REGISTER] += 1
+        else:
+            self._new_engine(engine)
+
+    cdef _engine_hello(self, int32_t engine):
+        """ENGINE_HELLO: a coordkit engine registers, or says so once registered."""
+        try:
+            hello = parse_engine_hello(self._frames())
+        except ProtocolError as exc:
+            self._malformed(-1, None, HEADER_ENGINE_HELLO, str(exc))
+            return
+        if engine < 0 or self.engines[engine].state != ENGINE_ALIVE:
+            engine = self._new_engine(engine)
+        if engine >= 0:
+            self.engines[engine].coordkit = hello.coordkit
+
+    cdef int32_t _new_engine(self, int32_t engine) except -2:
+        """Put the sender in the pool: ``engine`` coming back, or a new rank (reusing
+        a gone rank with nothing left in flight once the table is full). Its rank,
+        or -1 when there is no room or the sender is a client."""
         cdef int32_t rank
         cdef size_t n = self._size(0)
-        if engine >= 0:
-            if self.engines[engine].state == ENGINE_ALIVE:
-                self.counters[COUNTER_DUPLICATE_REGISTER] += 1
-                return
-            self.engines[engine].state = ENGINE_ALIVE  # it left or was declared gone
-            self.engines[engine].heartbeats = False
-            self.router.add_rank(engine)
-            return
-        if ck_ids_find(&self.client_ids, self._data(0), n) >= 0:
-            self._malformed(-1, None, -1, "a client sent an engine registration")
-            return
-        rank = self.n_engines
-        if rank == self.max_engines:  # reuse a gone rank with nothing left in flight
-            rank = -1
-            for engine in range(self.n_engines):
-                if self.engines[engine].state == ENGINE_GONE and self.router.pending(engine) == 0:
-                    rank = engine
-                    break
-            if rank < 0:
-                self.counters[COUNTER_TABLE_FULL] += 1
-                self._log.warn("engines_full", "engine table full: registration dropped")
-                return
-            ck_ids_remove(&self.engine_ids, rank)
-        else:
-            self.n_engines += 1
-        self.engines[rank].state = ENGINE_ALIVE
-        self.engines[rank].heartbeats = False
-        self.engines[rank].last_heartbeat = 0.0
-        self.engines[rank].drain_deadline = 0.0
-        ck_ids_insert(&self.engine_ids, rank, self._data(0), n)
-        self.router.add_rank(rank)
+        if engine < 0:
+            if ck_ids_find(&self.client_ids, self._data(0), n) >= 0:
+                self._malformed(-1, None, -1, "a client sent an engine registration")
+                return -1
+            rank = self.n_engines
+            if rank == self.max_engines:
+                rank = -1
+                for engine in range(self.n_engines):
+                    if self.engines[engine].state == ENGINE_GONE:
+                        if self.router.pending(engine) == 0:
+                            rank = engine
+                            break
+                if rank < 0:
+                    self.counters[COUNTER_TABLE_FULL] += 1
+                    self._log.warn("engines_full", "engine table full: registration dropped")
+                    return -1
+                ck_ids_remove(&self.engine_ids, rank)
+            else:
+                self.n_engines += 1
+            self.engines[rank].last_heartbeat = 0.0
+            self.engines[rank].drain_deadline = 0.0
+            ck_ids_insert(&self.engine_ids, rank, self._data(0), n)
+            engine = rank
+        self.engines[engine].state = ENGINE_ALIVE
+        self.engines[engine].coordkit = False
+        self.engines[engine].heartbeats = False
+        self.router.add_rank(engine)
+        return engine
 
     cdef _connect(self, int32_t client):
         """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
@@ -979,6 +1061,30 @@ cdef class Loop:
             self.counters[COUNTER_ENGINE_FAILED] += 1
         if not self._send_error(client, rid, code, header):
             self._client_gone(client)
+
+    cdef _time_out(self, uint32_t slot):
+        """End a request in flight longer than request_timeout: ERROR(TIMED_OUT) to
+        its client, ABORT to its engine (whose late final is then unknown, dropped)."""
+        cdef ck_request* request = &self.requests.pool[slot]
+        cdef int rank = request.rank
+        self.counters[COUNTER_TIMED_OUT] += 1
+        if not request.flags & FLAG_ABORTED and self.engines[rank].state != ENGINE_GONE:
+            abort = protocol.ABORT_REQUEST.pack(request.server_rid)
+            if not self._send_frames(&self.engine_ids, rank, abort):
+                self._mark_gone(rank, GONE_UNREACHABLE)
+        self._fail_request(slot, ERROR_TIMED_OUT, HEADER_SUBMIT_REQUEST)
+
+    cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header):
+        """An entry of an engine's batch that was not delivered: malformed ones are
+        counted and logged, and a coordkit engine is told with an ERROR."""
+        if code == ERROR_MALFORMED:
+            self.counters[COUNTER_MALFORMED_ENTRIES] += 1
+            what = f"malformed entry in {header_name(header)} from engine {engine}"
+            self._log.warn("malformed", what)
+        if self.engines[engine].coordkit:
+            error = protocol.ERROR.pack(rid, code, error_text(code, header))
+            if not self._send_frames(&self.engine_ids, engine, error):
+                self._mark_gone(engine, GONE_UNREACHABLE)
 
     cdef _client_gone(self, int32_t client):
         """A client that cannot be reached: its requests are aborted at their

@@ -29,6 +29,11 @@ Detokenizer = Callable[[list[int]], str]
 #: (releases up to 0.19). coordkit clients and engines always speak multipart.
 DIALECTS = ("multipart", "megatron-core")
 
+#: Server ids are drawn from at least this many positions of the request index
+#: (a power of two; see ck_requests in _tables.h): with few requests in flight,
+#: the index's working set stays this small.
+INDEX_WINDOW_MIN = 4096
+
 #: A kept prompt below this many bytes is copied: sharing it would pin the whole
 #: receive buffer libzmq decoded it from (pyzmq's copy-below-a-threshold rule).
 COPY_BELOW = 8192
@@ -61,6 +66,8 @@ class Counter(IntEnum):
     CLIENT_GONE = 21
     DETOKENIZED = 22
     DETOKENIZE_ERRORS = 23
+    MALFORMED_ENTRIES = 24  # entries of an engine's batch skipped, the rest delivered
+    TIMED_OUT = 25
 
 
 class EngineState(IntEnum):
@@ -104,6 +111,7 @@ class Options:
     max_clients: int
     max_engines: int
     keep_prompts: bool
+    request_timeout: float
     dialect: str
     block_size: int
 
@@ -135,6 +143,7 @@ def cython_constants() -> dict[str, int]:
         BLOCK_HASH_SIZE=protocol.BLOCK_HASH_SIZE,
         MAX_PARTS=protocol.MAX_PARTS,
         COPY_BELOW=COPY_BELOW,
+        INDEX_WINDOW_MIN=INDEX_WINDOW_MIN,
         N_COUNTERS=len(Counter),
     )
     return values

@@ -101,6 +101,7 @@ class Coordinator:
         max_clients: int = 65536,
         max_engines: int = 1024,
         keep_prompts: bool = True,
+        request_timeout: float = 0.0,
         dialect: str = "multipart",
         block_size: int = 16,
         context: zmq.Context | None = None,
@@ -110,8 +111,8 @@ class Coordinator:
             raise ValueError("max_inflight must be between 1 and 2**30")
         if max_inflight_per_engine < 0:
             raise ValueError("max_inflight_per_engine must be >= 0 (0: no cap)")
-        if heartbeat_timeout < 0 or drain_timeout < 0:
-            raise ValueError("timeouts must be >= 0 (0 disables heartbeat expiry)")
+        if heartbeat_timeout < 0 or drain_timeout < 0 or request_timeout < 0:
+            raise ValueError("timeouts must be >= 0 (0 disables heartbeat and request expiry)")
         if max_message_size < -1 or max_message_size == 0:
             raise ValueError("max_message_size must be positive, or -1 for no limit")
         if not 1 <= max_clients <= 1 << 24 or not 1 <= max_engines <= 1 << 16:
@@ -133,6 +134,7 @@ class Coordinator:
             max_clients=max_clients,
             max_engines=max_engines,
             keep_prompts=keep_prompts,
+            request_timeout=request_timeout,
             dialect=dialect,
             block_size=block_size,
         )

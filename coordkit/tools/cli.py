@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--heartbeat-timeout", type=float, metavar="S", help="0: never expire")
     serve.add_argument("--drain-timeout", type=float, metavar="S")
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        metavar="S",
+        help="a request in flight longer than this gets ERROR(TIMED_OUT) (0: never)",
+    )
     serve.add_argument("--max-message-size", type=int, metavar="BYTES")
     serve.add_argument(
         "--detokenizer",
@@ -206,6 +212,7 @@ _SERVE_OPTIONS = (
     "keep_prompts",
     "heartbeat_timeout",
     "drain_timeout",
+    "request_timeout",
     "max_message_size",
     "detokenizer",
     "seed",

@@ -41,6 +41,9 @@ ERROR = 90
 HEARTBEAT = 91
 STATS = 92
 STATS_REPLY = 93
+ENGINE_HELLO = 94
+SUBMIT_BATCH = 95
+REPLY_BATCH = 96
 
 
 def m(obj: Any) -> bytes:
@@ -93,6 +96,11 @@ class RawClient(Peer):
 class RawEngine(Peer):
     def register(self) -> RawEngine:
         self.send(b"")
+        return self
+
+    def hello(self, **features: int) -> RawEngine:
+        """ENGINE_HELLO: a coordkit engine registers (or says so once registered)."""
+        self.send(m([ENGINE_HELLO, {"coordkit": 1, **features}]))
         return self
 
 
