@@ -95,6 +95,9 @@ cdef enum:
     MAX_PARTS = 65536
     COPY_BELOW = 8192
     INDEX_WINDOW_MIN = 4096
+    HEADER_SLOTS = 128
+    ERROR_SLOTS = 32
+    N_LATENCY_BUCKETS = 22
     N_COUNTERS = 26
 
 
@@ -178,5 +181,8 @@ cdef inline dict generated_constants():
         "MAX_PARTS": 65536,
         "COPY_BELOW": 8192,
         "INDEX_WINDOW_MIN": 4096,
+        "HEADER_SLOTS": 128,
+        "ERROR_SLOTS": 32,
+        "N_LATENCY_BUCKETS": 22,
         "N_COUNTERS": 26,
     }

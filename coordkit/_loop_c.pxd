@@ -4,7 +4,7 @@
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from coordkit._codec_c cimport ck_entry, ck_submit
-from coordkit._constants cimport N_COUNTERS
+from coordkit._constants cimport ERROR_SLOTS, HEADER_SLOTS, N_COUNTERS, N_LATENCY_BUCKETS
 from coordkit._libzmq cimport zmq_msg_t
 from coordkit._routing_c cimport Router
 
@@ -96,8 +96,9 @@ cdef class Loop:
         int n_engines
         int* gone  # ranks found gone whose requests are not settled yet, oldest first
         int n_gone
-        # With a request_timeout: when each request (by slot) was submitted, and the
-        # requests in submission order (deadline order), a list through the slots.
+        # With a request_timeout or measure_latency: when each request (by slot)
+        # was submitted. With a request_timeout: the requests in submission
+        # order (deadline order), a list through the slots.
         double* submitted
         uint32_t* older
         uint32_t* newer
@@ -106,6 +107,18 @@ cdef class Loop:
         int control_state
         uint64_t counters[N_COUNTERS]
         uint64_t messages
+        # Messages and bytes by header slot, received ([0]) and sent ([1]).
+        uint64_t traffic_messages[2][HEADER_SLOTS]
+        uint64_t traffic_bytes[2][HEADER_SLOTS]
+        uint64_t failed[ERROR_SLOTS]  # accepted requests ended with ERROR(code)
+        uint64_t refused[ERROR_SLOTS]  # messages refused with ERROR(code)
+        # measure_latency: SUBMIT to final, SUBMIT to the first partial or final.
+        bint measure_latency
+        double latency_bounds[N_LATENCY_BUCKETS]
+        uint64_t final_latency[N_LATENCY_BUCKETS + 1]
+        uint64_t first_latency[N_LATENCY_BUCKETS + 1]
+        double final_latency_sum
+        double first_latency_sum
         uint64_t debug_polls  # DEBUG builds: loop wake-ups, against the messages handled
 
         # The message being handled: its frames, and the entries of a reply batch.
@@ -128,13 +141,16 @@ cdef class Loop:
         self, zmq_msg_t* out, ck_submit* submit, int64_t server_rid
     ) noexcept nogil
     cdef int _route(self, uint32_t slot, const uint8_t* hashes, size_t n_hashes,
-                    zmq_msg_t* meta, int n_payload) noexcept nogil
+                    zmq_msg_t* meta, int64_t header, int n_payload) noexcept nogil
     cdef int _resend(self, uint32_t slot) noexcept nogil
     cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, int* rank) noexcept nogil
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil
     cdef void _forward_replies(self, int32_t engine) noexcept nogil
     cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil
     cdef void _forget(self, uint32_t slot) noexcept nogil
+    cdef void _count_in(self, int64_t header) noexcept nogil
+    cdef void _count_out(self, int64_t header, size_t size) noexcept nogil
+    cdef void _observe(self, uint64_t* buckets, double* total, double seconds) noexcept nogil
     cdef void _queue(self, uint32_t slot) noexcept nogil
     cdef void _unqueue(self, uint32_t slot) noexcept nogil
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil
@@ -159,7 +175,7 @@ cdef class Loop:
     cdef _shutdown_signal(self, int32_t client)
     cdef _stats_request(self, int32_t client)
     cdef object _parse(self, object spec, int32_t client, int64_t header)
-    cdef _broadcast(self)
+    cdef _broadcast(self, int64_t header)
     cdef _detokenize(self, int part)
 
     # failures
@@ -176,6 +192,7 @@ cdef class Loop:
     cdef bytes _frame_bytes(self, int part)
     cdef bint _send_frames(self, ck_ids* table, int32_t index, list frames)
     cdef _reply_to_sender(self, list frames)
+    cdef _count_frames_out(self, list frames)
     cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header)
     cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter)
     cdef _malformed(self, int32_t client, object rid, int64_t header, str detail)

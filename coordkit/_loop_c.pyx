@@ -63,7 +63,14 @@ from coordkit._libzmq cimport (
 from coordkit._routing_c cimport Router
 
 from coordkit import protocol
-from coordkit._shared import RateLimitedLog, check_constants, detokenize, stats_map
+from coordkit._shared import (
+    LATENCY_BUCKETS,
+    RateLimitedLog,
+    check_constants,
+    detokenize,
+    metrics_map,
+    stats_map,
+)
 from coordkit.protocol import (
     CONTROL_TRANSITIONS,
     ProtocolError,
@@ -181,6 +188,14 @@ cdef void send_kept(void* sock, Kept* kept) noexcept nogil:
         send_bytes(sock, data + kept.meta_size, kept.prompt_size, 0)
 
 
+cdef inline size_t kept_size(Kept* kept) noexcept nogil:
+    """The bytes a re-send of ``kept`` puts on the wire (metadata and prompt)."""
+    cdef size_t prompt = kept.prompt_size
+    if prompt == UINT32_MAX:
+        prompt = zmq_msg_size(<zmq_msg_t*>(<uint8_t*>(kept + 1)))
+    return kept.meta_size + prompt
+
+
 cdef void release_kept(void* kept) noexcept nogil:
     if kept != NULL and (<Kept*>kept).prompt_size == UINT32_MAX:
         zmq_msg_close(<zmq_msg_t*>(<Kept*>kept + 1))
@@ -232,11 +247,17 @@ cdef class Loop:
         self._log = RateLimitedLog()
         self.control_state = CONTROL_RUNNING
         self.request_timeout = options.request_timeout
-        if self.request_timeout:
+        self.measure_latency = options.measure_latency
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            self.latency_bounds[i] = bound
+        if self.request_timeout or self.measure_latency:
             self.submitted = <double*>malloc(options.max_inflight * sizeof(double))
+            if self.submitted == NULL:
+                raise MemoryError()
+        if self.request_timeout:
             self.older = <uint32_t*>malloc(options.max_inflight * sizeof(uint32_t))
             self.newer = <uint32_t*>malloc(options.max_inflight * sizeof(uint32_t))
-            if self.submitted == NULL or self.older == NULL or self.newer == NULL:
+            if self.older == NULL or self.newer == NULL:
                 raise MemoryError()
         self.clients = <Client*>calloc(self.max_clients, sizeof(Client))
         self.engines = <Engine*>calloc(self.max_engines, sizeof(Engine))
@@ -343,6 +364,31 @@ cdef class Loop:
         if DEBUG:
             result["debug"] = {"polls": self.debug_polls}
         return result
+
+    def metrics(self) -> dict:
+        """Traffic by header and direction, outcomes by error code, latencies."""
+        cdef int direction, header
+        latency = None
+        if self.measure_latency:
+            latency = {
+                "final": (list(self.final_latency), self.final_latency_sum),
+                "first_reply": (list(self.first_latency), self.first_latency_sum),
+            }
+        return metrics_map(
+            traffic=[
+                (
+                    direction,
+                    header,
+                    self.traffic_messages[direction][header],
+                    self.traffic_bytes[direction][header],
+                )
+                for direction in range(2)
+                for header in range(HEADER_SLOTS)
+            ],
+            failed=list(self.failed),
+            refused=list(self.refused),
+            latency=latency,
+        )
 
     # -- the hot path (no GIL) -----------------------------------------------------------
 
@@ -454,9 +500,11 @@ cdef class Loop:
         if self.oversized or ck_read_header(
             self._data(1), self._size(1), &header, &length, &end
         ) != CK_OK:
+            self._count_in(-1)
             with gil:
                 self._malformed(client, None, -1, "malformed metadata frame")
             return
+        self._count_in(header)
         if engine >= 0:
             self._from_engine(engine, header)
         elif header == HEADER_CONNECT:
@@ -526,6 +574,7 @@ cdef class Loop:
         self.clients[client].inflight += 1
         if self.submitted != NULL:
             self.submitted[slot] = monotonic()
+        if self.older != NULL:
             self._queue(slot)
         request = &self.requests.pool[slot]
         server_rid = request.server_rid
@@ -533,7 +582,7 @@ cdef class Loop:
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         if header == HEADER_SUBMIT_REQUEST and self.keep_prompts:
             request.kept = keep(&meta, &self.parts[2])
-        status = self._route(slot, hashes, n_hashes, &meta, n_payload)
+        status = self._route(slot, hashes, n_hashes, &meta, header, n_payload)
         while status == ROUTE_ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
             with gil:
@@ -541,7 +590,7 @@ cdef class Loop:
             if request.server_rid != server_rid:  # its client went away meanwhile
                 zmq_msg_close(&meta)
                 return
-            status = self._route(slot, hashes, n_hashes, &meta, n_payload)
+            status = self._route(slot, hashes, n_hashes, &meta, header, n_payload)
         zmq_msg_close(&meta)
         if status == ROUTE_SENT:
             self.counters[COUNTER_SUBMITTED] += 1
@@ -576,6 +625,7 @@ cdef class Loop:
         const uint8_t* hashes,
         size_t n_hashes,
         zmq_msg_t* meta,
+        int64_t header,
         int n_payload,
     ) noexcept nogil:
         """Send a new request to the engine chosen for it; a RouteStatus.
@@ -583,9 +633,13 @@ cdef class Loop:
         ``meta`` (the rewritten metadata) and the payload frames go out as themselves.
         """
         cdef int rank, i
+        cdef size_t size = zmq_msg_size(meta)
         cdef int status = self._pick_engine(hashes, n_hashes, &rank)
         if status == ROUTE_SENT:
             self.requests.pool[slot].rank = rank
+            for i in range(n_payload):
+                size += self._size(2 + i)
+            self._count_out(header, size)
             send_msg(self.sock, meta, ZMQ_SNDMORE)
             for i in range(n_payload):
                 send_msg(self.sock, &self.parts[2 + i], ZMQ_SNDMORE if i + 1 < n_payload else 0)
@@ -599,6 +653,7 @@ cdef class Loop:
             status = self._pick_engine(NULL, 0, &rank)
         if status == ROUTE_SENT:
             self.requests.pool[slot].rank = rank
+            self._count_out(HEADER_SUBMIT_REQUEST, kept_size(<Kept*>self.requests.pool[slot].kept))
             send_kept(self.sock, <Kept*>self.requests.pool[slot].kept)
         return status
 
@@ -626,7 +681,8 @@ cdef class Loop:
         cdef int64_t header, slot, client_rid
         cdef uint32_t count, i
         cdef int32_t client
-        cdef bint final
+        cdef bint final, first
+        cdef double now = 0.0, elapsed
         cdef uint8_t out[CK_HEADER_INT_MAX]
         cdef size_t n
         if self._read_replies(&header, &count) != CK_OK:
@@ -640,6 +696,8 @@ cdef class Loop:
                 )
             return
         final = header == HEADER_ENGINE_REPLY
+        if self.measure_latency:
+            now = monotonic()
         for i in range(count):
             if not self.entries[i].valid:
                 with gil:
@@ -657,6 +715,13 @@ cdef class Loop:
                 continue
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
+            if self.measure_latency:
+                elapsed = now - self.submitted[slot]
+                first = not self.requests.pool[slot].flags & FLAG_PRODUCED
+                if first:
+                    self._observe(self.first_latency, &self.first_latency_sum, elapsed)
+                if final:
+                    self._observe(self.final_latency, &self.final_latency_sum, elapsed)
             if final:
                 self._forget(<uint32_t>slot)
                 self.counters[COUNTER_REPLIES] += 1
@@ -671,6 +736,7 @@ cdef class Loop:
                 with gil:
                     self._client_gone(client)
                 continue
+            self._count_out(header, n + self._size(2 + i))
             send_bytes(self.sock, out, n, ZMQ_SNDMORE)
             send_msg(self.sock, &self.parts[2 + i], 0)
 
@@ -698,7 +764,7 @@ cdef class Loop:
         cdef ck_request* request = &self.requests.pool[slot]
         cdef int rank = request.rank
         self.clients[request.client].inflight -= 1
-        if self.submitted != NULL:
+        if self.older != NULL:
             self._unqueue(slot)
         release_kept(request.kept)
         ck_requests_remove(&self.requests, slot)
@@ -707,6 +773,29 @@ cdef class Loop:
         self.router.release_c(rank)
         if self.engines[rank].state == ENGINE_DRAINING and self.router.pending_count[rank] == 0:
             self.engines[rank].state = ENGINE_GONE
+
+    cdef void _count_in(self, int64_t header) noexcept nogil:
+        """Count the message in ``parts`` as received (header -1: unreadable)."""
+        cdef int slot = header if 0 <= header < HEADER_SLOTS - 1 else HEADER_SLOTS - 1
+        cdef size_t size = 0
+        cdef int i
+        for i in range(1, self.n_parts):
+            size += self._size(i)
+        self.traffic_messages[0][slot] += 1
+        self.traffic_bytes[0][slot] += size
+
+    cdef void _count_out(self, int64_t header, size_t size) noexcept nogil:
+        cdef int slot = header if 0 <= header < HEADER_SLOTS - 1 else HEADER_SLOTS - 1
+        self.traffic_messages[1][slot] += 1
+        self.traffic_bytes[1][slot] += size
+
+    cdef void _observe(self, uint64_t* buckets, double* total, double seconds) noexcept nogil:
+        """One duration into a latency histogram: the first bucket whose bound it fits."""
+        cdef int i = 0
+        while i < N_LATENCY_BUCKETS and seconds > self.latency_bounds[i]:
+            i += 1
+        buckets[i] += 1
+        total[0] += seconds
 
     cdef void _queue(self, uint32_t slot) noexcept nogil:
         """Append a new request to the submission-order list (request_timeout)."""
@@ -848,6 +937,7 @@ cdef class Loop:
             index = self._vacant_client()
             if index < 0:
                 self.counters[COUNTER_TABLE_FULL] += 1
+                self.refused[ERROR_BUSY] += 1
                 if coordkit:
                     self.counters[COUNTER_ERRORS_SENT] += 1
                     text = error_text(ERROR_BUSY, HEADER_CONNECT)
@@ -930,7 +1020,7 @@ cdef class Loop:
     cdef _release_kv(self, int32_t client):
         if self._parse(protocol.RELEASE_KV, client, HEADER_RELEASE_KV) is not None:
             self.counters[COUNTER_RELEASE_KV] += 1
-            self._broadcast()
+            self._broadcast(HEADER_RELEASE_KV)
 
     cdef _control(self, int32_t client, int64_t header):
         """A control signal: through the state machine, then to every engine."""
@@ -942,7 +1032,7 @@ cdef class Loop:
             return
         self.counters[COUNTER_CONTROL] += 1
         self.control_state = state
-        self._broadcast()
+        self._broadcast(header)
 
     cdef _shutdown_signal(self, int32_t client):
         if self._parse(protocol.SHUTDOWN, client, HEADER_SHUTDOWN) is not None:
@@ -962,7 +1052,7 @@ cdef class Loop:
             self._malformed(client, exc.rid, header, str(exc))
             return None
 
-    cdef _broadcast(self):
+    cdef _broadcast(self, int64_t header):
         """The metadata frame as it came (refcounted copies) to every engine not gone."""
         cdef int rank
         for rank in range(self.n_engines):
@@ -971,6 +1061,7 @@ cdef class Loop:
             if self._send_identity(&self.engine_ids, rank) != 0:
                 self._mark_gone(rank, GONE_UNREACHABLE)
             else:
+                self._count_out(header, self._size(1))
                 send_shared(self.sock, &self.parts[1], 0)
 
     cdef _detokenize(self, int part):
@@ -1057,6 +1148,7 @@ cdef class Loop:
         cdef int32_t client = self.requests.pool[slot].client
         rid = self.requests.pool[slot].client_rid
         self._forget(slot)
+        self.failed[code] += 1
         if code == ERROR_ENGINE_FAILED:
             self.counters[COUNTER_ENGINE_FAILED] += 1
         if not self._send_error(client, rid, code, header):
@@ -1131,6 +1223,7 @@ cdef class Loop:
         cdef Py_ssize_t i, last = len(frames) - 1
         if self._send_identity(table, index) != 0:
             return False
+        self._count_frames_out(frames)
         for i in range(last + 1):
             frame = frames[i]
             send_bytes(self.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i < last else 0)
@@ -1142,9 +1235,19 @@ cdef class Loop:
         cdef Py_ssize_t i, last = len(frames) - 1
         if send_bytes(self.sock, self._data(0), self._size(0), ZMQ_SNDMORE) != 0:
             return
+        self._count_frames_out(frames)
         for i in range(last + 1):
             frame = frames[i]
             send_bytes(self.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i < last else 0)
+
+    cdef _count_frames_out(self, list frames):
+        cdef bytes first = frames[0]
+        cdef int64_t header
+        cdef uint32_t length
+        cdef size_t end
+        if ck_read_header(<const uint8_t*><const char*>first, len(first), &header, &length, &end):
+            header = -1
+        self._count_out(header, sum(len(frame) for frame in frames))
 
     cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header):
         """ERROR to a coordkit client (others cannot parse it); False when it is gone."""
@@ -1157,6 +1260,7 @@ cdef class Loop:
     cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter):
         """Count a refused message and answer its client with ERROR(code)."""
         self.counters[counter] += 1
+        self.refused[code] += 1
         if not self._send_error(client, rid, code, header):
             self._client_gone(client)
 

@@ -25,7 +25,10 @@ from . import _codec_py as codec
 from . import protocol
 from ._shared import (
     COPY_BELOW,
+    ERROR_SLOTS,
+    HEADER_SLOTS,
     INDEX_WINDOW_MIN,
+    LATENCY_BUCKETS,
     Counter,
     EngineState,
     Options,
@@ -33,6 +36,9 @@ from ._shared import (
     RequestFlag,
     RouteStatus,
     detokenize,
+    header_slot,
+    latency_bucket,
+    metrics_map,
     stats_map,
 )
 from .protocol import (
@@ -136,6 +142,17 @@ class Loop:
         self._control_state = ControlState.RUNNING
         self._counters = [0] * len(Counter)
         self._messages = 0
+        # Messages and bytes by header slot, received ([0]) and sent ([1]).
+        self._traffic_messages = [[0] * HEADER_SLOTS for _ in range(2)]
+        self._traffic_bytes = [[0] * HEADER_SLOTS for _ in range(2)]
+        self._failed = [0] * ERROR_SLOTS  # accepted requests ended with ERROR(code)
+        self._refused = [0] * ERROR_SLOTS  # messages refused with ERROR(code)
+        # measure_latency: SUBMIT to final, SUBMIT to the first partial or final.
+        self._latency: dict[str, list[Any]] | None = None
+        if options.measure_latency:
+            self._latency = {
+                name: [[0] * (len(LATENCY_BUCKETS) + 1), 0.0] for name in ("final", "first_reply")
+            }
         self._poller = zmq.Poller()
         self._poller.register(router_socket, zmq.POLLIN)
         self._poller.register(wake_socket, zmq.POLLIN)
@@ -197,6 +214,22 @@ class Loop:
             ],
         )
 
+    def metrics(self) -> dict[str, Any]:
+        """Traffic by header and direction, outcomes by error code, latencies."""
+        latency = None
+        if self._latency is not None:
+            latency = {name: (list(b), total) for name, (b, total) in self._latency.items()}
+        return metrics_map(
+            traffic=[
+                (direction, slot, self._traffic_messages[direction][slot], size)
+                for direction in range(2)
+                for slot, size in enumerate(self._traffic_bytes[direction])
+            ],
+            failed=list(self._failed),
+            refused=list(self._refused),
+            latency=latency,
+        )
+
     # -- the hot path --------------------------------------------------------------------
 
     def _drain(self) -> None:
@@ -225,8 +258,10 @@ class Loop:
                 raise ProtocolError(f"more than {MAX_PARTS} frames")
             header = codec.read_header(frames[1].buffer)[0]
         except ProtocolError as exc:
+            self._count_in(-1, frames)
             self._malformed(client, None, -1, str(exc), frames)
             return
+        self._count_in(header, frames)
         if engine is not None:
             self._from_engine(engine, header, frames)
         elif header == Header.CONNECT:
@@ -276,8 +311,9 @@ class Loop:
             return
         request = self._add(client, rid)
         client.inflight += 1
-        if self._queue is not None:
+        if self._queue is not None or self._latency is not None:
             request.submitted = time.monotonic()
+        if self._queue is not None:
             self._queue[request.server_rid] = request
         out_meta = codec.rewrite_submit(meta, request.server_rid)
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
@@ -285,13 +321,13 @@ class Loop:
             prompt = frames[2]
             request.kept = (out_meta, prompt.bytes if len(prompt) < COPY_BELOW else prompt)
         message = [out_meta, *frames[2 : 2 + n_payload]]
-        status = self._route(request, hashes, message)
+        status = self._route(request, hashes, header, message)
         while status == RouteStatus.ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
             self._settle()
             if self._find(request.server_rid) is not request:  # its client went away meanwhile
                 return
-            status = self._route(request, hashes, message)
+            status = self._route(request, hashes, header, message)
         if status == RouteStatus.SENT:
             self._counters[Counter.SUBMITTED] += 1
             return
@@ -300,12 +336,13 @@ class Loop:
         self._refuse(client, rid, _refusal(status), header, counter)
 
     def _route(
-        self, request: _Request, hashes: memoryview | None, message: list[Any]
+        self, request: _Request, hashes: memoryview | None, header: int, message: list[Any]
     ) -> RouteStatus:
         """Send a new request to the engine chosen for it; its payload frames go as themselves."""
         rank, status = self._pick_engine(hashes)
         if status == RouteStatus.SENT:
             request.rank = rank
+            self._count_out(header, message)
             self._sock.send_multipart(message, copy=False)
         return status
 
@@ -317,6 +354,7 @@ class Loop:
         if status == RouteStatus.SENT:
             request.rank = rank
             assert request.kept is not None
+            self._count_out(Header.SUBMIT_REQUEST, request.kept)
             self._sock.send_multipart(list(request.kept), copy=False)
         return status
 
@@ -353,6 +391,7 @@ class Loop:
             self._malformed(None, None, header, detail, frames)
             return
         final = header == Header.ENGINE_REPLY
+        now = time.monotonic() if self._latency is not None else 0.0
         for entry, body in zip(entries, bodies, strict=True):
             if entry is None:
                 self._reject_entry(engine, None, ErrorCode.MALFORMED, header)
@@ -367,6 +406,11 @@ class Loop:
                     self._reject_entry(engine, server_rid, ErrorCode.UNKNOWN_REQUEST, header)
                 continue
             client = request.client
+            if self._latency is not None:
+                if not request.flags & PRODUCED:
+                    self._observe("first_reply", now - request.submitted)
+                if final:
+                    self._observe("final", now - request.submitted)
             if final:
                 self._forget(request)
                 self._counters[Counter.REPLIES] += 1
@@ -379,9 +423,9 @@ class Loop:
             if not self._send_identity(client.identity):
                 self._client_gone(client)
                 continue
-            self._sock.send_multipart(
-                [codec.write_header_int(header, request.client_rid), out], copy=False
-            )
+            reply = [codec.write_header_int(header, request.client_rid), out]
+            self._count_out(header, reply)
+            self._sock.send_multipart(reply, copy=False)
 
     def _add(self, client: _Client, client_rid: int) -> _Request:
         """A new request: the next server id whose position is free, drawn below
@@ -422,6 +466,24 @@ class Loop:
         engine = self._engines[request.rank]
         if engine.state == DRAINING and self._router.pending(engine.rank) == 0:
             engine.state = GONE
+
+    def _count_in(self, header: int, frames: list[zmq.Frame]) -> None:
+        """Count a received message (header -1: unreadable)."""
+        slot = header_slot(header)
+        self._traffic_messages[0][slot] += 1
+        self._traffic_bytes[0][slot] += sum(len(frame) for frame in frames[1:])
+
+    def _count_out(self, header: int, frames: Any) -> None:
+        slot = header_slot(header)
+        self._traffic_messages[1][slot] += 1
+        self._traffic_bytes[1][slot] += sum(len(frame) for frame in frames)
+
+    def _observe(self, name: str, seconds: float) -> None:
+        """One duration into a latency histogram: the first bucket whose bound it fits."""
+        assert self._latency is not None
+        histogram = self._latency[name]
+        histogram[0][latency_bucket(seconds)] += 1
+        histogram[1] += seconds
 
     def _mark_gone(self, engine: _Engine, reason: str) -> None:
         """Take an engine out of the pool now; its requests are settled after the
@@ -540,6 +602,7 @@ class Loop:
         else:
             if len(self._clients) >= self._options.max_clients and not self._vacant_client():
                 self._counters[Counter.TABLE_FULL] += 1
+                self._refused[ErrorCode.BUSY] += 1
                 if coordkit:
                     self._counters[Counter.ERRORS_SENT] += 1
                     text = error_text(ErrorCode.BUSY, Header.CONNECT)
@@ -692,6 +755,7 @@ class Loop:
     def _fail_request(self, request: _Request, code: ErrorCode, header: int) -> None:
         """End ``request`` with ERROR(code): its one terminal reply."""
         self._forget(request)
+        self._failed[code] += 1
         if code == ErrorCode.ENGINE_FAILED:
             self._counters[Counter.ENGINE_FAILED] += 1
         if not self._send_error(request.client, request.client_rid, code, header):
@@ -743,6 +807,11 @@ class Loop:
         """Send one message to a peer; False when it is gone."""
         if not self._send_identity(identity):
             return False
+        try:
+            header = codec.read_header(frames[0])[0]
+        except ProtocolError:
+            header = -1
+        self._count_out(header, frames)
         self._sock.send_multipart(frames, copy=False)
         return True
 
@@ -758,6 +827,7 @@ class Loop:
     ) -> None:
         """Count a refused message and answer its client with ERROR(code)."""
         self._counters[counter] += 1
+        self._refused[code] += 1
         if not self._send_error(client, rid, code, header):
             self._client_gone(client)
 

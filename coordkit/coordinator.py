@@ -135,6 +135,7 @@ class Coordinator:
             max_engines=max_engines,
             keep_prompts=keep_prompts,
             request_timeout=request_timeout,
+            measure_latency=False,
             dialect=dialect,
             block_size=block_size,
         )
@@ -193,6 +194,11 @@ class Coordinator:
     def stats(self) -> dict[str, Any]:
         """Counters, requests in flight, clients, control state and engines."""
         return self._loop.stats()
+
+    def metrics(self) -> dict[str, Any]:
+        """Messages and bytes by header and direction, requests failed and messages
+        refused by error code, and (when measured) the latency histograms."""
+        return self._loop.metrics()
 
     def __enter__(self) -> Self:
         self.start()

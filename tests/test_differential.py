@@ -107,7 +107,13 @@ def _conversation(impl, address: str, policy: str, seed: int, steps: int) -> dic
                 junk = rng.choice([b"\xc1", m([]), m([SUBMIT, "x", {}]), m([77]), m([SUBMIT, 1])])
                 send(client, junk, b"p")
         stats = c.coord.stats()
-    return {"log": dict(log), "counters": stats["counters"], "inflight": stats["inflight"]}
+        metrics = c.coord.metrics()
+    return {
+        "log": dict(log),
+        "counters": stats["counters"],
+        "inflight": stats["inflight"],
+        "metrics": metrics,
+    }
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "power_of_two", "prefix"])
@@ -122,6 +128,7 @@ def test_same_frames_at_every_peer(c_impl, py_impl, tmp_path, policy):
         assert c_run["log"].get(peer) == py_run["log"].get(peer), peer
     assert c_run["counters"] == py_run["counters"]
     assert c_run["inflight"] == py_run["inflight"]
+    assert c_run["metrics"] == py_run["metrics"]
 
 
 def _server_ids(impl, address: str, waves: list[int]) -> list[int]:
