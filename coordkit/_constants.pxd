@@ -74,6 +74,7 @@ cdef enum:  # coordkit._shared.Counter
     COUNTER_DETOKENIZE_ERRORS = 23
     COUNTER_MALFORMED_ENTRIES = 24
     COUNTER_TIMED_OUT = 25
+    COUNTER_AUTH_REFUSED = 26
 
 cdef enum:  # coordkit._shared.EngineState
     ENGINE_ALIVE = 0
@@ -98,7 +99,7 @@ cdef enum:
     HEADER_SLOTS = 128
     ERROR_SLOTS = 32
     N_LATENCY_BUCKETS = 22
-    N_COUNTERS = 26
+    N_COUNTERS = 27
 
 
 cdef inline dict generated_constants():
@@ -168,6 +169,7 @@ cdef inline dict generated_constants():
         "Counter.DETOKENIZE_ERRORS": 23,
         "Counter.MALFORMED_ENTRIES": 24,
         "Counter.TIMED_OUT": 25,
+        "Counter.AUTH_REFUSED": 26,
         "EngineState.ALIVE": 0,
         "EngineState.DRAINING": 1,
         "EngineState.GONE": 2,
@@ -184,5 +186,5 @@ cdef inline dict generated_constants():
         "HEADER_SLOTS": 128,
         "ERROR_SLOTS": 32,
         "N_LATENCY_BUCKETS": 22,
-        "N_COUNTERS": 26,
+        "N_COUNTERS": 27,
     }

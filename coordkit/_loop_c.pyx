@@ -365,6 +365,10 @@ cdef class Loop:
             result["debug"] = {"polls": self.debug_polls}
         return result
 
+    def count_auth_refused(self) -> None:
+        """A peer refused at the CURVE handshake (from the thread that watches for them)."""
+        self.counters[COUNTER_AUTH_REFUSED] += 1
+
     def metrics(self) -> dict:
         """Traffic by header and direction, outcomes by error code, latencies."""
         cdef int direction, header

@@ -214,6 +214,10 @@ class Loop:
             ],
         )
 
+    def count_auth_refused(self) -> None:
+        """A peer refused at the CURVE handshake (from the thread that watches for them)."""
+        self._counters[Counter.AUTH_REFUSED] += 1
+
     def metrics(self) -> dict[str, Any]:
         """Traffic by header and direction, outcomes by error code, latencies."""
         latency = None

@@ -79,6 +79,7 @@ class Counter(IntEnum):
     DETOKENIZE_ERRORS = 23
     MALFORMED_ENTRIES = 24  # entries of an engine's batch skipped, the rest delivered
     TIMED_OUT = 25
+    AUTH_REFUSED = 26  # peers refused at the CURVE handshake (counted off the loop)
 
 
 class EngineState(IntEnum):

@@ -55,14 +55,17 @@ def um(data: bytes) -> Any:
 
 
 class Peer:
-    """A DEALER connected to the coordinator."""
+    """A DEALER connected to the coordinator (or not yet, to set options first)."""
 
-    def __init__(self, ctx: zmq.Context, address: str, identity: bytes | None = None):
+    def __init__(
+        self, ctx: zmq.Context, address: str, identity: bytes | None = None, connect: bool = True
+    ):
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if identity is not None:
             self.sock.setsockopt(zmq.IDENTITY, identity)
-        self.sock.connect(address)
+        if connect:
+            self.sock.connect(address)
 
     def send(self, *frames: bytes) -> None:
         self.sock.send_multipart(list(frames))
