@@ -30,8 +30,6 @@ from tests.support.peers import (
 )
 from tests.support.processes import coordkit_command, python_env
 
-pytest.importorskip("prometheus_client")
-
 #: The metric names the README's table lists.
 METRIC_NAMES = [
     "coordkit_requests_total",
