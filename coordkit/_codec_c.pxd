@@ -18,6 +18,7 @@ ctypedef struct ck_submit:
 ctypedef struct ck_entry:
     int64_t rid
     bint needs_detokenize
+    bint valid  # a well-formed entry; the others were skipped, the batch read on
 
 # Megatron-Core's single-frame SUBMIT `[header, rid, prompt, sampling_params]`.
 ctypedef struct ck_single_submit:
@@ -84,11 +85,13 @@ cdef size_t ck_write_header_int(uint8_t* out, int64_t header, int64_t value) noe
 # `[header]` into CK_HEADER_MAX bytes; returns the bytes written.
 cdef size_t ck_write_header(uint8_t* out, int64_t header) noexcept nogil
 
-# `[21, [[rid, needs_detokenize], ...]]` or `[22, [rid, ...]]`, validated whole.
-# The first `capacity` entries go to `entries` (PARTIAL entries get
-# needs_detokenize = 0). CK_TOO_MANY comes only for an otherwise valid frame;
-# with it and with CK_OK, *count is the number of entries, so the caller can
-# grow `entries` to *count and read again.
+# `[21, [[rid, needs_detokenize], ...]]` or `[22, [rid, ...]]`. The batch must
+# be readable whole (an error status otherwise); an entry of the wrong shape,
+# or whose rid does not fit int64, is skipped and marked valid = 0 (salvage:
+# the good entries of a batch are still delivered). The first `capacity`
+# entries go to `entries` (PARTIAL entries get needs_detokenize = 0).
+# CK_TOO_MANY comes only for an otherwise valid frame; with it and with CK_OK,
+# *count is the number of entries, so the caller can grow `entries` and read again.
 cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* entries,
                        uint32_t capacity, uint32_t* count) noexcept nogil
 

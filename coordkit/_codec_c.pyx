@@ -346,9 +346,7 @@ cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* 
     c.p = buf
     c.end = buf + n
     cdef uint32_t length, i
-    cdef int64_t rid
-    cdef const uint8_t* p
-    cdef bint flag = False
+    cdef const uint8_t* start
     count[0] = 0
     cdef int status = _read_array(&c, &length)
     if status != CK_OK:
@@ -366,31 +364,47 @@ cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* 
     if length > ck_left(&c):
         return CK_TRUNCATED
     cdef bint full = header[0] == HEADER_ENGINE_REPLY
-    cdef uint32_t pair
+    cdef ck_entry entry
     for i in range(length):
-        if full:
-            status = _read_array(&c, &pair)
+        start = c.p
+        entry.valid = _read_entry(&c, full, &entry) == CK_OK
+        if not entry.valid:
+            # a well-formed object of the wrong shape: skipped, the rest still read
+            c.p = start
+            status = _skip(&c, 1)
             if status != CK_OK:
                 return status
-            if pair != 2:
-                return CK_BAD_LENGTH
-        status = _read_int(&c, &rid)
-        if status != CK_OK:
-            return CK_RID_RANGE if status == CK_RANGE else status
-        if full:
-            p = ck_take(&c, 1)
-            if p == NULL:
-                return CK_TRUNCATED
-            if p[0] != 0xc2 and p[0] != 0xc3:
-                return CK_BAD_TYPE
-            flag = p[0] == 0xc3
         if i < capacity:
-            entries[i].rid = rid
-            entries[i].needs_detokenize = flag
+            entries[i] = entry
     if c.p != c.end:
         return CK_TRAILING
     count[0] = length
     return CK_TOO_MANY if length > capacity else CK_OK
+
+
+cdef inline int _read_entry(ck_cursor* c, bint full, ck_entry* entry) noexcept nogil:
+    """One entry of a batch: ``[rid, needs_detokenize]`` (full) or ``rid``."""
+    cdef uint32_t pair
+    cdef const uint8_t* p
+    cdef int status
+    entry.needs_detokenize = False
+    if full:
+        status = _read_array(c, &pair)
+        if status != CK_OK:
+            return status
+        if pair != 2:
+            return CK_BAD_LENGTH
+    status = _read_int(c, &entry.rid)
+    if status != CK_OK:
+        return status
+    if full:
+        p = ck_take(c, 1)
+        if p == NULL:
+            return CK_TRUNCATED
+        if p[0] != 0xc2 and p[0] != 0xc3:
+            return CK_BAD_TYPE
+        entry.needs_detokenize = p[0] == 0xc3
+    return CK_OK
 
 
 # -- Megatron-Core's single frames -------------------------------------------------
@@ -477,7 +491,7 @@ cdef inline size_t _request_id_key(const ck_cursor* c) noexcept nogil:
     return head + 10
 
 
-cdef int _read_entry(ck_cursor* c, int64_t* rid, int* entry_status) noexcept nogil:
+cdef int _read_single_entry(ck_cursor* c, int64_t* rid, int* entry_status) noexcept nogil:
     """Skip one reply entry, finding the "request_id" of a map among its top-level
     keys; the frame's status (only structure fails it), and the entry's in *entry_status."""
     cdef const uint8_t* p
@@ -548,7 +562,7 @@ cdef int ck_read_single_reply(const uint8_t* buf, size_t n, ck_single_entry* ent
     for i in range(length):
         start = c.p
         rid = 0
-        status = _read_entry(&c, &rid, &entry_status)
+        status = _read_single_entry(&c, &rid, &entry_status)
         if status != CK_OK:
             return status
         if i < capacity:
@@ -822,11 +836,13 @@ def rewrite_submit(frame, rid) -> bytes:
     return out
 
 
-def read_reply(frame) -> tuple[int, list[tuple[int, bool]]]:
-    """``(header, [(rid, needs_detokenize), ...])`` of an engine's batch.
+def read_reply(frame) -> tuple[int, list[tuple[int, bool] | None]]:
+    """``(header, entries)`` of an engine's batch, one entry per body frame.
 
     ``[21, [[rid, needs_detokenize], ...]]`` or ``[22, [rid, ...]]``, whose
-    entries come back as ``(rid, False)``.
+    entries come back as ``(rid, False)``. An entry that is well-formed
+    msgpack but not of that shape (or whose rid does not fit int64) comes
+    back as ``None``; ProtocolError only when the batch itself cannot be read.
     """
     cdef Py_buffer view
     cdef ck_entry local[_LOCAL_ENTRIES]
@@ -846,7 +862,10 @@ def read_reply(frame) -> tuple[int, list[tuple[int, bool]]]:
     try:
         if status != CK_OK:
             raise _error("malformed engine reply", status)
-        return header, [(entries[i].rid, entries[i].needs_detokenize) for i in range(count)]
+        return header, [
+            (entries[i].rid, entries[i].needs_detokenize) if entries[i].valid else None
+            for i in range(count)
+        ]
     finally:
         if entries != local:
             free(entries)

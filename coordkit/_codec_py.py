@@ -83,17 +83,19 @@ def _int(what: str, value: Any, out_of_range: str = "int out of int64 range") ->
     return value
 
 
-def _start(frame: bytes, min_length: int) -> tuple[msgpack.Unpacker, int, int]:
+def _start(
+    frame: bytes, min_length: int, what: str = _METADATA
+) -> tuple[msgpack.Unpacker, int, int]:
     """An unpacker just past the header int, the array length and the header."""
     if not frame:
-        raise ProtocolError(f"{_METADATA}: truncated")
+        raise ProtocolError(f"{what}: truncated")
     # sized to the frame: the default would allocate 1 MiB per call
     unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=len(frame))
     unpacker.feed(frame)
-    length = _unpack(_METADATA, unpacker.read_array_header)
+    length = _unpack(what, unpacker.read_array_header)
     if length < min_length:
-        raise ProtocolError(f"{_METADATA}: array of the wrong length")
-    header = _int(_METADATA, _unpack(_METADATA, unpacker.unpack))
+        raise ProtocolError(f"{what}: array of the wrong length")
+    header = _int(what, _unpack(what, unpacker.unpack))
     return unpacker, length, header
 
 
@@ -132,29 +134,48 @@ def rewrite_submit(frame: Buffer, rid: int) -> bytes:
     return prefix + data[offset:]
 
 
-def read_reply(frame: Buffer) -> tuple[int, list[tuple[int, bool]]]:
-    """``(header, [(rid, needs_detokenize), ...])`` of an engine's batch.
+def read_reply(frame: Buffer) -> tuple[int, list[tuple[int, bool] | None]]:
+    """``(header, entries)`` of an engine's batch, one entry per body frame.
 
     ``[21, [[rid, needs_detokenize], ...]]`` or ``[22, [rid, ...]]``, whose
-    entries come back as ``(rid, False)``.
+    entries come back as ``(rid, False)``. An entry that is well-formed
+    msgpack but not of that shape (or whose rid does not fit int64) comes
+    back as ``None``; ProtocolError only when the batch itself cannot be read.
     """
     data = _as_bytes(frame)
-    metadata = _unpack(_REPLY, lambda: msgpack.unpackb(data, raw=True, strict_map_key=False))
-    if type(metadata) is not list or len(metadata) != 2:
-        raise ProtocolError(f"{_REPLY}: not an array of two")
-    header, batch = metadata
-    if _int(_REPLY, header) not in (Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL):
+    unpacker, length, header = _start(data, 2, _REPLY)
+    if length != 2:
+        raise ProtocolError(f"{_REPLY}: array of the wrong length")
+    if header not in (Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL):
         raise ProtocolError(f"{_REPLY}: not an engine reply header")
-    if type(batch) is not list:
-        raise ProtocolError(f"{_REPLY}: the batch is not an array")
-    if header == Header.ENGINE_REPLY_PARTIAL:
-        return header, [(_int(_REPLY, rid, "request id out of range"), False) for rid in batch]
+    count = _unpack(_REPLY, unpacker.read_array_header)
+    if count > len(data) - unpacker.tell():
+        raise ProtocolError(f"{_REPLY}: truncated")
     entries = []
-    for entry in batch:
-        if type(entry) is not list or len(entry) != 2 or type(entry[1]) is not bool:
-            raise ProtocolError(f"{_REPLY}: an entry is not [rid, needs_detokenize]")
-        entries.append((_int(_REPLY, entry[0], "request id out of range"), entry[1]))
+    for _ in range(count):
+        start = unpacker.tell()
+        _unpack(_REPLY, unpacker.skip)
+        entries.append(_entry(data[start : unpacker.tell()], header == Header.ENGINE_REPLY))
+    if unpacker.tell() != len(data):
+        raise ProtocolError(f"{_REPLY}: trailing bytes")
     return header, entries
+
+
+def _entry(data: bytes, full: bool) -> tuple[int, bool] | None:
+    """One skipped entry of a batch, if it is ``[rid, flag]`` (full) or ``rid``."""
+    try:
+        entry = msgpack.unpackb(data, raw=True, strict_map_key=False)
+    except Exception:  # well-formed, but not something an entry can be
+        return None
+    if full:
+        if type(entry) is not list or len(entry) != 2 or type(entry[1]) is not bool:
+            return None
+        rid, flag = entry
+    else:
+        rid, flag = entry, False
+    if type(rid) is not int or not _INT64_MIN <= rid <= _INT64_MAX:
+        return None
+    return rid, flag
 
 
 def write_header(header: int) -> bytes:

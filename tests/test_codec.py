@@ -372,16 +372,9 @@ def test_reply_larger_than_the_local_buffer(impl):
         packb([SUBMIT, []]),  # not a reply header
         packb([True, []]),
         packb([REPLY, {}]),
-        packb([REPLY, [[1]]]),
-        packb([REPLY, [[1, True, 2]]]),
-        packb([REPLY, [[1, 1]]]),  # flag is an int
-        packb([REPLY, [[True, True]]]),
-        packb([REPLY, [[INT64_MAX + 1, True]]]),
-        packb([REPLY, [1]]),  # a PARTIAL entry under ENGINE_REPLY
-        packb([PARTIAL, [[1, True]]]),  # and the other way round
-        packb([PARTIAL, [None]]),
         packb([REPLY, [[1, True]]]) + b"\x00",  # trailing
         packb([REPLY, [[1, True]]])[:-1],  # truncated
+        packb([REPLY, [[1, b"\xc1"]]]).replace(b"\xc4\x01\xc1", b"\xc1\xc1\xc1"),  # reserved byte
         b"\x92\x15\xdd\xff\xff\xff\xff",  # claims 2**32-1 entries
     ],
 )
@@ -389,6 +382,29 @@ def test_reply_errors(impl, frame):
     with pytest.raises(ProtocolError) as info:
         impl.codec.read_reply(frame)
     assert info.value.rid is None
+
+
+@pytest.mark.parametrize(
+    ("frame", "entries"),
+    [
+        (packb([REPLY, [[1]]]), [None]),
+        (packb([REPLY, [[1, True, 2]]]), [None]),
+        (packb([REPLY, [[1, 1]]]), [None]),  # flag is an int
+        (packb([REPLY, [[True, True]]]), [None]),
+        (packb([REPLY, [[INT64_MAX + 1, True]]]), [None]),
+        (packb([REPLY, [1]]), [None]),  # a PARTIAL entry under ENGINE_REPLY
+        (packb([PARTIAL, [[1, True]]]), [None]),  # and the other way round
+        (packb([PARTIAL, [None]]), [None]),
+        # the good entries of a batch survive the bad ones around them
+        (packb([REPLY, [[7, False], [INT64_MAX + 1, False], {"a": [1]}, [8, True]]]),
+         [(7, False), None, None, (8, True)]),
+        (packb([PARTIAL, [5, "x", -(2**63), 2**64 - 1]]),
+         [(5, False), None, (INT64_MIN, False), None]),
+    ],
+)  # fmt: skip
+def test_reply_salvages_good_entries(impl, frame, entries):
+    header = msgpack.unpackb(frame)[0]
+    assert impl.codec.read_reply(frame) == (header, entries)
 
 
 # -- writers -----------------------------------------------------------------------

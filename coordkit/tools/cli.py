@@ -27,7 +27,9 @@ from typing import Any
 import coordkit
 from coordkit import Coordinator, Implementation
 from coordkit._routing_py import POLICIES
+from coordkit._shared import DIALECTS
 from coordkit.client import Client
+from coordkit.curve import keygen
 
 from .demo import COMPARED_POLICIES, SUFFIX_TOKENS
 from .demo import run as run_demo
@@ -68,7 +70,40 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--heartbeat-timeout", type=float, metavar="S", help="0: never expire")
     serve.add_argument("--drain-timeout", type=float, metavar="S")
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        metavar="S",
+        help="a request in flight longer than this gets ERROR(TIMED_OUT) (0: never)",
+    )
     serve.add_argument("--max-message-size", type=int, metavar="BYTES")
+    serve.add_argument(
+        "--dialect",
+        choices=DIALECTS,
+        help="what peers that are not coordkit's speak (default multipart)",
+    )
+    serve.add_argument(
+        "--block-size",
+        type=_positive_int,
+        metavar="N",
+        help="tokens per block of the prefix hashes it computes (megatron-core dialect)",
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (pip install 'coordkit[metrics]')",
+    )
+    serve.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        help="the coordinator's key pair (a .key_secret file, from coordkit keygen)",
+    )
+    serve.add_argument(
+        "--curve-authorized-keys",
+        metavar="DIR",
+        help="the public keys (.key files) of the clients and engines it admits",
+    )
     serve.add_argument(
         "--detokenizer",
         type=_import_callable,
@@ -123,6 +158,19 @@ def _parser() -> argparse.ArgumentParser:
     stats.set_defaults(command=_stats)
     stats.add_argument("--address", required=True)
     stats.add_argument("--timeout", type=float, default=5.0, metavar="S")
+    stats.add_argument(
+        "--watch",
+        action="store_true",
+        help="a live table in the terminal, refreshed every --interval seconds (like top)",
+    )
+    stats.add_argument("--interval", type=float, default=1.0, metavar="S")
+
+    keygen = commands.add_parser(
+        "keygen", help="write a CURVE key pair: DIR/NAME.key (public), DIR/NAME.key_secret"
+    )
+    keygen.set_defaults(command=_keygen)
+    keygen.add_argument("directory", metavar="DIR")
+    keygen.add_argument("name", metavar="NAME")
 
     fake = commands.add_parser(
         "fake-engine",
@@ -206,7 +254,13 @@ _SERVE_OPTIONS = (
     "keep_prompts",
     "heartbeat_timeout",
     "drain_timeout",
+    "request_timeout",
     "max_message_size",
+    "dialect",
+    "block_size",
+    "metrics_port",
+    "curve_secret_key",
+    "curve_authorized_keys",
     "detokenizer",
     "seed",
     "prefix_alpha",
@@ -244,6 +298,13 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    if coord.address.startswith("tcp://") and not coord.curve:
+        print(
+            f"coordkit: warning: {coord.address} is open to anyone who can reach it: "
+            "anyone may submit work and read replies (see --curve-secret-key)",
+            file=sys.stderr,
+            flush=True,
+        )
     thread.join()
     return 1 if failures else 0
 
@@ -256,11 +317,69 @@ def _stats(args: argparse.Namespace) -> int:
         async with await Client.connect(args.address, timeout=args.timeout) as client:
             return await client.stats(timeout=args.timeout)
 
+    async def watch() -> None:
+        async with await Client.connect(args.address, timeout=args.timeout) as client:
+            previous: dict[str, Any] | None = None
+            while True:
+                stats = await client.stats(timeout=args.timeout)
+                print(_CLEAR + stats_table(stats, previous, args.interval), flush=True)
+                previous = stats
+                await asyncio.sleep(args.interval)
+
     try:
+        if args.watch:
+            asyncio.run(watch())
+            return 0
         stats = asyncio.run(fetch())
     except (ConnectionError, TimeoutError) as exc:
         raise SystemExit(f"coordkit stats: {exc}") from None
+    except KeyboardInterrupt:
+        return 0
     print(json.dumps(stats, indent=2, sort_keys=True))
+    return 0
+
+
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
+
+
+def stats_table(stats: dict[str, Any], previous: dict[str, Any] | None, interval: float) -> str:
+    """The live view of ``coordkit stats --watch``: rates since ``previous``."""
+    counters = stats["counters"]
+
+    def rate(name: str) -> str:
+        if previous is None:
+            return "-"
+        return f"{(counters[name] - previous['counters'][name]) / interval:.0f}/s"
+
+    failed = sum(
+        counters[name] for name in ("engine_failed", "timed_out", "busy", "no_engines", "malformed")
+    )
+    lines = [
+        f"coordkit {stats['implementation']}  policy {stats['policy']}  "
+        f"control {stats['control_state']}  clients {stats['clients']}  "
+        f"in flight {stats['inflight']}",
+        "",
+        f"{'':<12}{'total':>12}{'rate':>12}",
+        f"{'submitted':<12}{counters['submitted']:>12}{rate('submitted'):>12}",
+        f"{'completed':<12}{counters['replies']:>12}{rate('replies'):>12}",
+        f"{'refused or failed':<12}{failed:>12}",
+        f"{'rerouted':<12}{counters['rerouted']:>12}",
+        "",
+        f"{'rank':>4}  {'engine':<24}{'state':<10}{'in flight':>10}",
+    ]
+    lines += [
+        f"{e['rank']:>4}  {e['identity'][:23]:<24}{e['state']:<10}{e['pending']:>10}"
+        for e in stats["engines"]
+    ]
+    return "\n".join(lines)
+
+
+# -- keygen ----------------------------------------------------------------------------
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    public, secret = keygen(args.directory, args.name)
+    print(f"public key (hand it out): {public}\nkey pair (keep it secret): {secret}")
     return 0
 
 

@@ -49,9 +49,8 @@ HEARTBEAT = 91
 STATS = 92
 STATS_REPLY = 93
 ENGINE_HELLO = 94
-
-#: What a coordkit peer says of itself: in CONNECT (a client), in ENGINE_HELLO (an engine).
-COORDKIT_HELLO = {"coordkit": 1}
+SUBMIT_BATCH = 95
+REPLY_BATCH = 96
 
 
 def m(obj: Any) -> bytes:
@@ -63,14 +62,17 @@ def um(data: bytes) -> Any:
 
 
 class Peer:
-    """A DEALER connected to the coordinator."""
+    """A DEALER connected to the coordinator (or not yet, to set options first)."""
 
-    def __init__(self, ctx: zmq.Context, address: str, identity: bytes | None = None):
+    def __init__(
+        self, ctx: zmq.Context, address: str, identity: bytes | None = None, connect: bool = True
+    ):
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if identity is not None:
             self.sock.setsockopt(zmq.IDENTITY, identity)
-        self.sock.connect(address)
+        if connect:
+            self.sock.connect(address)
 
     def send(self, *frames: bytes) -> None:
         self.sock.send_multipart(list(frames))
@@ -96,7 +98,7 @@ class Peer:
 
 class RawClient(Peer):
     def connect(self, coordkit: bool = False) -> RawClient:
-        self.send(m([CONNECT, COORDKIT_HELLO]) if coordkit else m([CONNECT]))
+        self.send(m([CONNECT, {"coordkit": 1}]) if coordkit else m([CONNECT]))
         assert self.recv() == [m([CONNECT_ACK])]
         return self
 
@@ -106,9 +108,9 @@ class RawEngine(Peer):
         self.send(b"")
         return self
 
-    def hello(self) -> RawEngine:
-        """ENGINE_HELLO after the registration: a coordkit engine, which speaks multipart."""
-        self.send(m([ENGINE_HELLO, COORDKIT_HELLO]))
+    def hello(self, **features: int) -> RawEngine:
+        """ENGINE_HELLO: a coordkit engine registers (or says so once registered)."""
+        self.send(m([ENGINE_HELLO, {"coordkit": 1, **features}]))
         return self
 
 
