@@ -158,14 +158,15 @@ def entrypoint(
 
 
 def _bind(host: str, port: int | None, **options: Any) -> Coordinator:
-    """A coordinator on ``tcp://host:port``, or on another port (as 0.19 does) when
-    that one cannot be bound or none is given."""
+    """A coordinator on ``tcp://host:port``, or on another port when none is given
+    or that one cannot be bound, whatever the reason: 0.19's rule."""
     if port is not None:
         try:
             return Coordinator(f"tcp://{host}:{port}", **options)
-        except zmq.ZMQError as exc:
-            taken = "is already in use" if exc.errno == errno.EADDRINUSE else f"failed ({exc})"
-            logger.warning("coordkit: port %s %s, binding to another one", port, taken)
+        except Exception as exc:
+            taken = isinstance(exc, zmq.ZMQError) and exc.errno == errno.EADDRINUSE
+            reason = "is already in use" if taken else f"could not be bound ({exc!r})"
+            logger.warning("coordkit: port %s %s, binding to another one", port, reason)
     return Coordinator(f"tcp://{host}:0", **options)
 
 
