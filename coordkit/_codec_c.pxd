@@ -6,7 +6,7 @@ into ``out``), holds no Python object and needs no GIL. Reads return a
 ``ck_status``: ``CK_OK`` (0) or a negative error; ``ck_strstatus`` names it.
 """
 
-from libc.stdint cimport int64_t, uint8_t, uint32_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
 
 ctypedef struct ck_submit:
@@ -71,3 +71,8 @@ cdef size_t ck_write_header(uint8_t* out, int64_t header) noexcept nogil
 # grow `entries` to *count and read again.
 cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* entries,
                        uint32_t capacity, uint32_t* count) noexcept nogil
+
+# The size in tokens of a prompt frame, from at most its first 5 bytes: a
+# msgpack array's length (token ids), a msgpack str's ceil(bytes / 4), and
+# otherwise ceil(n / 4) (coordkit._codec_py.prompt_tokens is the contract).
+cdef uint64_t ck_prompt_tokens(const uint8_t* buf, size_t n) noexcept nogil

@@ -9,11 +9,11 @@ for structure only and never built into objects, just as the C twin does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
-from .protocol import Buffer, Header, ProtocolError
+from .protocol import Buffer, Frame, Header, ProtocolError
 
 __all__ = [
     "MAX_NESTING",
@@ -21,6 +21,7 @@ __all__ = [
     "read_submit",
     "rewrite_submit",
     "read_reply",
+    "prompt_tokens",
     "write_header",
     "write_header_int",
     "encode",
@@ -29,6 +30,8 @@ __all__ = [
 
 #: encode and decode refuse arrays nested deeper than this.
 MAX_NESTING = 512
+#: prompt_tokens counts a prompt that is not token ids as this many bytes a token.
+BYTES_PER_TOKEN = 4
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -145,6 +148,39 @@ def read_reply(frame: Buffer) -> tuple[int, list[tuple[int, bool]]]:
             raise ProtocolError(f"{_REPLY}: an entry is not [rid, needs_detokenize]")
         entries.append((_int(_REPLY, entry[0], "request id out of range"), entry[1]))
     return header, entries
+
+
+def prompt_tokens(frame: Frame) -> int:
+    """The size in tokens of a prompt frame, from at most its first 5 bytes.
+
+    A msgpack array (token ids) counts its length, its elements unread; a
+    msgpack str ``ceil(its UTF-8 bytes / BYTES_PER_TOKEN)``, its declared
+    length; anything else (bin, another type, bytes that are not msgpack, a
+    header cut short, an empty frame) ``ceil(the frame's bytes /
+    BYTES_PER_TOKEN)``. Never raises.
+    """
+    view = memoryview(cast(Buffer, frame)).cast("B")  # a zmq.Frame exports its buffer too
+    n = len(view)
+    if n:
+        b = view[0]
+        if 0x90 <= b <= 0x9F:
+            return b & 0x0F
+        if b == 0xDC and n >= 3:
+            return view[1] << 8 | view[2]
+        if b == 0xDD and n >= 5:
+            return int.from_bytes(view[1:5], "big")
+        text = -1
+        if 0xA0 <= b <= 0xBF:
+            text = b & 0x1F
+        elif b == 0xD9 and n >= 2:
+            text = view[1]
+        elif b == 0xDA and n >= 3:
+            text = view[1] << 8 | view[2]
+        elif b == 0xDB and n >= 5:
+            text = int.from_bytes(view[1:5], "big")
+        if text >= 0:
+            return -(-text // BYTES_PER_TOKEN)
+    return -(-n // BYTES_PER_TOKEN)
 
 
 def write_header(header: int) -> bytes:
