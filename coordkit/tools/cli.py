@@ -26,7 +26,12 @@ from typing import Any
 
 import coordkit
 from coordkit import Coordinator, Implementation
-from coordkit._routing_py import POLICIES
+from coordkit._routing_py import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DECODE_BLOCKS,
+    DEFAULT_PREFILL_WEIGHT,
+    POLICIES,
+)
 from coordkit.client import Client
 
 from .demo import COMPARED_POLICIES, SUFFIX_TOKENS
@@ -76,7 +81,26 @@ def _parser() -> argparse.ArgumentParser:
         help="fills generated_text of replies flagged needs_detokenize",
     )
     serve.add_argument("--seed", type=int, metavar="N", help="for power_of_two")
-    serve.add_argument("--prefix-alpha", type=float, metavar="F")
+    serve.add_argument(
+        "--prefix-prefill-weight",
+        type=float,
+        metavar="F",
+        help=f"prefix: weight of a block to prefill against a queued one "
+        f"(default {DEFAULT_PREFILL_WEIGHT:g})",
+    )
+    serve.add_argument(
+        "--prefix-decode-blocks",
+        type=int,
+        metavar="N",
+        help=f"work units each request adds for its decode (default {DEFAULT_DECODE_BLOCKS})",
+    )
+    serve.add_argument(
+        "--prefix-block-size",
+        type=int,
+        metavar="N",
+        help=f"tokens per block: sizes a request that has no block hashes "
+        f"(default {DEFAULT_BLOCK_SIZE})",
+    )
     serve.add_argument("--prefix-ttl", type=float, metavar="S")
     serve.add_argument("--prefix-max-entries", type=int, metavar="N")
 
@@ -209,7 +233,9 @@ _SERVE_OPTIONS = (
     "max_message_size",
     "detokenizer",
     "seed",
-    "prefix_alpha",
+    "prefix_prefill_weight",
+    "prefix_decode_blocks",
+    "prefix_block_size",
     "prefix_ttl",
     "prefix_max_entries",
 )
