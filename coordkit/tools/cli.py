@@ -36,7 +36,7 @@ from coordkit.client import Client
 
 from .demo import COMPARED_POLICIES, SUFFIX_TOKENS
 from .demo import run as run_demo
-from .fake_engine import DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
+from .fake_engine import COST_MODELS, DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
 from .fake_engine import run as run_fake_engine
 
 __all__ = ["main"]
@@ -158,8 +158,45 @@ def _parser() -> argparse.ArgumentParser:
         "--address", required=True, metavar="ADDRESS", help="the coordinator's endpoint"
     )
     fake.add_argument("--rank", type=int, default=0, metavar="N")
-    fake.add_argument("--latency", type=float, default=0.0, metavar="S", help="seconds per step")
-    fake.add_argument("--batch", type=int, default=64, metavar="N", help="max requests per step")
+    fake.add_argument(
+        "--cost-model",
+        choices=sorted(COST_MODELS),
+        default="none",
+        help="what steps cost: none (free prefill, --latency per step) or h100 "
+        "(an H100-class engine; see the README)",
+    )
+    fake.add_argument(
+        "--latency",
+        type=float,
+        metavar="S",
+        help="seconds per step, before prefill and per-sequence decode time (default: the "
+        "cost model's, 0 for none, 0.020 for h100)",
+    )
+    fake.add_argument(
+        "--batch", type=int, metavar="N", help="max requests running (default: 64, h100: 256)"
+    )
+    fake.add_argument(
+        "--prefill-rate",
+        type=float,
+        metavar="TOKENS_PER_S",
+        help="prefill throughput; 0: prefill is free (h100: 10000)",
+    )
+    fake.add_argument(
+        "--decode-per-seq",
+        type=float,
+        metavar="S",
+        help="seconds a decode step adds per running sequence (h100: 0.0001)",
+    )
+    fake.add_argument(
+        "--prefill-chunk", type=int, metavar="N", help="tokens prefilled per step at most (8192)"
+    )
+    fake.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="run X times faster than the cost model says (trace replay)",
+    )
     fake.add_argument(
         "--output-tokens", type=int, default=8, metavar="N", help="tokens per request"
     )
