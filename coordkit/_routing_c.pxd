@@ -49,7 +49,7 @@ cdef class Router:
         readonly int64_t charged  # what the last choose_c charged its rank (0: none)
         int64_t new_blocks   # the blocks the chosen rank has to prefill (set by the policy)
         int64_t weight       # prefix_prefill_weight in units of 1 / WEIGHT_SCALE
-        int64_t decode_blocks
+        int64_t decode_blocks  # prefix_decode_tokens in blocks
         uint64_t block_size
 
         # The prefix table: allocated for the prefix policy only, NULL otherwise.

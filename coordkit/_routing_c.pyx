@@ -19,7 +19,7 @@ from coordkit._constants cimport BLOCK_HASH_SIZE, generated_constants
 from coordkit import _routing_py
 from coordkit._routing_py import (
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_DECODE_BLOCKS,
+    DEFAULT_DECODE_TOKENS,
     DEFAULT_PREFILL_WEIGHT,
     POLICIES,
     _check_args,
@@ -95,22 +95,21 @@ cdef class Router:
         seed=0,
         rank_cap=0,
         prefix_prefill_weight=DEFAULT_PREFILL_WEIGHT,
-        prefix_decode_blocks=DEFAULT_DECODE_BLOCKS,
+        prefix_decode_tokens=DEFAULT_DECODE_TOKENS,
         prefix_block_size=DEFAULT_BLOCK_SIZE,
         double prefix_ttl=600.0,
         prefix_max_entries=1_000_000,
     ):
-        self.weight = _check_args(
+        self.weight, self.decode_blocks = _check_args(
             policy,
             max_ranks,
             seed,
             rank_cap,
             prefix_prefill_weight,
-            prefix_decode_blocks,
+            prefix_decode_tokens,
             prefix_block_size,
             prefix_max_entries,
         )
-        self.decode_blocks = prefix_decode_blocks
         self.block_size = prefix_block_size
         self._policy = policy
         self.policy_id = POLICIES.index(policy)

@@ -54,7 +54,8 @@ Work
         size       = m                                          with m > 0 block hashes
                    = ceil(prompt_tokens / prefix_block_size)    without
         new(r)     = min(size - depth(r), MAX_BLOCKS)           depth(r) is 0 except under prefix
-        charged    = new(r) + prefix_decode_blocks
+        decode     = min(ceil(prefix_decode_tokens / prefix_block_size), MAX_BLOCKS)
+        charged    = new(r) + decode
 
     so ``charged`` is an int in ``[0, 2 * MAX_BLOCKS]``, whatever the policy.
     ``work`` survives ``remove_rank`` as the pending count does.
@@ -104,7 +105,7 @@ __all__ = [
     "Router",
     "POLICIES",
     "DEFAULT_PREFILL_WEIGHT",
-    "DEFAULT_DECODE_BLOCKS",
+    "DEFAULT_DECODE_TOKENS",
     "DEFAULT_BLOCK_SIZE",
     "WEIGHT_SCALE",
     "MAX_BLOCKS",
@@ -120,7 +121,7 @@ MAX_PREFIX_ENTRIES_LIMIT = (1 << 31) - 1
 
 #: The prefix policy's defaults (the README's Routing section says why these).
 DEFAULT_PREFILL_WEIGHT = 2.0
-DEFAULT_DECODE_BLOCKS = 2
+DEFAULT_DECODE_TOKENS = 128
 DEFAULT_BLOCK_SIZE = 16
 #: The prefill weight counts in steps of 1 / WEIGHT_SCALE: costs stay integers.
 WEIGHT_SCALE = 256
@@ -138,12 +139,12 @@ def _check_args(
     seed: int,
     rank_cap: int,
     prefix_prefill_weight: float,
-    prefix_decode_blocks: int,
+    prefix_decode_tokens: int,
     prefix_block_size: int,
     prefix_max_entries: int,
-) -> int:
+) -> tuple[int, int]:
     """Validate the constructor's arguments (shared by both implementations);
-    the prefill weight in units of 1 / WEIGHT_SCALE."""
+    the prefill weight in units of 1 / WEIGHT_SCALE and the decode share in blocks."""
     if policy not in POLICIES:
         names = ", ".join(repr(p) for p in POLICIES)
         raise ValueError(f"policy must be one of {names}, not {policy!r}")
@@ -158,10 +159,8 @@ def _check_args(
             f"prefix_prefill_weight must be in [0, {MAX_PREFILL_WEIGHT:g}], "
             f"not {prefix_prefill_weight}"
         )
-    if not 0 <= prefix_decode_blocks <= MAX_BLOCKS:
-        raise ValueError(
-            f"prefix_decode_blocks must be in [0, {MAX_BLOCKS}], not {prefix_decode_blocks}"
-        )
+    if not 0 <= prefix_decode_tokens <= 1 << 31:
+        raise ValueError(f"prefix_decode_tokens must be in [0, 2**31], not {prefix_decode_tokens}")
     if not 1 <= prefix_block_size <= 1 << 31:
         raise ValueError(f"prefix_block_size must be in [1, 2**31], not {prefix_block_size}")
     if not 1 <= prefix_max_entries <= MAX_PREFIX_ENTRIES_LIMIT:
@@ -169,7 +168,8 @@ def _check_args(
             f"prefix_max_entries must be in [1, {MAX_PREFIX_ENTRIES_LIMIT}], "
             f"not {prefix_max_entries}"
         )
-    return round(float(prefix_prefill_weight) * WEIGHT_SCALE)
+    weight = round(float(prefix_prefill_weight) * WEIGHT_SCALE)
+    return weight, min(-(-prefix_decode_tokens // prefix_block_size), MAX_BLOCKS)
 
 
 def _hash_frame(block_hashes: Buffer | None) -> memoryview:
@@ -216,18 +216,18 @@ class Router:
         seed: int = 0,
         rank_cap: int = 0,
         prefix_prefill_weight: float = DEFAULT_PREFILL_WEIGHT,
-        prefix_decode_blocks: int = DEFAULT_DECODE_BLOCKS,
+        prefix_decode_tokens: int = DEFAULT_DECODE_TOKENS,
         prefix_block_size: int = DEFAULT_BLOCK_SIZE,
         prefix_ttl: float = 600.0,
         prefix_max_entries: int = 1_000_000,
     ) -> None:
-        self._weight = _check_args(
+        self._weight, self._decode_blocks = _check_args(
             policy,
             max_ranks,
             seed,
             rank_cap,
             prefix_prefill_weight,
-            prefix_decode_blocks,
+            prefix_decode_tokens,
             prefix_block_size,
             prefix_max_entries,
         )
@@ -240,7 +240,6 @@ class Router:
         }[policy]
         self._max_ranks = max_ranks
         self._rank_cap = rank_cap
-        self._decode_blocks = prefix_decode_blocks
         self._block_size = prefix_block_size
         self._ttl = float(prefix_ttl)
         self._max_entries = prefix_max_entries

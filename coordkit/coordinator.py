@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ._implementation import load_implementation, selected
-from ._routing_py import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_BLOCKS, DEFAULT_PREFILL_WEIGHT
+from ._routing_py import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
 from ._shared import Detokenizer, Options
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Coordinator:
         detokenizer: Detokenizer | None = None,
         seed: int = 0,
         prefix_prefill_weight: float = DEFAULT_PREFILL_WEIGHT,
-        prefix_decode_blocks: int = DEFAULT_DECODE_BLOCKS,
+        prefix_decode_tokens: int = DEFAULT_DECODE_TOKENS,
         prefix_block_size: int = DEFAULT_BLOCK_SIZE,
         prefix_ttl: float = 600.0,
         prefix_max_entries: int = 1_000_000,
@@ -137,7 +137,7 @@ class Coordinator:
             seed=seed,
             rank_cap=max_inflight_per_engine,
             prefix_prefill_weight=prefix_prefill_weight,
-            prefix_decode_blocks=prefix_decode_blocks,
+            prefix_decode_tokens=prefix_decode_tokens,
             prefix_block_size=prefix_block_size,
             prefix_ttl=prefix_ttl,
             prefix_max_entries=prefix_max_entries,

@@ -159,7 +159,7 @@ def test_serve_options(impl, serve, tmp_path):
         "7",
         "--prefix-prefill-weight",
         "0.5",
-        "--prefix-decode-blocks",
+        "--prefix-decode-tokens",
         "3",
         "--prefix-block-size",
         "2",

@@ -52,8 +52,8 @@ def test_unknown_policy_names_the_valid_ones(impl):
         {"prefix_prefill_weight": float("nan")},
         {"prefix_prefill_weight": float("inf")},
         {"prefix_prefill_weight": 65536.5},
-        {"prefix_decode_blocks": -1},
-        {"prefix_decode_blocks": (1 << 23) + 1},
+        {"prefix_decode_tokens": -1},
+        {"prefix_decode_tokens": (1 << 31) + 1},
         {"prefix_block_size": 0},
         {"prefix_max_entries": 0},
     ],
@@ -109,7 +109,7 @@ def test_add_and_remove_rank(impl):
 def test_every_policy_charges_work(impl, policy):
     # A request's blocks: its hashes, else ceil(prompt_tokens / prefix_block_size); plus
     # the decode share. Only prefix knows what a rank has cached.
-    router = make(impl, policy, [0], prefix_block_size=16, prefix_decode_blocks=3)
+    router = make(impl, policy, [0], prefix_block_size=16, prefix_decode_tokens=48)
     assert router.choose(None, 0.0, 33) == 0
     assert router.charged == 3 + 3
     assert router.choose(b"", 0.0, 32) == 0
@@ -125,8 +125,20 @@ def test_every_policy_charges_work(impl, policy):
     assert router.work(0) == 0
 
 
+@pytest.mark.parametrize(
+    ("decode_tokens", "block_size", "blocks"),
+    [(0, 16, 0), (1, 16, 1), (128, 16, 8), (129, 16, 9), (128, 512, 1)],
+)
+def test_the_decode_share_is_rounded_up_to_blocks(impl, decode_tokens, block_size, blocks):
+    router = make(
+        impl, "prefix", [0], prefix_decode_tokens=decode_tokens, prefix_block_size=block_size
+    )
+    router.choose()
+    assert router.charged == blocks
+
+
 def test_prompt_tokens_bounds(impl):
-    router = make(impl, "least_loaded", [0], prefix_block_size=1, prefix_decode_blocks=0)
+    router = make(impl, "least_loaded", [0], prefix_block_size=1, prefix_decode_tokens=0)
     router.choose(None, 0.0, -5)
     assert router.charged == 0
     router.choose(None, 0.0, (1 << 63) - 1)
@@ -258,7 +270,7 @@ def test_prefix_queued_work_outweighs_affinity(impl):
     # Weight 2, decode share 1, four-block requests, nothing released. Rank 0 has the
     # chain after the first: it costs 2*0 + work(0), an idle rank 2*4 + 0. Work(0) goes
     # 5, 6, 7, 8: at 8 they tie, and the tie goes to fewer pending.
-    router = make(impl, "prefix", range(4), prefix_prefill_weight=2.0, prefix_decode_blocks=1)
+    router = make(impl, "prefix", range(4), prefix_prefill_weight=2.0, prefix_decode_tokens=16)
     hashes = frame(1, 2, 3, 4)
     picks, charges = [], []
     for _ in range(5):
@@ -272,7 +284,7 @@ def test_prefix_queued_work_outweighs_affinity(impl):
 
 def test_prefix_weight_may_be_fractional(impl):
     # 1.5 blocks to prefill against work: a 2-block saving is worth 3 queued blocks.
-    router = make(impl, "prefix", range(2), prefix_prefill_weight=1.5, prefix_decode_blocks=0)
+    router = make(impl, "prefix", range(2), prefix_prefill_weight=1.5, prefix_decode_tokens=0)
     hashes = frame(1, 2)
     assert router.choose(hashes) == 0  # work(0) = 2
     assert router.choose(hashes) == 0  # 1.5*0 + 2 < 1.5*2 + 0: work(0) stays 2
@@ -286,14 +298,14 @@ def test_prefix_weight_may_be_fractional(impl):
 
 @pytest.mark.parametrize("weight", [0.0, 0.001])  # 0.001 * 256 rounds to 0
 def test_prefix_weight_zero_is_least_work(impl, weight):
-    router = make(impl, "prefix", range(2), prefix_prefill_weight=weight, prefix_decode_blocks=0)
+    router = make(impl, "prefix", range(2), prefix_prefill_weight=weight, prefix_decode_tokens=0)
     assert router.choose(frame(1, 2, 3)) == 0
     assert router.choose(frame(1, 2, 3)) == 1  # affinity is worth nothing: rank 1 has less work
     assert router.charged == 3
 
 
 def test_prefix_deeper_match_wins(impl):
-    router = make(impl, "prefix", range(2), prefix_prefill_weight=1.0, prefix_decode_blocks=0)
+    router = make(impl, "prefix", range(2), prefix_prefill_weight=1.0, prefix_decode_tokens=0)
     assert router.choose(frame(1, 2, 3)) == 0  # held: work(0) = 3
     assert router.choose(frame(1)) == 1  # 1*1 + 0 < 1*0 + 3
     router.release(0, 3)
@@ -345,7 +357,7 @@ def test_prefix_table_size_bound_evicts_lru(impl):
 
 
 def test_prefix_removed_rank_leaves_the_table(impl):
-    router = make(impl, "prefix", range(3), rank_cap=1, prefix_decode_blocks=2)
+    router = make(impl, "prefix", range(3), rank_cap=1, prefix_decode_tokens=32)
     a, b, e = frame(1, 2), frame(3), frame(4, 5)
     assert router.choose(a) == 0
     assert router.choose(a) == 1  # rank 0 is at its cap
@@ -383,7 +395,7 @@ def test_prefix_without_hashes_is_least_loaded_for_equal_prompts(impl):
 
 def test_prefix_balances_prompt_sizes_without_hashes(impl):
     # One long prompt weighs as much as many short ones: least_loaded counts requests.
-    router = make(impl, "prefix", range(2), prefix_decode_blocks=0)
+    router = make(impl, "prefix", range(2), prefix_decode_tokens=0)
     assert router.choose(None, 0.0, 16 * 40) == 0
     assert [router.choose(None, 0.0, 16) for _ in range(40)] == [1] * 40
     assert router.choose(None, 0.0, 16) == 0  # equal work: fewer pending
@@ -394,7 +406,7 @@ def test_prefix_reads_any_buffer_unaligned(impl):
     hashes = frame(0x0123456789ABCDEF, U64, 1)
     views = [hashes, bytearray(hashes), memoryview(b"\0" + hashes)[1:]]
     for view in views:
-        router = make(impl, "prefix", range(2), prefix_decode_blocks=2)
+        router = make(impl, "prefix", range(2), prefix_decode_tokens=32)
         router.choose(view)
         assert router.prefix_ranks(0x0123456789ABCDEF, 0.0) == [0]
         assert router.prefix_ranks(U64, 0.0) == [0]
@@ -500,7 +512,7 @@ def run_trace(c_router, py_router, seed: int, max_ranks: int, steps: int) -> Non
 @pytest.mark.parametrize("rank_cap", [0, 3])
 @pytest.mark.parametrize(
     ("seed", "weight", "decode", "block_size"),
-    [(1, 0.75, 1, 16), (2, 0.0, 0, 1), (3, 3.0, 5, 7), (4, 1.3, 2, 512)],
+    [(1, 0.75, 16, 16), (2, 0.0, 0, 1), (3, 3.0, 33, 7), (4, 1.3, 100, 512)],
 )
 def test_differential_trace(
     c_impl, py_impl, policy, max_ranks, rank_cap, seed, weight, decode, block_size
@@ -510,7 +522,7 @@ def test_differential_trace(
         seed=seed * 1000,
         rank_cap=rank_cap,
         prefix_prefill_weight=weight,
-        prefix_decode_blocks=decode,
+        prefix_decode_tokens=decode,
         prefix_block_size=block_size,
         prefix_ttl=40.0,
         prefix_max_entries=24,

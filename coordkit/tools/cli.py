@@ -28,7 +28,7 @@ import coordkit
 from coordkit import Coordinator, Implementation
 from coordkit._routing_py import (
     DEFAULT_BLOCK_SIZE,
-    DEFAULT_DECODE_BLOCKS,
+    DEFAULT_DECODE_TOKENS,
     DEFAULT_PREFILL_WEIGHT,
     POLICIES,
 )
@@ -89,10 +89,11 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_PREFILL_WEIGHT:g})",
     )
     serve.add_argument(
-        "--prefix-decode-blocks",
+        "--prefix-decode-tokens",
         type=int,
         metavar="N",
-        help=f"work units each request adds for its decode (default {DEFAULT_DECODE_BLOCKS})",
+        help=f"prefix: each request's decode share, in prompt tokens' worth of work "
+        f"(default {DEFAULT_DECODE_TOKENS})",
     )
     serve.add_argument(
         "--prefix-block-size",
@@ -271,7 +272,7 @@ _SERVE_OPTIONS = (
     "detokenizer",
     "seed",
     "prefix_prefill_weight",
-    "prefix_decode_blocks",
+    "prefix_decode_tokens",
     "prefix_block_size",
     "prefix_ttl",
     "prefix_max_entries",
