@@ -1,4 +1,4 @@
-"""The ``coordkit`` command: ``serve``, ``demo``, ``stats``, ``bench`` and ``fake-engine``.
+"""The ``coordkit`` command: ``serve``, ``demo``, ``replay``, ``stats``, ``bench``, ``fake-engine``.
 
 * ``coordkit serve --bind ADDRESS [options]`` runs a coordinator until
   SHUTDOWN, SIGINT or SIGTERM;
@@ -6,6 +6,9 @@
   directory (coordinator, fake engine processes, a client load) and prints
   a results table; ``--compare-policies`` runs one cluster per policy, with
   a column each (:mod:`coordkit.tools.demo`);
+* ``coordkit replay TRACE.jsonl`` replays a request trace through a
+  coordinator and fake engines with a cost model, one cluster per policy
+  with ``--compare-policies`` (:mod:`coordkit.tools.replay`);
 * ``coordkit stats --address ADDRESS`` prints a coordinator's stats as JSON;
 * ``coordkit bench ...`` runs the benchmarks (:mod:`coordkit.tools.bench`);
 * ``coordkit fake-engine --address ADDRESS --rank N [options]`` runs one fake
@@ -38,6 +41,9 @@ from .demo import COMPARED_POLICIES, SUFFIX_TOKENS
 from .demo import run as run_demo
 from .fake_engine import COST_MODELS, DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
 from .fake_engine import run as run_fake_engine
+from .replay import DEFAULT_BLOCK_SIZE as REPLAY_BLOCK_SIZE
+from .replay import DEFAULT_CACHE_BLOCKS as REPLAY_CACHE_BLOCKS
+from .replay import run as run_replay
 
 __all__ = ["main"]
 
@@ -144,6 +150,58 @@ def _parser() -> argparse.ArgumentParser:
         help=f"run {' then '.join(COMPARED_POLICIES)} and show both (ignores --policy)",
     )
 
+    replay = commands.add_parser(
+        "replay",
+        help="replay a request trace through a coordinator and fake engines",
+        description="Replay a request trace (Mooncake's JSON lines: timestamp, input_length, "
+        "output_length, hash_ids) through a coordinator and fake engine processes with a "
+        "cost model, in compressed time, and report each policy's prefix-cache hit rate, "
+        "TTFT, latency and load balance.",
+    )
+    replay.set_defaults(command=_replay)
+    replay.add_argument("trace", metavar="TRACE.jsonl")
+    _add_coordinator_choices(replay, default_policy="prefix")
+    replay.add_argument(
+        "--compare-policies",
+        action="store_true",
+        help="run every policy, each on a fresh cluster, side by side (ignores --policy)",
+    )
+    replay.add_argument("--engines", type=_positive_int, default=4, metavar="N")
+    replay.add_argument(
+        "--speedup", type=float, default=10.0, metavar="X", help="trace time runs X times faster"
+    )
+    replay.add_argument("--limit", type=_positive_int, metavar="N", help="the first N requests")
+    replay.add_argument(
+        "--max-output-tokens", type=_positive_int, metavar="N", help="cap each request's output"
+    )
+    replay.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=REPLAY_BLOCK_SIZE,
+        metavar="N",
+        help=f"tokens per hash id (default {REPLAY_BLOCK_SIZE}, Mooncake's)",
+    )
+    replay.add_argument(
+        "--cache-blocks",
+        type=_positive_int,
+        default=REPLAY_CACHE_BLOCKS,
+        metavar="N",
+        help=f"each engine's prefix cache, in blocks (default {REPLAY_CACHE_BLOCKS})",
+    )
+    replay.add_argument(
+        "--cost-model", choices=sorted(COST_MODELS), default="h100", help="the engines' (h100)"
+    )
+    replay.add_argument(
+        "--engine-batch", type=_positive_int, metavar="N", help="max requests running per engine"
+    )
+    replay.add_argument("--prefix-prefill-weight", type=float, metavar="F")
+    replay.add_argument("--prefix-decode-tokens", type=int, metavar="N")
+    replay.add_argument("--json", metavar="PATH", help="write every figure and TTFT as JSON")
+    replay.add_argument(
+        "--plot", metavar="PATH", help="plot each policy's TTFT CDF (needs matplotlib)"
+    )
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     stats = commands.add_parser("stats", help="print a coordinator's stats as JSON")
     stats.set_defaults(command=_stats)
     stats.add_argument("--address", required=True)
@@ -228,8 +286,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_coordinator_choices(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", choices=POLICIES, default="least_loaded")
+def _add_coordinator_choices(
+    parser: argparse.ArgumentParser, default_policy: str = "least_loaded"
+) -> None:
+    parser.add_argument("--policy", choices=POLICIES, default=default_policy)
     parser.add_argument(
         "--implementation",
         choices=("c", "py"),
@@ -333,3 +393,10 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     return run_demo(_load(args.implementation), args)
+
+
+# -- replay ----------------------------------------------------------------------------
+
+
+def _replay(args: argparse.Namespace) -> int:
+    return run_replay(_load(args.implementation), args)
