@@ -477,8 +477,9 @@ def _plot(runs: list[_Results], path: str, args: argparse.Namespace) -> None:
     axes.set_xlabel("time to first token (trace seconds, log scale)")
     axes.set_ylabel("fraction of requests")
     axes.set_title(
-        f"coordkit replay: {args.engines} fake engines ({args.cost_model}), "
-        f"speedup {args.speedup:g}"
+        f"coordkit replay {Path(args.trace).name}\n{args.engines} fake engines "
+        f"({args.cost_model}), speedup {args.speedup:g}",
+        fontsize=10,
     )
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(loc="lower right")
