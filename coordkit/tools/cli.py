@@ -145,6 +145,14 @@ def _parser() -> argparse.ArgumentParser:
         help="each engine's prefix cache capacity",
     )
     demo.add_argument(
+        "--cost-model",
+        choices=sorted(COST_MODELS),
+        default="none",
+        help="the engines' cost model: none (steps of --latency) or h100 (cache hits are cheaper)",
+    )
+    demo.add_argument("--prefix-prefill-weight", type=float, metavar="F")
+    demo.add_argument("--prefix-decode-tokens", type=int, metavar="N")
+    demo.add_argument(
         "--compare-policies",
         action="store_true",
         help=f"run {' then '.join(COMPARED_POLICIES)} and show both (ignores --policy)",
