@@ -120,7 +120,7 @@ MAX_RANKS_LIMIT = 1 << 16
 MAX_PREFIX_ENTRIES_LIMIT = (1 << 31) - 1
 
 #: The prefix policy's defaults (the README's Routing section says why these).
-DEFAULT_PREFILL_WEIGHT = 8.0
+DEFAULT_PREFILL_WEIGHT = 32.0
 DEFAULT_DECODE_TOKENS = 512
 DEFAULT_BLOCK_SIZE = 16
 #: The prefill weight counts in steps of 1 / WEIGHT_SCALE: costs stay integers.

@@ -190,7 +190,7 @@ def workloads() -> dict[str, tuple[list[dict], dict[str, int]]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--weights", type=float, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--weights", type=float, nargs="+", default=[1, 4, 8, 16, 32, 64])
     parser.add_argument("--decode-tokens", type=int, nargs="+", default=[0, 256, 512, 1024])
     parser.add_argument("--implementation", choices=("c", "py"), default="c")
     args = parser.parse_args(argv)
