@@ -387,52 +387,30 @@ cdef class Router:
         return self._least_loaded()
 
     cdef int _prefix(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
-        cdef int n = self.n_ranks, start, r, w, pos, best_pos, rank = -1
+        cdef int n = self.n_ranks, start, r, w, pos, best_pos = 0, rank = -1, c
         cdef int64_t size = <int64_t>n_hashes  # a request with hashes: its blocks
         cdef const uint8_t* accepting = self.is_accepting
         cdef const int64_t* pending = self.pending_count
         cdef const int64_t* work = self.work_units
-        cdef int64_t limit = self.pending_limit, least_work = INT64_MAX, least = 0, p, q
-        cdef int64_t new, cost, best_cost
-        cdef uint64_t word, bits
+        cdef int64_t limit = self.pending_limit, least = 0, p, q, new
+        cdef int64_t cost, best_cost = 0, best_new = 0, least_work = 0, c_pending = 0
+        cdef uint64_t word, bits, eligible = 0
         if n == 0:
             return -1
         start = self.cursor % n
-        # One pass: the eligible ranks (the candidates to match, as a mask built
-        # in a register) and the first of them in the rotating order with the
-        # least work, then the fewest pending. Ascending, [0, start) comes before
-        # [start, n), which the rotating order puts first: among equals, a rank
-        # of the second span displaces one of the first.
+        # The eligible ranks: the candidates to match, as masks built in a register.
         for w in range((n + 63) >> 6):
             word = 0
             for r in range(w << 6, min(n, (w + 1) << 6)):
-                p = pending[r]
-                if accepting[r] and p < limit:
+                if accepting[r] and pending[r] < limit:
                     word |= (<uint64_t>1) << (r & 63)
-                    q = work[r]
-                    if q > least_work:
-                        continue
-                    if q < least_work or p < least or (p == least and r >= start > rank):
-                        rank = r
-                        least_work = q
-                        least = p
             self.running[w] = word
-        if rank < 0:
+            eligible |= word
+        if not eligible:
             return -1
         self.cursor = (start + 1) % n
-        if n_hashes == 0:
-            return rank
-        if self._match(hashes, n_hashes, now) > 0:
-            # Every unmatched rank has the same new blocks, so the rank with the
-            # least work (first in the rotating order among equals) beats or
-            # ties-and-wins each of them: the winner is either it or one of the
-            # (few) matched ranks, compared on the reference's full key.
-            new = self.new_blocks
-            if self.matched[rank >> 6] >> (rank & 63) & 1:
-                new = min(size - self.depth[rank], <int64_t>MAX_BLOCKS)
-            best_cost = self.weight * new + WEIGHT_SCALE * least_work
-            best_pos = rank - start if rank >= start else rank - start + n
-            self.new_blocks = new
+        if n_hashes and self._match(hashes, n_hashes, now) > 0:
+            # The best of the (few) matched ranks, on the reference's full key.
             for w in range((n + 63) >> 6):
                 bits = self.matched[w]
                 while bits:
@@ -440,17 +418,55 @@ cdef class Router:
                     bits &= bits - 1
                     new = min(size - self.depth[r], <int64_t>MAX_BLOCKS)
                     cost = self.weight * new + WEIGHT_SCALE * work[r]
-                    if cost > best_cost:
-                        continue
                     p = pending[r]
                     pos = r - start if r >= start else r - start + n
-                    if cost < best_cost or p < least or (p == least and pos < best_pos):
+                    if (rank < 0 or cost < best_cost or (cost == best_cost and (
+                            p < least or (p == least and pos < best_pos)))):
                         rank = r
                         best_cost = cost
+                        best_new = new
                         least = p
                         best_pos = pos
-                        self.new_blocks = new
-        self._record(hashes, n_hashes, rank, now)
+            # An unmatched rank costs at least weight * new_blocks (its work is >= 0):
+            # strictly below that, no other rank can win, nor tie.
+            if best_cost < self.weight * self.new_blocks:
+                self.new_blocks = best_new
+                self._record(hashes, n_hashes, rank, now)
+                return rank
+        # Otherwise the winner is the best matched rank or the first eligible rank in
+        # the rotating order with the least work, then the fewest pending: all the
+        # unmatched ranks have the same new blocks, so that one beats or ties-and-wins
+        # each of them. (_match narrowed running: eligibility is read again.)
+        c = -1
+        for r in range(start, n):
+            p = pending[r]
+            if accepting[r] and p < limit:
+                q = work[r]
+                if c < 0 or q < least_work or (q == least_work and p < c_pending):
+                    c = r
+                    least_work = q
+                    c_pending = p
+        for r in range(start):
+            p = pending[r]
+            if accepting[r] and p < limit:
+                q = work[r]
+                if c < 0 or q < least_work or (q == least_work and p < c_pending):
+                    c = r
+                    least_work = q
+                    c_pending = p
+        new = self.new_blocks
+        if rank >= 0 and self.matched[c >> 6] >> (c & 63) & 1:
+            new = min(size - self.depth[c], <int64_t>MAX_BLOCKS)
+        cost = self.weight * new + WEIGHT_SCALE * least_work
+        pos = c - start if c >= start else c - start + n
+        if (rank < 0 or cost < best_cost
+                or (cost == best_cost and (c_pending < least
+                                           or (c_pending == least and pos < best_pos)))):
+            rank = c
+            best_new = new
+        self.new_blocks = best_new
+        if n_hashes:
+            self._record(hashes, n_hashes, rank, now)
         return rank
 
     cdef int _match(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:

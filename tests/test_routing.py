@@ -512,7 +512,7 @@ def run_trace(c_router, py_router, seed: int, max_ranks: int, steps: int) -> Non
 @pytest.mark.parametrize("rank_cap", [0, 3])
 @pytest.mark.parametrize(
     ("seed", "weight", "decode", "block_size"),
-    [(1, 0.75, 16, 16), (2, 0.0, 0, 1), (3, 3.0, 33, 7), (4, 1.3, 100, 512)],
+    [(1, 0.75, 16, 16), (2, 0.0, 0, 1), (3, 3.0, 33, 7), (4, 1.3, 100, 512), (5, 32.0, 512, 16)],
 )
 def test_differential_trace(
     c_impl, py_impl, policy, max_ranks, rank_cap, seed, weight, decode, block_size
