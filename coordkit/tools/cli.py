@@ -174,9 +174,15 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run every policy, each on a fresh cluster, side by side (ignores --policy)",
     )
-    replay.add_argument("--engines", type=_positive_int, default=4, metavar="N")
     replay.add_argument(
-        "--speedup", type=float, default=10.0, metavar="X", help="trace time runs X times faster"
+        "--engines", type=_positive_int, default=8, metavar="N", help="fake engines (default 8)"
+    )
+    replay.add_argument(
+        "--speedup",
+        type=float,
+        default=10.0,
+        metavar="X",
+        help="trace time runs X times faster (default 10)",
     )
     replay.add_argument("--limit", type=_positive_int, metavar="N", help="the first N requests")
     replay.add_argument(
@@ -197,13 +203,20 @@ def _parser() -> argparse.ArgumentParser:
         help=f"each engine's prefix cache, in blocks (default {REPLAY_CACHE_BLOCKS})",
     )
     replay.add_argument(
-        "--cost-model", choices=sorted(COST_MODELS), default="h100", help="the engines' (h100)"
+        "--cost-model",
+        choices=sorted(COST_MODELS),
+        default="h100",
+        help="the fake engines' cost model (default h100)",
     )
     replay.add_argument(
         "--engine-batch", type=_positive_int, metavar="N", help="max requests running per engine"
     )
-    replay.add_argument("--prefix-prefill-weight", type=float, metavar="F")
-    replay.add_argument("--prefix-decode-tokens", type=int, metavar="N")
+    replay.add_argument(
+        "--prefix-prefill-weight", type=float, metavar="F", help="for prefix (coordkit serve's)"
+    )
+    replay.add_argument(
+        "--prefix-decode-tokens", type=int, metavar="N", help="for prefix (coordkit serve's)"
+    )
     replay.add_argument("--json", metavar="PATH", help="write every figure and TTFT as JSON")
     replay.add_argument(
         "--plot", metavar="PATH", help="plot each policy's TTFT CDF (needs matplotlib)"
