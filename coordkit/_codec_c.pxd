@@ -6,7 +6,7 @@ into ``out``), holds no Python object and needs no GIL. Reads return a
 ``ck_status``: ``CK_OK`` (0) or a negative error; ``ck_strstatus`` names it.
 """
 
-from libc.stdint cimport int64_t, uint8_t, uint32_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
 
 ctypedef struct ck_submit:
@@ -151,3 +151,8 @@ cdef size_t ck_single_submit_size(int64_t header, int64_t rid, size_t prompt_len
 cdef size_t ck_write_single_submit(uint8_t* out, int64_t header, int64_t rid,
                                    const uint8_t* prompt, size_t prompt_len,
                                    const uint8_t* params, size_t params_len) noexcept nogil
+
+# The size in tokens of a prompt frame, from at most its first 5 bytes: a
+# msgpack array's length (token ids), a msgpack str's ceil(bytes / 4), and
+# otherwise ceil(n / 4) (coordkit._codec_py.prompt_tokens is the contract).
+cdef uint64_t ck_prompt_tokens(const uint8_t* buf, size_t n) noexcept nogil

@@ -87,6 +87,7 @@ __all__ = [
     "read_submit",
     "rewrite_submit",
     "read_reply",
+    "prompt_tokens",
     "write_header",
     "write_header_int",
     "encode",
@@ -107,9 +108,12 @@ cdef enum:
     _SKIP_DEPTH = 1024
     # read_reply takes batches up to this size without a heap allocation.
     _LOCAL_ENTRIES = 64
+    _BYTES_PER_TOKEN = 4
 
 #: encode and decode refuse arrays nested deeper than this.
 MAX_NESTING = _MAX_NESTING
+#: prompt_tokens counts a prompt that is not token ids as this many bytes a token.
+BYTES_PER_TOKEN = _BYTES_PER_TOKEN
 
 cdef const char* ck_strstatus(int status) noexcept nogil:
     if status == CK_OK:
@@ -649,6 +653,30 @@ cdef int ck_prompt_hashes(const uint8_t* buf, size_t n, size_t block_size, uint8
     count[0] = blocks
     return CK_OK
 
+cdef inline uint64_t _ceil_tokens(uint64_t n_bytes) noexcept nogil:
+    return n_bytes // _BYTES_PER_TOKEN + (n_bytes % _BYTES_PER_TOKEN != 0)
+
+
+cdef uint64_t ck_prompt_tokens(const uint8_t* buf, size_t n) noexcept nogil:
+    cdef uint8_t b
+    if n:
+        b = buf[0]
+        if (b & 0xf0) == 0x90:
+            return b & 0x0f
+        if b == 0xdc and n >= 3:
+            return ck_load_be16(buf + 1)
+        if b == 0xdd and n >= 5:
+            return ck_load_be32(buf + 1)
+        if (b & 0xe0) == 0xa0:
+            return _ceil_tokens(b & 0x1f)
+        if b == 0xd9 and n >= 2:
+            return _ceil_tokens(buf[1])
+        if b == 0xda and n >= 3:
+            return _ceil_tokens(ck_load_be16(buf + 1))
+        if b == 0xdb and n >= 5:
+            return _ceil_tokens(ck_load_be32(buf + 1))
+    return _ceil_tokens(n)
+
 
 # -- writing -----------------------------------------------------------------
 
@@ -869,6 +897,22 @@ def read_reply(frame) -> tuple[int, list[tuple[int, bool] | None]]:
     finally:
         if entries != local:
             free(entries)
+
+
+def prompt_tokens(frame) -> int:
+    """The size in tokens of a prompt frame, from at most its first 5 bytes.
+
+    A msgpack array (token ids) counts its length, its elements unread; a
+    msgpack str ``ceil(its UTF-8 bytes / BYTES_PER_TOKEN)``, its declared
+    length; anything else (bin, another type, bytes that are not msgpack, a
+    header cut short, an empty frame) ``ceil(the frame's bytes /
+    BYTES_PER_TOKEN)``. Never raises.
+    """
+    cdef Py_buffer view
+    _acquire(frame, &view)
+    cdef uint64_t tokens = ck_prompt_tokens(<const uint8_t*>view.buf, view.len)
+    PyBuffer_Release(&view)
+    return tokens
 
 
 def write_header(header) -> bytes:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
-from .protocol import Buffer, Header, ProtocolError, block_hashes
+from .protocol import Buffer, Frame, Header, ProtocolError, block_hashes
 
 __all__ = [
     "MAX_NESTING",
@@ -24,6 +24,7 @@ __all__ = [
     "read_submit",
     "rewrite_submit",
     "read_reply",
+    "prompt_tokens",
     "write_header",
     "write_header_int",
     "encode",
@@ -39,6 +40,8 @@ __all__ = [
 
 #: encode and decode refuse arrays nested deeper than this.
 MAX_NESTING = 512
+#: prompt_tokens counts a prompt that is not token ids as this many bytes a token.
+BYTES_PER_TOKEN = 4
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -176,6 +179,39 @@ def _entry(data: bytes, full: bool) -> tuple[int, bool] | None:
     if type(rid) is not int or not _INT64_MIN <= rid <= _INT64_MAX:
         return None
     return rid, flag
+
+
+def prompt_tokens(frame: Frame) -> int:
+    """The size in tokens of a prompt frame, from at most its first 5 bytes.
+
+    A msgpack array (token ids) counts its length, its elements unread; a
+    msgpack str ``ceil(its UTF-8 bytes / BYTES_PER_TOKEN)``, its declared
+    length; anything else (bin, another type, bytes that are not msgpack, a
+    header cut short, an empty frame) ``ceil(the frame's bytes /
+    BYTES_PER_TOKEN)``. Never raises.
+    """
+    view = memoryview(cast(Buffer, frame)).cast("B")  # a zmq.Frame exports its buffer too
+    n = len(view)
+    if n:
+        b = view[0]
+        if 0x90 <= b <= 0x9F:
+            return b & 0x0F
+        if b == 0xDC and n >= 3:
+            return view[1] << 8 | view[2]
+        if b == 0xDD and n >= 5:
+            return int.from_bytes(view[1:5], "big")
+        text = -1
+        if 0xA0 <= b <= 0xBF:
+            text = b & 0x1F
+        elif b == 0xD9 and n >= 2:
+            text = view[1]
+        elif b == 0xDA and n >= 3:
+            text = view[1] << 8 | view[2]
+        elif b == 0xDB and n >= 5:
+            text = int.from_bytes(view[1:5], "big")
+        if text >= 0:
+            return -(-text // BYTES_PER_TOKEN)
+    return -(-n // BYTES_PER_TOKEN)
 
 
 def write_header(header: int) -> bytes:

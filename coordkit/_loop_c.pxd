@@ -128,6 +128,7 @@ cdef class Loop:
         bint oversized  # it had more than MAX_PARTS frames: malformed
         ck_entry* entries
         uint32_t entries_capacity
+        uint32_t* work  # by request slot: the work units its rank was charged (router.charged)
 
     # the hot path (no GIL)
     cdef bint _serve_for(self, double timeout) noexcept nogil
@@ -141,9 +142,11 @@ cdef class Loop:
         self, zmq_msg_t* out, ck_submit* submit, int64_t server_rid
     ) noexcept nogil
     cdef int _route(self, uint32_t slot, const uint8_t* hashes, size_t n_hashes,
-                    zmq_msg_t* meta, int64_t header, int n_payload) noexcept nogil
+                    uint64_t tokens, zmq_msg_t* meta, int64_t header,
+                    int n_payload) noexcept nogil
     cdef int _resend(self, uint32_t slot) noexcept nogil
-    cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, int* rank) noexcept nogil
+    cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, uint64_t tokens,
+                          int* rank) noexcept nogil
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil
     cdef void _forward_replies(self, int32_t engine) noexcept nogil
     cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil

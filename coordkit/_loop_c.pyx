@@ -20,7 +20,7 @@ rare path once the message at hand is done (docs/design.md, "Failure model").
 
 cimport cython
 from libc.errno cimport EINTR
-from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t
+from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -30,6 +30,7 @@ from coordkit._codec_c cimport (
     CK_OK,
     CK_TOO_MANY,
     ck_entry,
+    ck_prompt_tokens,
     ck_read_header,
     ck_read_reply,
     ck_read_submit,
@@ -196,6 +197,16 @@ cdef inline size_t kept_size(Kept* kept) noexcept nogil:
     return kept.meta_size + prompt
 
 
+cdef uint64_t kept_prompt_tokens(Kept* kept) noexcept nogil:
+    """The kept prompt's size in tokens (see ck_prompt_tokens)."""
+    cdef uint8_t* data = <uint8_t*>(kept + 1)
+    if kept.prompt_size == UINT32_MAX:
+        return ck_prompt_tokens(
+            <const uint8_t*>zmq_msg_data(<zmq_msg_t*>data), zmq_msg_size(<zmq_msg_t*>data)
+        )
+    return ck_prompt_tokens(data + kept.meta_size, kept.prompt_size)
+
+
 cdef void release_kept(void* kept) noexcept nogil:
     if kept != NULL and (<Kept*>kept).prompt_size == UINT32_MAX:
         zmq_msg_close(<zmq_msg_t*>(<Kept*>kept + 1))
@@ -228,6 +239,7 @@ cdef class Loop:
         self.older = NULL
         self.newer = NULL
         self.oldest = self.newest = UINT32_MAX
+        self.work = NULL
 
     def __init__(self, options, Router router not None, router_socket, wake_socket):
         self.router = router
@@ -266,9 +278,10 @@ cdef class Loop:
         self.parts = <zmq_msg_t*>malloc(FIRST_PARTS * sizeof(zmq_msg_t))
         self.entries_capacity = FIRST_ENTRIES
         self.entries = <ck_entry*>malloc(FIRST_ENTRIES * sizeof(ck_entry))
+        self.work = <uint32_t*>calloc(options.max_inflight, sizeof(uint32_t))
         if (
             self.clients == NULL or self.engines == NULL or self.gone == NULL
-            or self.parts == NULL or self.entries == NULL
+            or self.parts == NULL or self.entries == NULL or self.work == NULL
             or ck_requests_init(
                 &self.requests, options.max_inflight, options.index_size, INDEX_WINDOW_MIN
             ) != 0
@@ -294,6 +307,7 @@ cdef class Loop:
         free(self.submitted)
         free(self.older)
         free(self.newer)
+        free(self.work)
 
     # -- what the Coordinator calls ------------------------------------------------------
 
@@ -547,6 +561,7 @@ cdef class Loop:
         cdef int64_t server_rid
         cdef ck_request* request
         cdef int status
+        cdef uint64_t tokens
         cdef zmq_msg_t meta
         if read != CK_OK:
             with gil:
@@ -586,7 +601,8 @@ cdef class Loop:
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         if header == HEADER_SUBMIT_REQUEST and self.keep_prompts:
             request.kept = keep(&meta, &self.parts[2])
-        status = self._route(slot, hashes, n_hashes, &meta, header, n_payload)
+        tokens = ck_prompt_tokens(self._data(2), self._size(2))
+        status = self._route(slot, hashes, n_hashes, tokens, &meta, header, n_payload)
         while status == ROUTE_ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
             with gil:
@@ -594,7 +610,7 @@ cdef class Loop:
             if request.server_rid != server_rid:  # its client went away meanwhile
                 zmq_msg_close(&meta)
                 return
-            status = self._route(slot, hashes, n_hashes, &meta, header, n_payload)
+            status = self._route(slot, hashes, n_hashes, tokens, &meta, header, n_payload)
         zmq_msg_close(&meta)
         if status == ROUTE_SENT:
             self.counters[COUNTER_SUBMITTED] += 1
@@ -628,6 +644,7 @@ cdef class Loop:
         uint32_t slot,
         const uint8_t* hashes,
         size_t n_hashes,
+        uint64_t tokens,
         zmq_msg_t* meta,
         int64_t header,
         int n_payload,
@@ -638,9 +655,10 @@ cdef class Loop:
         """
         cdef int rank, i
         cdef size_t size = zmq_msg_size(meta)
-        cdef int status = self._pick_engine(hashes, n_hashes, &rank)
+        cdef int status = self._pick_engine(hashes, n_hashes, tokens, &rank)
         if status == ROUTE_SENT:
             self.requests.pool[slot].rank = rank
+            self.work[slot] = <uint32_t>self.router.charged
             for i in range(n_payload):
                 size += self._size(2 + i)
             self._count_out(header, size)
@@ -653,23 +671,26 @@ cdef class Loop:
         """Send a request whose engine died to another, from what it kept; a RouteStatus."""
         cdef int rank
         cdef int status = ROUTE_ENGINE_GONE
+        cdef uint64_t tokens = kept_prompt_tokens(<Kept*>self.requests.pool[slot].kept)
         while status == ROUTE_ENGINE_GONE:  # that one waits in the queue of gone engines
-            status = self._pick_engine(NULL, 0, &rank)
+            status = self._pick_engine(NULL, 0, tokens, &rank)
         if status == ROUTE_SENT:
             self.requests.pool[slot].rank = rank
+            self.work[slot] = <uint32_t>self.router.charged
             self._count_out(HEADER_SUBMIT_REQUEST, kept_size(<Kept*>self.requests.pool[slot].kept))
             send_kept(self.sock, <Kept*>self.requests.pool[slot].kept)
         return status
 
-    cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, int* rank) noexcept nogil:
+    cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, uint64_t tokens,
+                          int* rank) noexcept nogil:
         """The router's choice into ``rank``, its routing id sent (the request's frames
         follow); a RouteStatus. An unreachable choice is marked gone: ENGINE_GONE."""
-        rank[0] = self.router.choose_c(hashes, n_hashes, monotonic())
+        rank[0] = self.router.choose_c(hashes, n_hashes, tokens, monotonic())
         if rank[0] < 0:
             return ROUTE_NO_ENGINES if self.router.n_members == 0 else ROUTE_ALL_BUSY
         if self._send_identity(&self.engine_ids, rank[0]) == 0:
             return ROUTE_SENT
-        self.router.release_c(rank[0])
+        self.router.release_c(rank[0], self.router.charged)
         self._mark_gone(rank[0], GONE_UNREACHABLE)
         return ROUTE_ENGINE_GONE
 
@@ -774,7 +795,7 @@ cdef class Loop:
         ck_requests_remove(&self.requests, slot)
         if rank < 0:
             return
-        self.router.release_c(rank)
+        self.router.release_c(rank, self.work[slot])
         if self.engines[rank].state == ENGINE_DRAINING and self.router.pending_count[rank] == 0:
             self.engines[rank].state = ENGINE_GONE
 
@@ -1111,7 +1132,7 @@ cdef class Loop:
                 request = &self.requests.pool[slot]
                 if request.server_rid != order[i].server_rid or request.rank != rank:
                     continue  # ended meanwhile: its client went away
-                self.router.release_c(rank)
+                self.router.release_c(rank, self.work[slot])
                 request.rank = -1
                 if request.flags & (FLAG_PRODUCED | FLAG_ABORTED) or request.kept == NULL:
                     self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)

@@ -99,7 +99,7 @@ class _Engine:
 
 
 class _Request:
-    __slots__ = ("server_rid", "client", "client_rid", "rank", "flags", "kept", "submitted")
+    __slots__ = ("server_rid", "client", "client_rid", "rank", "flags", "kept", "work", "submitted")
 
     def __init__(self, server_rid: int, client: _Client, client_rid: int):
         self.server_rid = server_rid
@@ -109,7 +109,8 @@ class _Request:
         self.flags = 0
         # The rewritten metadata and the prompt, to re-send it if its engine dies.
         self.kept: tuple[bytes, zmq.Frame | bytes] | None = None
-        self.submitted = 0.0  # with a request_timeout: when it was submitted
+        self.work = 0  # the work units its rank was charged for it (router.charged)
+        self.submitted = 0.0  # with a request_timeout or measure_latency: when it was submitted
 
 
 class Loop:
@@ -325,13 +326,14 @@ class Loop:
             prompt = frames[2]
             request.kept = (out_meta, prompt.bytes if len(prompt) < COPY_BELOW else prompt)
         message = [out_meta, *frames[2 : 2 + n_payload]]
-        status = self._route(request, hashes, header, message)
+        tokens = codec.prompt_tokens(frames[2].buffer)
+        status = self._route(request, hashes, tokens, header, message)
         while status == RouteStatus.ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
             self._settle()
             if self._find(request.server_rid) is not request:  # its client went away meanwhile
                 return
-            status = self._route(request, hashes, header, message)
+            status = self._route(request, hashes, tokens, header, message)
         if status == RouteStatus.SENT:
             self._counters[Counter.SUBMITTED] += 1
             return
@@ -340,39 +342,47 @@ class Loop:
         self._refuse(client, rid, _refusal(status), header, counter)
 
     def _route(
-        self, request: _Request, hashes: memoryview | None, header: int, message: list[Any]
+        self,
+        request: _Request,
+        hashes: memoryview | None,
+        tokens: int,
+        header: int,
+        message: list[Any],
     ) -> RouteStatus:
         """Send a new request to the engine chosen for it; its payload frames go as themselves."""
-        rank, status = self._pick_engine(hashes)
+        rank, status = self._pick_engine(hashes, tokens)
         if status == RouteStatus.SENT:
             request.rank = rank
+            request.work = self._router.charged
             self._count_out(header, message)
             self._sock.send_multipart(message, copy=False)
         return status
 
     def _resend(self, request: _Request) -> RouteStatus:
         """Send a request whose engine died to another, from what it kept."""
+        assert request.kept is not None
+        tokens = codec.prompt_tokens(request.kept[1])
         status = RouteStatus.ENGINE_GONE
         while status == RouteStatus.ENGINE_GONE:  # that one waits in the queue of gone engines
-            rank, status = self._pick_engine(None)
+            rank, status = self._pick_engine(None, tokens)
         if status == RouteStatus.SENT:
             request.rank = rank
-            assert request.kept is not None
+            request.work = self._router.charged
             self._count_out(Header.SUBMIT_REQUEST, request.kept)
             self._sock.send_multipart(list(request.kept), copy=False)
         return status
 
-    def _pick_engine(self, hashes: memoryview | None) -> tuple[int, RouteStatus]:
+    def _pick_engine(self, hashes: memoryview | None, tokens: int) -> tuple[int, RouteStatus]:
         """The router's choice, its routing id sent (the request's frames follow).
         An unreachable choice is marked gone: ENGINE_GONE."""
-        rank = self._router.choose(hashes, time.monotonic())
+        rank = self._router.choose(hashes, time.monotonic(), tokens)
         if rank < 0:
             if self._router.n_accepting == 0:
                 return rank, RouteStatus.NO_ENGINES
             return rank, RouteStatus.ALL_BUSY
         if self._send_identity(self._engines[rank].identity):
             return rank, RouteStatus.SENT
-        self._router.release(rank)
+        self._router.release(rank, self._router.charged)
         self._mark_gone(self._engines[rank], "unreachable")
         return rank, RouteStatus.ENGINE_GONE
 
@@ -466,7 +476,7 @@ class Loop:
         self._remove(request)
         if request.rank < 0:
             return
-        self._router.release(request.rank)
+        self._router.release(request.rank, request.work)
         engine = self._engines[request.rank]
         if engine.state == DRAINING and self._router.pending(engine.rank) == 0:
             engine.state = GONE
@@ -741,7 +751,7 @@ class Loop:
         for request in self._in_order(lambda r: r.rank == engine.rank):
             if self._find(request.server_rid) is not request or request.rank != engine.rank:
                 continue  # ended meanwhile: its client went away
-            self._router.release(engine.rank)
+            self._router.release(engine.rank, request.work)
             request.rank = -1
             if request.flags & (PRODUCED | ABORTED) or request.kept is None:
                 self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)

@@ -173,6 +173,7 @@ class Client:
         *,
         block_size: int | None = None,
         raw: bool = False,
+        block_hashes: bytes | None = None,
     ) -> ReplyFuture:
         """Send one request; the future resolves to its final reply body.
 
@@ -180,14 +181,15 @@ class Client:
         (msgpack-packed, as Megatron's engines expect) or a bytes-like object,
         sent as it is without a copy: do not modify it until the reply came.
         ``block_size`` adds the prefix-routing block hashes (token-id prompts
-        only). The body is msgpack-decoded unless ``raw``, which gives bytes.
+        only), or ``block_hashes`` sends a block-hash frame as given. The body
+        is msgpack-decoded unless ``raw``, which gives bytes.
         Partial replies are not delivered here; use :meth:`stream` for them.
         An ERROR for the request fails the future with :class:`CoordinatorError`.
         """
         future = ReplyFuture(loop=self._loop)
         future.request_id = next(self._ids)
         future.raw = raw
-        self._send_submit(future, prompt, sampling_params, block_size)
+        self._send_submit(future, prompt, sampling_params, block_size, block_hashes)
         future.add_done_callback(self._abort_if_cancelled)
         return future
 
@@ -198,6 +200,7 @@ class Client:
         *,
         block_size: int | None = None,
         raw: bool = False,
+        block_hashes: bytes | None = None,
     ) -> Stream:
         """Send one request with ``{STREAM_KEY: True}`` added to its sampling params.
 
@@ -206,7 +209,7 @@ class Client:
         """
         params = {**(sampling_params or {}), STREAM_KEY: True}
         stream = Stream(next(self._ids), raw)
-        self._send_submit(stream, prompt, params, block_size)
+        self._send_submit(stream, prompt, params, block_size, block_hashes)
         return stream
 
     async def abort(self, request: ReplyFuture | Stream | int) -> None:
@@ -224,11 +227,11 @@ class Client:
         prompt: Prompt,
         sampling_params: Any,
         block_size: int | None,
+        hashes: bytes | None = None,
     ) -> None:
         self._check_open()
         rid = target.request_id
         params = {} if sampling_params is None else sampling_params
-        hashes = None
         if block_size is not None:
             if isinstance(prompt, (str, *_BYTES_LIKE)):
                 raise ValueError("block hashes need a prompt of token ids")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ._implementation import load_implementation, selected
+from ._routing_py import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
 from ._shared import DIALECTS, Detokenizer, Options
 from .curve import CurveServer
 from .metrics import MetricsServer
@@ -110,7 +111,8 @@ class Coordinator:
         max_message_size: int = 256 << 20,
         detokenizer: Detokenizer | None = None,
         seed: int = 0,
-        prefix_alpha: float = 1.0,
+        prefix_prefill_weight: float = DEFAULT_PREFILL_WEIGHT,
+        prefix_decode_tokens: int = DEFAULT_DECODE_TOKENS,
         prefix_ttl: float = 600.0,
         prefix_max_entries: int = 1_000_000,
         max_clients: int = 65536,
@@ -118,7 +120,7 @@ class Coordinator:
         keep_prompts: bool = True,
         request_timeout: float = 0.0,
         dialect: str = "multipart",
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         metrics_port: int | None = None,
         curve_secret_key: str | os.PathLike[str] | None = None,
         curve_authorized_keys: str | os.PathLike[str] | None = None,
@@ -164,7 +166,9 @@ class Coordinator:
             max_engines,
             seed=seed,
             rank_cap=max_inflight_per_engine,
-            prefix_alpha=prefix_alpha,
+            prefix_prefill_weight=prefix_prefill_weight,
+            prefix_decode_tokens=prefix_decode_tokens,
+            block_size=block_size,
             prefix_ttl=prefix_ttl,
             prefix_max_entries=prefix_max_entries,
         )

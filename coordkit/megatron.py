@@ -47,10 +47,11 @@ What each argument becomes:
   one) both become coordkit's ``prefix`` policy, which scores the depth of
   the cached prefix. An enum member, its name or its value.
 * ``prefix_caching_routing_alpha`` (α): 0.19 scores
-  ``α·match + (1 − α)·free capacity``; coordkit's ``prefix_alpha`` weighs load
-  against prefix depth, so the ratio of the two weights is kept:
-  ``prefix_alpha = (1 − α) / α`` (1.0 for 0.19's default of 0.5); α ≤ 0 routes
-  by load alone.
+  ``α·match + (1 − α)·free capacity``; coordkit's ``prefix_prefill_weight``
+  weighs a block to prefill against a block of queued work, so the ratio of
+  affinity to load is carried over: ``prefix_prefill_weight = 32·α / (1 − α)``
+  (coordkit's default of 32 for 0.19's default of 0.5; the router's maximum
+  when α ≥ 1); α ≤ 0 routes by load alone.
 * ``max_requests``: accepted, and not a cap. 0.19's coordinator never refuses
   a request (it uses ``max_requests`` only to normalize the load term of its
   prefix score; an engine queues what it cannot schedule), and a request a
@@ -73,6 +74,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from ._routing_py import DEFAULT_PREFILL_WEIGHT, MAX_PREFILL_WEIGHT
 from .coordinator import Coordinator
 
 __all__ = ["entrypoint"]
@@ -121,7 +123,7 @@ def entrypoint(
     del max_requests, deterministic_mode  # see the module docstring
     if schedule_output_path:
         logger.warning("coordkit: no schedule is recorded, %s is not written", schedule_output_path)
-    policy, prefix_alpha = _routing(
+    policy, prefill_weight = _routing(
         enable_prefix_caching,
         block_size_tokens,
         prefix_caching_coordinator_policy,
@@ -133,7 +135,7 @@ def entrypoint(
         dialect="megatron-core",
         block_size=block_size_tokens or DEFAULT_BLOCK_SIZE,
         policy=policy,
-        prefix_alpha=prefix_alpha,
+        prefix_prefill_weight=prefill_weight,
         detokenizer=_detokenizer(tokenizer),
     )
     pipe_connection.send(coord.address)
@@ -173,11 +175,13 @@ def _bind(host: str, port: int | None, **options: Any) -> Coordinator:
 def _routing(
     prefix_caching: bool, block_size: int | None, policy: Any, alpha: float
 ) -> tuple[str, float]:
-    """The coordkit policy and prefix_alpha for 0.19's routing arguments."""
+    """The coordkit policy and prefix_prefill_weight for 0.19's routing arguments."""
     names = {str(getattr(policy, attr, policy)).lower() for attr in ("name", "value")}
     if not prefix_caching or block_size is None or "load_balanced" in names or alpha <= 0:
-        return "least_loaded", 1.0
-    return "prefix", (1.0 - min(alpha, 1.0)) / alpha
+        return "least_loaded", DEFAULT_PREFILL_WEIGHT
+    if alpha >= 1:
+        return "prefix", MAX_PREFILL_WEIGHT
+    return "prefix", min(DEFAULT_PREFILL_WEIGHT * alpha / (1 - alpha), MAX_PREFILL_WEIGHT)
 
 
 def _detokenizer(tokenizer: Any) -> Any:

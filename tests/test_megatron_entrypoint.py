@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 import coordkit.megatron
+from coordkit._routing_py import MAX_PREFILL_WEIGHT
 from coordkit.megatron import entrypoint
 from tests.support.peers import (
     CONNECT_ACK,
@@ -224,39 +225,44 @@ def test_shutdown_before_the_engines_came(impl, spawned):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "policy", "alpha"),
+    ("kwargs", "policy", "weight"),
     [
-        ({}, "least_loaded", 1.0),
-        ({"enable_prefix_caching": True}, "least_loaded", 1.0),  # no block size: no hashes
-        ({"enable_prefix_caching": True, "block_size_tokens": 16}, "prefix", 1.0),
+        ({}, "least_loaded", 32.0),
+        ({"enable_prefix_caching": True}, "least_loaded", 32.0),  # no block size: no hashes
+        ({"enable_prefix_caching": True, "block_size_tokens": 16}, "prefix", 32.0),
         (
             {"enable_prefix_caching": True, "block_size_tokens": 16, "routing_alpha": 0.8},
             "prefix",
-            0.25,
+            128.0,
+        ),
+        (
+            {"enable_prefix_caching": True, "block_size_tokens": 16, "routing_alpha": 0.2},
+            "prefix",
+            8.0,
         ),
         (
             {"enable_prefix_caching": True, "block_size_tokens": 16, "routing_alpha": 1.0},
             "prefix",
-            0.0,
+            MAX_PREFILL_WEIGHT,
         ),
         (
             {"enable_prefix_caching": True, "block_size_tokens": 16, "routing_alpha": 0.0},
             "least_loaded",
-            1.0,
+            32.0,
         ),
         (
             {"enable_prefix_caching": True, "block_size_tokens": 16, "policy": "load_balanced"},
             "least_loaded",
-            1.0,
+            32.0,
         ),
         (
             {"enable_prefix_caching": True, "block_size_tokens": 16, "policy": "longest_prefix"},
             "prefix",
-            1.0,
+            32.0,
         ),
     ],
 )
-def test_routing_arguments(impl, kwargs, policy, alpha):
+def test_routing_arguments(impl, kwargs, policy, weight):
     arguments = {"routing_alpha": 0.5, "policy": "first_prefix_block", **kwargs}
     got = coordkit.megatron._routing(
         arguments.get("enable_prefix_caching", False),
@@ -264,7 +270,7 @@ def test_routing_arguments(impl, kwargs, policy, alpha):
         arguments["policy"],
         arguments["routing_alpha"],
     )
-    assert got == pytest.approx((policy, alpha))
+    assert got == pytest.approx((policy, weight))
 
 
 def test_routing_takes_the_policy_enum(impl):
