@@ -86,6 +86,7 @@ __all__ = [
     "read_header",
     "read_submit",
     "rewrite_submit",
+    "write_submit",
     "read_reply",
     "prompt_tokens",
     "write_header",
@@ -929,6 +930,29 @@ def rewrite_submit(frame, rid) -> bytes:
     try:
         out = PyBytes_FromStringAndSize(NULL, ck_submit_size(&s, new_rid, rest_len))
         ck_write_submit(<uint8_t*>PyBytes_AS_STRING(out), &s, new_rid, buf + s.offset, rest_len)
+    finally:
+        PyBuffer_Release(&view)
+    return out
+
+
+def write_submit(header, length, rid, rest) -> bytes:
+    """``[header, rid, <rest>]``, an array of ``length`` elements: ``rest`` (the
+    other ``length - 2``, already packed) spliced in as it is."""
+    cdef ck_submit prefix
+    cdef int64_t r = _int64_arg(rid)
+    cdef Py_buffer view
+    prefix.header = _int64_arg(header)
+    if not PyLong_Check(length) or PyBool_Check(length):
+        raise TypeError(f"expected an int, got {type(length).__name__}")
+    if not 2 <= length <= 0xFFFFFFFF:
+        raise ValueError(f"length must be in 2..2**32-1, not {length}")
+    prefix.length = length
+    _acquire(rest, &view)
+    try:
+        out = PyBytes_FromStringAndSize(NULL, ck_submit_size(&prefix, r, view.len))
+        ck_write_submit(
+            <uint8_t*>PyBytes_AS_STRING(out), &prefix, r, <const uint8_t*>view.buf, view.len
+        )
     finally:
         PyBuffer_Release(&view)
     return out

@@ -23,6 +23,7 @@ __all__ = [
     "read_header",
     "read_submit",
     "rewrite_submit",
+    "write_submit",
     "read_reply",
     "prompt_tokens",
     "write_header",
@@ -46,6 +47,7 @@ BYTES_PER_TOKEN = 4
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
+_UINT32_MAX = (1 << 32) - 1
 _UINT64_MAX = (1 << 64) - 1
 _METADATA = "malformed metadata frame"
 _REPLY = "malformed engine reply"
@@ -134,8 +136,18 @@ def rewrite_submit(frame: Buffer, rid: int) -> bytes:
     rid = _int64_arg(rid)
     data = _as_bytes(frame)
     header, length, _, offset = read_submit(data)
-    prefix = _packer.pack_array_header(length) + _packer.pack(header) + _packer.pack(rid)
-    return prefix + data[offset:]
+    return write_submit(header, length, rid, data[offset:])
+
+
+def write_submit(header: int, length: int, rid: int, rest: Buffer) -> bytes:
+    """``[header, rid, <rest>]``, an array of ``length`` elements: ``rest`` (the
+    other ``length - 2``, already packed) spliced in as it is."""
+    if not isinstance(length, int) or isinstance(length, bool):
+        raise TypeError(f"expected an int, got {type(length).__name__}")
+    if not 2 <= length <= _UINT32_MAX:
+        raise ValueError(f"length must be in 2..2**32-1, not {length}")
+    head = _packer.pack_array_header(length) + _packer.pack(_int64_arg(header))
+    return head + _packer.pack(_int64_arg(rid)) + _as_bytes(rest)
 
 
 def read_reply(frame: Buffer) -> tuple[int, list[tuple[int, bool] | None]]:
@@ -269,7 +281,6 @@ _NO_REQUEST_ID = "reply entry has no request_id"
 _BAD_REQUEST_ID = "request_id is not an int64"
 _PROMPT_STR = "the prompt is a str"
 _BAD_TOKEN = "a token is not an int in [0, 2**32)"
-_UINT32_MAX = (1 << 32) - 1
 
 # "request_id" as a msgpack str, in each of its four forms.
 _REQUEST_ID_KEYS = tuple(

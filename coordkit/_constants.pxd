@@ -90,6 +90,12 @@ cdef enum:  # coordkit._shared.RouteStatus
     ROUTE_NO_ENGINES = 1
     ROUTE_ALL_BUSY = 2
     ROUTE_ENGINE_GONE = 3
+    ROUTE_UNSENDABLE = 4
+
+cdef enum:  # coordkit._shared.PeerFormat
+    FORMAT_MULTIPART = 0
+    FORMAT_SINGLE_FRAME = 1
+    FORMAT_BATCHED = 2
 
 cdef enum:
     BLOCK_HASH_SIZE = 8
@@ -179,6 +185,10 @@ cdef inline dict generated_constants():
         "RouteStatus.NO_ENGINES": 1,
         "RouteStatus.ALL_BUSY": 2,
         "RouteStatus.ENGINE_GONE": 3,
+        "RouteStatus.UNSENDABLE": 4,
+        "PeerFormat.MULTIPART": 0,
+        "PeerFormat.SINGLE_FRAME": 1,
+        "PeerFormat.BATCHED": 2,
         "BLOCK_HASH_SIZE": 8,
         "MAX_PARTS": 65536,
         "COPY_BELOW": 8192,

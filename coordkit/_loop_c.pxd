@@ -3,7 +3,7 @@
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
-from coordkit._codec_c cimport ck_entry, ck_submit
+from coordkit._codec_c cimport ck_entry, ck_single_entry
 from coordkit._constants cimport ERROR_SLOTS, HEADER_SLOTS, N_COUNTERS, N_LATENCY_BUCKETS
 from coordkit._libzmq cimport zmq_msg_t
 from coordkit._routing_c cimport Router
@@ -46,6 +46,7 @@ cdef extern from "_tables.h" nogil:
 cdef struct Client:
     bint used
     bint coordkit  # said {"coordkit": 1} in CONNECT: may be sent ERROR and STATS_REPLY
+    int format  # PeerFormat
     int64_t inflight
     uint64_t last_seen  # the message count when it last sent one
 
@@ -53,6 +54,7 @@ cdef struct Client:
 cdef struct Engine:
     int state  # EngineState
     bint coordkit  # sent ENGINE_HELLO: may be sent ERROR for the entries it got wrong
+    int format  # PeerFormat
     bint heartbeats  # has sent a HEARTBEAT: may be timed out
     double last_heartbeat
     double drain_deadline
@@ -63,6 +65,21 @@ cdef enum GoneReason:
     GONE_UNREACHABLE
     GONE_NO_HEARTBEAT
     GONE_DRAIN_TIMED_OUT
+
+
+cdef struct Inbound:
+    # A new request as it came, to be put in the format of the engine chosen for it.
+    int64_t header
+    zmq_msg_t* meta  # multipart: the rewritten metadata; the payload frames are parts[2:]
+    int n_payload
+    const uint8_t* frame  # single frame: [20, client_rid, prompt, params]
+    size_t frame_size
+    size_t prompt  # single frame: where the prompt starts (the params follow it)
+    size_t params  # single frame: where the params start, once parsed (else 0)
+    const uint8_t* params_data  # multipart: the params' bytes in the original metadata
+    size_t params_size
+    bint single_ok  # may go to a single-frame engine
+    bint multi_ok  # may go to a multipart engine
 
 
 cdef struct RequestOrder:  # a request on the rare paths that walk them in server-id order
@@ -85,6 +102,14 @@ cdef class Loop:
         int max_engines
         bint keep_prompts
         bint has_detokenizer
+        # The megatron-core dialect: peers that are not coordkit's speak single frames.
+        bint megatron_core
+        bint computes_hashes  # the prefix policy hashes the prompts of single-frame SUBMITs
+        int n_single_engines  # engines of either format ever registered: which checks to make
+        int n_multipart_engines
+        size_t block_size
+        uint8_t* hashes  # block hashes computed from a prompt (prefix policy, single frames)
+        size_t hashes_capacity
         double request_timeout  # 0: requests never time out
 
         ck_requests requests
@@ -128,6 +153,8 @@ cdef class Loop:
         bint oversized  # it had more than MAX_PARTS frames: malformed
         ck_entry* entries
         uint32_t entries_capacity
+        ck_single_entry* single_entries
+        uint32_t single_entries_capacity
         uint32_t* work  # by request slot: the work units its rank was charged (router.charged)
 
     # the hot path (no GIL)
@@ -138,15 +165,24 @@ cdef class Loop:
     cdef void _handle(self) noexcept nogil
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil
     cdef void _submit(self, int32_t client, int64_t header) noexcept nogil
-    cdef void _rewrite_submit(
-        self, zmq_msg_t* out, ck_submit* submit, int64_t server_rid
-    ) noexcept nogil
+    cdef void _submit_single(self, int32_t client) noexcept nogil
+    cdef void _accept(self, int32_t client, int64_t rid, const uint8_t* hashes, size_t n_hashes,
+                      uint64_t tokens, Inbound* inbound) noexcept nogil
+    cdef const uint8_t* _prompt_hashes(self, const uint8_t* prompt, size_t size,
+                                       size_t* n_hashes) noexcept nogil
+    cdef void _send_new(self, uint32_t slot, int rank, Inbound* inbound) noexcept nogil
+    cdef void _send_kept(self, uint32_t slot, int rank) noexcept nogil
+    cdef void _forward_single_replies(self, int32_t engine) noexcept nogil
+    cdef int _read_single_replies(self, uint32_t* count) noexcept nogil
+    cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil
+    cdef bint _deliver(self, int32_t client, int64_t header, int64_t client_rid,
+                       const uint8_t* body, size_t size, zmq_msg_t* message) noexcept nogil
+    cdef void _rewrite_submit(self, zmq_msg_t* out, int64_t server_rid) noexcept nogil
     cdef int _route(self, uint32_t slot, const uint8_t* hashes, size_t n_hashes,
-                    uint64_t tokens, zmq_msg_t* meta, int64_t header,
-                    int n_payload) noexcept nogil
+                    uint64_t tokens, Inbound* inbound) noexcept nogil
     cdef int _resend(self, uint32_t slot) noexcept nogil
     cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, uint64_t tokens,
-                          int* rank) noexcept nogil
+                          bint single_ok, bint multi_ok, int* rank) noexcept nogil
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil
     cdef void _forward_replies(self, int32_t engine) noexcept nogil
     cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil
@@ -166,6 +202,7 @@ cdef class Loop:
     cdef _from_engine_rarely(self, int32_t engine, int64_t header)
     cdef _register(self, int32_t engine)
     cdef _engine_hello(self, int32_t engine)
+    cdef _count_formats(self)
     cdef int32_t _new_engine(self, int32_t engine) except -2
     cdef _connect(self, int32_t client)
     cdef int32_t _vacant_client(self) except -2
@@ -173,6 +210,7 @@ cdef class Loop:
     cdef _heartbeat(self, int32_t engine)
     cdef _disconnect(self, int32_t engine)
     cdef _abort(self, int32_t client)
+    cdef _abort_at_engine(self, int rank, int64_t server_rid)
     cdef _release_kv(self, int32_t client)
     cdef _control(self, int32_t client, int64_t header)
     cdef _shutdown_signal(self, int32_t client)
@@ -180,6 +218,7 @@ cdef class Loop:
     cdef object _parse(self, object spec, int32_t client, int64_t header)
     cdef _broadcast(self, int64_t header)
     cdef _detokenize(self, int part)
+    cdef bytes _detokenized(self, const uint8_t* body, size_t size)
 
     # failures
     cdef _settle(self)

@@ -21,23 +21,33 @@ rare path once the message at hand is done (docs/design.md, "Failure model").
 cimport cython
 from libc.errno cimport EINTR
 from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc, qsort
-from libc.string cimport memcpy
+from libc.stdlib cimport calloc, free, malloc, qsort, realloc
+from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from coordkit._codec_c cimport (
     CK_HEADER_INT_MAX,
     CK_OK,
     CK_TOO_MANY,
+    ck_check_map,
+    ck_check_prompt,
     ck_entry,
+    ck_prompt_hashes,
     ck_prompt_tokens,
     ck_read_header,
     ck_read_reply,
+    ck_read_single_head,
+    ck_read_single_reply,
+    ck_read_single_submit,
     ck_read_submit,
+    ck_single_entry,
+    ck_single_submit,
+    ck_single_submit_size,
     ck_strstatus,
     ck_submit,
     ck_submit_size,
     ck_write_header_int,
+    ck_write_single_submit,
     ck_write_submit,
 )
 from coordkit._constants cimport *
@@ -140,24 +150,66 @@ cdef inline double monotonic() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
+cdef size_t send_head(void* sock, int64_t header, uint32_t length, int64_t rid,
+                      const uint8_t* rest, size_t rest_size, int flags) noexcept nogil:
+    """``[header, rid, <rest>]`` (an array of ``length``) as one new frame; its size."""
+    cdef ck_submit head
+    cdef zmq_msg_t msg
+    cdef size_t n
+    head.header = header
+    head.length = length
+    n = ck_submit_size(&head, rid, rest_size)
+    zmq_msg_init_size(&msg, n)
+    ck_write_submit(<uint8_t*>zmq_msg_data(&msg), &head, rid, rest, rest_size)
+    if zmq_msg_send(&msg, sock, flags) < 0:
+        zmq_msg_close(&msg)
+    return n
+
+
+cdef size_t send_submit(void* sock, bint single_frame, int64_t rid,
+                        const uint8_t* prompt, size_t prompt_size,
+                        const uint8_t* params, size_t params_size) noexcept nogil:
+    """A request from the bytes of its prompt and its params, in an engine's format:
+    ``[20, rid, <prompt>, <params>]``, or ``[20, rid, <params>]`` and the prompt;
+    the bytes sent."""
+    cdef zmq_msg_t msg
+    cdef size_t n
+    if not single_frame:
+        n = send_head(sock, HEADER_SUBMIT_REQUEST, 3, rid, params, params_size, ZMQ_SNDMORE)
+        send_bytes(sock, prompt, prompt_size, 0)
+        return n + prompt_size
+    n = ck_single_submit_size(HEADER_SUBMIT_REQUEST, rid, prompt_size, params_size)
+    zmq_msg_init_size(&msg, n)
+    ck_write_single_submit(
+        <uint8_t*>zmq_msg_data(&msg), HEADER_SUBMIT_REQUEST, rid, prompt, prompt_size,
+        params, params_size,
+    )
+    if zmq_msg_send(&msg, sock, 0) < 0:
+        zmq_msg_close(&msg)
+    return n
+
+
 # -- kept prompts ----------------------------------------------------------------------
 
 cdef struct Kept:
     # One allocation per kept request: this head, then either the metadata bytes
     # and the prompt's bytes, or (prompt_size == UINT32_MAX) a zmq_msg_t
-    # sharing the prompt, then the metadata bytes.
+    # sharing the prompt, then the metadata bytes. A request that came as a
+    # single frame keeps that frame whole as its "prompt", with no metadata.
     uint32_t meta_size
     uint32_t prompt_size
+    bint single
 
 
-cdef Kept* keep(zmq_msg_t* meta, zmq_msg_t* prompt) noexcept nogil:
+cdef Kept* keep(zmq_msg_t* meta, zmq_msg_t* prompt, bint single) noexcept nogil:
     """What re-sends a request, or NULL when memory is short (it is then not kept).
 
     A prompt below COPY_BELOW bytes is copied: a refcounted copy of a small
     frame would pin the whole receive buffer libzmq decoded it from (pyzmq's
     copy-below-a-threshold rule). A larger one has a buffer of its own: shared.
     """
-    cdef size_t meta_size = zmq_msg_size(meta), prompt_size = zmq_msg_size(prompt)
+    cdef size_t meta_size = 0 if meta == NULL else zmq_msg_size(meta)
+    cdef size_t prompt_size = zmq_msg_size(prompt)
     cdef bint shared = prompt_size >= COPY_BELOW
     cdef Kept* kept = <Kept*>malloc(
         sizeof(Kept) + meta_size + (sizeof(zmq_msg_t) if shared else prompt_size)
@@ -166,45 +218,35 @@ cdef Kept* keep(zmq_msg_t* meta, zmq_msg_t* prompt) noexcept nogil:
     if kept == NULL:
         return NULL
     kept.meta_size = meta_size
+    kept.single = single
     data = <uint8_t*>(kept + 1)
     if shared:
         kept.prompt_size = UINT32_MAX
         zmq_msg_init(<zmq_msg_t*>data)
         zmq_msg_copy(<zmq_msg_t*>data, prompt)
-        memcpy(data + sizeof(zmq_msg_t), zmq_msg_data(meta), meta_size)
+        if meta_size:
+            memcpy(data + sizeof(zmq_msg_t), zmq_msg_data(meta), meta_size)
     else:
         kept.prompt_size = prompt_size
-        memcpy(data, zmq_msg_data(meta), meta_size)
+        if meta_size:
+            memcpy(data, zmq_msg_data(meta), meta_size)
         memcpy(data + meta_size, zmq_msg_data(prompt), prompt_size)
     return kept
 
 
-cdef void send_kept(void* sock, Kept* kept) noexcept nogil:
+cdef inline const uint8_t* kept_meta(Kept* kept) noexcept nogil:
+    cdef uint8_t* data = <uint8_t*>(kept + 1)
+    return data + sizeof(zmq_msg_t) if kept.prompt_size == UINT32_MAX else data
+
+
+cdef inline const uint8_t* kept_prompt(Kept* kept, size_t* size) noexcept nogil:
+    """The kept prompt's bytes (for a single frame: the whole frame)."""
     cdef uint8_t* data = <uint8_t*>(kept + 1)
     if kept.prompt_size == UINT32_MAX:
-        send_bytes(sock, data + sizeof(zmq_msg_t), kept.meta_size, ZMQ_SNDMORE)
-        send_shared(sock, <zmq_msg_t*>data, 0)
-    else:
-        send_bytes(sock, data, kept.meta_size, ZMQ_SNDMORE)
-        send_bytes(sock, data + kept.meta_size, kept.prompt_size, 0)
-
-
-cdef inline size_t kept_size(Kept* kept) noexcept nogil:
-    """The bytes a re-send of ``kept`` puts on the wire (metadata and prompt)."""
-    cdef size_t prompt = kept.prompt_size
-    if prompt == UINT32_MAX:
-        prompt = zmq_msg_size(<zmq_msg_t*>(<uint8_t*>(kept + 1)))
-    return kept.meta_size + prompt
-
-
-cdef uint64_t kept_prompt_tokens(Kept* kept) noexcept nogil:
-    """The kept prompt's size in tokens (see ck_prompt_tokens)."""
-    cdef uint8_t* data = <uint8_t*>(kept + 1)
-    if kept.prompt_size == UINT32_MAX:
-        return ck_prompt_tokens(
-            <const uint8_t*>zmq_msg_data(<zmq_msg_t*>data), zmq_msg_size(<zmq_msg_t*>data)
-        )
-    return ck_prompt_tokens(data + kept.meta_size, kept.prompt_size)
+        size[0] = zmq_msg_size(<zmq_msg_t*>data)
+        return <const uint8_t*>zmq_msg_data(<zmq_msg_t*>data)
+    size[0] = kept.prompt_size
+    return data + kept.meta_size
 
 
 cdef void release_kept(void* kept) noexcept nogil:
@@ -214,8 +256,10 @@ cdef void release_kept(void* kept) noexcept nogil:
 
 
 cdef inline int refusal(int status) noexcept nogil:
-    """The ErrorCode for a request no engine could take (a RouteStatus other than SENT)."""
-    return ERROR_NO_ENGINES if status == ROUTE_NO_ENGINES else ERROR_BUSY
+    """The ErrorCode for a new request no engine took (a RouteStatus other than SENT)."""
+    if status == ROUTE_NO_ENGINES:
+        return ERROR_NO_ENGINES
+    return ERROR_MALFORMED if status == ROUTE_UNSENDABLE else ERROR_BUSY
 
 
 cdef int compare_server_rids(const void* a, const void* b) noexcept nogil:
@@ -235,6 +279,8 @@ cdef class Loop:
         self.gone = NULL
         self.parts = NULL
         self.entries = NULL
+        self.single_entries = NULL
+        self.hashes = NULL
         self.submitted = NULL
         self.older = NULL
         self.newer = NULL
@@ -254,6 +300,9 @@ cdef class Loop:
         self.max_clients = options.max_clients
         self.max_engines = options.max_engines
         self.keep_prompts = options.keep_prompts
+        self.megatron_core = options.dialect == "megatron-core"
+        self.computes_hashes = self.megatron_core and router.policy == "prefix"
+        self.block_size = options.block_size
         self._detokenizer = options.detokenizer
         self.has_detokenizer = options.detokenizer is not None
         self._log = RateLimitedLog()
@@ -278,10 +327,13 @@ cdef class Loop:
         self.parts = <zmq_msg_t*>malloc(FIRST_PARTS * sizeof(zmq_msg_t))
         self.entries_capacity = FIRST_ENTRIES
         self.entries = <ck_entry*>malloc(FIRST_ENTRIES * sizeof(ck_entry))
+        self.single_entries_capacity = FIRST_ENTRIES
+        self.single_entries = <ck_single_entry*>malloc(FIRST_ENTRIES * sizeof(ck_single_entry))
         self.work = <uint32_t*>calloc(options.max_inflight, sizeof(uint32_t))
         if (
             self.clients == NULL or self.engines == NULL or self.gone == NULL
             or self.parts == NULL or self.entries == NULL or self.work == NULL
+            or self.single_entries == NULL
             or ck_requests_init(
                 &self.requests, options.max_inflight, options.index_size, INDEX_WINDOW_MIN
             ) != 0
@@ -304,6 +356,8 @@ cdef class Loop:
         free(self.gone)
         free(self.parts)
         free(self.entries)
+        free(self.single_entries)
+        free(self.hashes)
         free(self.submitted)
         free(self.older)
         free(self.newer)
@@ -543,26 +597,29 @@ cdef class Loop:
             self._from_client(client, header)
 
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil:
-        if header == HEADER_SUBMIT_REQUEST or header == HEADER_SUBMIT_REQUEST_WITH_KV:
-            self._submit(client, header)
+        if header == HEADER_SUBMIT_REQUEST and self.clients[client].format == FORMAT_SINGLE_FRAME:
+            self._submit_single(client)
+        elif header == HEADER_SUBMIT_REQUEST or header == HEADER_SUBMIT_REQUEST_WITH_KV:
+            if self.clients[client].format == FORMAT_SINGLE_FRAME:  # 0.19 has no KV submission
+                with gil:
+                    self._refuse(
+                        client, None, ERROR_UNKNOWN_HEADER, header, COUNTER_UNKNOWN_HEADER
+                    )
+            else:
+                self._submit(client, header)
         else:
             with gil:
                 self._from_client_rarely(client, header)
 
     cdef void _submit(self, int32_t client, int64_t header) noexcept nogil:
-        """A new request: a server id, an engine, and the frames on to it."""
+        """A new request in frames: metadata, payload, and maybe its block hashes."""
+        cdef Inbound inbound
         cdef ck_submit submit
         cdef int read = ck_read_submit(self._data(1), self._size(1), &submit)
         cdef int n_payload = 1 if header == HEADER_SUBMIT_REQUEST else 2
         cdef int n_frames = self.n_parts - 2
         cdef const uint8_t* hashes = NULL
         cdef size_t n_hashes = 0
-        cdef uint32_t slot
-        cdef int64_t server_rid
-        cdef ck_request* request
-        cdef int status
-        cdef uint64_t tokens
-        cdef zmq_msg_t meta
         if read != CK_OK:
             with gil:
                 rid = submit.rid if submit.offset else None
@@ -579,17 +636,121 @@ cdef class Loop:
             with gil:
                 self._malformed(client, submit.rid, header, "bad frame layout")
             return
-        if ck_requests_find_client(&self.requests, client, submit.rid) >= 0:
+        memset(&inbound, 0, sizeof(Inbound))
+        inbound.header = header
+        inbound.n_payload = n_payload
+        inbound.params_data = self._data(1) + submit.offset
+        inbound.params_size = self._size(1) - submit.offset
+        inbound.multi_ok = True
+        # A single-frame engine takes [20, rid, prompt, params]: a str or array, and a map.
+        inbound.single_ok = (
+            self.n_single_engines > 0
+            and header == HEADER_SUBMIT_REQUEST
+            and ck_check_prompt(self._data(2), self._size(2)) == CK_OK
+            and ck_check_map(inbound.params_data, inbound.params_size) == CK_OK
+        )
+        self._accept(
+            client, submit.rid, hashes, n_hashes, ck_prompt_tokens(self._data(2), self._size(2)),
+            &inbound,
+        )
+
+    cdef void _submit_single(self, int32_t client) noexcept nogil:
+        """A new request in one frame: [20, client_rid, prompt, params] (Megatron-Core 0.19).
+
+        Read as far as its request id: to a single-frame engine the rest goes as it
+        came. The prompt and the params are found (walking the prompt) only when a
+        multipart engine may take it, or the prefix policy hashes the prompt.
+        """
+        cdef Inbound inbound
+        cdef ck_single_submit single
+        cdef const uint8_t* hashes = NULL
+        cdef size_t n_hashes = 0
+        cdef int read = ck_read_single_head(self._data(1), self._size(1), &single)
+        if read == CK_OK and self.n_parts != 2:
+            with gil:
+                self._malformed(client, single.rid, HEADER_SUBMIT_REQUEST, "bad frame layout")
+            return
+        if read == CK_OK and (self.n_multipart_engines > 0 or self.computes_hashes):
+            read = ck_read_single_submit(self._data(1), self._size(1), &single)
+        if read != CK_OK:
+            with gil:
+                rid = single.rid if single.prompt else None
+                detail = ck_strstatus(read).decode()
+                self._malformed(client, rid, HEADER_SUBMIT_REQUEST, detail)
+            return
+        memset(&inbound, 0, sizeof(Inbound))
+        inbound.header = HEADER_SUBMIT_REQUEST
+        inbound.frame = self._data(1)
+        inbound.frame_size = self._size(1)
+        inbound.prompt = single.prompt
+        inbound.params = single.params
+        inbound.single_ok = True
+        inbound.multi_ok = single.params != 0
+        if self.computes_hashes:
+            hashes = self._prompt_hashes(
+                inbound.frame + single.prompt, single.params - single.prompt, &n_hashes
+            )
+        self._accept(
+            client,
+            single.rid,
+            hashes,
+            n_hashes,
+            ck_prompt_tokens(inbound.frame + single.prompt, inbound.frame_size - single.prompt),
+            &inbound,
+        )
+
+    cdef const uint8_t* _prompt_hashes(
+        self, const uint8_t* prompt, size_t size, size_t* n_hashes
+    ) noexcept nogil:
+        """The block hashes of a token-id prompt (a client that sent none); NULL for a
+        prompt with no token ids (a str: it is routed by load)."""
+        cdef uint8_t* grown
+        cdef int status = ck_prompt_hashes(
+            prompt, size, self.block_size, self.hashes, self.hashes_capacity, n_hashes
+        )
+        if status == CK_TOO_MANY:
+            grown = <uint8_t*>realloc(self.hashes, n_hashes[0] * BLOCK_HASH_SIZE)
+            if grown == NULL:
+                n_hashes[0] = 0
+                return NULL
+            self.hashes = grown
+            self.hashes_capacity = n_hashes[0]
+            status = ck_prompt_hashes(
+                prompt, size, self.block_size, self.hashes, self.hashes_capacity, n_hashes
+            )
+        if status != CK_OK:
+            n_hashes[0] = 0
+            return NULL
+        return self.hashes
+
+    cdef void _accept(
+        self,
+        int32_t client,
+        int64_t rid,
+        const uint8_t* hashes,
+        size_t n_hashes,
+        uint64_t tokens,
+        Inbound* inbound,
+    ) noexcept nogil:
+        """A request that parsed: refused (a duplicate id, a full table), or given a
+        server id and an engine, and the frames on to it."""
+        cdef int64_t header = inbound.header
+        cdef uint32_t slot
+        cdef int64_t server_rid
+        cdef ck_request* request
+        cdef int status
+        cdef zmq_msg_t meta
+        if ck_requests_find_client(&self.requests, client, rid) >= 0:
             with gil:
                 self._refuse(
-                    client, submit.rid, ERROR_DUPLICATE_REQUEST, header, COUNTER_DUPLICATE_REQUEST
+                    client, rid, ERROR_DUPLICATE_REQUEST, header, COUNTER_DUPLICATE_REQUEST
                 )
             return
         if self.requests.live >= self.max_inflight:
             with gil:
-                self._refuse(client, submit.rid, ERROR_BUSY, header, COUNTER_BUSY)
+                self._refuse(client, rid, ERROR_BUSY, header, COUNTER_BUSY)
             return
-        slot = ck_requests_add(&self.requests, client, submit.rid)
+        slot = ck_requests_add(&self.requests, client, rid)
         self.clients[client].inflight += 1
         if self.submitted != NULL:
             self.submitted[slot] = monotonic()
@@ -597,43 +758,49 @@ cdef class Loop:
             self._queue(slot)
         request = &self.requests.pool[slot]
         server_rid = request.server_rid
-        self._rewrite_submit(&meta, &submit, server_rid)
+        if inbound.frame == NULL:  # multipart: the metadata with the server id
+            self._rewrite_submit(&meta, server_rid)
+            inbound.meta = &meta
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         if header == HEADER_SUBMIT_REQUEST and self.keep_prompts:
-            request.kept = keep(&meta, &self.parts[2])
-        tokens = ck_prompt_tokens(self._data(2), self._size(2))
-        status = self._route(slot, hashes, n_hashes, tokens, &meta, header, n_payload)
+            if inbound.frame == NULL:
+                request.kept = keep(&meta, &self.parts[2], False)
+            else:
+                request.kept = keep(NULL, &self.parts[1], True)
+        status = self._route(slot, hashes, n_hashes, tokens, inbound)
         while status == ROUTE_ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
             with gil:
                 self._settle()
             if request.server_rid != server_rid:  # its client went away meanwhile
-                zmq_msg_close(&meta)
-                return
-            status = self._route(slot, hashes, n_hashes, tokens, &meta, header, n_payload)
-        zmq_msg_close(&meta)
+                break
+            status = self._route(slot, hashes, n_hashes, tokens, inbound)
+        if inbound.meta != NULL:
+            zmq_msg_close(&meta)
         if status == ROUTE_SENT:
             self.counters[COUNTER_SUBMITTED] += 1
-            return
-        self._forget(slot)
-        with gil:
-            self._refuse(
-                client,
-                submit.rid,
-                refusal(status),
-                header,
-                COUNTER_NO_ENGINES if status == ROUTE_NO_ENGINES else COUNTER_BUSY,
-            )
+        elif status != ROUTE_ENGINE_GONE:
+            self._forget(slot)
+            with gil:
+                self._refuse(
+                    client,
+                    rid,
+                    refusal(status),
+                    header,
+                    COUNTER_NO_ENGINES if status == ROUTE_NO_ENGINES else (
+                        COUNTER_MALFORMED if status == ROUTE_UNSENDABLE else COUNTER_BUSY
+                    ),
+                )
 
-    cdef void _rewrite_submit(
-        self, zmq_msg_t* out, ck_submit* submit, int64_t server_rid
-    ) noexcept nogil:
-        """The SUBMIT's metadata frame with ``server_rid``, written into a new message."""
+    cdef void _rewrite_submit(self, zmq_msg_t* out, int64_t server_rid) noexcept nogil:
+        """The current SUBMIT's metadata frame with ``server_rid``, in a new message."""
+        cdef ck_submit submit
+        ck_read_submit(self._data(1), self._size(1), &submit)  # read once already: valid
         cdef size_t rest_size = self._size(1) - submit.offset
-        zmq_msg_init_size(out, ck_submit_size(submit, server_rid, rest_size))
+        zmq_msg_init_size(out, ck_submit_size(&submit, server_rid, rest_size))
         ck_write_submit(
             <uint8_t*>zmq_msg_data(out),
-            submit,
+            &submit,
             server_rid,
             self._data(1) + submit.offset,
             rest_size,
@@ -645,49 +812,126 @@ cdef class Loop:
         const uint8_t* hashes,
         size_t n_hashes,
         uint64_t tokens,
-        zmq_msg_t* meta,
-        int64_t header,
-        int n_payload,
+        Inbound* inbound,
     ) noexcept nogil:
-        """Send a new request to the engine chosen for it; a RouteStatus.
-
-        ``meta`` (the rewritten metadata) and the payload frames go out as themselves.
-        """
-        cdef int rank, i
-        cdef size_t size = zmq_msg_size(meta)
-        cdef int status = self._pick_engine(hashes, n_hashes, tokens, &rank)
+        """Send a new request to the engine chosen for it, in its format; a RouteStatus."""
+        cdef int rank
+        cdef int status = self._pick_engine(
+            hashes, n_hashes, tokens, inbound.single_ok, inbound.multi_ok, &rank
+        )
         if status == ROUTE_SENT:
             self.requests.pool[slot].rank = rank
             self.work[slot] = <uint32_t>self.router.charged
-            for i in range(n_payload):
-                size += self._size(2 + i)
-            self._count_out(header, size)
-            send_msg(self.sock, meta, ZMQ_SNDMORE)
-            for i in range(n_payload):
-                send_msg(self.sock, &self.parts[2 + i], ZMQ_SNDMORE if i + 1 < n_payload else 0)
+            self._send_new(slot, rank, inbound)
         return status
+
+    cdef void _send_new(self, uint32_t slot, int rank, Inbound* inbound) noexcept nogil:
+        """The frames of a new request after the engine's routing id, in its format."""
+        cdef int64_t server_rid = self.requests.pool[slot].server_rid
+        cdef bint single_frame = self.engines[rank].format == FORMAT_SINGLE_FRAME
+        cdef const uint8_t* frame = inbound.frame
+        cdef size_t size, end = inbound.frame_size
+        cdef int i
+        if frame != NULL and single_frame:  # as it came, behind a new head
+            size = send_submit(self.sock, True, server_rid, frame + inbound.prompt,
+                               end - inbound.prompt, NULL, 0)
+        elif frame != NULL:  # split at the field boundary
+            size = send_submit(self.sock, False, server_rid, frame + inbound.prompt,
+                               inbound.params - inbound.prompt, frame + inbound.params,
+                               end - inbound.params)
+        elif single_frame:
+            size = send_submit(self.sock, True, server_rid, self._data(2), self._size(2),
+                               inbound.params_data, inbound.params_size)
+        else:  # the metadata and the payload frames as themselves
+            size = zmq_msg_size(inbound.meta)
+            for i in range(inbound.n_payload):
+                size += self._size(2 + i)
+            send_msg(self.sock, inbound.meta, ZMQ_SNDMORE)
+            for i in range(inbound.n_payload):
+                send_msg(
+                    self.sock, &self.parts[2 + i], ZMQ_SNDMORE if i + 1 < inbound.n_payload else 0
+                )
+        self._count_out(inbound.header, size)
 
     cdef int _resend(self, uint32_t slot) noexcept nogil:
         """Send a request whose engine died to another, from what it kept; a RouteStatus."""
+        cdef Kept* kept = <Kept*>self.requests.pool[slot].kept
+        cdef ck_single_submit single
+        cdef ck_submit submit
+        cdef size_t size
+        cdef const uint8_t* prompt = kept_prompt(kept, &size)
+        cdef const uint8_t* meta = kept_meta(kept)
+        cdef bint single_ok, multi_ok
+        cdef uint64_t tokens
         cdef int rank
         cdef int status = ROUTE_ENGINE_GONE
-        cdef uint64_t tokens = kept_prompt_tokens(<Kept*>self.requests.pool[slot].kept)
+        if kept.single:
+            ck_read_single_head(prompt, size, &single)
+            tokens = ck_prompt_tokens(prompt + single.prompt, size - single.prompt)
+            single_ok = True
+            multi_ok = self.n_multipart_engines > 0 and ck_read_single_submit(
+                prompt, size, &single
+            ) == CK_OK
+        else:
+            tokens = ck_prompt_tokens(prompt, size)
+            multi_ok = True
+            ck_read_submit(meta, kept.meta_size, &submit)
+            single_ok = (
+                self.n_single_engines > 0
+                and ck_check_prompt(prompt, size) == CK_OK
+                and ck_check_map(meta + submit.offset, kept.meta_size - submit.offset) == CK_OK
+            )
         while status == ROUTE_ENGINE_GONE:  # that one waits in the queue of gone engines
-            status = self._pick_engine(NULL, 0, tokens, &rank)
+            status = self._pick_engine(NULL, 0, tokens, single_ok, multi_ok, &rank)
         if status == ROUTE_SENT:
             self.requests.pool[slot].rank = rank
             self.work[slot] = <uint32_t>self.router.charged
-            self._count_out(HEADER_SUBMIT_REQUEST, kept_size(<Kept*>self.requests.pool[slot].kept))
-            send_kept(self.sock, <Kept*>self.requests.pool[slot].kept)
+            self._send_kept(slot, rank)
         return status
 
+    cdef void _send_kept(self, uint32_t slot, int rank) noexcept nogil:
+        """A kept request's frames after the engine's routing id, in the engine's format."""
+        cdef Kept* kept = <Kept*>self.requests.pool[slot].kept
+        cdef int64_t server_rid = self.requests.pool[slot].server_rid
+        cdef bint single_frame = self.engines[rank].format == FORMAT_SINGLE_FRAME
+        cdef ck_single_submit single
+        cdef ck_submit submit
+        cdef size_t size, sent
+        cdef const uint8_t* prompt = kept_prompt(kept, &size)
+        cdef const uint8_t* meta = kept_meta(kept)
+        if kept.single and single_frame:
+            ck_read_single_head(prompt, size, &single)
+            sent = send_submit(self.sock, True, server_rid, prompt + single.prompt,
+                               size - single.prompt, NULL, 0)
+        elif kept.single:  # _resend read it whole: it splits
+            ck_read_single_submit(prompt, size, &single)
+            sent = send_submit(self.sock, False, server_rid, prompt + single.prompt,
+                               single.params - single.prompt, prompt + single.params,
+                               size - single.params)
+        elif single_frame:
+            ck_read_submit(meta, kept.meta_size, &submit)
+            sent = send_submit(self.sock, True, server_rid, prompt, size,
+                               meta + submit.offset, kept.meta_size - submit.offset)
+        else:  # the kept metadata (the server id in it already) and the prompt
+            sent = kept.meta_size + size
+            send_bytes(self.sock, meta, kept.meta_size, ZMQ_SNDMORE)
+            if kept.prompt_size == UINT32_MAX:
+                send_shared(self.sock, <zmq_msg_t*>(kept + 1), 0)
+            else:
+                send_bytes(self.sock, prompt, size, 0)
+        self._count_out(HEADER_SUBMIT_REQUEST, sent)
+
     cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, uint64_t tokens,
-                          int* rank) noexcept nogil:
+                          bint single_ok, bint multi_ok, int* rank) noexcept nogil:
         """The router's choice into ``rank``, its routing id sent (the request's frames
-        follow); a RouteStatus. An unreachable choice is marked gone: ENGINE_GONE."""
+        follow); a RouteStatus. An unreachable choice is marked gone: ENGINE_GONE; one
+        whose format the request cannot be put in: UNSENDABLE."""
         rank[0] = self.router.choose_c(hashes, n_hashes, tokens, monotonic())
         if rank[0] < 0:
             return ROUTE_NO_ENGINES if self.router.n_members == 0 else ROUTE_ALL_BUSY
+        if not (single_ok if self.engines[rank[0]].format == FORMAT_SINGLE_FRAME else multi_ok):
+            self.router.release_c(rank[0], self.router.charged)
+            return ROUTE_UNSENDABLE
         if self._send_identity(&self.engine_ids, rank[0]) == 0:
             return ROUTE_SENT
         self.router.release_c(rank[0], self.router.charged)
@@ -695,7 +939,11 @@ cdef class Loop:
         return ROUTE_ENGINE_GONE
 
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil:
-        if header == HEADER_ENGINE_REPLY or header == HEADER_ENGINE_REPLY_PARTIAL:
+        if self.engines[engine].format == FORMAT_SINGLE_FRAME and header == HEADER_ENGINE_REPLY:
+            self._forward_single_replies(engine)
+        elif self.engines[engine].format != FORMAT_SINGLE_FRAME and (
+            header == HEADER_ENGINE_REPLY or header == HEADER_ENGINE_REPLY_PARTIAL
+        ):
             self._forward_replies(engine)
         else:
             with gil:
@@ -706,10 +954,8 @@ cdef class Loop:
         cdef int64_t header, slot, client_rid
         cdef uint32_t count, i
         cdef int32_t client
-        cdef bint final, first
-        cdef double now = 0.0, elapsed
-        cdef uint8_t out[CK_HEADER_INT_MAX]
-        cdef size_t n
+        cdef bint final
+        cdef double now = 0.0
         if self._read_replies(&header, &count) != CK_OK:
             with gil:
                 self._malformed(-1, None, -1, "bad ENGINE_REPLY metadata")
@@ -740,30 +986,13 @@ cdef class Loop:
                 continue
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
-            if self.measure_latency:
-                elapsed = now - self.submitted[slot]
-                first = not self.requests.pool[slot].flags & FLAG_PRODUCED
-                if first:
-                    self._observe(self.first_latency, &self.first_latency_sum, elapsed)
-                if final:
-                    self._observe(self.final_latency, &self.final_latency_sum, elapsed)
-            if final:
-                self._forget(<uint32_t>slot)
-                self.counters[COUNTER_REPLIES] += 1
-            else:
-                self.requests.pool[slot].flags |= FLAG_PRODUCED
-                self.counters[COUNTER_PARTIALS] += 1
+            self._finish(<uint32_t>slot, final, now)
             if self.entries[i].needs_detokenize and self.has_detokenizer:
                 with gil:
                     self._detokenize(2 + i)
-            n = ck_write_header_int(out, header, client_rid)
-            if self._send_identity(&self.client_ids, client) != 0:
+            if not self._deliver(client, header, client_rid, NULL, 0, &self.parts[2 + i]):
                 with gil:
                     self._client_gone(client)
-                continue
-            self._count_out(header, n + self._size(2 + i))
-            send_bytes(self.sock, out, n, ZMQ_SNDMORE)
-            send_msg(self.sock, &self.parts[2 + i], 0)
 
     cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil:
         """Read the batch's entries into ``entries``, growing it for a large batch."""
@@ -782,6 +1011,118 @@ cdef class Loop:
         return ck_read_reply(
             self._data(1), self._size(1), header, self.entries, self.entries_capacity, count
         )
+
+    cdef void _forward_single_replies(self, int32_t engine) noexcept nogil:
+        """A 0.19 engine's finished requests, each map to its request's client."""
+        cdef uint32_t count, i
+        cdef int64_t slot, client_rid
+        cdef int32_t client
+        cdef double now = 0.0
+        cdef ck_single_entry* entry
+        cdef bint delivered
+        if self.n_parts != 2 or self._read_single_replies(&count) != CK_OK:
+            with gil:
+                self._malformed(-1, None, HEADER_ENGINE_REPLY, "bad single-frame ENGINE_REPLY")
+            return
+        if self.measure_latency:
+            now = monotonic()
+        for i in range(count):
+            entry = &self.single_entries[i]
+            if entry.status != CK_OK:
+                with gil:
+                    self._reject_entry(engine, None, ERROR_MALFORMED, HEADER_ENGINE_REPLY)
+                continue
+            slot = ck_requests_find(&self.requests, entry.rid)
+            if slot < 0 or self.requests.pool[slot].rank != engine:
+                self.counters[COUNTER_UNKNOWN_REQUEST] += 1
+                continue
+            client = self.requests.pool[slot].client
+            client_rid = self.requests.pool[slot].client_rid
+            self._finish(<uint32_t>slot, True, now)
+            if self.has_detokenizer:  # as 0.19's coordinator: every finished request
+                with gil:
+                    body = self._detokenized(self._data(1) + entry.offset, entry.size)
+                    delivered = self._deliver(
+                        client, HEADER_ENGINE_REPLY, client_rid,
+                        <const uint8_t*><const char*>body, len(body), NULL,
+                    )
+            else:
+                delivered = self._deliver(
+                    client, HEADER_ENGINE_REPLY, client_rid,
+                    self._data(1) + entry.offset, entry.size, NULL,
+                )
+            if not delivered:
+                with gil:
+                    self._client_gone(client)
+
+    cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil:
+        """A reply for the request at ``slot`` arrived: timed, counted, and a final
+        forgets it."""
+        cdef double elapsed
+        if self.measure_latency:
+            elapsed = now - self.submitted[slot]
+            if not self.requests.pool[slot].flags & FLAG_PRODUCED:
+                self._observe(self.first_latency, &self.first_latency_sum, elapsed)
+            if final:
+                self._observe(self.final_latency, &self.final_latency_sum, elapsed)
+        if final:
+            self._forget(slot)
+            self.counters[COUNTER_REPLIES] += 1
+        else:
+            self.requests.pool[slot].flags |= FLAG_PRODUCED
+            self.counters[COUNTER_PARTIALS] += 1
+
+    cdef int _read_single_replies(self, uint32_t* count) noexcept nogil:
+        """Read a single-frame batch's entries into ``single_entries``, growing it."""
+        cdef ck_single_entry* grown
+        cdef int status = ck_read_single_reply(
+            self._data(1), self._size(1), self.single_entries, self.single_entries_capacity, count
+        )
+        if status != CK_TOO_MANY:
+            return status
+        grown = <ck_single_entry*>malloc(count[0] * sizeof(ck_single_entry))
+        if grown == NULL:
+            return status
+        free(self.single_entries)
+        self.single_entries = grown
+        self.single_entries_capacity = count[0]
+        return ck_read_single_reply(
+            self._data(1), self._size(1), self.single_entries, self.single_entries_capacity, count
+        )
+
+    cdef bint _deliver(self, int32_t client, int64_t header, int64_t client_rid,
+                       const uint8_t* body, size_t size, zmq_msg_t* message) noexcept nogil:
+        """One reply to its client in the client's format: the body as ``message``
+        itself when given, else a copy of ``body``. False when the client is gone.
+
+        A 0.19 client takes finals only, each ``[21, client_rid, <map>]``: a partial is
+        not sent, and a final whose body is not a map cannot be (counted, dropped).
+        """
+        cdef uint8_t out[CK_HEADER_INT_MAX]
+        cdef size_t n
+        if message != NULL:
+            body = <const uint8_t*>zmq_msg_data(message)
+            size = zmq_msg_size(message)
+        if self.clients[client].format == FORMAT_SINGLE_FRAME:
+            if header != HEADER_ENGINE_REPLY:
+                return True
+            if ck_check_map(body, size) != CK_OK:
+                self.counters[COUNTER_MALFORMED_ENTRIES] += 1
+                return True
+            if self._send_identity(&self.client_ids, client) != 0:
+                return False
+            self._count_out(header, send_head(self.sock, header, 3, client_rid, body, size, 0))
+            return True
+        n = ck_write_header_int(out, header, client_rid)
+        if self._send_identity(&self.client_ids, client) != 0:
+            return False
+        self._count_out(header, n + size)
+        send_bytes(self.sock, out, n, ZMQ_SNDMORE)
+        if message != NULL:
+            send_msg(self.sock, message, 0)
+        else:
+            send_bytes(self.sock, body, size, 0)
+        return True
 
     cdef void _forget(self, uint32_t slot) noexcept nogil:
         """Take the request at ``slot`` out of every table and count; a draining
@@ -910,6 +1251,20 @@ cdef class Loop:
             engine = self._new_engine(engine)
         if engine >= 0:
             self.engines[engine].coordkit = hello.coordkit
+            self.engines[engine].format = FORMAT_MULTIPART
+            self._count_formats()
+
+    cdef _count_formats(self):
+        """How many engines not gone speak each format: which checks a SUBMIT needs."""
+        cdef int rank
+        self.n_single_engines = self.n_multipart_engines = 0
+        for rank in range(self.n_engines):
+            if self.engines[rank].state == ENGINE_GONE:
+                continue
+            if self.engines[rank].format == FORMAT_SINGLE_FRAME:
+                self.n_single_engines += 1
+            else:
+                self.n_multipart_engines += 1
 
     cdef int32_t _new_engine(self, int32_t engine) except -2:
         """Put the sender in the pool: ``engine`` coming back, or a new rank (reusing
@@ -942,8 +1297,12 @@ cdef class Loop:
             engine = rank
         self.engines[engine].state = ENGINE_ALIVE
         self.engines[engine].coordkit = False
+        self.engines[engine].format = (
+            FORMAT_SINGLE_FRAME if self.megatron_core else FORMAT_MULTIPART
+        )
         self.engines[engine].heartbeats = False
         self.router.add_rank(engine)
+        self._count_formats()
         return engine
 
     cdef _connect(self, int32_t client):
@@ -956,8 +1315,7 @@ cdef class Loop:
             return
         if client >= 0:
             self.counters[COUNTER_DUPLICATE_CONNECT] += 1
-            self.clients[client].coordkit = coordkit
-            self.clients[client].last_seen = self.messages
+            index = client
         else:
             index = self._vacant_client()
             if index < 0:
@@ -969,11 +1327,14 @@ cdef class Loop:
                     self._reply_to_sender(protocol.ERROR.pack(None, ERROR_BUSY, text))
                 return
             self.clients[index].used = True
-            self.clients[index].coordkit = coordkit
             self.clients[index].inflight = 0
-            self.clients[index].last_seen = self.messages
             ck_ids_insert(&self.client_ids, index, self._data(0), self._size(0))
             self.n_clients += 1
+        self.clients[index].coordkit = coordkit
+        self.clients[index].last_seen = self.messages
+        self.clients[index].format = (
+            FORMAT_SINGLE_FRAME if self.megatron_core and not coordkit else FORMAT_MULTIPART
+        )
         self._reply_to_sender(protocol.CONNECT_ACK.pack())
 
     cdef int32_t _vacant_client(self) except -2:
@@ -1038,9 +1399,15 @@ cdef class Loop:
         if request.flags & FLAG_ABORTED:
             return
         request.flags |= FLAG_ABORTED
-        abort = protocol.ABORT_REQUEST.pack(request.server_rid)
-        if not self._send_frames(&self.engine_ids, request.rank, abort):
-            self._mark_gone(request.rank, GONE_UNREACHABLE)
+        self._abort_at_engine(request.rank, request.server_rid)
+
+    cdef _abort_at_engine(self, int rank, int64_t server_rid):
+        """ABORT_REQUEST to an engine; a 0.19 engine has none: the request runs to its end."""
+        if self.engines[rank].format == FORMAT_SINGLE_FRAME:
+            return
+        abort = protocol.ABORT_REQUEST.pack(server_rid)
+        if not self._send_frames(&self.engine_ids, rank, abort):
+            self._mark_gone(rank, GONE_UNREACHABLE)
 
     cdef _release_kv(self, int32_t client):
         if self._parse(protocol.RELEASE_KV, client, HEADER_RELEASE_KV) is not None:
@@ -1083,6 +1450,8 @@ cdef class Loop:
         for rank in range(self.n_engines):
             if self.engines[rank].state == ENGINE_GONE:
                 continue
+            if header == HEADER_RELEASE_KV and self.engines[rank].format == FORMAT_SINGLE_FRAME:
+                continue  # 0.19 has no KV transfer
             if self._send_identity(&self.engine_ids, rank) != 0:
                 self._mark_gone(rank, GONE_UNREACHABLE)
             else:
@@ -1090,17 +1459,23 @@ cdef class Loop:
                 send_shared(self.sock, &self.parts[1], 0)
 
     cdef _detokenize(self, int part):
-        """Replace a reply body by its detokenized copy (on failure, forward it as is)."""
-        try:
-            body = detokenize(self._detokenizer, self._frame_bytes(part))
-        except Exception as exc:  # a bad body or a failing detokenizer
-            self.counters[COUNTER_DETOKENIZE_ERRORS] += 1
-            self._log.warn("detokenize", f"detokenize failed, body forwarded as is: {exc!r}")
-            return
-        self.counters[COUNTER_DETOKENIZED] += 1
+        """Replace a reply body frame by its detokenized copy."""
+        cdef bytes body = self._detokenized(self._data(part), self._size(part))
         zmq_msg_close(&self.parts[part])
         zmq_msg_init_size(&self.parts[part], len(body))
         memcpy(zmq_msg_data(&self.parts[part]), <const char*>body, len(body))
+
+    cdef bytes _detokenized(self, const uint8_t* body, size_t size):
+        """A reply body with its generated_text; on failure the body as it is."""
+        cdef bytes original = (<const char*>body)[:size]
+        try:
+            result = detokenize(self._detokenizer, original)
+        except Exception as exc:  # a bad body or a failing detokenizer
+            self.counters[COUNTER_DETOKENIZE_ERRORS] += 1
+            self._log.warn("detokenize", f"detokenize failed, body forwarded as is: {exc!r}")
+            return original
+        self.counters[COUNTER_DETOKENIZED] += 1
+        return result
 
     # -- failures ------------------------------------------------------------------------
 
@@ -1140,6 +1515,8 @@ cdef class Loop:
                 status = self._resend(slot)
                 if status == ROUTE_SENT:
                     self.counters[COUNTER_REROUTED] += 1
+                elif status == ROUTE_UNSENDABLE:  # no engine left that speaks its format
+                    self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
                 else:
                     self._fail_request(slot, refusal(status), HEADER_SUBMIT_REQUEST)
         finally:
@@ -1186,9 +1563,7 @@ cdef class Loop:
         cdef int rank = request.rank
         self.counters[COUNTER_TIMED_OUT] += 1
         if not request.flags & FLAG_ABORTED and self.engines[rank].state != ENGINE_GONE:
-            abort = protocol.ABORT_REQUEST.pack(request.server_rid)
-            if not self._send_frames(&self.engine_ids, rank, abort):
-                self._mark_gone(rank, GONE_UNREACHABLE)
+            self._abort_at_engine(rank, request.server_rid)
         self._fail_request(slot, ERROR_TIMED_OUT, HEADER_SUBMIT_REQUEST)
 
     cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header):
@@ -1226,9 +1601,7 @@ cdef class Loop:
                 self._forget(slot)
                 if aborted or rank < 0 or self.engines[rank].state == ENGINE_GONE:
                     continue
-                abort = protocol.ABORT_REQUEST.pack(order[i].server_rid)
-                if not self._send_frames(&self.engine_ids, rank, abort):
-                    self._mark_gone(rank, GONE_UNREACHABLE)
+                self._abort_at_engine(rank, order[i].server_rid)
         finally:
             free(order)
         self._remove_client(client)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -32,6 +33,7 @@ from ._shared import (
     Counter,
     EngineState,
     Options,
+    PeerFormat,
     RateLimitedLog,
     RequestFlag,
     RouteStatus,
@@ -46,6 +48,7 @@ from .protocol import (
     CONTROL_HEADERS,
     CONTROL_TRANSITIONS,
     MAX_PARTS,
+    Buffer,
     ControlState,
     ErrorCode,
     Header,
@@ -65,16 +68,18 @@ __all__ = ["Loop"]
 
 ALIVE, DRAINING, GONE = EngineState.ALIVE, EngineState.DRAINING, EngineState.GONE
 PRODUCED, ABORTED = RequestFlag.PRODUCED, RequestFlag.ABORTED
+SINGLE_FRAME, MULTIPART = PeerFormat.SINGLE_FRAME, PeerFormat.MULTIPART
 
 
 class _Client:
-    __slots__ = ("identity", "coordkit", "inflight", "last_seen")
+    __slots__ = ("identity", "coordkit", "format", "inflight", "last_seen")
 
-    def __init__(self, identity: bytes, coordkit: bool, last_seen: int):
+    def __init__(self, identity: bytes):
         self.identity = identity
-        self.coordkit = coordkit  # may be sent ERROR and STATS_REPLY
+        self.coordkit = False  # may be sent ERROR and STATS_REPLY
+        self.format = MULTIPART
         self.inflight = 0
-        self.last_seen = last_seen  # the message count when it last sent one
+        self.last_seen = 0  # the message count when it last sent one
 
 
 class _Engine:
@@ -83,6 +88,7 @@ class _Engine:
         "identity",
         "state",
         "coordkit",
+        "format",
         "heartbeats",
         "last_heartbeat",
         "drain_deadline",
@@ -93,6 +99,7 @@ class _Engine:
         self.identity = identity
         self.state = ALIVE
         self.coordkit = False  # sent ENGINE_HELLO: may be sent ERROR for entries it got wrong
+        self.format = MULTIPART
         self.heartbeats = False  # has sent a HEARTBEAT: may be timed out
         self.last_heartbeat = 0.0
         self.drain_deadline = 0.0
@@ -107,10 +114,29 @@ class _Request:
         self.client_rid = client_rid
         self.rank = -1  # -1 while it is being re-sent or failed
         self.flags = 0
-        # The rewritten metadata and the prompt, to re-send it if its engine dies.
-        self.kept: tuple[bytes, zmq.Frame | bytes] | None = None
+        # To re-send it if its engine dies: the rewritten metadata and the prompt,
+        # or (None, the whole frame) for a request that came as a single frame.
+        self.kept: tuple[bytes | None, zmq.Frame | bytes] | None = None
         self.work = 0  # the work units its rank was charged for it (router.charged)
         self.submitted = 0.0  # with a request_timeout or measure_latency: when it was submitted
+
+
+class _Inbound:
+    """A new request as it came, to be put in the format of the engine chosen for it."""
+
+    __slots__ = ("header", "frames", "single", "meta", "prompt", "params", "single_ok", "multi_ok")
+
+    def __init__(self, header: int, frames: list[zmq.Frame], single: bool, params: int):
+        self.header = header
+        self.frames = frames
+        self.single = single  # frames[1] is the whole request: [20, client_rid, prompt, params]
+        self.meta = b""  # multipart: the metadata rewritten with the server id
+        # Single frame: where the prompt starts in frames[1], and where the params
+        # do (0 until parsed). Multipart: where the params start in the metadata.
+        self.prompt = 0
+        self.params = params
+        self.single_ok = True  # may go to a single-frame engine
+        self.multi_ok = True  # may go to a multipart engine
 
 
 class Loop:
@@ -136,6 +162,12 @@ class Loop:
         self._engines: list[_Engine] = []
         self._engine_by_identity: dict[bytes, _Engine] = {}
         self._gone: list[tuple[_Engine, str]] = []  # found gone, not settled yet
+        # The megatron-core dialect: peers that are not coordkit's speak single frames.
+        self._megatron_core = options.dialect == "megatron-core"
+        # the prefix policy hashes the prompts of single-frame SUBMITs
+        self._computes_hashes = self._megatron_core and router.policy == "prefix"
+        # engines not gone of each format, counted at each registration: which checks to make
+        self._n_single_engines = self._n_multipart_engines = 0
         # With a request_timeout: the requests in submission (so deadline) order.
         self._queue: OrderedDict[int, _Request] | None = (
             OrderedDict() if options.request_timeout else None
@@ -283,16 +315,21 @@ class Loop:
             self._from_client(client, header, frames)
 
     def _from_client(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
-        if header == Header.SUBMIT_REQUEST or header == Header.SUBMIT_REQUEST_WITH_KV:
-            self._submit(client, header, frames)
+        if header == Header.SUBMIT_REQUEST and client.format == SINGLE_FRAME:
+            self._submit_single(client, frames)
+        elif header == Header.SUBMIT_REQUEST or header == Header.SUBMIT_REQUEST_WITH_KV:
+            if client.format == SINGLE_FRAME:  # 0.19 has no KV submission
+                self._refuse(client, None, ErrorCode.UNKNOWN_HEADER, header, Counter.UNKNOWN_HEADER)
+            else:
+                self._submit(client, header, frames)
         else:
             self._from_client_rarely(client, header, frames)
 
     def _submit(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
-        """A new request: a server id, an engine, and the frames on to it."""
+        """A new request in frames: metadata, payload, and maybe its block hashes."""
         meta = frames[1].buffer
         try:
-            _, length, rid, _ = codec.read_submit(meta)
+            _, length, rid, offset = codec.read_submit(meta)
         except ProtocolError as exc:
             self._malformed(client, exc.rid, header, str(exc), frames)
             return
@@ -306,6 +343,56 @@ class Loop:
         ):
             self._malformed(client, rid, header, "bad frame layout", frames)
             return
+        inbound = _Inbound(header, frames, False, offset)
+        # A single-frame engine takes [20, rid, prompt, params]: a str or array, and a map.
+        inbound.single_ok = (
+            self._n_single_engines > 0
+            and header == Header.SUBMIT_REQUEST
+            and _parses(codec.check_prompt, frames[2].buffer)
+            and _parses(codec.check_map, meta[offset:])
+        )
+        self._accept(client, rid, hashes, codec.prompt_tokens(frames[2].buffer), inbound)
+
+    def _submit_single(self, client: _Client, frames: list[zmq.Frame]) -> None:
+        """A new request in one frame: [20, client_rid, prompt, params] (Megatron-Core 0.19).
+
+        Read as far as its request id: to a single-frame engine the rest goes as it
+        came. The prompt and the params are found (walking the prompt) only when a
+        multipart engine may take it, or the prefix policy hashes the prompt.
+        """
+        data = frames[1].buffer
+        try:
+            _, rid, prompt = codec.read_single_head(data)
+            params = 0
+            if len(frames) != 2:
+                raise ProtocolError("bad frame layout", rid)
+            if self._n_multipart_engines > 0 or self._computes_hashes:
+                _, rid, prompt, params = codec.read_single_submit(data)
+        except ProtocolError as exc:
+            self._malformed(client, exc.rid, Header.SUBMIT_REQUEST, str(exc), frames)
+            return
+        inbound = _Inbound(Header.SUBMIT_REQUEST, frames, True, params)
+        inbound.prompt = prompt
+        inbound.multi_ok = params != 0
+        hashes = None
+        if self._computes_hashes:
+            try:
+                hashes = codec.prompt_hashes(data[prompt:params], self._options.block_size)
+            except ProtocolError:  # no token ids (a str prompt): routed by load
+                pass
+        self._accept(client, rid, hashes, codec.prompt_tokens(data[prompt:]), inbound)
+
+    def _accept(
+        self,
+        client: _Client,
+        rid: int,
+        hashes: Buffer | None,
+        tokens: int,
+        inbound: _Inbound,
+    ) -> None:
+        """A request that parsed: refused (a duplicate id, a full table), or given a
+        server id and an engine, and the frames on to it."""
+        header = inbound.header
         if (client.identity, rid) in self._by_client:
             self._refuse(
                 client, rid, ErrorCode.DUPLICATE_REQUEST, header, Counter.DUPLICATE_REQUEST
@@ -320,74 +407,132 @@ class Loop:
             request.submitted = time.monotonic()
         if self._queue is not None:
             self._queue[request.server_rid] = request
-        out_meta = codec.rewrite_submit(meta, request.server_rid)
+        frames = inbound.frames
+        if not inbound.single:
+            inbound.meta = codec.rewrite_submit(frames[1].buffer, request.server_rid)
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         if header == Header.SUBMIT_REQUEST and self._options.keep_prompts:
-            prompt = frames[2]
-            request.kept = (out_meta, prompt.bytes if len(prompt) < COPY_BELOW else prompt)
-        message = [out_meta, *frames[2 : 2 + n_payload]]
-        tokens = codec.prompt_tokens(frames[2].buffer)
-        status = self._route(request, hashes, tokens, header, message)
+            kept = frames[1] if inbound.single else frames[2]
+            request.kept = (
+                None if inbound.single else inbound.meta,
+                kept.bytes if len(kept) < COPY_BELOW else kept,
+            )
+        status = self._route(request, hashes, tokens, inbound)
         while status == RouteStatus.ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
             self._settle()
             if self._find(request.server_rid) is not request:  # its client went away meanwhile
                 return
-            status = self._route(request, hashes, tokens, header, message)
+            status = self._route(request, hashes, tokens, inbound)
         if status == RouteStatus.SENT:
             self._counters[Counter.SUBMITTED] += 1
             return
         self._forget(request)
-        counter = Counter.NO_ENGINES if status == RouteStatus.NO_ENGINES else Counter.BUSY
-        self._refuse(client, rid, _refusal(status), header, counter)
+        self._refuse(client, rid, _refusal(status), header, _REFUSAL_COUNTERS[status])
 
     def _route(
-        self,
-        request: _Request,
-        hashes: memoryview | None,
-        tokens: int,
-        header: int,
-        message: list[Any],
+        self, request: _Request, hashes: Buffer | None, tokens: int, inbound: _Inbound
     ) -> RouteStatus:
-        """Send a new request to the engine chosen for it; its payload frames go as themselves."""
-        rank, status = self._pick_engine(hashes, tokens)
+        """Send a new request to the engine chosen for it, in its format."""
+        rank, status = self._pick_engine(hashes, tokens, inbound.single_ok, inbound.multi_ok)
         if status == RouteStatus.SENT:
             request.rank = rank
             request.work = self._router.charged
-            self._count_out(header, message)
-            self._sock.send_multipart(message, copy=False)
+            self._send_new(request, self._engines[rank], inbound)
         return status
+
+    def _send_new(self, request: _Request, engine: _Engine, inbound: _Inbound) -> None:
+        """The frames of a new request after the engine's routing id, in its format."""
+        data = inbound.frames[1].buffer
+        if inbound.single and engine.format == SINGLE_FRAME:  # as it came, behind a new head
+            out = _submit_frames(True, request.server_rid, data[inbound.prompt :], b"")
+        elif inbound.single:  # split at the field boundary
+            prompt = data[inbound.prompt : inbound.params]
+            out = _submit_frames(False, request.server_rid, prompt, data[inbound.params :])
+        elif engine.format == SINGLE_FRAME:
+            prompt = inbound.frames[2].buffer
+            out = _submit_frames(True, request.server_rid, prompt, data[inbound.params :])
+        else:  # the metadata and the payload frames as themselves
+            n_payload = 1 if inbound.header == Header.SUBMIT_REQUEST else 2
+            out = [inbound.meta, *inbound.frames[2 : 2 + n_payload]]
+        self._count_out(inbound.header, out)
+        self._sock.send_multipart(out, copy=False)
 
     def _resend(self, request: _Request) -> RouteStatus:
-        """Send a request whose engine died to another, from what it kept."""
+        """Send a request whose engine died to another, from what it kept; a RouteStatus."""
         assert request.kept is not None
-        tokens = codec.prompt_tokens(request.kept[1])
+        meta, kept = request.kept
+        data = _view(kept)
+        if meta is None:  # a single frame
+            prompt = codec.read_single_head(data)[2]
+            tokens = codec.prompt_tokens(data[prompt:])
+            single_ok = True
+            multi_ok = self._n_multipart_engines > 0 and _parses(codec.read_single_submit, data)
+        else:
+            tokens = codec.prompt_tokens(data)
+            multi_ok = True
+            params = memoryview(meta)[codec.read_submit(meta)[3] :]
+            single_ok = (
+                self._n_single_engines > 0
+                and _parses(codec.check_prompt, data)
+                and _parses(codec.check_map, params)
+            )
         status = RouteStatus.ENGINE_GONE
         while status == RouteStatus.ENGINE_GONE:  # that one waits in the queue of gone engines
-            rank, status = self._pick_engine(None, tokens)
+            rank, status = self._pick_engine(None, tokens, single_ok, multi_ok)
         if status == RouteStatus.SENT:
             request.rank = rank
             request.work = self._router.charged
-            self._count_out(Header.SUBMIT_REQUEST, request.kept)
-            self._sock.send_multipart(list(request.kept), copy=False)
+            self._send_kept(request, self._engines[rank])
         return status
 
-    def _pick_engine(self, hashes: memoryview | None, tokens: int) -> tuple[int, RouteStatus]:
+    def _send_kept(self, request: _Request, engine: _Engine) -> None:
+        """A kept request's frames after the engine's routing id, in the engine's format."""
+        assert request.kept is not None
+        meta, kept = request.kept
+        data = _view(kept)
+        single_frame = engine.format == SINGLE_FRAME
+        if meta is None and single_frame:
+            prompt = codec.read_single_head(data)[2]
+            out = _submit_frames(True, request.server_rid, data[prompt:], b"")
+        elif meta is None:  # _resend read it whole: it splits
+            _, _, prompt, params = codec.read_single_submit(data)
+            out = _submit_frames(False, request.server_rid, data[prompt:params], data[params:])
+        elif single_frame:
+            meta_params = memoryview(meta)[codec.read_submit(meta)[3] :]
+            out = _submit_frames(True, request.server_rid, data, meta_params)
+        else:  # the kept metadata (the server id in it already) and the prompt
+            out = [meta, kept]
+        self._count_out(Header.SUBMIT_REQUEST, out)
+        self._sock.send_multipart(out, copy=False)
+
+    def _pick_engine(
+        self, hashes: Buffer | None, tokens: int, single_ok: bool, multi_ok: bool
+    ) -> tuple[int, RouteStatus]:
         """The router's choice, its routing id sent (the request's frames follow).
-        An unreachable choice is marked gone: ENGINE_GONE."""
+        An unreachable choice is marked gone: ENGINE_GONE; one whose format the
+        request cannot be put in: UNSENDABLE."""
         rank = self._router.choose(hashes, time.monotonic(), tokens)
         if rank < 0:
             if self._router.n_accepting == 0:
                 return rank, RouteStatus.NO_ENGINES
             return rank, RouteStatus.ALL_BUSY
-        if self._send_identity(self._engines[rank].identity):
+        engine = self._engines[rank]
+        if not (single_ok if engine.format == SINGLE_FRAME else multi_ok):
+            self._router.release(rank, self._router.charged)
+            return rank, RouteStatus.UNSENDABLE
+        if self._send_identity(engine.identity):
             return rank, RouteStatus.SENT
         self._router.release(rank, self._router.charged)
-        self._mark_gone(self._engines[rank], "unreachable")
+        self._mark_gone(engine, "unreachable")
         return rank, RouteStatus.ENGINE_GONE
 
     def _from_engine(self, engine: _Engine, header: int, frames: list[zmq.Frame]) -> None:
-        if header == Header.ENGINE_REPLY or header == Header.ENGINE_REPLY_PARTIAL:
+        if engine.format == SINGLE_FRAME and header == Header.ENGINE_REPLY:
+            self._forward_single_replies(engine, frames)
+        elif engine.format != SINGLE_FRAME and (
+            header == Header.ENGINE_REPLY or header == Header.ENGINE_REPLY_PARTIAL
+        ):
             self._forward_replies(engine, frames)
         else:
             self._from_engine_rarely(engine, header, frames)
@@ -419,27 +564,76 @@ class Loop:
                 if engine.coordkit:
                     self._reject_entry(engine, server_rid, ErrorCode.UNKNOWN_REQUEST, header)
                 continue
-            client = request.client
-            if self._latency is not None:
-                if not request.flags & PRODUCED:
-                    self._observe("first_reply", now - request.submitted)
-                if final:
-                    self._observe("final", now - request.submitted)
-            if final:
-                self._forget(request)
-                self._counters[Counter.REPLIES] += 1
-            else:
-                request.flags |= PRODUCED
-                self._counters[Counter.PARTIALS] += 1
+            self._finish(request, final, now)
             out: Any = body
             if needs_detokenize and self._options.detokenizer is not None:
-                out = self._detokenize(body)
-            if not self._send_identity(client.identity):
-                self._client_gone(client)
+                out = self._detokenized(body.buffer)
+            if not self._deliver(request.client, header, request.client_rid, out):
+                self._client_gone(request.client)
+
+    def _forward_single_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
+        """A 0.19 engine's finished requests, each map to its request's client."""
+        data = frames[1].buffer
+        try:
+            if len(frames) != 2:
+                raise ProtocolError("bad frame layout")
+            entries = codec.read_single_reply(data)
+        except ProtocolError as exc:
+            self._malformed(None, None, Header.ENGINE_REPLY, str(exc), frames)
+            return
+        now = time.monotonic() if self._latency is not None else 0.0
+        for start, end, server_rid, error in entries:
+            if error is not None:
+                self._reject_entry(engine, None, ErrorCode.MALFORMED, Header.ENGINE_REPLY)
                 continue
-            reply = [codec.write_header_int(header, request.client_rid), out]
-            self._count_out(header, reply)
-            self._sock.send_multipart(reply, copy=False)
+            assert server_rid is not None  # read whenever there is no error
+            request = self._find(server_rid)
+            if request is None or request.rank != engine.rank:
+                self._counters[Counter.UNKNOWN_REQUEST] += 1
+                continue
+            self._finish(request, True, now)
+            body: Buffer = data[start:end]
+            if self._options.detokenizer is not None:  # as 0.19's coordinator: every one
+                body = self._detokenized(body)
+            if not self._deliver(request.client, Header.ENGINE_REPLY, request.client_rid, body):
+                self._client_gone(request.client)
+
+    def _finish(self, request: _Request, final: bool, now: float) -> None:
+        """A reply for ``request`` arrived: timed, counted, and a final forgets it."""
+        if self._latency is not None:
+            if not request.flags & PRODUCED:
+                self._observe("first_reply", now - request.submitted)
+            if final:
+                self._observe("final", now - request.submitted)
+        if final:
+            self._forget(request)
+            self._counters[Counter.REPLIES] += 1
+        else:
+            request.flags |= PRODUCED
+            self._counters[Counter.PARTIALS] += 1
+
+    def _deliver(self, client: _Client, header: int, client_rid: int, body: Any) -> bool:
+        """One reply to its client in the client's format; False when the client is gone.
+
+        A 0.19 client takes finals only, each ``[21, client_rid, <map>]``: a partial is
+        not sent, and a final whose body is not a map cannot be (counted, dropped).
+        """
+        if client.format == SINGLE_FRAME:
+            if header != Header.ENGINE_REPLY:
+                return True
+            if not _parses(codec.check_map, body):
+                self._counters[Counter.MALFORMED_ENTRIES] += 1
+                return True
+            if not self._send_identity(client.identity):
+                return False
+            out = [codec.write_submit(header, 3, client_rid, body)]
+        else:
+            if not self._send_identity(client.identity):
+                return False
+            out = [codec.write_header_int(header, client_rid), body]
+        self._count_out(header, out)
+        self._sock.send_multipart(out, copy=False)
+        return True
 
     def _add(self, client: _Client, client_rid: int) -> _Request:
         """A new request: the next server id whose position is free, drawn below
@@ -568,6 +762,14 @@ class Loop:
             engine = self._new_engine(identity, engine)
         if engine is not None:
             engine.coordkit = hello.coordkit
+            engine.format = MULTIPART
+            self._count_formats()
+
+    def _count_formats(self) -> None:
+        """How many engines not gone speak each format: which checks a SUBMIT needs."""
+        live = [engine for engine in self._engines if engine.state != GONE]
+        self._n_single_engines = sum(engine.format == SINGLE_FRAME for engine in live)
+        self._n_multipart_engines = len(live) - self._n_single_engines
 
     def _new_engine(self, identity: bytes, engine: _Engine | None) -> _Engine | None:
         """Put the sender in the pool: ``engine`` coming back, or a new rank (reusing
@@ -598,8 +800,10 @@ class Loop:
             engine = self._engine_by_identity[identity] = self._engines[rank]
         engine.state = ALIVE
         engine.coordkit = False
+        engine.format = SINGLE_FRAME if self._megatron_core else MULTIPART
         engine.heartbeats = False
         self._router.add_rank(engine.rank)
+        self._count_formats()
         return engine
 
     def _connect(self, identity: bytes, client: _Client | None, frames: list[zmq.Frame]) -> None:
@@ -611,8 +815,6 @@ class Loop:
             return
         if client is not None:
             self._counters[Counter.DUPLICATE_CONNECT] += 1
-            client.coordkit = coordkit
-            client.last_seen = self._messages
         else:
             if len(self._clients) >= self._options.max_clients and not self._vacant_client():
                 self._counters[Counter.TABLE_FULL] += 1
@@ -622,7 +824,10 @@ class Loop:
                     text = error_text(ErrorCode.BUSY, Header.CONNECT)
                     self._send(identity, protocol.ERROR.pack(None, ErrorCode.BUSY, text))
                 return
-            self._clients[identity] = _Client(identity, coordkit, self._messages)
+            client = self._clients[identity] = _Client(identity)
+        client.coordkit = coordkit
+        client.last_seen = self._messages
+        client.format = SINGLE_FRAME if self._megatron_core and not coordkit else MULTIPART
         self._send(identity, protocol.CONNECT_ACK.pack())
 
     def _vacant_client(self) -> bool:
@@ -671,14 +876,19 @@ class Loop:
         if request.flags & ABORTED:
             return
         request.flags |= ABORTED
-        engine = self._engines[request.rank]
-        if not self._send(engine.identity, protocol.ABORT_REQUEST.pack(request.server_rid)):
+        self._abort_at_engine(self._engines[request.rank], request.server_rid)
+
+    def _abort_at_engine(self, engine: _Engine, server_rid: int) -> None:
+        """ABORT_REQUEST to an engine; a 0.19 engine has none: the request runs to its end."""
+        if engine.format == SINGLE_FRAME:
+            return
+        if not self._send(engine.identity, protocol.ABORT_REQUEST.pack(server_rid)):
             self._mark_gone(engine, "unreachable")
 
     def _release_kv(self, client: _Client, frames: list[zmq.Frame]) -> None:
         if self._parse(protocol.RELEASE_KV, client, Header.RELEASE_KV, frames) is not None:
             self._counters[Counter.RELEASE_KV] += 1
-            self._broadcast(frames[1])
+            self._broadcast(Header.RELEASE_KV, frames[1])
 
     def _control(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
         """A control signal: through the state machine, then to every engine."""
@@ -690,7 +900,7 @@ class Loop:
             return
         self._counters[Counter.CONTROL] += 1
         self._control_state = ControlState(state)
-        self._broadcast(frames[1])
+        self._broadcast(header, frames[1])
 
     def _shutdown_signal(self, client: _Client, frames: list[zmq.Frame]) -> None:
         if self._parse(protocol.SHUTDOWN, client, Header.SHUTDOWN, frames) is not None:
@@ -711,18 +921,20 @@ class Loop:
             self._malformed(client, exc.rid, header, str(exc), frames)
             return None
 
-    def _broadcast(self, frame: zmq.Frame) -> None:
+    def _broadcast(self, header: int, frame: zmq.Frame) -> None:
         """The metadata frame as it came to every engine not gone."""
         for engine in self._engines:
             if engine.state == GONE:
                 continue
+            if header == Header.RELEASE_KV and engine.format == SINGLE_FRAME:
+                continue  # 0.19 has no KV transfer
             if not self._send(engine.identity, [frame]):
                 self._mark_gone(engine, "unreachable")
 
-    def _detokenize(self, body: zmq.Frame) -> zmq.Frame | bytes:
-        """A reply body detokenized (on failure, the body as it is)."""
+    def _detokenized(self, body: Buffer) -> Buffer:
+        """A reply body with its generated_text; on failure the body as it is."""
         try:
-            out = detokenize(self._options.detokenizer, body.buffer)  # type: ignore[arg-type]
+            out = detokenize(self._options.detokenizer, body)  # type: ignore[arg-type]
         except Exception as exc:  # a bad body or a failing detokenizer
             self._counters[Counter.DETOKENIZE_ERRORS] += 1
             self._log.warn("detokenize", f"detokenize failed, body forwarded as is: {exc!r}")
@@ -759,6 +971,8 @@ class Loop:
             status = self._resend(request)
             if status == RouteStatus.SENT:
                 self._counters[Counter.REROUTED] += 1
+            elif status == RouteStatus.UNSENDABLE:  # no engine left that speaks its format
+                self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
             else:
                 self._fail_request(request, _refusal(status), Header.SUBMIT_REQUEST)
 
@@ -781,8 +995,7 @@ class Loop:
         engine = self._engines[request.rank]
         self._counters[Counter.TIMED_OUT] += 1
         if not request.flags & ABORTED and engine.state != GONE:
-            if not self._send(engine.identity, protocol.ABORT_REQUEST.pack(request.server_rid)):
-                self._mark_gone(engine, "unreachable")
+            self._abort_at_engine(engine, request.server_rid)
         self._fail_request(request, ErrorCode.TIMED_OUT, Header.SUBMIT_REQUEST)
 
     def _reject_entry(self, engine: _Engine, rid: int | None, code: int, header: int) -> None:
@@ -810,9 +1023,7 @@ class Loop:
             self._forget(request)
             if request.flags & ABORTED or rank < 0 or self._engines[rank].state == GONE:
                 continue
-            engine = self._engines[rank]
-            if not self._send(engine.identity, protocol.ABORT_REQUEST.pack(request.server_rid)):
-                self._mark_gone(engine, "unreachable")
+            self._abort_at_engine(self._engines[rank], request.server_rid)
         del self._clients[client.identity]
 
     # -- answers and malformed input ------------------------------------------------------
@@ -864,8 +1075,38 @@ class Loop:
 
 
 def _refusal(status: RouteStatus) -> ErrorCode:
-    """The ErrorCode for a request no engine could take (a RouteStatus other than SENT)."""
-    return ErrorCode.NO_ENGINES if status == RouteStatus.NO_ENGINES else ErrorCode.BUSY
+    """The ErrorCode for a new request no engine took (a RouteStatus other than SENT)."""
+    if status == RouteStatus.NO_ENGINES:
+        return ErrorCode.NO_ENGINES
+    return ErrorCode.MALFORMED if status == RouteStatus.UNSENDABLE else ErrorCode.BUSY
+
+
+_REFUSAL_COUNTERS = {
+    RouteStatus.NO_ENGINES: Counter.NO_ENGINES,
+    RouteStatus.ALL_BUSY: Counter.BUSY,
+    RouteStatus.UNSENDABLE: Counter.MALFORMED,
+}
+
+
+def _parses(check: Callable[[Buffer], object], frame: Buffer) -> bool:
+    try:
+        check(frame)
+    except ProtocolError:
+        return False
+    return True
+
+
+def _submit_frames(single_frame: bool, rid: int, prompt: Buffer, params: Buffer) -> list[Any]:
+    """A request from the bytes of its prompt and its params, in an engine's format:
+    ``[20, rid, <prompt>, <params>]``, or ``[20, rid, <params>]`` and the prompt."""
+    if single_frame:
+        return [codec.write_single_submit(Header.SUBMIT_REQUEST, rid, prompt, params)]
+    return [codec.write_submit(Header.SUBMIT_REQUEST, 3, rid, params), prompt]
+
+
+def _view(kept: zmq.Frame | bytes) -> memoryview:
+    """The bytes a request kept, without copying them."""
+    return kept.buffer if isinstance(kept, zmq.Frame) else memoryview(kept)
 
 
 def _buffers(frames: list[zmq.Frame]) -> list[memoryview]:

@@ -105,6 +105,15 @@ class RouteStatus(IntEnum):
     NO_ENGINES = 1  # no engine is registered and accepting work
     ALL_BUSY = 2  # every engine is at its cap
     ENGINE_GONE = 3  # the engine chosen was unreachable: it is marked gone, choose again
+    UNSENDABLE = 4  # the engine chosen speaks a format the request cannot be put in
+
+
+class PeerFormat(IntEnum):
+    """How a peer's messages are framed."""
+
+    MULTIPART = 0  # metadata frame, then payload frames (Megatron-LM PR #6497, coordkit)
+    SINGLE_FRAME = 1  # Megatron-Core 0.19's: one msgpack frame per message
+    BATCHED = 2  # multipart, and many requests or replies per message when in hand
 
 
 @dataclass(frozen=True)
@@ -144,6 +153,7 @@ CYTHON_ENUMS: tuple[tuple[type[IntEnum], str], ...] = (
     (EngineState, "ENGINE_"),
     (RequestFlag, "FLAG_"),
     (RouteStatus, "ROUTE_"),
+    (PeerFormat, "FORMAT_"),
 )
 
 

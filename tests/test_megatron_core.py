@@ -23,9 +23,11 @@ Held throughout: a prompt, its sampling params and a finished request reach
 the other side byte for byte (in encodings ``msgpack.packb`` would not choose,
 so that a coordinator that decoded and re-encoded them would be caught); a
 Megatron client never gets a frame it cannot parse (no ERROR: a refused or
-malformed message is counted and dropped); a 0.19 engine never gets a frame
-it cannot parse (no ABORT); every request ends with exactly one terminal
-outcome.
+malformed message is counted and dropped); a 0.19 engine never gets a message
+0.19 does not have (no ABORT, no RELEASE_KV); every request ends with exactly
+one terminal outcome. A SUBMIT is read as far as its request id: one whose
+body is bad reaches a single-frame engine as it came, and is caught only when
+the coordinator must walk it (to split it for a multipart engine).
 """
 
 from __future__ import annotations
@@ -360,18 +362,22 @@ BAD_FROM_CLIENT = [
     ([m([SUBMIT, 7, "p", SP, 1])], "malformed"),
     ([m([SUBMIT, "7", "p", SP])], "malformed"),
     ([m([SUBMIT, 2**64 - 1, "p", SP])], "malformed"),
-    ([m([SUBMIT, 7, b"bin", SP])], "malformed"),  # a prompt is a str or a list
-    ([m([SUBMIT, 7, 3, SP])], "malformed"),
-    ([m([SUBMIT, 7, None, SP])], "malformed"),
-    ([m([SUBMIT, 7, "p", [1]])], "malformed"),  # params are a map
-    ([m([SUBMIT, 7, "p", SP]) + b"\x00"], "malformed"),
-    ([m([SUBMIT, 7, "p", SP])[:-1]], "malformed"),
     ([m([SUBMIT, 7, "p", SP]), b"extra"], "malformed"),  # one frame, not two
     ([m([PAUSE, 1])], "malformed"),
     ([m([SET_GENERATION_EPOCH])], "malformed"),
     ([m([SHUTDOWN, 1])], "malformed"),
     ([m([77])], "unknown_header"),
     ([m([REPLY, 7, {}])], "unknown_header"),  # a reply is not a client's to send
+]
+
+# SUBMITs whose head is right (an array of 4, int header and rid) but whose body is not.
+BAD_BODIES = [
+    m([SUBMIT, 7, b"bin", SP]),  # a prompt is a str or a list
+    m([SUBMIT, 7, 3, SP]),
+    m([SUBMIT, 7, None, SP]),
+    m([SUBMIT, 7, "p", [1]]),  # params are a map
+    m([SUBMIT, 7, "p", SP]) + b"\x00",
+    m([SUBMIT, 7, "p", SP])[:-1],
 ]
 
 
@@ -389,6 +395,35 @@ def test_malformed_from_megatron_client_counted_never_answered(megatron, frames,
         client.assert_silent(0.05)  # 0.19's client cannot parse ERROR
         engine.assert_silent(0.05)
         round_trip(client, engine, 1000)
+        assert c.coord.stats()["inflight"] == 0
+
+
+@pytest.mark.parametrize("frame", BAD_BODIES)
+def test_a_body_bound_for_a_single_frame_engine_goes_unread(megatron, frame):
+    """A SUBMIT is read as far as its request id: between single-frame peers the
+    rest goes on as it came (what keeps its cost flat in the prompt's length)."""
+    with megatron() as c:
+        engine = c.add_single_frame_engine()
+        client = c.single_frame_client()
+        client.send(frame)
+        assert engine.recv_frame() == b"\x94\x14\x00" + frame[3:]
+        wait_for(lambda: counters(c)["submitted"] == 1)  # counted once sent
+        assert counters(c)["malformed"] == 0
+
+
+@pytest.mark.parametrize("frame", BAD_BODIES)
+def test_a_body_that_must_be_split_is_checked(megatron, frame):
+    """With a multipart engine to choose, the frame is walked (to split it at the
+    prompt's end): a bad one is malformed, counted and dropped, never answered."""
+    with megatron() as c:
+        single, multi = c.add_single_frame_engine(), c.add_coordkit_engine()
+        client = c.single_frame_client()
+        before = counters(c)
+        client.send(frame)
+        wait_for(lambda: counters(c)["malformed"] == before["malformed"] + 1)
+        client.assert_silent(0.05)
+        single.assert_silent(0.05)
+        multi.assert_silent(0.05)
         assert c.coord.stats()["inflight"] == 0
 
 
@@ -675,10 +710,11 @@ def test_prefix_routing_from_token_prompts(megatron):
     with megatron(policy="prefix", block_size=4) as c:
         engines = [c.add_single_frame_engine(), c.add_single_frame_engine()]
         client = c.single_frame_client()
-        shared = list(range(100, 108))  # two full blocks
+        shared = list(range(100, 164))  # 16 full blocks
         client.submit(0, shared + [1], SP)
         first, _ = recv_any(engines)
-        # the same two leading blocks: it follows them, though that engine is the busier
+        # the same 16 leading blocks: it follows them, though that engine is the busier
+        # (prefilling them elsewhere costs more than the work queued there)
         client.submit(1, shared + [2, 3], SP)
         assert recv_any(engines)[0] == first
         # a str prompt has no token ids: routed by load, to the idle engine
@@ -695,10 +731,10 @@ def test_coordinator_hashes_are_a_coordkit_clients(megatron):
     with megatron(policy="prefix", block_size=4) as c:
         engines = [c.add_single_frame_engine(), c.add_single_frame_engine()]
         megatron_client, coordkit_client = c.single_frame_client(), c.client(coordkit=True)
-        tokens = list(range(200, 212))  # three blocks
+        tokens = list(range(200, 296))  # 24 blocks
         megatron_client.submit(0, tokens, SP)
         first, _ = recv_any(engines)
-        prompt = tokens[:8] + [1, 2]  # the first two blocks
+        prompt = tokens[:64] + [1, 2]  # the first 16 blocks
         coordkit_client.send(m([SUBMIT, 0, SP]), m(prompt), block_hashes(prompt, 4))
         index, frames = recv_any(engines)
         assert index == first
