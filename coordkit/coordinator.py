@@ -48,6 +48,8 @@ class _Sockets:
         context: zmq.Context | None,
         curve: CurveServer | None,
     ):
+        self._lock = threading.Lock()
+        self.closed = False
         self.context = context or zmq.Context.instance()
         self.router = self.context.socket(zmq.ROUTER)
         # A send to a peer that is gone fails (EHOSTUNREACH) instead of vanishing.
@@ -71,8 +73,6 @@ class _Sockets:
         self.wake_recv.bind(wake)
         self._wake_send = self.context.socket(zmq.PAIR)
         self._wake_send.connect(wake)
-        self._lock = threading.Lock()
-        self.closed = False
 
     def wake(self) -> None:
         """Ask the loop to stop; safe from any thread, a no-op once closed."""

@@ -12,6 +12,7 @@ import threading
 import pytest
 import zmq
 
+from coordkit import Coordinator
 from coordkit.protocol import ErrorCode
 from tests.support.peers import (
     ABORT,
@@ -345,3 +346,13 @@ def test_stop_from_another_thread(make_coordinator):
     assert not loop_threads()  # stop() returns once the loop has ended, not just been told to
     with pytest.raises(RuntimeError):
         coord.serve_forever()
+
+
+def test_a_taken_address_raises_the_bind_error(make_coordinator, impl):
+    first = make_coordinator(transport="tcp")
+    try:
+        with pytest.raises(zmq.ZMQError) as raised:
+            Coordinator(first.address, implementation=impl.name)
+        assert raised.value.errno == zmq.EADDRINUSE
+    finally:
+        first.stop()
