@@ -6,7 +6,7 @@ into ``out``), holds no Python object and needs no GIL. Reads return a
 ``ck_status``: ``CK_OK`` (0) or a negative error; ``ck_strstatus`` names it.
 """
 
-from libc.stdint cimport int64_t, uint8_t, uint32_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
 
 ctypedef struct ck_submit:
@@ -18,6 +18,12 @@ ctypedef struct ck_submit:
 ctypedef struct ck_entry:
     int64_t rid
     bint needs_detokenize
+
+ctypedef struct ck_batch_entry:  # one entry of a SUBMIT_BATCH or a REPLY_BATCH
+    int64_t rid
+    size_t params_offset    # SUBMIT_BATCH: the entry's sampling params are
+    size_t params_size      # buf[params_offset : params_offset + params_size], verbatim
+    bint flag               # a client's SUBMIT_BATCH: hashed; REPLY_BATCH: final
 
 cdef enum ck_status:
     CK_OK = 0
@@ -36,6 +42,8 @@ cdef enum:
     CK_HEADER_MAX = 10          # bytes ck_write_header may write: [h]
     CK_HEADER_INT_MAX = 19      # bytes ck_write_header_int may write: [h, v]
     CK_SUBMIT_PREFIX_MAX = 23   # array32 header + two int64: the prefix of ck_write_submit
+    CK_INT_MAX = 9              # bytes ck_write_int or ck_write_uint may write
+    CK_ARRAY_MAX = 5            # bytes ck_write_array may write
 
 cdef const char* ck_strstatus(int status) noexcept nogil
 
@@ -71,3 +79,27 @@ cdef size_t ck_write_header(uint8_t* out, int64_t header) noexcept nogil
 # grow `entries` to *count and read again.
 cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* entries,
                        uint32_t capacity, uint32_t* count) noexcept nogil
+
+# `[header, value]`, two int64s, validated whole (the client's replies `[21, rid]`,
+# an engine's ABORT `[23, rid]`).
+cdef int ck_read_header_int(const uint8_t* buf, size_t n, int64_t* header,
+                            int64_t* value) noexcept nogil
+
+# SUBMIT_BATCH `[95, [entry, ...]]`, validated whole: each entry `[rid, params, hashed]`
+# (width 3, from a client) or `[rid, params]` (width 2, to an engine), the params any
+# msgpack object, skipped structurally. Capacity and CK_TOO_MANY as for ck_read_reply;
+# on any other error *count is the number of entries read whole before the fault
+# (those within capacity are in `entries`), so that their requests can be named.
+cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
+                              ck_batch_entry* entries, uint32_t capacity,
+                              uint32_t* count) noexcept nogil
+
+# REPLY_BATCH `[96, [[rid, final], ...]]`, validated whole; as ck_read_submit_batch.
+cdef int ck_read_reply_batch(const uint8_t* buf, size_t n, ck_batch_entry* entries,
+                             uint32_t capacity, uint32_t* count) noexcept nogil
+
+# The writers of the forms above, for the endpoints that build whole frames:
+# an int in its smallest form (as msgpack.packb), a uint64 likewise, an array head.
+cdef size_t ck_write_int(uint8_t* out, int64_t v) noexcept nogil
+cdef size_t ck_write_uint(uint8_t* out, uint64_t v) noexcept nogil
+cdef size_t ck_write_array(uint8_t* out, uint32_t length) noexcept nogil
