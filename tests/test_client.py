@@ -1,7 +1,9 @@
 """coordkit.Client: exact frames against a scripted ROUTER, round trips through both coordinators.
 
-Async bodies run under ``asyncio.run`` with an overall timeout (no
-pytest-asyncio); every receive has its own timeout too.
+Every test runs on both client cores (``impl``: the Cython and the Python
+one); through a real coordinator, on the coordinator of the same
+implementation. Async bodies run under ``asyncio.run`` with an overall
+timeout (no pytest-asyncio); every receive has its own timeout too.
 """
 
 from __future__ import annotations
@@ -64,26 +66,33 @@ class Script:
     async def send(self, *frames: bytes) -> None:
         await self.socket.send_multipart([self.identity, *frames])
 
-    async def connect(self, **kwargs) -> Client:
-        connecting = asyncio.ensure_future(Client.connect(self.address, timeout=TIMEOUT, **kwargs))
-        assert await self.recv() == [packb([CONNECT, {"coordkit": 1}])]
-        await self.send(packb([CONNECT_ACK]))
-        return await connecting
+    async def connect(self, impl, grant: bool = False, **kwargs) -> Client:
+        """A client of ``impl`` connected to this script; ``grant`` grants it batches."""
+        connecting = asyncio.ensure_future(
+            Client.connect(self.address, timeout=TIMEOUT, implementation=impl.name, **kwargs)
+        )
+        hello = {"coordkit": 1} if kwargs.get("batch") is False else {"coordkit": 1, "batch": 1}
+        assert await self.recv() == [packb([CONNECT, hello])]
+        await self.send(packb([CONNECT_ACK, {"batch": 1}]) if grant else packb([CONNECT_ACK]))
+        client = await connecting
+        assert client.implementation == impl.name
+        assert client.batch is grant
+        return client
 
 
 @contextlib.asynccontextmanager
-async def scripted(tmp_path, **kwargs):
+async def scripted(tmp_path, impl, **kwargs):
     script = Script(tmp_path)
     try:
-        async with await script.connect(**kwargs) as client:
+        async with await script.connect(impl, **kwargs) as client:
             yield script, client
     finally:
         script.socket.close()
 
 
-def test_submit_frames(tmp_path):
+def test_submit_frames(tmp_path, impl):
     async def body():
-        async with scripted(tmp_path) as (script, client):
+        async with scripted(tmp_path, impl) as (script, client):
             client.submit("héllo", {"temperature": 0.5})
             client.submit([1, 2, 3])
             prompt = bytearray(packb([4, 5]))
@@ -105,11 +114,11 @@ def test_submit_frames(tmp_path):
     run(body())
 
 
-def test_replies_and_errors(tmp_path):
+def test_replies_and_errors(tmp_path, impl):
     errors: list[CoordinatorError] = []
 
     async def body():
-        async with scripted(tmp_path, on_error=errors.append) as (script, client):
+        async with scripted(tmp_path, impl, on_error=errors.append) as (script, client):
             plain = client.submit([1])
             raw = client.submit([2], raw=True)
             failing = client.submit([3])
@@ -145,9 +154,9 @@ def test_replies_and_errors(tmp_path):
     run(body())
 
 
-def test_abort_cancel_and_close(tmp_path):
+def test_abort_cancel_and_close(tmp_path, impl):
     async def body():
-        async with scripted(tmp_path) as (script, client):
+        async with scripted(tmp_path, impl) as (script, client):
             aborted = client.submit([1])
             cancelled = client.submit([2])
             stream = client.stream([3])
@@ -177,12 +186,14 @@ def test_abort_cancel_and_close(tmp_path):
     run(body())
 
 
-def test_connect_timeout(tmp_path):
+def test_connect_timeout(tmp_path, impl):
     async def body():
         with pytest.raises(ConnectionError, match="no coordinator answered"):
-            await Client.connect(f"ipc://{tmp_path}/nobody.sock", timeout=0.3)
+            await Client.connect(
+                f"ipc://{tmp_path}/nobody.sock", timeout=0.3, implementation=impl.name
+            )
         with pytest.raises(ConnectionError, match="no coordinator answered"):
-            await Client.connect("tcp://127.0.0.1:1", timeout=0.3)
+            await Client.connect("tcp://127.0.0.1:1", timeout=0.3, implementation=impl.name)
 
     run(body())
 
@@ -210,9 +221,11 @@ def fake_engines(address: str, count: int, **options):
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
-def test_round_trip(make_coordinator, transport):
+def test_round_trip(make_coordinator, impl, transport):
     async def body(address):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             await client.wait_for_engines(2, timeout=TIMEOUT)
             prompts = [[i, i + 1, i + 2] for i in range(20)]
             replies = await asyncio.gather(*(client.submit(p) for p in prompts))
@@ -235,9 +248,11 @@ def test_round_trip(make_coordinator, transport):
         run(body(coord.address))
 
 
-def test_prefix_routing_round_trip(make_coordinator):
+def test_prefix_routing_round_trip(make_coordinator, impl):
     async def body(address):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             await client.wait_for_engines(2, timeout=TIMEOUT)
             prompt = list(range(64))
             replies = [await client.submit(prompt, block_size=16) for _ in range(4)]
@@ -248,9 +263,11 @@ def test_prefix_routing_round_trip(make_coordinator):
         run(body(coord.address))
 
 
-def test_stream(make_coordinator):
+def test_stream(make_coordinator, impl):
     async def body(address):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             await client.wait_for_engines(1, timeout=TIMEOUT)
             parts = [part async for part in client.stream([1, 2], {"max_tokens": 4})]
             tokens = FakeEngine.generate([1, 2], 4)
@@ -261,9 +278,11 @@ def test_stream(make_coordinator):
         run(body(coord.address))
 
 
-def test_abort(make_coordinator):
+def test_abort(make_coordinator, impl):
     async def body(address):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             await client.wait_for_engines(1, timeout=TIMEOUT)
             # 1000 steps of 10 ms: only an abort ends it within the test's time.
             stream = client.stream([5])
@@ -282,9 +301,11 @@ def test_abort(make_coordinator):
         run(body(coord.address))
 
 
-def test_error_reply_fails_the_future(make_coordinator):
+def test_error_reply_fails_the_future(make_coordinator, impl):
     async def body(address):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             with pytest.raises(CoordinatorError) as caught:
                 await client.submit([1, 2, 3])  # no engine registered
             assert caught.value.code is ErrorCode.NO_ENGINES
@@ -295,7 +316,7 @@ def test_error_reply_fails_the_future(make_coordinator):
         run(body(coord.address))
 
 
-def test_control_signals_reach_engines(make_coordinator):
+def test_control_signals_reach_engines(make_coordinator, impl):
     received: queue.Queue[Control] = queue.Queue()
 
     def engine_loop(engine: Engine, stop: threading.Event) -> None:
@@ -306,7 +327,7 @@ def test_control_signals_reach_engines(make_coordinator):
     async def body(address):
         refused: asyncio.Future[CoordinatorError] = asyncio.get_running_loop().create_future()
         async with await Client.connect(
-            address, timeout=TIMEOUT, on_error=refused.set_result
+            address, timeout=TIMEOUT, on_error=refused.set_result, implementation=impl.name
         ) as client:
             await client.wait_for_engines(1, timeout=TIMEOUT)
             await client.pause()
@@ -344,9 +365,11 @@ def test_control_signals_reach_engines(make_coordinator):
             thread.join(TIMEOUT)
 
 
-def test_stop_ends_engine_processes(make_coordinator):
+def test_stop_ends_engine_processes(make_coordinator, impl):
     async def body(address, processes):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             await client.wait_for_engines(len(processes), timeout=TIMEOUT)
             await client.pause()
             await client.stop_engines()
@@ -357,11 +380,13 @@ def test_stop_ends_engine_processes(make_coordinator):
         run(body(coord.address, processes))
 
 
-def test_killed_engine(make_coordinator):
+def test_killed_engine(make_coordinator, impl):
     """SIGKILL one of two engine processes mid-flight: every request still ends."""
 
     async def body(address, processes):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             await client.wait_for_engines(2, timeout=TIMEOUT)
             futures = [client.submit([i]) for i in range(20)]
             stats = await client.stats()
