@@ -515,6 +515,11 @@ cdef class ClientCore:
         free(self.open_entries.data)
         free(self.scratch.data)
 
+    @property
+    def queued(self):
+        """Messages libzmq refused for now, waiting in the outbox for POLLOUT."""
+        return len(self._outbox)
+
     # -- requests --------------------------------------------------------------------------
 
     def submit(self, prompt, sampling_params, block_size, bint raw):

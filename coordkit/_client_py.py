@@ -163,6 +163,11 @@ class ClientCore:
         self._flush_scheduled = False
         self._check_scheduled = False
 
+    @property
+    def queued(self) -> int:
+        """Messages libzmq refused for now, waiting in the outbox for POLLOUT."""
+        return len(self._outbox)
+
     # -- requests --------------------------------------------------------------------
 
     def submit(self, prompt: Any, sampling_params: Any, block_size: int | None, raw: bool) -> Any:

@@ -13,11 +13,8 @@ import contextlib
 import queue
 import signal
 import threading
-from pathlib import Path
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from coordkit import Client, CoordinatorError, ErrorCode, Header
 from coordkit.engine import Control, Engine
@@ -25,8 +22,6 @@ from coordkit.protocol import block_hashes, packb, unpackb
 from coordkit.tools.fake_engine import FakeEngine
 from tests.support.peers import (
     ABORT,
-    CONNECT,
-    CONNECT_ACK,
     ERROR,
     PARTIAL,
     PAUSE,
@@ -36,58 +31,9 @@ from tests.support.peers import (
     SUBMIT,
 )
 from tests.support.processes import engine_processes
-
-TIMEOUT = 5.0
-
-
-def run(coroutine, timeout: float = 60.0):
-    """Run an async test body, bounded in time."""
-    return asyncio.run(asyncio.wait_for(coroutine, timeout))
-
+from tests.support.scripted import TIMEOUT, run, scripted
 
 # -- against a scripted coordinator ---------------------------------------------------------
-
-
-class Script:
-    """A bare ROUTER standing in for the coordinator, on the test's event loop."""
-
-    def __init__(self, tmp_path: Path):
-        self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.address = f"ipc://{tmp_path}/script.sock"
-        self.socket.bind(self.address)
-        self.identity = b""
-
-    async def recv(self) -> list[bytes]:
-        identity, *frames = await asyncio.wait_for(self.socket.recv_multipart(), TIMEOUT)
-        self.identity = identity
-        return frames
-
-    async def send(self, *frames: bytes) -> None:
-        await self.socket.send_multipart([self.identity, *frames])
-
-    async def connect(self, impl, grant: bool = False, **kwargs) -> Client:
-        """A client of ``impl`` connected to this script; ``grant`` grants it batches."""
-        connecting = asyncio.ensure_future(
-            Client.connect(self.address, timeout=TIMEOUT, implementation=impl.name, **kwargs)
-        )
-        hello = {"coordkit": 1} if kwargs.get("batch") is False else {"coordkit": 1, "batch": 1}
-        assert await self.recv() == [packb([CONNECT, hello])]
-        await self.send(packb([CONNECT_ACK, {"batch": 1}]) if grant else packb([CONNECT_ACK]))
-        client = await connecting
-        assert client.implementation == impl.name
-        assert client.batch is grant
-        return client
-
-
-@contextlib.asynccontextmanager
-async def scripted(tmp_path, impl, **kwargs):
-    script = Script(tmp_path)
-    try:
-        async with await script.connect(impl, **kwargs) as client:
-            yield script, client
-    finally:
-        script.socket.close()
 
 
 def test_submit_frames(tmp_path, impl):
