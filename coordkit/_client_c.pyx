@@ -405,8 +405,16 @@ cdef object hashes_of(object prompt, object block_size):
     return block_hashes(prompt, block_size)
 
 
+cdef object _SAMPLING = protocol.SUBMIT_REQUEST.metadata_fields[1]
+
+
 cdef inline bytes params_of(object sampling_params):
-    return EMPTY_PARAMS if sampling_params is None else packb(sampling_params)
+    """The params packed, checked as the message spec checks them."""
+    if sampling_params is None:
+        return EMPTY_PARAMS
+    if type(sampling_params) is not dict:
+        _SAMPLING.check("SUBMIT_REQUEST", sampling_params)
+    return packb(sampling_params)
 
 
 cdef inline void close_msgs(zmq_msg_t* msgs, Py_ssize_t n) noexcept:
@@ -909,7 +917,7 @@ cdef class ClientCore:
             self._dispatch_rarely(header)
         return 0
 
-    cdef int _read_replies(self, const uint8_t* data, size_t size, uint32_t* count) except -2:
+    cdef int _read_replies(self, const uint8_t* data, size_t size, uint32_t* count) except? -100:
         cdef int status = ck_read_reply_batch(
             data, size, self.replies, self.replies_capacity, count
         )

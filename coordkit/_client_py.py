@@ -115,8 +115,15 @@ def _hashes(prompt: Any, block_size: int | None) -> bytes | None:
     return block_hashes(prompt, block_size)
 
 
+_SAMPLING = protocol.SUBMIT_REQUEST.metadata_fields[1]
+
+
 def _params(sampling_params: Any) -> bytes:
-    return _EMPTY_PARAMS if sampling_params is None else packb(sampling_params)
+    """The params packed, checked as the message spec checks them."""
+    if sampling_params is None:
+        return _EMPTY_PARAMS
+    _SAMPLING.check("SUBMIT_REQUEST", sampling_params)
+    return packb(sampling_params)
 
 
 def _length(frame: Any) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 __all__ = ["Implementation", "load_implementation", "selected"]
 
 #: The paired modules, by role: each has an ``_x_py`` and an ``_x_c`` twin.
-_ROLES = ("codec", "routing", "loop", "client")
+_ROLES = ("codec", "routing", "loop", "client", "engine")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Implementation:
     routing: ModuleType
     loop: ModuleType
     client: ModuleType
+    engine: ModuleType
 
     @property
     def Router(self) -> Any:  # noqa: N802 - the class it names

@@ -199,6 +199,8 @@ def test_malformed_reply_batches(tmp_path, impl):
             await script.recv()
             await script.send(b"\xc1")  # not msgpack: dropped
             await script.send(packb([REPLY_BATCH, [[2]]]), packb("x"))  # bad entry: dropped
+            await script.send(packb([REPLY_BATCH, [[2, 1]]]), packb("x"))  # final is an int
+            await script.send(packb([REPLY_BATCH, {}]))
             await script.send(packb([REPLY_BATCH, [[2, True]]]), b"\xc1")  # body not msgpack
             with pytest.raises(ProtocolError) as caught:
                 await c
@@ -225,6 +227,21 @@ def test_close_fails_what_was_coalesced(tmp_path, impl):
                 client.submit_many([[1]])
         finally:
             script.close()
+
+    run(body())
+
+
+def test_sampling_params_are_checked(tmp_path, impl):
+    async def body():
+        async with scripted(tmp_path, impl, grant=True) as (script, client):
+            for params in (True, 2**64):  # as the message spec checks them
+                with pytest.raises(ProtocolError, match="sampling_params"):
+                    client.submit([1], params)
+                with pytest.raises(ProtocolError, match="sampling_params"):
+                    client.submit_many([[1]], params)
+            client.submit([1], [0.5, "any msgpack"])
+            frames = await script.recv()
+            assert frames == [packb([SUBMIT, 0, [0.5, "any msgpack"]]), packb([1])]
 
     run(body())
 

@@ -82,6 +82,8 @@ class FakeEngine(Engine):
     ``stop_event``, answers what is left as aborted, sends DISCONNECT and
     ends :meth:`run`. HEARTBEATs go out every ``heartbeat_interval`` seconds
     (default 1; None turns them off), advertising ``max_batch`` as capacity.
+    Like every Engine it asks for batched SUBMITs (ENGINE_HELLO) and takes
+    them as they come; ``implementation`` picks the Engine's core.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class FakeEngine(Engine):
         heartbeat_interval: float | None = 1.0,
         identity: bytes | str | None = None,
         context: zmq.Context | None = None,
+        implementation: str | None = None,
     ):
         if min(output_tokens, max_batch, cache_blocks, prefix_block_size) < 1:
             raise ValueError(
@@ -110,6 +113,7 @@ class FakeEngine(Engine):
             heartbeat_interval=heartbeat_interval,
             capacity=max_batch,
             context=context,
+            implementation=implementation,
         )
         self.latency = latency
         self.max_batch = max_batch
