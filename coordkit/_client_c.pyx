@@ -30,23 +30,19 @@ from cpython.buffer cimport (
     PyObject_GetBuffer,
 )
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_DelItem, PyDict_GetItem, PyDict_SetItem
+from cpython.dict cimport PyDict_GetItem
 from cpython.exc cimport PyErr_Clear
 from cpython.list cimport PyList_CheckExact, PyList_New, PyList_SET_ITEM
-from cpython.long cimport (
-    PyLong_AsLongLongAndOverflow,
-    PyLong_AsUnsignedLongLong,
-    PyLong_CheckExact,
-)
+from cpython.long cimport PyLong_CheckExact
 from cpython.object cimport PyObject
 from cpython.memoryview cimport PyMemoryView_FromMemory
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from cpython.sequence cimport PySequence_Fast_GET_ITEM
 from cpython.tuple cimport PyTuple_CheckExact
 from cpython.unicode cimport PyUnicode_AsUTF8String, PyUnicode_Check
 from libc.errno cimport EAGAIN
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy
 
 from coordkit._codec_c cimport (
@@ -105,6 +101,15 @@ cdef extern from "_pins.h":
 
 cdef extern from *:
     """
+    static inline int ck_set_slot(PyObject *descr, PyObject *obj, PyObject *value)
+    {
+        return Py_TYPE(descr)->tp_descr_set(descr, obj, value);
+    }
+    """
+    int ck_set_slot(object descr, object obj, object value) except -1
+
+cdef extern from *:
+    """
     #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
     #define CK_BIG_ENDIAN 1
     #else
@@ -142,6 +147,7 @@ BYTES_LIKE = (bytes, bytearray, memoryview, zmq.Frame)
 cdef bytes EMPTY_PARAMS = packb({})
 cdef object _set_result = asyncio.Future.set_result
 cdef object _future_done = asyncio.Future.done
+cdef object InvalidStateError = asyncio.InvalidStateError
 cdef object _unpackb = msgpack.unpackb
 
 
@@ -174,35 +180,56 @@ cdef inline void buf_put(Buf* b, const void* data, size_t n) noexcept:
 
 # -- packing prompts -----------------------------------------------------------------------
 
+cdef inline uint8_t* put_int(uint8_t* out, int64_t v) noexcept nogil:
+    """``v`` in msgpack's smallest form: token ids (0 .. 2**32-1) inline, the rest by the codec."""
+    if 0 <= v < 0x80:
+        out[0] = <uint8_t>v
+        return out + 1
+    if 0 <= v <= 0xff:
+        out[0] = 0xcc
+        out[1] = <uint8_t>v
+        return out + 2
+    if 0 <= v <= 0xffff:
+        out[0] = 0xcd
+        out[1] = <uint8_t>(v >> 8)
+        out[2] = <uint8_t>v
+        return out + 3
+    if 0 <= v <= <int64_t>0xffffffff:
+        out[0] = 0xce
+        out[1] = <uint8_t>(v >> 24)
+        out[2] = <uint8_t>(v >> 16)
+        out[3] = <uint8_t>(v >> 8)
+        out[4] = <uint8_t>v
+        return out + 5
+    return out + ck_write_int(out, v)
+
+
 cdef int pack_sequence(Buf* b, object seq) except -1:
     """A list or tuple of plain ints into ``b``, as msgpack.packb packs it; 0 (nothing
     written) when an item is not a plain int in range, for msgpack itself to handle."""
     cdef Py_ssize_t i, n = len(seq)
-    cdef size_t start = b.len
-    cdef int overflow
-    cdef long long v
+    cdef int64_t v
     cdef unsigned long long u
     cdef object item
+    cdef uint8_t* out
     buf_reserve(b, CK_ARRAY_MAX + <size_t>n * CK_INT_MAX)
-    b.len += ck_write_array(b.data + b.len, <uint32_t>n)
+    out = b.data + b.len
+    out += ck_write_array(out, <uint32_t>n)
     for i in range(n):
         item = <object>PySequence_Fast_GET_ITEM(seq, i)
         if not PyLong_CheckExact(item):  # a bool packs as a bool; anything else is msgpack's
-            b.len = start
             return 0
-        v = PyLong_AsLongLongAndOverflow(item, &overflow)
-        if overflow == 0:
-            b.len += ck_write_int(b.data + b.len, v)
+        try:
+            v = item  # Cython's conversion: small ints read in place
+        except OverflowError:
+            try:
+                u = item  # a uint64 beyond int64 has a form of its own
+            except OverflowError:
+                return 0  # msgpack says what it thinks of it
+            out += ck_write_uint(out, u)
             continue
-        if overflow < 0:
-            b.len = start
-            return 0
-        u = PyLong_AsUnsignedLongLong(item)
-        if u == <unsigned long long>-1:
-            PyErr_Clear()
-            b.len = start
-            return 0
-        b.len += ck_write_uint(b.data + b.len, u)
+        out = put_int(out, v)
+    b.len = out - b.data
     return 1
 
 
@@ -244,6 +271,7 @@ cdef int pack_buffer(Buf* b, object obj) except -1:
     cdef uint16_t u16
     cdef uint32_t u32
     cdef uint64_t u64
+    cdef uint8_t* out
     if PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_STRIDES) != 0:
         PyErr_Clear()
         return 0
@@ -259,7 +287,8 @@ cdef int pack_buffer(Buf* b, object obj) except -1:
         n = view.shape[0]
         stride = view.strides[0]
         buf_reserve(b, CK_ARRAY_MAX + <size_t>n * CK_INT_MAX)
-        b.len += ck_write_array(b.data + b.len, <uint32_t>n)
+        out = b.data + b.len
+        out += ck_write_array(out, <uint32_t>n)
         for i in range(n):
             p = <const char*>view.buf + i * stride
             if kind == 1:
@@ -274,7 +303,7 @@ cdef int pack_buffer(Buf* b, object obj) except -1:
                     i64 = i32
                 else:
                     memcpy(&i64, p, 8)
-                b.len += ck_write_int(b.data + b.len, i64)
+                out = put_int(out, i64)
             else:
                 if view.itemsize == 1:
                     memcpy(&u8, p, 1)
@@ -287,7 +316,11 @@ cdef int pack_buffer(Buf* b, object obj) except -1:
                     u64 = u32
                 else:
                     memcpy(&u64, p, 8)
-                b.len += ck_write_uint(b.data + b.len, u64)
+                if u64 <= <uint64_t>0xffffffff:
+                    out = put_int(out, <int64_t>u64)
+                else:
+                    out += ck_write_uint(out, u64)
+        b.len = out - b.data
         return 1
     finally:
         PyBuffer_Release(&view)
@@ -423,7 +456,38 @@ cdef inline void close_msgs(zmq_msg_t* msgs, Py_ssize_t n) noexcept:
         zmq_msg_close(&msgs[i])
 
 
+# -- the pending requests ------------------------------------------------------------------
+
+cdef struct Pending:
+    int64_t rid
+    PyObject* target  # a strong reference; NULL: the cell is empty
+
+
+cdef struct Table:
+    # A ring indexed by rid & mask, at most half full: a client's ids are
+    # consecutive, so its requests in flight each have a cell of their own, and
+    # taking one out just empties its cell. The rare request whose cell is
+    # held (by one that stays in flight for a whole turn of the ring) waits in
+    # an overflow dict instead.
+    Pending* cells
+    uint64_t mask
+    Py_ssize_t count  # in the cells and the overflow
+
+
+cdef int table_init(Table* t, uint64_t capacity) except -1:
+    t.cells = <Pending*>calloc(capacity, sizeof(Pending))
+    if t.cells == NULL:
+        raise MemoryError()
+    t.mask = capacity - 1
+    t.count = 0
+    return 0
+
+
 # -- the core ------------------------------------------------------------------------------
+
+
+def _first(entry):
+    return entry[0]
 
 
 @cython.final
@@ -437,11 +501,14 @@ cdef class ClientCore:
     """
 
     cdef readonly object socket, loop
-    cdef public dict pending
+    cdef object __weakref__  # the client's future classes refer to their core weakly
     cdef readonly bint batch
     cdef public bint closed
     cdef readonly int64_t next_rid
-    cdef object _future_type, _stream_type, _on_error, _on_stats, _on_failure, _outbox
+    cdef Table pending
+    cdef dict overflow  # pending requests whose cell was held (see Table)
+    cdef object _future_type, _raw_type, _rid_slot, _stream_type
+    cdef object _on_error, _on_stats, _on_failure, _outbox
     cdef object _flush_callback, _check_callback, _readable_callback
     cdef void* sock
     cdef bint flush_scheduled, check_scheduled
@@ -466,6 +533,7 @@ cdef class ClientCore:
     implementation = "c"
 
     def __cinit__(self):
+        self.pending.cells = NULL
         self.frames = NULL
         self.parts = NULL
         self.replies = NULL
@@ -480,7 +548,7 @@ cdef class ClientCore:
         *,
         loop,
         bint batch,
-        future_type,
+        future_types,
         stream_type,
         on_error,
         on_stats,
@@ -492,8 +560,11 @@ cdef class ClientCore:
         self.sock = <void*><size_t>socket.underlying
         self.loop = loop
         self.batch = batch
-        self.pending = {}
-        self._future_type = future_type
+        table_init(&self.pending, 1024)
+        self.overflow = {}
+        self._future_type, self._raw_type = future_types
+        # The one per-future attribute, set through its slot (the class holds the rest).
+        self._rid_slot = self._future_type.__mro__[1].__dict__["request_id"]
         self._stream_type = stream_type
         self._on_error = on_error
         self._on_stats = on_stats
@@ -514,6 +585,11 @@ cdef class ClientCore:
 
     def __dealloc__(self):
         cdef Py_ssize_t i
+        cdef uint64_t cell
+        if self.pending.cells != NULL:
+            for cell in range(self.pending.mask + 1):
+                Py_XDECREF(self.pending.cells[cell].target)
+            free(self.pending.cells)
         if self.frames != NULL:
             for i in range(1, self.n_frames):
                 zmq_msg_close(&self.frames[i])
@@ -527,6 +603,95 @@ cdef class ClientCore:
     def queued(self):
         """Messages libzmq refused for now, waiting in the outbox for POLLOUT."""
         return len(self._outbox)
+
+    @property
+    def count(self):
+        """Requests sent (or coalescing) and not yet ended."""
+        return self.pending.count
+
+    def pop(self, int64_t rid):
+        """The pending request ``rid``, taken out of the table; None when it is not pending."""
+        return self._take(rid)
+
+    # -- the table of pending requests -------------------------------------------------------
+
+    cdef inline PyObject* _find(self, int64_t rid) noexcept:
+        """The pending request ``rid`` (a borrowed reference), or NULL."""
+        cdef Pending* cell = &self.pending.cells[<uint64_t>rid & self.pending.mask]
+        cdef PyObject* found
+        if cell.target != NULL and cell.rid == rid:
+            return cell.target
+        if not self.overflow:
+            return NULL
+        found = PyDict_GetItem(self.overflow, rid)
+        return found
+
+    cdef object _take(self, int64_t rid):
+        """The pending request ``rid`` taken out of the table, or None."""
+        cdef Pending* cell = &self.pending.cells[<uint64_t>rid & self.pending.mask]
+        if cell.target != NULL and cell.rid == rid:
+            target = <object>cell.target
+            Py_DECREF(target)  # the table's reference; `target` holds one of its own
+            cell.target = NULL
+            self.pending.count -= 1
+            return target
+        if self.overflow:
+            target = self.overflow.pop(rid, None)
+            if target is not None:
+                self.pending.count -= 1
+            return target
+        return None
+
+    cdef int _insert(self, int64_t rid, object target) except -1:
+        cdef Pending* cell
+        if 2 * (self.pending.count + 1) > <Py_ssize_t>(self.pending.mask + 1):
+            self._grow()
+        cell = &self.pending.cells[<uint64_t>rid & self.pending.mask]
+        if cell.target == NULL:
+            Py_INCREF(target)
+            cell.rid = rid
+            cell.target = <PyObject*>target
+        else:
+            self.overflow[rid] = target
+        self.pending.count += 1
+        return 0
+
+    cdef int _grow(self) except -1:
+        """Twice the cells; every request back in (the overflow too, where it fits)."""
+        cdef Table old = self.pending
+        cdef uint64_t i
+        cdef Pending* cell
+        table_init(&self.pending, 2 * (old.mask + 1))
+        self.pending.count = old.count
+        overflow, self.overflow = self.overflow, {}
+        for i in range(old.mask + 1):
+            if old.cells[i].target != NULL:
+                cell = &self.pending.cells[<uint64_t>old.cells[i].rid & self.pending.mask]
+                cell[0] = old.cells[i]  # the reference moves with it
+        free(old.cells)
+        for rid, target in overflow.items():
+            cell = &self.pending.cells[<uint64_t>rid & self.pending.mask]
+            if cell.target == NULL:
+                Py_INCREF(target)
+                cell.rid = rid
+                cell.target = <PyObject*>target
+            else:
+                self.overflow[rid] = target
+        return 0
+
+    cdef list _clear(self):
+        """Empty the table; its requests, by id."""
+        cdef uint64_t i
+        entries = list(self.overflow.items())
+        self.overflow = {}
+        for i in range(self.pending.mask + 1):
+            if self.pending.cells[i].target != NULL:
+                entries.append((self.pending.cells[i].rid, <object>self.pending.cells[i].target))
+                Py_DECREF(<object>self.pending.cells[i].target)
+                self.pending.cells[i].target = NULL
+        self.pending.count = 0
+        entries.sort(key=_first)
+        return [target for _, target in entries]
 
     # -- requests --------------------------------------------------------------------------
 
@@ -607,10 +772,8 @@ cdef class ClientCore:
             free(hashed)
 
     cdef object _future(self, int64_t rid, bint raw):
-        future = self._future_type()
-        future.request_id = rid
-        future.raw = raw
-        future._core = self
+        future = self._raw_type() if raw else self._future_type()
+        ck_set_slot(self._rid_slot, future, rid)
         return future
 
     cdef int _request(
@@ -625,7 +788,7 @@ cdef class ClientCore:
         cdef size_t head_size
         cdef uint8_t* out
         self.next_rid += 1
-        PyDict_SetItem(self.pending, rid, target)
+        self._insert(rid, target)
         if not self.batch:  # [20, rid, params]
             head[0] = 0x93
             head[1] = HEADER_SUBMIT_REQUEST
@@ -719,7 +882,7 @@ cdef class ClientCore:
 
     def abort(self, int64_t rid):
         """Send ABORT for a pending request; False (nothing sent) when it is not pending."""
-        if self.closed or rid not in self.pending:
+        if self.closed or self._find(rid) == NULL:
             return False
         self.send(protocol.ABORT_REQUEST.pack(rid))
         return True
@@ -933,39 +1096,45 @@ cdef class ClientCore:
         return ck_read_reply_batch(data, size, self.replies, self.replies_capacity, count)
 
     cdef int _deliver(self, int64_t rid, zmq_msg_t* body, bint final) except -1:
-        cdef PyObject* found
-        cdef bint stream
+        cdef PyObject* found = self._find(rid)
+        cdef object kind
         cdef char* data
         cdef Py_ssize_t size
-        key = rid
-        found = PyDict_GetItem(self.pending, key)
         if found == NULL:
             log.debug("coordkit client: reply for request %s, which is not pending", rid)
             return 0
         target = <object>found
-        stream = type(target) is self._stream_type
-        if not final and not stream:
+        kind = type(target)
+        if kind is self._stream_type:
+            if final:
+                self._take(rid)
+            raw = target.raw
+        elif not final:
             return 0  # partials are for streams only
-        if final:
-            PyDict_DelItem(self.pending, key)
+        else:
+            self._take(rid)
+            raw = kind is self._raw_type
         data = <char*>zmq_msg_data(body)
         size = zmq_msg_size(body)
-        if target.raw:
+        if raw:
             value = PyBytes_FromStringAndSize(data, size)
         else:
             view = PyMemoryView_FromMemory(data, size, PyBUF_READ)
             try:
                 value = _unpackb(view, raw=False, strict_map_key=False)
             except Exception as exc:  # msgpack raises several unrelated types
-                self.pending.pop(rid, None)
+                self.pop(rid)
                 self._fail(target, ProtocolError(f"reply body is not msgpack ({exc!r})", rid))
                 return 0
             finally:
                 view.release()  # nothing may read the message once it is closed
-        if stream:
+        if kind is self._stream_type:
             target._put(final, value)
-        elif not _future_done(target):
-            _set_result(target, value)
+        else:
+            try:
+                _set_result(target, value)
+            except InvalidStateError:
+                pass  # cancelled: its final reply is not wanted
         return 0
 
     cdef _fail_named(self, uint32_t count):
@@ -976,7 +1145,7 @@ cdef class ClientCore:
         log.warning("coordkit client: %s", text)
         for i in range(count):
             rid = self.replies[i].rid
-            target = self.pending.pop(rid, None)
+            target = self.pop(rid)
             if target is not None:
                 self._fail(target, ProtocolError(text, rid))
 
@@ -1022,8 +1191,7 @@ cdef class ClientCore:
         self.n_open = 0
         self.open_bytes = 0
         self.open_entries.len = 0
-        pending, self.pending = self.pending, {}
-        for target in pending.values():
+        for target in self._clear():
             self._fail(target, exc)
 
     cdef _fail(self, target, exc):

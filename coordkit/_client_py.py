@@ -147,7 +147,7 @@ class ClientCore:
         *,
         loop: asyncio.AbstractEventLoop,
         batch: bool,
-        future_type: type,
+        future_types: tuple[type, type],
         stream_type: type,
         on_error: Callable[[int | None, int, str], None],
         on_stats: Callable[[Any], None],
@@ -159,7 +159,7 @@ class ClientCore:
         self.pending: dict[int, Any] = {}
         self.closed = False
         self.next_rid = 0
-        self._future_type = future_type
+        self._future_types = future_types  # decoded, raw
         self._stream_type: Any = stream_type
         self._on_error = on_error
         self._on_stats = on_stats
@@ -174,6 +174,15 @@ class ClientCore:
     def queued(self) -> int:
         """Messages libzmq refused for now, waiting in the outbox for POLLOUT."""
         return len(self._outbox)
+
+    @property
+    def count(self) -> int:
+        """Requests sent (or coalescing) and not yet ended."""
+        return len(self.pending)
+
+    def pop(self, rid: int) -> Any:
+        """The pending request ``rid``, taken out of the table; None when it is not pending."""
+        return self.pending.pop(rid, None)
 
     # -- requests --------------------------------------------------------------------
 
@@ -208,10 +217,8 @@ class ClientCore:
         return futures
 
     def _future(self, rid: int, raw: bool) -> Any:
-        future = self._future_type()
+        future = self._future_types[raw]()
         future.request_id = rid
-        future.raw = raw
-        future._core = self
         return future
 
     def _request(
@@ -386,7 +393,7 @@ class ClientCore:
             return
         if stream:
             target._put(final, value)
-        elif not _future_done(target):
+        elif not _future_done(target):  # a cancelled one does not want its final reply
             _set_result(target, value)
 
     # -- failures and the end ------------------------------------------------------------

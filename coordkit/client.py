@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -73,23 +74,38 @@ class CoordinatorError(Exception):
 
 
 class ReplyFuture(asyncio.Future[Any]):
-    """The future :meth:`Client.submit` returns; ``request_id`` is its client id.
+    """The future :meth:`Client.submit` returns; ``request_id`` is its client id,
+    ``raw`` whether it resolves to the body's bytes.
 
     Cancelling it (``cancel()``, or the cancellation of a task or a
     ``wait_for`` awaiting it) aborts the request at its engine.
+
+    Each client makes two subclasses of it, for decoded and raw replies, whose
+    class attributes say ``raw`` and refer to the client's core: a future
+    carries its id only, which keeps the many made by ``submit_many`` cheap.
     """
 
-    __slots__ = ("request_id", "raw", "_core")
+    __slots__ = ("request_id",)
 
     request_id: int
-    raw: bool
-    _core: Any  # the client's core, told of a cancellation
+    raw: bool = False
+    _core: weakref.ref[Any] | None = None  # the client's core, told of a cancellation
 
     def cancel(self, msg: Any | None = None) -> bool:
         if not super().cancel(msg):
             return False
-        self._core.cancelled(self.request_id)
+        core = self._core() if self._core is not None else None
+        if core is not None:
+            core.cancelled(self.request_id)
         return True
+
+
+def _future_types() -> tuple[type[ReplyFuture], type[ReplyFuture]]:
+    """A client's own ReplyFuture classes: decoded replies, raw replies."""
+    return tuple(  # type: ignore[return-value]
+        type("ReplyFuture", (ReplyFuture,), {"__slots__": (), "raw": raw, "__module__": __name__})
+        for raw in (False, True)
+    )
 
 
 class Stream:
@@ -152,16 +168,19 @@ class Client:
         self._loop = asyncio.get_running_loop()
         self._stats_waiters: deque[asyncio.Future[dict[str, Any]]] = deque()
         self._closed = False
+        future_types = _future_types()
         self._core = impl.client.ClientCore(
             socket,
             loop=self._loop,
             batch=batch,
-            future_type=ReplyFuture,
+            future_types=future_types,
             stream_type=Stream,
             on_error=self._error,
             on_stats=self._stats,
             on_failure=self._failure,
         )
+        for future_type in future_types:
+            future_type._core = weakref.ref(self._core)
         self._fd = cast(int, socket.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._core.on_readable)
         # Messages that came during the handshake may have consumed the FD's edge.
@@ -354,7 +373,7 @@ class Client:
     @property
     def pending(self) -> int:
         """Requests sent and not yet ended."""
-        return len(self._core.pending)
+        return int(self._core.count)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -389,7 +408,7 @@ class Client:
 
     def _error(self, rid: int | None, code: int, message: str) -> None:
         error = CoordinatorError(code, message, rid)
-        target = None if rid is None else self._core.pending.pop(rid, None)
+        target = None if rid is None else self._core.pop(rid)
         if target is not None:
             _fail(target, error)
             return
