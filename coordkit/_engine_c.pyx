@@ -15,6 +15,9 @@ as it is -- copied below ``COPY_BELOW`` bytes, pinned until sent above it
 A prompt is handed out as a ``zmq.Frame``, as pyzmq's own receive gives it:
 below pyzmq's copy threshold the frame holds a copy of the bytes; above it,
 the received message itself, without a copy (kept alive by the frame).
+Sampling params that are a map of scalars are remembered with their bytes:
+the next request with the same bytes (in a batch, most of them) gets a copy
+of the map instead of a decoding.
 
 The rare messages (SUBMIT_REQUEST_WITH_KV, the control signals) are parsed
 with the message specs, as the twin does.
@@ -22,7 +25,7 @@ with the message specs, as the twin does.
 
 cimport cython
 from cpython.buffer cimport PyBUF_READ
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.list cimport PyList_Append
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_Check
@@ -30,7 +33,7 @@ from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.errno cimport EAGAIN, EINTR
 from libc.stdint cimport int64_t, uint8_t, uint32_t
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 from coordkit._codec_c cimport (
     CK_ARRAY_MAX,
@@ -185,18 +188,19 @@ cdef object frame_of(zmq_msg_t* msg):
     if size < FRAME_COPY_BELOW:
         view = PyMemoryView_FromMemory(data, size, PyBUF_READ)
         try:
-            return _Frame(view, copy=True)
+            return _Frame(view, False, True)  # (data, track, copy): a copy
         finally:
             view.release()
     received = _Received()
     zmq_msg_move(&received.msg, msg)
-    return _Frame(received, copy=False)
+    return _Frame(received, False, False)  # the message itself
 
 
 cdef object _SAMPLING = protocol.SUBMIT_REQUEST.metadata_fields[1]
+cdef tuple _SCALARS = (int, float, str, bool, type(None), bytes)
 
 
-cdef object params_of(const uint8_t* data, size_t size, str name):
+cdef object decode_params(const uint8_t* data, size_t size, str name):
     """Sampling params from their msgpack bytes (``{}`` without a call), checked as
     the message spec checks them (which refuses a bool or an int beyond int64)."""
     if size == 1 and data[0] == 0x80:
@@ -211,6 +215,14 @@ cdef object params_of(const uint8_t* data, size_t size, str name):
     if type(params) is not dict:
         _SAMPLING.check(name, params)
     return params
+
+
+cdef bint flat(dict params):
+    """Whether a copy of ``params`` shares nothing mutable with it."""
+    for value in params.values():
+        if type(value) not in _SCALARS:
+            return False
+    return True
 
 
 cdef struct Buf:
@@ -256,6 +268,12 @@ cdef class EngineCore:
     cdef readonly object socket
     cdef public long long pending
     cdef void* sock
+
+    # The last sampling params decoded, when they are a map of scalars: the
+    # requests of a batch (and of a run of submissions) mostly share theirs, so
+    # the same bytes again give a copy of it without decoding them again.
+    cdef bytes last_params_bytes
+    cdef dict last_params
 
     # The message being received, and a batch's entries.
     cdef zmq_msg_t* parts
@@ -378,7 +396,7 @@ cdef class EngineCore:
                 )
             # Decoded first, so that a bad entry drops the whole batch, as the spec's parse does.
             params = [
-                params_of(
+                self._params(
                     data + self.entries[i].params_offset,
                     self.entries[i].params_size,
                     "ENGINE_SUBMIT_BATCH",
@@ -396,7 +414,7 @@ cdef class EngineCore:
                 raise ProtocolError(f"SUBMIT_REQUEST: {ck_strstatus(status).decode()}")
             if submit.length != 3 or not 2 <= self.n_parts <= 3:
                 raise ProtocolError("SUBMIT_REQUEST: bad layout")
-            sampling_params = params_of(
+            sampling_params = self._params(
                 data + submit.offset, size - submit.offset, "SUBMIT_REQUEST"
             )
             PyList_Append(events, new_request(
@@ -411,6 +429,20 @@ cdef class EngineCore:
         else:
             self._parse_rarely(header, events)
         return 0
+
+    cdef object _params(self, const uint8_t* data, size_t size, str name):
+        cdef bytes last = self.last_params_bytes
+        if (
+            last is not None
+            and <size_t>PyBytes_GET_SIZE(last) == size
+            and memcmp(PyBytes_AS_STRING(last), data, size) == 0
+        ):
+            return self.last_params.copy()
+        params = decode_params(data, size, name)
+        if type(params) is dict and len(<dict>params) and flat(params):
+            self.last_params_bytes = PyBytes_FromStringAndSize(<char*>data, size)
+            self.last_params = params.copy()
+        return params
 
     cdef int _read_entries(self, const uint8_t* data, size_t size, uint32_t* count) except? -100:
         cdef int status = ck_read_submit_batch(

@@ -114,6 +114,23 @@ def test_a_batch_is_one_request_per_entry(router, impl):
         assert repr(requests[0]) == repr(Request(10, {}, requests[0].prompt))
 
 
+def test_each_request_has_its_own_params(router, impl):
+    socket, _ = router
+    with connected(router, impl) as engine:
+        flat = {"temperature": 0.5, "max_tokens": 3, "stop": "x"}
+        nested = {"temperature": 0.5, "stop": [1, 2]}
+        entries = [(rid, flat) for rid in range(3)] + [(rid, nested) for rid in range(3, 6)]
+        socket.send_multipart([engine.identity, *batch(entries, [b"p"] * 6)])
+        socket.send_multipart([engine.identity, packb([SUBMIT, 6, flat]), b"p"])
+        events = until(engine, 7)
+        assert [e.sampling_params for e in events] == [flat] * 3 + [nested] * 3 + [flat]
+        events[0].sampling_params["temperature"] = 9.0
+        events[3].sampling_params["stop"].append(3)
+        others = events[1:3] + events[4:]
+        assert [e.sampling_params for e in others] == [flat] * 2 + [nested] * 2 + [flat]
+        assert len({id(e.sampling_params) for e in events}) == 7
+
+
 def test_large_batches_and_prompts(router, impl):
     socket, _ = router
     with connected(router, impl) as engine:
