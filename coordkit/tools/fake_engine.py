@@ -82,8 +82,9 @@ class FakeEngine(Engine):
     ``stop_event``, answers what is left as aborted, sends DISCONNECT and
     ends :meth:`run`. HEARTBEATs go out every ``heartbeat_interval`` seconds
     (default 1; None turns them off), advertising ``max_batch`` as capacity.
-    Like every Engine it asks for batched SUBMITs (ENGINE_HELLO) and takes
-    them as they come; ``implementation`` picks the Engine's core.
+    Like every Engine it asks for batched SUBMITs (ENGINE_HELLO) unless
+    ``batch`` is False, and takes them as they come; ``implementation`` picks
+    the Engine's core.
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class FakeEngine(Engine):
         heartbeat_interval: float | None = 1.0,
         identity: bytes | str | None = None,
         context: zmq.Context | None = None,
+        batch: bool = True,
         implementation: str | None = None,
     ):
         if min(output_tokens, max_batch, cache_blocks, prefix_block_size) < 1:
@@ -113,6 +115,7 @@ class FakeEngine(Engine):
             heartbeat_interval=heartbeat_interval,
             capacity=max_batch,
             context=context,
+            batch=batch,
             implementation=implementation,
         )
         self.latency = latency
