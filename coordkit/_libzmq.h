@@ -127,13 +127,4 @@ static inline int ck_getsockopt(void *s, int option, void *value, size_t *size)
     return ck_zmq.getsockopt(s, option, value, size);
 }
 
-/* The socket's ZMQ_EVENTS (ZMQ_POLLIN | ZMQ_POLLOUT bits), 0 when it cannot be read.
- * Reading it also processes the socket's pending commands, which re-arms ZMQ_FD. */
-static inline int ck_events(void *s)
-{
-    int events = 0;
-    size_t size = sizeof(events);
-    return ck_zmq.getsockopt(s, ZMQ_EVENTS, &events, &size) == 0 ? events : 0;
-}
-
 #endif

@@ -40,7 +40,6 @@ cdef extern from "_libzmq.h" nogil:
     int zmq_errno "ck_errno"()
     const char* zmq_strerror "ck_strerror"(int errnum)
     int zmq_getsockopt "ck_getsockopt"(void* socket, int option, void* value, size_t* size)
-    int zmq_events "ck_events"(void* socket)
 
 
 cdef inline int bind_libzmq() except -1:
