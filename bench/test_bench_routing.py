@@ -2,7 +2,9 @@
 
 Every request carries 32 block hashes, as a client's would; the prefix router
 starts from a warmed table in which the request's first 24 blocks are shared
-with earlier requests. Run with ``python -m pytest bench/ --benchmark-enable -q``.
+with earlier requests, and with work queued on every rank. A decision is
+``choose`` then ``release`` of what it charged. Run with
+``python -m pytest bench/ --benchmark-enable -q``.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def warmed_router(impl, policy: str, n_ranks: int):
     outstanding = []
     for _ in range(4 * n_ranks):
         tail = [rng.getrandbits(64) for _ in range(N_HASHES - SHARED)]
-        outstanding.append(router.choose(hash_frame(rng.choice(prefixes) + tail), 0.0))
+        rank = router.choose(hash_frame(rng.choice(prefixes) + tail), 0.0)
+        outstanding.append((rank, router.charged))
         if rng.random() < 0.5:
-            router.release(outstanding.pop(rng.randrange(len(outstanding))))
+            router.release(*outstanding.pop(rng.randrange(len(outstanding))))
     tail = [rng.getrandbits(64) for _ in range(N_HASHES - SHARED)]
     return router, hash_frame(prefixes[0] + tail)
 
@@ -44,7 +47,7 @@ def test_route(benchmark, impl, policy, n_ranks):
     choose, release = router.choose, router.release
 
     def decide():
-        release(choose(frame, 1.0))
+        release(choose(frame, 1.0), router.charged)
 
     benchmark.group = f"{policy} {n_ranks} ranks"
     # Fixed iterations per round: left to calibrate, pytest-benchmark may time

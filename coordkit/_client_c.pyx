@@ -90,7 +90,7 @@ import zmq
 
 from coordkit import protocol
 from coordkit._shared import check_constants
-from coordkit.protocol import ProtocolError, block_hashes, packb, unpackb
+from coordkit.protocol import ProtocolError, packb, unpackb
 
 bind_libzmq()
 check_constants(generated_constants())
@@ -435,7 +435,7 @@ cdef object hashes_of(object prompt, object block_size):
         return None
     if PyUnicode_Check(prompt) or is_bytes_like(prompt):
         raise ValueError("block hashes need a prompt of token ids")
-    return block_hashes(prompt, block_size)
+    return protocol.block_hashes(prompt, block_size)
 
 
 cdef object _SAMPLING = protocol.SUBMIT_REQUEST.metadata_fields[1]
@@ -695,11 +695,11 @@ cdef class ClientCore:
 
     # -- requests --------------------------------------------------------------------------
 
-    def submit(self, prompt, sampling_params, block_size, bint raw):
+    def submit(self, prompt, sampling_params, block_size, bint raw, block_hashes=None):
         cdef zmq_msg_t msgs[2]
         cdef Py_ssize_t n = 1
         self._check_open()
-        hashes = hashes_of(prompt, block_size)
+        hashes = hashes_of(prompt, block_size) if block_size is not None else block_hashes
         params = params_of(sampling_params)
         prompt_msg(&msgs[0], &self.scratch, prompt)
         if hashes is not None:
@@ -713,11 +713,11 @@ cdef class ClientCore:
         self._request(future, params, msgs, n, True)
         return future
 
-    def stream(self, prompt, sampling_params, block_size, bint raw):
+    def stream(self, prompt, sampling_params, block_size, bint raw, block_hashes=None):
         cdef zmq_msg_t msgs[2]
         cdef Py_ssize_t n = 1
         self._check_open()
-        hashes = hashes_of(prompt, block_size)
+        hashes = hashes_of(prompt, block_size) if block_size is not None else block_hashes
         params = params_of(sampling_params)
         prompt_msg(&msgs[0], &self.scratch, prompt)
         if hashes is not None:

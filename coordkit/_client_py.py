@@ -186,16 +186,32 @@ class ClientCore:
 
     # -- requests --------------------------------------------------------------------
 
-    def submit(self, prompt: Any, sampling_params: Any, block_size: int | None, raw: bool) -> Any:
+    def submit(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        block_size: int | None,
+        raw: bool,
+        block_hashes: Any = None,
+    ) -> Any:
         self._check_open()
-        frame, hashes = encode_prompt(prompt), _hashes(prompt, block_size)
+        frame = encode_prompt(prompt)
+        hashes = _hashes(prompt, block_size) if block_size is not None else block_hashes
         future = self._future(self.next_rid, raw)
         self._request(future, _params(sampling_params), frame, hashes)
         return future
 
-    def stream(self, prompt: Any, sampling_params: Any, block_size: int | None, raw: bool) -> Any:
+    def stream(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        block_size: int | None,
+        raw: bool,
+        block_hashes: Any = None,
+    ) -> Any:
         self._check_open()
-        frame, hashes = encode_prompt(prompt), _hashes(prompt, block_size)
+        frame = encode_prompt(prompt)
+        hashes = _hashes(prompt, block_size) if block_size is not None else block_hashes
         stream = self._stream_type(self.next_rid, raw)
         self._request(stream, _params(sampling_params), frame, hashes)
         return stream

@@ -18,6 +18,21 @@ ctypedef struct ck_submit:
 ctypedef struct ck_entry:
     int64_t rid
     bint needs_detokenize
+    bint valid  # a well-formed entry; the others were skipped, the batch read on
+
+# Megatron-Core's single-frame SUBMIT `[header, rid, prompt, sampling_params]`.
+ctypedef struct ck_single_submit:
+    int64_t header
+    int64_t rid
+    size_t prompt       # offset of the prompt; 0 until the rid was read
+    size_t params       # offset of the sampling params (the prompt ends here); they end at n
+
+# One finished request of a single-frame ENGINE_REPLY `[21, [map, ...]]`.
+ctypedef struct ck_single_entry:
+    size_t offset       # the entry's bytes are buf[offset : offset + size]
+    size_t size
+    int64_t rid         # its "request_id", valid when status == CK_OK
+    int status          # CK_OK, CK_NOT_MAP, CK_NO_REQUEST_ID or CK_BAD_REQUEST_ID
 
 ctypedef struct ck_batch_entry:  # one entry of a SUBMIT_BATCH or a REPLY_BATCH
     int64_t rid
@@ -27,21 +42,27 @@ ctypedef struct ck_batch_entry:  # one entry of a SUBMIT_BATCH or a REPLY_BATCH
 
 cdef enum ck_status:
     CK_OK = 0
-    CK_TRUNCATED = -1       # an object runs past the end of the frame
-    CK_BAD_TYPE = -2        # not the type this position needs
-    CK_TRAILING = -3        # bytes after the last object
-    CK_RANGE = -4           # an int (the header) that does not fit int64
-    CK_TOO_MANY = -5        # ck_read_reply: more entries than `capacity`
-    CK_RID_RANGE = -6       # a request id that does not fit int64
-    CK_BAD_LENGTH = -7      # an array with the wrong number of elements
-    CK_BAD_HEADER = -8      # ck_read_reply: neither ENGINE_REPLY nor ENGINE_REPLY_PARTIAL
-    CK_RESERVED = -9        # the reserved byte 0xc1
-    CK_TOO_DEEP = -10       # containers nested deeper than msgpack unpacks
+    CK_TRUNCATED = -1        # an object runs past the end of the frame
+    CK_BAD_TYPE = -2         # not the type this position needs
+    CK_TRAILING = -3         # bytes after the last object
+    CK_RANGE = -4            # an int (the header) that does not fit int64
+    CK_TOO_MANY = -5         # more entries (or hashes) than `capacity`
+    CK_RID_RANGE = -6        # a request id that does not fit int64
+    CK_BAD_LENGTH = -7       # an array with the wrong number of elements
+    CK_BAD_HEADER = -8       # a reply header: not ENGINE_REPLY (or, multipart, _PARTIAL)
+    CK_RESERVED = -9         # the reserved byte 0xc1
+    CK_TOO_DEEP = -10        # containers nested deeper than msgpack unpacks
+    CK_NOT_MAP = -11         # ck_read_single_reply, per entry: the entry is not a map
+    CK_NO_REQUEST_ID = -12   # ck_read_single_reply, per entry: no "request_id" key
+    CK_BAD_REQUEST_ID = -13  # ck_read_single_reply, per entry: "request_id" not an int64
+    CK_PROMPT_STR = -14      # ck_prompt_hashes: a str prompt, which has no token ids
+    CK_BAD_TOKEN = -15       # ck_prompt_hashes: an element not an int in [0, 2**32)
 
 cdef enum:
     CK_HEADER_MAX = 10          # bytes ck_write_header may write: [h]
     CK_HEADER_INT_MAX = 19      # bytes ck_write_header_int may write: [h, v]
     CK_SUBMIT_PREFIX_MAX = 23   # array32 header + two int64: the prefix of ck_write_submit
+    CK_SINGLE_PREFIX_MAX = 19   # fixarray + two int64: the prefix of ck_write_single_submit
     CK_INT_MAX = 9              # bytes ck_write_int or ck_write_uint may write
     CK_ARRAY_MAX = 5            # bytes ck_write_array may write
 
@@ -72,13 +93,16 @@ cdef size_t ck_write_header_int(uint8_t* out, int64_t header, int64_t value) noe
 # `[header]` into CK_HEADER_MAX bytes; returns the bytes written.
 cdef size_t ck_write_header(uint8_t* out, int64_t header) noexcept nogil
 
-# `[21, [[rid, needs_detokenize], ...]]` or `[22, [rid, ...]]`, validated whole.
-# The first `capacity` entries go to `entries` (PARTIAL entries get
-# needs_detokenize = 0). CK_TOO_MANY comes only for an otherwise valid frame;
-# with it and with CK_OK, *count is the number of entries, so the caller can
-# grow `entries` to *count and read again.
+# `[21, [[rid, needs_detokenize], ...]]` or `[22, [rid, ...]]`. The batch must
+# be readable whole (an error status otherwise); an entry of the wrong shape,
+# or whose rid does not fit int64, is skipped and marked valid = 0 (salvage:
+# the good entries of a batch are still delivered). The first `capacity`
+# entries go to `entries` (PARTIAL entries get needs_detokenize = 0).
+# CK_TOO_MANY comes only for an otherwise valid frame; with it and with CK_OK,
+# *count is the number of entries, so the caller can grow `entries` and read again.
 cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* entries,
                        uint32_t capacity, uint32_t* count) noexcept nogil
+
 
 # `[header, value]`, two int64s, validated whole (the client's replies `[21, rid]`,
 # an engine's ABORT `[23, rid]`).
@@ -103,3 +127,64 @@ cdef int ck_read_reply_batch(const uint8_t* buf, size_t n, ck_batch_entry* entri
 cdef size_t ck_write_int(uint8_t* out, int64_t v) noexcept nogil
 cdef size_t ck_write_uint(uint8_t* out, uint64_t v) noexcept nogil
 cdef size_t ck_write_array(uint8_t* out, uint32_t length) noexcept nogil
+
+# -- Megatron-Core's single-frame dialect -------------------------------------
+#
+# Nothing below decodes a prompt or a reply map: they are skipped structurally
+# (any msgpack, as deep as msgpack unpacks, str contents not checked as UTF-8)
+# and handed back as byte spans of `buf`.
+
+# `[header, rid, prompt, sampling_params]`: an array of exactly 4, int64
+# header and rid, the prompt a str or an array, the params a map, ending
+# exactly at n. On an error after the rid was read, out.prompt > 0 and
+# out.rid holds it; before, out.prompt == 0. The header is not checked.
+cdef int ck_read_single_submit(const uint8_t* buf, size_t n,
+                               ck_single_submit* out) noexcept nogil
+
+# `[21, [entry, ...]]`, each entry a map whose top-level "request_id" (a str
+# key, compared by bytes; the last one wins, as in a decoded map) is its
+# server id. The frame must be valid whole (an array of 2, header 21, an
+# array of entries each skippable, nothing trailing) or the status says why;
+# then each of the first `capacity` entries gets its span, and a status of
+# its own: CK_OK with its rid, CK_NOT_MAP, CK_NO_REQUEST_ID or
+# CK_BAD_REQUEST_ID (not an int, or a uint64 beyond int64). CK_TOO_MANY comes
+# only for an otherwise valid frame; with it and with CK_OK, *count is the
+# number of entries, so the caller can grow `entries` to *count and read again.
+cdef int ck_read_single_reply(const uint8_t* buf, size_t n, ck_single_entry* entries,
+                              uint32_t capacity, uint32_t* count) noexcept nogil
+
+# buf[0:n] is exactly one msgpack str or array (a prompt): CK_OK, or why not.
+cdef int ck_check_prompt(const uint8_t* buf, size_t n) noexcept nogil
+
+# buf[0:n] is exactly one msgpack map (sampling params, a reply body): CK_OK, or why not.
+cdef int ck_check_map(const uint8_t* buf, size_t n) noexcept nogil
+
+# The chained block hashes of a token-id prompt, exactly
+# coordkit.protocol.block_hashes(tokens, block_size): one little-endian u64
+# per full block into out (8 bytes each), *count of them. buf[0:n] must be
+# exactly one msgpack array of ints in [0, 2**32), every one checked, or
+# *count is 0 and the status says why: CK_PROMPT_STR for a str (route it by
+# load), CK_BAD_TOKEN, CK_BAD_TYPE, CK_TRUNCATED, CK_TRAILING... block_size 0
+# is CK_BAD_LENGTH.
+# When the array has more full blocks than `capacity`, CK_TOO_MANY with
+# *count = the number it has, before the tokens are read: grow and call again.
+cdef int ck_prompt_hashes(const uint8_t* buf, size_t n, size_t block_size, uint8_t* out,
+                          size_t capacity, size_t* count) noexcept nogil
+
+# Exactly the bytes ck_write_single_submit writes for these arguments.
+cdef size_t ck_single_submit_size(int64_t header, int64_t rid, size_t prompt_len,
+                                  size_t params_len) noexcept nogil
+
+# `[header, rid, <prompt bytes>, <params bytes>]` (a fixarray of 4, ints in
+# their smallest form) into `out`, which holds
+# CK_SINGLE_PREFIX_MAX + prompt_len + params_len bytes. The spans are copied
+# as they are: check them first (ck_check_prompt, ck_check_map). Returns the
+# bytes written.
+cdef size_t ck_write_single_submit(uint8_t* out, int64_t header, int64_t rid,
+                                   const uint8_t* prompt, size_t prompt_len,
+                                   const uint8_t* params, size_t params_len) noexcept nogil
+
+# The size in tokens of a prompt frame, from at most its first 5 bytes: a
+# msgpack array's length (token ids), a msgpack str's ceil(bytes / 4), and
+# otherwise ceil(n / 4) (coordkit._codec_py.prompt_tokens is the contract).
+cdef uint64_t ck_prompt_tokens(const uint8_t* buf, size_t n) noexcept nogil

@@ -11,6 +11,7 @@ Every read goes through the bounds-checked cursor of ``_cursor.h``, and every
 length read from the data is checked against the bytes left before it is used.
 """
 
+cimport cython
 from cpython.bool cimport PyBool_Check
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytes cimport (
@@ -41,7 +42,7 @@ from libc.stdint cimport (
     uint64_t,
 )
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy, memset
 
 from coordkit._constants cimport (
     HEADER_ENGINE_REPLY,
@@ -70,6 +71,18 @@ cdef extern from "_cursor.h" nogil:
     size_t ck_left(const ck_cursor* c)
     const uint8_t* ck_take(ck_cursor* c, size_t n)
 
+cdef extern from "_blake2b.h" nogil:
+    ctypedef struct ck_blake2b_state:
+        size_t outlen
+
+    enum:
+        CK_BLAKE2B_MAX_OUT
+
+    void ck_blake2b_init(ck_blake2b_state* s, size_t outlen)
+    void ck_blake2b_update(ck_blake2b_state* s, const uint8_t* data, size_t n)
+    void ck_blake2b_update_le32(ck_blake2b_state* s, uint32_t v)
+    void ck_blake2b_final(ck_blake2b_state* s, uint8_t* out)
+
 __all__ = [
     "MAX_NESTING",
     "read_header",
@@ -79,10 +92,18 @@ __all__ = [
     "read_header_int",
     "read_submit_batch",
     "read_reply_batch",
+    "prompt_tokens",
     "write_header",
     "write_header_int",
     "encode",
     "decode",
+    "read_single_submit",
+    "read_single_reply",
+    "check_prompt",
+    "check_map",
+    "prompt_hashes",
+    "write_single_submit",
+    "blake2b",
 ]
 
 cdef enum:
@@ -92,9 +113,12 @@ cdef enum:
     _SKIP_DEPTH = 1024
     # read_reply takes batches up to this size without a heap allocation.
     _LOCAL_ENTRIES = 64
+    _BYTES_PER_TOKEN = 4
 
 #: encode and decode refuse arrays nested deeper than this.
 MAX_NESTING = _MAX_NESTING
+#: prompt_tokens counts a prompt that is not token ids as this many bytes a token.
+BYTES_PER_TOKEN = _BYTES_PER_TOKEN
 
 cdef const char* ck_strstatus(int status) noexcept nogil:
     if status == CK_OK:
@@ -119,6 +143,16 @@ cdef const char* ck_strstatus(int status) noexcept nogil:
         return "reserved byte 0xc1"
     if status == CK_TOO_DEEP:
         return "nested too deep"
+    if status == CK_NOT_MAP:
+        return "reply entry is not a map"
+    if status == CK_NO_REQUEST_ID:
+        return "reply entry has no request_id"
+    if status == CK_BAD_REQUEST_ID:
+        return "request_id is not an int64"
+    if status == CK_PROMPT_STR:
+        return "the prompt is a str"
+    if status == CK_BAD_TOKEN:
+        return "a token is not an int in [0, 2**32)"
     return "unknown status"
 
 
@@ -321,9 +355,7 @@ cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* 
     c.p = buf
     c.end = buf + n
     cdef uint32_t length, i
-    cdef int64_t rid
-    cdef const uint8_t* p
-    cdef bint flag = False
+    cdef const uint8_t* start
     count[0] = 0
     cdef int status = _read_array(&c, &length)
     if status != CK_OK:
@@ -341,31 +373,47 @@ cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* 
     if length > ck_left(&c):
         return CK_TRUNCATED
     cdef bint full = header[0] == HEADER_ENGINE_REPLY
-    cdef uint32_t pair
+    cdef ck_entry entry
     for i in range(length):
-        if full:
-            status = _read_array(&c, &pair)
+        start = c.p
+        entry.valid = _read_entry(&c, full, &entry) == CK_OK
+        if not entry.valid:
+            # a well-formed object of the wrong shape: skipped, the rest still read
+            c.p = start
+            status = _skip(&c, 1)
             if status != CK_OK:
                 return status
-            if pair != 2:
-                return CK_BAD_LENGTH
-        status = _read_int(&c, &rid)
-        if status != CK_OK:
-            return CK_RID_RANGE if status == CK_RANGE else status
-        if full:
-            p = ck_take(&c, 1)
-            if p == NULL:
-                return CK_TRUNCATED
-            if p[0] != 0xc2 and p[0] != 0xc3:
-                return CK_BAD_TYPE
-            flag = p[0] == 0xc3
         if i < capacity:
-            entries[i].rid = rid
-            entries[i].needs_detokenize = flag
+            entries[i] = entry
     if c.p != c.end:
         return CK_TRAILING
     count[0] = length
     return CK_TOO_MANY if length > capacity else CK_OK
+
+
+cdef inline int _read_entry(ck_cursor* c, bint full, ck_entry* entry) noexcept nogil:
+    """One entry of a batch: ``[rid, needs_detokenize]`` (full) or ``rid``."""
+    cdef uint32_t pair
+    cdef const uint8_t* p
+    cdef int status
+    entry.needs_detokenize = False
+    if full:
+        status = _read_array(c, &pair)
+        if status != CK_OK:
+            return status
+        if pair != 2:
+            return CK_BAD_LENGTH
+    status = _read_int(c, &entry.rid)
+    if status != CK_OK:
+        return status
+    if full:
+        p = ck_take(c, 1)
+        if p == NULL:
+            return CK_TRUNCATED
+        if p[0] != 0xc2 and p[0] != 0xc3:
+            return CK_BAD_TYPE
+        entry.needs_detokenize = p[0] == 0xc3
+    return CK_OK
 
 
 cdef int ck_read_header_int(const uint8_t* buf, size_t n, int64_t* header,
@@ -492,6 +540,273 @@ cdef int ck_read_reply_batch(const uint8_t* buf, size_t n, ck_batch_entry* entri
     return CK_TOO_MANY if length > capacity else CK_OK
 
 
+# -- Megatron-Core's single frames -------------------------------------------------
+
+cdef inline bint _is_str(uint8_t b) noexcept nogil:
+    return (b & 0xe0) == 0xa0 or b == 0xd9 or b == 0xda or b == 0xdb
+
+
+cdef inline bint _is_array(uint8_t b) noexcept nogil:
+    return (b & 0xf0) == 0x90 or b == 0xdc or b == 0xdd
+
+
+cdef inline bint _is_map(uint8_t b) noexcept nogil:
+    return (b & 0xf0) == 0x80 or b == 0xde or b == 0xdf
+
+
+cdef enum _Kind:
+    _PROMPT     # a str or an array
+    _MAP
+
+
+cdef inline int _skip_one(ck_cursor* c, _Kind kind) noexcept nogil:
+    """Skip one object of `kind`; CK_BAD_TYPE, the cursor unmoved, for another type."""
+    if ck_left(c) == 0:
+        return CK_TRUNCATED
+    cdef uint8_t b = c.p[0]
+    if not (_is_map(b) if kind == _MAP else _is_str(b) or _is_array(b)):
+        return CK_BAD_TYPE
+    return _skip(c, 1)
+
+
+cdef int ck_read_single_submit(const uint8_t* buf, size_t n,
+                               ck_single_submit* out) noexcept nogil:
+    cdef ck_cursor c
+    c.p = buf
+    c.end = buf + n
+    cdef uint32_t length
+    out.prompt = 0
+    out.params = 0
+    cdef int status = _read_array(&c, &length)
+    if status != CK_OK:
+        return status
+    if length != 4:
+        return CK_BAD_LENGTH
+    status = _read_int(&c, &out.header)
+    if status != CK_OK:
+        return status
+    status = _read_int(&c, &out.rid)
+    if status != CK_OK:
+        return CK_RID_RANGE if status == CK_RANGE else status
+    out.prompt = <size_t>(c.p - buf)
+    status = _skip_one(&c, _PROMPT)
+    if status != CK_OK:
+        return status
+    out.params = <size_t>(c.p - buf)
+    status = _skip_one(&c, _MAP)
+    if status != CK_OK:
+        return status
+    if c.p != c.end:
+        return CK_TRAILING
+    return CK_OK
+
+
+# "request_id" as a msgpack str, in each of its four forms (the header bytes).
+cdef inline size_t _request_id_key(const ck_cursor* c) noexcept nogil:
+    """The size of the str key at c.p when it is "request_id", else 0; c is not moved."""
+    cdef size_t left = ck_left(c)
+    cdef const uint8_t* p = c.p
+    cdef size_t head
+    if left < 11:
+        return 0
+    if p[0] == 0xaa:
+        head = 1
+    elif p[0] == 0xd9 and p[1] == 10:
+        head = 2
+    elif p[0] == 0xda and p[1] == 0 and p[2] == 10:
+        head = 3
+    elif p[0] == 0xdb and p[1] == 0 and p[2] == 0 and p[3] == 0 and p[4] == 10:
+        head = 5
+    else:
+        return 0
+    if left < head + 10 or memcmp(p + head, b"request_id", 10) != 0:
+        return 0
+    return head + 10
+
+
+cdef int _read_single_entry(ck_cursor* c, int64_t* rid, int* entry_status) noexcept nogil:
+    """Skip one reply entry, finding the "request_id" of a map among its top-level
+    keys; the frame's status (only structure fails it), and the entry's in *entry_status."""
+    cdef const uint8_t* p
+    cdef uint64_t pairs, _i
+    cdef size_t key
+    cdef ck_cursor value
+    cdef int status
+    if ck_left(c) == 0:
+        return CK_TRUNCATED
+    cdef uint8_t b = c.p[0]
+    if not _is_map(b):
+        entry_status[0] = CK_NOT_MAP
+        return _skip(c, 1)
+    c.p += 1
+    if b == 0xde or b == 0xdf:
+        p = ck_take(c, 2 if b == 0xde else 4)
+        if p == NULL:
+            return CK_TRUNCATED
+        pairs = ck_load_be16(p) if b == 0xde else ck_load_be32(p)
+    else:
+        pairs = b & 0x0f
+    if 2 * pairs > ck_left(c):
+        return CK_TRUNCATED
+    entry_status[0] = CK_NO_REQUEST_ID
+    for _i in range(pairs):
+        key = _request_id_key(c)
+        if key == 0:
+            status = _skip(c, 2)
+        else:
+            c.p += key
+            value = c[0]
+            # the last "request_id" wins, as in the map msgpack decodes
+            if _read_int(&value, rid) == CK_OK:
+                entry_status[0] = CK_OK
+            else:
+                entry_status[0] = CK_BAD_REQUEST_ID
+            status = _skip(c, 1)
+        if status != CK_OK:
+            return status
+    return CK_OK
+
+
+cdef int ck_read_single_reply(const uint8_t* buf, size_t n, ck_single_entry* entries,
+                              uint32_t capacity, uint32_t* count) noexcept nogil:
+    cdef ck_cursor c
+    c.p = buf
+    c.end = buf + n
+    cdef uint32_t length, i
+    cdef int64_t header, rid
+    cdef int entry_status
+    cdef const uint8_t* start
+    count[0] = 0
+    cdef int status = _read_array(&c, &length)
+    if status != CK_OK:
+        return status
+    if length != 2:
+        return CK_BAD_LENGTH
+    status = _read_int(&c, &header)
+    if status != CK_OK:
+        return status
+    if header != HEADER_ENGINE_REPLY:
+        return CK_BAD_HEADER
+    status = _read_array(&c, &length)
+    if status != CK_OK:
+        return status
+    if length > ck_left(&c):
+        return CK_TRUNCATED
+    for i in range(length):
+        start = c.p
+        rid = 0
+        status = _read_single_entry(&c, &rid, &entry_status)
+        if status != CK_OK:
+            return status
+        if i < capacity:
+            entries[i].offset = <size_t>(start - buf)
+            entries[i].size = <size_t>(c.p - start)
+            entries[i].rid = rid if entry_status == CK_OK else 0
+            entries[i].status = entry_status
+    if c.p != c.end:
+        return CK_TRAILING
+    count[0] = length
+    return CK_TOO_MANY if length > capacity else CK_OK
+
+
+cdef inline int _check_whole(const uint8_t* buf, size_t n, _Kind kind) noexcept nogil:
+    cdef ck_cursor c
+    c.p = buf
+    c.end = buf + n
+    cdef int status = _skip_one(&c, kind)
+    if status != CK_OK:
+        return status
+    return CK_OK if c.p == c.end else CK_TRAILING
+
+
+cdef int ck_check_prompt(const uint8_t* buf, size_t n) noexcept nogil:
+    return _check_whole(buf, n, _PROMPT)
+
+
+cdef int ck_check_map(const uint8_t* buf, size_t n) noexcept nogil:
+    return _check_whole(buf, n, _MAP)
+
+
+@cython.cdivision(True)
+cdef int ck_prompt_hashes(const uint8_t* buf, size_t n, size_t block_size, uint8_t* out,
+                          size_t capacity, size_t* count) noexcept nogil:
+    cdef ck_cursor c
+    c.p = buf
+    c.end = buf + n
+    cdef uint32_t length, _i
+    cdef size_t full          # the full blocks: one hash each
+    cdef size_t in_block = 0  # tokens of the block being hashed
+    cdef size_t blocks = 0    # hashes written
+    cdef int64_t token
+    cdef ck_blake2b_state state
+    cdef uint8_t zero[8]
+    count[0] = 0
+    if block_size == 0:
+        return CK_BAD_LENGTH
+    if ck_left(&c) == 0:
+        return CK_TRUNCATED
+    if _is_str(c.p[0]):
+        return CK_PROMPT_STR
+    cdef int status = _read_array(&c, &length)
+    if status != CK_OK:
+        return status
+    if length > ck_left(&c):
+        return CK_TRUNCATED
+    full = length / block_size
+    if full > capacity:
+        count[0] = full
+        return CK_TOO_MANY
+    for _i in range(length):
+        if in_block == 0 and blocks < full:
+            # a full block starts: h[i] = blake2b(h[i-1] LE ‖ tokens as u32 LE), h[-1] = 0
+            ck_blake2b_init(&state, 8)
+            if blocks == 0:
+                memset(zero, 0, 8)
+                ck_blake2b_update(&state, zero, 8)
+            else:
+                ck_blake2b_update(&state, out + 8 * (blocks - 1), 8)
+        status = _read_int(&c, &token)
+        if status == CK_TRUNCATED:
+            return status
+        if status != CK_OK or token < 0 or token > <int64_t>UINT32_MAX:
+            return CK_BAD_TOKEN
+        if blocks < full:
+            ck_blake2b_update_le32(&state, <uint32_t>token)
+            in_block += 1
+            if in_block == block_size:
+                ck_blake2b_final(&state, out + 8 * blocks)
+                blocks += 1
+                in_block = 0
+    if c.p != c.end:
+        return CK_TRAILING
+    count[0] = blocks
+    return CK_OK
+
+cdef inline uint64_t _ceil_tokens(uint64_t n_bytes) noexcept nogil:
+    return n_bytes // _BYTES_PER_TOKEN + (n_bytes % _BYTES_PER_TOKEN != 0)
+
+
+cdef uint64_t ck_prompt_tokens(const uint8_t* buf, size_t n) noexcept nogil:
+    cdef uint8_t b
+    if n:
+        b = buf[0]
+        if (b & 0xf0) == 0x90:
+            return b & 0x0f
+        if b == 0xdc and n >= 3:
+            return ck_load_be16(buf + 1)
+        if b == 0xdd and n >= 5:
+            return ck_load_be32(buf + 1)
+        if (b & 0xe0) == 0xa0:
+            return _ceil_tokens(b & 0x1f)
+        if b == 0xd9 and n >= 2:
+            return _ceil_tokens(buf[1])
+        if b == 0xda and n >= 3:
+            return _ceil_tokens(ck_load_be16(buf + 1))
+        if b == 0xdb and n >= 5:
+            return _ceil_tokens(ck_load_be32(buf + 1))
+    return _ceil_tokens(n)
+
+
 # -- writing -----------------------------------------------------------------
 
 cdef inline size_t _write_int(uint8_t* out, int64_t v) noexcept nogil:
@@ -576,6 +891,27 @@ cdef size_t ck_write_header_int(uint8_t* out, int64_t header, int64_t value) noe
 cdef size_t ck_write_header(uint8_t* out, int64_t header) noexcept nogil:
     out[0] = 0x91
     return 1 + _write_int(out + 1, header)
+
+
+cdef inline size_t _write_single_prefix(uint8_t* out, int64_t header, int64_t rid) noexcept nogil:
+    out[0] = 0x94
+    cdef size_t n = 1 + _write_int(out + 1, header)
+    return n + _write_int(out + n, rid)
+
+
+cdef size_t ck_single_submit_size(int64_t header, int64_t rid, size_t prompt_len,
+                                  size_t params_len) noexcept nogil:
+    cdef uint8_t scratch[CK_SINGLE_PREFIX_MAX]
+    return _write_single_prefix(scratch, header, rid) + prompt_len + params_len
+
+
+cdef size_t ck_write_single_submit(uint8_t* out, int64_t header, int64_t rid,
+                                   const uint8_t* prompt, size_t prompt_len,
+                                   const uint8_t* params, size_t params_len) noexcept nogil:
+    cdef size_t n = _write_single_prefix(out, header, rid)
+    memcpy(out + n, prompt, prompt_len)
+    memcpy(out + n + prompt_len, params, params_len)
+    return n + prompt_len + params_len
 
 
 cdef size_t ck_write_int(uint8_t* out, int64_t v) noexcept nogil:
@@ -673,11 +1009,13 @@ def rewrite_submit(frame, rid) -> bytes:
     return out
 
 
-def read_reply(frame) -> tuple[int, list[tuple[int, bool]]]:
-    """``(header, [(rid, needs_detokenize), ...])`` of an engine's batch.
+def read_reply(frame) -> tuple[int, list[tuple[int, bool] | None]]:
+    """``(header, entries)`` of an engine's batch, one entry per body frame.
 
     ``[21, [[rid, needs_detokenize], ...]]`` or ``[22, [rid, ...]]``, whose
-    entries come back as ``(rid, False)``.
+    entries come back as ``(rid, False)``. An entry that is well-formed
+    msgpack but not of that shape (or whose rid does not fit int64) comes
+    back as ``None``; ProtocolError only when the batch itself cannot be read.
     """
     cdef Py_buffer view
     cdef ck_entry local[_LOCAL_ENTRIES]
@@ -697,10 +1035,29 @@ def read_reply(frame) -> tuple[int, list[tuple[int, bool]]]:
     try:
         if status != CK_OK:
             raise _error("malformed engine reply", status)
-        return header, [(entries[i].rid, entries[i].needs_detokenize) for i in range(count)]
+        return header, [
+            (entries[i].rid, entries[i].needs_detokenize) if entries[i].valid else None
+            for i in range(count)
+        ]
     finally:
         if entries != local:
             free(entries)
+
+
+def prompt_tokens(frame) -> int:
+    """The size in tokens of a prompt frame, from at most its first 5 bytes.
+
+    A msgpack array (token ids) counts its length, its elements unread; a
+    msgpack str ``ceil(its UTF-8 bytes / BYTES_PER_TOKEN)``, its declared
+    length; anything else (bin, another type, bytes that are not msgpack, a
+    header cut short, an empty frame) ``ceil(the frame's bytes /
+    BYTES_PER_TOKEN)``. Never raises.
+    """
+    cdef Py_buffer view
+    _acquire(frame, &view)
+    cdef uint64_t tokens = ck_prompt_tokens(<const uint8_t*>view.buf, view.len)
+    PyBuffer_Release(&view)
+    return tokens
 
 
 def read_header_int(frame) -> tuple[int, int]:
@@ -781,6 +1138,164 @@ def write_header_int(header, value) -> bytes:
     cdef uint8_t out[CK_HEADER_INT_MAX]
     cdef size_t n = ck_write_header_int(out, _int64_arg(header), _int64_arg(value))
     return PyBytes_FromStringAndSize(<char*>out, n)
+
+
+# -- the Python API: Megatron-Core's single frames -----------------------------
+
+def read_single_submit(frame) -> tuple[int, int, int, int]:
+    """``(header, rid, prompt, params)`` of a single-frame SUBMIT
+    ``[header, rid, prompt, sampling_params]``, validated whole.
+
+    ``frame[prompt:params]`` is the prompt (a msgpack str or array) and
+    ``frame[params:]`` the sampling params (a map), both checked for structure
+    only. A fault after the rid raises ProtocolError with ``rid`` set.
+    """
+    cdef Py_buffer view
+    cdef ck_single_submit s
+    _acquire(frame, &view)
+    cdef int status = ck_read_single_submit(<const uint8_t*>view.buf, view.len, &s)
+    PyBuffer_Release(&view)
+    if status != CK_OK:
+        raise _error("malformed metadata frame", status, s.rid if s.prompt else None)
+    return s.header, s.rid, s.prompt, s.params
+
+
+def read_single_reply(frame) -> list[tuple[int, int, int | None, str | None]]:
+    """The entries of a single-frame ENGINE_REPLY ``[21, [map, ...]]``.
+
+    One ``(start, end, rid, error)`` per entry: ``frame[start:end]`` is its
+    bytes, ``rid`` its top-level ``"request_id"``, or None with ``error``
+    saying why (not a map, no request_id, a request_id that is not an int64).
+    A frame that is not valid as a whole raises ProtocolError.
+    """
+    cdef Py_buffer view
+    cdef ck_single_entry local[_LOCAL_ENTRIES]
+    cdef ck_single_entry* entries = local
+    cdef uint32_t count, i
+    _acquire(frame, &view)
+    cdef const uint8_t* buf = <const uint8_t*>view.buf
+    cdef int status = ck_read_single_reply(buf, view.len, local, _LOCAL_ENTRIES, &count)
+    if status == CK_TOO_MANY:
+        entries = <ck_single_entry*>malloc(count * sizeof(ck_single_entry))
+        if entries == NULL:
+            PyBuffer_Release(&view)
+            raise MemoryError()
+        status = ck_read_single_reply(buf, view.len, entries, count, &count)
+    PyBuffer_Release(&view)
+    try:
+        if status != CK_OK:
+            raise _error("malformed engine reply", status)
+        return [
+            (
+                entries[i].offset,
+                entries[i].offset + entries[i].size,
+                entries[i].rid if entries[i].status == CK_OK else None,
+                None if entries[i].status == CK_OK else ck_strstatus(entries[i].status).decode(),
+            )
+            for i in range(count)
+        ]
+    finally:
+        if entries != local:
+            free(entries)
+
+
+def check_prompt(frame) -> None:
+    """ProtocolError unless ``frame`` is exactly one msgpack str or array (a prompt)."""
+    cdef Py_buffer view
+    _acquire(frame, &view)
+    cdef int status = ck_check_prompt(<const uint8_t*>view.buf, view.len)
+    PyBuffer_Release(&view)
+    if status != CK_OK:
+        raise _error("malformed prompt", status)
+
+
+def check_map(frame) -> None:
+    """ProtocolError unless ``frame`` is exactly one msgpack map (sampling params, a reply)."""
+    cdef Py_buffer view
+    _acquire(frame, &view)
+    cdef int status = ck_check_map(<const uint8_t*>view.buf, view.len)
+    PyBuffer_Release(&view)
+    if status != CK_OK:
+        raise _error("malformed map", status)
+
+
+cdef inline size_t _block_size_arg(object value) except 0:
+    if not PyLong_Check(value) or PyBool_Check(value):
+        raise TypeError(f"expected an int, got {type(value).__name__}")
+    if not 1 <= value <= UINT32_MAX:
+        raise ValueError(f"block_size must be in 1..2**32-1, not {value}")
+    return <size_t>value
+
+
+def prompt_hashes(prompt, block_size) -> bytes:
+    """``protocol.block_hashes(tokens, block_size)`` of a prompt that is a msgpack
+    array of ints in [0, 2**32), read in place; ProtocolError for any other prompt
+    (a str prompt among them: it has no token ids)."""
+    cdef size_t size = _block_size_arg(block_size)
+    cdef Py_buffer view
+    cdef size_t count
+    cdef bytes out = b""
+    _acquire(prompt, &view)
+    cdef const uint8_t* buf = <const uint8_t*>view.buf
+    # capacity 0 first: CK_TOO_MANY says how many hashes to make room for
+    cdef int status = ck_prompt_hashes(buf, view.len, size, NULL, 0, &count)
+    try:
+        if status == CK_TOO_MANY:
+            out = PyBytes_FromStringAndSize(NULL, 8 * count)
+            status = ck_prompt_hashes(
+                buf, view.len, size, <uint8_t*>PyBytes_AS_STRING(out), count, &count
+            )
+    finally:
+        PyBuffer_Release(&view)
+    if status != CK_OK:
+        raise _error("no block hashes", status)
+    return out
+
+
+def write_single_submit(header, rid, prompt, params) -> bytes:
+    """``[header, rid, <prompt>, <params>]``: the two byte strings spliced in as
+    they are (so ``msgpack.packb([header, rid, p, s])`` when they are ``packb(p)``
+    and ``packb(s)``)."""
+    cdef int64_t h = _int64_arg(header)
+    cdef int64_t r = _int64_arg(rid)
+    cdef Py_buffer pv, sv
+    _acquire(prompt, &pv)
+    try:
+        _acquire(params, &sv)
+    except BaseException:
+        PyBuffer_Release(&pv)
+        raise
+    try:
+        out = PyBytes_FromStringAndSize(NULL, ck_single_submit_size(h, r, pv.len, sv.len))
+        ck_write_single_submit(
+            <uint8_t*>PyBytes_AS_STRING(out),
+            h,
+            r,
+            <const uint8_t*>pv.buf,
+            pv.len,
+            <const uint8_t*>sv.buf,
+            sv.len,
+        )
+    finally:
+        PyBuffer_Release(&pv)
+        PyBuffer_Release(&sv)
+    return out
+
+
+def blake2b(data, digest_size=8) -> bytes:
+    """``hashlib.blake2b(data, digest_size=digest_size).digest()``, by ``_blake2b.h``
+    (the block hashes' BLAKE2b, exposed so that it can be tested on its own)."""
+    if not 1 <= digest_size <= CK_BLAKE2B_MAX_OUT:
+        raise ValueError(f"digest_size must be in 1..{CK_BLAKE2B_MAX_OUT}")
+    cdef ck_blake2b_state state
+    cdef uint8_t digest[CK_BLAKE2B_MAX_OUT]
+    cdef Py_buffer view
+    _acquire(data, &view)
+    ck_blake2b_init(&state, digest_size)
+    ck_blake2b_update(&state, <const uint8_t*>view.buf, view.len)
+    PyBuffer_Release(&view)
+    ck_blake2b_final(&state, digest)
+    return PyBytes_FromStringAndSize(<char*>digest, digest_size)
 
 
 # -- encode and decode: None, bool, int and arrays of them --------------------

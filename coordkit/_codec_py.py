@@ -4,16 +4,19 @@ Same functions, byte-identical results, :class:`ProtocolError` for the same
 inputs. It reads metadata frames with ``msgpack.Unpacker`` and ``skip()``, so
 the part of a SUBMIT it does not need (sampling_params, kv_meta) is checked
 for structure only and never built into objects, just as the C twin does.
+Megatron-Core's single frames are read the same way: a prompt or a reply map
+is skipped, never decoded, and handed back as a byte span.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
-from .protocol import Buffer, Header, ProtocolError
+from .protocol import Buffer, Frame, Header, ProtocolError, block_hashes
 
 __all__ = [
     "MAX_NESTING",
@@ -24,14 +27,24 @@ __all__ = [
     "read_header_int",
     "read_submit_batch",
     "read_reply_batch",
+    "prompt_tokens",
     "write_header",
     "write_header_int",
     "encode",
     "decode",
+    "read_single_submit",
+    "read_single_reply",
+    "check_prompt",
+    "check_map",
+    "prompt_hashes",
+    "write_single_submit",
+    "blake2b",
 ]
 
 #: encode and decode refuse arrays nested deeper than this.
 MAX_NESTING = 512
+#: prompt_tokens counts a prompt that is not token ids as this many bytes a token.
+BYTES_PER_TOKEN = 4
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -76,17 +89,19 @@ def _int(what: str, value: Any, out_of_range: str = "int out of int64 range") ->
     return value
 
 
-def _start(frame: bytes, min_length: int) -> tuple[msgpack.Unpacker, int, int]:
+def _start(
+    frame: bytes, min_length: int, what: str = _METADATA
+) -> tuple[msgpack.Unpacker, int, int]:
     """An unpacker just past the header int, the array length and the header."""
     if not frame:
-        raise ProtocolError(f"{_METADATA}: truncated")
+        raise ProtocolError(f"{what}: truncated")
     # sized to the frame: the default would allocate 1 MiB per call
     unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=len(frame))
     unpacker.feed(frame)
-    length = _unpack(_METADATA, unpacker.read_array_header)
+    length = _unpack(what, unpacker.read_array_header)
     if length < min_length:
-        raise ProtocolError(f"{_METADATA}: array of the wrong length")
-    header = _int(_METADATA, _unpack(_METADATA, unpacker.unpack))
+        raise ProtocolError(f"{what}: array of the wrong length")
+    header = _int(what, _unpack(what, unpacker.unpack))
     return unpacker, length, header
 
 
@@ -125,29 +140,81 @@ def rewrite_submit(frame: Buffer, rid: int) -> bytes:
     return prefix + data[offset:]
 
 
-def read_reply(frame: Buffer) -> tuple[int, list[tuple[int, bool]]]:
-    """``(header, [(rid, needs_detokenize), ...])`` of an engine's batch.
+def read_reply(frame: Buffer) -> tuple[int, list[tuple[int, bool] | None]]:
+    """``(header, entries)`` of an engine's batch, one entry per body frame.
 
     ``[21, [[rid, needs_detokenize], ...]]`` or ``[22, [rid, ...]]``, whose
-    entries come back as ``(rid, False)``.
+    entries come back as ``(rid, False)``. An entry that is well-formed
+    msgpack but not of that shape (or whose rid does not fit int64) comes
+    back as ``None``; ProtocolError only when the batch itself cannot be read.
     """
     data = _as_bytes(frame)
-    metadata = _unpack(_REPLY, lambda: msgpack.unpackb(data, raw=True, strict_map_key=False))
-    if type(metadata) is not list or len(metadata) != 2:
-        raise ProtocolError(f"{_REPLY}: not an array of two")
-    header, batch = metadata
-    if _int(_REPLY, header) not in (Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL):
+    unpacker, length, header = _start(data, 2, _REPLY)
+    if length != 2:
+        raise ProtocolError(f"{_REPLY}: array of the wrong length")
+    if header not in (Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL):
         raise ProtocolError(f"{_REPLY}: not an engine reply header")
-    if type(batch) is not list:
-        raise ProtocolError(f"{_REPLY}: the batch is not an array")
-    if header == Header.ENGINE_REPLY_PARTIAL:
-        return header, [(_int(_REPLY, rid, "request id out of range"), False) for rid in batch]
+    count = _unpack(_REPLY, unpacker.read_array_header)
+    if count > len(data) - unpacker.tell():
+        raise ProtocolError(f"{_REPLY}: truncated")
     entries = []
-    for entry in batch:
-        if type(entry) is not list or len(entry) != 2 or type(entry[1]) is not bool:
-            raise ProtocolError(f"{_REPLY}: an entry is not [rid, needs_detokenize]")
-        entries.append((_int(_REPLY, entry[0], "request id out of range"), entry[1]))
+    for _ in range(count):
+        start = unpacker.tell()
+        _unpack(_REPLY, unpacker.skip)
+        entries.append(_entry(data[start : unpacker.tell()], header == Header.ENGINE_REPLY))
+    if unpacker.tell() != len(data):
+        raise ProtocolError(f"{_REPLY}: trailing bytes")
     return header, entries
+
+
+def _entry(data: bytes, full: bool) -> tuple[int, bool] | None:
+    """One skipped entry of a batch, if it is ``[rid, flag]`` (full) or ``rid``."""
+    try:
+        entry = msgpack.unpackb(data, raw=True, strict_map_key=False)
+    except Exception:  # well-formed, but not something an entry can be
+        return None
+    if full:
+        if type(entry) is not list or len(entry) != 2 or type(entry[1]) is not bool:
+            return None
+        rid, flag = entry
+    else:
+        rid, flag = entry, False
+    if type(rid) is not int or not _INT64_MIN <= rid <= _INT64_MAX:
+        return None
+    return rid, flag
+
+
+def prompt_tokens(frame: Frame) -> int:
+    """The size in tokens of a prompt frame, from at most its first 5 bytes.
+
+    A msgpack array (token ids) counts its length, its elements unread; a
+    msgpack str ``ceil(its UTF-8 bytes / BYTES_PER_TOKEN)``, its declared
+    length; anything else (bin, another type, bytes that are not msgpack, a
+    header cut short, an empty frame) ``ceil(the frame's bytes /
+    BYTES_PER_TOKEN)``. Never raises.
+    """
+    view = memoryview(cast(Buffer, frame)).cast("B")  # a zmq.Frame exports its buffer too
+    n = len(view)
+    if n:
+        b = view[0]
+        if 0x90 <= b <= 0x9F:
+            return b & 0x0F
+        if b == 0xDC and n >= 3:
+            return view[1] << 8 | view[2]
+        if b == 0xDD and n >= 5:
+            return int.from_bytes(view[1:5], "big")
+        text = -1
+        if 0xA0 <= b <= 0xBF:
+            text = b & 0x1F
+        elif b == 0xD9 and n >= 2:
+            text = view[1]
+        elif b == 0xDA and n >= 3:
+            text = view[1] << 8 | view[2]
+        elif b == 0xDB and n >= 5:
+            text = int.from_bytes(view[1:5], "big")
+        if text >= 0:
+            return -(-text // BYTES_PER_TOKEN)
+    return -(-n // BYTES_PER_TOKEN)
 
 
 def read_header_int(frame: Buffer) -> tuple[int, int]:
@@ -266,3 +333,247 @@ def decode(frame: Buffer) -> Any:
     obj = _unpack("decode", lambda: msgpack.unpackb(data))
     _check_supported("decode", obj)
     return obj
+
+
+# -- Megatron-Core's single frames ---------------------------------------------------
+
+# The texts of the C twin's ck_strstatus, for the same faults.
+_TRUNCATED = "truncated"
+_BAD_TYPE = "unexpected type"
+_NOT_MAP = "reply entry is not a map"
+_NO_REQUEST_ID = "reply entry has no request_id"
+_BAD_REQUEST_ID = "request_id is not an int64"
+_PROMPT_STR = "the prompt is a str"
+_BAD_TOKEN = "a token is not an int in [0, 2**32)"
+_UINT32_MAX = (1 << 32) - 1
+
+# "request_id" as a msgpack str, in each of its four forms.
+_REQUEST_ID_KEYS = tuple(
+    head + b"request_id"
+    for head in (b"\xaa", b"\xd9\x0a", b"\xda\x00\x0a", b"\xdb\x00\x00\x00\x0a")
+)
+
+
+def _is_str(b: int) -> bool:
+    return b & 0xE0 == 0xA0 or b in (0xD9, 0xDA, 0xDB)
+
+
+def _is_array(b: int) -> bool:
+    return b & 0xF0 == 0x90 or b in (0xDC, 0xDD)
+
+
+def _is_map(b: int) -> bool:
+    return b & 0xF0 == 0x80 or b in (0xDE, 0xDF)
+
+
+def _is_int(b: int) -> bool:
+    return b < 0x80 or b >= 0xE0 or 0xCC <= b <= 0xD3
+
+
+def _is_prompt(b: int) -> bool:
+    return _is_str(b) or _is_array(b)
+
+
+def _unpacker(data: bytes) -> msgpack.Unpacker:
+    # sized to the frame: the default would allocate 1 MiB per call
+    unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    return unpacker
+
+
+def _array_length(what: str, data: bytes, unpacker: msgpack.Unpacker) -> int:
+    at = unpacker.tell()
+    if at < len(data) and not _is_array(data[at]):
+        raise ProtocolError(f"{what}: {_BAD_TYPE}")
+    return int(_unpack(what, unpacker.read_array_header))
+
+
+def _count(what: str, data: bytes, unpacker: msgpack.Unpacker, kind: Callable[[int], bool]) -> int:
+    """The element count of the array (or map: twice its pairs) that ``kind``
+    says comes next, refused as truncated when its elements, a byte each at
+    least, cannot fit in what is left: the checks of the C twin, in its order."""
+    at = unpacker.tell()
+    if at >= len(data):
+        raise ProtocolError(f"{what}: {_TRUNCATED}")
+    if not kind(data[at]):
+        raise ProtocolError(f"{what}: {_BAD_TYPE}")
+    if kind is _is_map:
+        count = 2 * _unpack(what, unpacker.read_map_header)
+    else:
+        count = _unpack(what, unpacker.read_array_header)
+    if count > len(data) - unpacker.tell():
+        raise ProtocolError(f"{what}: {_TRUNCATED}")
+    return count
+
+
+def _skip_one(
+    what: str, data: bytes, unpacker: msgpack.Unpacker, kind: Callable[[int], bool], rid: Any
+) -> None:
+    """Skip one object whose first byte ``kind`` accepts."""
+    at = unpacker.tell()
+    if at >= len(data):
+        raise ProtocolError(f"{what}: {_TRUNCATED}", rid)
+    if not kind(data[at]):
+        raise ProtocolError(f"{what}: {_BAD_TYPE}", rid)
+    _unpack(what, unpacker.skip, rid)
+
+
+def read_single_submit(frame: Buffer) -> tuple[int, int, int, int]:
+    """``(header, rid, prompt, params)`` of a single-frame SUBMIT
+    ``[header, rid, prompt, sampling_params]``, validated whole.
+
+    ``frame[prompt:params]`` is the prompt (a msgpack str or array) and
+    ``frame[params:]`` the sampling params (a map), both checked for structure
+    only. A fault after the rid raises ProtocolError with ``rid`` set.
+    """
+    data = _as_bytes(frame)
+    if not data:
+        raise ProtocolError(f"{_METADATA}: {_TRUNCATED}")
+    unpacker = _unpacker(data)
+    if _array_length(_METADATA, data, unpacker) != 4:
+        raise ProtocolError(f"{_METADATA}: array of the wrong length")
+    header = _int(_METADATA, _unpack(_METADATA, unpacker.unpack))
+    rid = _int(_METADATA, _unpack(_METADATA, unpacker.unpack), "request id out of range")
+    prompt = unpacker.tell()
+    _skip_one(_METADATA, data, unpacker, _is_prompt, rid)
+    params = unpacker.tell()
+    _skip_one(_METADATA, data, unpacker, _is_map, rid)
+    if unpacker.tell() != len(data):
+        raise ProtocolError(f"{_METADATA}: trailing bytes", rid)
+    return header, rid, prompt, params
+
+
+def _read_entry(data: bytes, unpacker: msgpack.Unpacker) -> tuple[int | None, str | None]:
+    """Skip one reply entry; ``(rid, None)`` for a map with an int64 "request_id"
+    among its top-level keys (the last one wins), else ``(None, why)``."""
+    at = unpacker.tell()
+    if at >= len(data):
+        raise ProtocolError(f"{_REPLY}: {_TRUNCATED}")
+    if not _is_map(data[at]):
+        _unpack(_REPLY, unpacker.skip)
+        return None, _NOT_MAP
+    rid: int | None = None
+    error: str | None = _NO_REQUEST_ID
+    for _ in range(_count(_REPLY, data, unpacker, _is_map) // 2):
+        at = unpacker.tell()
+        is_request_id = data.startswith(_REQUEST_ID_KEYS, at)
+        _unpack(_REPLY, unpacker.skip)  # the key
+        at = unpacker.tell()
+        if not is_request_id:
+            _unpack(_REPLY, unpacker.skip)
+            continue
+        if at < len(data) and _is_int(data[at]):
+            value = _unpack(_REPLY, unpacker.unpack)
+            if _INT64_MIN <= value <= _INT64_MAX:
+                rid, error = value, None
+                continue
+        else:
+            _unpack(_REPLY, unpacker.skip)
+        rid, error = None, _BAD_REQUEST_ID
+    return rid, error
+
+
+def read_single_reply(frame: Buffer) -> list[tuple[int, int, int | None, str | None]]:
+    """The entries of a single-frame ENGINE_REPLY ``[21, [map, ...]]``.
+
+    One ``(start, end, rid, error)`` per entry: ``frame[start:end]`` is its
+    bytes, ``rid`` its top-level ``"request_id"``, or None with ``error``
+    saying why (not a map, no request_id, a request_id that is not an int64).
+    A frame that is not valid as a whole raises ProtocolError.
+    """
+    data = _as_bytes(frame)
+    if not data:
+        raise ProtocolError(f"{_REPLY}: {_TRUNCATED}")
+    unpacker = _unpacker(data)
+    if _array_length(_REPLY, data, unpacker) != 2:
+        raise ProtocolError(f"{_REPLY}: array of the wrong length")
+    if _int(_REPLY, _unpack(_REPLY, unpacker.unpack)) != Header.ENGINE_REPLY:
+        raise ProtocolError(f"{_REPLY}: not an engine reply header")
+    entries = []
+    for _ in range(_count(_REPLY, data, unpacker, _is_array)):
+        start = unpacker.tell()
+        rid, error = _read_entry(data, unpacker)
+        entries.append((start, unpacker.tell(), rid, error))
+    if unpacker.tell() != len(data):
+        raise ProtocolError(f"{_REPLY}: trailing bytes")
+    return entries
+
+
+def _check_whole(what: str, frame: Buffer, kind: Callable[[int], bool]) -> None:
+    data = _as_bytes(frame)
+    unpacker = _unpacker(data)
+    _skip_one(what, data, unpacker, kind, None)
+    if unpacker.tell() != len(data):
+        raise ProtocolError(f"{what}: trailing bytes")
+
+
+def check_prompt(frame: Buffer) -> None:
+    """ProtocolError unless ``frame`` is exactly one msgpack str or array (a prompt)."""
+    _check_whole("malformed prompt", frame, _is_prompt)
+
+
+def check_map(frame: Buffer) -> None:
+    """ProtocolError unless ``frame`` is exactly one msgpack map (sampling params, a reply)."""
+    _check_whole("malformed map", frame, _is_map)
+
+
+def _tokens(data: bytes) -> list[int]:
+    """The prompt's token ids, or ProtocolError saying why it has none, as the C twin would."""
+    what = "no block hashes"
+    try:  # the common case at msgpack's speed; any doubt goes the exact way below
+        tokens = msgpack.unpackb(data, raw=True, strict_map_key=False)
+    except Exception:
+        tokens = None
+    if type(tokens) is list and all(type(t) is int and 0 <= t <= _UINT32_MAX for t in tokens):
+        return tokens
+    if not data:
+        raise ProtocolError(f"{what}: {_TRUNCATED}")
+    if _is_str(data[0]):
+        raise ProtocolError(f"{what}: {_PROMPT_STR}")
+    unpacker = _unpacker(data)
+    tokens = []
+    for _ in range(_count(what, data, unpacker, _is_array)):
+        at = unpacker.tell()
+        if at >= len(data):
+            raise ProtocolError(f"{what}: {_TRUNCATED}")
+        if not _is_int(data[at]):
+            raise ProtocolError(f"{what}: {_BAD_TOKEN}")
+        token = _unpack(what, unpacker.unpack)
+        if not 0 <= token <= _UINT32_MAX:
+            raise ProtocolError(f"{what}: {_BAD_TOKEN}")
+        tokens.append(token)
+    if unpacker.tell() != len(data):
+        raise ProtocolError(f"{what}: trailing bytes")
+    return tokens
+
+
+def _block_size_arg(value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"expected an int, got {type(value).__name__}")
+    if not 1 <= value <= _UINT32_MAX:
+        raise ValueError(f"block_size must be in 1..2**32-1, not {value}")
+    return int(value)
+
+
+def prompt_hashes(prompt: Buffer, block_size: int) -> bytes:
+    """``protocol.block_hashes(tokens, block_size)`` of a prompt that is a msgpack
+    array of ints in [0, 2**32), read in place; ProtocolError for any other prompt
+    (a str prompt among them: it has no token ids)."""
+    size = _block_size_arg(block_size)
+    return block_hashes(_tokens(_as_bytes(prompt)), size)
+
+
+def write_single_submit(header: int, rid: int, prompt: Buffer, params: Buffer) -> bytes:
+    """``[header, rid, <prompt>, <params>]``: the two byte strings spliced in as
+    they are (so ``msgpack.packb([header, rid, p, s])`` when they are ``packb(p)``
+    and ``packb(s)``)."""
+    head = _packer.pack_array_header(4) + _packer.pack(_int64_arg(header))
+    return head + _packer.pack(_int64_arg(rid)) + _as_bytes(prompt) + _as_bytes(params)
+
+
+def blake2b(data: Buffer, digest_size: int = 8) -> bytes:
+    """``hashlib.blake2b(data, digest_size=digest_size).digest()`` (the C twin has
+    its own BLAKE2b, ``_blake2b.h``; this one is the oracle it is tested against)."""
+    if not 1 <= digest_size <= 64:
+        raise ValueError("digest_size must be in 1..64")
+    return hashlib.blake2b(data, digest_size=digest_size).digest()

@@ -40,6 +40,7 @@ cdef enum:  # coordkit.protocol.ErrorCode
     ERROR_DUPLICATE_REQUEST = 8
     ERROR_INVALID_STATE = 9
     ERROR_SHUTTING_DOWN = 10
+    ERROR_TIMED_OUT = 11
 
 cdef enum:  # coordkit.protocol.ControlState
     CONTROL_RUNNING = 0
@@ -71,6 +72,9 @@ cdef enum:  # coordkit._shared.Counter
     COUNTER_CLIENT_GONE = 21
     COUNTER_DETOKENIZED = 22
     COUNTER_DETOKENIZE_ERRORS = 23
+    COUNTER_MALFORMED_ENTRIES = 24
+    COUNTER_TIMED_OUT = 25
+    COUNTER_AUTH_REFUSED = 26
 
 cdef enum:  # coordkit._shared.EngineState
     ENGINE_ALIVE = 0
@@ -91,7 +95,11 @@ cdef enum:
     BLOCK_HASH_SIZE = 8
     MAX_PARTS = 65536
     COPY_BELOW = 8192
-    N_COUNTERS = 24
+    INDEX_WINDOW_MIN = 4096
+    HEADER_SLOTS = 128
+    ERROR_SLOTS = 32
+    N_LATENCY_BUCKETS = 22
+    N_COUNTERS = 27
 
 
 cdef inline dict generated_constants():
@@ -131,6 +139,7 @@ cdef inline dict generated_constants():
         "ErrorCode.DUPLICATE_REQUEST": 8,
         "ErrorCode.INVALID_STATE": 9,
         "ErrorCode.SHUTTING_DOWN": 10,
+        "ErrorCode.TIMED_OUT": 11,
         "ControlState.RUNNING": 0,
         "ControlState.PAUSED": 1,
         "ControlState.SUSPENDED": 2,
@@ -158,6 +167,9 @@ cdef inline dict generated_constants():
         "Counter.CLIENT_GONE": 21,
         "Counter.DETOKENIZED": 22,
         "Counter.DETOKENIZE_ERRORS": 23,
+        "Counter.MALFORMED_ENTRIES": 24,
+        "Counter.TIMED_OUT": 25,
+        "Counter.AUTH_REFUSED": 26,
         "EngineState.ALIVE": 0,
         "EngineState.DRAINING": 1,
         "EngineState.GONE": 2,
@@ -170,5 +182,9 @@ cdef inline dict generated_constants():
         "BLOCK_HASH_SIZE": 8,
         "MAX_PARTS": 65536,
         "COPY_BELOW": 8192,
-        "N_COUNTERS": 24,
+        "INDEX_WINDOW_MIN": 4096,
+        "HEADER_SLOTS": 128,
+        "ERROR_SLOTS": 32,
+        "N_LATENCY_BUCKETS": 22,
+        "N_COUNTERS": 27,
     }

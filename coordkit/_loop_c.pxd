@@ -4,7 +4,7 @@
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from coordkit._codec_c cimport ck_entry, ck_submit
-from coordkit._constants cimport N_COUNTERS
+from coordkit._constants cimport ERROR_SLOTS, HEADER_SLOTS, N_COUNTERS, N_LATENCY_BUCKETS
 from coordkit._libzmq cimport zmq_msg_t
 from coordkit._routing_c cimport Router
 
@@ -33,7 +33,9 @@ cdef extern from "_tables.h" nogil:
     void ck_ids_remove(ck_ids* t, int32_t index)
     const uint8_t* ck_ids_get(const ck_ids* t, int32_t index, size_t* n)
 
-    int ck_requests_init(ck_requests* t, uint32_t capacity, uint64_t index_size)
+    int ck_requests_init(
+        ck_requests* t, uint32_t capacity, uint64_t index_size, uint64_t window_min
+    )
     void ck_requests_free(ck_requests* t)
     int64_t ck_requests_find(const ck_requests* t, int64_t server_rid)
     int64_t ck_requests_find_client(const ck_requests* t, uint32_t client, int64_t client_rid)
@@ -50,6 +52,7 @@ cdef struct Client:
 
 cdef struct Engine:
     int state  # EngineState
+    bint coordkit  # sent ENGINE_HELLO: may be sent ERROR for the entries it got wrong
     bint heartbeats  # has sent a HEARTBEAT: may be timed out
     double last_heartbeat
     double drain_deadline
@@ -82,6 +85,7 @@ cdef class Loop:
         int max_engines
         bint keep_prompts
         bint has_detokenizer
+        double request_timeout  # 0: requests never time out
 
         ck_requests requests
         Client* clients
@@ -92,9 +96,29 @@ cdef class Loop:
         int n_engines
         int* gone  # ranks found gone whose requests are not settled yet, oldest first
         int n_gone
+        # With a request_timeout or measure_latency: when each request (by slot)
+        # was submitted. With a request_timeout: the requests in submission
+        # order (deadline order), a list through the slots.
+        double* submitted
+        uint32_t* older
+        uint32_t* newer
+        uint32_t oldest
+        uint32_t newest
         int control_state
         uint64_t counters[N_COUNTERS]
         uint64_t messages
+        # Messages and bytes by header slot, received ([0]) and sent ([1]).
+        uint64_t traffic_messages[2][HEADER_SLOTS]
+        uint64_t traffic_bytes[2][HEADER_SLOTS]
+        uint64_t failed[ERROR_SLOTS]  # accepted requests ended with ERROR(code)
+        uint64_t refused[ERROR_SLOTS]  # messages refused with ERROR(code)
+        # measure_latency: SUBMIT to final, SUBMIT to the first partial or final.
+        bint measure_latency
+        double latency_bounds[N_LATENCY_BUCKETS]
+        uint64_t final_latency[N_LATENCY_BUCKETS + 1]
+        uint64_t first_latency[N_LATENCY_BUCKETS + 1]
+        double final_latency_sum
+        double first_latency_sum
         uint64_t debug_polls  # DEBUG builds: loop wake-ups, against the messages handled
 
         # The message being handled: its frames, and the entries of a reply batch.
@@ -104,6 +128,7 @@ cdef class Loop:
         bint oversized  # it had more than MAX_PARTS frames: malformed
         ck_entry* entries
         uint32_t entries_capacity
+        uint32_t* work  # by request slot: the work units its rank was charged (router.charged)
 
     # the hot path (no GIL)
     cdef bint _serve_for(self, double timeout) noexcept nogil
@@ -117,13 +142,20 @@ cdef class Loop:
         self, zmq_msg_t* out, ck_submit* submit, int64_t server_rid
     ) noexcept nogil
     cdef int _route(self, uint32_t slot, const uint8_t* hashes, size_t n_hashes,
-                    zmq_msg_t* meta, int n_payload) noexcept nogil
+                    uint64_t tokens, zmq_msg_t* meta, int64_t header,
+                    int n_payload) noexcept nogil
     cdef int _resend(self, uint32_t slot) noexcept nogil
-    cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, int* rank) noexcept nogil
+    cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, uint64_t tokens,
+                          int* rank) noexcept nogil
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil
     cdef void _forward_replies(self, int32_t engine) noexcept nogil
     cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil
     cdef void _forget(self, uint32_t slot) noexcept nogil
+    cdef void _count_in(self, int64_t header) noexcept nogil
+    cdef void _count_out(self, int64_t header, size_t size) noexcept nogil
+    cdef void _observe(self, uint64_t* buckets, double* total, double seconds) noexcept nogil
+    cdef void _queue(self, uint32_t slot) noexcept nogil
+    cdef void _unqueue(self, uint32_t slot) noexcept nogil
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil
     cdef int _send_identity(self, ck_ids* table, int32_t index) noexcept nogil
     cdef const uint8_t* _data(self, int part) noexcept nogil
@@ -133,6 +165,8 @@ cdef class Loop:
     cdef _from_client_rarely(self, int32_t client, int64_t header)
     cdef _from_engine_rarely(self, int32_t engine, int64_t header)
     cdef _register(self, int32_t engine)
+    cdef _engine_hello(self, int32_t engine)
+    cdef int32_t _new_engine(self, int32_t engine) except -2
     cdef _connect(self, int32_t client)
     cdef int32_t _vacant_client(self) except -2
     cdef _remove_client(self, int32_t client)
@@ -144,7 +178,7 @@ cdef class Loop:
     cdef _shutdown_signal(self, int32_t client)
     cdef _stats_request(self, int32_t client)
     cdef object _parse(self, object spec, int32_t client, int64_t header)
-    cdef _broadcast(self)
+    cdef _broadcast(self, int64_t header)
     cdef _detokenize(self, int part)
 
     # failures
@@ -152,6 +186,8 @@ cdef class Loop:
     cdef _settle_engine(self, int rank)
     cdef RequestOrder* _in_order(self, int rank, int32_t client, uint32_t* count) except NULL
     cdef _fail_request(self, uint32_t slot, int code, int64_t header)
+    cdef _time_out(self, uint32_t slot)
+    cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header)
     cdef _client_gone(self, int32_t client)
 
     # answers and malformed input
@@ -159,6 +195,7 @@ cdef class Loop:
     cdef bytes _frame_bytes(self, int part)
     cdef bint _send_frames(self, ck_ids* table, int32_t index, list frames)
     cdef _reply_to_sender(self, list frames)
+    cdef _count_frames_out(self, list frames)
     cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header)
     cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter)
     cdef _malformed(self, int32_t client, object rid, int64_t header, str detail)

@@ -20,7 +20,7 @@ rare path once the message at hand is done (docs/design.md, "Failure model").
 
 cimport cython
 from libc.errno cimport EINTR
-from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t
+from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -30,6 +30,7 @@ from coordkit._codec_c cimport (
     CK_OK,
     CK_TOO_MANY,
     ck_entry,
+    ck_prompt_tokens,
     ck_read_header,
     ck_read_reply,
     ck_read_submit,
@@ -63,7 +64,14 @@ from coordkit._libzmq cimport (
 from coordkit._routing_c cimport Router
 
 from coordkit import protocol
-from coordkit._shared import RateLimitedLog, check_constants, detokenize, stats_map
+from coordkit._shared import (
+    LATENCY_BUCKETS,
+    RateLimitedLog,
+    check_constants,
+    detokenize,
+    metrics_map,
+    stats_map,
+)
 from coordkit.protocol import (
     CONTROL_TRANSITIONS,
     ProtocolError,
@@ -71,6 +79,7 @@ from coordkit.protocol import (
     header_name,
     packb,
     parse_connect,
+    parse_engine_hello,
 )
 
 bind_libzmq()
@@ -180,6 +189,24 @@ cdef void send_kept(void* sock, Kept* kept) noexcept nogil:
         send_bytes(sock, data + kept.meta_size, kept.prompt_size, 0)
 
 
+cdef inline size_t kept_size(Kept* kept) noexcept nogil:
+    """The bytes a re-send of ``kept`` puts on the wire (metadata and prompt)."""
+    cdef size_t prompt = kept.prompt_size
+    if prompt == UINT32_MAX:
+        prompt = zmq_msg_size(<zmq_msg_t*>(<uint8_t*>(kept + 1)))
+    return kept.meta_size + prompt
+
+
+cdef uint64_t kept_prompt_tokens(Kept* kept) noexcept nogil:
+    """The kept prompt's size in tokens (see ck_prompt_tokens)."""
+    cdef uint8_t* data = <uint8_t*>(kept + 1)
+    if kept.prompt_size == UINT32_MAX:
+        return ck_prompt_tokens(
+            <const uint8_t*>zmq_msg_data(<zmq_msg_t*>data), zmq_msg_size(<zmq_msg_t*>data)
+        )
+    return ck_prompt_tokens(data + kept.meta_size, kept.prompt_size)
+
+
 cdef void release_kept(void* kept) noexcept nogil:
     if kept != NULL and (<Kept*>kept).prompt_size == UINT32_MAX:
         zmq_msg_close(<zmq_msg_t*>(<Kept*>kept + 1))
@@ -208,6 +235,11 @@ cdef class Loop:
         self.gone = NULL
         self.parts = NULL
         self.entries = NULL
+        self.submitted = NULL
+        self.older = NULL
+        self.newer = NULL
+        self.oldest = self.newest = UINT32_MAX
+        self.work = NULL
 
     def __init__(self, options, Router router not None, router_socket, wake_socket):
         self.router = router
@@ -226,6 +258,19 @@ cdef class Loop:
         self.has_detokenizer = options.detokenizer is not None
         self._log = RateLimitedLog()
         self.control_state = CONTROL_RUNNING
+        self.request_timeout = options.request_timeout
+        self.measure_latency = options.measure_latency
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            self.latency_bounds[i] = bound
+        if self.request_timeout or self.measure_latency:
+            self.submitted = <double*>malloc(options.max_inflight * sizeof(double))
+            if self.submitted == NULL:
+                raise MemoryError()
+        if self.request_timeout:
+            self.older = <uint32_t*>malloc(options.max_inflight * sizeof(uint32_t))
+            self.newer = <uint32_t*>malloc(options.max_inflight * sizeof(uint32_t))
+            if self.older == NULL or self.newer == NULL:
+                raise MemoryError()
         self.clients = <Client*>calloc(self.max_clients, sizeof(Client))
         self.engines = <Engine*>calloc(self.max_engines, sizeof(Engine))
         self.gone = <int*>malloc(self.max_engines * sizeof(int))
@@ -233,10 +278,13 @@ cdef class Loop:
         self.parts = <zmq_msg_t*>malloc(FIRST_PARTS * sizeof(zmq_msg_t))
         self.entries_capacity = FIRST_ENTRIES
         self.entries = <ck_entry*>malloc(FIRST_ENTRIES * sizeof(ck_entry))
+        self.work = <uint32_t*>calloc(options.max_inflight, sizeof(uint32_t))
         if (
             self.clients == NULL or self.engines == NULL or self.gone == NULL
-            or self.parts == NULL or self.entries == NULL
-            or ck_requests_init(&self.requests, options.max_inflight, options.index_size) != 0
+            or self.parts == NULL or self.entries == NULL or self.work == NULL
+            or ck_requests_init(
+                &self.requests, options.max_inflight, options.index_size, INDEX_WINDOW_MIN
+            ) != 0
             or ck_ids_init(&self.client_ids, self.max_clients) != 0
             or ck_ids_init(&self.engine_ids, self.max_engines) != 0
         ):
@@ -256,6 +304,10 @@ cdef class Loop:
         free(self.gone)
         free(self.parts)
         free(self.entries)
+        free(self.submitted)
+        free(self.older)
+        free(self.newer)
+        free(self.work)
 
     # -- what the Coordinator calls ------------------------------------------------------
 
@@ -271,8 +323,10 @@ cdef class Loop:
         return not stop
 
     def expire(self, double now) -> None:
-        """Declare gone the engines whose drain or heartbeat timed out, and settle them."""
+        """Declare gone the engines whose drain or heartbeat timed out, end the
+        requests in flight longer than request_timeout, and settle what that left."""
         cdef int rank
+        cdef double deadline = now - self.request_timeout
         for rank in range(self.n_engines):
             if self.engines[rank].state == ENGINE_GONE:
                 continue
@@ -285,6 +339,9 @@ cdef class Loop:
                 and now - self.engines[rank].last_heartbeat > self.heartbeat_timeout
             ):
                 self._mark_gone(rank, GONE_NO_HEARTBEAT)
+        # The oldest first: only the requests that are due are touched.
+        while self.oldest != UINT32_MAX and self.submitted[self.oldest] < deadline:
+            self._time_out(self.oldest)
         self._settle()
 
     def shutdown(self) -> None:
@@ -321,6 +378,35 @@ cdef class Loop:
         if DEBUG:
             result["debug"] = {"polls": self.debug_polls}
         return result
+
+    def count_auth_refused(self) -> None:
+        """A peer refused at the CURVE handshake (from the thread that watches for them)."""
+        self.counters[COUNTER_AUTH_REFUSED] += 1
+
+    def metrics(self) -> dict:
+        """Traffic by header and direction, outcomes by error code, latencies."""
+        cdef int direction, header
+        latency = None
+        if self.measure_latency:
+            latency = {
+                "final": (list(self.final_latency), self.final_latency_sum),
+                "first_reply": (list(self.first_latency), self.first_latency_sum),
+            }
+        return metrics_map(
+            traffic=[
+                (
+                    direction,
+                    header,
+                    self.traffic_messages[direction][header],
+                    self.traffic_bytes[direction][header],
+                )
+                for direction in range(2)
+                for header in range(HEADER_SLOTS)
+            ],
+            failed=list(self.failed),
+            refused=list(self.refused),
+            latency=latency,
+        )
 
     # -- the hot path (no GIL) -----------------------------------------------------------
 
@@ -432,14 +518,19 @@ cdef class Loop:
         if self.oversized or ck_read_header(
             self._data(1), self._size(1), &header, &length, &end
         ) != CK_OK:
+            self._count_in(-1)
             with gil:
                 self._malformed(client, None, -1, "malformed metadata frame")
             return
+        self._count_in(header)
         if engine >= 0:
             self._from_engine(engine, header)
         elif header == HEADER_CONNECT:
             with gil:
                 self._connect(client)
+        elif header == HEADER_ENGINE_HELLO and client < 0:
+            with gil:
+                self._engine_hello(-1)
         elif client < 0:
             self.counters[COUNTER_NOT_CONNECTED] += 1
             with gil:
@@ -470,6 +561,7 @@ cdef class Loop:
         cdef int64_t server_rid
         cdef ck_request* request
         cdef int status
+        cdef uint64_t tokens
         cdef zmq_msg_t meta
         if read != CK_OK:
             with gil:
@@ -499,13 +591,18 @@ cdef class Loop:
             return
         slot = ck_requests_add(&self.requests, client, submit.rid)
         self.clients[client].inflight += 1
+        if self.submitted != NULL:
+            self.submitted[slot] = monotonic()
+        if self.older != NULL:
+            self._queue(slot)
         request = &self.requests.pool[slot]
         server_rid = request.server_rid
         self._rewrite_submit(&meta, &submit, server_rid)
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         if header == HEADER_SUBMIT_REQUEST and self.keep_prompts:
             request.kept = keep(&meta, &self.parts[2])
-        status = self._route(slot, hashes, n_hashes, &meta, n_payload)
+        tokens = ck_prompt_tokens(self._data(2), self._size(2))
+        status = self._route(slot, hashes, n_hashes, tokens, &meta, header, n_payload)
         while status == ROUTE_ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
             with gil:
@@ -513,7 +610,7 @@ cdef class Loop:
             if request.server_rid != server_rid:  # its client went away meanwhile
                 zmq_msg_close(&meta)
                 return
-            status = self._route(slot, hashes, n_hashes, &meta, n_payload)
+            status = self._route(slot, hashes, n_hashes, tokens, &meta, header, n_payload)
         zmq_msg_close(&meta)
         if status == ROUTE_SENT:
             self.counters[COUNTER_SUBMITTED] += 1
@@ -547,7 +644,9 @@ cdef class Loop:
         uint32_t slot,
         const uint8_t* hashes,
         size_t n_hashes,
+        uint64_t tokens,
         zmq_msg_t* meta,
+        int64_t header,
         int n_payload,
     ) noexcept nogil:
         """Send a new request to the engine chosen for it; a RouteStatus.
@@ -555,9 +654,14 @@ cdef class Loop:
         ``meta`` (the rewritten metadata) and the payload frames go out as themselves.
         """
         cdef int rank, i
-        cdef int status = self._pick_engine(hashes, n_hashes, &rank)
+        cdef size_t size = zmq_msg_size(meta)
+        cdef int status = self._pick_engine(hashes, n_hashes, tokens, &rank)
         if status == ROUTE_SENT:
             self.requests.pool[slot].rank = rank
+            self.work[slot] = <uint32_t>self.router.charged
+            for i in range(n_payload):
+                size += self._size(2 + i)
+            self._count_out(header, size)
             send_msg(self.sock, meta, ZMQ_SNDMORE)
             for i in range(n_payload):
                 send_msg(self.sock, &self.parts[2 + i], ZMQ_SNDMORE if i + 1 < n_payload else 0)
@@ -567,22 +671,26 @@ cdef class Loop:
         """Send a request whose engine died to another, from what it kept; a RouteStatus."""
         cdef int rank
         cdef int status = ROUTE_ENGINE_GONE
+        cdef uint64_t tokens = kept_prompt_tokens(<Kept*>self.requests.pool[slot].kept)
         while status == ROUTE_ENGINE_GONE:  # that one waits in the queue of gone engines
-            status = self._pick_engine(NULL, 0, &rank)
+            status = self._pick_engine(NULL, 0, tokens, &rank)
         if status == ROUTE_SENT:
             self.requests.pool[slot].rank = rank
+            self.work[slot] = <uint32_t>self.router.charged
+            self._count_out(HEADER_SUBMIT_REQUEST, kept_size(<Kept*>self.requests.pool[slot].kept))
             send_kept(self.sock, <Kept*>self.requests.pool[slot].kept)
         return status
 
-    cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, int* rank) noexcept nogil:
+    cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, uint64_t tokens,
+                          int* rank) noexcept nogil:
         """The router's choice into ``rank``, its routing id sent (the request's frames
         follow); a RouteStatus. An unreachable choice is marked gone: ENGINE_GONE."""
-        rank[0] = self.router.choose_c(hashes, n_hashes, monotonic())
+        rank[0] = self.router.choose_c(hashes, n_hashes, tokens, monotonic())
         if rank[0] < 0:
             return ROUTE_NO_ENGINES if self.router.n_members == 0 else ROUTE_ALL_BUSY
         if self._send_identity(&self.engine_ids, rank[0]) == 0:
             return ROUTE_SENT
-        self.router.release_c(rank[0])
+        self.router.release_c(rank[0], self.router.charged)
         self._mark_gone(rank[0], GONE_UNREACHABLE)
         return ROUTE_ENGINE_GONE
 
@@ -598,7 +706,8 @@ cdef class Loop:
         cdef int64_t header, slot, client_rid
         cdef uint32_t count, i
         cdef int32_t client
-        cdef bint final
+        cdef bint final, first
+        cdef double now = 0.0, elapsed
         cdef uint8_t out[CK_HEADER_INT_MAX]
         cdef size_t n
         if self._read_replies(&header, &count) != CK_OK:
@@ -612,13 +721,32 @@ cdef class Loop:
                 )
             return
         final = header == HEADER_ENGINE_REPLY
+        if self.measure_latency:
+            now = monotonic()
         for i in range(count):
+            if not self.entries[i].valid:
+                with gil:
+                    self._reject_entry(engine, None, ERROR_MALFORMED, header)
+                continue
             slot = ck_requests_find(&self.requests, self.entries[i].rid)
             if slot < 0 or self.requests.pool[slot].rank != engine:
+                # A late reply (its request ended: aborted, timed out, its client
+                # gone), or a reply the engine got wrong.
                 self.counters[COUNTER_UNKNOWN_REQUEST] += 1
+                if self.engines[engine].coordkit:
+                    with gil:
+                        rid = self.entries[i].rid
+                        self._reject_entry(engine, rid, ERROR_UNKNOWN_REQUEST, header)
                 continue
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
+            if self.measure_latency:
+                elapsed = now - self.submitted[slot]
+                first = not self.requests.pool[slot].flags & FLAG_PRODUCED
+                if first:
+                    self._observe(self.first_latency, &self.first_latency_sum, elapsed)
+                if final:
+                    self._observe(self.final_latency, &self.final_latency_sum, elapsed)
             if final:
                 self._forget(<uint32_t>slot)
                 self.counters[COUNTER_REPLIES] += 1
@@ -633,6 +761,7 @@ cdef class Loop:
                 with gil:
                     self._client_gone(client)
                 continue
+            self._count_out(header, n + self._size(2 + i))
             send_bytes(self.sock, out, n, ZMQ_SNDMORE)
             send_msg(self.sock, &self.parts[2 + i], 0)
 
@@ -660,13 +789,59 @@ cdef class Loop:
         cdef ck_request* request = &self.requests.pool[slot]
         cdef int rank = request.rank
         self.clients[request.client].inflight -= 1
+        if self.older != NULL:
+            self._unqueue(slot)
         release_kept(request.kept)
         ck_requests_remove(&self.requests, slot)
         if rank < 0:
             return
-        self.router.release_c(rank)
+        self.router.release_c(rank, self.work[slot])
         if self.engines[rank].state == ENGINE_DRAINING and self.router.pending_count[rank] == 0:
             self.engines[rank].state = ENGINE_GONE
+
+    cdef void _count_in(self, int64_t header) noexcept nogil:
+        """Count the message in ``parts`` as received (header -1: unreadable)."""
+        cdef int slot = header if 0 <= header < HEADER_SLOTS - 1 else HEADER_SLOTS - 1
+        cdef size_t size = 0
+        cdef int i
+        for i in range(1, self.n_parts):
+            size += self._size(i)
+        self.traffic_messages[0][slot] += 1
+        self.traffic_bytes[0][slot] += size
+
+    cdef void _count_out(self, int64_t header, size_t size) noexcept nogil:
+        cdef int slot = header if 0 <= header < HEADER_SLOTS - 1 else HEADER_SLOTS - 1
+        self.traffic_messages[1][slot] += 1
+        self.traffic_bytes[1][slot] += size
+
+    cdef void _observe(self, uint64_t* buckets, double* total, double seconds) noexcept nogil:
+        """One duration into a latency histogram: the first bucket whose bound it fits."""
+        cdef int i = 0
+        while i < N_LATENCY_BUCKETS and seconds > self.latency_bounds[i]:
+            i += 1
+        buckets[i] += 1
+        total[0] += seconds
+
+    cdef void _queue(self, uint32_t slot) noexcept nogil:
+        """Append a new request to the submission-order list (request_timeout)."""
+        self.older[slot] = self.newest
+        self.newer[slot] = UINT32_MAX
+        if self.newest != UINT32_MAX:
+            self.newer[self.newest] = slot
+        else:
+            self.oldest = slot
+        self.newest = slot
+
+    cdef void _unqueue(self, uint32_t slot) noexcept nogil:
+        cdef uint32_t older = self.older[slot], newer = self.newer[slot]
+        if older != UINT32_MAX:
+            self.newer[older] = newer
+        else:
+            self.oldest = newer
+        if newer != UINT32_MAX:
+            self.older[newer] = older
+        else:
+            self.newest = older
 
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil:
         """Take ``rank`` out of the pool now; its requests are settled after the
@@ -706,6 +881,8 @@ cdef class Loop:
     cdef _from_engine_rarely(self, int32_t engine, int64_t header):
         if header == HEADER_HEARTBEAT:
             self._heartbeat(engine)
+        elif header == HEADER_ENGINE_HELLO:
+            self._engine_hello(engine)
         elif header == HEADER_DISCONNECT:
             self._disconnect(engine)
         else:
@@ -715,40 +892,59 @@ cdef class Loop:
             )
 
     cdef _register(self, int32_t engine):
-        """An engine announced itself (one empty frame): a new rank, or one coming back."""
+        """An engine announced itself (one empty frame): a new rank, or one coming
+        back after it left or was declared gone."""
+        if engine >= 0 and self.engines[engine].state == ENGINE_ALIVE:
+            self.counters[COUNTER_DUPLICATE_REGISTER] += 1
+        else:
+            self._new_engine(engine)
+
+    cdef _engine_hello(self, int32_t engine):
+        """ENGINE_HELLO: a coordkit engine registers, or says so once registered."""
+        try:
+            hello = parse_engine_hello(self._frames())
+        except ProtocolError as exc:
+            self._malformed(-1, None, HEADER_ENGINE_HELLO, str(exc))
+            return
+        if engine < 0 or self.engines[engine].state != ENGINE_ALIVE:
+            engine = self._new_engine(engine)
+        if engine >= 0:
+            self.engines[engine].coordkit = hello.coordkit
+
+    cdef int32_t _new_engine(self, int32_t engine) except -2:
+        """Put the sender in the pool: ``engine`` coming back, or a new rank (reusing
+        a gone rank with nothing left in flight once the table is full). Its rank,
+        or -1 when there is no room or the sender is a client."""
         cdef int32_t rank
         cdef size_t n = self._size(0)
-        if engine >= 0:
-            if self.engines[engine].state == ENGINE_ALIVE:
-                self.counters[COUNTER_DUPLICATE_REGISTER] += 1
-                return
-            self.engines[engine].state = ENGINE_ALIVE  # it left or was declared gone
-            self.engines[engine].heartbeats = False
-            self.router.add_rank(engine)
-            return
-        if ck_ids_find(&self.client_ids, self._data(0), n) >= 0:
-            self._malformed(-1, None, -1, "a client sent an engine registration")
-            return
-        rank = self.n_engines
-        if rank == self.max_engines:  # reuse a gone rank with nothing left in flight
-            rank = -1
-            for engine in range(self.n_engines):
-                if self.engines[engine].state == ENGINE_GONE and self.router.pending(engine) == 0:
-                    rank = engine
-                    break
-            if rank < 0:
-                self.counters[COUNTER_TABLE_FULL] += 1
-                self._log.warn("engines_full", "engine table full: registration dropped")
-                return
-            ck_ids_remove(&self.engine_ids, rank)
-        else:
-            self.n_engines += 1
-        self.engines[rank].state = ENGINE_ALIVE
-        self.engines[rank].heartbeats = False
-        self.engines[rank].last_heartbeat = 0.0
-        self.engines[rank].drain_deadline = 0.0
-        ck_ids_insert(&self.engine_ids, rank, self._data(0), n)
-        self.router.add_rank(rank)
+        if engine < 0:
+            if ck_ids_find(&self.client_ids, self._data(0), n) >= 0:
+                self._malformed(-1, None, -1, "a client sent an engine registration")
+                return -1
+            rank = self.n_engines
+            if rank == self.max_engines:
+                rank = -1
+                for engine in range(self.n_engines):
+                    if self.engines[engine].state == ENGINE_GONE:
+                        if self.router.pending(engine) == 0:
+                            rank = engine
+                            break
+                if rank < 0:
+                    self.counters[COUNTER_TABLE_FULL] += 1
+                    self._log.warn("engines_full", "engine table full: registration dropped")
+                    return -1
+                ck_ids_remove(&self.engine_ids, rank)
+            else:
+                self.n_engines += 1
+            self.engines[rank].last_heartbeat = 0.0
+            self.engines[rank].drain_deadline = 0.0
+            ck_ids_insert(&self.engine_ids, rank, self._data(0), n)
+            engine = rank
+        self.engines[engine].state = ENGINE_ALIVE
+        self.engines[engine].coordkit = False
+        self.engines[engine].heartbeats = False
+        self.router.add_rank(engine)
+        return engine
 
     cdef _connect(self, int32_t client):
         """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
@@ -766,6 +962,7 @@ cdef class Loop:
             index = self._vacant_client()
             if index < 0:
                 self.counters[COUNTER_TABLE_FULL] += 1
+                self.refused[ERROR_BUSY] += 1
                 if coordkit:
                     self.counters[COUNTER_ERRORS_SENT] += 1
                     text = error_text(ERROR_BUSY, HEADER_CONNECT)
@@ -848,7 +1045,7 @@ cdef class Loop:
     cdef _release_kv(self, int32_t client):
         if self._parse(protocol.RELEASE_KV, client, HEADER_RELEASE_KV) is not None:
             self.counters[COUNTER_RELEASE_KV] += 1
-            self._broadcast()
+            self._broadcast(HEADER_RELEASE_KV)
 
     cdef _control(self, int32_t client, int64_t header):
         """A control signal: through the state machine, then to every engine."""
@@ -860,7 +1057,7 @@ cdef class Loop:
             return
         self.counters[COUNTER_CONTROL] += 1
         self.control_state = state
-        self._broadcast()
+        self._broadcast(header)
 
     cdef _shutdown_signal(self, int32_t client):
         if self._parse(protocol.SHUTDOWN, client, HEADER_SHUTDOWN) is not None:
@@ -880,7 +1077,7 @@ cdef class Loop:
             self._malformed(client, exc.rid, header, str(exc))
             return None
 
-    cdef _broadcast(self):
+    cdef _broadcast(self, int64_t header):
         """The metadata frame as it came (refcounted copies) to every engine not gone."""
         cdef int rank
         for rank in range(self.n_engines):
@@ -889,6 +1086,7 @@ cdef class Loop:
             if self._send_identity(&self.engine_ids, rank) != 0:
                 self._mark_gone(rank, GONE_UNREACHABLE)
             else:
+                self._count_out(header, self._size(1))
                 send_shared(self.sock, &self.parts[1], 0)
 
     cdef _detokenize(self, int part):
@@ -934,7 +1132,7 @@ cdef class Loop:
                 request = &self.requests.pool[slot]
                 if request.server_rid != order[i].server_rid or request.rank != rank:
                     continue  # ended meanwhile: its client went away
-                self.router.release_c(rank)
+                self.router.release_c(rank, self.work[slot])
                 request.rank = -1
                 if request.flags & (FLAG_PRODUCED | FLAG_ABORTED) or request.kept == NULL:
                     self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
@@ -975,10 +1173,35 @@ cdef class Loop:
         cdef int32_t client = self.requests.pool[slot].client
         rid = self.requests.pool[slot].client_rid
         self._forget(slot)
+        self.failed[code] += 1
         if code == ERROR_ENGINE_FAILED:
             self.counters[COUNTER_ENGINE_FAILED] += 1
         if not self._send_error(client, rid, code, header):
             self._client_gone(client)
+
+    cdef _time_out(self, uint32_t slot):
+        """End a request in flight longer than request_timeout: ERROR(TIMED_OUT) to
+        its client, ABORT to its engine (whose late final is then unknown, dropped)."""
+        cdef ck_request* request = &self.requests.pool[slot]
+        cdef int rank = request.rank
+        self.counters[COUNTER_TIMED_OUT] += 1
+        if not request.flags & FLAG_ABORTED and self.engines[rank].state != ENGINE_GONE:
+            abort = protocol.ABORT_REQUEST.pack(request.server_rid)
+            if not self._send_frames(&self.engine_ids, rank, abort):
+                self._mark_gone(rank, GONE_UNREACHABLE)
+        self._fail_request(slot, ERROR_TIMED_OUT, HEADER_SUBMIT_REQUEST)
+
+    cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header):
+        """An entry of an engine's batch that was not delivered: malformed ones are
+        counted and logged, and a coordkit engine is told with an ERROR."""
+        if code == ERROR_MALFORMED:
+            self.counters[COUNTER_MALFORMED_ENTRIES] += 1
+            what = f"malformed entry in {header_name(header)} from engine {engine}"
+            self._log.warn("malformed", what)
+        if self.engines[engine].coordkit:
+            error = protocol.ERROR.pack(rid, code, error_text(code, header))
+            if not self._send_frames(&self.engine_ids, engine, error):
+                self._mark_gone(engine, GONE_UNREACHABLE)
 
     cdef _client_gone(self, int32_t client):
         """A client that cannot be reached: its requests are aborted at their
@@ -1025,6 +1248,7 @@ cdef class Loop:
         cdef Py_ssize_t i, last = len(frames) - 1
         if self._send_identity(table, index) != 0:
             return False
+        self._count_frames_out(frames)
         for i in range(last + 1):
             frame = frames[i]
             send_bytes(self.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i < last else 0)
@@ -1036,9 +1260,19 @@ cdef class Loop:
         cdef Py_ssize_t i, last = len(frames) - 1
         if send_bytes(self.sock, self._data(0), self._size(0), ZMQ_SNDMORE) != 0:
             return
+        self._count_frames_out(frames)
         for i in range(last + 1):
             frame = frames[i]
             send_bytes(self.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i < last else 0)
+
+    cdef _count_frames_out(self, list frames):
+        cdef bytes first = frames[0]
+        cdef int64_t header
+        cdef uint32_t length
+        cdef size_t end
+        if ck_read_header(<const uint8_t*><const char*>first, len(first), &header, &length, &end):
+            header = -1
+        self._count_out(header, sum(len(frame) for frame in frames))
 
     cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header):
         """ERROR to a coordkit client (others cannot parse it); False when it is gone."""
@@ -1051,6 +1285,7 @@ cdef class Loop:
     cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter):
         """Count a refused message and answer its client with ERROR(code)."""
         self.counters[counter] += 1
+        self.refused[code] += 1
         if not self._send_error(client, rid, code, header):
             self._client_gone(client)
 

@@ -8,14 +8,15 @@ frames on the wire, method for method under the same names.
 The hot path (a SUBMIT out to an engine; an engine's batch of replies out to
 their clients) comes first; the rare paths after it parse with the message
 specs of :mod:`coordkit.protocol`. Requests are filed by ``server_rid &
-mask``: server ids advance by one, skipping an id whose position is held,
-exactly as the C index does. An engine found gone on the hot path is only
-marked; its requests are settled once the message at hand is done.
+mask``, and server ids are drawn exactly as the C index draws them (see
+_add). An engine found gone on the hot path is only marked; its requests are
+settled once the message at hand is done.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -24,6 +25,10 @@ from . import _codec_py as codec
 from . import protocol
 from ._shared import (
     COPY_BELOW,
+    ERROR_SLOTS,
+    HEADER_SLOTS,
+    INDEX_WINDOW_MIN,
+    LATENCY_BUCKETS,
     Counter,
     EngineState,
     Options,
@@ -31,6 +36,9 @@ from ._shared import (
     RequestFlag,
     RouteStatus,
     detokenize,
+    header_slot,
+    latency_bucket,
+    metrics_map,
     stats_map,
 )
 from .protocol import (
@@ -47,6 +55,7 @@ from .protocol import (
     header_name,
     packb,
     parse_connect,
+    parse_engine_hello,
 )
 
 if TYPE_CHECKING:
@@ -69,19 +78,28 @@ class _Client:
 
 
 class _Engine:
-    __slots__ = ("rank", "identity", "state", "heartbeats", "last_heartbeat", "drain_deadline")
+    __slots__ = (
+        "rank",
+        "identity",
+        "state",
+        "coordkit",
+        "heartbeats",
+        "last_heartbeat",
+        "drain_deadline",
+    )
 
     def __init__(self, rank: int, identity: bytes):
         self.rank = rank
         self.identity = identity
         self.state = ALIVE
+        self.coordkit = False  # sent ENGINE_HELLO: may be sent ERROR for entries it got wrong
         self.heartbeats = False  # has sent a HEARTBEAT: may be timed out
         self.last_heartbeat = 0.0
         self.drain_deadline = 0.0
 
 
 class _Request:
-    __slots__ = ("server_rid", "client", "client_rid", "rank", "flags", "kept")
+    __slots__ = ("server_rid", "client", "client_rid", "rank", "flags", "kept", "work", "submitted")
 
     def __init__(self, server_rid: int, client: _Client, client_rid: int):
         self.server_rid = server_rid
@@ -91,6 +109,8 @@ class _Request:
         self.flags = 0
         # The rewritten metadata and the prompt, to re-send it if its engine dies.
         self.kept: tuple[bytes, zmq.Frame | bytes] | None = None
+        self.work = 0  # the work units its rank was charged for it (router.charged)
+        self.submitted = 0.0  # with a request_timeout or measure_latency: when it was submitted
 
 
 class Loop:
@@ -108,6 +128,7 @@ class Loop:
         self._log = RateLimitedLog()
         self._stopping = False
         self._mask = options.index_size - 1
+        self._window = self._window_min = min(options.index_size, INDEX_WINDOW_MIN)
         self._requests: dict[int, _Request] = {}  # server_rid & mask -> request
         self._by_client: dict[tuple[bytes, int], _Request] = {}
         self._next_rid = 0
@@ -115,9 +136,24 @@ class Loop:
         self._engines: list[_Engine] = []
         self._engine_by_identity: dict[bytes, _Engine] = {}
         self._gone: list[tuple[_Engine, str]] = []  # found gone, not settled yet
+        # With a request_timeout: the requests in submission (so deadline) order.
+        self._queue: OrderedDict[int, _Request] | None = (
+            OrderedDict() if options.request_timeout else None
+        )
         self._control_state = ControlState.RUNNING
         self._counters = [0] * len(Counter)
         self._messages = 0
+        # Messages and bytes by header slot, received ([0]) and sent ([1]).
+        self._traffic_messages = [[0] * HEADER_SLOTS for _ in range(2)]
+        self._traffic_bytes = [[0] * HEADER_SLOTS for _ in range(2)]
+        self._failed = [0] * ERROR_SLOTS  # accepted requests ended with ERROR(code)
+        self._refused = [0] * ERROR_SLOTS  # messages refused with ERROR(code)
+        # measure_latency: SUBMIT to final, SUBMIT to the first partial or final.
+        self._latency: dict[str, list[Any]] | None = None
+        if options.measure_latency:
+            self._latency = {
+                name: [[0] * (len(LATENCY_BUCKETS) + 1), 0.0] for name in ("final", "first_reply")
+            }
         self._poller = zmq.Poller()
         self._poller.register(router_socket, zmq.POLLIN)
         self._poller.register(wake_socket, zmq.POLLIN)
@@ -140,7 +176,8 @@ class Loop:
         return False
 
     def expire(self, now: float) -> None:
-        """Declare gone the engines whose drain or heartbeat timed out, and settle them."""
+        """Declare gone the engines whose drain or heartbeat timed out, end the
+        requests in flight longer than request_timeout, and settle what that left."""
         timeout = self._options.heartbeat_timeout
         for engine in self._engines:
             if engine.state == GONE:
@@ -150,6 +187,10 @@ class Loop:
                     self._mark_gone(engine, "drain timed out")
             elif timeout and engine.heartbeats and now - engine.last_heartbeat > timeout:
                 self._mark_gone(engine, "no heartbeat")
+        # The oldest first: only the requests that are due are touched.
+        deadline = now - self._options.request_timeout
+        while self._queue and (oldest := next(iter(self._queue.values()))).submitted < deadline:
+            self._time_out(oldest)
         self._settle()
 
     def shutdown(self) -> None:
@@ -172,6 +213,26 @@ class Loop:
                 (e.rank, e.identity, e.state, self._router.pending(e.rank))
                 for e in list(self._engines)
             ],
+        )
+
+    def count_auth_refused(self) -> None:
+        """A peer refused at the CURVE handshake (from the thread that watches for them)."""
+        self._counters[Counter.AUTH_REFUSED] += 1
+
+    def metrics(self) -> dict[str, Any]:
+        """Traffic by header and direction, outcomes by error code, latencies."""
+        latency = None
+        if self._latency is not None:
+            latency = {name: (list(b), total) for name, (b, total) in self._latency.items()}
+        return metrics_map(
+            traffic=[
+                (direction, slot, self._traffic_messages[direction][slot], size)
+                for direction in range(2)
+                for slot, size in enumerate(self._traffic_bytes[direction])
+            ],
+            failed=list(self._failed),
+            refused=list(self._refused),
+            latency=latency,
         )
 
     # -- the hot path --------------------------------------------------------------------
@@ -202,12 +263,16 @@ class Loop:
                 raise ProtocolError(f"more than {MAX_PARTS} frames")
             header = codec.read_header(frames[1].buffer)[0]
         except ProtocolError as exc:
+            self._count_in(-1, frames)
             self._malformed(client, None, -1, str(exc), frames)
             return
+        self._count_in(header, frames)
         if engine is not None:
             self._from_engine(engine, header, frames)
         elif header == Header.CONNECT:
             self._connect(identity, client, frames)
+        elif header == Header.ENGINE_HELLO and client is None:
+            self._engine_hello(identity, None, frames)
         elif client is None:
             self._counters[Counter.NOT_CONNECTED] += 1
             self._log.warn(
@@ -251,19 +316,24 @@ class Loop:
             return
         request = self._add(client, rid)
         client.inflight += 1
+        if self._queue is not None or self._latency is not None:
+            request.submitted = time.monotonic()
+        if self._queue is not None:
+            self._queue[request.server_rid] = request
         out_meta = codec.rewrite_submit(meta, request.server_rid)
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         if header == Header.SUBMIT_REQUEST and self._options.keep_prompts:
             prompt = frames[2]
             request.kept = (out_meta, prompt.bytes if len(prompt) < COPY_BELOW else prompt)
         message = [out_meta, *frames[2 : 2 + n_payload]]
-        status = self._route(request, hashes, message)
+        tokens = codec.prompt_tokens(frames[2].buffer)
+        status = self._route(request, hashes, tokens, header, message)
         while status == RouteStatus.ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
             self._settle()
             if self._find(request.server_rid) is not request:  # its client went away meanwhile
                 return
-            status = self._route(request, hashes, message)
+            status = self._route(request, hashes, tokens, header, message)
         if status == RouteStatus.SENT:
             self._counters[Counter.SUBMITTED] += 1
             return
@@ -272,37 +342,47 @@ class Loop:
         self._refuse(client, rid, _refusal(status), header, counter)
 
     def _route(
-        self, request: _Request, hashes: memoryview | None, message: list[Any]
+        self,
+        request: _Request,
+        hashes: memoryview | None,
+        tokens: int,
+        header: int,
+        message: list[Any],
     ) -> RouteStatus:
         """Send a new request to the engine chosen for it; its payload frames go as themselves."""
-        rank, status = self._pick_engine(hashes)
+        rank, status = self._pick_engine(hashes, tokens)
         if status == RouteStatus.SENT:
             request.rank = rank
+            request.work = self._router.charged
+            self._count_out(header, message)
             self._sock.send_multipart(message, copy=False)
         return status
 
     def _resend(self, request: _Request) -> RouteStatus:
         """Send a request whose engine died to another, from what it kept."""
+        assert request.kept is not None
+        tokens = codec.prompt_tokens(request.kept[1])
         status = RouteStatus.ENGINE_GONE
         while status == RouteStatus.ENGINE_GONE:  # that one waits in the queue of gone engines
-            rank, status = self._pick_engine(None)
+            rank, status = self._pick_engine(None, tokens)
         if status == RouteStatus.SENT:
             request.rank = rank
-            assert request.kept is not None
+            request.work = self._router.charged
+            self._count_out(Header.SUBMIT_REQUEST, request.kept)
             self._sock.send_multipart(list(request.kept), copy=False)
         return status
 
-    def _pick_engine(self, hashes: memoryview | None) -> tuple[int, RouteStatus]:
+    def _pick_engine(self, hashes: memoryview | None, tokens: int) -> tuple[int, RouteStatus]:
         """The router's choice, its routing id sent (the request's frames follow).
         An unreachable choice is marked gone: ENGINE_GONE."""
-        rank = self._router.choose(hashes, time.monotonic())
+        rank = self._router.choose(hashes, time.monotonic(), tokens)
         if rank < 0:
             if self._router.n_accepting == 0:
                 return rank, RouteStatus.NO_ENGINES
             return rank, RouteStatus.ALL_BUSY
         if self._send_identity(self._engines[rank].identity):
             return rank, RouteStatus.SENT
-        self._router.release(rank)
+        self._router.release(rank, self._router.charged)
         self._mark_gone(self._engines[rank], "unreachable")
         return rank, RouteStatus.ENGINE_GONE
 
@@ -325,12 +405,26 @@ class Loop:
             self._malformed(None, None, header, detail, frames)
             return
         final = header == Header.ENGINE_REPLY
-        for (server_rid, needs_detokenize), body in zip(entries, bodies, strict=True):
+        now = time.monotonic() if self._latency is not None else 0.0
+        for entry, body in zip(entries, bodies, strict=True):
+            if entry is None:
+                self._reject_entry(engine, None, ErrorCode.MALFORMED, header)
+                continue
+            server_rid, needs_detokenize = entry
             request = self._find(server_rid)
             if request is None or request.rank != engine.rank:
+                # A late reply (its request ended: aborted, timed out, its client
+                # gone), or a reply the engine got wrong.
                 self._counters[Counter.UNKNOWN_REQUEST] += 1
+                if engine.coordkit:
+                    self._reject_entry(engine, server_rid, ErrorCode.UNKNOWN_REQUEST, header)
                 continue
             client = request.client
+            if self._latency is not None:
+                if not request.flags & PRODUCED:
+                    self._observe("first_reply", now - request.submitted)
+                if final:
+                    self._observe("final", now - request.submitted)
             if final:
                 self._forget(request)
                 self._counters[Counter.REPLIES] += 1
@@ -343,14 +437,21 @@ class Loop:
             if not self._send_identity(client.identity):
                 self._client_gone(client)
                 continue
-            self._sock.send_multipart(
-                [codec.write_header_int(header, request.client_rid), out], copy=False
-            )
+            reply = [codec.write_header_int(header, request.client_rid), out]
+            self._count_out(header, reply)
+            self._sock.send_multipart(reply, copy=False)
 
     def _add(self, client: _Client, client_rid: int) -> _Request:
-        """A new request: the next server id whose position is free."""
-        rid = self._next_rid
-        while (rid & self._mask) in self._requests:
+        """A new request: the next server id whose position is free, drawn below
+        the window while few requests are in flight (as ck_requests_add does)."""
+        rid, mask, live = self._next_rid, self._mask, len(self._requests)
+        if rid & mask >= self._window:  # the window's end: a new lap
+            rid = (rid | mask) + 1
+            while self._window > self._window_min and 4 * live < self._window:
+                self._window //= 2
+        while 2 * (live + 1) > self._window and self._window <= mask:
+            self._window *= 2
+        while (rid & mask) in self._requests:
             rid += 1
         self._next_rid = rid + 1
         request = _Request(rid, client, client_rid)
@@ -370,13 +471,33 @@ class Loop:
         """Take a request out of every table and count; a draining engine whose
         last request this was is gone."""
         request.client.inflight -= 1
+        if self._queue is not None:
+            del self._queue[request.server_rid]
         self._remove(request)
         if request.rank < 0:
             return
-        self._router.release(request.rank)
+        self._router.release(request.rank, request.work)
         engine = self._engines[request.rank]
         if engine.state == DRAINING and self._router.pending(engine.rank) == 0:
             engine.state = GONE
+
+    def _count_in(self, header: int, frames: list[zmq.Frame]) -> None:
+        """Count a received message (header -1: unreadable)."""
+        slot = header_slot(header)
+        self._traffic_messages[0][slot] += 1
+        self._traffic_bytes[0][slot] += sum(len(frame) for frame in frames[1:])
+
+    def _count_out(self, header: int, frames: Any) -> None:
+        slot = header_slot(header)
+        self._traffic_messages[1][slot] += 1
+        self._traffic_bytes[1][slot] += sum(len(frame) for frame in frames)
+
+    def _observe(self, name: str, seconds: float) -> None:
+        """One duration into a latency histogram: the first bucket whose bound it fits."""
+        assert self._latency is not None
+        histogram = self._latency[name]
+        histogram[0][latency_bucket(seconds)] += 1
+        histogram[1] += seconds
 
     def _mark_gone(self, engine: _Engine, reason: str) -> None:
         """Take an engine out of the pool now; its requests are settled after the
@@ -418,6 +539,8 @@ class Loop:
     def _from_engine_rarely(self, engine: _Engine, header: int, frames: list[zmq.Frame]) -> None:
         if header == Header.HEARTBEAT:
             self._heartbeat(engine, frames)
+        elif header == Header.ENGINE_HELLO:
+            self._engine_hello(engine.identity, engine, frames)
         elif header == Header.DISCONNECT:
             self._disconnect(engine, frames)
         else:
@@ -427,38 +550,57 @@ class Loop:
             )
 
     def _register(self, identity: bytes, engine: _Engine | None) -> None:
-        """An engine announced itself (one empty frame): a new rank, or one coming back."""
-        if engine is not None:
-            if engine.state == ALIVE:
-                self._counters[Counter.DUPLICATE_REGISTER] += 1
-                return
-            engine.state = ALIVE  # it left or was declared gone
-            engine.heartbeats = False
-            self._router.add_rank(engine.rank)
-            return
-        if identity in self._clients:
-            self._malformed(None, None, -1, "a client sent an engine registration", [identity])
-            return
-        rank = len(self._engines)
-        if rank == self._options.max_engines:  # reuse a gone rank with nothing left in flight
-            rank = next(
-                (
-                    e.rank
-                    for e in self._engines
-                    if e.state == GONE and not self._router.pending(e.rank)
-                ),
-                -1,
-            )
-            if rank < 0:
-                self._counters[Counter.TABLE_FULL] += 1
-                self._log.warn("engines_full", "engine table full: registration dropped")
-                return
-            del self._engine_by_identity[self._engines[rank].identity]
-            self._engines[rank] = _Engine(rank, identity)
+        """An engine announced itself (one empty frame): a new rank, or one coming
+        back after it left or was declared gone."""
+        if engine is not None and engine.state == ALIVE:
+            self._counters[Counter.DUPLICATE_REGISTER] += 1
         else:
-            self._engines.append(_Engine(rank, identity))
-        self._engine_by_identity[identity] = self._engines[rank]
-        self._router.add_rank(rank)
+            self._new_engine(identity, engine)
+
+    def _engine_hello(self, identity: bytes, engine: _Engine | None, frames: list[Any]) -> None:
+        """ENGINE_HELLO: a coordkit engine registers, or says so once registered."""
+        try:
+            hello = parse_engine_hello(_buffers(frames))
+        except ProtocolError as exc:
+            self._malformed(None, None, Header.ENGINE_HELLO, str(exc), frames)
+            return
+        if engine is None or engine.state != ALIVE:
+            engine = self._new_engine(identity, engine)
+        if engine is not None:
+            engine.coordkit = hello.coordkit
+
+    def _new_engine(self, identity: bytes, engine: _Engine | None) -> _Engine | None:
+        """Put the sender in the pool: ``engine`` coming back, or a new rank (reusing
+        a gone rank with nothing left in flight once the table is full); None when
+        there is no room or the sender is a client."""
+        if engine is None:
+            if identity in self._clients:
+                self._malformed(None, None, -1, "a client sent an engine registration", [identity])
+                return None
+            rank = len(self._engines)
+            if rank == self._options.max_engines:
+                rank = next(
+                    (
+                        e.rank
+                        for e in self._engines
+                        if e.state == GONE and not self._router.pending(e.rank)
+                    ),
+                    -1,
+                )
+                if rank < 0:
+                    self._counters[Counter.TABLE_FULL] += 1
+                    self._log.warn("engines_full", "engine table full: registration dropped")
+                    return None
+                del self._engine_by_identity[self._engines[rank].identity]
+                self._engines[rank] = _Engine(rank, identity)
+            else:
+                self._engines.append(_Engine(rank, identity))
+            engine = self._engine_by_identity[identity] = self._engines[rank]
+        engine.state = ALIVE
+        engine.coordkit = False
+        engine.heartbeats = False
+        self._router.add_rank(engine.rank)
+        return engine
 
     def _connect(self, identity: bytes, client: _Client | None, frames: list[zmq.Frame]) -> None:
         """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
@@ -474,6 +616,7 @@ class Loop:
         else:
             if len(self._clients) >= self._options.max_clients and not self._vacant_client():
                 self._counters[Counter.TABLE_FULL] += 1
+                self._refused[ErrorCode.BUSY] += 1
                 if coordkit:
                     self._counters[Counter.ERRORS_SENT] += 1
                     text = error_text(ErrorCode.BUSY, Header.CONNECT)
@@ -608,7 +751,7 @@ class Loop:
         for request in self._in_order(lambda r: r.rank == engine.rank):
             if self._find(request.server_rid) is not request or request.rank != engine.rank:
                 continue  # ended meanwhile: its client went away
-            self._router.release(engine.rank)
+            self._router.release(engine.rank, request.work)
             request.rank = -1
             if request.flags & (PRODUCED | ABORTED) or request.kept is None:
                 self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
@@ -626,10 +769,33 @@ class Loop:
     def _fail_request(self, request: _Request, code: ErrorCode, header: int) -> None:
         """End ``request`` with ERROR(code): its one terminal reply."""
         self._forget(request)
+        self._failed[code] += 1
         if code == ErrorCode.ENGINE_FAILED:
             self._counters[Counter.ENGINE_FAILED] += 1
         if not self._send_error(request.client, request.client_rid, code, header):
             self._client_gone(request.client)
+
+    def _time_out(self, request: _Request) -> None:
+        """End a request in flight longer than request_timeout: ERROR(TIMED_OUT) to
+        its client, ABORT to its engine (whose late final is then unknown, dropped)."""
+        engine = self._engines[request.rank]
+        self._counters[Counter.TIMED_OUT] += 1
+        if not request.flags & ABORTED and engine.state != GONE:
+            if not self._send(engine.identity, protocol.ABORT_REQUEST.pack(request.server_rid)):
+                self._mark_gone(engine, "unreachable")
+        self._fail_request(request, ErrorCode.TIMED_OUT, Header.SUBMIT_REQUEST)
+
+    def _reject_entry(self, engine: _Engine, rid: int | None, code: int, header: int) -> None:
+        """An entry of an engine's batch that was not delivered: malformed ones are
+        counted and logged, and a coordkit engine is told with an ERROR."""
+        if code == ErrorCode.MALFORMED:
+            self._counters[Counter.MALFORMED_ENTRIES] += 1
+            what = f"malformed entry in {header_name(header)} from engine {engine.rank}"
+            self._log.warn("malformed", what)
+        if engine.coordkit:
+            error = protocol.ERROR.pack(rid, code, error_text(code, header))
+            if not self._send(engine.identity, error):
+                self._mark_gone(engine, "unreachable")
 
     def _client_gone(self, client: _Client) -> None:
         """A client that cannot be reached: its requests are aborted at their
@@ -655,6 +821,11 @@ class Loop:
         """Send one message to a peer; False when it is gone."""
         if not self._send_identity(identity):
             return False
+        try:
+            header = codec.read_header(frames[0])[0]
+        except ProtocolError:
+            header = -1
+        self._count_out(header, frames)
         self._sock.send_multipart(frames, copy=False)
         return True
 
@@ -670,6 +841,7 @@ class Loop:
     ) -> None:
         """Count a refused message and answer its client with ERROR(code)."""
         self._counters[counter] += 1
+        self._refused[code] += 1
         if not self._send_error(client, rid, code, header):
             self._client_gone(client)
 

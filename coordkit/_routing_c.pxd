@@ -41,11 +41,18 @@ cdef class Router:
         uint64_t rng_state   # splitmix64
         uint8_t* is_accepting
         int64_t* pending_count
+        int64_t* work_units  # per rank: the work charged and not yet released
         int* members         # the accepting ranks, compact: power_of_two draws from it
         int* member_pos      # rank -> its index in members
 
+        # The work model (see coordkit._routing_py): every policy charges.
+        readonly int64_t charged  # what the last choose_c charged its rank (0: none)
+        int64_t new_blocks   # the blocks the chosen rank has to prefill (set by the policy)
+        int64_t weight       # prefix_prefill_weight in units of 1 / WEIGHT_SCALE
+        int64_t decode_blocks  # prefix_decode_tokens in blocks
+        uint64_t block_size
+
         # The prefix table: allocated for the prefix policy only, NULL otherwise.
-        double prefix_alpha
         double prefix_ttl
         uint32_t max_entries
         uint32_t n_entries
@@ -61,8 +68,9 @@ cdef class Router:
         uint64_t* matched    # scratch: the ranks of the chain's first entry (depth > 0)
         int* depth           # scratch: matched depth per rank
 
-    cdef int choose_c(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil
-    cdef void release_c(self, int rank) noexcept nogil
+    cdef int choose_c(self, const uint8_t* hashes, size_t n_hashes, uint64_t prompt_tokens,
+                      double now) noexcept nogil
+    cdef void release_c(self, int rank, int64_t work) noexcept nogil
     cdef bint accepting_c(self, int rank) noexcept nogil
     cdef void remove_rank_c(self, int rank) noexcept nogil
 

@@ -16,10 +16,19 @@ from libc.string cimport memcpy, memset
 
 from coordkit._constants cimport BLOCK_HASH_SIZE, generated_constants
 
-from coordkit._routing_py import POLICIES, _check_args
+from coordkit import _routing_py
+from coordkit._routing_py import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DECODE_TOKENS,
+    DEFAULT_PREFILL_WEIGHT,
+    POLICIES,
+    _check_args,
+)
 from coordkit._shared import check_constants
 
 check_constants(generated_constants())
+if (_routing_py.WEIGHT_SCALE, _routing_py.MAX_BLOCKS) != (WEIGHT_SCALE, MAX_BLOCKS):
+    raise ImportError("coordkit._routing_c: WEIGHT_SCALE or MAX_BLOCKS differ from _routing_py's")
 
 __all__ = ["Router", "POLICIES"]
 
@@ -62,10 +71,10 @@ cdef enum:
     PREFIX
 
 
-cdef inline double _score(int depth, int64_t pending, double alpha, double mean,
-                          double denom) noexcept nogil:
-    # The reference's expression, term for term: the same doubles.
-    return <double>depth - alpha * (<double>pending - mean) / denom
+# coordkit._routing_py's WEIGHT_SCALE and MAX_BLOCKS (checked at import).
+cdef enum:
+    WEIGHT_SCALE = 256
+    MAX_BLOCKS = 1 << 23
 
 
 cdef int _check_rank(Router self, int rank) except -1:
@@ -85,25 +94,38 @@ cdef class Router:
         *,
         seed=0,
         rank_cap=0,
-        double prefix_alpha=1.0,
+        prefix_prefill_weight=DEFAULT_PREFILL_WEIGHT,
+        prefix_decode_tokens=DEFAULT_DECODE_TOKENS,
+        block_size=DEFAULT_BLOCK_SIZE,
         double prefix_ttl=600.0,
         prefix_max_entries=1_000_000,
     ):
-        _check_args(policy, max_ranks, seed, rank_cap, prefix_alpha, prefix_max_entries)
+        self.weight, self.decode_blocks = _check_args(
+            policy,
+            max_ranks,
+            seed,
+            rank_cap,
+            prefix_prefill_weight,
+            prefix_decode_tokens,
+            block_size,
+            prefix_max_entries,
+        )
+        self.block_size = block_size
         self._policy = policy
         self.policy_id = POLICIES.index(policy)
         self.max_ranks = max_ranks
         self.pending_limit = rank_cap if rank_cap else INT64_MAX
         self.rng_state = seed
-        self.prefix_alpha = prefix_alpha
         self.prefix_ttl = prefix_ttl
         self.free_list = self.lru_oldest = self.lru_newest = CK_NIL
         self.is_accepting = <uint8_t*>calloc(self.max_ranks, sizeof(uint8_t))
         self.pending_count = <int64_t*>calloc(self.max_ranks, sizeof(int64_t))
+        self.work_units = <int64_t*>calloc(self.max_ranks, sizeof(int64_t))
         self.members = <int*>calloc(self.max_ranks, sizeof(int))
         self.member_pos = <int*>calloc(self.max_ranks, sizeof(int))
         if (self.is_accepting == NULL or self.pending_count == NULL
-                or self.members == NULL or self.member_pos == NULL):
+                or self.work_units == NULL or self.members == NULL
+                or self.member_pos == NULL):
             raise MemoryError()
         if self.policy_id != PREFIX:
             return
@@ -125,6 +147,7 @@ cdef class Router:
     def __dealloc__(self):
         free(self.is_accepting)
         free(self.pending_count)
+        free(self.work_units)
         free(self.members)
         free(self.member_pos)
         free(self.entries)
@@ -148,6 +171,9 @@ cdef class Router:
     def prefix_len(self) -> int:
         """Entries in the prefix table, expired ones included until purged."""
         return self.n_entries
+
+    # ``charged`` (readonly, declared in the .pxd): the work units the last
+    # choose charged to its rank (0 if it returned -1).
 
     def add_rank(self, int rank) -> None:
         _check_rank(self, rank)
@@ -201,19 +227,31 @@ cdef class Router:
         return self.is_accepting[rank] != 0
 
     def pending(self, int rank) -> int:
+        """Requests chosen for ``rank`` and not yet released."""
         _check_rank(self, rank)
         return self.pending_count[rank]
 
-    def release(self, int rank) -> None:
+    def work(self, int rank) -> int:
+        """Work units charged to ``rank`` and not yet released."""
         _check_rank(self, rank)
-        self.release_c(rank)
+        return self.work_units[rank]
 
-    def choose(self, block_hashes=None, double now=0.0) -> int:
-        """The rank for the next request, or -1 when none is eligible."""
+    def release(self, int rank, int64_t work=0) -> None:
+        """A request of ``rank`` ended: ``work`` is what ``choose`` charged for it."""
+        _check_rank(self, rank)
+        self.release_c(rank, work)
+
+    def choose(self, block_hashes=None, double now=0.0, int64_t prompt_tokens=0) -> int:
+        """The rank for the next request, or -1 when none is eligible.
+
+        ``prompt_tokens`` sizes a request without block hashes; what the
+        chosen rank is charged is :attr:`charged`.
+        """
         cdef Py_buffer frame
         cdef int rank
+        cdef uint64_t tokens = prompt_tokens if prompt_tokens > 0 else 0
         if block_hashes is None:
-            return self.choose_c(NULL, 0, now)
+            return self.choose_c(NULL, 0, tokens, now)
         PyObject_GetBuffer(block_hashes, &frame, PyBUF_SIMPLE)
         try:
             if frame.len % BLOCK_HASH_SIZE:
@@ -221,7 +259,9 @@ cdef class Router:
                     f"the block-hash frame is {frame.len} bytes, "
                     f"not a multiple of {BLOCK_HASH_SIZE}"
                 )
-            rank = self.choose_c(<const uint8_t*>frame.buf, <size_t>frame.len >> 3, now)
+            rank = self.choose_c(
+                <const uint8_t*>frame.buf, <size_t>frame.len >> 3, tokens, now
+            )
         finally:
             PyBuffer_Release(&frame)
         return rank
@@ -241,9 +281,16 @@ cdef class Router:
 
     # -- C API ------------------------------------------------------------
 
-    cdef int choose_c(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
-        """``choose`` over a frame of ``n_hashes`` LE u64s (unaligned is fine)."""
+    cdef int choose_c(self, const uint8_t* hashes, size_t n_hashes, uint64_t prompt_tokens,
+                      double now) noexcept nogil:
+        """``choose`` over a frame of ``n_hashes`` LE u64s (unaligned is fine);
+        ``charged`` then holds the chosen rank's charge."""
         cdef int rank
+        cdef uint64_t size = n_hashes
+        if n_hashes == 0:
+            size = prompt_tokens // self.block_size + (prompt_tokens % self.block_size != 0)
+        # Capped here already: min(size - depth, MAX_BLOCKS) is then the same.
+        self.new_blocks = <int64_t>(size if size < MAX_BLOCKS else MAX_BLOCKS)
         if self.policy_id == ROUND_ROBIN:
             rank = self._round_robin()
         elif self.policy_id == LEAST_LOADED:
@@ -252,13 +299,22 @@ cdef class Router:
             rank = self._power_of_two()
         else:
             rank = self._prefix(hashes, n_hashes, now)
-        if rank >= 0:
-            self.pending_count[rank] += 1
+        if rank < 0:
+            self.charged = 0
+            return rank
+        self.charged = self.new_blocks + self.decode_blocks
+        self.pending_count[rank] += 1
+        self.work_units[rank] += self.charged
         return rank
 
-    cdef void release_c(self, int rank) noexcept nogil:
-        if 0 <= rank < self.max_ranks and self.pending_count[rank] > 0:
-            self.pending_count[rank] -= 1
+    cdef void release_c(self, int rank, int64_t work) noexcept nogil:
+        if 0 <= rank < self.max_ranks:
+            if self.pending_count[rank] > 0:
+                self.pending_count[rank] -= 1
+            if self.work_units[rank] > work:
+                self.work_units[rank] -= work
+            else:
+                self.work_units[rank] = 0
 
     cdef bint accepting_c(self, int rank) noexcept nogil:
         return 0 <= rank < self.max_ranks and self.is_accepting[rank]
@@ -331,57 +387,86 @@ cdef class Router:
         return self._least_loaded()
 
     cdef int _prefix(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
-        cdef int n = self.n_ranks, w, r, rank = -1, count = 0
+        cdef int n = self.n_ranks, start, r, w, pos, best_pos = 0, rank = -1, c
+        cdef int64_t size = <int64_t>n_hashes  # a request with hashes: its blocks
         cdef const uint8_t* accepting = self.is_accepting
         cdef const int64_t* pending = self.pending_count
-        cdef int64_t limit = self.pending_limit, least = limit, total = 0, p
-        cdef uint64_t word, bits
-        cdef double mean, denom, score, best_score
-        if n_hashes == 0:
-            return self._least_loaded()
-        # One pass: the eligible ranks (the candidates to match, as a mask
-        # built in a register), their load, and the least loaded of them.
+        cdef const int64_t* work = self.work_units
+        cdef int64_t limit = self.pending_limit, least = 0, p, q, new
+        cdef int64_t cost, best_cost = 0, best_new = 0, least_work = 0, c_pending = 0
+        cdef uint64_t word, bits, eligible = 0
+        if n == 0:
+            return -1
+        start = self.cursor % n
+        # The eligible ranks: the candidates to match, as masks built in a register.
         for w in range((n + 63) >> 6):
             word = 0
             for r in range(w << 6, min(n, (w + 1) << 6)):
-                p = pending[r]
-                if accepting[r] and p < limit:
+                if accepting[r] and pending[r] < limit:
                     word |= (<uint64_t>1) << (r & 63)
-                    total += p
-                    count += 1
-                    if p < least:
-                        least = p
-                        rank = r
             self.running[w] = word
-        if count == 0:
+            eligible |= word
+        if not eligible:
             return -1
-        if self._match(hashes, n_hashes, now) == 0:
-            rank = self._least_loaded()
-        else:
-            # With alpha >= 0 the score never rises with pending nor falls with
-            # depth, so the least loaded rank (the first of them) beats or
-            # ties-and-wins every unmatched rank: the winner is either it or
-            # one of the few matched ranks. A later candidate that ties on
-            # score and pending has a higher rank, so it loses as in the
-            # reference's full ascending scan.
-            mean = <double>total / <double>count
-            denom = mean if mean > 1.0 else 1.0
-            best_score = _score(
-                self.depth[rank] if self.matched[rank >> 6] >> (rank & 63) & 1 else 0,
-                least, self.prefix_alpha, mean, denom,
-            )
+        self.cursor = (start + 1) % n
+        if n_hashes and self._match(hashes, n_hashes, now) > 0:
+            # The best of the (few) matched ranks, on the reference's full key.
             for w in range((n + 63) >> 6):
                 bits = self.matched[w]
                 while bits:
                     r = (w << 6) + ck_ctz64(bits)
                     bits &= bits - 1
+                    new = min(size - self.depth[r], <int64_t>MAX_BLOCKS)
+                    cost = self.weight * new + WEIGHT_SCALE * work[r]
                     p = pending[r]
-                    score = _score(self.depth[r], p, self.prefix_alpha, mean, denom)
-                    if score > best_score or (score == best_score and p < least):
+                    pos = r - start if r >= start else r - start + n
+                    if (rank < 0 or cost < best_cost or (cost == best_cost and (
+                            p < least or (p == least and pos < best_pos)))):
                         rank = r
-                        best_score = score
+                        best_cost = cost
+                        best_new = new
                         least = p
-        self._record(hashes, n_hashes, rank, now)
+                        best_pos = pos
+            # An unmatched rank costs at least weight * new_blocks (its work is >= 0):
+            # strictly below that, no other rank can win, nor tie.
+            if best_cost < self.weight * self.new_blocks:
+                self.new_blocks = best_new
+                self._record(hashes, n_hashes, rank, now)
+                return rank
+        # Otherwise the winner is the best matched rank or the first eligible rank in
+        # the rotating order with the least work, then the fewest pending: all the
+        # unmatched ranks have the same new blocks, so that one beats or ties-and-wins
+        # each of them. (_match narrowed running: eligibility is read again.)
+        c = -1
+        for r in range(start, n):
+            p = pending[r]
+            if accepting[r] and p < limit:
+                q = work[r]
+                if c < 0 or q < least_work or (q == least_work and p < c_pending):
+                    c = r
+                    least_work = q
+                    c_pending = p
+        for r in range(start):
+            p = pending[r]
+            if accepting[r] and p < limit:
+                q = work[r]
+                if c < 0 or q < least_work or (q == least_work and p < c_pending):
+                    c = r
+                    least_work = q
+                    c_pending = p
+        new = self.new_blocks
+        if rank >= 0 and self.matched[c >> 6] >> (c & 63) & 1:
+            new = min(size - self.depth[c], <int64_t>MAX_BLOCKS)
+        cost = self.weight * new + WEIGHT_SCALE * least_work
+        pos = c - start if c >= start else c - start + n
+        if (rank < 0 or cost < best_cost
+                or (cost == best_cost and (c_pending < least
+                                           or (c_pending == least and pos < best_pos)))):
+            rank = c
+            best_new = new
+        self.new_blocks = best_new
+        if n_hashes:
+            self._record(hashes, n_hashes, rank, now)
         return rank
 
     cdef int _match(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:

@@ -43,25 +43,43 @@ Ranks and eligibility
         z = (z ^ (z >> 27)) * 0x94D049BB133111EB
         return z ^ (z >> 31)                    # all modulo 2**64
 
+Work
+    Every rank has an outstanding *work*, in work units of one block of
+    ``block_size`` tokens. A ``choose`` that returns a rank charges it
+    ``charged`` units, readable right after (0 after a ``choose`` that returns
+    ``-1``), and adds them to ``work(r)``; ``release(r, work)`` subtracts
+    ``work`` (never below 0) and 1 from the pending count. A request's *new
+    blocks* on a rank are the blocks that rank would have to prefill::
+
+        size       = m                                          with m > 0 block hashes
+                   = ceil(prompt_tokens / block_size)    without
+        new(r)     = min(size - depth(r), MAX_BLOCKS)           depth(r) is 0 except under prefix
+        decode     = min(ceil(prefix_decode_tokens / block_size), MAX_BLOCKS)
+        charged    = new(r) + decode
+
+    so ``charged`` is an int in ``[0, 2 * MAX_BLOCKS]``, whatever the policy.
+    ``work`` survives ``remove_rank`` as the pending count does.
+
 ``prefix``
     Prefix-cache affinity over the request's block hashes ``h[0 .. m-1]``
-    (see :func:`coordkit.protocol.block_hashes`). The router keeps a table ``hash -> (ranks,
-    last_used)`` in LRU order; an entry is *live* at ``now`` when
-    ``now - last_used <= prefix_ttl``.
+    (see :func:`coordkit.protocol.block_hashes`), priced in work. The router
+    keeps a table ``hash -> (ranks, last_used)`` in LRU order; an entry is
+    *live* at ``now`` when ``now - last_used <= prefix_ttl``.
 
-    * ``m == 0``: ``least_loaded``, and nothing is recorded.
     * ``depth(r)`` of an eligible rank is the number of leading hashes
-      ``h[0 .. d-1]`` that all have a live entry listing ``r``.
-    * If no eligible rank has ``depth > 0``: ``least_loaded``. Otherwise,
-      over the eligible ranks, ``mean = total_pending / count`` (a double;
-      ``(double)total / (double)count`` in C) and::
+      ``h[0 .. d-1]`` that all have a live entry listing ``r`` (0 when
+      ``m == 0``).
+    * With ``weight = round(prefix_prefill_weight * WEIGHT_SCALE)`` (an int,
+      fixed when the router is built), each eligible rank costs the integer::
 
-          score(r) = depth(r) - prefix_alpha * (pending(r) - mean) / max(1.0, mean)
+          cost(r) = weight * new(r) + WEIGHT_SCALE * work(r)
 
-      evaluated in exactly this order (``prefix_alpha`` is finite and
-      ``>= 0``, so the score never rises with load); the highest score wins,
-      then the fewest pending, then the lowest rank.
-    * Whichever way the rank ``r`` was chosen, the chain is then recorded:
+      the blocks it would prefill, weighted, plus the work already queued on
+      it. The lowest cost wins; ties go to fewer pending, then to the first
+      rank in ``least_loaded``'s rotating order (``start = cursor % n_ranks``,
+      then ``start + 1``, ...), and ``cursor = (start + 1) % n_ranks``. With no
+      hashes, or no match, that is the eligible rank with the least work.
+    * If ``m > 0``, the chain is then recorded for the chosen rank ``r``:
       first, while the LRU-oldest entry is not live, it is deleted; then for
       each ``h[i]`` in order, a live entry gains ``r``, an expired one is
       reset to ``{r}``, and a missing one is inserted as ``{r}`` (deleting
@@ -78,13 +96,20 @@ Block hashes
 
 from __future__ import annotations
 
-import math
 import struct
 from collections import OrderedDict
 
 from .protocol import BLOCK_HASH_SIZE
 
-__all__ = ["Router", "POLICIES"]
+__all__ = [
+    "Router",
+    "POLICIES",
+    "DEFAULT_PREFILL_WEIGHT",
+    "DEFAULT_DECODE_TOKENS",
+    "DEFAULT_BLOCK_SIZE",
+    "WEIGHT_SCALE",
+    "MAX_BLOCKS",
+]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -94,6 +119,17 @@ POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix")
 MAX_RANKS_LIMIT = 1 << 16
 MAX_PREFIX_ENTRIES_LIMIT = (1 << 31) - 1
 
+#: The prefix policy's defaults (the README's Routing section says why these).
+DEFAULT_PREFILL_WEIGHT = 32.0
+DEFAULT_DECODE_TOKENS = 512
+DEFAULT_BLOCK_SIZE = 16
+#: The prefill weight counts in steps of 1 / WEIGHT_SCALE: costs stay integers.
+WEIGHT_SCALE = 256
+#: A request's new blocks are capped here, and so is the decode share: a charge
+#: fits 2 * MAX_BLOCKS, and 2**30 requests' work times WEIGHT_SCALE fits int64.
+MAX_BLOCKS = 1 << 23
+MAX_PREFILL_WEIGHT = 65536.0
+
 _U64 = (1 << 64) - 1
 
 
@@ -102,10 +138,13 @@ def _check_args(
     max_ranks: int,
     seed: int,
     rank_cap: int,
-    prefix_alpha: float,
+    prefix_prefill_weight: float,
+    prefix_decode_tokens: int,
+    block_size: int,
     prefix_max_entries: int,
-) -> None:
-    """Validate the constructor's arguments (shared by both implementations)."""
+) -> tuple[int, int]:
+    """Validate the constructor's arguments (shared by both implementations);
+    the prefill weight in units of 1 / WEIGHT_SCALE and the decode share in blocks."""
     if policy not in POLICIES:
         names = ", ".join(repr(p) for p in POLICIES)
         raise ValueError(f"policy must be one of {names}, not {policy!r}")
@@ -115,14 +154,22 @@ def _check_args(
         raise ValueError(f"seed must be in [0, 2**64), not {seed}")
     if not 0 <= rank_cap < 1 << 63:
         raise ValueError(f"rank_cap must be in [0, 2**63), not {rank_cap}")
-    # The C router's scoring relies on the score never rising with load.
-    if not 0.0 <= prefix_alpha < math.inf:
-        raise ValueError(f"prefix_alpha must be finite and >= 0, not {prefix_alpha}")
+    if not 0.0 <= prefix_prefill_weight <= MAX_PREFILL_WEIGHT:  # False for NaN
+        raise ValueError(
+            f"prefix_prefill_weight must be in [0, {MAX_PREFILL_WEIGHT:g}], "
+            f"not {prefix_prefill_weight}"
+        )
+    if not 0 <= prefix_decode_tokens <= 1 << 31:
+        raise ValueError(f"prefix_decode_tokens must be in [0, 2**31], not {prefix_decode_tokens}")
+    if not 1 <= block_size <= 1 << 31:
+        raise ValueError(f"block_size must be in [1, 2**31], not {block_size}")
     if not 1 <= prefix_max_entries <= MAX_PREFIX_ENTRIES_LIMIT:
         raise ValueError(
             f"prefix_max_entries must be in [1, {MAX_PREFIX_ENTRIES_LIMIT}], "
             f"not {prefix_max_entries}"
         )
+    weight = round(float(prefix_prefill_weight) * WEIGHT_SCALE)
+    return weight, min(-(-prefix_decode_tokens // block_size), MAX_BLOCKS)
 
 
 def _hash_frame(block_hashes: Buffer | None) -> memoryview:
@@ -144,11 +191,15 @@ class Router:
         "_choose",
         "_max_ranks",
         "_rank_cap",
-        "_alpha",
+        "_weight",
+        "_decode_blocks",
+        "_block_size",
         "_ttl",
         "_max_entries",
         "_accepting",
         "_pending",
+        "_work",
+        "_charged",
         "_n_ranks",
         "_cursor",
         "_members",
@@ -164,11 +215,22 @@ class Router:
         *,
         seed: int = 0,
         rank_cap: int = 0,
-        prefix_alpha: float = 1.0,
+        prefix_prefill_weight: float = DEFAULT_PREFILL_WEIGHT,
+        prefix_decode_tokens: int = DEFAULT_DECODE_TOKENS,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         prefix_ttl: float = 600.0,
         prefix_max_entries: int = 1_000_000,
     ) -> None:
-        _check_args(policy, max_ranks, seed, rank_cap, prefix_alpha, prefix_max_entries)
+        self._weight, self._decode_blocks = _check_args(
+            policy,
+            max_ranks,
+            seed,
+            rank_cap,
+            prefix_prefill_weight,
+            prefix_decode_tokens,
+            block_size,
+            prefix_max_entries,
+        )
         self._policy = policy
         self._choose = {
             "round_robin": self._round_robin,
@@ -178,11 +240,13 @@ class Router:
         }[policy]
         self._max_ranks = max_ranks
         self._rank_cap = rank_cap
-        self._alpha = float(prefix_alpha)
+        self._block_size = block_size
         self._ttl = float(prefix_ttl)
         self._max_entries = prefix_max_entries
         self._accepting = [False] * max_ranks
         self._pending = [0] * max_ranks
+        self._work = [0] * max_ranks
+        self._charged = 0
         self._n_ranks = 0
         self._cursor = 0  # in [0, n_ranks)
         self._members: list[int] = []
@@ -203,6 +267,11 @@ class Router:
     def prefix_len(self) -> int:
         """Entries in the prefix table, expired ones included until purged."""
         return len(self._table)
+
+    @property
+    def charged(self) -> int:
+        """The work units the last ``choose`` charged to its rank (0 if it returned -1)."""
+        return self._charged
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self._max_ranks:
@@ -242,19 +311,43 @@ class Router:
         return self._accepting[rank]
 
     def pending(self, rank: int) -> int:
+        """Requests chosen for ``rank`` and not yet released."""
         self._check_rank(rank)
         return self._pending[rank]
 
-    def release(self, rank: int) -> None:
+    def work(self, rank: int) -> int:
+        """Work units charged to ``rank`` and not yet released."""
+        self._check_rank(rank)
+        return self._work[rank]
+
+    def release(self, rank: int, work: int = 0) -> None:
+        """A request of ``rank`` ended: ``work`` is what ``choose`` charged for it."""
         self._check_rank(rank)
         if self._pending[rank] > 0:
             self._pending[rank] -= 1
+        self._work[rank] = max(self._work[rank] - work, 0)
 
-    def choose(self, block_hashes: Buffer | None = None, now: float = 0.0) -> int:
-        """The rank for the next request, or -1 when none is eligible."""
-        rank = self._choose(_hash_frame(block_hashes), float(now))
-        if rank >= 0:
-            self._pending[rank] += 1
+    def choose(
+        self, block_hashes: Buffer | None = None, now: float = 0.0, prompt_tokens: int = 0
+    ) -> int:
+        """The rank for the next request, or -1 when none is eligible.
+
+        ``prompt_tokens`` sizes a request without block hashes; what the
+        chosen rank is charged is :attr:`charged`.
+        """
+        frame = _hash_frame(block_hashes)
+        m = len(frame) // BLOCK_HASH_SIZE
+        if m:
+            size = m
+        else:
+            size = -(-max(int(prompt_tokens), 0) // self._block_size)
+        rank, new = self._choose(frame, float(now), size)
+        if rank < 0:
+            self._charged = 0
+            return rank
+        self._charged = min(new, MAX_BLOCKS) + self._decode_blocks
+        self._pending[rank] += 1
+        self._work[rank] += self._charged
         return rank
 
     def prefix_ranks(self, hash: int, now: float) -> list[int]:
@@ -265,26 +358,26 @@ class Router:
         mask = entry[0]
         return [r for r in range(mask.bit_length()) if mask >> r & 1]
 
-    # -- policies ---------------------------------------------------------
+    # -- policies: each returns (rank, the request's new blocks there) ------
 
     def _eligible(self, rank: int) -> bool:
         return self._accepting[rank] and (
             self._rank_cap == 0 or self._pending[rank] < self._rank_cap
         )
 
-    def _round_robin(self, frame: memoryview, now: float) -> int:
+    def _round_robin(self, frame: memoryview, now: float, size: int) -> tuple[int, int]:
         n = self._n_ranks
         for k in range(n):
             r = (self._cursor + k) % n
             if self._eligible(r):
                 self._cursor = (r + 1) % n
-                return r
-        return -1
+                return r, size
+        return -1, 0
 
-    def _least_loaded(self, frame: memoryview, now: float) -> int:
+    def _least_loaded(self, frame: memoryview, now: float, size: int) -> tuple[int, int]:
         n = self._n_ranks
         if n == 0:
-            return -1
+            return -1, 0
         start = self._cursor % n
         pending = self._pending
         best = -1
@@ -294,7 +387,7 @@ class Router:
                 best = r
         if best >= 0:
             self._cursor = (start + 1) % n
-        return best
+        return best, size
 
     def _rand(self) -> int:
         self._rng = state = (self._rng + 0x9E3779B97F4A7C15) & _U64
@@ -303,11 +396,11 @@ class Router:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
         return z ^ (z >> 31)
 
-    def _power_of_two(self, frame: memoryview, now: float) -> int:
+    def _power_of_two(self, frame: memoryview, now: float, size: int) -> tuple[int, int]:
         members = self._members
         n = len(members)
         if n == 0:
-            return -1
+            return -1, 0
         if n == 1:
             a = b = members[0]
         else:
@@ -318,41 +411,35 @@ class Router:
             a, b = members[i], members[j]
         a_ok, b_ok = self._eligible(a), self._eligible(b)
         if a_ok and b_ok:
-            return b if self._pending[b] < self._pending[a] else a
+            return (b if self._pending[b] < self._pending[a] else a), size
         if a_ok:
-            return a
+            return a, size
         if b_ok:
-            return b
-        return self._least_loaded(frame, now)
+            return b, size
+        return self._least_loaded(frame, now, size)
 
-    def _prefix(self, frame: memoryview, now: float) -> int:
+    def _prefix(self, frame: memoryview, now: float, size: int) -> tuple[int, int]:
+        n = self._n_ranks
+        if n == 0:
+            return -1, 0
+        start = self._cursor % n
+        order = [r for r in (*range(start, n), *range(start)) if self._eligible(r)]
+        if not order:
+            return -1, 0
         m = len(frame) // BLOCK_HASH_SIZE
-        if m == 0:
-            return self._least_loaded(frame, now)
         hashes = struct.unpack(f"<{m}Q", frame)
-        pending = self._pending
-        eligible = [r for r in range(self._n_ranks) if self._eligible(r)]
-        if not eligible:
-            return -1
-        depth = self._depths(hashes, eligible, now)
-        if depth is None:
-            rank = self._least_loaded(frame, now)
-        else:
-            mean = float(sum(pending[r] for r in eligible)) / float(len(eligible))
-            denom = max(1.0, mean)
-            alpha = self._alpha
-            rank = -1
-            best_score = 0.0
-            for r in eligible:
-                score = depth[r] - alpha * (pending[r] - mean) / denom
-                if (
-                    rank < 0
-                    or score > best_score
-                    or (score == best_score and pending[r] < pending[rank])
-                ):
-                    rank, best_score = r, score
-        self._record(hashes, rank, now)
-        return rank
+        depth = self._depths(hashes, order, now) if m else None
+        pending, work, weight = self._pending, self._work, self._weight
+        rank, best_new, best_key = -1, 0, (0, 0)
+        for r in order:  # the rotating order: the first of equal keys wins
+            new = min(size - (depth[r] if depth is not None else 0), MAX_BLOCKS)
+            key = (weight * new + WEIGHT_SCALE * work[r], pending[r])
+            if rank < 0 or key < best_key:
+                rank, best_new, best_key = r, new, key
+        self._cursor = (start + 1) % n
+        if m:
+            self._record(hashes, rank, now)
+        return rank, best_new
 
     def _depths(self, hashes: tuple[int, ...], eligible: list[int], now: float) -> list[int] | None:
         """Matched depth per rank (indexed by rank), or None when nothing matched.

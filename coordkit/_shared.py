@@ -29,6 +29,22 @@ Detokenizer = Callable[[list[int]], str]
 #: (releases up to 0.19). coordkit clients and engines always speak multipart.
 DIALECTS = ("multipart", "megatron-core")
 
+#: Server ids are drawn from at least this many positions of the request index
+#: (a power of two; see ck_requests in _tables.h): with few requests in flight,
+#: the index's working set stays this small.
+INDEX_WINDOW_MIN = 4096
+
+#: Messages and bytes are counted per header value below this; the last slot
+#: counts every other header, and messages whose header could not be read.
+HEADER_SLOTS = 128
+
+#: Requests ended, and messages refused, are counted per ErrorCode below this.
+ERROR_SLOTS = 32
+
+#: Upper bounds (seconds) of the latency histograms' buckets, log-spaced from
+#: 100 µs to about 3.5 minutes; a last bucket takes the rest (+Inf).
+LATENCY_BUCKETS = tuple(0.0001 * 2.0**k for k in range(22))
+
 #: A kept prompt below this many bytes is copied: sharing it would pin the whole
 #: receive buffer libzmq decoded it from (pyzmq's copy-below-a-threshold rule).
 COPY_BELOW = 8192
@@ -61,6 +77,9 @@ class Counter(IntEnum):
     CLIENT_GONE = 21
     DETOKENIZED = 22
     DETOKENIZE_ERRORS = 23
+    MALFORMED_ENTRIES = 24  # entries of an engine's batch skipped, the rest delivered
+    TIMED_OUT = 25
+    AUTH_REFUSED = 26  # peers refused at the CURVE handshake (counted off the loop)
 
 
 class EngineState(IntEnum):
@@ -104,6 +123,8 @@ class Options:
     max_clients: int
     max_engines: int
     keep_prompts: bool
+    request_timeout: float
+    measure_latency: bool  # keep the latency histograms (Coordinator(metrics_port=...))
     dialect: str
     block_size: int
 
@@ -135,6 +156,10 @@ def cython_constants() -> dict[str, int]:
         BLOCK_HASH_SIZE=protocol.BLOCK_HASH_SIZE,
         MAX_PARTS=protocol.MAX_PARTS,
         COPY_BELOW=COPY_BELOW,
+        INDEX_WINDOW_MIN=INDEX_WINDOW_MIN,
+        HEADER_SLOTS=HEADER_SLOTS,
+        ERROR_SLOTS=ERROR_SLOTS,
+        N_LATENCY_BUCKETS=len(LATENCY_BUCKETS),
         N_COUNTERS=len(Counter),
     )
     return values
@@ -191,6 +216,54 @@ def identity_text(identity: bytes) -> str:
     except UnicodeDecodeError:
         return identity.hex()
     return text if text.isprintable() else identity.hex()
+
+
+def header_slot(header: int) -> int:
+    """Where a message of ``header`` is counted (-1: its header could not be read)."""
+    return header if 0 <= header < HEADER_SLOTS - 1 else HEADER_SLOTS - 1
+
+
+def latency_bucket(seconds: float) -> int:
+    """The histogram bucket of a duration: the first bound not below it."""
+    for i, bound in enumerate(LATENCY_BUCKETS):
+        if seconds <= bound:
+            return i
+    return len(LATENCY_BUCKETS)
+
+
+def metrics_map(
+    *,
+    traffic: list[tuple[int, int, int, int]],
+    failed: list[int],
+    refused: list[int],
+    latency: dict[str, tuple[list[int], float]] | None,
+) -> dict[str, Any]:
+    """What ``Coordinator.metrics()`` gives beyond stats(): ``traffic`` is
+    (direction 0 in / 1 out, header slot, messages, bytes) for every slot used;
+    ``failed``/``refused`` count per ErrorCode; ``latency`` (when measured)
+    maps "final" and "first_reply" to (count per bucket of LATENCY_BUCKETS and
+    one more for the rest, the sum of the seconds)."""
+    return {
+        "traffic": [
+            {
+                "direction": "in" if direction == 0 else "out",
+                "header": slot,
+                "messages": messages,
+                "bytes": size,
+            }
+            for direction, slot, messages, size in traffic
+            if messages
+        ],
+        "failed": {code: n for code, n in enumerate(failed) if n},
+        "refused": {code: n for code, n in enumerate(refused) if n},
+        "latency": None
+        if latency is None
+        else {
+            name: {"buckets": list(buckets), "sum": total}
+            for name, (buckets, total) in latency.items()
+        },
+        "latency_bounds": list(LATENCY_BUCKETS),
+    }
 
 
 def stats_map(

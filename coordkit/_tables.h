@@ -170,10 +170,14 @@ typedef struct {
     uint32_t capacity, used, live;
     uint32_t free_head; /* the most recently freed slot, or UINT32_MAX */
     /* server_rid & index_mask -> slot + 1. Server ids advance by one, skipping an
-     * id whose position is held, so the index is walked in order and a request
-     * is found without hashing. */
+     * id whose position is held, so a request is found without hashing. While
+     * few requests are in flight, ids are drawn only at positions below `window`
+     * (a power of two, at least twice the requests in flight): the id jumps to
+     * the index's next lap instead of walking on, so the index's working set
+     * stays small however many requests pass. */
     uint32_t *index;
     uint64_t index_mask;
+    uint64_t window, window_min;
     uint64_t next_rid;
     uint32_t *by_client; /* (client, client_rid) -> slot + 1, hashed */
     uint64_t by_client_mask;
@@ -191,9 +195,11 @@ static inline uint64_t ck_requests_client_home(const void *table, uint32_t cell)
     return ck_requests_client_hash(t, r->client, r->client_rid);
 }
 
-/* Room for `capacity` requests; `index_size` is a power of two >= capacity.
- * calloc: pages of the pool and index that are never reached cost no memory. */
-static inline int ck_requests_init(ck_requests *t, uint32_t capacity, uint64_t index_size)
+/* Room for `capacity` requests; `index_size` is a power of two >= capacity, and
+ * `window_min` the smallest window (a power of two). calloc: pages of the pool
+ * and index that are never reached cost no memory. */
+static inline int ck_requests_init(ck_requests *t, uint32_t capacity, uint64_t index_size,
+                                   uint64_t window_min)
 {
     uint64_t n_cells = ck_cells_for(capacity);
     t->pool = (ck_request *)calloc(capacity, sizeof(ck_request));
@@ -203,6 +209,8 @@ static inline int ck_requests_init(ck_requests *t, uint32_t capacity, uint64_t i
     t->used = t->live = 0;
     t->free_head = UINT32_MAX;
     t->index_mask = index_size - 1;
+    t->window_min = index_size < window_min ? index_size : window_min;
+    t->window = t->window_min;
     t->next_rid = 0;
     t->by_client_mask = n_cells - 1;
     return t->pool != NULL && t->index != NULL && t->by_client != NULL ? 0 : -1;
@@ -250,6 +258,13 @@ static inline int64_t ck_requests_find_client(const ck_requests *t, uint32_t cli
 static inline uint32_t ck_requests_add(ck_requests *t, uint32_t client, int64_t client_rid)
 {
     uint64_t rid = t->next_rid;
+    if ((rid & t->index_mask) >= t->window) { /* the window's end: a new lap */
+        rid = (rid | t->index_mask) + 1;
+        while (t->window > t->window_min && 4 * (uint64_t)t->live < t->window)
+            t->window >>= 1;
+    }
+    while (2 * (uint64_t)(t->live + 1) > t->window && t->window <= t->index_mask)
+        t->window <<= 1;
     while (t->index[rid & t->index_mask] != 0)
         rid++;
     t->next_rid = rid + 1;

@@ -239,6 +239,7 @@ class Client:
         *,
         block_size: int | None = None,
         raw: bool = False,
+        block_hashes: bytes | None = None,
     ) -> ReplyFuture:
         """Send one request; the future resolves to its final reply body.
 
@@ -248,14 +249,17 @@ class Client:
         bytes-like object (``bytes``, ``bytearray``, ``memoryview``,
         ``zmq.Frame``), sent as it is: do not modify it until the reply came.
         ``block_size`` adds the prefix-routing block hashes (token-id prompts
-        only). The body is msgpack-decoded unless ``raw``, which gives bytes.
+        only), or ``block_hashes`` sends a block-hash frame as given. The body
+        is msgpack-decoded unless ``raw``, which gives bytes.
         Partial replies are not delivered here; use :meth:`stream` for them.
         An ERROR for the request fails the future with :class:`CoordinatorError`.
 
         The request leaves at once, or, when the coordinator granted batches,
         with the others submitted in the same event-loop iteration.
         """
-        future: ReplyFuture = self._core.submit(prompt, sampling_params, block_size, raw)
+        future: ReplyFuture = self._core.submit(
+            prompt, sampling_params, block_size, raw, block_hashes
+        )
         return future
 
     def submit_many(
@@ -286,6 +290,7 @@ class Client:
         *,
         block_size: int | None = None,
         raw: bool = False,
+        block_hashes: bytes | None = None,
     ) -> Stream:
         """Send one request with ``{STREAM_KEY: True}`` added to its sampling params.
 
@@ -293,7 +298,7 @@ class Client:
         partial reply and ends with the final one.
         """
         params = {**(sampling_params or {}), STREAM_KEY: True}
-        stream: Stream = self._core.stream(prompt, params, block_size, raw)
+        stream: Stream = self._core.stream(prompt, params, block_size, raw, block_hashes)
         return stream
 
     async def abort(self, request: ReplyFuture | Stream | int) -> None:

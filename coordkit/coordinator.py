@@ -12,6 +12,7 @@ as pyzmq layers ``zmq.Socket`` over its Cython backend.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,10 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ._implementation import load_implementation, selected
+from ._routing_py import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
 from ._shared import DIALECTS, Detokenizer, Options
+from .curve import CurveServer
+from .metrics import MetricsServer
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -37,7 +41,13 @@ class _Sockets:
 
     LINGER_MS = 500  # lets the final ERRORs of a shutdown reach their clients
 
-    def __init__(self, bind: str, max_message_size: int, context: zmq.Context | None):
+    def __init__(
+        self,
+        bind: str,
+        max_message_size: int,
+        context: zmq.Context | None,
+        curve: CurveServer | None,
+    ):
         self.context = context or zmq.Context.instance()
         self.router = self.context.socket(zmq.ROUTER)
         # A send to a peer that is gone fails (EHOSTUNREACH) instead of vanishing.
@@ -46,10 +56,13 @@ class _Sockets:
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_size)
         self.router.setsockopt(zmq.LINGER, self.LINGER_MS)
+        self.curve = curve
         try:
+            if curve is not None:
+                curve.secure(self.router)
             self.router.bind(bind)
         except zmq.ZMQError:
-            self.router.close(linger=0)
+            self.close()
             raise
         self.address: str = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         # A fresh name each time: libzmq frees an inproc name only a little after close.
@@ -70,9 +83,12 @@ class _Sockets:
     def close(self) -> None:
         with self._lock:
             self.closed = True
+            if self.curve is not None:
+                self.curve.close(self.router)
             self.router.close()
-            self.wake_recv.close()
-            self._wake_send.close(linger=0)
+            if hasattr(self, "wake_recv"):  # bound, not failed before
+                self.wake_recv.close()
+                self._wake_send.close(linger=0)
 
 
 class Coordinator:
@@ -95,14 +111,19 @@ class Coordinator:
         max_message_size: int = 256 << 20,
         detokenizer: Detokenizer | None = None,
         seed: int = 0,
-        prefix_alpha: float = 1.0,
+        prefix_prefill_weight: float = DEFAULT_PREFILL_WEIGHT,
+        prefix_decode_tokens: int = DEFAULT_DECODE_TOKENS,
         prefix_ttl: float = 600.0,
         prefix_max_entries: int = 1_000_000,
         max_clients: int = 65536,
         max_engines: int = 1024,
         keep_prompts: bool = True,
+        request_timeout: float = 0.0,
         dialect: str = "multipart",
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        metrics_port: int | None = None,
+        curve_secret_key: str | os.PathLike[str] | None = None,
+        curve_authorized_keys: str | os.PathLike[str] | None = None,
         context: zmq.Context | None = None,
         implementation: str | None = None,
     ):
@@ -110,8 +131,8 @@ class Coordinator:
             raise ValueError("max_inflight must be between 1 and 2**30")
         if max_inflight_per_engine < 0:
             raise ValueError("max_inflight_per_engine must be >= 0 (0: no cap)")
-        if heartbeat_timeout < 0 or drain_timeout < 0:
-            raise ValueError("timeouts must be >= 0 (0 disables heartbeat expiry)")
+        if heartbeat_timeout < 0 or drain_timeout < 0 or request_timeout < 0:
+            raise ValueError("timeouts must be >= 0 (0 disables heartbeat and request expiry)")
         if max_message_size < -1 or max_message_size == 0:
             raise ValueError("max_message_size must be positive, or -1 for no limit")
         if not 1 <= max_clients <= 1 << 24 or not 1 <= max_engines <= 1 << 16:
@@ -120,6 +141,8 @@ class Coordinator:
             raise ValueError(f"dialect must be one of {', '.join(DIALECTS)}, not {dialect!r}")
         if block_size < 1:
             raise ValueError("block_size must be at least 1")
+        if (curve_secret_key is None) != (curve_authorized_keys is None):
+            raise ValueError("CURVE needs both curve_secret_key and curve_authorized_keys")
         impl = load_implementation(implementation) if implementation else selected()
         #: ``"c"`` or ``"py"``: which loop core runs this coordinator.
         self.implementation: str = impl.name
@@ -133,6 +156,8 @@ class Coordinator:
             max_clients=max_clients,
             max_engines=max_engines,
             keep_prompts=keep_prompts,
+            request_timeout=request_timeout,
+            measure_latency=metrics_port is not None,
             dialect=dialect,
             block_size=block_size,
         )
@@ -141,16 +166,33 @@ class Coordinator:
             max_engines,
             seed=seed,
             rank_cap=max_inflight_per_engine,
-            prefix_alpha=prefix_alpha,
+            prefix_prefill_weight=prefix_prefill_weight,
+            prefix_decode_tokens=prefix_decode_tokens,
+            block_size=block_size,
             prefix_ttl=prefix_ttl,
             prefix_max_entries=prefix_max_entries,
         )
-        self._sockets = _Sockets(bind, max_message_size, context)
+        context = context or zmq.Context.instance()
+        curve = None
+        if curve_secret_key is not None and curve_authorized_keys is not None:
+            curve = CurveServer(
+                context, curve_secret_key, curve_authorized_keys, self._auth_refused
+            )
+        self._sockets = _Sockets(bind, max_message_size, context, curve)
         #: The bound endpoint (a tcp port asked for as 0 or * is resolved).
         self.address = self._sockets.address
+        #: Whether peers must authenticate with CURVE (and traffic is encrypted).
+        self.curve = curve is not None
         self._loop = impl.loop.Loop(
             self.options, router, self._sockets.router, self._sockets.wake_recv
         )
+        self._metrics: MetricsServer | None = None
+        if metrics_port is not None:
+            try:
+                self._metrics = MetricsServer(self, metrics_port)
+            except BaseException:
+                self._sockets.close()
+                raise
         self._thread: threading.Thread | None = None
         self._started = False
 
@@ -192,6 +234,22 @@ class Coordinator:
         """Counters, requests in flight, clients, control state and engines."""
         return self._loop.stats()
 
+    def metrics(self) -> dict[str, Any]:
+        """Messages and bytes by header and direction, requests failed and messages
+        refused by error code, and (when measured) the latency histograms."""
+        return self._loop.metrics()
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port its Prometheus metrics are served on (None: not served)."""
+        return None if self._metrics is None else self._metrics.port
+
+    def _auth_refused(self) -> None:
+        # Only the CURVE monitor thread calls this; the loop itself never writes the count.
+        loop = getattr(self, "_loop", None)  # a refusal may come before the loop is built
+        if loop is not None:
+            loop.count_auth_refused()
+
     def __enter__(self) -> Self:
         self.start()
         return self
@@ -203,3 +261,5 @@ class Coordinator:
         if not self._sockets.closed:
             self._loop.shutdown()
             self._sockets.close()
+        if self._metrics is not None:
+            self._metrics.close()

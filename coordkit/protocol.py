@@ -154,6 +154,7 @@ class ErrorCode(IntEnum):
     DUPLICATE_REQUEST = 8  # a request id already in flight for this client
     INVALID_STATE = 9  # a control signal the state machine does not allow now
     SHUTTING_DOWN = 10  # the coordinator stopped with the request in flight
+    TIMED_OUT = 11  # in flight longer than the coordinator's request_timeout
 
 
 class ProtocolError(ValueError):
@@ -179,6 +180,7 @@ _ERROR_TEXTS = {
     ErrorCode.DUPLICATE_REQUEST: "request id already in flight",
     ErrorCode.INVALID_STATE: "signal not allowed in the current control state",
     ErrorCode.SHUTTING_DOWN: "coordinator shut down",
+    ErrorCode.TIMED_OUT: "request timed out",
 }
 
 

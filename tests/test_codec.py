@@ -8,6 +8,8 @@ the same result, or ProtocolError with the same ``rid``.
 from __future__ import annotations
 
 import enum
+import hashlib
+import random
 from collections import namedtuple
 from typing import Any
 
@@ -17,7 +19,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordkit.protocol import ProtocolError
+from coordkit.protocol import ProtocolError, block_hashes
 from tests.support.peers import PARTIAL, REPLY, REPLY_BATCH, SUBMIT, SUBMIT_BATCH
 
 SETTINGS = settings(max_examples=300, deadline=None)
@@ -96,11 +98,51 @@ valid_frames = (
     submits | replies | submit_batches | reply_batches | header_ints | supported.map(packb)
 )
 
+# Megatron-Core's single frames: [20, rid, prompt, params] and [21, [map, ...]].
+UINT32_MAX = (1 << 32) - 1
+TOKEN_EDGES = [0, 1, 127, 128, 255, 256, 65535, 65536, 1 << 31, UINT32_MAX - 1, UINT32_MAX]
+tokens = st.lists(st.sampled_from(TOKEN_EDGES) | st.integers(0, UINT32_MAX), max_size=70)
+prompts = st.text(max_size=40) | tokens | st.lists(anything, max_size=6)
+params_maps = st.dictionaries(st.text(max_size=8) | int64s, anything, max_size=6)
+request_ids = (
+    int64s
+    | st.sampled_from([INT64_MAX + 1, UINT64_MAX, True, False, None, 1.5, "7", b"7", [7]])
+    | st.just(...)  # no "request_id" at all
+)
+
 
 @st.composite
-def mutated(draw: st.DrawFn) -> bytes:
+def reply_entries(draw: st.DrawFn) -> Any:
+    """A finished request as Megatron's engine sends it, or something that is not one."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(anything)  # not a map, mostly
+    entry = draw(st.dictionaries(st.text(max_size=12) | int64s, anything, max_size=6))
+    rid = draw(request_ids)
+    if rid is not ...:
+        # anywhere among the keys, not only first
+        items = list(entry.items())
+        items.insert(draw(st.integers(0, len(items))), ("request_id", rid))
+        entry = dict(items)
+    return entry
+
+
+single_submits = st.builds(
+    lambda header, rid, prompt, params: packb([header, rid, prompt, params]),
+    st.sampled_from([SUBMIT]) | int64s,
+    int64s,
+    prompts,
+    params_maps,
+)
+single_replies = st.builds(
+    lambda entries: packb([REPLY, entries]), st.lists(reply_entries(), max_size=12)
+)
+single_frames = single_submits | single_replies | prompts.map(packb) | params_maps.map(packb)
+
+
+@st.composite
+def mutated(draw: st.DrawFn, frames: st.SearchStrategy[bytes] = valid_frames) -> bytes:
     """A valid frame with a few bytes flipped, cut, inserted or appended."""
-    frame = bytearray(draw(valid_frames))
+    frame = bytearray(draw(frames))
     for _ in range(draw(st.integers(1, 3))):
         at = draw(st.integers(0, len(frame)))
         kind = draw(st.sampled_from(["flip", "truncate", "insert", "delete", "extend"]))
@@ -347,16 +389,9 @@ def test_reply_larger_than_the_local_buffer(impl):
         packb([SUBMIT, []]),  # not a reply header
         packb([True, []]),
         packb([REPLY, {}]),
-        packb([REPLY, [[1]]]),
-        packb([REPLY, [[1, True, 2]]]),
-        packb([REPLY, [[1, 1]]]),  # flag is an int
-        packb([REPLY, [[True, True]]]),
-        packb([REPLY, [[INT64_MAX + 1, True]]]),
-        packb([REPLY, [1]]),  # a PARTIAL entry under ENGINE_REPLY
-        packb([PARTIAL, [[1, True]]]),  # and the other way round
-        packb([PARTIAL, [None]]),
         packb([REPLY, [[1, True]]]) + b"\x00",  # trailing
         packb([REPLY, [[1, True]]])[:-1],  # truncated
+        packb([REPLY, [[1, b"\xc1"]]]).replace(b"\xc4\x01\xc1", b"\xc1\xc1\xc1"),  # reserved byte
         b"\x92\x15\xdd\xff\xff\xff\xff",  # claims 2**32-1 entries
     ],
 )
@@ -473,6 +508,29 @@ def test_reply_batch_errors(impl, frame):
     assert info.value.rid is None
 
 
+@pytest.mark.parametrize(
+    ("frame", "entries"),
+    [
+        (packb([REPLY, [[1]]]), [None]),
+        (packb([REPLY, [[1, True, 2]]]), [None]),
+        (packb([REPLY, [[1, 1]]]), [None]),  # flag is an int
+        (packb([REPLY, [[True, True]]]), [None]),
+        (packb([REPLY, [[INT64_MAX + 1, True]]]), [None]),
+        (packb([REPLY, [1]]), [None]),  # a PARTIAL entry under ENGINE_REPLY
+        (packb([PARTIAL, [[1, True]]]), [None]),  # and the other way round
+        (packb([PARTIAL, [None]]), [None]),
+        # the good entries of a batch survive the bad ones around them
+        (packb([REPLY, [[7, False], [INT64_MAX + 1, False], {"a": [1]}, [8, True]]]),
+         [(7, False), None, None, (8, True)]),
+        (packb([PARTIAL, [5, "x", -(2**63), 2**64 - 1]]),
+         [(5, False), None, (INT64_MIN, False), None]),
+    ],
+)  # fmt: skip
+def test_reply_salvages_good_entries(impl, frame, entries):
+    header = msgpack.unpackb(frame)[0]
+    assert impl.codec.read_reply(frame) == (header, entries)
+
+
 # -- writers -----------------------------------------------------------------------
 
 
@@ -507,6 +565,492 @@ def test_int_enum_arguments(impl):
     assert impl.codec.write_header_int(Color.RED, Color.RED) == packb([7, 7])
 
 
+# -- Megatron-Core's single frames -------------------------------------------------
+#
+# The oracle: msgpack.unpackb. A frame it decodes to the right shape must be
+# read, spans and all; one it decodes to another shape must be refused. A frame
+# it refuses must be refused too, unless msgpack's own Unpacker.skip accepts its
+# structure: the codec checks structure only (a str's UTF-8, an ext's payload
+# and the hashability of map keys are the reader's business), as read_submit does.
+
+
+def decoded(data: bytes) -> tuple[bool, Any]:
+    try:
+        return True, msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:
+        return False, None
+
+
+def skippable(data: bytes) -> bool:
+    """msgpack's Unpacker.skip takes ``data`` as exactly one object."""
+    unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=len(data) or 1)
+    unpacker.feed(data)
+    try:
+        unpacker.skip()
+    except Exception:
+        return False
+    return unpacker.tell() == len(data)
+
+
+def is_int64(value: Any) -> bool:
+    return type(value) is int and INT64_MIN <= value <= INT64_MAX
+
+
+def same(a: Any, b: Any) -> bool:
+    # repr keeps True and 1 apart, and a NaN equal to itself
+    return repr(a) == repr(b)
+
+
+def check_single_submit(impl, data: bytes) -> None:
+    ok, obj = decoded(data)
+    shaped = (
+        ok
+        and type(obj) is list
+        and len(obj) == 4
+        and is_int64(obj[0])
+        and is_int64(obj[1])
+        and type(obj[2]) in (str, list)
+        and type(obj[3]) is dict
+    )
+    if not shaped and (ok or not skippable(data)):
+        with pytest.raises(ProtocolError):
+            impl.codec.read_single_submit(data)
+        return
+    try:
+        header, rid, prompt, params = impl.codec.read_single_submit(data)
+    except ProtocolError:
+        assert not shaped
+        return
+    assert 0 < prompt < params < len(data)
+    if shaped:
+        assert (header, rid) == (obj[0], obj[1])
+        assert same(msgpack.unpackb(data[prompt:params], strict_map_key=False), obj[2])
+        assert same(msgpack.unpackb(data[params:], strict_map_key=False), obj[3])
+    else:  # a structural read of what msgpack refuses to decode
+        assert skippable(data[prompt:params]) and skippable(data[params:])
+
+
+def expected_entry(entry: Any) -> tuple[int | None, str | None]:
+    if type(entry) is not dict:
+        return None, "reply entry is not a map"
+    if "request_id" not in entry:
+        return None, "reply entry has no request_id"
+    rid = entry["request_id"]
+    if not is_int64(rid):
+        return None, "request_id is not an int64"
+    return rid, None
+
+
+def check_single_reply(impl, data: bytes) -> None:
+    ok, obj = decoded(data)
+    shaped = (
+        ok and type(obj) is list and len(obj) == 2 and same(obj[0], REPLY) and type(obj[1]) is list
+    )
+    if not shaped and (ok or not skippable(data)):
+        with pytest.raises(ProtocolError):
+            impl.codec.read_single_reply(data)
+        return
+    try:
+        entries = impl.codec.read_single_reply(data)
+    except ProtocolError:
+        assert not shaped
+        return
+    # the spans tile the batch, in order, up to the end of the frame
+    assert [end for _, end, _, _ in entries[:-1]] == [start for start, _, _, _ in entries[1:]]
+    assert not entries or entries[-1][1] == len(data)
+    if shaped:
+        assert len(entries) == len(obj[1])
+        for (start, end, rid, error), entry in zip(entries, obj[1], strict=True):
+            assert same(msgpack.unpackb(data[start:end], strict_map_key=False), entry)
+            assert (rid, error) == expected_entry(entry)
+    else:
+        assert all(skippable(data[start:end]) for start, end, _, _ in entries)
+
+
+def check_whole(impl, name: str, data: bytes, types: tuple[type, ...]) -> None:
+    ok, obj = decoded(data)
+    if ok and type(obj) in types:
+        getattr(impl.codec, name)(data)
+    elif ok or not skippable(data):
+        with pytest.raises(ProtocolError):
+            getattr(impl.codec, name)(data)
+
+
+def check_prompt_hashes(impl, data: bytes, block_size: int) -> None:
+    ok, obj = decoded(data)
+    if ok and type(obj) is list and all(type(t) is int and 0 <= t <= UINT32_MAX for t in obj):
+        assert impl.codec.prompt_hashes(data, block_size) == block_hashes(obj, block_size)
+    else:  # nothing msgpack refuses is an array of ints
+        with pytest.raises(ProtocolError):
+            impl.codec.prompt_hashes(data, block_size)
+
+
+@SETTINGS
+@given(header=st.sampled_from([SUBMIT]) | int64s, rid=int64s, prompt=prompts, params=params_maps)
+def test_single_submit(impl, header, rid, prompt, params):
+    frame = packb([header, rid, prompt, params])
+    start = len(packb([header, rid, []])) - 1
+    end = start + len(packb(prompt))
+    assert impl.codec.read_single_submit(frame) == (header, rid, start, end)
+    assert frame[start:end] == packb(prompt) and frame[end:] == packb(params)
+    # and back: a multipart client's prompt and params, spliced into one frame for 0.19's engine
+    assert impl.codec.write_single_submit(header, rid, packb(prompt), packb(params)) == frame
+
+
+@SETTINGS
+@given(data=st.binary(max_size=40) | mutated(single_frames) | single_frames)
+def test_single_submit_agrees_with_msgpack(impl, data):
+    check_single_submit(impl, data)
+
+
+def test_single_submit_structure_only(impl):
+    # a str prompt with invalid UTF-8, params holding an ext -1 (timestamp) of a bad length
+    prompt, params = b"\xa2\xff\xfe", b"\x81\xa1k\xc7\x03\xffxyz"
+    frame = b"\x94\x14\x05" + prompt + params
+    assert impl.codec.read_single_submit(frame) == (20, 5, 3, 6)
+
+
+@pytest.mark.parametrize(
+    ("frame", "rid"),
+    [
+        (b"", None),
+        (b"\x14", None),  # not an array
+        (packb([SUBMIT, 7, [1], {}, 1]), None),  # five fields: the length is checked first
+        (packb([SUBMIT, 7, {}]), None),  # the multipart layout
+        (packb([True, 7, [1], {}]), None),  # header is a bool
+        (packb([SUBMIT, "7", [1], {}]), None),  # rid is a str
+        (packb([SUBMIT, True, [1], {}]), None),  # rid is a bool
+        (packb([SUBMIT, UINT64_MAX, [1], {}]), None),  # rid out of range
+        (b"\x94\x14", None),  # truncated before the rid
+        (b"\x94\x14\x07", 7),  # truncated before the prompt
+        (packb([SUBMIT, 7, b"bin", {}]), 7),  # a prompt is a str or an array
+        (packb([SUBMIT, 7, 12, {}]), 7),
+        (packb([SUBMIT, 7, None, {}]), 7),
+        (packb([SUBMIT, 7, {"a": 1}, {}]), 7),
+        (packb([SUBMIT, 7, "p", [1]]), 7),  # params are a map
+        (packb([SUBMIT, 7, "p", None]), 7),
+        (packb([SUBMIT, 7, "p", "x"]), 7),
+        (packb([SUBMIT, 7, "p", {}]) + b"\x00", 7),  # trailing
+        (packb([SUBMIT, 7, "p", {"a": 1}])[:-1], 7),  # truncated params
+        (packb([SUBMIT, 7, "pp", {}])[:5], 7),  # truncated prompt
+        (b"\x94\x14\x07\xdd\xff\xff\xff\xff\x80", 7),  # prompt claims 2**32-1 tokens
+        (b"\x94\x14\x07\x91\xc1\x80", 7),  # reserved byte in the prompt
+    ],
+)
+def test_single_submit_errors(impl, frame, rid):
+    with pytest.raises(ProtocolError) as info:
+        impl.codec.read_single_submit(frame)
+    assert info.value.rid == rid
+
+
+@pytest.mark.parametrize(
+    ("depth", "last", "ok"),
+    [(1024, b"\x00", True), (1023, b"\x90", True), (1024, b"\x90", False), (1025, b"\x00", False)],
+)
+def test_single_submit_prompt_depth_is_msgpacks(impl, depth, last, ok):
+    frame = b"\x94\x14\x05" + b"\x91" * depth + last + b"\x80"
+    if ok:
+        assert impl.codec.read_single_submit(frame) == (20, 5, 3, len(frame) - 1)
+    else:
+        with pytest.raises(ProtocolError) as info:
+            impl.codec.read_single_submit(frame)
+        assert info.value.rid == 5
+
+
+@SETTINGS
+@given(entries=st.lists(reply_entries(), max_size=20))
+def test_single_reply(impl, entries):
+    frame = packb([REPLY, entries])
+    got = impl.codec.read_single_reply(frame)
+    start = len(frame) - sum(len(packb(e)) for e in entries)
+    for (begin, end, rid, error), entry in zip(got, entries, strict=True):
+        assert (begin, end) == (start, start + len(packb(entry)))
+        assert frame[begin:end] == packb(entry)  # each entry forwarded as its bytes
+        assert (rid, error) == expected_entry(entry)
+        start = end
+
+
+@SETTINGS
+@given(data=st.binary(max_size=40) | mutated(single_frames) | single_frames)
+def test_single_reply_agrees_with_msgpack(impl, data):
+    check_single_reply(impl, data)
+
+
+def str_forms(text: bytes) -> list[bytes]:
+    """``text`` as a msgpack str in each of its four forms."""
+    n = len(text)
+    return [
+        bytes([0xA0 | n]) + text,
+        b"\xd9" + n.to_bytes(1, "big") + text,
+        b"\xda" + n.to_bytes(2, "big") + text,
+        b"\xdb" + n.to_bytes(4, "big") + text,
+    ]
+
+
+@pytest.mark.parametrize("key", str_forms(b"request_id"))
+def test_single_reply_request_id_in_any_str_form(impl, key):
+    entry = b"\x83\xa1a\x01" + key + b"\xcd\x01\x00" + b"\xa1b\x90"
+    frame = b"\x92\x15\x91" + entry
+    assert impl.codec.read_single_reply(frame) == [(3, len(frame), 256, None)]
+
+
+@pytest.mark.parametrize(
+    ("entry", "rid", "error"),
+    [
+        ({"request_id": -1}, -1, None),
+        ({"request_id": INT64_MAX}, INT64_MAX, None),
+        ({"request_id": INT64_MIN}, INT64_MIN, None),
+        ({"request_id": 1, "x": {"request_id": 2}}, 1, None),  # top-level keys only
+        ({"x": {"request_id": 2}}, None, "reply entry has no request_id"),
+        ({b"request_id": 2}, None, "reply entry has no request_id"),  # a bin key is not a str
+        ({"request_i": 2, "request_idx": 3}, None, "reply entry has no request_id"),
+        ({}, None, "reply entry has no request_id"),
+        ({"request_id": INT64_MAX + 1}, None, "request_id is not an int64"),
+        ({"request_id": True}, None, "request_id is not an int64"),
+        ({"request_id": None}, None, "request_id is not an int64"),
+        ({"request_id": 1.0}, None, "request_id is not an int64"),
+        ({"request_id": "1"}, None, "request_id is not an int64"),
+        ({"request_id": [1]}, None, "request_id is not an int64"),
+        ([1, 2], None, "reply entry is not a map"),
+        ("request_id", None, "reply entry is not a map"),
+        (None, None, "reply entry is not a map"),
+    ],
+)
+def test_single_reply_entries(impl, entry, rid, error):
+    frame = packb([REPLY, [{"request_id": 9}, entry, {"request_id": 10}]])
+    entries = impl.codec.read_single_reply(frame)
+    assert [(r, e) for _, _, r, e in entries] == [(9, None), (rid, error), (10, None)]
+    assert frame[entries[1][0] : entries[1][1]] == packb(entry)
+
+
+@pytest.mark.parametrize(
+    ("first", "last", "expected"),
+    [(b"\x01", b"\x02", (2, None)), (b"\x01", b"\xc0", (None, "request_id is not an int64"))],
+)
+def test_single_reply_last_request_id_wins(impl, first, last, expected):
+    # as in the dict msgpack decodes
+    entry = b"\x82\xaarequest_id" + first + b"\xaarequest_id" + last
+    frame = b"\x92\x15\x91" + entry
+    assert expected_entry(msgpack.unpackb(entry)) == expected
+    assert impl.codec.read_single_reply(frame) == [(3, len(frame), *expected)]
+
+
+def test_single_reply_larger_than_the_local_buffer(impl):
+    entries = [{"request_id": i, "generated_tokens": [i] * (i % 7)} for i in range(3000)]
+    frame = packb([REPLY, entries])
+    got = impl.codec.read_single_reply(frame)
+    assert [rid for _, _, rid, _ in got] == list(range(3000))
+    assert b"".join(frame[start:end] for start, end, _, _ in got) == packb(entries)[3:]
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        packb([REPLY]),
+        packb([REPLY, [], 1]),
+        packb([PARTIAL, []]),  # 0.19 has no partial replies
+        packb([SUBMIT, []]),
+        packb([True, []]),
+        packb([UINT64_MAX, []]),
+        packb([REPLY, {}]),
+        packb([REPLY, None]),
+        packb([REPLY, [{"request_id": 1}]]) + b"\x00",  # trailing
+        packb([REPLY, [{"request_id": 1}]])[:-1],  # truncated
+        b"\x92\x15\xdd\xff\xff\xff\xff",  # claims 2**32-1 entries
+        b"\x92\x15\x91\xdf\xff\xff\xff\xff",  # an entry claiming 2**32-1 pairs
+        b"\x92\x15\x92\x80\xc1",  # a reserved byte as an entry
+        b"\x92\x15\x91\x81\xaarequest_id\xc1",  # ... as the request_id
+        b"\x92\x15\x91\x81\xaarequest_id\xcd\x01",  # a request_id cut short
+        b"\x92\x15\x91\x81\xaarequest_i",  # a key cut short
+        b"\x92\x15\x91\x81\xc1\x01",  # a reserved byte as a key
+    ],
+)
+def test_single_reply_errors(impl, frame):
+    with pytest.raises(ProtocolError) as info:
+        impl.codec.read_single_reply(frame)
+    assert info.value.rid is None
+
+
+# -- single frames: checks and the splice writer ----------------------------------
+
+
+@SETTINGS
+@given(data=st.binary(max_size=40) | mutated(single_frames) | single_frames)
+def test_check_prompt_and_map_agree_with_msgpack(impl, data):
+    check_whole(impl, "check_prompt", data, (str, list))
+    check_whole(impl, "check_map", data, (dict,))
+
+
+@pytest.mark.parametrize(
+    ("frame", "prompt", "map_"),
+    [
+        (packb("text"), True, False),
+        (packb([1, 2]), True, False),
+        (packb([]), True, False),
+        (packb({"a": [1]}), False, True),
+        (packb({}), False, True),
+        (b"", False, False),
+        (packb(b"bytes"), False, False),
+        (packb(3), False, False),
+        (packb("a") + packb("b"), False, False),  # two objects
+        (packb({}) + b"\x00", False, False),
+        (packb([1, 2])[:-1], False, False),
+        (b"\xa2\xff\xfe", True, False),  # structure only: UTF-8 is the reader's business
+    ],
+)
+def test_check_prompt_and_map(impl, frame, prompt, map_):
+    for check, ok in ((impl.codec.check_prompt, prompt), (impl.codec.check_map, map_)):
+        if ok:
+            check(frame)
+        else:
+            with pytest.raises(ProtocolError):
+                check(frame)
+
+
+@SETTINGS
+@given(header=int64s, rid=int64s, prompt=st.binary(max_size=30), params=st.binary(max_size=30))
+def test_write_single_submit_splices_the_bytes(impl, header, rid, prompt, params):
+    out = impl.codec.write_single_submit(header, rid, prompt, params)
+    # a fixarray of 4, then the header and the rid in their smallest forms, then the spans
+    assert out == b"\x94" + packb([header, rid])[1:] + prompt + params
+
+
+def test_write_single_submit_large_spans(impl):
+    prompt, params = packb(list(range(100_000))), packb({"k": "v" * 70_000})
+    out = impl.codec.write_single_submit(SUBMIT, 1 << 40, memoryview(prompt), bytearray(params))
+    assert out == packb([SUBMIT, 1 << 40, list(range(100_000)), {"k": "v" * 70_000}])
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(True, TypeError), (1.0, TypeError), (None, TypeError), (INT64_MAX + 1, OverflowError)],
+)
+def test_write_single_submit_int_arguments(impl, value, error):
+    with pytest.raises(error):
+        impl.codec.write_single_submit(value, 1, b"\x90", b"\x80")
+    with pytest.raises(error):
+        impl.codec.write_single_submit(SUBMIT, value, b"\x90", b"\x80")
+
+
+# -- block hashes from a prompt --------------------------------------------------------
+
+
+def pack_tokens(tokens: list[int], form: str) -> bytes:
+    """A token array in msgpack's smallest forms, or in one of the larger ones it also
+    decodes: every reader must take them all (an array16/32 header, uint32/64, int64)."""
+    if form == "packb":
+        return packb(tokens)
+    if form == "array16":
+        return b"\xdc" + len(tokens).to_bytes(2, "big") + b"".join(packb(t) for t in tokens)
+    prefix, size = {"uint32": (b"\xce", 4), "uint64": (b"\xcf", 8), "int64": (b"\xd3", 8)}[form]
+    header = b"\xdd" + len(tokens).to_bytes(4, "big")
+    return header + b"".join(prefix + t.to_bytes(size, "big") for t in tokens)
+
+
+TOKEN_FORMS = ["packb", "array16", "uint32", "uint64", "int64"]
+
+
+@SETTINGS
+@given(tokens=tokens, block_size=st.integers(1, 20), form=st.sampled_from(TOKEN_FORMS))
+def test_prompt_hashes_are_block_hashes(impl, tokens, block_size, form):
+    prompt = pack_tokens(tokens, form)
+    assert msgpack.unpackb(prompt) == tokens
+    assert impl.codec.prompt_hashes(prompt, block_size) == block_hashes(tokens, block_size)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 15, 16, 17, 31, 32, 33, 64, 1000])
+def test_prompt_hashes_at_block_boundaries(impl, block_size):
+    rng = random.Random(block_size)
+    for n in sorted({0, 1, block_size - 1, block_size, block_size + 1, 3 * block_size, 1500}):
+        tokens = [rng.randrange(1 << 32) for _ in range(n)]
+        expected = block_hashes(tokens, block_size)
+        assert len(expected) == 8 * (n // block_size)
+        assert impl.codec.prompt_hashes(packb(tokens), block_size) == expected
+
+
+def test_prompt_hashes_of_a_long_prompt(impl):
+    tokens = [(i * 7919) % 150_000 for i in range(32_000)]
+    prompt = zmq.Frame(packb(tokens)).buffer  # read in place, from any buffer
+    assert impl.codec.prompt_hashes(prompt, 16) == block_hashes(tokens, 16)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "why"),
+    [
+        (packb("a str prompt"), "the prompt is a str"),
+        (b"\xd9\x01a", "the prompt is a str"),
+        (packb([1, -1]), "a token is not an int"),
+        (packb([1, 1 << 32]), "a token is not an int"),
+        (packb([1, UINT64_MAX]), "a token is not an int"),
+        (packb([1, True]), "a token is not an int"),
+        (packb([1, None]), "a token is not an int"),
+        (packb([1, 1.0]), "a token is not an int"),
+        (packb([1, [2]]), "a token is not an int"),
+        (packb([1, "2"]), "a token is not an int"),
+        (packb(list(range(64)) + [-5]), "a token is not an int"),  # after the last full block
+        (packb({"a": 1}), "unexpected type"),
+        (packb(b"bytes"), "unexpected type"),
+        (packb(5), "unexpected type"),
+        (b"", "truncated"),
+        (packb([1, 2, 3])[:-1], "truncated"),
+        (b"\xdd\xff\xff\xff\xff\x01", "truncated"),  # claims 2**32-1 tokens
+        (packb([1, 2]) + b"\x00", "trailing bytes"),
+    ],
+)
+def test_prompt_hashes_none_and_why(impl, prompt, why):
+    with pytest.raises(ProtocolError, match=why.replace("*", r"\*")):
+        impl.codec.prompt_hashes(prompt, 2)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "error"),
+    [(0, ValueError), (-1, ValueError), (1 << 32, ValueError), (True, TypeError), (2.0, TypeError)],
+)
+def test_prompt_hashes_block_size(impl, block_size, error):
+    with pytest.raises(error):
+        impl.codec.prompt_hashes(packb([1, 2]), block_size)
+
+
+@SETTINGS
+@given(data=st.binary(max_size=40) | mutated(tokens.map(packb)), block_size=st.integers(1, 4))
+def test_prompt_hashes_agree_with_msgpack(impl, data, block_size):
+    check_prompt_hashes(impl, data, block_size)
+
+
+# BLAKE2b (RFC 7693), the C twin's own, against hashlib: every length up to a few
+# blocks (128 bytes each), around each block boundary, and every digest size.
+LENGTHS = sorted(set(range(0, 300)) | {b * 128 + d for b in range(2, 9) for d in (-1, 0, 1)})
+
+
+@pytest.mark.parametrize("digest_size", [8, 1, 16, 32, 63, 64])
+def test_blake2b_is_hashlibs(impl, digest_size):
+    rng = random.Random(digest_size)
+    for n in LENGTHS:
+        data = rng.randbytes(n)
+        expected = hashlib.blake2b(data, digest_size=digest_size).digest()
+        assert impl.codec.blake2b(data, digest_size) == expected, n
+
+
+@SETTINGS
+@given(data=st.binary(max_size=2000))
+def test_blake2b_random_inputs(impl, data):
+    assert impl.codec.blake2b(data) == hashlib.blake2b(data, digest_size=8).digest()
+
+
+def test_blake2b_large_input_and_buffers(impl):
+    data = random.Random(0).randbytes(1 << 20)
+    expected = hashlib.blake2b(data, digest_size=8).digest()
+    assert impl.codec.blake2b(memoryview(b"x" + data)[1:]) == expected
+    assert impl.codec.blake2b(bytearray(data)) == expected
+
+
+@pytest.mark.parametrize("digest_size", [0, 65, -1])
+def test_blake2b_digest_size(impl, digest_size):
+    with pytest.raises(ValueError):
+        impl.codec.blake2b(b"x", digest_size)
+
+
 # -- any bytes-like frame ----------------------------------------------------------
 
 
@@ -535,7 +1079,19 @@ def test_buffers(impl):
 
 @pytest.mark.parametrize(
     "name",
-    ["read_header", "read_submit", "read_reply", "read_header_int", "read_reply_batch", "decode"],
+    [
+        "read_header",
+        "read_submit",
+        "read_reply",
+        "read_header_int",
+        "read_reply_batch",
+        "decode",
+        "read_single_submit",
+        "read_single_reply",
+        "check_prompt",
+        "check_map",
+        "blake2b",
+    ],
 )
 def test_not_a_buffer(impl, name):
     with pytest.raises(TypeError):
@@ -556,6 +1112,12 @@ def same_everywhere(c_impl, py_impl, data: bytes) -> None:
         ("read_submit_batch", (2,)),
         ("read_reply_batch", ()),
         ("decode", ()),
+        ("read_single_submit", ()),
+        ("read_single_reply", ()),
+        ("check_prompt", ()),
+        ("check_map", ()),
+        ("prompt_hashes", (1,)),
+        ("prompt_hashes", (3,)),
     ]:
         c = outcome(getattr(c_impl.codec, name), data, *args)
         py = outcome(getattr(py_impl.codec, name), data, *args)
@@ -587,4 +1149,30 @@ def test_differential_mutated_frames(c_impl, py_impl, data):
 )
 def test_differential_submit_remainders(c_impl, py_impl, data):
     # random bytes after a valid header and rid: the skip of the remainder
+    same_everywhere(c_impl, py_impl, data)
+
+
+@pytest.mark.c_extension
+@DIFFERENTIAL
+@given(data=mutated(single_frames))
+def test_differential_mutated_single_frames(c_impl, py_impl, data):
+    same_everywhere(c_impl, py_impl, data)
+
+
+@pytest.mark.c_extension
+@DIFFERENTIAL
+@given(
+    data=st.builds(
+        lambda head, tail: b"\x92\x15\x91" + head + tail,
+        st.sampled_from([b"\x81", b"\x82", b"\x83\xaarequest_id", b"\x81\xaarequest_id"]),
+        st.binary(max_size=30),
+    )
+    | st.builds(
+        lambda head, tail: b"\x94\x14\x05" + head + tail,
+        st.sampled_from([b"", b"\x91", b"\xa1a", b"\x92\x01"]),
+        st.binary(max_size=30),
+    )
+)
+def test_differential_single_remainders(c_impl, py_impl, data):
+    # random bytes where a reply map's keys, or a SUBMIT's prompt and params, are read
     same_everywhere(c_impl, py_impl, data)

@@ -72,10 +72,11 @@ def test_demo_compares_prefix_cache_hit_rates(impl):
     assert all(float(value) > 0 for value in rows["requests/s"])
     least_loaded, prefix = map(hit_rate, rows["prefix cache hit rate"])
     # Every engine's cache holds all four prefixes, so only a prefix's first request on an
-    # engine misses its 32 blocks (the 2 suffix blocks always miss). Prefix routing keeps
-    # each prefix on one engine: 4 such misses. least_loaded spreads each over all 4: ~16.
-    assert prefix == round(100 * 32 * (400 - 4) / (34 * 400), 1)
-    assert 0 < least_loaded < prefix
+    # engine misses its 32 blocks (the 2 suffix blocks always miss). least_loaded spreads
+    # each over all 4: ~16 such misses. Prefix routing keeps a prefix on one engine (4
+    # misses) until that engine's queued work outweighs the prefill the prefix saves, so
+    # with 64 requests in flight it may spread a few, but never more than least_loaded.
+    assert 0 < least_loaded <= prefix <= round(100 * 32 * (400 - 4) / (34 * 400), 1)
 
 
 def children(pid: int) -> list[int]:

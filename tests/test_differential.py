@@ -107,7 +107,13 @@ def _conversation(impl, address: str, policy: str, seed: int, steps: int) -> dic
                 junk = rng.choice([b"\xc1", m([]), m([SUBMIT, "x", {}]), m([77]), m([SUBMIT, 1])])
                 send(client, junk, b"p")
         stats = c.coord.stats()
-    return {"log": dict(log), "counters": stats["counters"], "inflight": stats["inflight"]}
+        metrics = c.coord.metrics()
+    return {
+        "log": dict(log),
+        "counters": stats["counters"],
+        "inflight": stats["inflight"],
+        "metrics": metrics,
+    }
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "power_of_two", "prefix"])
@@ -122,3 +128,38 @@ def test_same_frames_at_every_peer(c_impl, py_impl, tmp_path, policy):
         assert c_run["log"].get(peer) == py_run["log"].get(peer), peer
     assert c_run["counters"] == py_run["counters"]
     assert c_run["inflight"] == py_run["inflight"]
+    assert c_run["metrics"] == py_run["metrics"]
+
+
+def _server_ids(impl, address: str, waves: list[int]) -> list[int]:
+    """The server ids an engine sees for waves of requests held, then answered."""
+    seen: list[int] = []
+    with Cluster(impl, address, n_engines=1) as c:
+        client, engine = c.client(), c.engines[0]
+        rid = 0
+        for held in waves:
+            for _ in range(held):
+                client.sock.send_multipart([m([SUBMIT, rid, {}]), b"p"])
+                rid += 1
+            ids = [um(engine.recv()[0])[1] for _ in range(held)]
+            entries = [[sid, False] for sid in ids]
+            engine.send(m([REPLY, entries]), *[b"r"] * held)
+            for _ in range(held):
+                client.recv()
+            seen += ids
+    return seen
+
+
+@pytest.mark.c_extension
+def test_server_ids_are_drawn_alike(c_impl, py_impl, tmp_path):
+    # Few in flight, then many (the window grows), then few again (it shrinks
+    # at the next lap): ids advance, jump to a new lap of the index at the
+    # window's end, and are the same in both implementations.
+    waves = [64] * 80 + [3000, 3000, 5000] + [64] * 200
+    c_ids, py_ids = (
+        _server_ids(impl, f"ipc://{tmp_path}/{impl.name}.sock", waves) for impl in (c_impl, py_impl)
+    )
+    assert c_ids == py_ids
+    assert all(a < b for a, b in zip(c_ids, c_ids[1:], strict=False))  # increasing
+    assert len({sid & ((1 << 20) - 1) for sid in c_ids}) < 20_000  # positions reused
+    assert c_ids[-1] > 1 << 20  # and laps taken

@@ -26,6 +26,7 @@ from tests.support.peers import (
     ABORT,
     CONNECT,
     DISCONNECT,
+    ENGINE_HELLO,
     ERROR,
     HEARTBEAT,
     PARTIAL,
@@ -128,10 +129,12 @@ BAD_FROM_ENGINE = [
     ([b"\xc1"], "malformed"),
     ([m([REPLY, [[0, False], [1, False]]]), b"only one body"], "malformed"),
     ([m([REPLY, [[0, False]]]), b"one", b"two"], "malformed"),
-    ([m([REPLY, [[0]]]), b"b"], "malformed"),
-    ([m([REPLY, [[0, 1]]]), b"b"], "malformed"),
-    ([m([REPLY, [0]]), b"b"], "malformed"),
-    ([m([PARTIAL, [[0, False]]]), b"b"], "malformed"),
+    # a readable batch with an entry of the wrong shape: that entry is skipped
+    ([m([REPLY, [[0]]]), b"b"], "malformed_entries"),
+    ([m([REPLY, [[0, 1]]]), b"b"], "malformed_entries"),
+    ([m([REPLY, [0]]), b"b"], "malformed_entries"),
+    ([m([PARTIAL, [[0, False]]]), b"b"], "malformed_entries"),
+    ([m([REPLY, [[2**63, False]]]), b"b"], "malformed_entries"),
     ([m([REPLY, "x"]), b"b"], "malformed"),
     ([m([REPLY])], "malformed"),
     ([m([REPLY, [[-1, False]]]), b"b"], "unknown_request"),
@@ -174,6 +177,91 @@ def test_reply_from_engine_not_owning_the_request_is_dropped(make_cluster):
         c.engines[0].send(m([REPLY, [[server_rid, False]]]), b"owner")
         assert client.recv() == [m([REPLY, 0]), b"owner"]
         assert c.coord.stats()["counters"]["unknown_request"] == 1
+
+
+def test_a_bad_entry_does_not_take_the_good_finals_with_it(make_cluster):
+    with make_cluster(n_engines=2, policy="round_robin") as c:
+        client = c.client(coordkit=True)
+        client.send(m([SUBMIT, 0, {}]), b"p0")
+        mine = um(c.engines[0].recv()[0])[1]
+        client.send(m([SUBMIT, 1, {}]), b"p1")
+        theirs = um(c.engines[1].recv()[0])[1]
+        # The owner's real final, an id that does not fit int64, an unknown id,
+        # and a request another engine owns: only the first is delivered.
+        entries = [[mine, False], [2**63, False], [12345, False], [theirs, False]]
+        c.engines[0].send(m([REPLY, entries]), b"real", b"x", b"y", b"z")
+        assert client.recv() == [m([REPLY, 0]), b"real"]
+        client.assert_silent(0.05)
+        counters = c.coord.stats()["counters"]
+        assert (counters["malformed_entries"], counters["unknown_request"]) == (1, 2)
+        assert counters["malformed"] == 0
+        c.engines[1].send(m([REPLY, [[theirs, False]]]), b"theirs")  # untouched by the forgery
+        assert client.recv() == [m([REPLY, 1]), b"theirs"]
+        assert c.coord.stats()["inflight"] == 0
+
+
+def test_a_coordkit_engine_is_told_which_entries_were_not_delivered(make_cluster):
+    with make_cluster(n_engines=0) as c:
+        engine = c.add_engine(b"ck-engine")
+        engine.hello()
+        client = c.client()
+        client.send(m([SUBMIT, 0, {}]), b"p")
+        server_rid = um(engine.recv()[0])[1]
+        engine.send(m([PARTIAL, [server_rid, "x", 777]]), b"part", b"bad", b"unknown")
+        assert client.recv() == [m([PARTIAL, 0]), b"part"]
+        assert error_of(engine.recv()) == (None, ErrorCode.MALFORMED)
+        assert error_of(engine.recv()) == (777, ErrorCode.UNKNOWN_REQUEST)
+        engine.send(m([REPLY, [[server_rid, False]]]), b"done")
+        assert client.recv() == [m([REPLY, 0]), b"done"]
+        engine.assert_silent(0.05)
+
+
+def test_engine_hello_registers_an_engine(make_cluster):
+    with make_cluster(n_engines=0) as c:
+        engine = RawEngine(c.ctx, c.coord.address, b"hello-only")
+        c.peers.append(engine)
+        engine.hello()  # no empty frame first
+        wait_for(lambda: len(c.coord.stats()["engines"]) == 1)
+        client = c.client()
+        round_trip(c, client, 0, engine)
+        engine.send(m([ENGINE_HELLO, "not a map"]))
+        wait_for(lambda: c.coord.stats()["counters"]["malformed"] == 1)
+        assert c.coord.stats()["engines"][0]["state"] == "alive"
+        assert c.coord.stats()["counters"]["duplicate_register"] == 0
+
+
+def test_a_request_whose_engine_never_answers_times_out(make_cluster):
+    with make_cluster(n_engines=1, request_timeout=0.3) as c:
+        client = c.client(coordkit=True)
+        client.send(m([SUBMIT, 0, {}]), b"forgotten")
+        server_rid = um(c.engines[0].recv()[0])[1]
+        round_trip(c, client, 1)  # a request that is answered is not touched
+        started = time.monotonic()
+        expect_error(client, 0, ErrorCode.TIMED_OUT)
+        assert time.monotonic() - started < 5.0
+        assert c.engines[0].recv() == [m([ABORT, server_rid])]
+        stats = c.coord.stats()
+        assert stats["inflight"] == 0 and stats["counters"]["timed_out"] == 1
+        c.engines[0].send(m([REPLY, [[server_rid, False]]]), b"too late")  # counted, dropped
+        wait_for(lambda: c.coord.stats()["counters"]["unknown_request"] == 1)
+        client.assert_silent(0.05)
+        round_trip(c, client, 2)
+
+
+def test_requests_time_out_oldest_first_and_only_when_due(make_cluster):
+    with make_cluster(n_engines=1, request_timeout=0.4) as c:
+        client = c.client(coordkit=True)
+        for rid in range(3):
+            client.send(m([SUBMIT, rid, {}]), b"p")
+            c.engines[0].recv()
+            time.sleep(0.1)
+        client.send(m([ABORT, 1]))  # aborted: its engine is not sent a second ABORT
+        assert um(c.engines[0].recv()[0])[0] == ABORT
+        assert [error_of(client.recv()) for _ in range(3)] == [
+            (rid, ErrorCode.TIMED_OUT) for rid in range(3)
+        ]
+        aborts = [um(f[0]) for f in c.engines[0].recv_all()]
+        assert [a[0] for a in aborts] == [ABORT, ABORT]
 
 
 def test_reply_from_unregistered_sender_is_dropped(cluster):

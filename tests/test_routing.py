@@ -48,8 +48,13 @@ def test_unknown_policy_names_the_valid_ones(impl):
         {"seed": -1},
         {"seed": 1 << 64},
         {"rank_cap": -1},
-        {"prefix_alpha": -0.5},
-        {"prefix_alpha": float("nan")},
+        {"prefix_prefill_weight": -0.5},
+        {"prefix_prefill_weight": float("nan")},
+        {"prefix_prefill_weight": float("inf")},
+        {"prefix_prefill_weight": 65536.5},
+        {"prefix_decode_tokens": -1},
+        {"prefix_decode_tokens": (1 << 31) + 1},
+        {"block_size": 0},
         {"prefix_max_entries": 0},
     ],
 )
@@ -86,15 +91,56 @@ def test_add_and_remove_rank(impl):
     assert router.n_accepting == 1
     assert router.accepting(5) and not router.accepting(4)
     assert router.choose() == 5
+    charge = router.charged
     router.remove_rank(5)
     router.remove_rank(5)
     assert router.n_accepting == 0
     assert not router.accepting(5)
     assert router.pending(5) == 1  # kept: the coordinator releases it request by request
+    assert router.work(5) == charge  # kept too
     assert router.choose() == -1
-    router.release(5)
-    router.release(5)
-    assert router.pending(5) == 0
+    assert router.charged == 0
+    router.release(5, charge)
+    router.release(5, charge)
+    assert router.pending(5) == router.work(5) == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_charges_work(impl, policy):
+    # A request's blocks: its hashes, else ceil(prompt_tokens / block_size); plus
+    # the decode share. Only prefix knows what a rank has cached.
+    router = make(impl, policy, [0], block_size=16, prefix_decode_tokens=48)
+    assert router.choose(None, 0.0, 33) == 0
+    assert router.charged == 3 + 3
+    assert router.choose(b"", 0.0, 32) == 0
+    assert router.charged == 2 + 3
+    assert router.choose(frame(1, 2, 3, 4, 5), 0.0, 10_000) == 0  # the hashes size it
+    assert router.charged == 5 + 3
+    assert router.work(0) == 6 + 5 + 8
+    if policy == "prefix":
+        assert router.choose(frame(1, 2, 3, 9), 0.0) == 0
+        assert router.charged == 1 + 3  # three blocks already there
+    router.release(0, 8)
+    router.release(0, 100)  # more than is left: work stops at 0
+    assert router.work(0) == 0
+
+
+@pytest.mark.parametrize(
+    ("decode_tokens", "block_size", "blocks"),
+    [(0, 16, 0), (1, 16, 1), (128, 16, 8), (129, 16, 9), (128, 512, 1)],
+)
+def test_the_decode_share_is_rounded_up_to_blocks(impl, decode_tokens, block_size, blocks):
+    router = make(impl, "prefix", [0], prefix_decode_tokens=decode_tokens, block_size=block_size)
+    router.choose()
+    assert router.charged == blocks
+
+
+def test_prompt_tokens_bounds(impl):
+    router = make(impl, "least_loaded", [0], block_size=1, prefix_decode_tokens=0)
+    router.choose(None, 0.0, -5)
+    assert router.charged == 0
+    router.choose(None, 0.0, (1 << 63) - 1)
+    assert router.charged == 1 << 23  # MAX_BLOCKS
 
 
 # -- round_robin, least_loaded, rank_cap --------------------------------------
@@ -201,59 +247,85 @@ def chain(impl, tokens: list[int]) -> bytes:
     return protocol.block_hashes(tokens, 16)
 
 
+def once(router, hashes=None, now=0.0, tokens=0) -> int:
+    """A request that comes and goes: chosen, then released with its charge."""
+    rank = router.choose(hashes, now, tokens)
+    router.release(rank, router.charged)
+    return rank
+
+
 def test_prefix_shared_prefix_lands_on_the_same_rank(impl):
     router = make(impl, "prefix", range(4))
     system = list(range(1000, 1064))  # four full blocks
-    first = router.choose(chain(impl, system + [1] * 20))
-    router.release(first)
+    first = once(router, chain(impl, system + [1] * 20))
     for user in range(2, 8):
-        rank = router.choose(chain(impl, system + [user] * 20))
-        router.release(rank)
-        assert rank == first
-    unrelated = router.choose(chain(impl, list(range(64))))
-    assert unrelated != first  # no match: least_loaded, whose start has moved on
+        assert once(router, chain(impl, system + [user] * 20)) == first
+    unrelated = once(router, chain(impl, list(range(64))))
+    assert unrelated != first  # no match, no load: the rotating start has moved on
 
 
-def test_prefix_overloaded_rank_loses_affinity(impl):
-    # Four ranks, a four-block match on rank 0, alpha 1, nothing released: with
-    # p0 = k and the others idle, score(0) = 4 - (3k/4) / max(1, k/4) and
-    # score(other) = (k/4) / max(1, k/4); they meet at k = 4, where the tie
-    # goes to the rank with fewer pending.
-    router = make(impl, "prefix", range(4))
+def test_prefix_queued_work_outweighs_affinity(impl):
+    # Weight 2, decode share 1, four-block requests, nothing released. Rank 0 has the
+    # chain after the first: it costs 2*0 + work(0), an idle rank 2*4 + 0. Work(0) goes
+    # 5, 6, 7, 8: at 8 they tie, and the tie goes to fewer pending.
+    router = make(impl, "prefix", range(4), prefix_prefill_weight=2.0, prefix_decode_tokens=16)
     hashes = frame(1, 2, 3, 4)
-    assert [router.choose(hashes) for _ in range(5)] == [0, 0, 0, 0, 1]
+    picks, charges = [], []
+    for _ in range(5):
+        picks.append(router.choose(hashes))
+        charges.append(router.charged)
+    assert picks == [0, 0, 0, 0, 1]
+    assert charges == [5, 1, 1, 1, 5]
     assert router.prefix_ranks(1, 0.0) == [0, 1]
+    assert [router.work(r) for r in range(4)] == [8, 5, 0, 0]
 
 
-def test_prefix_alpha_zero_is_pure_affinity(impl):
-    router = make(impl, "prefix", range(4), prefix_alpha=0.0)
-    assert {router.choose(frame(1, 2)) for _ in range(20)} == {0}
+def test_prefix_weight_may_be_fractional(impl):
+    # 1.5 blocks to prefill against work: a 2-block saving is worth 3 queued blocks.
+    router = make(impl, "prefix", range(2), prefix_prefill_weight=1.5, prefix_decode_tokens=0)
+    hashes = frame(1, 2)
+    assert router.choose(hashes) == 0  # work(0) = 2
+    assert router.choose(hashes) == 0  # 1.5*0 + 2 < 1.5*2 + 0: work(0) stays 2
+    router.choose(None, 0.0, 16)  # least work: rank 1 gets one block
+    assert [router.work(r) for r in range(2)] == [2, 1]
+    router.choose(None, 0.0, 16)  # rank 1 again (1 < 2): now 2 and 2
+    assert router.choose(hashes) == 0  # 0 + 2 < 3 + 2
+    router.choose(None, 0.0, 16)  # rank 0 and rank 1 tie on work: fewer pending, rank 1
+    assert [router.work(r) for r in range(2)] == [2, 3]
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.001])  # 0.001 * 256 rounds to 0
+def test_prefix_weight_zero_is_least_work(impl, weight):
+    router = make(impl, "prefix", range(2), prefix_prefill_weight=weight, prefix_decode_tokens=0)
+    assert router.choose(frame(1, 2, 3)) == 0
+    assert router.choose(frame(1, 2, 3)) == 1  # affinity is worth nothing: rank 1 has less work
+    assert router.charged == 3
 
 
 def test_prefix_deeper_match_wins(impl):
-    router = make(impl, "prefix", range(4))
-    assert router.choose(frame(1, 2, 3)) == 0  # no match: least_loaded
-    assert router.choose(frame(1)) == 1  # a one-block match does not outweigh one pending
-    router.release(1)
+    router = make(impl, "prefix", range(2), prefix_prefill_weight=1.0, prefix_decode_tokens=0)
+    assert router.choose(frame(1, 2, 3)) == 0  # held: work(0) = 3
+    assert router.choose(frame(1)) == 1  # 1*1 + 0 < 1*0 + 3
+    router.release(0, 3)
+    router.release(1, 1)
     assert router.prefix_ranks(1, 0.0) == [0, 1]
-    # Rank 0 (depth 3, one pending) against rank 1 (depth 1, idle).
-    assert router.choose(frame(1, 2, 3)) == 0
+    assert router.prefix_ranks(2, 0.0) == [0]
+    assert once(router, frame(1, 2, 3)) == 0  # depth 3 against depth 1, both idle
+    assert once(router, frame(1, 7)) == 1  # depth 1 on both: a tie, the rotating start decides
+    assert once(router, frame(1, 7)) == 1  # now rank 1 alone has (1, 7)
 
 
 def test_prefix_entries_expire(impl):
     router = make(impl, "prefix", range(4), prefix_ttl=10.0)
     hashes = frame(1, 2)
-    assert router.choose(hashes, now=0.0) == 0
-    router.release(0)
-    assert router.choose(hashes, now=10.0) == 0  # now - last_used == ttl: still live
-    router.release(0)
+    assert once(router, hashes, now=0.0) == 0
+    assert once(router, hashes, now=10.0) == 0  # now - last_used == ttl: still live
     assert router.prefix_ranks(1, 20.0) == [0]
     assert router.prefix_ranks(1, 20.5) == []
     assert router.prefix_len == 2  # expired, not yet purged
-    assert router.choose(hashes, now=21.0) == 1  # no live match: least_loaded
-    assert router.prefix_ranks(1, 21.0) == [1]  # purged, then recorded afresh
-    router.release(1)
-    router.release(router.choose(frame(7), now=40.0))
+    assert once(router, hashes, now=21.0) == 2  # no live match: the rotating start
+    assert router.prefix_ranks(1, 21.0) == [2]  # purged, then recorded afresh
+    once(router, frame(7), now=40.0)
     assert router.prefix_len == 1  # recording purged the expired entries first
 
 
@@ -261,36 +333,35 @@ def test_prefix_expired_entry_is_reset(impl):
     # A step back in time leaves an expired entry behind a live one in LRU
     # order: the purge stops at the live one, and recording resets the other.
     router = make(impl, "prefix", range(4), prefix_ttl=10.0)
-    router.release(router.choose(frame(1), now=100.0))  # rank 0
-    router.release(router.choose(frame(2), now=0.0))  # rank 1
-    assert router.choose(frame(2), now=100.0) == 2  # expired: least_loaded
+    assert once(router, frame(1), now=100.0) == 0
+    assert once(router, frame(2), now=0.0) == 1
+    assert once(router, frame(2), now=100.0) == 2  # expired: the rotating start
     assert router.prefix_ranks(1, 100.0) == [0]
     assert router.prefix_ranks(2, 100.0) == [2]  # reset, not {1, 2}
 
 
 def test_prefix_table_size_bound_evicts_lru(impl):
     router = make(impl, "prefix", range(2), prefix_max_entries=4)
-    router.release(router.choose(frame(1, 2, 3)))
-    router.release(router.choose(frame(4, 5)))
+    once(router, frame(1, 2, 3))
+    once(router, frame(4, 5))
     assert router.prefix_len == 4
     assert router.prefix_ranks(1, 0.0) == []
     assert all(router.prefix_ranks(h, 0.0) for h in (2, 3, 4, 5))
-    router.release(router.choose(frame(2)))  # 2 becomes the most recent
-    router.release(router.choose(frame(6)))  # evicts 3, the oldest now
+    once(router, frame(2))  # 2 becomes the most recent
+    once(router, frame(6))  # evicts 3, the oldest now
     assert router.prefix_len == 4
     assert router.prefix_ranks(3, 0.0) == []
     assert all(router.prefix_ranks(h, 0.0) for h in (2, 4, 5, 6))
 
 
 def test_prefix_removed_rank_leaves_the_table(impl):
-    router = make(impl, "prefix", range(3), rank_cap=1)
+    router = make(impl, "prefix", range(3), rank_cap=1, prefix_decode_tokens=32)
     a, b, e = frame(1, 2), frame(3), frame(4, 5)
     assert router.choose(a) == 0
-    assert router.choose(a) == 1  # rank 0 is at its cap: least_loaded
+    assert router.choose(a) == 1  # rank 0 is at its cap
     assert router.choose(b) == 2
-    router.release(1)
-    router.release(2)
-    router.release(0)
+    for rank, work in ((1, 4), (2, 3), (0, 4)):
+        router.release(rank, work)
     assert router.choose(e) == 0
     assert router.prefix_ranks(1, 0.0) == [0, 1]
     router.remove_rank(0)
@@ -299,32 +370,46 @@ def test_prefix_removed_rank_leaves_the_table(impl):
     assert router.prefix_ranks(3, 0.0) == [2]
     assert router.prefix_ranks(4, 0.0) == router.prefix_ranks(5, 0.0) == []
     assert router.pending(0) == 1
+    assert router.work(0) == router.charged  # kept, like pending
     assert router.choose(a) == 1
 
 
-def test_prefix_without_hashes_is_least_loaded(impl):
+def test_prefix_without_hashes_is_least_loaded_for_equal_prompts(impl):
     prefix = make(impl, "prefix", range(5))
     least = make(impl, "least_loaded", range(5))
     rng = random.Random(3)
+    held = []
     for step in range(100):
         empty = (None, b"", memoryview(b""))[step % 3]
-        rank = prefix.choose(empty)
-        assert rank == least.choose()
+        rank = prefix.choose(empty, 0.0, 40)
+        assert rank == least.choose(None, 0.0, 40)
+        held.append((rank, prefix.charged))
         if rng.random() < 0.5:
-            prefix.release(rank)
-            least.release(rank)
+            rank, work = held.pop(rng.randrange(len(held)))
+            prefix.release(rank, work)
+            least.release(rank, work)
     assert prefix.prefix_len == 0
+
+
+def test_prefix_balances_prompt_sizes_without_hashes(impl):
+    # One long prompt weighs as much as many short ones: least_loaded counts requests.
+    router = make(impl, "prefix", range(2), prefix_decode_tokens=0)
+    assert router.choose(None, 0.0, 16 * 40) == 0
+    assert [router.choose(None, 0.0, 16) for _ in range(40)] == [1] * 40
+    assert router.choose(None, 0.0, 16) == 0  # equal work: fewer pending
+    assert router.work(0) + router.work(1) == 81
 
 
 def test_prefix_reads_any_buffer_unaligned(impl):
     hashes = frame(0x0123456789ABCDEF, U64, 1)
     views = [hashes, bytearray(hashes), memoryview(b"\0" + hashes)[1:]]
     for view in views:
-        router = make(impl, "prefix", range(2))
+        router = make(impl, "prefix", range(2), prefix_decode_tokens=32)
         router.choose(view)
         assert router.prefix_ranks(0x0123456789ABCDEF, 0.0) == [0]
         assert router.prefix_ranks(U64, 0.0) == [0]
         assert router.prefix_len == 3
+        assert router.work(0) == router.charged == 3 + 2
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -334,6 +419,7 @@ def test_hash_frame_not_a_multiple_of_8(impl, policy, size):
     with pytest.raises(ValueError, match="multiple of 8"):
         router.choose(b"\0" * size)
     assert router.pending(0) == router.pending(1) == 0
+    assert router.work(0) == router.work(1) == 0
 
 
 # -- block hashes ----------------------------------------------------------------
@@ -368,7 +454,7 @@ def run_trace(c_router, py_router, seed: int, max_ranks: int, steps: int) -> Non
     shared = [[rng.getrandbits(64) for _ in range(rng.randint(1, 6))] for _ in range(6)]
     tails = [rng.getrandbits(64) for _ in range(12)]
     pool = [h for prefix in shared for h in prefix] + tails
-    outstanding: list[int] = []
+    outstanding: list[tuple[int, int]] = []  # (rank, charged)
     now = 0.0
     for rank in rng.sample(range(max_ranks), max(1, max_ranks // 2)):
         c_router.add_rank(rank)
@@ -385,27 +471,34 @@ def run_trace(c_router, py_router, seed: int, max_ranks: int, steps: int) -> Non
             py_router.remove_rank(rank)
         elif x < 0.55:
             y = rng.random()
-            if y < 0.1:
-                hashes = None if y < 0.05 else b""
+            if y < 0.2:
+                hashes = None if y < 0.1 else b""
             else:
                 hashes = frame(*rng.choice(shared), *rng.sample(tails, rng.randint(0, 3)))
-            rank = py_router.choose(hashes, now)
-            assert c_router.choose(hashes, now) == rank, f"step {step}"
+            tokens = rng.choice((0, rng.randrange(1, 40), rng.randrange(1 << 20)))
+            rank = py_router.choose(hashes, now, tokens)
+            assert c_router.choose(hashes, now, tokens) == rank, f"step {step}"
+            assert c_router.charged == py_router.charged, f"step {step}"
             if rank >= 0:
-                outstanding.append(rank)
+                outstanding.append((rank, py_router.charged))
         elif x < 0.9:
             if outstanding:
-                rank = outstanding.pop(rng.randrange(len(outstanding)))
-                c_router.release(rank)
-                py_router.release(rank)
+                rank, work = outstanding.pop(rng.randrange(len(outstanding)))
+                if rng.random() < 0.05:  # a wrong amount: work stops at 0
+                    work = rng.randrange(1 << 30)
+                c_router.release(rank, work)
+                py_router.release(rank, work)
         else:
             # Mostly forward, sometimes far (expiry), sometimes a little back.
             now += rng.choice((rng.uniform(0, 5), rng.uniform(0, 60), -rng.uniform(0, 3)))
         if step % 50 == 0:
             assert c_router.prefix_len == py_router.prefix_len
-    assert [c_router.pending(r) for r in range(max_ranks)] == [
-        py_router.pending(r) for r in range(max_ranks)
-    ]
+            assert [c_router.work(r) for r in range(max_ranks)] == [
+                py_router.work(r) for r in range(max_ranks)
+            ]
+    for method in ("pending", "work"):
+        c_values = [getattr(c_router, method)(r) for r in range(max_ranks)]
+        assert c_values == [getattr(py_router, method)(r) for r in range(max_ranks)], method
     assert c_router.n_accepting == py_router.n_accepting
     assert c_router.prefix_len == py_router.prefix_len
     for h in pool:
@@ -415,13 +508,20 @@ def run_trace(c_router, py_router, seed: int, max_ranks: int, steps: int) -> Non
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("max_ranks", [8, 130])
 @pytest.mark.parametrize("rank_cap", [0, 3])
-@pytest.mark.parametrize(("seed", "alpha"), [(1, 0.75), (2, 0.0), (3, 3.0)])
-def test_differential_trace(c_impl, py_impl, policy, max_ranks, rank_cap, seed, alpha):
+@pytest.mark.parametrize(
+    ("seed", "weight", "decode", "block_size"),
+    [(1, 0.75, 16, 16), (2, 0.0, 0, 1), (3, 3.0, 33, 7), (4, 1.3, 100, 512), (5, 32.0, 512, 16)],
+)
+def test_differential_trace(
+    c_impl, py_impl, policy, max_ranks, rank_cap, seed, weight, decode, block_size
+):
     kwargs = dict(
         max_ranks=max_ranks,
         seed=seed * 1000,
         rank_cap=rank_cap,
-        prefix_alpha=alpha,
+        prefix_prefill_weight=weight,
+        prefix_decode_tokens=decode,
+        block_size=block_size,
         prefix_ttl=40.0,
         prefix_max_entries=24,
     )

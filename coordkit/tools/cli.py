@@ -1,4 +1,4 @@
-"""The ``coordkit`` command: ``serve``, ``demo``, ``stats``, ``bench`` and ``fake-engine``.
+"""The ``coordkit`` command: ``serve``, ``demo``, ``replay``, ``stats``, ``bench``, ``fake-engine``.
 
 * ``coordkit serve --bind ADDRESS [options]`` runs a coordinator until
   SHUTDOWN, SIGINT or SIGTERM;
@@ -6,6 +6,9 @@
   directory (coordinator, fake engine processes, a client load) and prints
   a results table; ``--compare-policies`` runs one cluster per policy, with
   a column each (:mod:`coordkit.tools.demo`);
+* ``coordkit replay TRACE.jsonl`` replays a request trace through a
+  coordinator and fake engines with a cost model, one cluster per policy
+  with ``--compare-policies`` (:mod:`coordkit.tools.replay`);
 * ``coordkit stats --address ADDRESS`` prints a coordinator's stats as JSON;
 * ``coordkit bench ...`` runs the benchmarks (:mod:`coordkit.tools.bench`);
 * ``coordkit fake-engine --address ADDRESS --rank N [options]`` runs one fake
@@ -26,13 +29,23 @@ from typing import Any
 
 import coordkit
 from coordkit import Coordinator, Implementation
-from coordkit._routing_py import POLICIES
+from coordkit._routing_py import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DECODE_TOKENS,
+    DEFAULT_PREFILL_WEIGHT,
+    POLICIES,
+)
+from coordkit._shared import DIALECTS
 from coordkit.client import Client
+from coordkit.curve import keygen
 
 from .demo import COMPARED_POLICIES, SUFFIX_TOKENS
 from .demo import run as run_demo
-from .fake_engine import DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
+from .fake_engine import COST_MODELS, DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
 from .fake_engine import run as run_fake_engine
+from .replay import DEFAULT_BLOCK_SIZE as REPLAY_BLOCK_SIZE
+from .replay import DEFAULT_CACHE_BLOCKS as REPLAY_CACHE_BLOCKS
+from .replay import run as run_replay
 
 __all__ = ["main"]
 
@@ -68,7 +81,41 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--heartbeat-timeout", type=float, metavar="S", help="0: never expire")
     serve.add_argument("--drain-timeout", type=float, metavar="S")
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        metavar="S",
+        help="a request in flight longer than this gets ERROR(TIMED_OUT) (0: never)",
+    )
     serve.add_argument("--max-message-size", type=int, metavar="BYTES")
+    serve.add_argument(
+        "--dialect",
+        choices=DIALECTS,
+        help="what peers that are not coordkit's speak (default multipart)",
+    )
+    serve.add_argument(
+        "--block-size",
+        type=_positive_int,
+        metavar="N",
+        help="tokens per block: the prefix hashes it computes (megatron-core dialect) and "
+        f"the size of a request without hashes (default {DEFAULT_BLOCK_SIZE})",
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (pip install 'coordkit[metrics]')",
+    )
+    serve.add_argument(
+        "--curve-secret-key",
+        metavar="FILE",
+        help="the coordinator's key pair (a .key_secret file, from coordkit keygen)",
+    )
+    serve.add_argument(
+        "--curve-authorized-keys",
+        metavar="DIR",
+        help="the public keys (.key files) of the clients and engines it admits",
+    )
     serve.add_argument(
         "--detokenizer",
         type=_import_callable,
@@ -76,7 +123,20 @@ def _parser() -> argparse.ArgumentParser:
         help="fills generated_text of replies flagged needs_detokenize",
     )
     serve.add_argument("--seed", type=int, metavar="N", help="for power_of_two")
-    serve.add_argument("--prefix-alpha", type=float, metavar="F")
+    serve.add_argument(
+        "--prefix-prefill-weight",
+        type=float,
+        metavar="F",
+        help=f"prefix: weight of a block to prefill against a queued one "
+        f"(default {DEFAULT_PREFILL_WEIGHT:g})",
+    )
+    serve.add_argument(
+        "--prefix-decode-tokens",
+        type=int,
+        metavar="N",
+        help=f"prefix: each request's decode share, in prompt tokens' worth of work "
+        f"(default {DEFAULT_DECODE_TOKENS})",
+    )
     serve.add_argument("--prefix-ttl", type=float, metavar="S")
     serve.add_argument("--prefix-max-entries", type=int, metavar="N")
 
@@ -114,15 +174,101 @@ def _parser() -> argparse.ArgumentParser:
         help="each engine's prefix cache capacity",
     )
     demo.add_argument(
+        "--cost-model",
+        choices=sorted(COST_MODELS),
+        default="none",
+        help="the engines' cost model: none (steps of --latency) or h100 (cache hits are cheaper)",
+    )
+    demo.add_argument("--prefix-prefill-weight", type=float, metavar="F")
+    demo.add_argument("--prefix-decode-tokens", type=int, metavar="N")
+    demo.add_argument(
         "--compare-policies",
         action="store_true",
         help=f"run {' then '.join(COMPARED_POLICIES)} and show both (ignores --policy)",
     )
 
+    replay = commands.add_parser(
+        "replay",
+        help="replay a request trace through a coordinator and fake engines",
+        description="Replay a request trace (Mooncake's JSON lines: timestamp, input_length, "
+        "output_length, hash_ids) through a coordinator and fake engine processes with a "
+        "cost model, in compressed time, and report each policy's prefix-cache hit rate, "
+        "TTFT, latency and load balance.",
+    )
+    replay.set_defaults(command=_replay)
+    replay.add_argument("trace", metavar="TRACE.jsonl")
+    _add_coordinator_choices(replay, default_policy="prefix")
+    replay.add_argument(
+        "--compare-policies",
+        action="store_true",
+        help="run every policy, each on a fresh cluster, side by side (ignores --policy)",
+    )
+    replay.add_argument(
+        "--engines", type=_positive_int, default=8, metavar="N", help="fake engines (default 8)"
+    )
+    replay.add_argument(
+        "--speedup",
+        type=float,
+        default=10.0,
+        metavar="X",
+        help="trace time runs X times faster (default 10)",
+    )
+    replay.add_argument("--limit", type=_positive_int, metavar="N", help="the first N requests")
+    replay.add_argument(
+        "--max-output-tokens", type=_positive_int, metavar="N", help="cap each request's output"
+    )
+    replay.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=REPLAY_BLOCK_SIZE,
+        metavar="N",
+        help=f"tokens per hash id (default {REPLAY_BLOCK_SIZE}, Mooncake's)",
+    )
+    replay.add_argument(
+        "--cache-blocks",
+        type=_positive_int,
+        default=REPLAY_CACHE_BLOCKS,
+        metavar="N",
+        help=f"each engine's prefix cache, in blocks (default {REPLAY_CACHE_BLOCKS})",
+    )
+    replay.add_argument(
+        "--cost-model",
+        choices=sorted(COST_MODELS),
+        default="h100",
+        help="the fake engines' cost model (default h100)",
+    )
+    replay.add_argument(
+        "--engine-batch", type=_positive_int, metavar="N", help="max requests running per engine"
+    )
+    replay.add_argument(
+        "--prefix-prefill-weight", type=float, metavar="F", help="for prefix (coordkit serve's)"
+    )
+    replay.add_argument(
+        "--prefix-decode-tokens", type=int, metavar="N", help="for prefix (coordkit serve's)"
+    )
+    replay.add_argument("--json", metavar="PATH", help="write every figure and TTFT as JSON")
+    replay.add_argument(
+        "--plot", metavar="PATH", help="plot each policy's TTFT CDF (needs matplotlib)"
+    )
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     stats = commands.add_parser("stats", help="print a coordinator's stats as JSON")
     stats.set_defaults(command=_stats)
     stats.add_argument("--address", required=True)
     stats.add_argument("--timeout", type=float, default=5.0, metavar="S")
+    stats.add_argument(
+        "--watch",
+        action="store_true",
+        help="a live table in the terminal, refreshed every --interval seconds (like top)",
+    )
+    stats.add_argument("--interval", type=float, default=1.0, metavar="S")
+
+    keygen = commands.add_parser(
+        "keygen", help="write a CURVE key pair: DIR/NAME.key (public), DIR/NAME.key_secret"
+    )
+    keygen.set_defaults(command=_keygen)
+    keygen.add_argument("directory", metavar="DIR")
+    keygen.add_argument("name", metavar="NAME")
 
     fake = commands.add_parser(
         "fake-engine",
@@ -134,8 +280,45 @@ def _parser() -> argparse.ArgumentParser:
         "--address", required=True, metavar="ADDRESS", help="the coordinator's endpoint"
     )
     fake.add_argument("--rank", type=int, default=0, metavar="N")
-    fake.add_argument("--latency", type=float, default=0.0, metavar="S", help="seconds per step")
-    fake.add_argument("--batch", type=int, default=64, metavar="N", help="max requests per step")
+    fake.add_argument(
+        "--cost-model",
+        choices=sorted(COST_MODELS),
+        default="none",
+        help="what steps cost: none (free prefill, --latency per step) or h100 "
+        "(an H100-class engine; see the README)",
+    )
+    fake.add_argument(
+        "--latency",
+        type=float,
+        metavar="S",
+        help="seconds per step, before prefill and per-sequence decode time (default: the "
+        "cost model's, 0 for none, 0.020 for h100)",
+    )
+    fake.add_argument(
+        "--batch", type=int, metavar="N", help="max requests running (default: 64, h100: 256)"
+    )
+    fake.add_argument(
+        "--prefill-rate",
+        type=float,
+        metavar="TOKENS_PER_S",
+        help="prefill throughput; 0: prefill is free (h100: 10000)",
+    )
+    fake.add_argument(
+        "--decode-per-seq",
+        type=float,
+        metavar="S",
+        help="seconds a decode step adds per running sequence (h100: 0.0001)",
+    )
+    fake.add_argument(
+        "--prefill-chunk", type=int, metavar="N", help="tokens prefilled per step at most (8192)"
+    )
+    fake.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="run X times faster than the cost model says (trace replay)",
+    )
     fake.add_argument(
         "--output-tokens", type=int, default=8, metavar="N", help="tokens per request"
     )
@@ -166,8 +349,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_coordinator_choices(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", choices=POLICIES, default="least_loaded")
+def _add_coordinator_choices(
+    parser: argparse.ArgumentParser, default_policy: str = "least_loaded"
+) -> None:
+    parser.add_argument("--policy", choices=POLICIES, default=default_policy)
     parser.add_argument(
         "--implementation",
         choices=("c", "py"),
@@ -206,10 +391,17 @@ _SERVE_OPTIONS = (
     "keep_prompts",
     "heartbeat_timeout",
     "drain_timeout",
+    "request_timeout",
     "max_message_size",
+    "dialect",
+    "block_size",
+    "metrics_port",
+    "curve_secret_key",
+    "curve_authorized_keys",
     "detokenizer",
     "seed",
-    "prefix_alpha",
+    "prefix_prefill_weight",
+    "prefix_decode_tokens",
     "prefix_ttl",
     "prefix_max_entries",
 )
@@ -244,6 +436,13 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    if coord.address.startswith("tcp://") and not coord.curve:
+        print(
+            f"coordkit: warning: {coord.address} is open to anyone who can reach it: "
+            "anyone may submit work and read replies (see --curve-secret-key)",
+            file=sys.stderr,
+            flush=True,
+        )
     thread.join()
     return 1 if failures else 0
 
@@ -256,11 +455,69 @@ def _stats(args: argparse.Namespace) -> int:
         async with await Client.connect(args.address, timeout=args.timeout) as client:
             return await client.stats(timeout=args.timeout)
 
+    async def watch() -> None:
+        async with await Client.connect(args.address, timeout=args.timeout) as client:
+            previous: dict[str, Any] | None = None
+            while True:
+                stats = await client.stats(timeout=args.timeout)
+                print(_CLEAR + stats_table(stats, previous, args.interval), flush=True)
+                previous = stats
+                await asyncio.sleep(args.interval)
+
     try:
+        if args.watch:
+            asyncio.run(watch())
+            return 0
         stats = asyncio.run(fetch())
     except (ConnectionError, TimeoutError) as exc:
         raise SystemExit(f"coordkit stats: {exc}") from None
+    except KeyboardInterrupt:
+        return 0
     print(json.dumps(stats, indent=2, sort_keys=True))
+    return 0
+
+
+_CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
+
+
+def stats_table(stats: dict[str, Any], previous: dict[str, Any] | None, interval: float) -> str:
+    """The live view of ``coordkit stats --watch``: rates since ``previous``."""
+    counters = stats["counters"]
+
+    def rate(name: str) -> str:
+        if previous is None:
+            return "-"
+        return f"{(counters[name] - previous['counters'][name]) / interval:.0f}/s"
+
+    failed = sum(
+        counters[name] for name in ("engine_failed", "timed_out", "busy", "no_engines", "malformed")
+    )
+    lines = [
+        f"coordkit {stats['implementation']}  policy {stats['policy']}  "
+        f"control {stats['control_state']}  clients {stats['clients']}  "
+        f"in flight {stats['inflight']}",
+        "",
+        f"{'':<12}{'total':>12}{'rate':>12}",
+        f"{'submitted':<12}{counters['submitted']:>12}{rate('submitted'):>12}",
+        f"{'completed':<12}{counters['replies']:>12}{rate('replies'):>12}",
+        f"{'refused or failed':<12}{failed:>12}",
+        f"{'rerouted':<12}{counters['rerouted']:>12}",
+        "",
+        f"{'rank':>4}  {'engine':<24}{'state':<10}{'in flight':>10}",
+    ]
+    lines += [
+        f"{e['rank']:>4}  {e['identity'][:23]:<24}{e['state']:<10}{e['pending']:>10}"
+        for e in stats["engines"]
+    ]
+    return "\n".join(lines)
+
+
+# -- keygen ----------------------------------------------------------------------------
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    public, secret = keygen(args.directory, args.name)
+    print(f"public key (hand it out): {public}\nkey pair (keep it secret): {secret}")
     return 0
 
 
@@ -269,3 +526,10 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     return run_demo(_load(args.implementation), args)
+
+
+# -- replay ----------------------------------------------------------------------------
+
+
+def _replay(args: argparse.Namespace) -> int:
+    return run_replay(_load(args.implementation), args)

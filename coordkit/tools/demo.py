@@ -33,6 +33,7 @@ COMPARED_POLICIES = ("least_loaded", "prefix")
 SUFFIX_TOKENS = 32  # the unique part of a shared-prefix prompt: a short user turn
 _WORKLOAD_SEED = 0  # every run draws the same prefixes in the same order
 _ENGINE_STOP_TIMEOUT = 5.0  # seconds a terminated engine process gets before SIGKILL
+_ROUTER_OPTIONS = ("prefix_prefill_weight", "prefix_decode_tokens")  # None: the default
 
 
 @dataclass
@@ -123,7 +124,8 @@ def _run_cluster(
     """Run the load on a cluster of its own, so that every run starts with cold caches."""
     with tempfile.TemporaryDirectory(prefix="coordkit-demo-") as tmp:
         address = f"ipc://{tmp}/coordinator.sock"
-        coord = Coordinator(address, implementation=impl.name, policy=policy)
+        router = {k: getattr(args, k) for k in _ROUTER_OPTIONS if getattr(args, k) is not None}
+        coord = Coordinator(address, implementation=impl.name, policy=policy, **router)
         coord.start()
         engines: list[subprocess.Popen[bytes]] = []
         try:
@@ -160,6 +162,8 @@ def _spawn_engine(address: str, rank: int, args: argparse.Namespace) -> subproce
         str(args.cache_blocks),
         "--prefix-block-size",
         str(args.block_size),
+        "--cost-model",
+        args.cost_model,
     ]
     # Its own session: Ctrl-C reaches only the demo, which then stops the engines itself.
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)

@@ -5,6 +5,10 @@
 in a thread (``FakeEngine(...).run(stop_event)``) or as a process:
 ``coordkit fake-engine --address ADDR --rank N`` (also ``python -m coordkit
 fake-engine``), whose options :mod:`coordkit.tools.cli` parses for :func:`run`.
+
+With a cost model it also takes the time a real engine would: prefill time
+in proportion to the prompt tokens its prefix cache does not hold, decode
+steps that grow with the running batch (see :data:`H100`).
 """
 
 from __future__ import annotations
@@ -17,14 +21,22 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, TypeGuard
 
 import zmq
 
 from coordkit.engine import Abort, Control, Engine, Event, Request
 from coordkit.protocol import BLOCK_HASH_SIZE, Header, block_hashes, unpackb
 
-__all__ = ["FakeEngine", "DEFAULT_CACHE_BLOCKS", "DEFAULT_PREFIX_BLOCK_SIZE", "run"]
+__all__ = [
+    "FakeEngine",
+    "CostModel",
+    "H100",
+    "COST_MODELS",
+    "DEFAULT_CACHE_BLOCKS",
+    "DEFAULT_PREFIX_BLOCK_SIZE",
+    "run",
+]
 
 RUNNING, PAUSED, SUSPENDED, STOPPED = "running", "paused", "suspended", "stopped"
 
@@ -32,6 +44,39 @@ RUNNING, PAUSED, SUSPENDED, STOPPED = "running", "paused", "suspended", "stopped
 #: ``block_size`` a client should hash with, so that routing and cache agree).
 DEFAULT_CACHE_BLOCKS = 4096
 DEFAULT_PREFIX_BLOCK_SIZE = 16
+
+
+class CostModel(NamedTuple):
+    """What a step of a FakeEngine costs, in seconds of model time.
+
+    A step's time is ``step_time + decode_per_seq * (sequences decoding) +
+    (tokens prefilled in it) / prefill_rate``; it prefills at most
+    ``prefill_chunk`` tokens (chunked prefill, first come first served) and
+    runs at most ``max_batch`` requests (continuous batching).
+    ``prefill_rate == 0`` makes prefill take no time.
+    """
+
+    step_time: float
+    prefill_rate: float
+    decode_per_seq: float
+    prefill_chunk: int
+    max_batch: int
+
+
+#: No cost: steps of ``latency`` seconds (0 by default), prefill free. The default.
+NO_COST = CostModel(0.0, 0.0, 0.0, 8192, 64)
+#: An H100-class engine, from public specs and back-of-envelope arithmetic
+#: (README, "FakeEngine's cost model"): a ~70B model in BF16 on four H100s,
+#: tensor parallel. Prefill is compute-bound: 2 * 70e9 FLOP a token against
+#: 4 * 989 TFLOPS at ~40% utilisation is ~1e4 tokens/s. A decode step reads
+#: the 140 GB of weights once (4 * 3.35 TB/s: ~10 ms, ~20 ms with the
+#: all-reduces and kernel launches) plus each sequence's KV cache (~0.3 MB a
+#: token: ~0.1 ms a step for a 4 000-token context). 8 192 tokens a step and 256
+#: sequences are the order of vLLM's max_num_batched_tokens and max_num_seqs.
+H100 = CostModel(
+    step_time=0.020, prefill_rate=10_000.0, decode_per_seq=0.0001, prefill_chunk=8192, max_batch=256
+)
+COST_MODELS = {"none": NO_COST, "h100": H100}
 
 _IDLE_WAIT = 0.1  # seconds an idle step waits for messages; bounds how late a stop_event is seen
 _STATE_AFTER = {
@@ -49,8 +94,13 @@ class _Job:
     seed: int
     stream: bool
     detokenize: bool
-    blocks: list[bytes] | None  # the prompt's chained block hashes; None: not token ids
+    blocks: list[Any] | None  # its block keys: chained hashes or block ids; None: unknown
+    output_tokens: int
+    prompt_tokens: int  # its size for the cost model
+    max_partials: int | None  # None: a partial every step while streaming
     cached_blocks: int = 0  # leading blocks found in the prefix cache on admission
+    prefill_left: int = 0  # tokens still to prefill before its first token
+    partials: int = 0
     tokens: list[int] = field(default_factory=list)
 
 
@@ -73,6 +123,23 @@ class FakeEngine(Engine):
     leading blocks already cached (up to the first miss) are its hits, and
     then all its blocks are cached. Its bodies add ``cached_blocks`` (the
     hits) and ``prompt_blocks`` (its full blocks); other prompts get neither.
+    A request whose sampling params carry ``"block_ids"`` (a list of ints,
+    one per block, equal ids at a position meaning equal prefixes, as in a
+    replayed trace: the coordinator consumes the block-hash frame, so the
+    ids travel in the params) is cached by those ids instead, whatever its
+    prompt.
+
+    The ``cost`` model (:class:`CostModel`; default :data:`NO_COST`) sets
+    what a step costs; every duration is divided by ``speedup``, for
+    replaying a trace in compressed time. With a prefill rate, a request's
+    prompt tokens (the length of a token-id prompt, else its bytes / 4) minus
+    the ``prefix_block_size`` tokens of each cached block, at least 1, are
+    prefilled in chunks before its first token. With a prefill rate or a
+    per-sequence decode time, bodies also carry ``engine_busy``: the seconds
+    of model time this engine has spent in steps so far.
+    Sampling params may set ``"output_tokens"`` (this request's length) and
+    ``"max_partials"`` (at most that many partials when streaming: 1 gives
+    the first token's time without a message per token).
 
     Requests whose sampling params have ``"stream": True`` get one
     ENGINE_REPLY_PARTIAL per step with the tokens so far before their final;
@@ -92,8 +159,8 @@ class FakeEngine(Engine):
         address: str,
         rank: int = 0,
         *,
-        latency: float = 0.0,
-        max_batch: int = 64,
+        latency: float | None = None,
+        max_batch: int | None = None,
         output_tokens: int = 8,
         vocab_size: int = 32000,
         cache_blocks: int = DEFAULT_CACHE_BLOCKS,
@@ -101,25 +168,38 @@ class FakeEngine(Engine):
         heartbeat_interval: float | None = 1.0,
         identity: bytes | str | None = None,
         context: zmq.Context | None = None,
+        cost: CostModel = NO_COST,
+        speedup: float = 1.0,
         batch: bool = True,
         implementation: str | None = None,
     ):
-        if min(output_tokens, max_batch, cache_blocks, prefix_block_size) < 1:
+        # latency and max_batch, when given, override the cost model's.
+        cost = cost._replace(
+            step_time=cost.step_time if latency is None else latency,
+            max_batch=cost.max_batch if max_batch is None else max_batch,
+        )
+        if min(output_tokens, cost.max_batch, cache_blocks, prefix_block_size) < 1:
             raise ValueError(
                 "output_tokens, max_batch, cache_blocks and prefix_block_size must be at least 1"
             )
+        if min(cost.step_time, cost.prefill_rate, cost.decode_per_seq) < 0:
+            raise ValueError("the cost model's times and rates must be >= 0")
+        if cost.prefill_chunk < 1 or not speedup > 0:
+            raise ValueError("prefill_chunk must be at least 1 and speedup above 0")
         super().__init__(
             address,
             rank,
             identity,
             heartbeat_interval=heartbeat_interval,
-            capacity=max_batch,
+            capacity=cost.max_batch,
             context=context,
             batch=batch,
             implementation=implementation,
         )
-        self.latency = latency
-        self.max_batch = max_batch
+        self.cost = cost
+        self.speedup = speedup
+        self.latency = cost.step_time
+        self.max_batch = cost.max_batch
         self.output_tokens = output_tokens
         self.vocab_size = vocab_size
         self.cache_blocks = cache_blocks
@@ -128,7 +208,9 @@ class FakeEngine(Engine):
         self.epoch: int | None = None
         self._waiting: dict[int, _Job] = {}  # dicts: arrival order and O(1) removal on abort
         self._active: dict[int, _Job] = {}
-        self._prefix_cache: OrderedDict[bytes, None] = OrderedDict()  # block hashes, LRU first
+        self._prefix_cache: OrderedDict[Any, None] = OrderedDict()  # block keys, LRU first
+        #: Seconds of model time spent in steps (wall time * speedup).
+        self.busy = 0.0
 
     @staticmethod
     def generate(prompt: Sequence[int] | str | bytes, n: int, vocab_size: int = 32000) -> list[int]:
@@ -150,8 +232,13 @@ class FakeEngine(Engine):
             self._take(self.poll(_IDLE_WAIT))
             return self.state != STOPPED
         self._take(self.poll(0))
-        # The step's compute time: wait it out in poll, so arrivals are taken in meanwhile.
-        deadline = time.monotonic() + self.latency
+        if not self._generating():  # aborted or paused meanwhile
+            return self.state != STOPPED
+        # Admit and schedule at the step's start, then wait out its compute time in
+        # poll, so that arrivals are taken in meanwhile (they join the next step).
+        duration = self._schedule()
+        self.busy += duration
+        deadline = time.monotonic() + duration / self.speedup
         while self.state != STOPPED and (left := deadline - time.monotonic()) > 0:
             self._take(self.poll(left))
         if self.state == STOPPED:
@@ -169,12 +256,16 @@ class FakeEngine(Engine):
             if isinstance(event, Request):
                 params = event.sampling_params if isinstance(event.sampling_params, dict) else {}
                 prompt = _decode_prompt(event.prompt)
+                ids = params.get("block_ids")
                 self._waiting[event.server_rid] = _Job(
                     event.server_rid,
                     _seed(prompt),
                     bool(params.get("stream")),
                     bool(params.get("detokenize")),
-                    self._blocks(prompt),
+                    list(ids) if _int_list(ids) else self._blocks(prompt),
+                    _positive(params.get("output_tokens")) or self.output_tokens,
+                    _prompt_tokens(prompt),
+                    _positive(params.get("max_partials")),
                 )
             elif isinstance(event, Abort):
                 rid = event.server_rid
@@ -187,17 +278,40 @@ class FakeEngine(Engine):
                 self.state = _STATE_AFTER.get(event.header, self.state)
         self._finish(aborted, "aborted")
 
-    def _advance(self) -> None:
+    def _schedule(self) -> float:
+        """Admit waiting requests and spend this step's prefill budget; the step's
+        duration in model time. Prefill in flight is taken first come first served."""
         while self._waiting and len(self._active) < self.max_batch:
             rid = next(iter(self._waiting))
             self._active[rid] = job = self._waiting.pop(rid)
             self._prefill(job)
+        cost = self.cost
+        budget = cost.prefill_chunk
+        decoding = 0
+        for job in self._active.values():
+            if job.prefill_left == 0:
+                decoding += 1
+            elif budget:
+                chunk = min(job.prefill_left, budget)
+                job.prefill_left -= chunk
+                budget -= chunk
+        prefilled = cost.prefill_chunk - budget
+        duration = cost.step_time + cost.decode_per_seq * decoding
+        if cost.prefill_rate:
+            duration += prefilled / cost.prefill_rate
+        return duration
+
+    def _advance(self) -> None:
+        """The step's end: a token for every request whose prefill is done."""
         partial, finished = [], []
         for job in self._active.values():
+            if job.prefill_left:
+                continue
             job.tokens.append((job.seed * 31 + len(job.tokens)) % self.vocab_size)
-            if len(job.tokens) >= self.output_tokens:
+            if len(job.tokens) >= job.output_tokens:
                 finished.append(job)
-            elif job.stream:
+            elif job.stream and (job.max_partials is None or job.partials < job.max_partials):
+                job.partials += 1
                 partial.append(job)
         for job in finished:
             del self._active[job.server_rid]
@@ -215,19 +329,22 @@ class FakeEngine(Engine):
         return [frame[i : i + BLOCK_HASH_SIZE] for i in range(0, len(frame), BLOCK_HASH_SIZE)]
 
     def _prefill(self, job: _Job) -> None:
-        """Count the job's leading cached blocks, then cache all of its blocks."""
-        if job.blocks is None:
-            return
-        cache = self._prefix_cache
-        # A prefix cache reuses KV only up to the first missing block.
-        job.cached_blocks = next(
-            (i for i, block in enumerate(job.blocks) if block not in cache), len(job.blocks)
-        )
-        for block in job.blocks:
-            cache[block] = None
-            cache.move_to_end(block)
-        while len(cache) > self.cache_blocks:
-            cache.popitem(last=False)
+        """Count the job's leading cached blocks, cache all of its blocks, and
+        set what is left to prefill (with a prefill rate)."""
+        if job.blocks is not None:
+            cache = self._prefix_cache
+            # A prefix cache reuses KV only up to the first missing block.
+            job.cached_blocks = next(
+                (i for i, block in enumerate(job.blocks) if block not in cache), len(job.blocks)
+            )
+            for block in job.blocks:
+                cache[block] = None
+                cache.move_to_end(block)
+            while len(cache) > self.cache_blocks:
+                cache.popitem(last=False)
+        if self.cost.prefill_rate:
+            cached = job.cached_blocks * self.prefix_block_size
+            job.prefill_left = max(job.prompt_tokens - cached, 1)
 
     def _abort_all(self) -> None:
         jobs = [*self._active.values(), *self._waiting.values()]
@@ -250,6 +367,8 @@ class FakeEngine(Engine):
         if job.blocks is not None:
             body["cached_blocks"] = job.cached_blocks
             body["prompt_blocks"] = len(job.blocks)
+        if self.cost.prefill_rate or self.cost.decode_per_seq:
+            body["engine_busy"] = self.busy
         return body
 
 
@@ -270,11 +389,33 @@ def _seed(prompt: Sequence[int] | str | bytes) -> int:
     return sum(prompt.encode() if isinstance(prompt, str) else prompt)
 
 
+def _prompt_tokens(prompt: list[int] | str | bytes) -> int:
+    """A prompt's size in tokens, as the coordinator counts it (codec.prompt_tokens)."""
+    if isinstance(prompt, list):
+        return len(prompt)
+    return -(-len(prompt.encode() if isinstance(prompt, str) else prompt) // 4)
+
+
+def _int_list(value: object) -> TypeGuard[list[int]]:
+    return isinstance(value, list) and all(type(v) is int for v in value)
+
+
+def _positive(value: object) -> int | None:
+    return value if type(value) is int and value > 0 else None
+
+
 def run(args: argparse.Namespace) -> int:
     """``coordkit fake-engine``: run one FakeEngine rank until STOP, SIGTERM or SIGINT."""
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    cost = COST_MODELS[args.cost_model]
+    overrides = {
+        "prefill_rate": args.prefill_rate,
+        "decode_per_seq": args.decode_per_seq,
+        "prefill_chunk": args.prefill_chunk,
+    }
+    cost = cost._replace(**{k: v for k, v in overrides.items() if v is not None})
     with FakeEngine(
         args.address,
         args.rank,
@@ -284,6 +425,8 @@ def run(args: argparse.Namespace) -> int:
         cache_blocks=args.cache_blocks,
         prefix_block_size=args.prefix_block_size,
         heartbeat_interval=args.heartbeat or None,
+        cost=cost,
+        speedup=args.speedup,
     ) as engine:
         engine.run(stop)
     return 0

@@ -8,7 +8,14 @@ from typing import Any
 import zmq
 
 from coordkit import Coordinator
-from tests.support.peers import Peer, RawClient, RawEngine, wait_for
+from tests.support.peers import (
+    Peer,
+    RawClient,
+    RawEngine,
+    SingleFrameClient,
+    SingleFrameEngine,
+    wait_for,
+)
 
 
 def bind_address(transport: str, directory: Path, name: str = "coord") -> str:
@@ -28,15 +35,33 @@ class Cluster:
         self.closed = False
         self.coord = Coordinator(address, implementation=impl.name, **options)
         self.coord.start()
-        self.engines: list[RawEngine] = []
+        self.engines: list[RawEngine | SingleFrameEngine] = []
         self.peers: list[Peer] = []
         for _ in range(n_engines):
             self.add_engine()
 
     def add_engine(self, identity: bytes | None = None) -> RawEngine:
+        engine = RawEngine(self.ctx, self.coord.address, identity or self._engine_id())
+        return self._registered(engine.register())
+
+    def add_coordkit_engine(self, identity: bytes | None = None) -> RawEngine:
+        """A multipart engine that says so: registration, then ENGINE_HELLO, handled."""
+        engine = self.add_engine(identity)
+        messages = self.coord.stats()["messages"]
+        engine.hello()
+        wait_for(lambda: self.coord.stats()["messages"] > messages)
+        return engine
+
+    def add_single_frame_engine(self, identity: bytes | None = None) -> SingleFrameEngine:
+        """A Megatron-Core 0.19 engine rank (one frame per message)."""
+        engine = SingleFrameEngine(self.ctx, self.coord.address, identity or self._engine_id())
+        return self._registered(engine.register())
+
+    def _engine_id(self) -> bytes:
+        return f"engine-{len(self.engines)}".encode()
+
+    def _registered(self, engine: Any) -> Any:
         rank = len(self.engines)
-        engine = RawEngine(self.ctx, self.coord.address, identity or f"engine-{rank}".encode())
-        engine.register()
         self.engines.append(engine)
         self.peers.append(engine)
         wait_for(lambda: len(self.coord.stats()["engines"]) > rank)
@@ -46,6 +71,12 @@ class Cluster:
         client = RawClient(self.ctx, self.coord.address, identity)
         self.peers.append(client)
         return client.connect(coordkit)
+
+    def single_frame_client(self, identity: bytes | None = None) -> SingleFrameClient:
+        """A Megatron-Core 0.19 client (one frame per message), connected."""
+        client = SingleFrameClient(self.ctx, self.coord.address, identity)
+        self.peers.append(client)
+        return client.connect()
 
     def close(self) -> None:
         if self.closed:  # by its with block, then by the fixture that made it

@@ -2,7 +2,8 @@
 
 The command that starts a fake engine process is spelled in one place,
 :func:`fake_engine_command`; tests start engines through :func:`engine_processes`,
-which kills whatever is left of them at exit.
+which kills whatever is left of them at exit. :func:`single_frame_engine_process`
+starts a raw Megatron-Core 0.19 engine (which imports no coordkit) the same way.
 """
 
 from __future__ import annotations
@@ -56,3 +57,20 @@ def engine_processes(
         for process in processes:
             process.kill()
             process.wait()
+
+
+@contextlib.contextmanager
+def single_frame_engine_process(
+    address: str, identity: bytes, *, hold: bool = False
+) -> Iterator[subprocess.Popen]:
+    """A Megatron-Core 0.19 engine rank on the wire (``tests/support/peers.py`` run as
+    a script, no coordkit in it): it echoes each prompt back, or with ``hold``
+    keeps every request unanswered. Killed at exit."""
+    command = [sys.executable, "-m", "tests.support.peers", "--address", address]
+    command += ["--identity", identity.decode()] + (["--hold"] if hold else [])
+    process = subprocess.Popen(command, env=python_env(), cwd=ROOT)
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()

@@ -1,0 +1,488 @@
+"""``coordkit replay``: a request trace through a real coordinator and fake engines.
+
+The trace is JSON lines in the schema of Mooncake's traces (FAST '25):
+``timestamp`` (ms from the start), ``input_length`` and ``output_length``
+(tokens) and ``hash_ids`` (one id per block of ``--block-size`` tokens; an
+equal id at a position means an equal prefix up to that block). Each policy
+runs on a cluster of its own, so that every run starts with cold caches: a
+:class:`coordkit.Coordinator` on a thread of this process, ``coordkit
+fake-engine`` processes with a cost model (``--cost-model``, H100-class by
+default), and an asyncio :class:`coordkit.Client` that submits each request
+at its time in the trace divided by ``--speedup``.
+
+A request goes out as the coordinator would see it from a real frontend: a
+prompt of ``input_length`` token ids (msgpack, all zeros), its ``hash_ids``
+as the block-hash frame (LE u64s; the coordinator consumes it), and, for the
+fake engine, the same ids, its output length and ``max_partials: 1`` in the
+sampling params. The first reply (its one partial, or the final of a
+one-token answer) gives the time to first token; the final gives the latency.
+Times are reported in trace time: measured times multiplied by the speedup.
+:mod:`coordkit.tools.cli` parses the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+import coordkit
+from coordkit import Coordinator, Implementation
+from coordkit._routing_py import POLICIES
+from coordkit.client import Client, CoordinatorError
+
+__all__ = ["TraceRequest", "load_trace", "run", "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_BLOCKS"]
+
+#: Mooncake's traces hash 512-token blocks.
+DEFAULT_BLOCK_SIZE = 512
+#: Each engine's prefix cache, in blocks of DEFAULT_BLOCK_SIZE tokens: ~512k tokens, about
+#: the KV memory left on four 80 GB H100s by a 70B model (~0.3 MB a token).
+DEFAULT_CACHE_BLOCKS = 1024
+#: The coordinator's prefix_ttl in trace seconds (its default, 600 s).
+PREFIX_TTL = 600.0
+_ENGINE_STOP_TIMEOUT = 5.0  # seconds a terminated engine process gets before SIGKILL
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    timestamp: float  # seconds from the start of the trace
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """The trace's first ``limit`` requests (all by default), in arrival order."""
+    requests: list[TraceRequest] = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if limit is not None and len(requests) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                request = TraceRequest(
+                    float(record["timestamp"]) / 1000.0,
+                    int(record["input_length"]),
+                    int(record["output_length"]),
+                    tuple(int(h) for h in record["hash_ids"]),
+                )
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: not a trace record ({exc!r})") from None
+            if request.input_length < 0 or request.output_length < 0:
+                raise ValueError(f"{path}:{number}: negative length")
+            if not all(0 <= h < 1 << 64 for h in request.hash_ids):
+                raise ValueError(f"{path}:{number}: a hash id outside [0, 2**64)")
+            requests.append(request)
+    requests.sort(key=lambda r: r.timestamp)  # stable: ties keep their order
+    return requests
+
+
+@dataclass
+class _Results:
+    policy: str
+    ttft: list[float] = field(default_factory=list)  # trace seconds, completed requests
+    latency: list[float] = field(default_factory=list)
+    ranks: Counter[int] = field(default_factory=Counter)
+    busy: dict[int, float] = field(default_factory=dict)  # rank -> model seconds in steps
+    errors: Counter[str] = field(default_factory=Counter)
+    cached_blocks: int = 0
+    prompt_blocks: int = 0
+    lag: float = 0.0  # the latest a request went out after its time, trace seconds
+    wall: float = 0.0
+    interrupted: bool = False
+
+
+class _Progress:
+    """A tqdm bar if tqdm is installed, else a line on stderr at most every 5 seconds."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.enabled = total, 0, enabled
+        self._last = time.monotonic()
+        self._bar: Any = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                print(
+                    "coordkit replay: no progress bar without tqdm (pip install 'coordkit[demo]')",
+                    file=sys.stderr,
+                )
+            else:
+                self._bar = tqdm(total=total, unit="req", desc="coordkit replay", file=sys.stderr)
+
+    def describe(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_description(text)
+
+    def update(self) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update()
+        elif self.enabled and (time.monotonic() - self._last >= 5 or self.done == self.total):
+            self._last = time.monotonic()
+            print(f"coordkit replay: {self.done}/{self.total} requests", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def run(impl: Implementation, args: argparse.Namespace) -> int:
+    """Replay the trace once per policy and print (and save, and plot) the results."""
+    if args.plot:
+        _require_matplotlib()
+    try:
+        trace = load_trace(args.trace, args.limit)
+    except (OSError, ValueError) as exc:
+        print(f"coordkit replay: {exc}", file=sys.stderr)
+        return 1
+    if not trace:
+        print("coordkit replay: the trace is empty", file=sys.stderr)
+        return 1
+    policies = POLICIES if args.compare_policies else (args.policy,)
+    progress = _Progress(len(trace) * len(policies), not args.no_progress)
+    runs: list[_Results] = []
+    try:
+        for policy in policies:
+            progress.describe(f"coordkit replay {policy}")
+            results = _Results(policy)
+            runs.append(results)
+            try:
+                _run_cluster(impl, policy, trace, args, results, progress)
+            except (ConnectionError, TimeoutError) as exc:
+                print(f"coordkit replay: {exc}", file=sys.stderr)
+                return 1
+            if results.interrupted:
+                break
+    finally:
+        progress.close()
+    print(_table(trace, args, impl.name, runs))
+    if args.json:
+        Path(args.json).write_text(json.dumps(_report(trace, args, impl.name, runs), indent=1))
+    if args.plot:
+        _plot(runs, args.plot, args)
+    return 0
+
+
+# -- a cluster per policy --------------------------------------------------------------
+
+
+def _run_cluster(
+    impl: Implementation,
+    policy: str,
+    trace: list[TraceRequest],
+    args: argparse.Namespace,
+    results: _Results,
+    progress: _Progress,
+) -> None:
+    router = {
+        name: value
+        for name in ("prefix_prefill_weight", "prefix_decode_tokens")
+        if (value := getattr(args, name)) is not None
+    }
+    with tempfile.TemporaryDirectory(prefix="coordkit-replay-") as tmp:
+        address = f"ipc://{tmp}/coordinator.sock"
+        coord = Coordinator(
+            address,
+            implementation=impl.name,
+            policy=policy,
+            block_size=args.block_size,
+            prefix_ttl=PREFIX_TTL / args.speedup,  # in trace time, as the rest
+            **router,
+        )
+        coord.start()
+        engines: list[subprocess.Popen[bytes]] = []
+        try:
+            engines += (_spawn_engine(address, rank, args) for rank in range(args.engines))
+            asyncio.run(_replay(address, trace, args, results, engines, progress))
+        except KeyboardInterrupt:
+            results.interrupted = True
+        finally:
+            # Engines first, while the coordinator can still take their DISCONNECT.
+            _stop_processes(engines)
+            coord.stop()
+
+
+def _spawn_engine(address: str, rank: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    # The child must import this very coordkit, installed or not.
+    package_root = str(Path(coordkit.__file__).parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    env["COORDKIT_PUREPYTHON"] = "1"  # an engine runs no coordinator: skip loading the extension
+    command = [sys.executable, "-m", "coordkit", "fake-engine", "--address", address]
+    command += ["--rank", str(rank), "--cost-model", args.cost_model]
+    command += ["--speedup", str(args.speedup), "--prefix-block-size", str(args.block_size)]
+    command += ["--cache-blocks", str(args.cache_blocks), "--heartbeat", "1"]
+    if args.engine_batch is not None:
+        command += ["--batch", str(args.engine_batch)]
+    # Its own session: Ctrl-C reaches only this process, which then stops the engines itself.
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        process.terminate()
+    deadline = time.monotonic() + _ENGINE_STOP_TIMEOUT
+    for process in processes:
+        try:
+            process.wait(max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _prompt(tokens: int) -> bytes:
+    """``msgpack.packb([0] * tokens)``, without building the list."""
+    return msgpack.Packer().pack_array_header(tokens) + bytes(tokens)
+
+
+async def _replay(
+    address: str,
+    trace: list[TraceRequest],
+    args: argparse.Namespace,
+    results: _Results,
+    engines: list[subprocess.Popen[bytes]],
+    progress: _Progress,
+) -> None:
+    speedup = args.speedup
+    cap = args.max_output_tokens
+
+    async def one(client: Client, request: TraceRequest) -> None:
+        params = {
+            "block_ids": list(request.hash_ids),
+            "output_tokens": max(1, min(request.output_length, cap or request.output_length)),
+            "max_partials": 1,
+        }
+        hashes = struct.pack(f"<{len(request.hash_ids)}Q", *request.hash_ids)
+        sent = time.perf_counter()
+        first = None
+        body: Any = None
+        try:
+            stream = client.stream(
+                _prompt(request.input_length), params, block_hashes=hashes or None
+            )
+            async for part in stream:
+                if first is None:
+                    first = time.perf_counter()
+                body = part  # the last one is the final
+        except CoordinatorError as exc:
+            results.errors[getattr(exc.code, "name", str(exc.code))] += 1
+        except ConnectionError:
+            results.errors["CONNECTION"] += 1
+        else:
+            assert first is not None and isinstance(body, dict)
+            results.ttft.append((first - sent) * speedup)
+            results.latency.append((time.perf_counter() - sent) * speedup)
+            rank = body.get("rank", -1)
+            results.ranks[rank] += 1
+            results.busy[rank] = max(results.busy.get(rank, 0.0), body.get("engine_busy", 0.0))
+            results.cached_blocks += body.get("cached_blocks", 0)
+            results.prompt_blocks += body.get("prompt_blocks", 0)
+        progress.update()
+
+    async with await Client.connect(address, timeout=10.0) as client:
+        try:
+            await client.wait_for_engines(args.engines, timeout=60.0)
+        except TimeoutError as exc:
+            codes = [engine.poll() for engine in engines]
+            raise TimeoutError(f"{exc} (engine exit codes: {codes})") from None
+        loop = asyncio.get_running_loop()
+        tasks = []
+        t0 = trace[0].timestamp
+        start = loop.time()
+        for request in trace:
+            delay = start + (request.timestamp - t0) / speedup - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                results.lag = max(results.lag, -delay * speedup)
+            tasks.append(asyncio.create_task(one(client, request)))
+        await asyncio.gather(*tasks)
+        results.wall = loop.time() - start
+
+
+# -- results -----------------------------------------------------------------------------
+
+
+def _percentile(ordered: list[float], p: float) -> float | None:
+    if not ordered:
+        return None
+    return ordered[max(math.ceil(p / 100 * len(ordered)) - 1, 0)]  # nearest rank
+
+
+def _metrics(results: _Results, args: argparse.Namespace) -> dict[str, Any]:
+    ttft, latency = sorted(results.ttft), sorted(results.latency)
+    counts = [results.ranks.get(rank, 0) for rank in range(args.engines)]
+    busy = [results.busy.get(rank, 0.0) for rank in range(args.engines)]
+    return {
+        "completed": len(latency),
+        "errors": dict(results.errors),
+        "hit_rate": results.cached_blocks / results.prompt_blocks
+        if results.prompt_blocks
+        else None,
+        "ttft_p50": _percentile(ttft, 50),
+        "ttft_p99": _percentile(ttft, 99),
+        "latency_p50": _percentile(latency, 50),
+        "latency_p99": _percentile(latency, 99),
+        "requests_per_engine": counts,
+        "busy_per_engine": busy,
+        "imbalance_requests": _imbalance(counts),
+        "imbalance_busy": _imbalance(busy),
+        "client_lag": results.lag,
+        "wall_seconds": results.wall,
+        "interrupted": results.interrupted,
+    }
+
+
+def _imbalance(values: Sequence[float]) -> float | None:
+    mean = sum(values) / len(values) if values else 0
+    return max(values) / mean if mean else None
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def _table(
+    trace: list[TraceRequest], args: argparse.Namespace, implementation: str, runs: list[_Results]
+) -> str:
+    span = trace[-1].timestamp - trace[0].timestamp
+    lines = [
+        f"coordkit replay: {len(trace)} requests over {span:.0f} s of trace "
+        f"(speedup {args.speedup:g}), {args.engines} engines ({args.cost_model}, "
+        f"{args.cache_blocks} cache blocks of {args.block_size} tokens), "
+        f"implementation {implementation}",
+        "times are trace seconds (measured x speedup)",
+    ]
+    columns = []
+    for results in runs:
+        m = _metrics(results, args)
+        errors = ", ".join(f"{n} {code}" for code, n in m["errors"].items()) or "none"
+        rows = {
+            "policy": results.policy,
+            "completed": f"{m['completed']} of {len(trace)}"
+            + (" (interrupted)" if m["interrupted"] else ""),
+            "errors": errors,
+            "prefix cache hit rate": "-"
+            if m["hit_rate"] is None
+            else f"{100 * m['hit_rate']:.1f}%",
+            "TTFT p50": _seconds(m["ttft_p50"]),
+            "TTFT p99": _seconds(m["ttft_p99"]),
+            "latency p50": _seconds(m["latency_p50"]),
+            "latency p99": _seconds(m["latency_p99"]),
+            "max/mean requests": _ratio(m["imbalance_requests"]),
+            "max/mean busy": _ratio(m["imbalance_busy"]),
+        }
+        for rank, (count, busy) in enumerate(
+            zip(m["requests_per_engine"], m["busy_per_engine"], strict=True)
+        ):
+            rows[f"engine {rank}"] = f"{count} req, {busy:.0f} s busy"
+        rows["client lag (max)"] = _seconds(m["client_lag"])
+        columns.append(rows)
+    name_width = max(len(name) for name in columns[0]) + 2
+    value_width = max(len(value) for rows in columns for value in rows.values()) + 2
+    for name in columns[0]:
+        *values, last = (rows[name] for rows in columns)
+        lines.append(
+            f"  {name:<{name_width}}" + "".join(f"{v:<{value_width}}" for v in values) + last
+        )
+    return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _report(
+    trace: list[TraceRequest], args: argparse.Namespace, implementation: str, runs: list[_Results]
+) -> dict[str, Any]:
+    return {
+        "trace": str(args.trace),
+        "requests": len(trace),
+        "trace_seconds": trace[-1].timestamp - trace[0].timestamp,
+        "options": {
+            "engines": args.engines,
+            "speedup": args.speedup,
+            "cost_model": args.cost_model,
+            "block_size": args.block_size,
+            "cache_blocks": args.cache_blocks,
+            "engine_batch": args.engine_batch,
+            "max_output_tokens": args.max_output_tokens,
+            "prefix_prefill_weight": args.prefix_prefill_weight,
+            "prefix_decode_tokens": args.prefix_decode_tokens,
+            "implementation": implementation,
+        },
+        "environment": {
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "cpus": os.cpu_count(),
+            "coordkit": _version(),
+        },
+        "results": {
+            results.policy: {**_metrics(results, args), "ttft": results.ttft} for results in runs
+        },
+    }
+
+
+def _version() -> str | None:
+    try:
+        return importlib.metadata.version("coordkit")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "coordkit replay: --plot needs matplotlib (pip install 'coordkit[bench]')"
+        ) from None
+
+
+def _plot(runs: list[_Results], path: str, args: argparse.Namespace) -> None:
+    """The TTFT CDF of each policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for results in runs:
+        ttft = sorted(results.ttft)
+        if not ttft:
+            continue
+        fractions = [(i + 1) / len(ttft) for i in range(len(ttft))]
+        axes.step(ttft, fractions, where="post", label=results.policy)
+    axes.set_xscale("log")
+    axes.set_xlabel("time to first token (trace seconds, log scale)")
+    axes.set_ylabel("fraction of requests")
+    axes.set_title(
+        f"coordkit replay {Path(args.trace).name}\n{args.engines} fake engines "
+        f"({args.cost_model}), speedup {args.speedup:g}",
+        fontsize=10,
+    )
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
