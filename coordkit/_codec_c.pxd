@@ -134,10 +134,20 @@ cdef size_t ck_write_array(uint8_t* out, uint32_t length) noexcept nogil
 # (any msgpack, as deep as msgpack unpacks, str contents not checked as UTF-8)
 # and handed back as byte spans of `buf`.
 
+# `[header, rid, ...]`, an array of exactly 4 with int64 header and rid, read
+# as far as the rid: O(1) whatever the prompt. out.prompt is where the prompt
+# and the params start (they run to n), out.params 0: nothing after the rid
+# is read, so nothing there is checked either (0.19's engine decodes the whole
+# frame, and fails on one that does not decode).
+cdef int ck_read_single_head(const uint8_t* buf, size_t n,
+                             ck_single_submit* out) noexcept nogil
+
 # `[header, rid, prompt, sampling_params]`: an array of exactly 4, int64
 # header and rid, the prompt a str or an array, the params a map, ending
-# exactly at n. On an error after the rid was read, out.prompt > 0 and
-# out.rid holds it; before, out.prompt == 0. The header is not checked.
+# exactly at n: ck_read_single_head, then the prompt and the params skipped
+# (a walk of the prompt's elements, one table lookup per token id). On an
+# error after the rid was read, out.prompt > 0 and out.rid holds it; before,
+# out.prompt == 0. The header is not checked.
 cdef int ck_read_single_submit(const uint8_t* buf, size_t n,
                                ck_single_submit* out) noexcept nogil
 

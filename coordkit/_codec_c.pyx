@@ -97,6 +97,7 @@ __all__ = [
     "write_header_int",
     "encode",
     "decode",
+    "read_single_head",
     "read_single_submit",
     "read_single_reply",
     "check_prompt",
@@ -220,12 +221,40 @@ cdef inline int _read_int(ck_cursor* c, int64_t* value) noexcept nogil:
     return CK_OK
 
 
+# The bytes an object takes, by its first byte, where that fixes them: the
+# ints, floats, nil and bools, fixstr and fixext; 0 for the others (containers,
+# str, bin and ext with a length, 0xc1).
+cdef uint8_t _FIXED_SIZE[256]
+
+
+cdef void _fill_fixed_sizes() noexcept:
+    cdef int b
+    for b in range(256):
+        if b < 0x80 or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3:
+            _FIXED_SIZE[b] = 1                          # fixints, nil, false, true
+        elif 0xa0 <= b <= 0xbf:
+            _FIXED_SIZE[b] = 1 + (b & 0x1f)             # fixstr
+        elif 0xcc <= b <= 0xd3:
+            _FIXED_SIZE[b] = 1 + (1 << (b & 3))         # uint8-64, int8-64
+        elif b == 0xca or b == 0xcb:
+            _FIXED_SIZE[b] = 5 if b == 0xca else 9      # float32, float64
+        elif 0xd4 <= b <= 0xd8:
+            _FIXED_SIZE[b] = 2 + (1 << (b - 0xd4))      # fixext 1-16, after a type byte
+        else:
+            _FIXED_SIZE[b] = 0
+
+
+_fill_fixed_sizes()
+
+
 cdef int _skip(ck_cursor* c, size_t count) noexcept nogil:
     """Skip `count` whole objects of any type, iteratively.
 
     pending[d] counts the objects still to skip inside the d-th open
     container (pending[0] those asked for); a container pushes its element
-    count, and nothing is ever recursed into.
+    count, and nothing is ever recursed into. A run of objects of a fixed
+    size (a prompt's token ids, most of a map's values) takes one table
+    lookup each.
     """
     cdef size_t pending[_SKIP_DEPTH + 1]
     cdef size_t depth = 0
@@ -243,6 +272,21 @@ cdef int _skip(ck_cursor* c, size_t count) noexcept nogil:
             if depth == 0:
                 return CK_OK
             depth -= 1
+        p = c.p
+        while p != c.end:
+            size = _FIXED_SIZE[p[0]]
+            if size == 0:
+                break
+            if <size_t>(c.end - p) < size:
+                return CK_TRUNCATED
+            p += size
+            pending[depth] -= 1
+            if pending[depth] == 0:
+                break
+        c.p = p
+        if pending[depth] == 0:
+            continue
+        # one object of another kind (or none left: truncated)
         pending[depth] -= 1
         p = ck_take(c, 1)
         if p == NULL:
@@ -569,8 +613,8 @@ cdef inline int _skip_one(ck_cursor* c, _Kind kind) noexcept nogil:
     return _skip(c, 1)
 
 
-cdef int ck_read_single_submit(const uint8_t* buf, size_t n,
-                               ck_single_submit* out) noexcept nogil:
+cdef int ck_read_single_head(const uint8_t* buf, size_t n,
+                             ck_single_submit* out) noexcept nogil:
     cdef ck_cursor c
     c.p = buf
     c.end = buf + n
@@ -589,6 +633,17 @@ cdef int ck_read_single_submit(const uint8_t* buf, size_t n,
     if status != CK_OK:
         return CK_RID_RANGE if status == CK_RANGE else status
     out.prompt = <size_t>(c.p - buf)
+    return CK_OK
+
+
+cdef int ck_read_single_submit(const uint8_t* buf, size_t n,
+                               ck_single_submit* out) noexcept nogil:
+    cdef int status = ck_read_single_head(buf, n, out)
+    if status != CK_OK:
+        return status
+    cdef ck_cursor c
+    c.p = buf + out.prompt
+    c.end = buf + n
     status = _skip_one(&c, _PROMPT)
     if status != CK_OK:
         return status
@@ -738,6 +793,8 @@ cdef int ck_prompt_hashes(const uint8_t* buf, size_t n, size_t block_size, uint8
     cdef size_t in_block = 0  # tokens of the block being hashed
     cdef size_t blocks = 0    # hashes written
     cdef int64_t token
+    cdef size_t left
+    cdef uint8_t b
     cdef ck_blake2b_state state
     cdef uint8_t zero[8]
     count[0] = 0
@@ -765,11 +822,24 @@ cdef int ck_prompt_hashes(const uint8_t* buf, size_t n, size_t block_size, uint8
                 ck_blake2b_update(&state, zero, 8)
             else:
                 ck_blake2b_update(&state, out + 8 * (blocks - 1), 8)
-        status = _read_int(&c, &token)
-        if status == CK_TRUNCATED:
-            return status
-        if status != CK_OK or token < 0 or token > <int64_t>UINT32_MAX:
-            return CK_BAD_TOKEN
+        # the forms packb gives token ids, inline; any other int form the long way
+        left = ck_left(&c)
+        b = c.p[0] if left else 0
+        if left and b < 0x80:
+            token = b
+            c.p += 1
+        elif b == 0xcd and left >= 3:
+            token = ck_load_be16(c.p + 1)
+            c.p += 3
+        elif b == 0xce and left >= 5:
+            token = ck_load_be32(c.p + 1)
+            c.p += 5
+        else:
+            status = _read_int(&c, &token)
+            if status == CK_TRUNCATED:
+                return status
+            if status != CK_OK or token < 0 or token > <int64_t>UINT32_MAX:
+                return CK_BAD_TOKEN
         if blocks < full:
             ck_blake2b_update_le32(&state, <uint32_t>token)
             in_block += 1
@@ -1158,6 +1228,20 @@ def read_single_submit(frame) -> tuple[int, int, int, int]:
     if status != CK_OK:
         raise _error("malformed metadata frame", status, s.rid if s.prompt else None)
     return s.header, s.rid, s.prompt, s.params
+
+
+def read_single_head(frame) -> tuple[int, int, int]:
+    """``(header, rid, prompt)`` of a single-frame SUBMIT ``[header, rid, ...]``,
+    read as far as its rid: an array of 4, int64 header and rid. Nothing after
+    the rid is read: ``frame[prompt:]`` is the prompt and the params, unchecked."""
+    cdef Py_buffer view
+    cdef ck_single_submit s
+    _acquire(frame, &view)
+    cdef int status = ck_read_single_head(<const uint8_t*>view.buf, view.len, &s)
+    PyBuffer_Release(&view)
+    if status != CK_OK:
+        raise _error("malformed metadata frame", status)
+    return s.header, s.rid, s.prompt
 
 
 def read_single_reply(frame) -> list[tuple[int, int, int | None, str | None]]:

@@ -32,6 +32,7 @@ __all__ = [
     "write_header_int",
     "encode",
     "decode",
+    "read_single_head",
     "read_single_submit",
     "read_single_reply",
     "check_prompt",
@@ -418,6 +419,26 @@ def _skip_one(
     _unpack(what, unpacker.skip, rid)
 
 
+def _single_head(data: bytes) -> tuple[msgpack.Unpacker, int, int]:
+    """An unpacker just past the rid of ``[header, rid, ...]``, an array of 4."""
+    if not data:
+        raise ProtocolError(f"{_METADATA}: {_TRUNCATED}")
+    unpacker = _unpacker(data)
+    if _array_length(_METADATA, data, unpacker) != 4:
+        raise ProtocolError(f"{_METADATA}: array of the wrong length")
+    header = _int(_METADATA, _unpack(_METADATA, unpacker.unpack))
+    rid = _int(_METADATA, _unpack(_METADATA, unpacker.unpack), "request id out of range")
+    return unpacker, header, rid
+
+
+def read_single_head(frame: Buffer) -> tuple[int, int, int]:
+    """``(header, rid, prompt)`` of a single-frame SUBMIT ``[header, rid, ...]``,
+    read as far as its rid: an array of 4, int64 header and rid. Nothing after
+    the rid is read: ``frame[prompt:]`` is the prompt and the params, unchecked."""
+    unpacker, header, rid = _single_head(_as_bytes(frame))
+    return header, rid, unpacker.tell()
+
+
 def read_single_submit(frame: Buffer) -> tuple[int, int, int, int]:
     """``(header, rid, prompt, params)`` of a single-frame SUBMIT
     ``[header, rid, prompt, sampling_params]``, validated whole.
@@ -427,13 +448,7 @@ def read_single_submit(frame: Buffer) -> tuple[int, int, int, int]:
     only. A fault after the rid raises ProtocolError with ``rid`` set.
     """
     data = _as_bytes(frame)
-    if not data:
-        raise ProtocolError(f"{_METADATA}: {_TRUNCATED}")
-    unpacker = _unpacker(data)
-    if _array_length(_METADATA, data, unpacker) != 4:
-        raise ProtocolError(f"{_METADATA}: array of the wrong length")
-    header = _int(_METADATA, _unpack(_METADATA, unpacker.unpack))
-    rid = _int(_METADATA, _unpack(_METADATA, unpacker.unpack), "request id out of range")
+    unpacker, header, rid = _single_head(data)
     prompt = unpacker.tell()
     _skip_one(_METADATA, data, unpacker, _is_prompt, rid)
     params = unpacker.tell()

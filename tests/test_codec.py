@@ -703,6 +703,32 @@ def test_single_submit_agrees_with_msgpack(impl, data):
     check_single_submit(impl, data)
 
 
+@SETTINGS
+@given(data=st.binary(max_size=40) | mutated(single_frames) | single_frames)
+def test_single_head_is_the_head_of_single_submit(impl, data):
+    # what read_single_submit reads first, and all of what read_single_head reads
+    try:
+        header, rid, prompt, _ = impl.codec.read_single_submit(data)
+    except ProtocolError as exc:
+        if exc.rid is None:  # the fault is in the head
+            with pytest.raises(ProtocolError):
+                impl.codec.read_single_head(data)
+        else:
+            assert impl.codec.read_single_head(data)[1] == exc.rid
+    else:
+        assert impl.codec.read_single_head(data) == (header, rid, prompt)
+
+
+def test_single_head_reads_nothing_after_the_rid(impl):
+    # O(1): a prompt claiming 2**32-1 tokens, or garbage, is not looked at
+    for rest in (b"\xdd\xff\xff\xff\xff", b"\xc1\xc1", b""):
+        assert impl.codec.read_single_head(b"\x94\x14\xcd\x01\x00" + rest) == (20, 256, 5)
+    for frame in (b"", b"\x93\x14\x05", b"\x94\x14", b"\x94\x14\xa1x", b"\x94\xc0\x05"):
+        with pytest.raises(ProtocolError) as info:
+            impl.codec.read_single_head(frame)
+        assert info.value.rid is None
+
+
 def test_single_submit_structure_only(impl):
     # a str prompt with invalid UTF-8, params holding an ext -1 (timestamp) of a bad length
     prompt, params = b"\xa2\xff\xfe", b"\x81\xa1k\xc7\x03\xffxyz"
@@ -1086,6 +1112,7 @@ def test_buffers(impl):
         "read_header_int",
         "read_reply_batch",
         "decode",
+        "read_single_head",
         "read_single_submit",
         "read_single_reply",
         "check_prompt",
@@ -1112,6 +1139,7 @@ def same_everywhere(c_impl, py_impl, data: bytes) -> None:
         ("read_submit_batch", (2,)),
         ("read_reply_batch", ()),
         ("decode", ()),
+        ("read_single_head", ()),
         ("read_single_submit", ()),
         ("read_single_reply", ()),
         ("check_prompt", ()),
@@ -1176,3 +1204,25 @@ def test_differential_mutated_single_frames(c_impl, py_impl, data):
 def test_differential_single_remainders(c_impl, py_impl, data):
     # random bytes where a reply map's keys, or a SUBMIT's prompt and params, are read
     same_everywhere(c_impl, py_impl, data)
+
+
+# Every fixed-size form the skip takes by table, in runs, and cut short at every byte.
+FIXED_FORMS = [
+    b"\x05", b"\xff", b"\xc0", b"\xc2", b"\xc3", b"\xcc\x80", b"\xcd\x01\x00",
+    b"\xce\x00\x01\x00\x00", b"\xcf" + bytes(8), b"\xd0\x80", b"\xd1\x80\x00",
+    b"\xd2" + bytes(4), b"\xd3" + bytes(8), b"\xca" + bytes(4), b"\xcb" + bytes(8),
+    b"\xa3abc", b"\xa0", b"\xd4\x01\x00", b"\xd5\x01" + bytes(2), b"\xd6\x01" + bytes(4),
+    b"\xd7\x01" + bytes(8), b"\xd8\x01" + bytes(16),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("form", FIXED_FORMS, ids=lambda f: f[:1].hex())
+def test_skip_runs_of_fixed_size_objects(impl, form):
+    run = form * 40
+    frame = b"\x94\x14\x05\xdc\x00\x28" + run + b"\x80"
+    assert impl.codec.read_single_submit(frame) == (20, 5, 3, len(frame) - 1)
+    assert impl.codec.read_submit(b"\x93\x14\x05\xdc\x00\x28" + run) == (20, 3, 5, 3)
+    for cut in range(1, len(form)):
+        with pytest.raises(ProtocolError) as info:
+            impl.codec.read_single_submit(frame[: 6 + len(run) - cut])
+        assert info.value.rid == 5
