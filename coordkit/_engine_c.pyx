@@ -19,8 +19,8 @@ Sampling params that are a map of scalars are remembered with their bytes:
 the next request with the same bytes (in a batch, most of them) gets a copy
 of the map instead of a decoding.
 
-The rare messages (SUBMIT_REQUEST_WITH_KV, the control signals) are parsed
-with the message specs, as the twin does.
+The rare messages (SUBMIT_REQUEST_WITH_KV, the control signals, an ERROR
+from the coordinator) are parsed with the message specs, as the twin does.
 """
 
 cimport cython
@@ -80,6 +80,7 @@ import zmq
 
 from coordkit import protocol
 from coordkit._shared import check_constants
+from coordkit._engine_py import _refused
 from coordkit.engine import Abort, Control, ReleaseKV, Request
 from coordkit.protocol import Header, ProtocolError, packb
 
@@ -482,6 +483,8 @@ cdef class EngineCore:
         elif header in protocol.CONTROL:
             message = protocol.CONTROL[header].parse(frames)
             events.append(Control(Header(header), getattr(message, "epoch", None)))
+        elif header == HEADER_ERROR:
+            _refused(protocol.ERROR.parse(frames))
         else:
             raise ProtocolError(f"unexpected header {header!r}")
 

@@ -10,7 +10,8 @@ frames on the wire:
   is one :class:`~coordkit.engine.Request`, an ENGINE_SUBMIT_BATCH
   ``[95, [[rid, sampling_params], ...]]`` with one prompt frame per entry is
   one Request per entry, in order; ABORT, RELEASE_KV and the control signals
-  are one event each. A message that does not parse is logged and dropped.
+  are one event each. An ERROR from the coordinator (a reply entry it could
+  not deliver) is logged. A message that does not parse is logged and dropped.
 * :meth:`EngineCore.reply` sends ``[21, [[rid, needs_detokenize], ...]]`` and
   one body per entry, :meth:`EngineCore.reply_partial` ``[22, [rid, ...]]``
   likewise; a body that is not bytes-like is msgpack-packed.
@@ -36,6 +37,15 @@ log = logging.getLogger("coordkit.engine")
 MAX_DRAIN = 4096
 
 _BYTES_LIKE = (bytes, bytearray, memoryview, zmq.Frame)
+
+
+def _refused(error: Any) -> None:
+    """An ERROR from the coordinator: a reply entry of ours it could not deliver."""
+    log.warning(
+        "coordkit engine: the coordinator refused %s: %s",
+        "a message" if error.rid is None else f"the reply to request {error.rid}",
+        error.message,
+    )
 
 
 def _body(body: Any) -> Any:
@@ -101,6 +111,8 @@ class EngineCore:
         elif header in protocol.CONTROL:
             message = protocol.CONTROL[header].parse(frames)
             events.append(Control(Header(header), getattr(message, "epoch", None)))
+        elif header == Header.ERROR:
+            _refused(protocol.ERROR.parse(frames))
         else:
             raise ProtocolError(f"unexpected header {header!r}")
 

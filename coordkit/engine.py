@@ -18,10 +18,12 @@ Under it runs a *core* -- the Cython one (:mod:`coordkit._engine_c`), which
 receives, parses and builds the replies in C, or its pure-Python twin
 (:mod:`coordkit._engine_py`), chosen as the coordinator's is; both hand out
 the same events and put the same frames on the wire. After registering, an
-Engine asks for batches (ENGINE_HELLO ``[94, {"coordkit": 1, "batch": 1}]``)
-unless ``batch=False``; a coordinator that grants them may then send its
-SUBMITs as ENGINE_SUBMIT_BATCH messages, which poll() hands out as one
-Request per entry. Replies are batched either way.
+Engine says what it is with ENGINE_HELLO: ``[94, {"coordkit": 1, "batch": 1}]``,
+asking for batches, or ``[94, {"coordkit": 1}]`` with ``batch=False``. A
+coordinator that grants batches may then send its SUBMITs as
+ENGINE_SUBMIT_BATCH messages, which poll() hands out as one Request per
+entry. Replies are batched either way. An ERROR the coordinator sends back
+(a reply entry it could not deliver) is logged.
 """
 
 from __future__ import annotations
@@ -99,10 +101,10 @@ class Engine:
     ``pending`` counts requests received and not yet answered with a final
     reply. With ``heartbeat_interval`` set, :meth:`poll` sends
     HEARTBEAT ``[91, pending, capacity]`` that often (the first at once), so
-    the coordinator can declare the engine gone when they stop. ``batch``
-    (default True) sends ENGINE_HELLO after the registration, asking for
-    batched SUBMITs; ``implementation`` (``"c"`` or ``"py"``) picks the core,
-    by default the one chosen at import.
+    the coordinator can declare the engine gone when they stop. After the
+    registration it sends ENGINE_HELLO, asking for batched SUBMITs unless
+    ``batch`` is False; ``implementation`` (``"c"`` or ``"py"``) picks the
+    core, by default the one chosen at import.
     """
 
     def __init__(
@@ -137,9 +139,9 @@ class Engine:
         self._socket.setsockopt(zmq.RCVHWM, 0)
         self._socket.connect(address)
         self._socket.send(b"")  # registration
-        if batch:
-            hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1}
-            self._socket.send_multipart(protocol.ENGINE_HELLO.pack(hello))
+        # A coordkit engine: multipart in every dialect; batches when it asks.
+        hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1} if batch else COORDKIT_HELLO
+        self._socket.send_multipart(protocol.ENGINE_HELLO.pack(hello))
         self._core = impl.engine.EngineCore(self._socket)
 
     @property

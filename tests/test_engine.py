@@ -56,14 +56,13 @@ def router(request, tmp_path):
 
 def registered(router, impl, engine_cls=Engine, **kwargs):
     """An engine of ``impl`` connected to ``router``, its registration and its
-    ENGINE_HELLO already received."""
+    ENGINE_HELLO (asking for batches, or not with ``batch=False``) already received."""
     socket, address = router
     engine = engine_cls(address, implementation=impl.name, **kwargs)
     assert engine.implementation == impl.name
     assert socket.recv_multipart() == [engine.identity, b""]
-    if kwargs.get("batch", True):
-        hello = packb([ENGINE_HELLO, {"coordkit": 1, "batch": 1}])
-        assert socket.recv_multipart() == [engine.identity, hello]
+    hello = {"coordkit": 1, "batch": 1} if kwargs.get("batch", True) else {"coordkit": 1}
+    assert socket.recv_multipart() == [engine.identity, packb([ENGINE_HELLO, hello])]
     return engine
 
 

@@ -22,6 +22,7 @@ from coordkit.protocol import Header, ProtocolError, packb
 from tests.support.peers import (
     ABORT,
     ENGINE_HELLO,
+    ERROR,
     PARTIAL,
     PAUSE,
     RELEASE_KV,
@@ -50,9 +51,8 @@ def connected(router, impl, **kwargs) -> Engine:
     socket, address = router
     engine = Engine(address, implementation=impl.name, **kwargs)
     assert socket.recv_multipart() == [engine.identity, b""]
-    if kwargs.get("batch", True):
-        hello = packb([ENGINE_HELLO, {"coordkit": 1, "batch": 1}])
-        assert socket.recv_multipart() == [engine.identity, hello]
+    hello = {"coordkit": 1, "batch": 1} if kwargs.get("batch", True) else {"coordkit": 1}
+    assert socket.recv_multipart() == [engine.identity, packb([ENGINE_HELLO, hello])]
     return engine
 
 
@@ -70,11 +70,21 @@ def batch(entries, prompts) -> list[bytes]:
     return [packb([SUBMIT_BATCH, [list(e) for e in entries]]), *prompts]
 
 
-def test_without_batch_no_hello(router, impl):
+def test_without_batch_the_hello_asks_for_none(router, impl):
     socket, _ = router
-    with connected(router, impl, batch=False) as engine:
+    with connected(router, impl, batch=False) as engine:  # [94, {"coordkit": 1}]
         socket.send_multipart([engine.identity, packb([PAUSE])])
         assert until(engine, 1) == [Control(Header.PAUSE)]
+
+
+def test_an_error_from_the_coordinator_is_logged(router, impl, caplog):
+    socket, _ = router
+    with connected(router, impl) as engine:
+        message = "ENGINE_REPLY: malformed message"
+        socket.send_multipart([engine.identity, packb([ERROR, 7, 1, message])])
+        socket.send_multipart([engine.identity, packb([UNPAUSE])])
+        assert until(engine, 1) == [Control(Header.UNPAUSE)]
+    assert "refused the reply to request 7: ENGINE_REPLY: malformed message" in caplog.text
 
 
 def test_a_batch_is_one_request_per_entry(router, impl):
