@@ -34,6 +34,12 @@ ctypedef struct ck_single_entry:
     int64_t rid         # its "request_id", valid when status == CK_OK
     int status          # CK_OK, CK_NOT_MAP, CK_NO_REQUEST_ID or CK_BAD_REQUEST_ID
 
+ctypedef struct ck_batch_entry:  # one entry of a SUBMIT_BATCH or a REPLY_BATCH
+    int64_t rid
+    size_t params_offset    # SUBMIT_BATCH: the entry's sampling params are
+    size_t params_size      # buf[params_offset : params_offset + params_size], verbatim
+    bint flag               # a client's SUBMIT_BATCH: hashed; REPLY_BATCH: final
+
 cdef enum ck_status:
     CK_OK = 0
     CK_TRUNCATED = -1        # an object runs past the end of the frame
@@ -57,6 +63,8 @@ cdef enum:
     CK_HEADER_INT_MAX = 19      # bytes ck_write_header_int may write: [h, v]
     CK_SUBMIT_PREFIX_MAX = 23   # array32 header + two int64: the prefix of ck_write_submit
     CK_SINGLE_PREFIX_MAX = 19   # fixarray + two int64: the prefix of ck_write_single_submit
+    CK_INT_MAX = 9              # bytes ck_write_int or ck_write_uint may write
+    CK_ARRAY_MAX = 5            # bytes ck_write_array may write
 
 cdef const char* ck_strstatus(int status) noexcept nogil
 
@@ -95,6 +103,30 @@ cdef size_t ck_write_header(uint8_t* out, int64_t header) noexcept nogil
 cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* entries,
                        uint32_t capacity, uint32_t* count) noexcept nogil
 
+
+# `[header, value]`, two int64s, validated whole (the client's replies `[21, rid]`,
+# an engine's ABORT `[23, rid]`).
+cdef int ck_read_header_int(const uint8_t* buf, size_t n, int64_t* header,
+                            int64_t* value) noexcept nogil
+
+# SUBMIT_BATCH `[95, [entry, ...]]`, validated whole: each entry `[rid, params, hashed]`
+# (width 3, from a client) or `[rid, params]` (width 2, to an engine), the params any
+# msgpack object, skipped structurally. Capacity and CK_TOO_MANY as for ck_read_reply;
+# on any other error *count is the number of entries read whole before the fault
+# (those within capacity are in `entries`), so that their requests can be named.
+cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
+                              ck_batch_entry* entries, uint32_t capacity,
+                              uint32_t* count) noexcept nogil
+
+# REPLY_BATCH `[96, [[rid, final], ...]]`, validated whole; as ck_read_submit_batch.
+cdef int ck_read_reply_batch(const uint8_t* buf, size_t n, ck_batch_entry* entries,
+                             uint32_t capacity, uint32_t* count) noexcept nogil
+
+# The writers of the forms above, for the endpoints that build whole frames:
+# an int in its smallest form (as msgpack.packb), a uint64 likewise, an array head.
+cdef size_t ck_write_int(uint8_t* out, int64_t v) noexcept nogil
+cdef size_t ck_write_uint(uint8_t* out, uint64_t v) noexcept nogil
+cdef size_t ck_write_array(uint8_t* out, uint32_t length) noexcept nogil
 
 # -- Megatron-Core's single-frame dialect -------------------------------------
 #

@@ -47,6 +47,8 @@ from libc.string cimport memcmp, memcpy, memset
 from coordkit._constants cimport (
     HEADER_ENGINE_REPLY,
     HEADER_ENGINE_REPLY_PARTIAL,
+    HEADER_REPLY_BATCH,
+    HEADER_SUBMIT_BATCH,
     generated_constants,
 )
 
@@ -88,6 +90,9 @@ __all__ = [
     "rewrite_submit",
     "write_submit",
     "read_reply",
+    "read_header_int",
+    "read_submit_batch",
+    "read_reply_batch",
     "prompt_tokens",
     "write_header",
     "write_header_int",
@@ -454,6 +459,130 @@ cdef inline int _read_entry(ck_cursor* c, bint full, ck_entry* entry) noexcept n
             return CK_BAD_TYPE
         entry.needs_detokenize = p[0] == 0xc3
     return CK_OK
+
+
+cdef int ck_read_header_int(const uint8_t* buf, size_t n, int64_t* header,
+                            int64_t* value) noexcept nogil:
+    cdef ck_cursor c
+    cdef uint32_t length
+    c.p = buf
+    c.end = buf + n
+    cdef int status = _read_array(&c, &length)
+    if status != CK_OK:
+        return status
+    if length != 2:
+        return CK_BAD_LENGTH
+    status = _read_int(&c, header)
+    if status != CK_OK:
+        return status
+    status = _read_int(&c, value)
+    if status != CK_OK:
+        return status
+    return CK_OK if c.p == c.end else CK_TRAILING
+
+
+cdef inline int _read_bool(ck_cursor* c, bint* value) noexcept nogil:
+    cdef const uint8_t* p = ck_take(c, 1)
+    if p == NULL:
+        return CK_TRUNCATED
+    if p[0] != 0xc2 and p[0] != 0xc3:
+        return CK_BAD_TYPE
+    value[0] = p[0] == 0xc3
+    return CK_OK
+
+
+cdef inline int _read_batch_head(ck_cursor* c, int64_t expected, uint32_t* length) noexcept nogil:
+    """``[expected, [`` up to the entries; *length is their count."""
+    cdef int64_t header
+    cdef int status = _read_array(c, length)
+    if status != CK_OK:
+        return status
+    if length[0] != 2:
+        return CK_BAD_LENGTH
+    status = _read_int(c, &header)
+    if status != CK_OK:
+        return status
+    if header != expected:
+        return CK_BAD_HEADER
+    status = _read_array(c, length)
+    if status != CK_OK:
+        return status
+    # every entry takes at least one byte
+    return CK_TRUNCATED if length[0] > ck_left(c) else CK_OK
+
+
+cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
+                              ck_batch_entry* entries, uint32_t capacity,
+                              uint32_t* count) noexcept nogil:
+    cdef ck_cursor c
+    cdef uint32_t length, i, fields
+    cdef ck_batch_entry entry
+    cdef const uint8_t* params
+    c.p = buf
+    c.end = buf + n
+    count[0] = 0
+    entry.flag = False
+    cdef int status = _read_batch_head(&c, HEADER_SUBMIT_BATCH, &length)
+    if status != CK_OK:
+        return status
+    for i in range(length):
+        status = _read_array(&c, &fields)
+        if status != CK_OK:
+            return status
+        if fields != width:
+            return CK_BAD_LENGTH
+        status = _read_int(&c, &entry.rid)
+        if status != CK_OK:
+            return CK_RID_RANGE if status == CK_RANGE else status
+        params = c.p
+        status = _skip(&c, 1)
+        if status != CK_OK:
+            return status
+        entry.params_offset = <size_t>(params - buf)
+        entry.params_size = <size_t>(c.p - params)
+        if width == 3:
+            status = _read_bool(&c, &entry.flag)
+            if status != CK_OK:
+                return status
+        if i < capacity:
+            entries[i] = entry
+        count[0] = i + 1
+    if c.p != c.end:
+        return CK_TRAILING
+    return CK_TOO_MANY if length > capacity else CK_OK
+
+
+cdef int ck_read_reply_batch(const uint8_t* buf, size_t n, ck_batch_entry* entries,
+                             uint32_t capacity, uint32_t* count) noexcept nogil:
+    cdef ck_cursor c
+    cdef uint32_t length, i, fields
+    cdef ck_batch_entry entry
+    c.p = buf
+    c.end = buf + n
+    count[0] = 0
+    entry.params_offset = 0
+    entry.params_size = 0
+    cdef int status = _read_batch_head(&c, HEADER_REPLY_BATCH, &length)
+    if status != CK_OK:
+        return status
+    for i in range(length):
+        status = _read_array(&c, &fields)
+        if status != CK_OK:
+            return status
+        if fields != 2:
+            return CK_BAD_LENGTH
+        status = _read_int(&c, &entry.rid)
+        if status != CK_OK:
+            return CK_RID_RANGE if status == CK_RANGE else status
+        status = _read_bool(&c, &entry.flag)
+        if status != CK_OK:
+            return status
+        if i < capacity:
+            entries[i] = entry
+        count[0] = i + 1
+    if c.p != c.end:
+        return CK_TRAILING
+    return CK_TOO_MANY if length > capacity else CK_OK
 
 
 # -- Megatron-Core's single frames -------------------------------------------------
@@ -856,6 +985,22 @@ cdef size_t ck_write_single_submit(uint8_t* out, int64_t header, int64_t rid,
     return n + prompt_len + params_len
 
 
+cdef size_t ck_write_int(uint8_t* out, int64_t v) noexcept nogil:
+    return _write_int(out, v)
+
+
+cdef size_t ck_write_uint(uint8_t* out, uint64_t v) noexcept nogil:
+    if v <= <uint64_t>INT64_MAX:
+        return _write_int(out, <int64_t>v)
+    out[0] = 0xcf
+    ck_store_be64(out + 1, v)
+    return 9
+
+
+cdef size_t ck_write_array(uint8_t* out, uint32_t length) noexcept nogil:
+    return _write_array(out, length)
+
+
 # -- the Python API ----------------------------------------------------------
 
 cdef inline int _acquire(object frame, Py_buffer* view) except -1:
@@ -1007,6 +1152,72 @@ def prompt_tokens(frame) -> int:
     cdef uint64_t tokens = ck_prompt_tokens(<const uint8_t*>view.buf, view.len)
     PyBuffer_Release(&view)
     return tokens
+
+
+def read_header_int(frame) -> tuple[int, int]:
+    """``(header, value)`` of ``[header, value]``, two int64s, validated whole."""
+    cdef Py_buffer view
+    cdef int64_t header, value
+    _acquire(frame, &view)
+    cdef int status = ck_read_header_int(<const uint8_t*>view.buf, view.len, &header, &value)
+    PyBuffer_Release(&view)
+    if status != CK_OK:
+        raise _error("malformed metadata frame", status)
+    return header, value
+
+
+cdef list _batch_entries(str what, object frame, int kind, uint32_t width):
+    cdef Py_buffer view
+    cdef ck_batch_entry local[_LOCAL_ENTRIES]
+    cdef ck_batch_entry* entries = local
+    cdef uint32_t count, i
+    cdef int status
+    _acquire(frame, &view)
+    cdef const uint8_t* buf = <const uint8_t*>view.buf
+    try:
+        status = _read_batch(buf, view.len, kind, width, local, _LOCAL_ENTRIES, &count)
+        if status == CK_TOO_MANY:
+            entries = <ck_batch_entry*>malloc(count * sizeof(ck_batch_entry))
+            if entries == NULL:
+                raise MemoryError()
+            status = _read_batch(buf, view.len, kind, width, entries, count, &count)
+        if status != CK_OK:
+            raise _error(what, status)
+        if kind == 0:
+            return [
+                (entries[i].rid, entries[i].params_offset, entries[i].params_size,
+                 entries[i].flag)
+                for i in range(count)
+            ]
+        return [(entries[i].rid, entries[i].flag) for i in range(count)]
+    finally:
+        PyBuffer_Release(&view)
+        if entries != local:
+            free(entries)
+
+
+cdef int _read_batch(const uint8_t* buf, size_t n, int kind, uint32_t width,
+                     ck_batch_entry* entries, uint32_t capacity, uint32_t* count) noexcept:
+    if kind == 0:
+        return ck_read_submit_batch(buf, n, width, entries, capacity, count)
+    return ck_read_reply_batch(buf, n, entries, capacity, count)
+
+
+def read_submit_batch(frame, width=3) -> list[tuple[int, int, int, bool]]:
+    """``[(rid, params_offset, params_size, hashed), ...]`` of a SUBMIT_BATCH.
+
+    ``width`` 3: a client's ``[95, [[rid, params, hashed], ...]]``; 2: the
+    coordinator's to an engine, ``[95, [[rid, params], ...]]`` (hashed False).
+    Each entry's sampling params are ``frame[offset : offset + size]``, verbatim.
+    """
+    if width != 2 and width != 3:
+        raise ValueError(f"width must be 2 or 3, not {width!r}")
+    return _batch_entries("malformed SUBMIT_BATCH", frame, 0, width)
+
+
+def read_reply_batch(frame) -> list[tuple[int, bool]]:
+    """``[(rid, final), ...]`` of a REPLY_BATCH ``[96, [[rid, final], ...]]``."""
+    return _batch_entries("malformed REPLY_BATCH", frame, 1, 2)
 
 
 def write_header(header) -> bytes:

@@ -25,6 +25,9 @@ __all__ = [
     "rewrite_submit",
     "write_submit",
     "read_reply",
+    "read_header_int",
+    "read_submit_batch",
+    "read_reply_batch",
     "prompt_tokens",
     "write_header",
     "write_header_int",
@@ -225,6 +228,80 @@ def prompt_tokens(frame: Frame) -> int:
         if text >= 0:
             return -(-text // BYTES_PER_TOKEN)
     return -(-n // BYTES_PER_TOKEN)
+
+
+def read_header_int(frame: Buffer) -> tuple[int, int]:
+    """``(header, value)`` of ``[header, value]``, two int64s, validated whole."""
+    data = _as_bytes(frame)
+    unpacker, length, header = _start(data, 2)
+    if length != 2:
+        raise ProtocolError(f"{_METADATA}: array of the wrong length")
+    value = _int(_METADATA, _unpack(_METADATA, unpacker.unpack))
+    if unpacker.tell() != len(data):
+        raise ProtocolError(f"{_METADATA}: trailing bytes")
+    return header, value
+
+
+def _batch(what: str, data: bytes, header: int) -> tuple[msgpack.Unpacker, int]:
+    """An unpacker at the first entry of ``[header, [entry, ...]]``, and the entry count."""
+    if not data:
+        raise ProtocolError(f"{what}: truncated")
+    unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=len(data))
+    unpacker.feed(data)
+    if _unpack(what, unpacker.read_array_header) != 2:
+        raise ProtocolError(f"{what}: array of the wrong length")
+    if _int(what, _unpack(what, unpacker.unpack)) != header:
+        raise ProtocolError(f"{what}: unexpected header")
+    return unpacker, _unpack(what, unpacker.read_array_header)
+
+
+def _bool(what: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise ProtocolError(f"{what}: unexpected type")
+    return value
+
+
+def read_submit_batch(frame: Buffer, width: int = 3) -> list[tuple[int, int, int, bool]]:
+    """``[(rid, params_offset, params_size, hashed), ...]`` of a SUBMIT_BATCH.
+
+    ``width`` 3: a client's ``[95, [[rid, params, hashed], ...]]``; 2: the
+    coordinator's to an engine, ``[95, [[rid, params], ...]]`` (hashed False).
+    Each entry's sampling params are ``frame[offset : offset + size]``, verbatim.
+    """
+    if width not in (2, 3):
+        raise ValueError(f"width must be 2 or 3, not {width!r}")
+    what = "malformed SUBMIT_BATCH"
+    data = _as_bytes(frame)
+    unpacker, count = _batch(what, data, Header.SUBMIT_BATCH)
+    entries = []
+    for _ in range(count):
+        if _unpack(what, unpacker.read_array_header) != width:
+            raise ProtocolError(f"{what}: array of the wrong length")
+        rid = _int(what, _unpack(what, unpacker.unpack), "request id out of range")
+        offset = unpacker.tell()
+        _unpack(what, unpacker.skip)
+        size = unpacker.tell() - offset
+        hashed = _bool(what, _unpack(what, unpacker.unpack)) if width == 3 else False
+        entries.append((rid, offset, size, hashed))
+    if unpacker.tell() != len(data):
+        raise ProtocolError(f"{what}: trailing bytes")
+    return entries
+
+
+def read_reply_batch(frame: Buffer) -> list[tuple[int, bool]]:
+    """``[(rid, final), ...]`` of a REPLY_BATCH ``[96, [[rid, final], ...]]``."""
+    what = "malformed REPLY_BATCH"
+    data = _as_bytes(frame)
+    unpacker, count = _batch(what, data, Header.REPLY_BATCH)
+    entries = []
+    for _ in range(count):
+        if _unpack(what, unpacker.read_array_header) != 2:
+            raise ProtocolError(f"{what}: array of the wrong length")
+        rid = _int(what, _unpack(what, unpacker.unpack), "request id out of range")
+        entries.append((rid, _bool(what, _unpack(what, unpacker.unpack))))
+    if unpacker.tell() != len(data):
+        raise ProtocolError(f"{what}: trailing bytes")
+    return entries
 
 
 def write_header(header: int) -> bytes:

@@ -22,7 +22,7 @@ from typing import Any
 __all__ = ["Implementation", "load_implementation", "selected"]
 
 #: The paired modules, by role: each has an ``_x_py`` and an ``_x_c`` twin.
-_ROLES = ("codec", "routing", "loop")
+_ROLES = ("codec", "routing", "loop", "client", "engine")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class Implementation:
     codec: ModuleType
     routing: ModuleType
     loop: ModuleType
+    client: ModuleType
+    engine: ModuleType
 
     @property
     def Router(self) -> Any:  # noqa: N802 - the class it names

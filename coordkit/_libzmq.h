@@ -33,6 +33,7 @@ typedef void(zmq_free_fn)(void *data, void *hint);
 #define ZMQ_SNDMORE 2
 #define ZMQ_POLLIN 1
 #define ZMQ_POLLOUT 2
+#define ZMQ_EVENTS 15
 #define ZMQ_HAUSNUMERO 156384712
 #define CK_ETERM (ZMQ_HAUSNUMERO + 53)
 
@@ -52,6 +53,7 @@ typedef struct {
     int (*errno_)(void);
     const char *(*strerror)(int);
     void (*version)(int *, int *, int *);
+    int (*getsockopt)(void *, int, void *, size_t *);
 } ck_zmq_api_t;
 
 static ck_zmq_api_t ck_zmq;
@@ -88,6 +90,7 @@ static int ck_zmq_bind(const char *path, char *err, size_t errlen)
     CK_SYM(errno_, "zmq_errno")
     CK_SYM(strerror, "zmq_strerror")
     CK_SYM(version, "zmq_version")
+    CK_SYM(getsockopt, "zmq_getsockopt")
 #undef CK_SYM
     int major = 0, minor = 0, patch = 0;
     api.version(&major, &minor, &patch);
@@ -119,5 +122,9 @@ static inline int ck_msg_more(const zmq_msg_t *m) { return ck_zmq.msg_more(m); }
 static inline int ck_poll(zmq_pollitem_t *items, int n, long timeout) { return ck_zmq.poll(items, n, timeout); }
 static inline int ck_errno(void) { return ck_zmq.errno_(); }
 static inline const char *ck_strerror(int e) { return ck_zmq.strerror(e); }
+static inline int ck_getsockopt(void *s, int option, void *value, size_t *size)
+{
+    return ck_zmq.getsockopt(s, option, value, size);
+}
 
 #endif

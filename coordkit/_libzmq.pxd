@@ -18,6 +18,7 @@ cdef extern from "_libzmq.h" nogil:
         ZMQ_SNDMORE
         ZMQ_POLLIN
         ZMQ_POLLOUT
+        ZMQ_EVENTS
         CK_ETERM
 
     int ck_zmq_bind(const char* path, char* err, size_t errlen)
@@ -38,6 +39,7 @@ cdef extern from "_libzmq.h" nogil:
     int zmq_poll "ck_poll"(zmq_pollitem_t* items, int nitems, long timeout)
     int zmq_errno "ck_errno"()
     const char* zmq_strerror "ck_strerror"(int errnum)
+    int zmq_getsockopt "ck_getsockopt"(void* socket, int option, void* value, size_t* size)
 
 
 cdef inline int bind_libzmq() except -1:

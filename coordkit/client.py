@@ -7,35 +7,37 @@
         async for part in client.stream("hello"):
             print(part)
 
-One :class:`Client` is one DEALER socket and one receive task on the running
-event loop; use it from that loop only. Replies are matched to requests by
-the client's own request ids (0, 1, 2, ...).
+One :class:`Client` is one DEALER socket and one reader callback on the
+running event loop; use it from that loop only. Replies are matched to
+requests by the client's own request ids (0, 1, 2, ...). Under it runs a
+*core* -- the Cython one (:mod:`coordkit._client_c`) or its pure-Python twin
+(:mod:`coordkit._client_py`), chosen as the coordinator's is -- that owns the
+socket I/O, the pending requests and the frames; both put the same frames on
+the wire.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
+import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import zmq
-import zmq.asyncio
 
 from . import protocol
+from ._implementation import load_implementation, selected
 from .protocol import (
+    BATCH_FEATURE,
     COORDKIT_HELLO,
     STREAM_KEY,
     ErrorCode,
     Header,
     ProtocolError,
-    block_hashes,
-    packb,
-    unpackb,
 )
 
 if TYPE_CHECKING:
@@ -45,10 +47,10 @@ __all__ = ["Client", "CoordinatorError", "ReplyFuture", "Stream"]
 
 log = logging.getLogger(__name__)
 
-#: A prompt: text, token ids, or bytes sent as they are.
-Prompt = str | bytes | bytearray | memoryview | zmq.Frame | Sequence[int]
+#: A prompt: text, token ids (a sequence of ints, or an ``array.array`` or numpy
+#: array of an integer type), or bytes sent as they are.
+Prompt = str | bytes | bytearray | memoryview | zmq.Frame | Sequence[int] | Any
 
-_BYTES_LIKE = (bytes, bytearray, memoryview, zmq.Frame)
 _CLOSE_LINGER_MS = 1000  # lets a last message (SHUTDOWN, ABORT) leave after close()
 
 
@@ -72,13 +74,38 @@ class CoordinatorError(Exception):
 
 
 class ReplyFuture(asyncio.Future[Any]):
-    """The future :meth:`Client.submit` returns; ``request_id`` is its client id.
+    """The future :meth:`Client.submit` returns; ``request_id`` is its client id,
+    ``raw`` whether it resolves to the body's bytes.
 
-    Cancelling it aborts the request at its engine.
+    Cancelling it (``cancel()``, or the cancellation of a task or a
+    ``wait_for`` awaiting it) aborts the request at its engine.
+
+    Each client makes two subclasses of it, for decoded and raw replies, whose
+    class attributes say ``raw`` and refer to the client's core: a future
+    carries its id only, which keeps the many made by ``submit_many`` cheap.
     """
 
+    __slots__ = ("request_id",)
+
     request_id: int
-    raw: bool
+    raw: bool = False
+    _core: weakref.ref[Any] | None = None  # the client's core, told of a cancellation
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        core = self._core() if self._core is not None else None
+        if core is not None:
+            core.cancelled(self.request_id)
+        return True
+
+
+def _future_types() -> tuple[type[ReplyFuture], type[ReplyFuture]]:
+    """A client's own ReplyFuture classes: decoded replies, raw replies."""
+    return tuple(  # type: ignore[return-value]
+        type("ReplyFuture", (ReplyFuture,), {"__slots__": (), "raw": raw, "__module__": __name__})
+        for raw in (False, True)
+    )
 
 
 class Stream:
@@ -118,24 +145,46 @@ class Client:
     ERRORs that concern no pending request (a control signal the coordinator's
     state machine refused, an abort of a request it no longer holds) are
     logged, kept in :attr:`errors` (the latest 100) and passed to ``on_error``.
+
+    ``batch`` is whether the coordinator granted batched messages
+    (:meth:`connect` asks for them); ``implementation`` names the core, ``"c"``
+    or ``"py"``.
     """
 
     def __init__(
         self,
-        socket: zmq.asyncio.Socket,
+        socket: zmq.Socket,
         address: str,
         on_error: Callable[[CoordinatorError], None] | None = None,
+        *,
+        batch: bool = False,
+        implementation: str | None = None,
     ):
+        impl = load_implementation(implementation) if implementation else selected()
         self.address = address
         self.errors: deque[CoordinatorError] = deque(maxlen=100)
         self._on_error = on_error
         self._socket = socket
         self._loop = asyncio.get_running_loop()
-        self._ids = itertools.count()
-        self._pending: dict[int, ReplyFuture | Stream] = {}
         self._stats_waiters: deque[asyncio.Future[dict[str, Any]]] = deque()
         self._closed = False
-        self._reader = self._loop.create_task(self._read(), name=f"coordkit-client {address}")
+        future_types = _future_types()
+        self._core = impl.client.ClientCore(
+            socket,
+            loop=self._loop,
+            batch=batch,
+            future_types=future_types,
+            stream_type=Stream,
+            on_error=self._error,
+            on_stats=self._stats,
+            on_failure=self._failure,
+        )
+        for future_type in future_types:
+            future_type._core = weakref.ref(self._core)
+        self._fd = cast(int, socket.getsockopt(zmq.FD))
+        self._loop.add_reader(self._fd, self._core.on_readable)
+        # Messages that came during the handshake may have consumed the FD's edge.
+        self._loop.call_soon(self._core.on_readable)
 
     @classmethod
     async def connect(
@@ -143,17 +192,24 @@ class Client:
         address: str,
         *,
         timeout: float = 10.0,
-        context: zmq.asyncio.Context | None = None,
+        context: zmq.Context | None = None,
         on_error: Callable[[CoordinatorError], None] | None = None,
+        batch: bool = True,
+        implementation: str | None = None,
     ) -> Client:
         """Connect to the coordinator at ``address`` and wait for its CONNECT_ACK.
 
+        The CONNECT asks for batched messages unless ``batch`` is False; they
+        are used only when the coordinator grants them. ``implementation``
+        (``"c"`` or ``"py"``) picks the core; by default the one chosen at import.
         Raises :class:`ConnectionError` if no CONNECT_ACK comes within ``timeout`` seconds.
         """
-        socket = (context or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
+        if implementation is not None:
+            load_implementation(implementation)  # an unknown or unbuilt one fails here
+        socket = zmq.Socket(context or zmq.Context.instance(), zmq.DEALER)
         try:
             socket.connect(address)
-            await asyncio.wait_for(_handshake(socket), timeout)
+            granted = await asyncio.wait_for(_handshake(socket, batch), timeout)
         except asyncio.TimeoutError:
             socket.close(linger=0)
             raise ConnectionError(
@@ -162,7 +218,17 @@ class Client:
         except BaseException:
             socket.close(linger=0)
             raise
-        return cls(socket, address, on_error)
+        return cls(socket, address, on_error, batch=granted, implementation=implementation)
+
+    @property
+    def batch(self) -> bool:
+        """Whether the coordinator granted batched messages (SUBMIT_BATCH, REPLY_BATCH)."""
+        return bool(self._core.batch)
+
+    @property
+    def implementation(self) -> str:
+        """``"c"`` or ``"py"``: the core this client runs on."""
+        return str(self._core.implementation)
 
     # -- requests ------------------------------------------------------------------
 
@@ -177,21 +243,45 @@ class Client:
     ) -> ReplyFuture:
         """Send one request; the future resolves to its final reply body.
 
-        ``prompt`` is a ``str`` (sent msgpack-packed), a sequence of token ids
-        (msgpack-packed, as Megatron's engines expect) or a bytes-like object,
-        sent as it is without a copy: do not modify it until the reply came.
+        ``prompt`` is a ``str`` (sent msgpack-packed), token ids (msgpack-packed,
+        as Megatron's engines expect: a sequence of ints, or an ``array.array``
+        or numpy array of an integer type, packed from its buffer) or a
+        bytes-like object (``bytes``, ``bytearray``, ``memoryview``,
+        ``zmq.Frame``), sent as it is: do not modify it until the reply came.
         ``block_size`` adds the prefix-routing block hashes (token-id prompts
         only), or ``block_hashes`` sends a block-hash frame as given. The body
         is msgpack-decoded unless ``raw``, which gives bytes.
         Partial replies are not delivered here; use :meth:`stream` for them.
         An ERROR for the request fails the future with :class:`CoordinatorError`.
+
+        The request leaves at once, or, when the coordinator granted batches,
+        with the others submitted in the same event-loop iteration.
         """
-        future = ReplyFuture(loop=self._loop)
-        future.request_id = next(self._ids)
-        future.raw = raw
-        self._send_submit(future, prompt, sampling_params, block_size, block_hashes)
-        future.add_done_callback(self._abort_if_cancelled)
+        future: ReplyFuture = self._core.submit(
+            prompt, sampling_params, block_size, raw, block_hashes
+        )
         return future
+
+    def submit_many(
+        self,
+        prompts: Iterable[Prompt],
+        sampling_params: Any = None,
+        *,
+        block_size: int | None = None,
+        raw: bool = False,
+    ) -> list[ReplyFuture]:
+        """Send many requests in one call; one future per prompt, in order.
+
+        Every prompt is as for :meth:`submit` and they share ``sampling_params``
+        (packed once). All are encoded before any is sent: a bad prompt raises
+        and nothing is sent. With batches granted they leave as one
+        SUBMIT_BATCH (several for a very large call), otherwise as one
+        SUBMIT_REQUEST each, at once. Their ids are consecutive.
+        """
+        futures: list[ReplyFuture] = self._core.submit_many(
+            prompts, sampling_params, block_size, raw
+        )
+        return futures
 
     def stream(
         self,
@@ -208,8 +298,7 @@ class Client:
         partial reply and ends with the final one.
         """
         params = {**(sampling_params or {}), STREAM_KEY: True}
-        stream = Stream(next(self._ids), raw)
-        self._send_submit(stream, prompt, params, block_size, block_hashes)
+        stream: Stream = self._core.stream(prompt, params, block_size, raw, block_hashes)
         return stream
 
     async def abort(self, request: ReplyFuture | Stream | int) -> None:
@@ -218,37 +307,7 @@ class Client:
         The engine still sends a final reply, which resolves the request as usual.
         """
         rid = request if isinstance(request, int) else request.request_id
-        if rid in self._pending:
-            await self._send(protocol.ABORT_REQUEST.pack(rid))
-
-    def _send_submit(
-        self,
-        target: ReplyFuture | Stream,
-        prompt: Prompt,
-        sampling_params: Any,
-        block_size: int | None,
-        hashes: bytes | None = None,
-    ) -> None:
-        self._check_open()
-        rid = target.request_id
-        params = {} if sampling_params is None else sampling_params
-        if block_size is not None:
-            if isinstance(prompt, (str, *_BYTES_LIKE)):
-                raise ValueError("block hashes need a prompt of token ids")
-            hashes = block_hashes(prompt, block_size)
-        frames = protocol.SUBMIT_REQUEST.pack(rid, params, _encode_prompt(prompt), hashes)
-        self._pending[rid] = target
-        sent = cast("asyncio.Future[Any]", self._socket.send_multipart(frames, copy=False))
-        sent.add_done_callback(lambda done: self._on_sent(rid, done))
-
-    def _on_sent(self, rid: int, sent: asyncio.Future[Any]) -> None:
-        error = None if sent.cancelled() else sent.exception()
-        if error is not None and (target := self._pending.pop(rid, None)) is not None:
-            _fail(target, error)
-
-    def _abort_if_cancelled(self, future: ReplyFuture) -> None:
-        if future.cancelled() and not self._closed and future.request_id in self._pending:
-            self._socket.send_multipart(protocol.ABORT_REQUEST.pack(future.request_id))
+        self._core.abort(rid)
 
     # -- control -----------------------------------------------------------------
 
@@ -304,10 +363,10 @@ class Client:
         if self._closed:
             return
         self._closed = True
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
-        self._fail_all(ConnectionError("coordkit client closed with the request pending"))
+        self._loop.remove_reader(self._fd)
+        exc = ConnectionError("coordkit client closed with the request pending")
+        self._core.close(exc)
+        self._fail_stats(exc)
         self._socket.close(linger=_CLOSE_LINGER_MS)
 
     async def __aenter__(self) -> Self:
@@ -319,7 +378,7 @@ class Client:
     @property
     def pending(self) -> int:
         """Requests sent and not yet ended."""
-        return len(self._pending)
+        return int(self._core.count)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -327,73 +386,34 @@ class Client:
 
     async def _send(self, frames: list[Any]) -> None:
         self._check_open()
-        await self._socket.send_multipart(frames)
+        self._core.send(frames)
 
-    def _fail_all(self, exc: BaseException) -> None:
-        pending, self._pending = self._pending, {}
-        for target in pending.values():
-            _fail(target, exc)
+    def _fail_stats(self, exc: BaseException) -> None:
         while self._stats_waiters:
             waiter = self._stats_waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(exc)
 
-    # -- receiving -----------------------------------------------------------------
+    # -- what the core hands up -----------------------------------------------------------
 
-    async def _read(self) -> None:
-        try:
-            while True:
-                frames = await self._socket.recv_multipart()
-                try:
-                    self._dispatch(frames)
-                except ProtocolError as exc:
-                    log.warning("coordkit client: dropped a malformed message: %s", exc)
-        except Exception as exc:  # the socket failed: nothing more will arrive
-            log.error("coordkit client: receive failed: %r", exc)
-            self._fail_all(ConnectionError(f"coordkit client: receive failed: {exc!r}"))
+    def _stats(self, stats: Any) -> None:
+        while self._stats_waiters:
+            waiter = self._stats_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(stats)
+                break
 
-    def _dispatch(self, frames: list[bytes]) -> None:
-        try:
-            header = unpackb(frames[0])[0]
-        except Exception as exc:  # msgpack raises several unrelated types
-            raise ProtocolError(f"unreadable metadata frame ({exc!r})") from None
-        if header == Header.ENGINE_REPLY:
-            reply = protocol.CLIENT_REPLY.parse(frames)
-            self._deliver(reply.rid, reply.body, final=True)
-        elif header == Header.ENGINE_REPLY_PARTIAL:
-            reply = protocol.CLIENT_REPLY_PARTIAL.parse(frames)
-            self._deliver(reply.rid, reply.body, final=False)
-        elif header == Header.ERROR:
-            error = protocol.ERROR.parse(frames)
-            self._error(CoordinatorError(error.code, error.message, error.rid))
-        elif header == Header.STATS_REPLY:
-            stats = unpackb(protocol.STATS_REPLY.parse(frames).stats)
-            while self._stats_waiters:
-                waiter = self._stats_waiters.popleft()
-                if not waiter.done():
-                    waiter.set_result(stats)
-                    break
-        elif header != Header.CONNECT_ACK:  # a repeated ACK is harmless
-            raise ProtocolError(f"unexpected header {header!r}")
-
-    def _deliver(self, rid: int, body: bytes, final: bool) -> None:
-        target = self._pending.pop(rid, None) if final else self._pending.get(rid)
-        if target is None:
-            log.debug("coordkit client: reply for request %s, which is not pending", rid)
+    def _failure(self, exc: BaseException) -> None:
+        """The socket failed: nothing more will arrive."""
+        if self._closed:
             return
-        try:
-            value = body if target.raw else unpackb(body)
-        except Exception as exc:  # msgpack raises several unrelated types
-            self._pending.pop(rid, None)
-            _fail(target, ProtocolError(f"reply body is not msgpack ({exc!r})", rid))
-            return
-        if isinstance(target, Stream):
-            target._put(final, value)
-        elif final and not target.done():
-            target.set_result(value)
+        self._loop.remove_reader(self._fd)
+        self._core.fail_all(exc)
+        self._fail_stats(exc)
 
-    def _error(self, error: CoordinatorError) -> None:
-        target = None if error.request_id is None else self._pending.pop(error.request_id, None)
+    def _error(self, rid: int | None, code: int, message: str) -> None:
+        error = CoordinatorError(code, message, rid)
+        target = None if rid is None else self._core.pop(rid)
         if target is not None:
             _fail(target, error)
             return
@@ -406,9 +426,17 @@ class Client:
                 log.exception("coordkit client: on_error callback failed")
 
 
-async def _handshake(socket: zmq.asyncio.Socket) -> None:
-    await socket.send_multipart(protocol.CONNECT_COORDKIT.pack(COORDKIT_HELLO))
-    frames = await socket.recv_multipart()
+async def _handshake(socket: zmq.Socket, batch: bool) -> bool:
+    """Send CONNECT, wait for CONNECT_ACK; whether batches were granted."""
+    hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1} if batch else COORDKIT_HELLO
+    socket.send_multipart(protocol.CONNECT_COORDKIT.pack(hello))  # queued: nothing is full yet
+    frames = await _receive(socket)
+    try:
+        features = protocol.CONNECT_ACK_BATCH.parse(frames).features
+    except ProtocolError:
+        pass
+    else:
+        return batch and features.get(BATCH_FEATURE) == 1
     try:
         protocol.CONNECT_ACK.parse(frames)
     except ProtocolError:
@@ -417,16 +445,26 @@ async def _handshake(socket: zmq.asyncio.Socket) -> None:
         raise ConnectionError(
             f"coordkit: the coordinator refused the connection: {refusal}"
         ) from None
+    return False
 
 
-def _encode_prompt(prompt: Prompt) -> Any:
-    if isinstance(prompt, _BYTES_LIKE):
-        return prompt
-    if isinstance(prompt, str):
-        return packb(prompt)
-    # numpy arrays and the like: tolist() gives plain ints, which msgpack packs.
-    tokens = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
-    return packb(tokens)
+async def _receive(socket: zmq.Socket) -> list[bytes]:
+    """The next message, awaited on the socket's FD (edge-triggered: check EVENTS first)."""
+    loop = asyncio.get_running_loop()
+    fd = cast(int, socket.getsockopt(zmq.FD))
+    while not cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        readable: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _wake, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
+    return socket.recv_multipart(zmq.NOBLOCK)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _fail(target: ReplyFuture | Stream, exc: BaseException) -> None:

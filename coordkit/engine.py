@@ -13,11 +13,21 @@ objects, and sends each step's finished requests as one batched reply::
 It is synchronous (engine step loops are) and not thread-safe: use one
 Engine from one thread. :class:`coordkit.tools.fake_engine.FakeEngine` is a
 complete engine built on it, for demos and tests.
+
+Under it runs a *core* -- the Cython one (:mod:`coordkit._engine_c`), which
+receives, parses and builds the replies in C, or its pure-Python twin
+(:mod:`coordkit._engine_py`), chosen as the coordinator's is; both hand out
+the same events and put the same frames on the wire. After registering, an
+Engine says what it is with ENGINE_HELLO: ``[94, {"coordkit": 1, "batch": 1}]``,
+asking for batches, or ``[94, {"coordkit": 1}]`` with ``batch=False``. A
+coordinator that grants batches may then send its SUBMITs as
+ENGINE_SUBMIT_BATCH messages, which poll() hands out as one Request per
+entry. Replies are batched either way. An ERROR the coordinator sends back
+(a reply entry it could not deliver) is logged.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Iterable
@@ -27,16 +37,14 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from . import protocol
-from .protocol import Header, ProtocolError, packb, unpackb
+from ._implementation import load_implementation, selected
+from .protocol import BATCH_FEATURE, COORDKIT_HELLO, Header, unpackb
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
 __all__ = ["Engine", "Request", "Abort", "ReleaseKV", "Control", "Event"]
 
-log = logging.getLogger(__name__)
-
-_MAX_DRAIN = 4096  # messages taken per poll, so a flood cannot starve the step loop
 _CLOSE_LINGER_MS = 1000  # lets the last replies and DISCONNECT leave on close()
 
 
@@ -93,7 +101,10 @@ class Engine:
     ``pending`` counts requests received and not yet answered with a final
     reply. With ``heartbeat_interval`` set, :meth:`poll` sends
     HEARTBEAT ``[91, pending, capacity]`` that often (the first at once), so
-    the coordinator can declare the engine gone when they stop.
+    the coordinator can declare the engine gone when they stop. After the
+    registration it sends ENGINE_HELLO, asking for batched SUBMITs unless
+    ``batch`` is False; ``implementation`` (``"c"`` or ``"py"``) picks the
+    core, by default the one chosen at import.
     """
 
     def __init__(
@@ -105,7 +116,10 @@ class Engine:
         heartbeat_interval: float | None = None,
         capacity: int = 0,
         context: zmq.Context | None = None,
+        batch: bool = True,
+        implementation: str | None = None,
     ):
+        impl = load_implementation(implementation) if implementation else selected()
         if identity is None:
             identity = f"engine-{rank}"
         self.address = address
@@ -113,7 +127,7 @@ class Engine:
         self.identity = identity.encode() if isinstance(identity, str) else identity
         self.heartbeat_interval = heartbeat_interval
         self.capacity = capacity
-        self.pending = 0
+        self.batch = batch
         self._next_heartbeat = time.monotonic() if heartbeat_interval else math.inf
         # An own context, so close() can wait (up to the linger) for the last replies to leave.
         self._own_context = context is None
@@ -125,12 +139,31 @@ class Engine:
         self._socket.setsockopt(zmq.RCVHWM, 0)
         self._socket.connect(address)
         self._socket.send(b"")  # registration
+        # A coordkit engine: multipart in every dialect; batches when it asks.
+        hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1} if batch else COORDKIT_HELLO
+        self._socket.send_multipart(protocol.ENGINE_HELLO.pack(hello))
+        self._core = impl.engine.EngineCore(self._socket)
+
+    @property
+    def implementation(self) -> str:
+        """``"c"`` or ``"py"``: the core this engine runs on."""
+        return str(self._core.implementation)
+
+    @property
+    def pending(self) -> int:
+        """Requests received and not yet answered with a final reply."""
+        return int(self._core.pending)
+
+    @pending.setter
+    def pending(self, value: int) -> None:
+        self._core.pending = value
 
     def poll(self, timeout: float = 0.0) -> list[Event]:
         """Wait up to ``timeout`` seconds for messages and return their events.
 
-        Returns as soon as something arrived, with everything that is queued;
-        an empty list on timeout. Sends a HEARTBEAT whenever one is due.
+        Returns as soon as something arrived, with everything that is queued
+        (a step's worth: at most 4096 messages); an empty list on timeout.
+        Sends a HEARTBEAT whenever one is due.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -138,30 +171,21 @@ class Engine:
             if now >= self._next_heartbeat:
                 self._send_heartbeat(now)
             wait = min(deadline, self._next_heartbeat) - now
-            if self._socket.poll(math.ceil(max(wait, 0.0) * 1000), zmq.POLLIN):
-                return self._drain()
-            if time.monotonic() >= deadline:
-                return []
+            events: list[Event] = self._core.poll(math.ceil(max(wait, 0.0) * 1000))
+            if events or time.monotonic() >= deadline:
+                return events
 
     def reply(self, finished: Iterable[ReplyEntry]) -> None:
-        """Send the final replies of one step as ONE batched ENGINE_REPLY."""
-        entries, bodies = [], []
-        for rid, body, *detokenize in finished:
-            entries.append([rid, bool(detokenize and detokenize[0])])
-            bodies.append(_encode_body(body))
-        if entries:
-            self._socket.send_multipart(protocol.ENGINE_REPLY.pack(entries, bodies), copy=False)
-            self.pending = max(self.pending - len(entries), 0)
+        """Send the final replies of one step as ONE batched ENGINE_REPLY.
+
+        A body that is not bytes-like is msgpack-packed; a bytes-like one is
+        sent as it is (copied when small; above 8 KiB, held until sent).
+        """
+        self._core.reply(finished)
 
     def reply_partial(self, partial: Iterable[tuple[int, Any]]) -> None:
         """Send the partial replies of one step as ONE batched ENGINE_REPLY_PARTIAL."""
-        entries, bodies = [], []
-        for rid, body in partial:
-            entries.append(rid)
-            bodies.append(_encode_body(body))
-        if entries:
-            frames = protocol.ENGINE_REPLY_PARTIAL.pack(entries, bodies)
-            self._socket.send_multipart(frames, copy=False)
+        self._core.reply_partial(partial)
 
     def disconnect(self) -> None:
         """Tell the coordinator this rank takes no new work (send finals for what it holds)."""
@@ -181,48 +205,3 @@ class Engine:
     def _send_heartbeat(self, now: float) -> None:
         self._socket.send_multipart(protocol.HEARTBEAT.pack(self.pending, self.capacity))
         self._next_heartbeat = now + (self.heartbeat_interval or math.inf)
-
-    def _drain(self) -> list[Event]:
-        events = []
-        for _ in range(_MAX_DRAIN):
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            try:
-                events.append(self._parse(frames))
-            except ProtocolError as exc:
-                log.warning("engine %s: dropped a malformed message: %s", self.rank, exc)
-        return events
-
-    def _parse(self, frames: list[zmq.Frame]) -> Event:
-        try:
-            header = unpackb(frames[0].buffer)[0]
-        except Exception as exc:  # msgpack raises several unrelated types
-            raise ProtocolError(f"unreadable metadata frame ({exc!r})") from None
-        if header == Header.SUBMIT_REQUEST:
-            submit = protocol.SUBMIT_REQUEST.parse(frames)
-            self.pending += 1
-            return Request(submit.rid, submit.sampling_params, submit.prompt)
-        if header == Header.SUBMIT_REQUEST_WITH_KV:
-            submit = protocol.SUBMIT_REQUEST_WITH_KV.parse(frames)
-            self.pending += 1
-            return Request(
-                submit.rid,
-                submit.sampling_params,
-                submit.prompt,
-                submit.kv_meta,
-                submit.src_block_ids,
-            )
-        if header == Header.ABORT_REQUEST:
-            return Abort(protocol.ABORT_REQUEST.parse(frames).rid)
-        if header == Header.RELEASE_KV:
-            return ReleaseKV(protocol.RELEASE_KV.parse(frames).rid)
-        if header in protocol.CONTROL:
-            message = protocol.CONTROL[header].parse(frames)
-            return Control(Header(header), getattr(message, "epoch", None))
-        raise ProtocolError(f"unexpected header {header!r}")
-
-
-def _encode_body(body: Any) -> Any:
-    return body if isinstance(body, (bytes, bytearray, memoryview, zmq.Frame)) else packb(body)

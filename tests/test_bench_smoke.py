@@ -1,4 +1,5 @@
-"""Smoke test of ``coordkit bench --quick``: it runs, and reports every point.
+"""Smoke test of ``coordkit bench --quick`` (and of its ``--client`` and
+``--end-to-end`` modes): it runs, and reports every point.
 
 Timings and ratios are never asserted (docs/design.md: benchmarks, not tests);
 only that every variant and prompt length produced positive figures.
@@ -45,3 +46,28 @@ def test_quick_run_reports_every_point(tmp_path):
     for variant in {"c", "py"} & set(variants):
         assert memory[variant]["inflight"] > 0
         assert memory[variant]["rss_with"] > memory[variant]["rss_before"] > 0
+
+
+def test_quick_endpoint_runs_report_every_point(tmp_path):
+    path = tmp_path / "endpoints.json"
+    assert bench.main(["--quick", "--client", "--end-to-end", "--json", str(path)]) == 0
+
+    result = json.loads(path.read_text())
+    assert not result["failures"]
+    assert "runs" not in result  # the coordinator table is not measured in these modes
+    clients = result["client"]["summary"]
+    for peer in bench.endpoints.PEERS:
+        for variant in bench.endpoints.CLIENT_VARIANTS:
+            for tokens in (16, 2000):
+                figures = clients[f"{peer}/{variant}/{tokens}"]
+                assert figures["client_us"] > 0 and figures["requests_per_s"] > 0
+                # the stand-in grants batches to coordkit's client; plain never asks
+                if peer == "echo" or variant == "plain":
+                    assert figures["batch"] is (variant != "plain")
+    end_to_end = result["end_to_end"]["summary"]
+    for variant in bench.endpoints.END_TO_END_VARIANTS:
+        for tokens in (16, 2000):
+            figures = end_to_end[f"{variant}/{tokens}"]
+            for key in ("requests_per_s", "client_us", "coordinator_us", "engines_us"):
+                assert figures[key] > 0, (variant, tokens, key)
+            assert len(figures["engine_us"]) == 2

@@ -1,7 +1,9 @@
 """coordkit.Client: exact frames against a scripted ROUTER, round trips through both coordinators.
 
-Async bodies run under ``asyncio.run`` with an overall timeout (no
-pytest-asyncio); every receive has its own timeout too.
+Every test runs on both client cores (``impl``: the Cython and the Python
+one); through a real coordinator, on the coordinator of the same
+implementation. Async bodies run under ``asyncio.run`` with an overall
+timeout (no pytest-asyncio); every receive has its own timeout too.
 """
 
 from __future__ import annotations
@@ -11,11 +13,8 @@ import contextlib
 import queue
 import signal
 import threading
-from pathlib import Path
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from coordkit import Client, CoordinatorError, ErrorCode, Header
 from coordkit.engine import Control, Engine
@@ -23,8 +22,6 @@ from coordkit.protocol import block_hashes, packb, unpackb
 from coordkit.tools.fake_engine import FakeEngine
 from tests.support.peers import (
     ABORT,
-    CONNECT,
-    CONNECT_ACK,
     ERROR,
     PARTIAL,
     PAUSE,
@@ -34,56 +31,14 @@ from tests.support.peers import (
     SUBMIT,
 )
 from tests.support.processes import engine_processes
-
-TIMEOUT = 5.0
-
-
-def run(coroutine, timeout: float = 60.0):
-    """Run an async test body, bounded in time."""
-    return asyncio.run(asyncio.wait_for(coroutine, timeout))
-
+from tests.support.scripted import TIMEOUT, run, scripted
 
 # -- against a scripted coordinator ---------------------------------------------------------
 
 
-class Script:
-    """A bare ROUTER standing in for the coordinator, on the test's event loop."""
-
-    def __init__(self, tmp_path: Path):
-        self.socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.address = f"ipc://{tmp_path}/script.sock"
-        self.socket.bind(self.address)
-        self.identity = b""
-
-    async def recv(self) -> list[bytes]:
-        identity, *frames = await asyncio.wait_for(self.socket.recv_multipart(), TIMEOUT)
-        self.identity = identity
-        return frames
-
-    async def send(self, *frames: bytes) -> None:
-        await self.socket.send_multipart([self.identity, *frames])
-
-    async def connect(self, **kwargs) -> Client:
-        connecting = asyncio.ensure_future(Client.connect(self.address, timeout=TIMEOUT, **kwargs))
-        assert await self.recv() == [packb([CONNECT, {"coordkit": 1}])]
-        await self.send(packb([CONNECT_ACK]))
-        return await connecting
-
-
-@contextlib.asynccontextmanager
-async def scripted(tmp_path, **kwargs):
-    script = Script(tmp_path)
-    try:
-        async with await script.connect(**kwargs) as client:
-            yield script, client
-    finally:
-        script.socket.close()
-
-
-def test_submit_frames(tmp_path):
+def test_submit_frames(tmp_path, impl):
     async def body():
-        async with scripted(tmp_path) as (script, client):
+        async with scripted(tmp_path, impl) as (script, client):
             client.submit("héllo", {"temperature": 0.5})
             client.submit([1, 2, 3])
             prompt = bytearray(packb([4, 5]))
@@ -105,11 +60,11 @@ def test_submit_frames(tmp_path):
     run(body())
 
 
-def test_replies_and_errors(tmp_path):
+def test_replies_and_errors(tmp_path, impl):
     errors: list[CoordinatorError] = []
 
     async def body():
-        async with scripted(tmp_path, on_error=errors.append) as (script, client):
+        async with scripted(tmp_path, impl, on_error=errors.append) as (script, client):
             plain = client.submit([1])
             raw = client.submit([2], raw=True)
             failing = client.submit([3])
@@ -145,9 +100,9 @@ def test_replies_and_errors(tmp_path):
     run(body())
 
 
-def test_abort_cancel_and_close(tmp_path):
+def test_abort_cancel_and_close(tmp_path, impl):
     async def body():
-        async with scripted(tmp_path) as (script, client):
+        async with scripted(tmp_path, impl) as (script, client):
             aborted = client.submit([1])
             cancelled = client.submit([2])
             stream = client.stream([3])
@@ -177,12 +132,14 @@ def test_abort_cancel_and_close(tmp_path):
     run(body())
 
 
-def test_connect_timeout(tmp_path):
+def test_connect_timeout(tmp_path, impl):
     async def body():
         with pytest.raises(ConnectionError, match="no coordinator answered"):
-            await Client.connect(f"ipc://{tmp_path}/nobody.sock", timeout=0.3)
+            await Client.connect(
+                f"ipc://{tmp_path}/nobody.sock", timeout=0.3, implementation=impl.name
+            )
         with pytest.raises(ConnectionError, match="no coordinator answered"):
-            await Client.connect("tcp://127.0.0.1:1", timeout=0.3)
+            await Client.connect("tcp://127.0.0.1:1", timeout=0.3, implementation=impl.name)
 
     run(body())
 
@@ -210,9 +167,11 @@ def fake_engines(address: str, count: int, **options):
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
-def test_round_trip(make_coordinator, transport):
+def test_round_trip(make_coordinator, impl, transport):
     async def body(address):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             await client.wait_for_engines(2, timeout=TIMEOUT)
             prompts = [[i, i + 1, i + 2] for i in range(20)]
             replies = await asyncio.gather(*(client.submit(p) for p in prompts))
@@ -235,9 +194,11 @@ def test_round_trip(make_coordinator, transport):
         run(body(coord.address))
 
 
-def test_prefix_routing_round_trip(make_coordinator):
+def test_prefix_routing_round_trip(make_coordinator, impl):
     async def body(address):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             await client.wait_for_engines(2, timeout=TIMEOUT)
             prompt = list(range(64))
             replies = [await client.submit(prompt, block_size=16) for _ in range(4)]
@@ -248,9 +209,11 @@ def test_prefix_routing_round_trip(make_coordinator):
         run(body(coord.address))
 
 
-def test_stream(make_coordinator):
+def test_stream(make_coordinator, impl):
     async def body(address):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             await client.wait_for_engines(1, timeout=TIMEOUT)
             parts = [part async for part in client.stream([1, 2], {"max_tokens": 4})]
             tokens = FakeEngine.generate([1, 2], 4)
@@ -261,9 +224,11 @@ def test_stream(make_coordinator):
         run(body(coord.address))
 
 
-def test_abort(make_coordinator):
+def test_abort(make_coordinator, impl):
     async def body(address):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             await client.wait_for_engines(1, timeout=TIMEOUT)
             # 1000 steps of 10 ms: only an abort ends it within the test's time.
             stream = client.stream([5])
@@ -282,9 +247,11 @@ def test_abort(make_coordinator):
         run(body(coord.address))
 
 
-def test_error_reply_fails_the_future(make_coordinator):
+def test_error_reply_fails_the_future(make_coordinator, impl):
     async def body(address):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             with pytest.raises(CoordinatorError) as caught:
                 await client.submit([1, 2, 3])  # no engine registered
             assert caught.value.code is ErrorCode.NO_ENGINES
@@ -295,7 +262,7 @@ def test_error_reply_fails_the_future(make_coordinator):
         run(body(coord.address))
 
 
-def test_control_signals_reach_engines(make_coordinator):
+def test_control_signals_reach_engines(make_coordinator, impl):
     received: queue.Queue[Control] = queue.Queue()
 
     def engine_loop(engine: Engine, stop: threading.Event) -> None:
@@ -306,7 +273,7 @@ def test_control_signals_reach_engines(make_coordinator):
     async def body(address):
         refused: asyncio.Future[CoordinatorError] = asyncio.get_running_loop().create_future()
         async with await Client.connect(
-            address, timeout=TIMEOUT, on_error=refused.set_result
+            address, timeout=TIMEOUT, on_error=refused.set_result, implementation=impl.name
         ) as client:
             await client.wait_for_engines(1, timeout=TIMEOUT)
             await client.pause()
@@ -344,9 +311,11 @@ def test_control_signals_reach_engines(make_coordinator):
             thread.join(TIMEOUT)
 
 
-def test_stop_ends_engine_processes(make_coordinator):
+def test_stop_ends_engine_processes(make_coordinator, impl):
     async def body(address, processes):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             await client.wait_for_engines(len(processes), timeout=TIMEOUT)
             await client.pause()
             await client.stop_engines()
@@ -357,11 +326,13 @@ def test_stop_ends_engine_processes(make_coordinator):
         run(body(coord.address, processes))
 
 
-def test_killed_engine(make_coordinator):
+def test_killed_engine(make_coordinator, impl):
     """SIGKILL one of two engine processes mid-flight: every request still ends."""
 
     async def body(address, processes):
-        async with await Client.connect(address, timeout=TIMEOUT) as client:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name
+        ) as client:
             await client.wait_for_engines(2, timeout=TIMEOUT)
             futures = [client.submit([i]) for i in range(20)]
             stats = await client.stats()

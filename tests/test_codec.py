@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordkit.protocol import ProtocolError, block_hashes
-from tests.support.peers import PARTIAL, REPLY, SUBMIT
+from tests.support.peers import PARTIAL, REPLY, REPLY_BATCH, SUBMIT, SUBMIT_BATCH
 
 SETTINGS = settings(max_examples=300, deadline=None)
 DIFFERENTIAL = settings(SETTINGS, max_examples=1000)
@@ -79,7 +79,24 @@ replies = st.builds(
     lambda entries: packb([REPLY, [[rid, flag] for rid, flag in entries]]),
     st.lists(st.tuples(int64s, st.booleans()), max_size=20),
 ) | st.builds(lambda rids: packb([PARTIAL, rids]), st.lists(int64s, max_size=20))
-valid_frames = submits | replies | supported.map(packb)
+submit_batches = st.builds(
+    lambda entries, hashed: packb(
+        [
+            SUBMIT_BATCH,
+            [[rid, params, flag] if hashed else [rid, params] for rid, params, flag in entries],
+        ]
+    ),
+    st.lists(st.tuples(int64s, anything, st.booleans()), max_size=8),
+    st.booleans(),
+)
+reply_batches = st.builds(
+    lambda entries: packb([REPLY_BATCH, [list(e) for e in entries]]),
+    st.lists(st.tuples(int64s, st.booleans()), max_size=20),
+)
+header_ints = st.builds(lambda h, v: packb([h, v]), int64s, int64s)
+valid_frames = (
+    submits | replies | submit_batches | reply_batches | header_ints | supported.map(packb)
+)
 
 # Megatron-Core's single frames: [20, rid, prompt, params] and [21, [map, ...]].
 UINT32_MAX = (1 << 32) - 1
@@ -381,6 +398,113 @@ def test_reply_larger_than_the_local_buffer(impl):
 def test_reply_errors(impl, frame):
     with pytest.raises(ProtocolError) as info:
         impl.codec.read_reply(frame)
+    assert info.value.rid is None
+
+
+# -- read_header_int / read_submit_batch / read_reply_batch -------------------------
+
+
+@SETTINGS
+@given(header=int64s, value=int64s)
+def test_header_int(impl, header, value):
+    assert impl.codec.read_header_int(packb([header, value])) == (header, value)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        packb([REPLY]),
+        packb([REPLY, 1, 2]),
+        packb([REPLY, None]),
+        packb([REPLY, True]),
+        packb([True, 1]),
+        packb([REPLY, 1.0]),
+        packb([REPLY, INT64_MAX + 1]),
+        packb([REPLY, 1]) + b"\x00",
+        packb([REPLY, 1])[:-1],
+    ],
+)
+def test_header_int_errors(impl, frame):
+    with pytest.raises(ProtocolError):
+        impl.codec.read_header_int(frame)
+
+
+@SETTINGS
+@given(entries=st.lists(st.tuples(int64s, anything, st.booleans()), max_size=20))
+def test_submit_batch(impl, entries):
+    for width in (2, 3):
+        wire = [[rid, p, flag] if width == 3 else [rid, p] for rid, p, flag in entries]
+        frame = packb([SUBMIT_BATCH, wire])
+        read = impl.codec.read_submit_batch(frame, width)
+        assert [(rid, flag) for rid, _, _, flag in read] == [
+            (rid, flag and width == 3) for rid, _, flag in entries
+        ]
+        # the params are found in place, byte for byte as msgpack wrote them
+        assert [frame[o : o + n] for _, o, n, _ in read] == [packb(p) for _, p, _ in entries]
+
+
+def test_submit_batch_larger_than_the_local_buffer(impl):
+    entries = [[i, {"n": i}, i % 2 == 0] for i in range(5000)]
+    read = impl.codec.read_submit_batch(packb([SUBMIT_BATCH, entries]))
+    assert [(rid, flag) for rid, _, _, flag in read] == [(e[0], e[2]) for e in entries]
+
+
+@pytest.mark.parametrize(
+    ("frame", "width"),
+    [
+        (b"", 3),
+        (packb([SUBMIT_BATCH]), 3),
+        (packb([SUBMIT_BATCH, [], 1]), 3),
+        (packb([REPLY_BATCH, []]), 3),  # another header
+        (packb([SUBMIT_BATCH, {}]), 3),
+        (packb([SUBMIT_BATCH, [[1, {}, True]]]), 2),  # a client's entry where an engine's goes
+        (packb([SUBMIT_BATCH, [[1, {}]]]), 3),  # and the other way round
+        (packb([SUBMIT_BATCH, [[1, {}, 1]]]), 3),  # hashed is an int
+        (packb([SUBMIT_BATCH, [["1", {}, True]]]), 3),
+        (packb([SUBMIT_BATCH, [[INT64_MAX + 1, {}, True]]]), 3),
+        (packb([SUBMIT_BATCH, [[1, {}, True]]]) + b"\x00", 3),
+        (packb([SUBMIT_BATCH, [[1, {}, True]]])[:-1], 3),
+        (b"\x92\x5f\x91\x93\x01\xc1\xc3", 3),  # reserved byte in the params
+        (b"\x92\x5f\xdd\xff\xff\xff\xff", 3),  # claims 2**32-1 entries
+    ],
+)
+def test_submit_batch_errors(impl, frame, width):
+    with pytest.raises(ProtocolError) as info:
+        impl.codec.read_submit_batch(frame, width)
+    assert info.value.rid is None
+
+
+def test_submit_batch_width(impl):
+    with pytest.raises(ValueError):
+        impl.codec.read_submit_batch(packb([SUBMIT_BATCH, []]), 4)
+
+
+@SETTINGS
+@given(entries=st.lists(st.tuples(int64s, st.booleans()), max_size=100))
+def test_reply_batch(impl, entries):
+    frame = packb([REPLY_BATCH, [list(e) for e in entries]])
+    assert impl.codec.read_reply_batch(frame) == entries
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        packb([REPLY_BATCH]),
+        packb([REPLY, [[1, True]]]),  # an engine's reply header
+        packb([REPLY_BATCH, [[1]]]),
+        packb([REPLY_BATCH, [[1, True, 2]]]),
+        packb([REPLY_BATCH, [[1, 1]]]),
+        packb([REPLY_BATCH, [1]]),
+        packb([REPLY_BATCH, [[INT64_MAX + 1, True]]]),
+        packb([REPLY_BATCH, [[1, True]]]) + b"\x00",
+        packb([REPLY_BATCH, [[1, True]]])[:-1],
+    ],
+)
+def test_reply_batch_errors(impl, frame):
+    with pytest.raises(ProtocolError) as info:
+        impl.codec.read_reply_batch(frame)
     assert info.value.rid is None
 
 
@@ -972,6 +1096,10 @@ def test_buffers(impl):
         assert impl.codec.rewrite_submit(view, 6) == submit_frame(SUBMIT, 6, [{"n": 1}])
     reply = packb([REPLY, [[1, True]]])
     assert impl.codec.read_reply(memoryview(b"x" + reply)[1:]) == (REPLY, [(1, True)])
+    batch = packb([REPLY_BATCH, [[1, True]]])
+    assert impl.codec.read_reply_batch(memoryview(b"x" + batch)[1:]) == [(1, True)]
+    submit = packb([SUBMIT_BATCH, [[1, None, False]]])
+    assert impl.codec.read_submit_batch(bytearray(submit)) == [(1, 5, 1, False)]
     assert impl.codec.decode(bytearray(packb([1, None]))) == [1, None]
 
 
@@ -981,6 +1109,8 @@ def test_buffers(impl):
         "read_header",
         "read_submit",
         "read_reply",
+        "read_header_int",
+        "read_reply_batch",
         "decode",
         "read_single_head",
         "read_single_submit",
@@ -1004,6 +1134,10 @@ def same_everywhere(c_impl, py_impl, data: bytes) -> None:
         ("read_submit", ()),
         ("rewrite_submit", (7,)),
         ("read_reply", ()),
+        ("read_header_int", ()),
+        ("read_submit_batch", (3,)),
+        ("read_submit_batch", (2,)),
+        ("read_reply_batch", ()),
         ("decode", ()),
         ("read_single_head", ()),
         ("read_single_submit", ()),

@@ -2,6 +2,7 @@
 
 The ROUTER checks the exact frames an engine puts on the wire; the fake
 engine is driven step by step from the test, so what it batches is exact.
+Every test runs on both engine cores (``impl``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tests.support.cluster import bind_address
 from tests.support.peers import (
     ABORT,
     DISCONNECT,
+    ENGINE_HELLO,
     HEARTBEAT,
     PARTIAL,
     PAUSE,
@@ -52,11 +54,15 @@ def router(request, tmp_path):
     socket.close()
 
 
-def registered(router, engine_cls=Engine, **kwargs):
-    """An engine connected to ``router``, its registration already received."""
+def registered(router, impl, engine_cls=Engine, **kwargs):
+    """An engine of ``impl`` connected to ``router``, its registration and its
+    ENGINE_HELLO (asking for batches, or not with ``batch=False``) already received."""
     socket, address = router
-    engine = engine_cls(address, **kwargs)
+    engine = engine_cls(address, implementation=impl.name, **kwargs)
+    assert engine.implementation == impl.name
     assert socket.recv_multipart() == [engine.identity, b""]
+    hello = {"coordkit": 1, "batch": 1} if kwargs.get("batch", True) else {"coordkit": 1}
+    assert socket.recv_multipart() == [engine.identity, packb([ENGINE_HELLO, hello])]
     return engine
 
 
@@ -112,16 +118,16 @@ def queue_paused(engine: FakeEngine, socket, requests) -> None:
     socket.send_multipart([engine.identity, packb([UNPAUSE])])
 
 
-def test_registers_with_its_identity(router):
-    with registered(router, rank=3) as engine:
+def test_registers_with_its_identity(router, impl):
+    with registered(router, impl, rank=3) as engine:
         assert engine.identity == b"engine-3"
-    with registered(router, identity="mp-coord-0") as engine:
+    with registered(router, impl, identity="mp-coord-0") as engine:
         assert engine.identity == b"mp-coord-0"
 
 
-def test_poll_gives_events(router):
+def test_poll_gives_events(router, impl):
     socket, _ = router
-    with registered(router) as engine:
+    with registered(router, impl) as engine:
         identity = engine.identity
         socket.send_multipart([identity, packb([SUBMIT, 7, {"max_tokens": 2}]), packb([1, 2, 3])])
         with_kv = packb([SUBMIT_KV, 8, {}, {"k": 1}])
@@ -144,18 +150,18 @@ def test_poll_gives_events(router):
     assert engine.pending == 2
 
 
-def test_malformed_message_is_dropped(router):
+def test_malformed_message_is_dropped(router, impl):
     socket, _ = router
-    with registered(router) as engine:
+    with registered(router, impl) as engine:
         socket.send_multipart([engine.identity, b"\xc1"])  # not msgpack
         socket.send_multipart([engine.identity, packb([SUBMIT, "x", {}]), b""])  # rid not an int
         socket.send_multipart([engine.identity, packb([UNPAUSE])])
         assert collect(engine, 1) == [Control(Header.UNPAUSE)]
 
 
-def test_reply_is_one_batched_message(router):
+def test_reply_is_one_batched_message(router, impl):
     socket, _ = router
-    with registered(router) as engine:
+    with registered(router, impl) as engine:
         engine.reply([(1, b"raw body"), (2, {"x": 1}, True), (3, [4, 5])])
         engine.reply([])  # nothing to send: no message
         engine.reply_partial([(4, {"p": 1}), (5, b"part")])
@@ -173,9 +179,9 @@ def test_reply_is_one_batched_message(router):
         assert socket.recv_multipart() == [identity, packb([DISCONNECT])]
 
 
-def test_heartbeat_reports_pending_and_capacity(router):
+def test_heartbeat_reports_pending_and_capacity(router, impl):
     socket, _ = router
-    with registered(router, heartbeat_interval=0.05, capacity=9) as engine:
+    with registered(router, impl, heartbeat_interval=0.05, capacity=9) as engine:
         engine.poll(0)  # the first heartbeat is due at once
         assert socket.recv_multipart()[1:] == [packb([HEARTBEAT, 0, 9])]
         submit(socket, engine, 1)
@@ -192,16 +198,16 @@ def test_heartbeat_reports_pending_and_capacity(router):
 # -- FakeEngine -------------------------------------------------------------------------
 
 
-def fake(router, **kwargs) -> FakeEngine:
-    return registered(router, FakeEngine, heartbeat_interval=None, **kwargs)
+def fake(router, impl, **kwargs) -> FakeEngine:
+    return registered(router, impl, FakeEngine, heartbeat_interval=None, **kwargs)
 
 
-def test_fake_engine_is_deterministic(router):
+def test_fake_engine_is_deterministic(router, impl):
     socket, _ = router
     prompt = [5, 6, 7, 8]
     bodies = []
     for rank in (0, 1):
-        with fake(router, rank=rank, output_tokens=5) as engine:
+        with fake(router, impl, rank=rank, output_tokens=5) as engine:
             submit(socket, engine, 10 + rank, prompt)
             [[meta, body]] = drive(engine, socket)
             assert unpackb(meta) == [REPLY, [[10 + rank, False]]]
@@ -218,11 +224,11 @@ def test_fake_engine_is_deterministic(router):
     assert bodies[0]["logprobs"] == bodies[1]["logprobs"]
 
 
-def test_fake_engine_text_and_raw_prompts(router):
+def test_fake_engine_text_and_raw_prompts(router, impl):
     socket, _ = router
     # Ids outside u32 have no block hashes either: the prefix cache skips all three.
     prompts = {packb("héllo"): "héllo", b"\xc1\xc1raw": b"\xc1\xc1raw", packb([2**40]): [2**40]}
-    with fake(router, output_tokens=2, prefix_block_size=1) as engine:
+    with fake(router, impl, output_tokens=2, prefix_block_size=1) as engine:
         for rid, (frame, prompt) in enumerate(prompts.items()):
             socket.send_multipart([engine.identity, packb([SUBMIT, rid, {}]), frame])
             [[_, body]] = drive(engine, socket)
@@ -239,10 +245,10 @@ def prefix_cache_hits(engine: FakeEngine, socket, prompt: list[int]) -> tuple[in
     return reply["cached_blocks"], reply["prompt_blocks"]
 
 
-def test_fake_engine_prefix_cache_counts_leading_blocks(router):
+def test_fake_engine_prefix_cache_counts_leading_blocks(router, impl):
     socket, _ = router
     prompt = list(range(10))  # two full blocks of 4, and a partial one that is not cached
-    with fake(router, output_tokens=1, prefix_block_size=4) as engine:
+    with fake(router, impl, output_tokens=1, prefix_block_size=4) as engine:
         assert prefix_cache_hits(engine, socket, prompt) == (0, 2)
         assert prefix_cache_hits(engine, socket, prompt) == (2, 2)
         assert prefix_cache_hits(engine, socket, prompt[:4] + [99] * 6) == (1, 2)
@@ -251,10 +257,10 @@ def test_fake_engine_prefix_cache_counts_leading_blocks(router):
         assert prefix_cache_hits(engine, socket, prompt[:3]) == (0, 0)
 
 
-def test_fake_engine_prefix_cache_evicts_least_recently_used(router):
+def test_fake_engine_prefix_cache_evicts_least_recently_used(router, impl):
     socket, _ = router
     a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10]
-    with fake(router, output_tokens=1, prefix_block_size=2, cache_blocks=4) as engine:
+    with fake(router, impl, output_tokens=1, prefix_block_size=2, cache_blocks=4) as engine:
         assert prefix_cache_hits(engine, socket, a) == (0, 2)
         assert prefix_cache_hits(engine, socket, b) == (0, 2)
         assert prefix_cache_hits(engine, socket, a) == (2, 2)  # a's blocks are now the newest
@@ -264,9 +270,9 @@ def test_fake_engine_prefix_cache_evicts_least_recently_used(router):
         assert prefix_cache_hits(engine, socket, c) == (1, 1)
 
 
-def test_fake_engine_batches_a_step_into_one_reply(router):
+def test_fake_engine_batches_a_step_into_one_reply(router, impl):
     socket, _ = router
-    with fake(router, max_batch=4, output_tokens=3) as engine:
+    with fake(router, impl, max_batch=4, output_tokens=3) as engine:
         queue_paused(engine, socket, [(rid, [rid]) for rid in range(5)])
         first, second = drive(engine, socket, 2)  # the first step admits four of the five
     meta = unpackb(first[0])
@@ -277,9 +283,9 @@ def test_fake_engine_batches_a_step_into_one_reply(router):
     assert unpackb(second[0]) == [REPLY, [[4, False]]]
 
 
-def test_fake_engine_streams_partials_then_final(router):
+def test_fake_engine_streams_partials_then_final(router, impl):
     socket, _ = router
-    with fake(router, output_tokens=3) as engine:
+    with fake(router, impl, output_tokens=3) as engine:
         queue_paused(engine, socket, [(1, [9], {"stream": True, "detokenize": True}), (2, [9])])
         messages = drive(engine, socket, 3)
     tokens = FakeEngine.generate([9], 3)
@@ -290,9 +296,9 @@ def test_fake_engine_streams_partials_then_final(router):
     assert unpackb(messages[2][0]) == [REPLY, [[1, True], [2, False]]]
 
 
-def test_fake_engine_honours_abort(router):
+def test_fake_engine_honours_abort(router, impl):
     socket, _ = router
-    with fake(router, output_tokens=1000) as engine:
+    with fake(router, impl, output_tokens=1000) as engine:
         submit(socket, engine, 1, [3], {"stream": True})
         drive(engine, socket, 2)  # two steps: two partials
         socket.send_multipart([engine.identity, packb([ABORT, 1])])
@@ -307,9 +313,9 @@ def test_fake_engine_honours_abort(router):
         assert engine.pending == 0
 
 
-def test_fake_engine_control_states(router):
+def test_fake_engine_control_states(router, impl):
     socket, _ = router
-    with fake(router) as engine:
+    with fake(router, impl) as engine:
         for header, state in [
             (PAUSE, "paused"),
             (SUSPEND, "suspended"),
@@ -332,10 +338,10 @@ def test_fake_engine_control_states(router):
         assert socket.recv_multipart()[1:] == [packb([DISCONNECT])]
 
 
-def test_fake_engine_run_ends_on_stop_event(router):
+def test_fake_engine_run_ends_on_stop_event(router, impl):
     socket, _ = router
     stop = threading.Event()
-    with fake(router) as engine:
+    with fake(router, impl) as engine:
         thread = threading.Thread(target=engine.run, args=(stop,))
         thread.start()
         submit(socket, engine, 1)
@@ -352,6 +358,8 @@ def test_engine_process(router):
     options += ["--prefix-block-size", "1", "--cache-blocks", "1"]
     with engine_processes(address, [2], *options, stderr=subprocess.PIPE, text=True) as [process]:
         assert socket.recv_multipart() == [b"engine-2", b""]
+        hello = packb([ENGINE_HELLO, {"coordkit": 1, "batch": 1}])
+        assert socket.recv_multipart() == [b"engine-2", hello]
         for rid in (1, 2):
             socket.send_multipart([b"engine-2", packb([SUBMIT, rid, {}]), packb([1, 2])])
             identity, meta, body = socket.recv_multipart()

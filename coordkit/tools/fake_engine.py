@@ -149,6 +149,9 @@ class FakeEngine(Engine):
     ``stop_event``, answers what is left as aborted, sends DISCONNECT and
     ends :meth:`run`. HEARTBEATs go out every ``heartbeat_interval`` seconds
     (default 1; None turns them off), advertising ``max_batch`` as capacity.
+    Like every Engine it asks for batched SUBMITs (ENGINE_HELLO) unless
+    ``batch`` is False, and takes them as they come; ``implementation`` picks
+    the Engine's core.
     """
 
     def __init__(
@@ -167,6 +170,8 @@ class FakeEngine(Engine):
         context: zmq.Context | None = None,
         cost: CostModel = NO_COST,
         speedup: float = 1.0,
+        batch: bool = True,
+        implementation: str | None = None,
     ):
         # latency and max_batch, when given, override the cost model's.
         cost = cost._replace(
@@ -188,6 +193,8 @@ class FakeEngine(Engine):
             heartbeat_interval=heartbeat_interval,
             capacity=cost.max_batch,
             context=context,
+            batch=batch,
+            implementation=implementation,
         )
         self.cost = cost
         self.speedup = speedup

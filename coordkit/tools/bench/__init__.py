@@ -17,11 +17,17 @@ reply: CPU time, not wall time, is the figure, because the load generators
 share the cores. The memory test holds requests in flight at the engines and
 reads the coordinator's VmRSS before and with them. Linux only (/proc).
 
+``--client`` and ``--end-to-end`` measure the endpoints instead
+(:mod:`.endpoints`): a client process's own CPU per request, coordkit's
+Client beside a plain pyzmq client doing what Megatron-LM's does; and a whole
+deployment (client, coordinator, two engine ranks, each its own process),
+its requests per second and every process's CPU per request.
+
 Here: the options, the points in order and the results. :mod:`.session`
 starts and drives a variant's processes, :mod:`.servers` is the coordinator
-child, :mod:`.load` the client and engine children, :mod:`.report` the
-summaries, tables, JSON records and plot; :mod:`.workload` holds what they
-share.
+child, :mod:`.load` the client and engine children, :mod:`.endpoints` the
+endpoint modes, :mod:`.report` the summaries, tables, JSON records and plot;
+:mod:`.workload` holds what they share.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import Any
 
 from coordkit._routing_py import POLICIES
 
-from . import report
+from . import endpoints, report
 from .session import Failure, Session
 from .workload import LENGTHS, VARIANTS, requests_at
 
@@ -58,30 +64,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     runs: list[dict[str, Any]] = []
     memory: list[dict[str, Any]] = []
+    client_runs: list[dict[str, Any]] = []
+    end_to_end_runs: list[dict[str, Any]] = []
     failures: dict[str, str] = {}
     interrupted = False
+    coordinator_mode = not (args.client or args.end_to_end)
     with tempfile.TemporaryDirectory(prefix="coordkit-bench-") as directory:
         try:
-            _measure_cpu(args, directory, runs, failures)
-            _measure_memory(args, directory, memory, failures)
+            if coordinator_mode:
+                _measure_cpu(args, directory, runs, failures)
+                _measure_memory(args, directory, memory, failures)
+            if args.client:
+                endpoints.measure_clients(args, directory, client_runs, failures)
+            if args.end_to_end:
+                endpoints.measure_end_to_end(args, directory, end_to_end_runs, failures)
         except KeyboardInterrupt:
             interrupted = True
             print("coordkit bench: interrupted; reporting what was measured", file=sys.stderr)
     summary = report.summarize(runs)
     report.print_cpu(args, summary)
     report.print_memory(memory)
+    client_summary = endpoints.summarize(client_runs, ("client_us", "requests_per_s"))
+    report.print_clients(args, client_summary)
+    end_to_end_keys = ("requests_per_s", "client_us", "coordinator_us", "engines_us", "reply_batch")
+    end_to_end_summary = endpoints.summarize(end_to_end_runs, end_to_end_keys)
+    report.print_end_to_end(args, end_to_end_summary)
     for variant, reason in failures.items():
         print(f"FAILED {variant}: {reason}")
     if args.json:
-        result = {
+        result: dict[str, Any] = {
             "environment": environment,
             "config": report.config(args),
-            "runs": runs,
-            "summary": {str(t): s for t, s in summary.items()},
-            "memory": memory,
             "failures": failures,
             "seconds": round(time.monotonic() - started, 1),
         }
+        if coordinator_mode:
+            result.update(runs=runs, summary={str(t): s for t, s in summary.items()}, memory=memory)
+        if args.client:
+            result["client"] = {
+                "runs": client_runs,
+                "summary": report.keyed(client_summary),
+            }
+        if args.end_to_end:
+            result["end_to_end"] = {
+                "runs": end_to_end_runs,
+                "summary": report.keyed(end_to_end_summary),
+            }
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
         report.plot(args, summary, Path(args.plot))
@@ -92,10 +120,44 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="coordkit bench",
         description="Coordinator CPU time per request (user and sys of its own process) "
-        "and memory per request in flight, for floor, c, py and mono side by side.",
+        "and memory per request in flight, for floor, c, py and mono side by side; "
+        "with --client or --end-to-end, the endpoints' instead.",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run (under a minute)")
-    parser.add_argument("--lengths", type=int, nargs="+", metavar="TOKENS", default=LENGTHS)
+    parser.add_argument(
+        "--client",
+        action="store_true",
+        help="client process CPU per request: coordkit's Client beside a plain pyzmq client",
+    )
+    parser.add_argument(
+        "--end-to-end",
+        action="store_true",
+        help="client, coordinator and two engine ranks as processes: requests/s and "
+        "every process's CPU per request",
+    )
+    parser.add_argument(
+        "--clients",
+        nargs="+",
+        choices=endpoints.CLIENT_VARIANTS,
+        default=endpoints.CLIENT_VARIANTS,
+        help="--client: the client variants",
+    )
+    parser.add_argument(
+        "--peers",
+        nargs="+",
+        choices=endpoints.PEERS,
+        default=endpoints.PEERS,
+        help="--client: what the clients talk to (a coordinator and an echo engine, "
+        "or a stand-in that grants batches)",
+    )
+    parser.add_argument(
+        "--end-to-end-clients",
+        nargs="+",
+        choices=endpoints.END_TO_END_VARIANTS,
+        default=endpoints.END_TO_END_VARIANTS,
+        help="--end-to-end: the client variants",
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", metavar="TOKENS")
     parser.add_argument(
         "--requests",
         type=int,
@@ -119,14 +181,24 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="N",
         help="c alone, the 256 MiB target; 0 skips (default 1000000, --quick 0)",
     )
-    parser.add_argument("--window", type=int, default=512, help="requests in flight per client")
+    parser.add_argument(
+        "--window",
+        type=int,
+        help="requests in flight per client (default 512, --end-to-end 4096)",
+    )
     parser.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
     parser.add_argument("--json", metavar="PATH", help="write every repetition here")
     parser.add_argument("--plot", metavar="PATH", help="PNG of µs/request against prompt length")
     args = parser.parse_args(argv)
     quick = args.quick
+    endpoint_lengths = [16, 2000]
+    if args.lengths is None:
+        args.lengths = endpoint_lengths if args.client or args.end_to_end else list(LENGTHS)
+    if args.window is None:
+        args.window = 4096 if args.end_to_end and not quick else 512
+    full_requests = 200_000 if args.end_to_end else 40_000 if args.client else 60_000
     for name, full, smoke in (
-        ("requests", 60_000, 2_000),
+        ("requests", full_requests, 2_000),
         ("repeat", 5, 1),
         ("inflight", 200_000, 20_000),
         ("inflight_large", 1_000_000, 0),

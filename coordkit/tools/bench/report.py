@@ -86,6 +86,57 @@ def print_cpu(args: argparse.Namespace, summary: dict[int, dict[str, dict[str, f
         )
 
 
+def keyed(summary: dict[tuple[Any, ...], Any]) -> dict[str, Any]:
+    """A summary keyed by tuples, as JSON can hold it: "peer/variant/tokens"."""
+    return {"/".join(str(k) for k in key if k is not None): v for key, v in summary.items()}
+
+
+def print_clients(args: argparse.Namespace, summary: dict[tuple[Any, ...], Any]) -> None:
+    if not summary:
+        return
+    transport = "tcp://127.0.0.1" if args.transport == "tcp" else "ipc://"
+    print(
+        f"\nclient process CPU per request, median of {args.repeat} "
+        f"({transport}, window {args.window}, replies of at most 16 per message)"
+    )
+    print(
+        f"{'peer':<12} {'tokens':>6}  {'client':<16} {'µs/req':>8} {'plain/this':>10} "
+        f"{'req/s':>8}  batches"
+    )
+    for (peer, variant, tokens), point in sorted(
+        summary.items(), key=lambda item: (item[0][0], item[0][2])
+    ):
+        plain = summary.get((peer, "plain", tokens))
+        ratio = f"{plain['client_us'] / point['client_us']:.1f}" if plain else "-"
+        print(
+            f"{peer:<12} {tokens:>6}  {variant:<16} {point['client_us']:8.2f} {ratio:>10} "
+            f"{point['requests_per_s']:8.0f}  {'granted' if point['batch'] else 'no'}"
+        )
+
+
+def print_end_to_end(args: argparse.Namespace, summary: dict[tuple[Any, ...], Any]) -> None:
+    if not summary:
+        return
+    transport = "tcp://127.0.0.1" if args.transport == "tcp" else "ipc://"
+    print(
+        f"\nend to end: one client process, a coordinator, two engine processes; "
+        f"median of {args.repeat} ({transport}, window {args.window})"
+    )
+    print(
+        f"{'tokens':>6}  {'client':<12} {'req/s':>8} {'client':>8} {'coord':>8} "
+        f"{'engines':>8} {'per engine':>16} {'reply':>6}  batches"
+    )
+    print(f"{'':>6}  {'':<12} {'':>8} {'µs/request of each process':>42}")
+    for (_, variant, tokens), point in sorted(summary.items(), key=lambda item: item[0][2]):
+        per_engine = " ".join(f"{us:.2f}" for us in point["engine_us"])
+        print(
+            f"{tokens:>6}  {variant:<12} {point['requests_per_s']:8.0f} "
+            f"{point['client_us']:8.2f} {point['coordinator_us']:8.2f} "
+            f"{point['engines_us']:8.2f} {per_engine:>16} {point['reply_batch']:6.1f}  "
+            f"{'granted' if point['batch'] else 'no'}"
+        )
+
+
 def print_memory(memory: list[dict[str, Any]]) -> None:
     if not memory:
         return
@@ -140,6 +191,12 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         "inflight": args.inflight,
         "inflight_large": args.inflight_large,
         "quick": args.quick,
+        "client": args.client,
+        "end_to_end": args.end_to_end,
+        "clients": list(args.clients),
+        "peers": list(args.peers),
+        "end_to_end_clients": list(args.end_to_end_clients),
+        "implementation": coordkit.IMPLEMENTATION,
     }
 
 

@@ -39,98 +39,16 @@ class _Proc:
     conn: Connection  # commands to it, answers from it
 
 
-class Session:
-    """One variant's coordinator, engine and client processes, and how to drive them.
+class Processes:
+    """Child processes of one bench session, each with a pipe: started, asked, stopped.
 
-    ``hold_after`` makes it a memory session: the engine answers that many
-    requests (the warm-up), then holds every later one without replying.
+    ``variant`` names them (``coordkit-bench-<variant>-<name>``); a child that
+    fails, dies or falls silent becomes a :class:`Failure` naming it.
     """
 
-    def __init__(
-        self,
-        variant: str,
-        args: argparse.Namespace,
-        directory: str,
-        coordinator_options: dict[str, Any] | None = None,
-        hold_after: int | None = None,
-    ):
+    def __init__(self, variant: str):
         self.variant = variant
         self.procs: list[_Proc] = []
-        self.held = _SPAWN.Value("q", 0, lock=False)  # requests the engine holds
-        try:
-            if args.transport == "tcp":
-                endpoints = ["tcp://127.0.0.1:*"] * 2  # the ports are read back once bound
-            else:
-                endpoints = [f"ipc://{directory}/{variant}-{side}" for side in ("front", "back")]
-            self.coordinator = self._start(
-                "coordinator",
-                coordinator_child,
-                variant,
-                endpoints,
-                args.policy,
-                coordinator_options or {},
-            )
-            _, client_address, engine_address = self._receive(self.coordinator)
-            self.engine = self._start(
-                "engine", engine_child, variant, engine_address, hold_after, self.held
-            )
-            self._receive(self.engine)
-            self._wait_for_engines()
-            prefix = args.policy == "prefix"
-            self.client = self._start(
-                "client", client_child, variant, client_address, prefix, self.held
-            )
-            self._receive(self.client)
-        except BaseException:
-            self.close()
-            raise
-
-    def run(self, tokens: int, n: int, warmup: int, window: int) -> dict[str, Any]:
-        """Warm up, then ``n`` requests with the coordinator's CPU sampled around them."""
-        self.client.conn.send(("load", tokens, n, warmup, window))
-        self._receive(self.client, timeout=None)  # warm: the client progresses or says why not
-        _, messages0, entries0 = self._call(self.engine, ("stats",))
-        before = self._call(self.coordinator, ("sample",))[1]
-        self.client.conn.send(("go",))
-        wall = self._receive(self.client, timeout=None)[1]
-        after = self._call(self.coordinator, ("sample",))[1]
-        _, messages1, entries1 = self._call(self.engine, ("stats",))
-        user, sys_ = after["user"] - before["user"], after["sys"] - before["sys"]
-        return {
-            "requests": n,
-            "total_us": (user + sys_) / n * 1e6,
-            "user_us": user / n * 1e6,
-            "sys_us": sys_ / n * 1e6,
-            "requests_per_s": n / wall,
-            "wall_s": wall,
-            "reply_batch": (entries1 - entries0) / max(messages1 - messages0, 1),
-            "context_switches": after["switches"] - before["switches"],
-            "involuntary_switches": after["involuntary"] - before["involuntary"],
-            "page_faults": after["page_faults"] - before["page_faults"],
-            "rss_before": before["rss"],
-            "rss_after": after["rss"],
-        }
-
-    def fill(self, n: int, warmup: int, window: int) -> dict[str, Any]:
-        """Hold ``n`` requests at the engine; the coordinator's RSS before and with them."""
-        self.client.conn.send(("fill", MEMORY_PROMPT_TOKENS, n, warmup, window))
-        self._receive(self.client, timeout=None)
-        before = self._call(self.coordinator, ("sample",))[1]
-        self.client.conn.send(("go",))
-        wall = self._receive(self.client, timeout=None)[1]
-        self._wait(lambda: self.held.value >= n, f"the engine to hold {n} requests")
-        held = self._call(self.coordinator, ("sample",))[1]
-        cpu = held["user"] + held["sys"] - before["user"] - before["sys"]
-        return {
-            "variant": self.variant,
-            "inflight": n,
-            "prompt_tokens": MEMORY_PROMPT_TOKENS,
-            "rss_before": before["rss"],
-            "rss_with": held["rss"],
-            "bytes_per_request": (held["rss"] - before["rss"]) / n,
-            "submit_cpu_us": cpu / n * 1e6,
-            "fill_s": wall,
-        }
 
     def close(self) -> None:
         """Stop the processes, the coordinator first (its peers' exits then go unlogged).
@@ -209,6 +127,99 @@ class Session:
             if time.monotonic() > deadline:
                 raise Failure(f"timed out waiting for {what}")
             time.sleep(0.01)
+
+
+class Session(Processes):
+    """One variant's coordinator, engine and client processes, and how to drive them.
+
+    ``hold_after`` makes it a memory session: the engine answers that many
+    requests (the warm-up), then holds every later one without replying.
+    """
+
+    def __init__(
+        self,
+        variant: str,
+        args: argparse.Namespace,
+        directory: str,
+        coordinator_options: dict[str, Any] | None = None,
+        hold_after: int | None = None,
+    ):
+        super().__init__(variant)
+        self.held = _SPAWN.Value("q", 0, lock=False)  # requests the engine holds
+        try:
+            if args.transport == "tcp":
+                endpoints = ["tcp://127.0.0.1:*"] * 2  # the ports are read back once bound
+            else:
+                endpoints = [f"ipc://{directory}/{variant}-{side}" for side in ("front", "back")]
+            self.coordinator = self._start(
+                "coordinator",
+                coordinator_child,
+                variant,
+                endpoints,
+                args.policy,
+                coordinator_options or {},
+            )
+            _, client_address, engine_address = self._receive(self.coordinator)
+            self.engine = self._start(
+                "engine", engine_child, variant, engine_address, hold_after, self.held
+            )
+            self._receive(self.engine)
+            self._wait_for_engines()
+            prefix = args.policy == "prefix"
+            self.client = self._start(
+                "client", client_child, variant, client_address, prefix, self.held
+            )
+            self._receive(self.client)
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, tokens: int, n: int, warmup: int, window: int) -> dict[str, Any]:
+        """Warm up, then ``n`` requests with the coordinator's CPU sampled around them."""
+        self.client.conn.send(("load", tokens, n, warmup, window))
+        self._receive(self.client, timeout=None)  # warm: the client progresses or says why not
+        _, messages0, entries0 = self._call(self.engine, ("stats",))
+        before = self._call(self.coordinator, ("sample",))[1]
+        self.client.conn.send(("go",))
+        wall = self._receive(self.client, timeout=None)[1]
+        after = self._call(self.coordinator, ("sample",))[1]
+        _, messages1, entries1 = self._call(self.engine, ("stats",))
+        user, sys_ = after["user"] - before["user"], after["sys"] - before["sys"]
+        return {
+            "requests": n,
+            "total_us": (user + sys_) / n * 1e6,
+            "user_us": user / n * 1e6,
+            "sys_us": sys_ / n * 1e6,
+            "requests_per_s": n / wall,
+            "wall_s": wall,
+            "reply_batch": (entries1 - entries0) / max(messages1 - messages0, 1),
+            "context_switches": after["switches"] - before["switches"],
+            "involuntary_switches": after["involuntary"] - before["involuntary"],
+            "page_faults": after["page_faults"] - before["page_faults"],
+            "rss_before": before["rss"],
+            "rss_after": after["rss"],
+        }
+
+    def fill(self, n: int, warmup: int, window: int) -> dict[str, Any]:
+        """Hold ``n`` requests at the engine; the coordinator's RSS before and with them."""
+        self.client.conn.send(("fill", MEMORY_PROMPT_TOKENS, n, warmup, window))
+        self._receive(self.client, timeout=None)
+        before = self._call(self.coordinator, ("sample",))[1]
+        self.client.conn.send(("go",))
+        wall = self._receive(self.client, timeout=None)[1]
+        self._wait(lambda: self.held.value >= n, f"the engine to hold {n} requests")
+        held = self._call(self.coordinator, ("sample",))[1]
+        cpu = held["user"] + held["sys"] - before["user"] - before["sys"]
+        return {
+            "variant": self.variant,
+            "inflight": n,
+            "prompt_tokens": MEMORY_PROMPT_TOKENS,
+            "rss_before": before["rss"],
+            "rss_with": held["rss"],
+            "bytes_per_request": (held["rss"] - before["rss"]) / n,
+            "submit_cpu_us": cpu / n * 1e6,
+            "fill_s": wall,
+        }
 
     def _wait_for_engines(self) -> None:
         # c and py would drop a plain client's requests while no engine is registered.

@@ -1,0 +1,1214 @@
+# cython: language_level=3, embedsignature=True
+"""The client core in Cython: the twin of :mod:`coordkit._client_py`, over raw libzmq.
+
+Same API, same frames on the wire, same futures resolved with the same values
+(the module docstring of the twin says how the core works). Here the frames
+are built in ``zmq_msg_t``\\ s with the C codec and sent with the libzmq that
+pyzmq loaded (see _libzmq.h), the metadata of every reply is read in C, and a
+reply's body goes from its message straight into ``msgpack.unpackb`` (or a
+``bytes``). Token-id prompts are packed in C: a list of ints without a call
+per token, and any object exporting an integer buffer (``array.array``, numpy
+arrays) from the buffer itself, without a Python int per token.
+
+Frames given as Python objects (a bytes-like prompt, block hashes) are copied
+below ``COPY_BELOW`` bytes and sent without a copy above it, the buffer pinned
+until libzmq's I/O thread is done with it and released by the next call that
+holds the GIL (_pins.h).
+
+The rare paths -- a message libzmq refused for now (the outbox), control
+messages, ERROR and STATS_REPLY -- use pyzmq and the message specs, as the
+twin does.
+"""
+
+cimport cython
+from cpython.buffer cimport (
+    PyBUF_FORMAT,
+    PyBUF_READ,
+    PyBUF_STRIDES,
+    PyBuffer_Release,
+    PyObject_CheckBuffer,
+    PyObject_GetBuffer,
+)
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_GetItem
+from cpython.exc cimport PyErr_Clear
+from cpython.list cimport PyList_CheckExact, PyList_New, PyList_SET_ITEM
+from cpython.long cimport PyLong_CheckExact
+from cpython.object cimport PyObject
+from cpython.memoryview cimport PyMemoryView_FromMemory
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
+from cpython.sequence cimport PySequence_Fast_GET_ITEM
+from cpython.tuple cimport PyTuple_CheckExact
+from cpython.unicode cimport PyUnicode_AsUTF8String, PyUnicode_Check
+from libc.errno cimport EAGAIN
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.string cimport memcpy
+
+from coordkit._codec_c cimport (
+    CK_ARRAY_MAX,
+    CK_INT_MAX,
+    CK_OK,
+    CK_TOO_MANY,
+    ck_batch_entry,
+    ck_read_header,
+    ck_read_header_int,
+    ck_read_reply_batch,
+    ck_strstatus,
+    ck_write_array,
+    ck_write_int,
+    ck_write_uint,
+)
+from coordkit._constants cimport *
+from coordkit._libzmq cimport (
+    ZMQ_DONTWAIT,
+    ZMQ_EVENTS,
+    ZMQ_POLLIN,
+    ZMQ_POLLOUT,
+    ZMQ_SNDMORE,
+    bind_libzmq,
+    zmq_errno,
+    zmq_getsockopt,
+    zmq_msg_close,
+    zmq_msg_data,
+    zmq_msg_init,
+    zmq_msg_init_size,
+    zmq_msg_more,
+    zmq_msg_move,
+    zmq_msg_recv,
+    zmq_msg_send,
+    zmq_msg_size,
+    zmq_msg_t,
+    zmq_strerror,
+)
+
+import asyncio
+import logging
+
+import msgpack
+import zmq
+
+from coordkit import protocol
+from coordkit._shared import check_constants
+from coordkit.protocol import ProtocolError, packb, unpackb
+
+bind_libzmq()
+check_constants(generated_constants())
+
+cdef extern from "_pins.h":
+    void ck_pins_sweep()
+    int ck_msg_from_object(zmq_msg_t* msg, object obj, size_t copy_below) except -1
+
+cdef extern from *:
+    """
+    static inline int ck_set_slot(PyObject *descr, PyObject *obj, PyObject *value)
+    {
+        return Py_TYPE(descr)->tp_descr_set(descr, obj, value);
+    }
+    """
+    int ck_set_slot(object descr, object obj, object value) except -1
+
+cdef extern from *:
+    """
+    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    #define CK_BIG_ENDIAN 1
+    #else
+    #define CK_BIG_ENDIAN 0
+    #endif
+    """
+    bint BIG_ENDIAN "CK_BIG_ENDIAN"
+
+__all__ = [
+    "ClientCore",
+    "MAX_BATCH_ENTRIES",
+    "MAX_BATCH_BYTES",
+    "MAX_DRAIN",
+    "encode_prompt",
+    "pack_tokens",
+]
+
+log = logging.getLogger("coordkit.client")
+
+cdef enum:
+    _MAX_BATCH_ENTRIES = 1024
+    _MAX_BATCH_BYTES = 4 << 20
+    _MAX_DRAIN = 4096
+    FIRST_PARTS = 64  # frames of a received message before the buffer grows
+
+#: Requests in one SUBMIT_BATCH at most; a longer burst goes as several.
+MAX_BATCH_ENTRIES = _MAX_BATCH_ENTRIES
+#: Payload bytes (prompts and block hashes) in one SUBMIT_BATCH before it is sent.
+MAX_BATCH_BYTES = _MAX_BATCH_BYTES
+#: Messages the reader takes in one callback before it lets other callbacks run.
+MAX_DRAIN = _MAX_DRAIN
+
+BYTES_LIKE = (bytes, bytearray, memoryview, zmq.Frame)
+
+cdef bytes EMPTY_PARAMS = packb({})
+cdef object _set_result = asyncio.Future.set_result
+cdef object _future_done = asyncio.Future.done
+cdef object InvalidStateError = asyncio.InvalidStateError
+cdef object _unpackb = msgpack.unpackb
+
+
+# -- a growable byte buffer ----------------------------------------------------------------
+
+cdef struct Buf:
+    uint8_t* data
+    size_t len
+    size_t cap
+
+
+cdef int buf_reserve(Buf* b, size_t extra) except -1:
+    cdef size_t cap
+    cdef uint8_t* data
+    if b.cap - b.len >= extra:
+        return 0
+    cap = max(2 * b.cap, b.len + extra, <size_t>256)
+    data = <uint8_t*>realloc(b.data, cap)
+    if data == NULL:
+        raise MemoryError()
+    b.data = data
+    b.cap = cap
+    return 0
+
+
+cdef inline void buf_put(Buf* b, const void* data, size_t n) noexcept:
+    memcpy(b.data + b.len, data, n)
+    b.len += n
+
+
+# -- packing prompts -----------------------------------------------------------------------
+
+cdef inline uint8_t* put_int(uint8_t* out, int64_t v) noexcept nogil:
+    """``v`` in msgpack's smallest form: token ids (0 .. 2**32-1) inline, the rest by the codec."""
+    if 0 <= v < 0x80:
+        out[0] = <uint8_t>v
+        return out + 1
+    if 0 <= v <= 0xff:
+        out[0] = 0xcc
+        out[1] = <uint8_t>v
+        return out + 2
+    if 0 <= v <= 0xffff:
+        out[0] = 0xcd
+        out[1] = <uint8_t>(v >> 8)
+        out[2] = <uint8_t>v
+        return out + 3
+    if 0 <= v <= <int64_t>0xffffffff:
+        out[0] = 0xce
+        out[1] = <uint8_t>(v >> 24)
+        out[2] = <uint8_t>(v >> 16)
+        out[3] = <uint8_t>(v >> 8)
+        out[4] = <uint8_t>v
+        return out + 5
+    return out + ck_write_int(out, v)
+
+
+cdef int pack_sequence(Buf* b, object seq) except -1:
+    """A list or tuple of plain ints into ``b``, as msgpack.packb packs it; 0 (nothing
+    written) when an item is not a plain int in range, for msgpack itself to handle."""
+    cdef Py_ssize_t i, n = len(seq)
+    cdef int64_t v
+    cdef unsigned long long u
+    cdef object item
+    cdef uint8_t* out
+    buf_reserve(b, CK_ARRAY_MAX + <size_t>n * CK_INT_MAX)
+    out = b.data + b.len
+    out += ck_write_array(out, <uint32_t>n)
+    for i in range(n):
+        item = <object>PySequence_Fast_GET_ITEM(seq, i)
+        if not PyLong_CheckExact(item):  # a bool packs as a bool; anything else is msgpack's
+            return 0
+        try:
+            v = item  # Cython's conversion: small ints read in place
+        except OverflowError:
+            try:
+                u = item  # a uint64 beyond int64 has a form of its own
+            except OverflowError:
+                return 0  # msgpack says what it thinks of it
+            out += ck_write_uint(out, u)
+            continue
+        out = put_int(out, v)
+    b.len = out - b.data
+    return 1
+
+
+cdef int integer_format(const char* fmt) noexcept:
+    """1 for a native signed integer format, 2 for an unsigned one, 0 for anything else."""
+    if fmt == NULL:
+        return 0
+    if fmt[0] == b"@" or fmt[0] == b"=":
+        fmt += 1
+    elif fmt[0] == b"<":
+        if BIG_ENDIAN:
+            return 0
+        fmt += 1
+    elif fmt[0] == b">" or fmt[0] == b"!":
+        if not BIG_ENDIAN:
+            return 0
+        fmt += 1
+    if fmt[0] == 0 or fmt[1] != 0:
+        return 0
+    if fmt[0] in b"bhilqn":
+        return 1
+    if fmt[0] in b"BHILQN":
+        return 2
+    return 0
+
+
+cdef int pack_buffer(Buf* b, object obj) except -1:
+    """A 1-d buffer of native integers into ``b``, strided or not; 0 (nothing written)
+    for any other buffer, for the generic path."""
+    cdef Py_buffer view
+    cdef Py_ssize_t i, n, stride
+    cdef int kind
+    cdef const char* p
+    cdef int8_t i8
+    cdef int16_t i16
+    cdef int32_t i32
+    cdef int64_t i64
+    cdef uint8_t u8
+    cdef uint16_t u16
+    cdef uint32_t u32
+    cdef uint64_t u64
+    cdef uint8_t* out
+    if PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_STRIDES) != 0:
+        PyErr_Clear()
+        return 0
+    try:
+        kind = integer_format(view.format)
+        if (
+            view.ndim != 1
+            or kind == 0
+            or not (view.itemsize == 1 or view.itemsize == 2
+                    or view.itemsize == 4 or view.itemsize == 8)
+        ):
+            return 0
+        n = view.shape[0]
+        stride = view.strides[0]
+        buf_reserve(b, CK_ARRAY_MAX + <size_t>n * CK_INT_MAX)
+        out = b.data + b.len
+        out += ck_write_array(out, <uint32_t>n)
+        for i in range(n):
+            p = <const char*>view.buf + i * stride
+            if kind == 1:
+                if view.itemsize == 1:
+                    memcpy(&i8, p, 1)
+                    i64 = i8
+                elif view.itemsize == 2:
+                    memcpy(&i16, p, 2)
+                    i64 = i16
+                elif view.itemsize == 4:
+                    memcpy(&i32, p, 4)
+                    i64 = i32
+                else:
+                    memcpy(&i64, p, 8)
+                out = put_int(out, i64)
+            else:
+                if view.itemsize == 1:
+                    memcpy(&u8, p, 1)
+                    u64 = u8
+                elif view.itemsize == 2:
+                    memcpy(&u16, p, 2)
+                    u64 = u16
+                elif view.itemsize == 4:
+                    memcpy(&u32, p, 4)
+                    u64 = u32
+                else:
+                    memcpy(&u64, p, 8)
+                if u64 <= <uint64_t>0xffffffff:
+                    out = put_int(out, <int64_t>u64)
+                else:
+                    out += ck_write_uint(out, u64)
+        b.len = out - b.data
+        return 1
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef int pack_tokens_into(Buf* b, object tokens) except -1:
+    """Token ids into ``b`` as msgpack.packb of them as plain ints (see pack_tokens)."""
+    if PyList_CheckExact(tokens) or PyTuple_CheckExact(tokens):
+        if pack_sequence(b, tokens):
+            return 0
+    else:
+        if PyObject_CheckBuffer(tokens) and pack_buffer(b, tokens):
+            return 0
+        tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        if (PyList_CheckExact(tokens) or PyTuple_CheckExact(tokens)) and pack_sequence(b, tokens):
+            return 0
+    packed = packb(tokens)  # what the fast paths left: msgpack packs it, or raises
+    buf_reserve(b, len(packed))
+    buf_put(b, PyBytes_AS_STRING(packed), PyBytes_GET_SIZE(packed))
+    return 0
+
+
+cdef int pack_str(Buf* b, object text) except -1:
+    """``msgpack.packb(text)`` (a str, use_bin_type=True) into ``b``."""
+    cdef bytes utf8 = PyUnicode_AsUTF8String(text)
+    cdef size_t n = PyBytes_GET_SIZE(utf8)
+    buf_reserve(b, n + 5)
+    if n < 32:
+        b.data[b.len] = 0xa0 | n
+        b.len += 1
+    elif n <= 0xff:
+        b.data[b.len] = 0xd9
+        b.data[b.len + 1] = <uint8_t>n
+        b.len += 2
+    elif n <= 0xffff:
+        b.data[b.len] = 0xda
+        b.data[b.len + 1] = <uint8_t>(n >> 8)
+        b.data[b.len + 2] = <uint8_t>n
+        b.len += 3
+    else:
+        b.data[b.len] = 0xdb
+        b.data[b.len + 1] = <uint8_t>(n >> 24)
+        b.data[b.len + 2] = <uint8_t>(n >> 16)
+        b.data[b.len + 3] = <uint8_t>(n >> 8)
+        b.data[b.len + 4] = <uint8_t>n
+        b.len += 5
+    buf_put(b, PyBytes_AS_STRING(utf8), n)
+    return 0
+
+
+cdef inline bint is_bytes_like(object prompt):
+    return isinstance(prompt, BYTES_LIKE)
+
+
+cdef int prompt_msg(zmq_msg_t* msg, Buf* scratch, object prompt) except -1:
+    """The prompt's frame into ``msg`` (initialised by this call, also on error)."""
+    if not PyList_CheckExact(prompt) and is_bytes_like(prompt):
+        return ck_msg_from_object(msg, prompt, COPY_BELOW)
+    scratch.len = 0
+    try:
+        if PyUnicode_Check(prompt):
+            pack_str(scratch, prompt)
+        else:
+            pack_tokens_into(scratch, prompt)
+    except BaseException:
+        zmq_msg_init(msg)
+        raise
+    if zmq_msg_init_size(msg, scratch.len) != 0:
+        zmq_msg_init(msg)
+        raise MemoryError()
+    memcpy(zmq_msg_data(msg), scratch.data, scratch.len)
+    return 0
+
+
+def pack_tokens(tokens) -> bytes:
+    """``msgpack.packb`` of the token ids as plain ints.
+
+    A list or tuple of ints is packed in C; an object exporting a 1-d buffer of
+    native integers (``array.array``, numpy arrays, strided or not) is packed
+    from its buffer; anything else goes through ``tolist()`` or ``list()``
+    first. The bytes are those of the twin's ``pack_tokens``.
+    """
+    cdef Buf b
+    b.data = NULL
+    b.len = b.cap = 0
+    try:
+        pack_tokens_into(&b, tokens)
+        return PyBytes_FromStringAndSize(<char*>b.data, b.len)
+    finally:
+        free(b.data)
+
+
+def encode_prompt(prompt) -> object:
+    """A prompt's frame: bytes-like as it is, a str or token ids msgpack-packed."""
+    cdef Buf b
+    if is_bytes_like(prompt):
+        return prompt
+    b.data = NULL
+    b.len = b.cap = 0
+    try:
+        if PyUnicode_Check(prompt):
+            pack_str(&b, prompt)
+        else:
+            pack_tokens_into(&b, prompt)
+        return PyBytes_FromStringAndSize(<char*>b.data, b.len)
+    finally:
+        free(b.data)
+
+
+cdef object hashes_of(object prompt, object block_size):
+    if block_size is None:
+        return None
+    if PyUnicode_Check(prompt) or is_bytes_like(prompt):
+        raise ValueError("block hashes need a prompt of token ids")
+    return protocol.block_hashes(prompt, block_size)
+
+
+cdef object _SAMPLING = protocol.SUBMIT_REQUEST.metadata_fields[1]
+
+
+cdef inline bytes params_of(object sampling_params):
+    """The params packed, checked as the message spec checks them."""
+    if sampling_params is None:
+        return EMPTY_PARAMS
+    if type(sampling_params) is not dict:
+        _SAMPLING.check("SUBMIT_REQUEST", sampling_params)
+    return packb(sampling_params)
+
+
+cdef inline void close_msgs(zmq_msg_t* msgs, Py_ssize_t n) noexcept:
+    cdef Py_ssize_t i
+    for i in range(n):
+        zmq_msg_close(&msgs[i])
+
+
+# -- the pending requests ------------------------------------------------------------------
+
+cdef struct Pending:
+    int64_t rid
+    PyObject* target  # a strong reference; NULL: the cell is empty
+
+
+cdef struct Table:
+    # A ring indexed by rid & mask, at most half full: a client's ids are
+    # consecutive, so its requests in flight each have a cell of their own, and
+    # taking one out just empties its cell. The rare request whose cell is
+    # held (by one that stays in flight for a whole turn of the ring) waits in
+    # an overflow dict instead.
+    Pending* cells
+    uint64_t mask
+    Py_ssize_t count  # in the cells and the overflow
+
+
+cdef int table_init(Table* t, uint64_t capacity) except -1:
+    t.cells = <Pending*>calloc(capacity, sizeof(Pending))
+    if t.cells == NULL:
+        raise MemoryError()
+    t.mask = capacity - 1
+    t.count = 0
+    return 0
+
+
+# -- the core ------------------------------------------------------------------------------
+
+
+def _first(entry):
+    return entry[0]
+
+
+@cython.final
+cdef class ClientCore:
+    """The socket, the pending requests and the frames of one :class:`coordkit.Client`.
+
+    ``socket`` is a connected, acknowledged DEALER (a plain ``zmq.Socket``);
+    ``batch`` says whether the coordinator granted batches. The callbacks take
+    an ERROR's ``(rid or None, code, message)``, a STATS_REPLY's body, and the
+    exception of a socket that failed.
+    """
+
+    cdef readonly object socket, loop
+    cdef object __weakref__  # the client's future classes refer to their core weakly
+    cdef readonly bint batch
+    cdef public bint closed
+    cdef readonly int64_t next_rid
+    cdef Table pending
+    cdef dict overflow  # pending requests whose cell was held (see Table)
+    cdef object _future_type, _raw_type, _rid_slot, _stream_type
+    cdef object _on_error, _on_stats, _on_failure, _outbox
+    cdef object _flush_callback, _check_callback, _readable_callback
+    cdef void* sock
+    cdef bint flush_scheduled, check_scheduled
+
+    # The submissions coalescing into one SUBMIT_BATCH: their entries' bytes,
+    # `[rid, params, hashed]` each, and their frames from index 1 on (0 is for
+    # the metadata when the batch is sent).
+    cdef Buf open_entries
+    cdef uint32_t n_open
+    cdef size_t open_bytes
+    cdef zmq_msg_t* frames
+    cdef Py_ssize_t n_frames, frames_capacity
+
+    # The message being received, and a REPLY_BATCH's entries.
+    cdef zmq_msg_t* parts
+    cdef Py_ssize_t n_parts, parts_capacity
+    cdef ck_batch_entry* replies
+    cdef uint32_t replies_capacity
+
+    cdef Buf scratch  # a prompt being packed
+
+    implementation = "c"
+
+    def __cinit__(self):
+        self.pending.cells = NULL
+        self.frames = NULL
+        self.parts = NULL
+        self.replies = NULL
+        self.open_entries.data = NULL
+        self.open_entries.len = self.open_entries.cap = 0
+        self.scratch.data = NULL
+        self.scratch.len = self.scratch.cap = 0
+
+    def __init__(
+        self,
+        socket,
+        *,
+        loop,
+        bint batch,
+        future_types,
+        stream_type,
+        on_error,
+        on_stats,
+        on_failure,
+    ):
+        from collections import deque
+
+        self.socket = socket
+        self.sock = <void*><size_t>socket.underlying
+        self.loop = loop
+        self.batch = batch
+        table_init(&self.pending, 1024)
+        self.overflow = {}
+        self._future_type, self._raw_type = future_types
+        # The one per-future attribute, set through its slot (the class holds the rest).
+        self._rid_slot = self._future_type.__mro__[1].__dict__["request_id"]
+        self._stream_type = stream_type
+        self._on_error = on_error
+        self._on_stats = on_stats
+        self._on_failure = on_failure
+        self._outbox = deque()
+        self._flush_callback = self.flush
+        self._check_callback = self._check
+        self._readable_callback = self.on_readable
+        self.frames_capacity = 64
+        self.frames = <zmq_msg_t*>malloc(self.frames_capacity * sizeof(zmq_msg_t))
+        self.parts_capacity = FIRST_PARTS
+        self.parts = <zmq_msg_t*>malloc(FIRST_PARTS * sizeof(zmq_msg_t))
+        self.replies_capacity = 64
+        self.replies = <ck_batch_entry*>malloc(64 * sizeof(ck_batch_entry))
+        if self.frames == NULL or self.parts == NULL or self.replies == NULL:
+            raise MemoryError()
+        self.n_frames = 1
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        cdef uint64_t cell
+        if self.pending.cells != NULL:
+            for cell in range(self.pending.mask + 1):
+                Py_XDECREF(self.pending.cells[cell].target)
+            free(self.pending.cells)
+        if self.frames != NULL:
+            for i in range(1, self.n_frames):
+                zmq_msg_close(&self.frames[i])
+        free(self.frames)
+        free(self.parts)
+        free(self.replies)
+        free(self.open_entries.data)
+        free(self.scratch.data)
+
+    @property
+    def queued(self):
+        """Messages libzmq refused for now, waiting in the outbox for POLLOUT."""
+        return len(self._outbox)
+
+    @property
+    def count(self):
+        """Requests sent (or coalescing) and not yet ended."""
+        return self.pending.count
+
+    def pop(self, int64_t rid):
+        """The pending request ``rid``, taken out of the table; None when it is not pending."""
+        return self._take(rid)
+
+    # -- the table of pending requests -------------------------------------------------------
+
+    cdef inline PyObject* _find(self, int64_t rid) noexcept:
+        """The pending request ``rid`` (a borrowed reference), or NULL."""
+        cdef Pending* cell = &self.pending.cells[<uint64_t>rid & self.pending.mask]
+        cdef PyObject* found
+        if cell.target != NULL and cell.rid == rid:
+            return cell.target
+        if not self.overflow:
+            return NULL
+        found = PyDict_GetItem(self.overflow, rid)
+        return found
+
+    cdef object _take(self, int64_t rid):
+        """The pending request ``rid`` taken out of the table, or None."""
+        cdef Pending* cell = &self.pending.cells[<uint64_t>rid & self.pending.mask]
+        if cell.target != NULL and cell.rid == rid:
+            target = <object>cell.target
+            Py_DECREF(target)  # the table's reference; `target` holds one of its own
+            cell.target = NULL
+            self.pending.count -= 1
+            return target
+        if self.overflow:
+            target = self.overflow.pop(rid, None)
+            if target is not None:
+                self.pending.count -= 1
+            return target
+        return None
+
+    cdef int _insert(self, int64_t rid, object target) except -1:
+        cdef Pending* cell
+        if 2 * (self.pending.count + 1) > <Py_ssize_t>(self.pending.mask + 1):
+            self._grow()
+        cell = &self.pending.cells[<uint64_t>rid & self.pending.mask]
+        if cell.target == NULL:
+            Py_INCREF(target)
+            cell.rid = rid
+            cell.target = <PyObject*>target
+        else:
+            self.overflow[rid] = target
+        self.pending.count += 1
+        return 0
+
+    cdef int _grow(self) except -1:
+        """Twice the cells; every request back in (the overflow too, where it fits)."""
+        cdef Table old = self.pending
+        cdef uint64_t i
+        cdef Pending* cell
+        table_init(&self.pending, 2 * (old.mask + 1))
+        self.pending.count = old.count
+        overflow, self.overflow = self.overflow, {}
+        for i in range(old.mask + 1):
+            if old.cells[i].target != NULL:
+                cell = &self.pending.cells[<uint64_t>old.cells[i].rid & self.pending.mask]
+                cell[0] = old.cells[i]  # the reference moves with it
+        free(old.cells)
+        for rid, target in overflow.items():
+            cell = &self.pending.cells[<uint64_t>rid & self.pending.mask]
+            if cell.target == NULL:
+                Py_INCREF(target)
+                cell.rid = rid
+                cell.target = <PyObject*>target
+            else:
+                self.overflow[rid] = target
+        return 0
+
+    cdef list _clear(self):
+        """Empty the table; its requests, by id."""
+        cdef uint64_t i
+        entries = list(self.overflow.items())
+        self.overflow = {}
+        for i in range(self.pending.mask + 1):
+            if self.pending.cells[i].target != NULL:
+                entries.append((self.pending.cells[i].rid, <object>self.pending.cells[i].target))
+                Py_DECREF(<object>self.pending.cells[i].target)
+                self.pending.cells[i].target = NULL
+        self.pending.count = 0
+        entries.sort(key=_first)
+        return [target for _, target in entries]
+
+    # -- requests --------------------------------------------------------------------------
+
+    def submit(self, prompt, sampling_params, block_size, bint raw, block_hashes=None):
+        cdef zmq_msg_t msgs[2]
+        cdef Py_ssize_t n = 1
+        self._check_open()
+        hashes = hashes_of(prompt, block_size) if block_size is not None else block_hashes
+        params = params_of(sampling_params)
+        prompt_msg(&msgs[0], &self.scratch, prompt)
+        if hashes is not None:
+            try:
+                ck_msg_from_object(&msgs[1], hashes, COPY_BELOW)
+            except BaseException:
+                zmq_msg_close(&msgs[0])
+                raise
+            n = 2
+        future = self._future(self.next_rid, raw)
+        self._request(future, params, msgs, n, True)
+        return future
+
+    def stream(self, prompt, sampling_params, block_size, bint raw, block_hashes=None):
+        cdef zmq_msg_t msgs[2]
+        cdef Py_ssize_t n = 1
+        self._check_open()
+        hashes = hashes_of(prompt, block_size) if block_size is not None else block_hashes
+        params = params_of(sampling_params)
+        prompt_msg(&msgs[0], &self.scratch, prompt)
+        if hashes is not None:
+            try:
+                ck_msg_from_object(&msgs[1], hashes, COPY_BELOW)
+            except BaseException:
+                zmq_msg_close(&msgs[0])
+                raise
+            n = 2
+        stream = self._stream_type(self.next_rid, raw)
+        self._request(stream, params, msgs, n, True)
+        return stream
+
+    def submit_many(self, prompts, sampling_params, block_size, bint raw):
+        """One future per prompt; everything is encoded before anything is sent."""
+        cdef Py_ssize_t i, n, made = 0, first = 0
+        cdef zmq_msg_t* msgs
+        cdef bint* hashed
+        self._check_open()
+        params = params_of(sampling_params)
+        prompts = prompts if PyList_CheckExact(prompts) else list(prompts)
+        n = len(prompts)
+        msgs = <zmq_msg_t*>malloc((2 * n + 1) * sizeof(zmq_msg_t))
+        hashed = <bint*>malloc((n + 1) * sizeof(bint))
+        try:
+            if msgs == NULL or hashed == NULL:
+                raise MemoryError()
+            for i in range(n):
+                prompt = prompts[i]
+                hashes = hashes_of(prompt, block_size)
+                prompt_msg(&msgs[2 * i], &self.scratch, prompt)
+                made = 2 * i + 1
+                hashed[i] = hashes is not None
+                if hashed[i]:
+                    ck_msg_from_object(&msgs[2 * i + 1], hashes, COPY_BELOW)
+                    made = 2 * i + 2
+            self.flush()  # what this iteration coalesced so far goes first
+            futures = PyList_New(n)
+            for i in range(n):
+                future = self._future(self.next_rid, raw)
+                Py_INCREF(future)
+                PyList_SET_ITEM(futures, i, future)
+                first = 2 * i + 2  # _request takes request i's messages whatever happens
+                self._request(future, params, &msgs[2 * i], 2 if hashed[i] else 1, False)
+            self.flush()
+            return futures
+        finally:
+            for i in range(first, made):
+                if i % 2 == 0 or hashed[i // 2]:
+                    zmq_msg_close(&msgs[i])
+            free(msgs)
+            free(hashed)
+
+    cdef object _future(self, int64_t rid, bint raw):
+        future = self._raw_type() if raw else self._future_type()
+        ck_set_slot(self._rid_slot, future, rid)
+        return future
+
+    cdef int _request(
+        self, object target, bytes params, zmq_msg_t* msgs, Py_ssize_t n, bint scheduled
+    ) except -1:
+        """Register ``target`` under the next id and send (or coalesce) its frames;
+        ``msgs`` (the prompt, and its hashes) are taken whatever happens."""
+        cdef int64_t rid = self.next_rid
+        cdef zmq_msg_t parts[3]
+        cdef uint8_t head[2 + CK_INT_MAX]
+        cdef Py_ssize_t i, size = PyBytes_GET_SIZE(params)
+        cdef size_t head_size
+        cdef uint8_t* out
+        self.next_rid += 1
+        self._insert(rid, target)
+        if not self.batch:  # [20, rid, params]
+            head[0] = 0x93
+            head[1] = HEADER_SUBMIT_REQUEST
+            head_size = 2 + ck_write_int(head + 2, rid)
+            if zmq_msg_init_size(&parts[0], head_size + size) != 0:
+                close_msgs(msgs, n)
+                raise MemoryError()
+            out = <uint8_t*>zmq_msg_data(&parts[0])
+            memcpy(out, head, head_size)
+            memcpy(out + head_size, PyBytes_AS_STRING(params), size)
+            for i in range(n):
+                zmq_msg_init(&parts[1 + i])
+                zmq_msg_move(&parts[1 + i], &msgs[i])
+            self._send_parts(parts, 1 + n)
+            return 0
+        self._open_entry(rid, params, n == 2)
+        self._take_frames(msgs, n)
+        if self.n_open >= _MAX_BATCH_ENTRIES or self.open_bytes >= _MAX_BATCH_BYTES:
+            self.flush()
+        elif scheduled and not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.loop.call_soon(self._flush_callback)
+        return 0
+
+    cdef int _open_entry(self, int64_t rid, bytes params, bint hashed) except -1:
+        cdef Buf* b = &self.open_entries
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(params)
+        buf_reserve(b, 2 + CK_INT_MAX + size)
+        b.data[b.len] = 0x93
+        b.len += 1
+        b.len += ck_write_int(b.data + b.len, rid)
+        buf_put(b, PyBytes_AS_STRING(params), size)
+        b.data[b.len] = 0xc3 if hashed else 0xc2
+        b.len += 1
+        self.n_open += 1
+        return 0
+
+    cdef int _take_frames(self, zmq_msg_t* msgs, Py_ssize_t n) except -1:
+        cdef Py_ssize_t i, capacity
+        cdef zmq_msg_t* grown
+        if self.n_frames + n > self.frames_capacity:
+            capacity = 2 * self.frames_capacity + n
+            grown = <zmq_msg_t*>malloc(capacity * sizeof(zmq_msg_t))
+            if grown == NULL:
+                close_msgs(msgs, n)
+                raise MemoryError()
+            for i in range(1, self.n_frames):
+                zmq_msg_init(&grown[i])
+                zmq_msg_move(&grown[i], &self.frames[i])
+            free(self.frames)
+            self.frames = grown
+            self.frames_capacity = capacity
+        for i in range(n):
+            self.open_bytes += zmq_msg_size(&msgs[i])
+            zmq_msg_init(&self.frames[self.n_frames])
+            zmq_msg_move(&self.frames[self.n_frames], &msgs[i])
+            self.n_frames += 1
+        return 0
+
+    def flush(self):
+        """Send the submissions coalesced so far: one SUBMIT_BATCH, or a SUBMIT for one."""
+        cdef Buf* b = &self.open_entries
+        cdef uint8_t head[2 + CK_ARRAY_MAX]
+        cdef uint8_t* out
+        cdef size_t n
+        self.flush_scheduled = False
+        if self.n_open == 0:
+            return
+        if self.n_open == 1:  # [rid, params, hashed] -> [20, rid, params]
+            if zmq_msg_init_size(&self.frames[0], b.len) != 0:
+                raise MemoryError()
+            out = <uint8_t*>zmq_msg_data(&self.frames[0])
+            out[0] = 0x93
+            out[1] = HEADER_SUBMIT_REQUEST
+            memcpy(out + 2, b.data + 1, b.len - 2)
+        else:  # [95, [entry, ...]]
+            head[0] = 0x92
+            head[1] = HEADER_SUBMIT_BATCH
+            n = 2 + ck_write_array(head + 2, self.n_open)
+            if zmq_msg_init_size(&self.frames[0], n + b.len) != 0:
+                raise MemoryError()
+            out = <uint8_t*>zmq_msg_data(&self.frames[0])
+            memcpy(out, head, n)
+            memcpy(out + n, b.data, b.len)
+        n = self.n_frames
+        self.n_open = 0
+        self.open_bytes = 0
+        self.n_frames = 1
+        b.len = 0
+        self._send_parts(self.frames, n)
+
+    def abort(self, int64_t rid):
+        """Send ABORT for a pending request; False (nothing sent) when it is not pending."""
+        if self.closed or self._find(rid) == NULL:
+            return False
+        self.send(protocol.ABORT_REQUEST.pack(rid))
+        return True
+
+    def cancelled(self, int64_t rid):
+        """A ReplyFuture was cancelled: abort its request at the engine."""
+        self.abort(rid)
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def send(self, list frames):
+        """Send one message after the coalesced submissions (control, ABORT, STATS)."""
+        self._check_open()
+        self.flush()
+        self._send_frames(frames)
+
+    cdef int _send_parts(self, zmq_msg_t* parts, Py_ssize_t n) except -1:
+        """Send a whole message (taking its parts), or keep it in the outbox."""
+        cdef Py_ssize_t i
+        cdef int err, flags
+        ck_pins_sweep()
+        if self._outbox:
+            self._queue(parts, n)
+            return 0
+        if zmq_msg_send(&parts[0], self.sock, ZMQ_DONTWAIT | (ZMQ_SNDMORE if n > 1 else 0)) < 0:
+            err = zmq_errno()
+            if err == EAGAIN:
+                self._queue(parts, n)
+                return 0
+            close_msgs(parts, n)
+            self._failed(err)
+            return 0
+        # Only the first frame can be refused: the rest of a message always follows it.
+        for i in range(1, n):
+            flags = ZMQ_DONTWAIT | (ZMQ_SNDMORE if i + 1 < n else 0)
+            if zmq_msg_send(&parts[i], self.sock, flags) < 0:
+                close_msgs(&parts[i], n - i)
+                self._failed(zmq_errno())
+                return 0
+        self._sent()
+        return 0
+
+    cdef int _queue(self, zmq_msg_t* parts, Py_ssize_t n) except -1:
+        """Keep a message libzmq refused for now as bytes in the outbox (rare: the
+        high-water mark was reached)."""
+        cdef Py_ssize_t i
+        frames = []
+        for i in range(n):
+            frames.append(PyBytes_FromStringAndSize(
+                <char*>zmq_msg_data(&parts[i]), zmq_msg_size(&parts[i])
+            ))
+        close_msgs(parts, n)
+        self._outbox.append(frames)
+        self._flush_outbox()
+        return 0
+
+    cdef _send_frames(self, list frames):
+        if not self._outbox:
+            try:
+                self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as exc:
+                self._failed(exc.errno)
+                return
+            else:
+                self._sent()
+                return
+        self._outbox.append(frames)
+        self._flush_outbox()
+
+    cdef _flush_outbox(self):
+        """Send what libzmq refused, in order, for as long as it takes it."""
+        cdef int events
+        while self._outbox:
+            try:
+                self.socket.send_multipart(self._outbox[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                events = self._events()
+                if events < 0 or not events & ZMQ_POLLOUT:
+                    return  # the reader tries again when the FD says the socket changed
+                continue
+            except zmq.ZMQError as exc:
+                self._failed(exc.errno)
+                return
+            self._outbox.popleft()
+        self._sent()
+
+    cdef int _sent(self) except -1:
+        """After sends made outside the reader: look at the socket once this iteration."""
+        if not self.check_scheduled:
+            self.check_scheduled = True
+            self.loop.call_soon(self._check_callback)
+        return 0
+
+    def _check(self):
+        self.check_scheduled = False
+        self.on_readable()
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def on_readable(self):
+        """The reader callback: drain what is ready, resolve it, send what waited."""
+        cdef int events, status
+        cdef Py_ssize_t received = 0, before
+        ck_pins_sweep()
+        while not self.closed:
+            events = self._events()
+            if events < 0:
+                return
+            if self._outbox and events & ZMQ_POLLOUT:
+                self._flush_outbox()
+            if not events & ZMQ_POLLIN:
+                return
+            before = received
+            while not self.closed and received < _MAX_DRAIN:
+                status = self._receive()
+                if status == 0:
+                    break
+                if status < 0:
+                    self._failed(zmq_errno())
+                    return
+                received += 1
+                try:
+                    self._dispatch()
+                finally:
+                    close_msgs(self.parts, self.n_parts)
+                    self.n_parts = 0
+            if received >= _MAX_DRAIN:
+                self.loop.call_soon(self._readable_callback)  # more may wait: others first
+                return
+            if received == before:
+                return
+
+    cdef int _events(self) except -2:
+        """The socket's ZMQ_EVENTS (which re-arms its FD); -1 after a failure."""
+        cdef int events = 0
+        cdef size_t size = sizeof(events)
+        if zmq_getsockopt(self.sock, ZMQ_EVENTS, &events, &size) != 0:
+            self._failed(zmq_errno())
+            return -1
+        return events
+
+    cdef int _receive(self) except -2:
+        """Every frame of the next message into ``parts``: 1, 0 when none waits, -1 on error."""
+        cdef zmq_msg_t* grown
+        cdef Py_ssize_t i
+        zmq_msg_init(&self.parts[0])
+        if zmq_msg_recv(&self.parts[0], self.sock, ZMQ_DONTWAIT) < 0:
+            zmq_msg_close(&self.parts[0])
+            return 0 if zmq_errno() == EAGAIN else -1
+        self.n_parts = 1
+        while zmq_msg_more(&self.parts[self.n_parts - 1]):
+            if self.n_parts == self.parts_capacity:
+                grown = <zmq_msg_t*>malloc(2 * self.parts_capacity * sizeof(zmq_msg_t))
+                if grown == NULL:
+                    raise MemoryError()
+                for i in range(self.n_parts):
+                    zmq_msg_init(&grown[i])
+                    zmq_msg_move(&grown[i], &self.parts[i])
+                free(self.parts)
+                self.parts = grown
+                self.parts_capacity *= 2
+            zmq_msg_init(&self.parts[self.n_parts])
+            zmq_msg_recv(&self.parts[self.n_parts], self.sock, 0)  # the rest is there
+            self.n_parts += 1
+        return 1
+
+    cdef int _dispatch(self) except -1:
+        cdef const uint8_t* data = <const uint8_t*>zmq_msg_data(&self.parts[0])
+        cdef size_t size = zmq_msg_size(&self.parts[0]), end
+        cdef int64_t header, rid
+        cdef uint32_t length, count, i
+        cdef int status = ck_read_header(data, size, &header, &length, &end)
+        if status != CK_OK:
+            self._malformed(f"malformed metadata frame: {ck_strstatus(status).decode()}")
+            return 0
+        if header == HEADER_ENGINE_REPLY or header == HEADER_ENGINE_REPLY_PARTIAL:
+            status = ck_read_header_int(data, size, &header, &rid)
+            if status != CK_OK or self.n_parts != 2:
+                self._malformed(f"bad {protocol.header_name(header)} layout")
+                return 0
+            self._deliver(rid, &self.parts[1], header == HEADER_ENGINE_REPLY)
+        elif header == HEADER_REPLY_BATCH:
+            status = self._read_replies(data, size, &count)
+            if status != CK_OK:
+                self._malformed(f"malformed REPLY_BATCH: {ck_strstatus(status).decode()}")
+                return 0
+            if count != <uint32_t>(self.n_parts - 1):
+                self._fail_named(count)
+                return 0
+            for i in range(count):
+                self._deliver(self.replies[i].rid, &self.parts[1 + i], self.replies[i].flag)
+        else:
+            self._dispatch_rarely(header)
+        return 0
+
+    cdef int _read_replies(self, const uint8_t* data, size_t size, uint32_t* count) except? -100:
+        cdef int status = ck_read_reply_batch(
+            data, size, self.replies, self.replies_capacity, count
+        )
+        cdef ck_batch_entry* grown
+        if status != CK_TOO_MANY:
+            return status
+        grown = <ck_batch_entry*>malloc(count[0] * sizeof(ck_batch_entry))
+        if grown == NULL:
+            raise MemoryError()
+        free(self.replies)
+        self.replies = grown
+        self.replies_capacity = count[0]
+        return ck_read_reply_batch(data, size, self.replies, self.replies_capacity, count)
+
+    cdef int _deliver(self, int64_t rid, zmq_msg_t* body, bint final) except -1:
+        cdef PyObject* found = self._find(rid)
+        cdef object kind
+        cdef char* data
+        cdef Py_ssize_t size
+        if found == NULL:
+            log.debug("coordkit client: reply for request %s, which is not pending", rid)
+            return 0
+        target = <object>found
+        kind = type(target)
+        if kind is self._stream_type:
+            if final:
+                self._take(rid)
+            raw = target.raw
+        elif not final:
+            return 0  # partials are for streams only
+        else:
+            self._take(rid)
+            raw = kind is self._raw_type
+        data = <char*>zmq_msg_data(body)
+        size = zmq_msg_size(body)
+        if raw:
+            value = PyBytes_FromStringAndSize(data, size)
+        else:
+            view = PyMemoryView_FromMemory(data, size, PyBUF_READ)
+            try:
+                value = _unpackb(view, raw=False, strict_map_key=False)
+            except Exception as exc:  # msgpack raises several unrelated types
+                self.pop(rid)
+                self._fail(target, ProtocolError(f"reply body is not msgpack ({exc!r})", rid))
+                return 0
+            finally:
+                view.release()  # nothing may read the message once it is closed
+        if kind is self._stream_type:
+            target._put(final, value)
+        else:
+            try:
+                _set_result(target, value)
+            except InvalidStateError:
+                pass  # cancelled: its final reply is not wanted
+        return 0
+
+    cdef _fail_named(self, uint32_t count):
+        """A REPLY_BATCH whose bodies do not match its entries: the requests it
+        names fail, rather than wait for replies that will not come."""
+        cdef uint32_t i
+        text = f"REPLY_BATCH: {count} entries but {self.n_parts - 1} payload frames"
+        log.warning("coordkit client: %s", text)
+        for i in range(count):
+            rid = self.replies[i].rid
+            target = self.pop(rid)
+            if target is not None:
+                self._fail(target, ProtocolError(text, rid))
+
+    cdef _dispatch_rarely(self, int64_t header):
+        cdef Py_ssize_t i
+        frames = [
+            PyBytes_FromStringAndSize(
+                <char*>zmq_msg_data(&self.parts[i]), zmq_msg_size(&self.parts[i])
+            )
+            for i in range(self.n_parts)
+        ]
+        try:
+            if header == HEADER_ERROR:
+                error = protocol.ERROR.parse(frames)
+                self._on_error(error.rid, error.code, error.message)
+            elif header == HEADER_STATS_REPLY:
+                self._on_stats(unpackb(protocol.STATS_REPLY.parse(frames).stats))
+            elif header != HEADER_CONNECT_ACK:  # a repeated ACK is harmless
+                raise ProtocolError(f"unexpected header {header!r}")
+        except ProtocolError as exc:
+            self._malformed(str(exc))
+
+    cdef _malformed(self, str detail):
+        log.warning("coordkit client: dropped a malformed message: %s", detail)
+
+    # -- failures and the end ------------------------------------------------------------------
+
+    cdef _failed(self, int err):
+        """The socket failed: nothing more will arrive."""
+        if self.closed:
+            return
+        text = zmq_strerror(err).decode(errors="replace")
+        log.error("coordkit client: socket failed: %s", text)
+        self.closed = True
+        self._on_failure(ConnectionError(f"coordkit client: socket failed: {text}"))
+
+    def fail_all(self, exc):
+        """Fail every pending request (and the coalesced ones, never sent) with ``exc``."""
+        cdef Py_ssize_t i
+        for i in range(1, self.n_frames):
+            zmq_msg_close(&self.frames[i])
+        self.n_frames = 1
+        self.n_open = 0
+        self.open_bytes = 0
+        self.open_entries.len = 0
+        for target in self._clear():
+            self._fail(target, exc)
+
+    cdef _fail(self, target, exc):
+        if type(target) is self._stream_type:
+            target._fail(exc)
+        elif not _future_done(target):
+            target.set_exception(exc)
+
+    def close(self, exc):
+        """No more sends; what libzmq refused gets one more try; pending requests fail."""
+        if self._outbox and not self.closed:
+            self._flush_outbox()
+        self.closed = True
+        self._outbox.clear()
+        self.fail_all(exc)
+        ck_pins_sweep()
+
+    cdef _check_open(self):
+        if self.closed:
+            raise ConnectionError("coordkit client is closed")

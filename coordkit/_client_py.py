@@ -1,0 +1,446 @@
+"""The client core in Python: the reference twin of :mod:`coordkit._client_c`.
+
+:class:`coordkit.Client` is the public face; under it a *core* owns the socket
+I/O, the table of pending requests and the encoding and decoding of frames.
+Both cores put the same frames on the wire and resolve the same futures with
+the same values:
+
+* sends go straight to the socket, non-blocking. Only when libzmq would block
+  (the high-water mark is reached) is the message kept in an outbox, in
+  order, until the socket says POLLOUT;
+* one reader callback on the socket's ``zmq.FD`` drains every message that is
+  ready and resolves the waiting futures in one pass. ZeroMQ's FD is
+  edge-triggered: the reader reads ``zmq.EVENTS`` before it receives (which
+  re-arms the FD), drains until EAGAIN, and every burst of sends made outside
+  the reader is followed, once per event-loop iteration, by another look at
+  the socket, since a send may have consumed the edge of a message that
+  arrived meanwhile;
+* when the coordinator granted batches (CONNECT_ACK ``{"batch": 1}``), the
+  submissions of one event-loop iteration are coalesced into SUBMIT_BATCH
+  messages (a lone one goes as a plain SUBMIT_REQUEST), flushed by a
+  ``loop.call_soon`` callback or before any other message; replies may then
+  come as REPLY_BATCH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+import msgpack
+import zmq
+
+from . import _codec_py, protocol
+from .protocol import Header, ProtocolError, block_hashes, packb, unpackb
+
+__all__ = [
+    "ClientCore",
+    "MAX_BATCH_ENTRIES",
+    "MAX_BATCH_BYTES",
+    "MAX_DRAIN",
+    "encode_prompt",
+    "pack_tokens",
+]
+
+log = logging.getLogger("coordkit.client")
+
+#: Requests in one SUBMIT_BATCH at most; a longer burst goes as several.
+MAX_BATCH_ENTRIES = 1024
+#: Payload bytes (prompts and block hashes) in one SUBMIT_BATCH before it is sent.
+MAX_BATCH_BYTES = 4 << 20
+#: Messages the reader takes in one callback before it lets other callbacks run.
+MAX_DRAIN = 4096
+
+#: Prompts sent as they are: raw bytes, not token ids.
+BYTES_LIKE = (bytes, bytearray, memoryview, zmq.Frame)
+
+_EMPTY_PARAMS = packb({})
+_HEADER_SUBMIT = packb(Header.SUBMIT_REQUEST)
+_HEADER_BATCH = packb(Header.SUBMIT_BATCH)
+# pack and pack_array_header run in C without releasing the GIL: one shared Packer is safe.
+_packer = msgpack.Packer()
+
+# asyncio.Future's own methods, called unbound (a ReplyFuture overrides cancel() only).
+_set_result = asyncio.Future.set_result
+_future_done = asyncio.Future.done
+
+
+def pack_tokens(tokens: Any) -> bytes:
+    """``msgpack.packb`` of the token ids as plain ints.
+
+    A list or tuple is packed as it is; anything else is first turned into a
+    list with ``tolist()`` (numpy arrays, ``array.array``) or ``list()``.
+    """
+    if not isinstance(tokens, (list, tuple)):
+        tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+    return packb(tokens)
+
+
+def encode_prompt(prompt: Any) -> Any:
+    """A prompt's frame: bytes-like as it is, a str or token ids msgpack-packed."""
+    if isinstance(prompt, BYTES_LIKE):
+        return prompt
+    if isinstance(prompt, str):
+        return packb(prompt)
+    return pack_tokens(prompt)
+
+
+def submit_frames(rid: int, params: bytes, frame: Any, hashes: bytes | None) -> list[Any]:
+    """SUBMIT_REQUEST ``[20, rid, params]`` with the params already packed."""
+    metadata = _packer.pack_array_header(3) + _HEADER_SUBMIT + _packer.pack(rid) + params
+    return [metadata, frame] if hashes is None else [metadata, frame, hashes]
+
+
+def submit_batch_frames(requests: list[tuple[int, bytes, Any, bytes | None]]) -> list[Any]:
+    """SUBMIT_BATCH ``[95, [[rid, params, hashed], ...]]``, then each prompt (and its hashes)."""
+    parts = [_packer.pack_array_header(2), _HEADER_BATCH, _packer.pack_array_header(len(requests))]
+    frames: list[Any] = [b""]
+    for rid, params, frame, hashes in requests:
+        parts += [b"\x93", _packer.pack(rid), params, b"\xc2" if hashes is None else b"\xc3"]
+        frames.append(frame)
+        if hashes is not None:
+            frames.append(hashes)
+    frames[0] = b"".join(parts)
+    return frames
+
+
+def _hashes(prompt: Any, block_size: int | None) -> bytes | None:
+    if block_size is None:
+        return None
+    if isinstance(prompt, (str, *BYTES_LIKE)):
+        raise ValueError("block hashes need a prompt of token ids")
+    return block_hashes(prompt, block_size)
+
+
+_SAMPLING = protocol.SUBMIT_REQUEST.metadata_fields[1]
+
+
+def _params(sampling_params: Any) -> bytes:
+    """The params packed, checked as the message spec checks them."""
+    if sampling_params is None:
+        return _EMPTY_PARAMS
+    _SAMPLING.check("SUBMIT_REQUEST", sampling_params)
+    return packb(sampling_params)
+
+
+def _length(frame: Any) -> int:
+    return len(frame.buffer) if isinstance(frame, zmq.Frame) else memoryview(frame).nbytes
+
+
+class ClientCore:
+    """The socket, the pending requests and the frames of one :class:`coordkit.Client`.
+
+    ``socket`` is a connected, acknowledged DEALER (a plain ``zmq.Socket``);
+    ``batch`` says whether the coordinator granted batches. The callbacks take
+    an ERROR's ``(rid or None, code, message)``, a STATS_REPLY's body, and the
+    exception of a socket that failed.
+    """
+
+    implementation = "py"
+
+    def __init__(
+        self,
+        socket: zmq.Socket,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        batch: bool,
+        future_types: tuple[type, type],
+        stream_type: type,
+        on_error: Callable[[int | None, int, str], None],
+        on_stats: Callable[[Any], None],
+        on_failure: Callable[[BaseException], None],
+    ):
+        self.socket = socket
+        self.loop = loop
+        self.batch = batch
+        self.pending: dict[int, Any] = {}
+        self.closed = False
+        self.next_rid = 0
+        self._future_types = future_types  # decoded, raw
+        self._stream_type: Any = stream_type
+        self._on_error = on_error
+        self._on_stats = on_stats
+        self._on_failure = on_failure
+        self._outbox: deque[list[Any]] = deque()  # whole messages libzmq refused, in order
+        self._open: list[tuple[int, bytes, Any, bytes | None]] = []  # submissions to coalesce
+        self._open_bytes = 0
+        self._flush_scheduled = False
+        self._check_scheduled = False
+
+    @property
+    def queued(self) -> int:
+        """Messages libzmq refused for now, waiting in the outbox for POLLOUT."""
+        return len(self._outbox)
+
+    @property
+    def count(self) -> int:
+        """Requests sent (or coalescing) and not yet ended."""
+        return len(self.pending)
+
+    def pop(self, rid: int) -> Any:
+        """The pending request ``rid``, taken out of the table; None when it is not pending."""
+        return self.pending.pop(rid, None)
+
+    # -- requests --------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        block_size: int | None,
+        raw: bool,
+        block_hashes: Any = None,
+    ) -> Any:
+        self._check_open()
+        frame = encode_prompt(prompt)
+        hashes = _hashes(prompt, block_size) if block_size is not None else block_hashes
+        future = self._future(self.next_rid, raw)
+        self._request(future, _params(sampling_params), frame, hashes)
+        return future
+
+    def stream(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        block_size: int | None,
+        raw: bool,
+        block_hashes: Any = None,
+    ) -> Any:
+        self._check_open()
+        frame = encode_prompt(prompt)
+        hashes = _hashes(prompt, block_size) if block_size is not None else block_hashes
+        stream = self._stream_type(self.next_rid, raw)
+        self._request(stream, _params(sampling_params), frame, hashes)
+        return stream
+
+    def submit_many(
+        self, prompts: Iterable[Any], sampling_params: Any, block_size: int | None, raw: bool
+    ) -> list[Any]:
+        """One future per prompt; everything is encoded before anything is sent."""
+        self._check_open()
+        params = _params(sampling_params)
+        encoded = [(encode_prompt(p), _hashes(p, block_size)) for p in prompts]
+        futures = []
+        self.flush()  # what this iteration coalesced so far goes first
+        for frame, hashes in encoded:
+            future = self._future(self.next_rid, raw)
+            futures.append(future)
+            self._request(future, params, frame, hashes, scheduled=False)
+        self.flush()
+        return futures
+
+    def _future(self, rid: int, raw: bool) -> Any:
+        future = self._future_types[raw]()
+        future.request_id = rid
+        return future
+
+    def _request(
+        self, target: Any, params: bytes, frame: Any, hashes: bytes | None, scheduled: bool = True
+    ) -> None:
+        rid = self.next_rid
+        self.next_rid += 1
+        self.pending[rid] = target
+        if not self.batch:
+            self._send_message(submit_frames(rid, params, frame, hashes))
+            return
+        self._open.append((rid, params, frame, hashes))
+        self._open_bytes += _length(frame) + (len(hashes) if hashes is not None else 0)
+        if len(self._open) >= MAX_BATCH_ENTRIES or self._open_bytes >= MAX_BATCH_BYTES:
+            self.flush()
+        elif scheduled and not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send the submissions coalesced so far: one SUBMIT_BATCH, or a SUBMIT for one."""
+        self._flush_scheduled = False
+        requests, self._open, self._open_bytes = self._open, [], 0
+        if len(requests) == 1:
+            self._send_message(submit_frames(*requests[0]))
+        elif requests:
+            self._send_message(submit_batch_frames(requests))
+
+    def abort(self, rid: int) -> bool:
+        """Send ABORT for a pending request; False (nothing sent) when it is not pending."""
+        if self.closed or rid not in self.pending:
+            return False
+        self.send(protocol.ABORT_REQUEST.pack(rid))
+        return True
+
+    def cancelled(self, rid: int) -> None:
+        """A ReplyFuture was cancelled: abort its request at the engine."""
+        self.abort(rid)
+
+    # -- sending -----------------------------------------------------------------------
+
+    def send(self, frames: list[Any]) -> None:
+        """Send one message after the coalesced submissions (control, ABORT, STATS)."""
+        self._check_open()
+        self.flush()
+        self._send_message(frames)
+
+    def _send_message(self, frames: list[Any]) -> None:
+        if not self._outbox:
+            try:
+                self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as exc:
+                self._failed(exc)
+                return
+            else:
+                self._sent()
+                return
+        self._outbox.append(frames)
+        self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        """Send what libzmq refused, in order, for as long as it takes it."""
+        while self._outbox:
+            try:
+                self.socket.send_multipart(self._outbox[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if not self._events() & zmq.POLLOUT:
+                    return  # the reader tries again when the FD says the socket changed
+                continue
+            except zmq.ZMQError as exc:
+                self._failed(exc)
+                return
+            self._outbox.popleft()
+        self._sent()
+
+    def _events(self) -> int:
+        """The socket's ZMQ_EVENTS; reading them re-arms its FD."""
+        return cast(int, self.socket.getsockopt(zmq.EVENTS))
+
+    def _sent(self) -> None:
+        """After sends made outside the reader: look at the socket once this iteration."""
+        if not self._check_scheduled:
+            self._check_scheduled = True
+            self.loop.call_soon(self._check)
+
+    def _check(self) -> None:
+        self._check_scheduled = False
+        self.on_readable()
+
+    # -- receiving ---------------------------------------------------------------------
+
+    def on_readable(self) -> None:
+        """The reader callback: drain what is ready, resolve it, send what waited."""
+        received = 0
+        while not self.closed:
+            try:
+                events = self._events()
+            except zmq.ZMQError as exc:
+                self._failed(exc)
+                return
+            if self._outbox and events & zmq.POLLOUT:
+                self._flush_outbox()
+            if not events & zmq.POLLIN:
+                return
+            before = received
+            while not self.closed and received < MAX_DRAIN:
+                try:
+                    frames = self.socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as exc:
+                    self._failed(exc)
+                    return
+                received += 1
+                try:
+                    self._dispatch(frames)
+                except ProtocolError as exc:
+                    log.warning("coordkit client: dropped a malformed message: %s", exc)
+            if received >= MAX_DRAIN:
+                self.loop.call_soon(self.on_readable)  # more may wait: let others run first
+                return
+            if received == before:
+                return
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        header = _codec_py.read_header(frames[0])[0]
+        if header == Header.ENGINE_REPLY or header == Header.ENGINE_REPLY_PARTIAL:
+            rid = _codec_py.read_header_int(frames[0])[1]
+            if len(frames) != 2:
+                raise ProtocolError(f"{Header(header).name}: expected 2 frames, got {len(frames)}")
+            self._deliver(rid, frames[1], header == Header.ENGINE_REPLY)
+        elif header == Header.REPLY_BATCH:
+            entries = _codec_py.read_reply_batch(frames[0])
+            if len(entries) != len(frames) - 1:
+                self._fail_named(entries, len(frames) - 1)
+                return
+            for (rid, final), body in zip(entries, frames[1:], strict=True):
+                self._deliver(rid, body, final)
+        elif header == Header.ERROR:
+            error = protocol.ERROR.parse(frames)
+            self._on_error(error.rid, error.code, error.message)
+        elif header == Header.STATS_REPLY:
+            self._on_stats(unpackb(protocol.STATS_REPLY.parse(frames).stats))
+        elif header != Header.CONNECT_ACK:  # a repeated ACK is harmless
+            raise ProtocolError(f"unexpected header {header!r}")
+
+    def _fail_named(self, entries: list[tuple[int, bool]], bodies: int) -> None:
+        """A REPLY_BATCH whose bodies do not match its entries: the requests it
+        names fail, rather than wait for replies that will not come."""
+        text = f"REPLY_BATCH: {len(entries)} entries but {bodies} payload frames"
+        log.warning("coordkit client: %s", text)
+        for rid, _ in entries:
+            target = self.pending.pop(rid, None)
+            if target is not None:
+                self._fail(target, ProtocolError(text, rid))
+
+    def _deliver(self, rid: int, body: Any, final: bool) -> None:
+        target = self.pending.pop(rid, None) if final else self.pending.get(rid)
+        if target is None:
+            log.debug("coordkit client: reply for request %s, which is not pending", rid)
+            return
+        stream = type(target) is self._stream_type
+        if not final and not stream:
+            return  # partials are for streams only
+        try:
+            value = body if target.raw else unpackb(body)
+        except Exception as exc:  # msgpack raises several unrelated types
+            self.pending.pop(rid, None)
+            self._fail(target, ProtocolError(f"reply body is not msgpack ({exc!r})", rid))
+            return
+        if stream:
+            target._put(final, value)
+        elif not _future_done(target):  # a cancelled one does not want its final reply
+            _set_result(target, value)
+
+    # -- failures and the end ------------------------------------------------------------
+
+    def _failed(self, exc: BaseException) -> None:
+        """The socket failed: nothing more will arrive."""
+        log.error("coordkit client: socket failed: %r", exc)
+        self.closed = True
+        self._on_failure(ConnectionError(f"coordkit client: socket failed: {exc!r}"))
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every pending request (and the coalesced ones, never sent) with ``exc``."""
+        self._open, self._open_bytes = [], 0
+        pending, self.pending = self.pending, {}
+        for target in pending.values():
+            self._fail(target, exc)
+
+    def _fail(self, target: Any, exc: BaseException) -> None:
+        if type(target) is self._stream_type:
+            target._fail(exc)
+        elif not _future_done(target):
+            target.set_exception(exc)
+
+    def close(self, exc: BaseException) -> None:
+        """No more sends; what libzmq refused gets one more try; pending requests fail."""
+        if self._outbox:
+            self._flush_outbox()
+        self.closed = True
+        self._outbox.clear()
+        self.fail_all(exc)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ConnectionError("coordkit client is closed")

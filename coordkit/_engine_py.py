@@ -1,0 +1,137 @@
+"""The engine core in Python: the reference twin of :mod:`coordkit._engine_c`.
+
+:class:`coordkit.Engine` is the public face; under it a *core* receives what
+the coordinator sent and turns it into events, and sends a step's replies as
+one batched message. Both cores hand out the same events and put the same
+frames on the wire:
+
+* :meth:`EngineCore.poll` waits (or not) for the first message, then drains
+  up to ``MAX_DRAIN`` messages: a SUBMIT_REQUEST (or SUBMIT_REQUEST_WITH_KV)
+  is one :class:`~coordkit.engine.Request`, an ENGINE_SUBMIT_BATCH
+  ``[95, [[rid, sampling_params], ...]]`` with one prompt frame per entry is
+  one Request per entry, in order; ABORT, RELEASE_KV and the control signals
+  are one event each. An ERROR from the coordinator (a reply entry it could
+  not deliver) is logged. A message that does not parse is logged and dropped.
+* :meth:`EngineCore.reply` sends ``[21, [[rid, needs_detokenize], ...]]`` and
+  one body per entry, :meth:`EngineCore.reply_partial` ``[22, [rid, ...]]``
+  likewise; a body that is not bytes-like is msgpack-packed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, cast
+
+import zmq
+
+from . import _codec_py, protocol
+from .engine import Abort, Control, ReleaseKV, Request
+from .protocol import Header, ProtocolError, packb
+
+__all__ = ["EngineCore", "MAX_DRAIN"]
+
+log = logging.getLogger("coordkit.engine")
+
+#: Messages taken per poll, so that a flood cannot starve the step loop.
+MAX_DRAIN = 4096
+
+_BYTES_LIKE = (bytes, bytearray, memoryview, zmq.Frame)
+
+
+def _refused(error: Any) -> None:
+    """An ERROR from the coordinator: a reply entry of ours it could not deliver."""
+    log.warning(
+        "coordkit engine: the coordinator refused %s: %s",
+        "a message" if error.rid is None else f"the reply to request {error.rid}",
+        error.message,
+    )
+
+
+def _body(body: Any) -> Any:
+    return body if isinstance(body, _BYTES_LIKE) else packb(body)
+
+
+class EngineCore:
+    """What arrives, as events, and the replies of a step, as one message each.
+
+    ``socket`` is the engine's registered DEALER. ``pending`` counts the
+    requests received and not yet answered with a final reply.
+    """
+
+    implementation = "py"
+
+    def __init__(self, socket: zmq.Socket):
+        self.socket = socket
+        self.pending = 0
+
+    def poll(self, wait_ms: int) -> list[Any]:
+        """Wait up to ``wait_ms`` for a message (0: do not wait), then take what is queued."""
+        if wait_ms > 0 and not self.socket.poll(wait_ms, zmq.POLLIN):
+            return []
+        events: list[Any] = []
+        for _ in range(MAX_DRAIN):
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                self._parse(frames, events)
+            except ProtocolError as exc:
+                log.warning("coordkit engine: dropped a malformed message: %s", exc)
+        return events
+
+    def _parse(self, frames: list[zmq.Frame], events: list[Any]) -> None:
+        header = _codec_py.read_header(frames[0].buffer)[0]  # as the C twin reads it
+        if header == Header.SUBMIT_BATCH:
+            entries, prompts = protocol.ENGINE_SUBMIT_BATCH.parse(frames)
+            for (rid, sampling_params), prompt in zip(entries, prompts, strict=True):
+                events.append(Request(rid, sampling_params, cast(zmq.Frame, prompt)))
+            self.pending += len(entries)
+        elif header == Header.SUBMIT_REQUEST:
+            submit = protocol.SUBMIT_REQUEST.parse(frames)
+            events.append(Request(submit.rid, submit.sampling_params, submit.prompt))
+            self.pending += 1
+        elif header == Header.SUBMIT_REQUEST_WITH_KV:
+            submit = protocol.SUBMIT_REQUEST_WITH_KV.parse(frames)
+            events.append(
+                Request(
+                    submit.rid,
+                    submit.sampling_params,
+                    submit.prompt,
+                    submit.kv_meta,
+                    submit.src_block_ids,
+                )
+            )
+            self.pending += 1
+        elif header == Header.ABORT_REQUEST:
+            events.append(Abort(protocol.ABORT_REQUEST.parse(frames).rid))
+        elif header == Header.RELEASE_KV:
+            events.append(ReleaseKV(protocol.RELEASE_KV.parse(frames).rid))
+        elif header in protocol.CONTROL:
+            message = protocol.CONTROL[header].parse(frames)
+            events.append(Control(Header(header), getattr(message, "epoch", None)))
+        elif header == Header.ERROR:
+            _refused(protocol.ERROR.parse(frames))
+        else:
+            raise ProtocolError(f"unexpected header {header!r}")
+
+    def reply(self, finished: Iterable[Any]) -> None:
+        """Send the final replies of one step as ONE batched ENGINE_REPLY."""
+        entries, bodies = [], []
+        for rid, body, *detokenize in finished:
+            entries.append([rid, bool(detokenize and detokenize[0])])
+            bodies.append(_body(body))
+        if entries:
+            self.socket.send_multipart(protocol.ENGINE_REPLY.pack(entries, bodies), copy=False)
+            self.pending = max(self.pending - len(entries), 0)
+
+    def reply_partial(self, partial: Iterable[Any]) -> None:
+        """Send the partial replies of one step as ONE batched ENGINE_REPLY_PARTIAL."""
+        entries, bodies = [], []
+        for rid, body in partial:
+            entries.append(rid)
+            bodies.append(_body(body))
+        if entries:
+            frames = protocol.ENGINE_REPLY_PARTIAL.pack(entries, bodies)
+            self.socket.send_multipart(frames, copy=False)
