@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from coordkit._routing_py import POLICIES
+from coordkit._shared import DIALECTS
 
 from . import endpoints, report
 from .session import Failure, Session
@@ -168,6 +169,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, metavar="N", help="default 5, --quick 1")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
     parser.add_argument("--policy", choices=POLICIES, default="least_loaded", help="c and py")
+    parser.add_argument(
+        "--dialect",
+        choices=DIALECTS,
+        default="multipart",
+        help="the format every variant's load speaks: megatron-core is Megatron-Core "
+        "0.19's single frame per message (mono speaks it in either)",
+    )
     parser.add_argument(
         "--inflight",
         type=int,

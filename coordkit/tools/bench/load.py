@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from coordkit.protocol import block_hashes, packb
+from coordkit.protocol import block_hashes, packb, unpackb
 
 from .workload import (
     BATCH,
@@ -55,20 +55,22 @@ def _rid(metadata: memoryview) -> int:
     return unpacker.unpack()
 
 
-def _submitter(variant: str, tokens: int, prefix: bool) -> Callable[[int], list[Any]]:
+def _submitter(single_frame: bool, tokens: int, prefix: bool) -> Callable[[int], list[Any]]:
     """The frames of request ``rid``: everything but the id is built once."""
     prompt = prompt_tokens(tokens)
     sampling = packb(SAMPLING)
-    if variant == "mono":
+    if single_frame:  # Megatron-Core 0.19's [20, rid, prompt, sampling_params]
         whole = packb(prompt) + sampling
         return lambda rid: [_array_head(4, SUBMIT) + packb(rid) + whole]
     payload = [zmq.Frame(packb(prompt))]  # sent as a reference each time, not copied
-    if prefix and variant != "floor":
+    if prefix:
         payload.append(zmq.Frame(block_hashes(prompt, BLOCK_SIZE)))
     return lambda rid: [_array_head(3, SUBMIT) + packb(rid) + sampling, *payload]
 
 
-def client_child(conn: Connection, variant: str, address: str, prefix: bool, held: Any) -> None:
+def client_child(
+    conn: Connection, variant: str, single_frame: bool, address: str, prefix: bool, held: Any
+) -> None:
     context = zmq.Context()
     try:
         sock = context.socket(zmq.DEALER)
@@ -86,7 +88,7 @@ def client_child(conn: Connection, variant: str, address: str, prefix: bool, hel
             if command[0] == "stop":
                 return
             mode, tokens, n, warmup, window = command
-            submit = _submitter(variant, tokens, prefix)
+            submit = _submitter(single_frame, tokens, prefix and variant != "floor")
             _round_trips(sock, submit, rid, warmup, window)
             rid += warmup
             conn.send(("warm",))
@@ -142,7 +144,12 @@ def _fill(
 
 
 def engine_child(
-    conn: Connection, variant: str, address: str, hold_after: int | None, held: Any
+    conn: Connection,
+    variant: str,
+    single_frame: bool,
+    address: str,
+    hold_after: int | None,
+    held: Any,
 ) -> None:
     context = zmq.Context()
     try:
@@ -156,13 +163,18 @@ def engine_child(
                 sock.send(b"")
             socks.append(sock)
         conn.send(("ready",))
-        _serve_engine(conn, variant, socks, hold_after, held)
+        _serve_engine(conn, variant, single_frame, socks, hold_after, held)
     finally:
         context.destroy(linger=0)
 
 
 def _serve_engine(
-    conn: Connection, variant: str, socks: list[zmq.Socket], hold_after: int | None, held: Any
+    conn: Connection,
+    variant: str,
+    single_frame: bool,
+    socks: list[zmq.Socket],
+    hold_after: int | None,
+    held: Any,
 ) -> None:
     """Answer requests in batches of BATCH per rank; after ``hold_after`` requests, hold them.
 
@@ -170,6 +182,9 @@ def _serve_engine(
     messages; what is left goes out short once no request came for a while.
     """
     body = reply_body()
+    # Megatron-Core 0.19's finished request: the body's map with its "request_id" first.
+    assert body[0] == 0x80 | (len(unpackb(body)) & 0x0F)  # a fixmap, one more key fits
+    with_id_head, with_id_rest = bytes([body[0] + 1]) + packb("request_id"), body[1:]
     received = answered = messages = 0
     pending: dict[zmq.Socket, list[int]] = {sock: [] for sock in socks}
     poller = zmq.Poller()
@@ -180,8 +195,8 @@ def _serve_engine(
     def reply(sock: zmq.Socket) -> None:
         nonlocal answered, messages
         rids, pending[sock] = pending[sock], []
-        if variant == "mono":  # [21, [[rid, reply_map], ...]], one whole message
-            entries = b"".join(_fixarray(2) + packb(rid) + body for rid in rids)
+        if single_frame:  # [21, [finished_request, ...]], one whole message
+            entries = b"".join(with_id_head + packb(rid) + with_id_rest for rid in rids)
             sock.send(_array_head(2, REPLY) + _fixarray(len(rids)) + entries)
         else:
             metadata = packb([REPLY, [[rid, False] for rid in rids]])
@@ -211,7 +226,11 @@ def _serve_engine(
                     held.value += 1
                 elif variant == "floor":  # echo the client's envelope; a proxy cannot batch
                     rid = _rid(frames[1].buffer)
-                    item.send_multipart([frames[0], packb([REPLY, rid]), body], copy=False)
+                    if single_frame:
+                        reply_frames = [frames[0], _array_head(3, REPLY) + packb(rid) + body]
+                    else:
+                        reply_frames = [frames[0], packb([REPLY, rid]), body]
+                    item.send_multipart(reply_frames, copy=False)
                     answered += 1
                     messages += 1
                 else:

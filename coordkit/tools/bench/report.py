@@ -60,7 +60,8 @@ def print_cpu(args: argparse.Namespace, summary: dict[int, dict[str, dict[str, f
     transport = "tcp://127.0.0.1" if args.transport == "tcp" else "ipc://"
     print(
         f"\ncoordinator CPU per request, median of {args.repeat} "
-        f"({transport}, policy {args.policy}, {RANKS} engine ranks, window {args.window})"
+        f"({transport}, {args.dialect} dialect, policy {args.policy}, {RANKS} engine ranks, "
+        f"window {args.window})"
     )
     print(
         f"{'tokens':>6}  {'variant':<7} {'µs/req':>8} {'user':>8} {'sys':>8} "
@@ -181,6 +182,7 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         "repeat": args.repeat,
         "variants": list(args.variants),
         "policy": args.policy,
+        "dialect": args.dialect,
         "window": args.window,
         "ranks": RANKS,
         "reply_batch_max": BATCH,

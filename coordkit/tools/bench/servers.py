@@ -153,9 +153,12 @@ class _Floor:
 class _Mono:
     """The design before the split: a Python loop that unpacks and repacks whole messages.
 
-    Clients send ``[20, rid, prompt_tokens, sampling_params]`` as one msgpack
-    message; engines reply ``[21, [[rid, reply_map], ...]]``. Ids are
-    translated, engines taken round robin.
+    Megatron-Core 0.19's coordinator, in the layouts of its single-frame
+    dialect: clients send ``[20, rid, prompt_tokens, sampling_params]`` as one
+    msgpack message; engines reply ``[21, [finished_request, ...]]``, each a
+    map whose ``"request_id"`` is the server id; a client gets
+    ``[21, rid, finished_request]``. Ids are translated, engines taken round
+    robin.
     """
 
     def __init__(self, context: zmq.Context, endpoint: str):
@@ -192,8 +195,8 @@ class _Mono:
                     sock.send_multipart([rank, packb([SUBMIT, next_rid, prompt, sampling])])
                     next_rid += 1
                 elif decoded[0] == REPLY:
-                    for server_rid, reply in decoded[1]:
-                        client, rid = requests.pop(server_rid)
+                    for reply in decoded[1]:
+                        client, rid = requests.pop(reply["request_id"])
                         sock.send_multipart([client, packb([REPLY, rid, reply])])
                 elif decoded[0] == CONNECT:
                     sock.send_multipart([identity, packb([CONNECT_ACK])])

@@ -151,23 +151,23 @@ class Session(Processes):
                 endpoints = ["tcp://127.0.0.1:*"] * 2  # the ports are read back once bound
             else:
                 endpoints = [f"ipc://{directory}/{variant}-{side}" for side in ("front", "back")]
+            options = dict(coordinator_options or {})
+            # mono is Megatron-Core 0.19's design: its load speaks that format in any dialect.
+            single_frame = variant == "mono" or args.dialect == "megatron-core"
+            if args.dialect == "megatron-core" and variant in ("c", "py"):
+                options["dialect"] = args.dialect
             self.coordinator = self._start(
-                "coordinator",
-                coordinator_child,
-                variant,
-                endpoints,
-                args.policy,
-                coordinator_options or {},
+                "coordinator", coordinator_child, variant, endpoints, args.policy, options
             )
             _, client_address, engine_address = self._receive(self.coordinator)
             self.engine = self._start(
-                "engine", engine_child, variant, engine_address, hold_after, self.held
+                "engine", engine_child, variant, single_frame, engine_address, hold_after, self.held
             )
             self._receive(self.engine)
             self._wait_for_engines()
             prefix = args.policy == "prefix"
             self.client = self._start(
-                "client", client_child, variant, client_address, prefix, self.held
+                "client", client_child, variant, single_frame, client_address, prefix, self.held
             )
             self._receive(self.client)
         except BaseException:
