@@ -460,6 +460,7 @@ cdef class Loop:
             failed=list(self.failed),
             refused=list(self.refused),
             latency=latency,
+            prefix=self.router.prefix_counts,
         )
 
     # -- the hot path (no GIL) -----------------------------------------------------------

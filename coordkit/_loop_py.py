@@ -265,6 +265,7 @@ class Loop:
             failed=list(self._failed),
             refused=list(self._refused),
             latency=latency,
+            prefix=self._router.prefix_counts,
         )
 
     # -- the hot path --------------------------------------------------------------------

@@ -52,6 +52,12 @@ cdef class Router:
         int64_t decode_blocks  # prefix_decode_tokens in blocks
         uint64_t block_size
 
+        # The prefix policy's decisions with block hashes, their blocks, and the
+        # blocks the chosen rank had cached: the metrics read them.
+        uint64_t prefix_decisions
+        uint64_t prefix_blocks
+        uint64_t prefix_matched_blocks
+
         # The prefix table: allocated for the prefix policy only, NULL otherwise.
         double prefix_ttl
         uint32_t max_entries
@@ -82,6 +88,7 @@ cdef class Router:
     cdef int _power_of_two(self) noexcept nogil
     cdef int _prefix(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil
     cdef int _match(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil
+    cdef void _count_prefix(self, size_t n_hashes, int64_t matched) noexcept nogil
     cdef void _record(self, const uint8_t* hashes, size_t n_hashes, int rank,
                       double now) noexcept nogil
     cdef uint32_t _insert(self, uint64_t h) noexcept nogil

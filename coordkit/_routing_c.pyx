@@ -172,6 +172,12 @@ cdef class Router:
         """Entries in the prefix table, expired ones included until purged."""
         return self.n_entries
 
+    @property
+    def prefix_counts(self) -> tuple[int, int, int]:
+        """Prefix decisions with block hashes, their blocks, and the blocks the
+        chosen rank had cached."""
+        return self.prefix_decisions, self.prefix_blocks, self.prefix_matched_blocks
+
     # ``charged`` (readonly, declared in the .pxd): the work units the last
     # choose charged to its rank (0 if it returned -1).
 
@@ -394,7 +400,9 @@ cdef class Router:
         cdef const int64_t* work = self.work_units
         cdef int64_t limit = self.pending_limit, least = 0, p, q, new
         cdef int64_t cost, best_cost = 0, best_new = 0, least_work = 0, c_pending = 0
+        cdef int64_t depth = 0  # the chosen rank's matched blocks
         cdef uint64_t word, bits, eligible = 0
+        cdef bint c_matched
         if n == 0:
             return -1
         start = self.cursor % n
@@ -431,6 +439,7 @@ cdef class Router:
             # strictly below that, no other rank can win, nor tie.
             if best_cost < self.weight * self.new_blocks:
                 self.new_blocks = best_new
+                self._count_prefix(n_hashes, self.depth[rank])
                 self._record(hashes, n_hashes, rank, now)
                 return rank
         # Otherwise the winner is the best matched rank or the first eligible rank in
@@ -455,7 +464,10 @@ cdef class Router:
                     least_work = q
                     c_pending = p
         new = self.new_blocks
-        if rank >= 0 and self.matched[c >> 6] >> (c & 63) & 1:
+        c_matched = rank >= 0 and self.matched[c >> 6] >> (c & 63) & 1
+        if rank >= 0:  # the best matched rank, until c beats it
+            depth = self.depth[rank]
+        if c_matched:
             new = min(size - self.depth[c], <int64_t>MAX_BLOCKS)
         cost = self.weight * new + WEIGHT_SCALE * least_work
         pos = c - start if c >= start else c - start + n
@@ -464,10 +476,17 @@ cdef class Router:
                                            or (c_pending == least and pos < best_pos)))):
             rank = c
             best_new = new
+            depth = self.depth[c] if c_matched else 0
         self.new_blocks = best_new
         if n_hashes:
+            self._count_prefix(n_hashes, depth)
             self._record(hashes, n_hashes, rank, now)
         return rank
+
+    cdef void _count_prefix(self, size_t n_hashes, int64_t matched) noexcept nogil:
+        self.prefix_decisions += 1
+        self.prefix_blocks += n_hashes
+        self.prefix_matched_blocks += <uint64_t>matched
 
     cdef int _match(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
         """Narrow ``running`` along the chain and return the deepest match.

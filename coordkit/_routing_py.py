@@ -194,6 +194,7 @@ class Router:
         "_weight",
         "_decode_blocks",
         "_block_size",
+        "_prefix_counts",
         "_ttl",
         "_max_entries",
         "_accepting",
@@ -247,6 +248,7 @@ class Router:
         self._pending = [0] * max_ranks
         self._work = [0] * max_ranks
         self._charged = 0
+        self._prefix_counts = [0, 0, 0]  # decisions with hashes, their blocks, blocks matched
         self._n_ranks = 0
         self._cursor = 0  # in [0, n_ranks)
         self._members: list[int] = []
@@ -267,6 +269,13 @@ class Router:
     def prefix_len(self) -> int:
         """Entries in the prefix table, expired ones included until purged."""
         return len(self._table)
+
+    @property
+    def prefix_counts(self) -> tuple[int, int, int]:
+        """Prefix decisions with block hashes, their blocks, and the blocks the
+        chosen rank had cached."""
+        decisions, blocks, matched = self._prefix_counts
+        return decisions, blocks, matched
 
     @property
     def charged(self) -> int:
@@ -438,6 +447,10 @@ class Router:
                 rank, best_new, best_key = r, new, key
         self._cursor = (start + 1) % n
         if m:
+            counts = self._prefix_counts
+            counts[0] += 1
+            counts[1] += m
+            counts[2] += depth[rank] if depth is not None else 0
             self._record(hashes, rank, now)
         return rank, best_new
 

@@ -247,12 +247,15 @@ def metrics_map(
     failed: list[int],
     refused: list[int],
     latency: dict[str, tuple[list[int], float]] | None,
+    prefix: tuple[int, int, int],
 ) -> dict[str, Any]:
     """What ``Coordinator.metrics()`` gives beyond stats(): ``traffic`` is
     (direction 0 in / 1 out, header slot, messages, bytes) for every slot used;
     ``failed``/``refused`` count per ErrorCode; ``latency`` (when measured)
     maps "final" and "first_reply" to (count per bucket of LATENCY_BUCKETS and
-    one more for the rest, the sum of the seconds)."""
+    one more for the rest, the sum of the seconds); ``prefix`` is the prefix
+    policy's (decisions with block hashes, their blocks, blocks matched)."""
+    decisions, blocks, matched = prefix
     return {
         "traffic": [
             {
@@ -273,6 +276,7 @@ def metrics_map(
             for name, (buckets, total) in latency.items()
         },
         "latency_bounds": list(LATENCY_BUCKETS),
+        "prefix": {"decisions": decisions, "blocks": blocks, "matched_blocks": matched},
     }
 
 

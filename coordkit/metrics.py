@@ -95,6 +95,22 @@ class CoordinatorCollector:
             value=counters["rerouted"],
         )
 
+        prefix = metrics["prefix"]
+        yield CounterMetricFamily(
+            _PREFIX + "prefix_routing_decisions",
+            "Requests the prefix policy routed by their block hashes.",
+            value=prefix["decisions"],
+        )
+        blocks = CounterMetricFamily(
+            _PREFIX + "prefix_routing_blocks",
+            "Block hashes of those requests (hashed), and those the chosen engine had "
+            "cached (matched).",
+            labels=["kind"],
+        )
+        blocks.add_metric(["hashed"], prefix["blocks"])
+        blocks.add_metric(["matched"], prefix["matched_blocks"])
+        yield blocks
+
         inflight = GaugeMetricFamily(_PREFIX + "requests_in_flight", "Requests in flight.")
         inflight.add_metric([], stats["inflight"])
         yield inflight

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import struct
 import subprocess
 import time
 import urllib.request
@@ -45,6 +46,8 @@ METRIC_NAMES = [
     "coordkit_message_bytes_total",
     "coordkit_request_duration_seconds",
     "coordkit_time_to_first_reply_seconds",
+    "coordkit_prefix_routing_decisions_total",
+    "coordkit_prefix_routing_blocks_total",
 ]
 
 
@@ -104,6 +107,28 @@ def test_a_scrape_after_known_traffic_gives_exact_counts(make_cluster):
     assert 0 < got["coordkit_request_duration_seconds_sum"] < 60
     for name in METRIC_NAMES:
         assert any(key.split("{")[0].startswith(name) for key in got), name
+
+
+def test_prefix_decisions_and_matched_blocks(make_cluster):
+    hashes = [struct.pack("<4Q", 1, 2, 3, 4), struct.pack("<4Q", 1, 2, 3, 4)]
+    hashes.append(struct.pack("<4Q", 1, 2, 7, 8))  # shares two blocks with the others
+    with make_cluster(n_engines=2, policy="prefix", metrics_port=0) as c:
+        client = c.client(coordkit=True)
+        poller = zmq.Poller()
+        for engine in c.engines:
+            poller.register(engine.sock, zmq.POLLIN)
+        for rid, frame in enumerate(hashes):  # one at a time: each engine idle again
+            client.send(m([SUBMIT, rid, {}]), b"prompt", frame)
+            ready = dict(poller.poll(5000))
+            engine = next(e for e in c.engines if e.sock in ready)
+            sid = um(engine.recv()[0])[1]
+            engine.send(m([REPLY, [[sid, False]]]), b"done")
+            assert um(client.recv()[0])[1] == rid
+        client.send(m([SUBMIT, 3, {}]), b"no hashes")  # routed by load: not counted
+        got = samples(scrape(c.coord))
+    assert got["coordkit_prefix_routing_decisions_total"] == 3
+    assert got['coordkit_prefix_routing_blocks_total{kind="hashed"}'] == 12
+    assert got['coordkit_prefix_routing_blocks_total{kind="matched"}'] == 4 + 2
 
 
 def test_the_same_metrics_from_both_implementations(c_impl, py_impl, tmp_path):

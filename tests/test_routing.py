@@ -479,6 +479,7 @@ def run_trace(c_router, py_router, seed: int, max_ranks: int, steps: int) -> Non
             rank = py_router.choose(hashes, now, tokens)
             assert c_router.choose(hashes, now, tokens) == rank, f"step {step}"
             assert c_router.charged == py_router.charged, f"step {step}"
+            assert c_router.prefix_counts == py_router.prefix_counts, f"step {step}"
             if rank >= 0:
                 outstanding.append((rank, py_router.charged))
         elif x < 0.9:

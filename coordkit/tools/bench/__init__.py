@@ -6,9 +6,14 @@ process (``RANKS`` engine sockets) as lean raw-pyzmq load generators:
 * ``floor`` -- libzmq's ``zmq.proxy`` between a ROUTER (clients) and a DEALER
   (engines) carrying the same frames; no decoding, no state: this machine's limit;
 * ``c`` / ``py`` -- the Cython and the reference coordinator, on the
-  multipart protocol (:mod:`coordkit.protocol`);
-* ``mono`` -- the design before the split: one msgpack message per request,
-  unpacked and repacked whole by a Python loop (:class:`.servers._Mono`).
+  multipart protocol (:mod:`coordkit.protocol`); ``c-metrics`` -- ``c``
+  serving Prometheus metrics, its latency histograms kept;
+* ``mono`` -- the design before the split, Megatron-Core 0.19's: one msgpack
+  message per request, unpacked and repacked whole by a Python loop
+  (:class:`.servers._Mono`).
+
+``--dialect megatron-core`` makes every variant's load speak 0.19's single
+frames (``c``, ``py`` serving them with ``dialect="megatron-core"``).
 
 For each prompt length the client first warms the path up, then the bench
 reads the coordinator's ``getrusage`` (user and sys, all its threads,
@@ -47,9 +52,9 @@ from coordkit._shared import DIALECTS
 
 from . import endpoints, report
 from .session import Failure, Session
-from .workload import LENGTHS, VARIANTS, requests_at
+from .workload import IMPLEMENTATIONS, LENGTHS, VARIANTS, requests_at
 
-__all__ = ["main", "VARIANTS", "LENGTHS"]
+__all__ = ["main", "VARIANTS", "LENGTHS", "IMPLEMENTATIONS"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -79,11 +79,15 @@ def print_cpu(args: argparse.Namespace, summary: dict[int, dict[str, dict[str, f
                 f"{p['sys_us']:8.2f} {above:>8} {p['requests_per_s']:8.0f} "
                 f"{p['reply_batch']:6.2f}"
             )
-    print(f"\n{'tokens':>6}  {'c/floor':>8} {'py/c':>8} {'py/c user':>10} {'mono/c':>8}")
+    print(
+        f"\n{'tokens':>6}  {'c/floor':>8} {'py/c':>8} {'py/c user':>10} {'mono/c':>8} "
+        f"{'c-metrics/c':>12}"
+    )
     for tokens, point in summary.items():
         print(
             f"{tokens:>6}  {_ratio(point, 'c', 'floor'):>8} {_ratio(point, 'py', 'c'):>8} "
-            f"{_ratio(point, 'py', 'c', 'user_us'):>10} {_ratio(point, 'mono', 'c'):>8}"
+            f"{_ratio(point, 'py', 'c', 'user_us'):>10} {_ratio(point, 'mono', 'c'):>8} "
+            f"{_ratio(point, 'c-metrics', 'c'):>12}"
         )
 
 

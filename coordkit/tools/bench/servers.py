@@ -19,7 +19,7 @@ import zmq
 import coordkit
 from coordkit.protocol import packb, unpackb
 
-from .workload import CONNECT, CONNECT_ACK, RANKS, REPLY, SUBMIT
+from .workload import CONNECT, CONNECT_ACK, IMPLEMENTATIONS, RANKS, REPLY, SUBMIT
 
 
 def _usage() -> dict[str, float]:
@@ -109,7 +109,11 @@ class _Coordkit:
         options: dict[str, Any],
     ):
         self.coord = coordkit.Coordinator(
-            endpoint, implementation=variant, policy=policy, context=context, **options
+            endpoint,
+            implementation=IMPLEMENTATIONS[variant],
+            policy=policy,
+            context=context,
+            **options,
         )
         self.client_address = self.engine_address = self.coord.address
 

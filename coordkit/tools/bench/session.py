@@ -21,7 +21,7 @@ from typing import Any
 
 from .load import client_child, engine_child
 from .servers import coordinator_child
-from .workload import MEMORY_PROMPT_TOKENS, RANKS, TIMEOUT
+from .workload import IMPLEMENTATIONS, MEMORY_PROMPT_TOKENS, RANKS, TIMEOUT
 
 _STOP_TIMEOUT = 10.0  # seconds the coordinator gets to exit before it is terminated
 _GRACE = 2.0  # the same for a load generator, and for any process after SIGTERM
@@ -154,8 +154,10 @@ class Session(Processes):
             options = dict(coordinator_options or {})
             # mono is Megatron-Core 0.19's design: its load speaks that format in any dialect.
             single_frame = variant == "mono" or args.dialect == "megatron-core"
-            if args.dialect == "megatron-core" and variant in ("c", "py"):
+            if args.dialect == "megatron-core" and variant in IMPLEMENTATIONS:
                 options["dialect"] = args.dialect
+            if variant == "c-metrics":  # served on a free port, the latency histograms kept
+                options["metrics_port"] = 0
             self.coordinator = self._start(
                 "coordinator", coordinator_child, variant, endpoints, args.policy, options
             )

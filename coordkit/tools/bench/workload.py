@@ -12,7 +12,9 @@ import random
 
 from coordkit.protocol import Header, packb
 
-VARIANTS = ("floor", "c", "py", "mono")
+VARIANTS = ("floor", "c", "c-metrics", "py", "mono")
+#: The coordkit variants, and the implementation each runs on.
+IMPLEMENTATIONS = {"c": "c", "c-metrics": "c", "py": "py"}
 LENGTHS = (16, 256, 2000, 8000, 32000)
 RANKS = 2  # engine sockets in the one engine process
 BATCH = 8  # finished requests per ENGINE_REPLY, at most
