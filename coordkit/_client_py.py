@@ -134,7 +134,8 @@ class ClientCore:
     """The socket, the pending requests and the frames of one :class:`coordkit.Client`.
 
     ``socket`` is a connected, acknowledged DEALER (a plain ``zmq.Socket``);
-    ``batch`` says whether the coordinator granted batches. The callbacks take
+    ``batch`` says whether the coordinator granted batches (the client sets it
+    again after a reconnection). The callbacks take
     an ERROR's ``(rid or None, code, message)``, a STATS_REPLY's body, and the
     exception of a socket that failed.
     """
