@@ -1184,8 +1184,10 @@ cdef class ClientCore:
         self._on_failure(ConnectionError(f"coordkit client: socket failed: {text}"))
 
     def fail_all(self, exc):
-        """Fail every pending request (and the coalesced ones, never sent) with ``exc``."""
+        """Fail every pending request with ``exc``; drop what was not sent yet (the
+        coalesced requests, the outbox), lest it reach a coordinator that never knew them."""
         cdef Py_ssize_t i
+        self._outbox.clear()
         for i in range(1, self.n_frames):
             zmq_msg_close(&self.frames[i])
         self.n_frames = 1

@@ -422,7 +422,9 @@ class ClientCore:
         self._on_failure(ConnectionError(f"coordkit client: socket failed: {exc!r}"))
 
     def fail_all(self, exc: BaseException) -> None:
-        """Fail every pending request (and the coalesced ones, never sent) with ``exc``."""
+        """Fail every pending request with ``exc``; drop what was not sent yet (the
+        coalesced requests, the outbox), lest it reach a coordinator that never knew them."""
+        self._outbox.clear()
         self._open, self._open_bytes = [], 0
         pending, self.pending = self.pending, {}
         for target in pending.values():

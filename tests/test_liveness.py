@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from coordkit import Client
+from coordkit import Client, CoordinatorError, ErrorCode
 from coordkit.curve import keygen
 from coordkit.engine import Engine
 from coordkit.tools.fake_engine import FakeEngine
@@ -145,7 +145,7 @@ def test_a_restarted_coordinator_serves_the_same_client_and_engine(tmp_path, imp
     run(body(), timeout=90)
 
 
-def test_a_frozen_coordinator_is_noticed_by_the_heartbeats(tmp_path, impl):
+def test_a_frozen_coordinator_is_noticed_by_the_heartbeats_and_found_again(tmp_path, impl):
     address = free_tcp_address()
 
     async def body():
@@ -160,6 +160,22 @@ def test_a_frozen_coordinator_is_noticed_by_the_heartbeats(tmp_path, impl):
                 await client.wait_for_engines(1)
                 # SIGSTOP closes nothing: only the heartbeats can tell.
                 await lose_the_coordinator(client, frozen, signal.SIGSTOP)
+                # Back, as after a network blip: the same coordinator, new connections.
+                frozen.send_signal(signal.SIGCONT)
+                await until(lambda: client.connected, 10)
+                # A SUBMIT sent before the engine's new connection is attached finds it
+                # unreachable (NO_ENGINES); once it registered again, it serves.
+                deadline = time.monotonic() + 10
+                while True:
+                    try:
+                        reply = await asyncio.wait_for(
+                            client.submit([7, 8], {"output_tokens": 2}), 10
+                        )
+                        break
+                    except CoordinatorError as exc:
+                        assert exc.code == ErrorCode.NO_ENGINES and time.monotonic() < deadline
+                        await asyncio.sleep(0.1)
+                assert reply["status"] == "finished"
 
     run(body(), timeout=60)
 
