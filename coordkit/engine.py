@@ -118,7 +118,7 @@ class Engine:
     whose connection closed is at once. libzmq reconnects by itself; on the
     new connection :meth:`poll` registers the engine again (the empty frame
     and ENGINE_HELLO, same identity), within 0.1 s of the handshake or at the
-    next poll. ``connected`` says whether the connection is up. With CURVE,
+    next poll. ``connected`` is False from a lost connection until then. With CURVE,
     ``curve_server_key`` (the coordinator's public key: its ``.key`` file or
     z85 bytes) and ``curve_keys`` (the engine's own pair: its
     ``.key_secret`` file or ``(public, secret)`` z85 bytes) are given both.

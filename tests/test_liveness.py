@@ -181,8 +181,15 @@ def test_a_frozen_coordinator_is_noticed_by_the_heartbeats_and_found_again(tmp_p
 
 
 def test_coordinator_timeout_must_be_positive(tmp_path, impl):
+    address = f"ipc://{tmp_path}/x.sock"
     with pytest.raises(ValueError, match="coordinator_timeout"):
-        Engine(f"ipc://{tmp_path}/x.sock", coordinator_timeout=0, implementation=impl.name)
+        Engine(address, coordinator_timeout=0, implementation=impl.name)
+
+    async def body():
+        with pytest.raises(ValueError, match="coordinator_timeout"):
+            await Client.connect(address, coordinator_timeout=-1, implementation=impl.name)
+
+    run(body())
 
 
 # -- CURVE ----------------------------------------------------------------------------------
