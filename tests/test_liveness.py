@@ -27,7 +27,7 @@ from coordkit.curve import keygen
 from coordkit.engine import Engine
 from coordkit.tools.fake_engine import FakeEngine
 from tests.support.peers import wait_for
-from tests.support.processes import coordkit_command, python_env
+from tests.support.processes import coordkit_command, engine_processes, python_env
 from tests.support.scripted import run
 
 #: The coordinator_timeout of these tests' endpoints, and the slack allowed on top of it.
@@ -255,6 +255,19 @@ def test_curve_endpoints(make_cluster, keys, impl):
 
     with make_cluster(transport="tcp", **options) as c:
         run(body(c.coord.address, c.coord), timeout=60)
+
+
+def test_a_fake_engine_process_with_keys(make_cluster, keys):
+    options = {
+        "curve_secret_key": keys / "server" / "coordinator.key_secret",
+        "curve_authorized_keys": keys / "admitted",
+    }
+    with make_cluster(transport="tcp", **options) as c:
+        curve = ["--curve-server-key", str(keys / "server" / "coordinator.key")]
+        curve += ["--curve-keys", str(keys / "admitted" / "engine.key_secret")]
+        with engine_processes(c.coord.address, 1, "--coordinator-timeout", "1", *curve):
+            wait_for(lambda: len(c.coord.stats()["engines"]) == 1, 30)
+        assert c.coord.stats()["counters"]["auth_refused"] == 0
 
 
 def test_curve_needs_both_keys(keys, impl):
