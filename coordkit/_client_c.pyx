@@ -495,14 +495,15 @@ cdef class ClientCore:
     """The socket, the pending requests and the frames of one :class:`coordkit.Client`.
 
     ``socket`` is a connected, acknowledged DEALER (a plain ``zmq.Socket``);
-    ``batch`` says whether the coordinator granted batches. The callbacks take
+    ``batch`` says whether the coordinator granted batches (the client sets it
+    again after a reconnection). The callbacks take
     an ERROR's ``(rid or None, code, message)``, a STATS_REPLY's body, and the
     exception of a socket that failed.
     """
 
     cdef readonly object socket, loop
     cdef object __weakref__  # the client's future classes refer to their core weakly
-    cdef readonly bint batch
+    cdef public bint batch  # set again when a reconnection is acknowledged
     cdef public bint closed
     cdef readonly int64_t next_rid
     cdef Table pending
@@ -1183,8 +1184,10 @@ cdef class ClientCore:
         self._on_failure(ConnectionError(f"coordkit client: socket failed: {text}"))
 
     def fail_all(self, exc):
-        """Fail every pending request (and the coalesced ones, never sent) with ``exc``."""
+        """Fail every pending request with ``exc``; drop what was not sent yet (the
+        coalesced requests, the outbox), lest it reach a coordinator that never knew them."""
         cdef Py_ssize_t i
+        self._outbox.clear()
         for i in range(1, self.n_frames):
             zmq_msg_close(&self.frames[i])
         self.n_frames = 1

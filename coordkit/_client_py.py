@@ -134,7 +134,8 @@ class ClientCore:
     """The socket, the pending requests and the frames of one :class:`coordkit.Client`.
 
     ``socket`` is a connected, acknowledged DEALER (a plain ``zmq.Socket``);
-    ``batch`` says whether the coordinator granted batches. The callbacks take
+    ``batch`` says whether the coordinator granted batches (the client sets it
+    again after a reconnection). The callbacks take
     an ERROR's ``(rid or None, code, message)``, a STATS_REPLY's body, and the
     exception of a socket that failed.
     """
@@ -421,7 +422,9 @@ class ClientCore:
         self._on_failure(ConnectionError(f"coordkit client: socket failed: {exc!r}"))
 
     def fail_all(self, exc: BaseException) -> None:
-        """Fail every pending request (and the coalesced ones, never sent) with ``exc``."""
+        """Fail every pending request with ``exc``; drop what was not sent yet (the
+        coalesced requests, the outbox), lest it reach a coordinator that never knew them."""
+        self._outbox.clear()
         self._open, self._open_bytes = [], 0
         pending, self.pending = self.pending, {}
         for target in pending.values():

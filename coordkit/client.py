@@ -25,12 +25,14 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import zmq
 
 from . import protocol
 from ._implementation import load_implementation, selected
+from ._liveness import DEFAULT_COORDINATOR_TIMEOUT, ConnectionWatch, prepare
+from .curve import KeySource, ServerKey
 from .protocol import (
     BATCH_FEATURE,
     COORDKIT_HELLO,
@@ -149,6 +151,14 @@ class Client:
     ``batch`` is whether the coordinator granted batched messages
     (:meth:`connect` asks for them); ``implementation`` names the core, ``"c"``
     or ``"py"``.
+
+    When the connection to the coordinator ends (it died, or its heartbeats
+    stopped: see :meth:`connect`), every pending request fails with
+    :class:`ConnectionError` naming the coordinator's address and
+    :attr:`connected` turns False; while it is False, sending anything raises
+    :class:`ConnectionError` at once. libzmq reconnects by itself; on the new
+    connection the client sends CONNECT again, and once the coordinator
+    acknowledged it :attr:`connected` is True and submissions go through.
     """
 
     def __init__(
@@ -159,9 +169,13 @@ class Client:
         *,
         batch: bool = False,
         implementation: str | None = None,
+        watch: ConnectionWatch | None = None,
+        ask_batch: bool | None = None,
+        handshake_timeout: float = 10.0,
     ):
         impl = load_implementation(implementation) if implementation else selected()
         self.address = address
+        self._connected = True
         self.errors: deque[CoordinatorError] = deque(maxlen=100)
         self._on_error = on_error
         self._socket = socket
@@ -185,6 +199,14 @@ class Client:
         self._loop.add_reader(self._fd, self._core.on_readable)
         # Messages that came during the handshake may have consumed the FD's edge.
         self._loop.call_soon(self._core.on_readable)
+        # Without a watch (a socket connected by the caller) a lost coordinator goes unnoticed.
+        self._watch = watch
+        self._ask_batch = batch if ask_batch is None else ask_batch
+        self._handshake_timeout = handshake_timeout
+        self._rejoining: asyncio.Task[None] | None = None
+        if watch is not None:
+            self._loop.add_reader(watch.fd, self._on_connection_event)
+            self._loop.call_soon(self._on_connection_event)  # events from before add_reader
 
     @classmethod
     async def connect(
@@ -196,29 +218,63 @@ class Client:
         on_error: Callable[[CoordinatorError], None] | None = None,
         batch: bool = True,
         implementation: str | None = None,
+        coordinator_timeout: float | None = DEFAULT_COORDINATOR_TIMEOUT,
+        curve_server_key: ServerKey | None = None,
+        curve_keys: KeySource | None = None,
     ) -> Client:
         """Connect to the coordinator at ``address`` and wait for its CONNECT_ACK.
 
         The CONNECT asks for batched messages unless ``batch`` is False; they
         are used only when the coordinator grants them. ``implementation``
         (``"c"`` or ``"py"``) picks the core; by default the one chosen at import.
-        Raises :class:`ConnectionError` if no CONNECT_ACK comes within ``timeout`` seconds.
+        Raises :class:`ConnectionError` if no CONNECT_ACK comes within
+        ``timeout`` seconds (also what a CURVE coordinator that refuses the
+        key looks like), or at once if the coordinator refuses the client.
+
+        ``coordinator_timeout`` (seconds) sets ZMTP heartbeats on the socket:
+        a coordinator silent that long is deemed lost, as one whose
+        connection closed is at once (see :class:`Client`); None sends no
+        heartbeats. ``timeout`` also bounds each CONNECT of a reconnection.
+
+        With CURVE, ``curve_server_key`` is the coordinator's public key (its
+        ``.key`` file, or the z85 bytes) and ``curve_keys`` the client's own
+        pair (its ``.key_secret`` file, or ``(public, secret)`` z85 bytes, as
+        ``zmq.auth.load_certificate`` returns them); both or neither.
         """
         if implementation is not None:
             load_implementation(implementation)  # an unknown or unbuilt one fails here
         socket = zmq.Socket(context or zmq.Context.instance(), zmq.DEALER)
+        watch = None
         try:
+            prepare(socket, coordinator_timeout, curve_server_key, curve_keys)
+            watch = ConnectionWatch(socket)  # before connect(): the first events count too
             socket.connect(address)
             granted = await asyncio.wait_for(_handshake(socket, batch), timeout)
-        except asyncio.TimeoutError:
+        except BaseException as exc:
+            if watch is not None:
+                watch.close()
             socket.close(linger=0)
-            raise ConnectionError(
-                f"coordkit: no coordinator answered at {address} within {timeout} s"
-            ) from None
-        except BaseException:
-            socket.close(linger=0)
+            if isinstance(exc, asyncio.TimeoutError):
+                raise ConnectionError(
+                    f"coordkit: no coordinator answered at {address} within {timeout} s"
+                ) from None
             raise
-        return cls(socket, address, on_error, batch=granted, implementation=implementation)
+        return cls(
+            socket,
+            address,
+            on_error,
+            batch=granted,
+            implementation=implementation,
+            watch=watch,
+            ask_batch=batch,
+            handshake_timeout=timeout,
+        )
+
+    @property
+    def connected(self) -> bool:
+        """Whether the coordinator acknowledged the current connection (see
+        :class:`Client`); False once closed."""
+        return self._connected
 
     @property
     def batch(self) -> bool:
@@ -257,6 +313,8 @@ class Client:
         The request leaves at once, or, when the coordinator granted batches,
         with the others submitted in the same event-loop iteration.
         """
+        if not self._connected:
+            self._raise_not_connected()
         future: ReplyFuture = self._core.submit(
             prompt, sampling_params, block_size, raw, block_hashes
         )
@@ -278,6 +336,8 @@ class Client:
         SUBMIT_BATCH (several for a very large call), otherwise as one
         SUBMIT_REQUEST each, at once. Their ids are consecutive.
         """
+        if not self._connected:
+            self._raise_not_connected()
         futures: list[ReplyFuture] = self._core.submit_many(
             prompts, sampling_params, block_size, raw
         )
@@ -297,6 +357,8 @@ class Client:
         The request is sent now; the returned :class:`Stream` yields each
         partial reply and ends with the final one.
         """
+        if not self._connected:
+            self._raise_not_connected()
         params = {**(sampling_params or {}), STREAM_KEY: True}
         stream: Stream = self._core.stream(prompt, params, block_size, raw, block_hashes)
         return stream
@@ -336,7 +398,8 @@ class Client:
 
     async def stats(self, timeout: float | None = 10.0) -> dict[str, Any]:
         """The coordinator's counters, engines and state (raises TimeoutError)."""
-        self._check_open()
+        if not self._connected:
+            self._raise_not_connected()
         waiter: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         # Replies carry no id: they come in order, and a timed-out waiter still takes its own.
         self._stats_waiters.append(waiter)
@@ -363,7 +426,13 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        self._connected = False
         self._loop.remove_reader(self._fd)
+        if self._rejoining is not None:
+            self._rejoining.cancel()
+        if self._watch is not None:
+            self._loop.remove_reader(self._watch.fd)
+            self._watch.close()
         exc = ConnectionError("coordkit client closed with the request pending")
         self._core.close(exc)
         self._fail_stats(exc)
@@ -380,12 +449,16 @@ class Client:
         """Requests sent and not yet ended."""
         return int(self._core.count)
 
-    def _check_open(self) -> None:
+    def _raise_not_connected(self) -> NoReturn:
         if self._closed:
             raise ConnectionError("coordkit client is closed")
+        raise ConnectionError(
+            f"coordkit: not connected to the coordinator at {self.address} (reconnecting)"
+        )
 
     async def _send(self, frames: list[Any]) -> None:
-        self._check_open()
+        if not self._connected:
+            self._raise_not_connected()
         self._core.send(frames)
 
     def _fail_stats(self, exc: BaseException) -> None:
@@ -393,6 +466,54 @@ class Client:
             waiter = self._stats_waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(exc)
+
+    # -- the connection --------------------------------------------------------------------
+
+    def _on_connection_event(self) -> None:
+        """The monitor's reader: the connection ended, or a new one was made."""
+        assert self._watch is not None
+        for event in self._watch.events():
+            if event == zmq.EVENT_DISCONNECTED:
+                self._lost()
+            elif not self._connected and self._rejoining is None:  # a new handshake
+                self._rejoining = self._loop.create_task(self._rejoin())
+
+    def _lost(self) -> None:
+        if self._rejoining is not None:
+            self._rejoining.cancel()  # its connection ended too; the next one starts another
+            self._rejoining = None
+        if not self._connected or self._closed:
+            return
+        self._connected = False
+        self._core.on_readable()  # replies that arrived before the end are delivered first
+        exc = ConnectionError(f"coordkit: lost the coordinator at {self.address}")
+        log.warning("%s; failing %d pending requests", exc, self._core.count)
+        self._core.fail_all(exc)
+        self._fail_stats(exc)
+
+    async def _rejoin(self) -> None:
+        """CONNECT on the new connection, until the coordinator acknowledges it."""
+        # Until then this task reads the socket: its first message is the CONNECT_ACK.
+        self._loop.remove_reader(self._fd)
+        try:
+            while True:
+                try:
+                    granted = await asyncio.wait_for(
+                        _handshake(self._socket, self._ask_batch), self._handshake_timeout
+                    )
+                    break
+                except (asyncio.TimeoutError, ConnectionError, ProtocolError) as exc:
+                    log.warning("coordkit client: reconnecting to %s: %r", self.address, exc)
+                    if not isinstance(exc, asyncio.TimeoutError):
+                        await asyncio.sleep(self._handshake_timeout)  # refused: ask again later
+        finally:
+            if not self._closed:
+                self._loop.add_reader(self._fd, self._core.on_readable)
+        self._rejoining = None
+        self._core.batch = granted
+        self._connected = True
+        self._loop.call_soon(self._core.on_readable)
+        log.info("coordkit client: connected again to %s", self.address)
 
     # -- what the core hands up -----------------------------------------------------------
 
@@ -408,6 +529,8 @@ class Client:
         if self._closed:
             return
         self._loop.remove_reader(self._fd)
+        if self._watch is not None:  # a reconnection could not help a failed socket
+            self._loop.remove_reader(self._watch.fd)
         self._core.fail_all(exc)
         self._fail_stats(exc)
 

@@ -28,6 +28,7 @@ entry. Replies are batched either way. An ERROR the coordinator sends back
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable
@@ -38,6 +39,8 @@ import zmq
 
 from . import protocol
 from ._implementation import load_implementation, selected
+from ._liveness import DEFAULT_COORDINATOR_TIMEOUT, ConnectionWatch, prepare
+from .curve import KeySource, ServerKey
 from .protocol import BATCH_FEATURE, COORDKIT_HELLO, Header, unpackb
 
 if TYPE_CHECKING:
@@ -45,7 +48,11 @@ if TYPE_CHECKING:
 
 __all__ = ["Engine", "Request", "Abort", "ReleaseKV", "Control", "Event"]
 
+log = logging.getLogger(__name__)
+
 _CLOSE_LINGER_MS = 1000  # lets the last replies and DISCONNECT leave on close()
+#: How often poll() reads the connection's events: bounds how late a re-registration is.
+_WATCH_INTERVAL = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +112,16 @@ class Engine:
     registration it sends ENGINE_HELLO, asking for batched SUBMITs unless
     ``batch`` is False; ``implementation`` (``"c"`` or ``"py"``) picks the
     core, by default the one chosen at import.
+
+    ``coordinator_timeout`` (seconds; None: none) sets ZMTP heartbeats on the
+    socket, so that a coordinator silent that long is deemed lost, as one
+    whose connection closed is at once. libzmq reconnects by itself; on the
+    new connection :meth:`poll` registers the engine again (the empty frame
+    and ENGINE_HELLO, same identity), within 0.1 s of the handshake or at the
+    next poll. ``connected`` is False from a lost connection until then. With CURVE,
+    ``curve_server_key`` (the coordinator's public key: its ``.key`` file or
+    z85 bytes) and ``curve_keys`` (the engine's own pair: its
+    ``.key_secret`` file or ``(public, secret)`` z85 bytes) are given both.
     """
 
     def __init__(
@@ -118,6 +135,9 @@ class Engine:
         context: zmq.Context | None = None,
         batch: bool = True,
         implementation: str | None = None,
+        coordinator_timeout: float | None = DEFAULT_COORDINATOR_TIMEOUT,
+        curve_server_key: ServerKey | None = None,
+        curve_keys: KeySource | None = None,
     ):
         impl = load_implementation(implementation) if implementation else selected()
         if identity is None:
@@ -137,11 +157,18 @@ class Engine:
         # No high-water marks: the coordinator's max_inflight bounds what can queue here.
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
+        try:
+            prepare(self._socket, coordinator_timeout, curve_server_key, curve_keys)
+        except BaseException:
+            self._socket.close(linger=0)
+            if self._own_context:
+                self._context.term()
+            raise
+        self._watch = ConnectionWatch(self._socket)  # before connect(): no event missed
+        self._next_watch = time.monotonic() + _WATCH_INTERVAL
+        self.connected = True  # the registration below is queued for the first connection
         self._socket.connect(address)
-        self._socket.send(b"")  # registration
-        # A coordkit engine: multipart in every dialect; batches when it asks.
-        hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1} if batch else COORDKIT_HELLO
-        self._socket.send_multipart(protocol.ENGINE_HELLO.pack(hello))
+        self._register()
         self._core = impl.engine.EngineCore(self._socket)
 
     @property
@@ -170,7 +197,9 @@ class Engine:
             now = time.monotonic()
             if now >= self._next_heartbeat:
                 self._send_heartbeat(now)
-            wait = min(deadline, self._next_heartbeat) - now
+            if now >= self._next_watch:
+                self._check_connection(now)
+            wait = min(deadline, self._next_heartbeat, self._next_watch) - now
             events: list[Event] = self._core.poll(math.ceil(max(wait, 0.0) * 1000))
             if events or time.monotonic() >= deadline:
                 return events
@@ -192,6 +221,7 @@ class Engine:
         self._socket.send_multipart(protocol.DISCONNECT.pack())
 
     def close(self) -> None:
+        self._watch.close()
         self._socket.close(linger=_CLOSE_LINGER_MS)
         if self._own_context:
             self._context.term()
@@ -201,6 +231,28 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _register(self) -> None:
+        self._socket.send(b"")  # registration
+        # A coordkit engine: multipart in every dialect; batches when it asks.
+        hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1} if self.batch else COORDKIT_HELLO
+        self._socket.send_multipart(protocol.ENGINE_HELLO.pack(hello))
+
+    def _check_connection(self, now: float) -> None:
+        """The connection ended: note it; a new one: register on it."""
+        self._next_watch = now + _WATCH_INTERVAL
+        for event in self._watch.events():
+            if event == zmq.EVENT_DISCONNECTED and self.connected:
+                self.connected = False
+                log.warning(
+                    "coordkit engine %s: lost the coordinator at %s", self.rank, self.address
+                )
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.connected:
+                self.connected = True
+                # What was sent meanwhile went out first: the same coordinator takes it,
+                # a restarted one drops it (from a peer not registered: not_connected).
+                self._register()
+                log.info("coordkit engine %s: registered again at %s", self.rank, self.address)
 
     def _send_heartbeat(self, now: float) -> None:
         self._socket.send_multipart(protocol.HEARTBEAT.pack(self.pending, self.capacity))

@@ -29,6 +29,7 @@ from typing import Any
 
 import coordkit
 from coordkit import Coordinator, Implementation
+from coordkit._liveness import DEFAULT_COORDINATOR_TIMEOUT
 from coordkit._routing_py import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DECODE_TOKENS,
@@ -342,6 +343,19 @@ def _parser() -> argparse.ArgumentParser:
         default=1.0,
         metavar="S",
         help="seconds between heartbeats (0: none)",
+    )
+    fake.add_argument(
+        "--coordinator-timeout",
+        type=float,
+        default=DEFAULT_COORDINATOR_TIMEOUT,
+        metavar="S",
+        help="a coordinator silent this long is deemed lost (ZMTP heartbeats; 0: none)",
+    )
+    fake.add_argument(
+        "--curve-server-key", metavar="FILE", help="CURVE: the coordinator's public key (.key)"
+    )
+    fake.add_argument(
+        "--curve-keys", metavar="FILE", help="CURVE: this engine's key pair (.key_secret)"
     )
 
     # Listed for --help only: main() hands `bench` its arguments before parsing.

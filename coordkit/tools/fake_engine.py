@@ -25,6 +25,8 @@ from typing import Any, NamedTuple, TypeGuard
 
 import zmq
 
+from coordkit._liveness import DEFAULT_COORDINATOR_TIMEOUT
+from coordkit.curve import KeySource, ServerKey
 from coordkit.engine import Abort, Control, Engine, Event, Request
 from coordkit.protocol import BLOCK_HASH_SIZE, Header, block_hashes, unpackb
 
@@ -151,7 +153,8 @@ class FakeEngine(Engine):
     (default 1; None turns them off), advertising ``max_batch`` as capacity.
     Like every Engine it asks for batched SUBMITs (ENGINE_HELLO) unless
     ``batch`` is False, and takes them as they come; ``implementation`` picks
-    the Engine's core.
+    the Engine's core; ``coordinator_timeout``, ``curve_server_key`` and
+    ``curve_keys`` are the Engine's.
     """
 
     def __init__(
@@ -172,6 +175,9 @@ class FakeEngine(Engine):
         speedup: float = 1.0,
         batch: bool = True,
         implementation: str | None = None,
+        coordinator_timeout: float | None = DEFAULT_COORDINATOR_TIMEOUT,
+        curve_server_key: ServerKey | None = None,
+        curve_keys: KeySource | None = None,
     ):
         # latency and max_batch, when given, override the cost model's.
         cost = cost._replace(
@@ -195,6 +201,9 @@ class FakeEngine(Engine):
             context=context,
             batch=batch,
             implementation=implementation,
+            coordinator_timeout=coordinator_timeout,
+            curve_server_key=curve_server_key,
+            curve_keys=curve_keys,
         )
         self.cost = cost
         self.speedup = speedup
@@ -427,6 +436,9 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat or None,
         cost=cost,
         speedup=args.speedup,
+        coordinator_timeout=args.coordinator_timeout or None,
+        curve_server_key=args.curve_server_key,
+        curve_keys=args.curve_keys,
     ) as engine:
         engine.run(stop)
     return 0
