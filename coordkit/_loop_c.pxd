@@ -203,6 +203,7 @@ cdef class Loop:
     cdef void _submit_batch(self, int32_t client) noexcept nogil
     cdef int _read_submit_batch(self, uint32_t* count) noexcept nogil
     cdef void _send_engine_batches(self) noexcept nogil
+    cdef void _send_engine_batch(self, int rank, uint32_t first, uint32_t n) noexcept nogil
     cdef void _accept(self, int32_t client, int64_t rid, const uint8_t* hashes, size_t n_hashes,
                       uint64_t tokens, Inbound* inbound) noexcept nogil
     cdef const uint8_t* _prompt_hashes(self, const uint8_t* prompt, size_t size,
@@ -225,6 +226,8 @@ cdef class Loop:
     cdef void _forward_replies(self, int32_t engine) noexcept nogil
     cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil
     cdef void _send_client_batches(self, bint final) noexcept nogil
+    cdef void _send_client_batch(self, int32_t client, bint final, uint32_t first,
+                                 uint32_t n) noexcept nogil
     cdef void _forget(self, uint32_t slot) noexcept nogil
     cdef void _count_in(self, int64_t header) noexcept nogil
     cdef void _count_out(self, int64_t header, size_t size) noexcept nogil

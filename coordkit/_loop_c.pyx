@@ -837,10 +837,8 @@ cdef class Loop:
         An entry re-sent or ended meanwhile is left out; an engine found gone here
         leaves its requests to _settle, as any engine found gone."""
         cdef BatchedSubmit* batched = self.batched_submits
-        cdef uint32_t n = self.n_batched_submits, i, j, count
+        cdef uint32_t n = self.n_batched_submits, i, j
         cdef ck_request* request
-        cdef uint8_t* out
-        cdef size_t size, prompts
         cdef int rank
         self.n_batched_submits = 0
         for i in range(n):
@@ -851,37 +849,41 @@ cdef class Loop:
             rank = batched[i].rank
             if rank < 0:
                 continue
-            count = 0
-            for j in range(i, n):
-                count += batched[j].rank == rank
-            out = self.scratch
-            out += ck_write_array(out, 2)
-            out += ck_write_int(out, HEADER_SUBMIT_BATCH)
-            out += ck_write_array(out, count)
-            prompts = 0
-            for j in range(i, n):
-                if batched[j].rank == rank:
-                    out[0] = MSGPACK_FIXARRAY_2
-                    out += 1 + ck_write_int(out + 1, batched[j].server_rid)
-                    memcpy(out, batched[j].params, batched[j].params_size)
-                    out += batched[j].params_size
-                    prompts += self._size(batched[j].part)
-            size = out - self.scratch
-            if self.engines[rank].state == ENGINE_GONE:
-                pass
-            elif self._send_identity(&self.engine_ids, rank) != 0:
-                self._mark_gone(rank, GONE_UNREACHABLE)
-            else:
-                self._count_out(HEADER_SUBMIT_BATCH, size + prompts)
-                send_bytes(self.sock, self.scratch, size, ZMQ_SNDMORE)
-                for j in range(i, n):
-                    if batched[j].rank == rank:
-                        count -= 1
-                        send_msg(self.sock, &self.parts[batched[j].part],
-                                 ZMQ_SNDMORE if count else 0)
+            if self.engines[rank].state != ENGINE_GONE:  # a gone one's requests are settled
+                if self._send_identity(&self.engine_ids, rank) == 0:
+                    self._send_engine_batch(rank, i, n)
+                else:
+                    self._mark_gone(rank, GONE_UNREACHABLE)
             for j in range(i, n):
                 if batched[j].rank == rank:
                     batched[j].rank = -1
+
+    cdef void _send_engine_batch(self, int rank, uint32_t first, uint32_t n) noexcept nogil:
+        """One engine's ENGINE_SUBMIT_BATCH after its routing id: the metadata written
+        into ``scratch``, then the prompts as the same frames."""
+        cdef BatchedSubmit* batched = self.batched_submits
+        cdef uint32_t j, count = 0
+        cdef uint8_t* out = self.scratch
+        cdef size_t size, prompts = 0
+        for j in range(first, n):
+            count += batched[j].rank == rank
+        out += ck_write_array(out, 2)
+        out += ck_write_int(out, HEADER_SUBMIT_BATCH)
+        out += ck_write_array(out, count)
+        for j in range(first, n):
+            if batched[j].rank == rank:
+                out[0] = MSGPACK_FIXARRAY_2
+                out += 1 + ck_write_int(out + 1, batched[j].server_rid)
+                memcpy(out, batched[j].params, batched[j].params_size)
+                out += batched[j].params_size
+                prompts += self._size(batched[j].part)
+        size = out - self.scratch
+        self._count_out(HEADER_SUBMIT_BATCH, size + prompts)
+        send_bytes(self.sock, self.scratch, size, ZMQ_SNDMORE)
+        for j in range(first, n):
+            if batched[j].rank == rank:
+                count -= 1
+                send_msg(self.sock, &self.parts[batched[j].part], ZMQ_SNDMORE if count else 0)
 
     cdef const uint8_t* _prompt_hashes(
         self, const uint8_t* prompt, size_t size, size_t* n_hashes
@@ -1209,46 +1211,51 @@ cdef class Loop:
         REPLY_BATCH per client, in the order the clients first came, the bodies as
         the same frames."""
         cdef BatchedReply* batched = self.batched_replies
-        cdef uint32_t n = self.n_batched_replies, i, j, count
-        cdef uint8_t* out
-        cdef size_t size, bodies
+        cdef uint32_t n = self.n_batched_replies, i, j
         cdef int32_t client
         self.n_batched_replies = 0
         for i in range(n):
             client = batched[i].client
             if client < 0:
                 continue
-            count = 0
-            bodies = 0
-            for j in range(i, n):
-                if batched[j].client == client:
-                    count += 1
-                    bodies += self._size(batched[j].part)
-            out = self.scratch
-            out += ck_write_array(out, 2)
-            out += ck_write_int(out, HEADER_REPLY_BATCH)
-            out += ck_write_array(out, count)
-            for j in range(i, n):
-                if batched[j].client == client:
-                    out[0] = MSGPACK_FIXARRAY_2
-                    out += 1 + ck_write_int(out + 1, batched[j].client_rid)
-                    out[0] = MSGPACK_TRUE if final else MSGPACK_FALSE
-                    out += 1
-            size = out - self.scratch
-            if self._send_identity(&self.client_ids, client) != 0:
+            if self._send_identity(&self.client_ids, client) == 0:
+                self._send_client_batch(client, final, i, n)
+            else:
                 with gil:
                     self._client_gone(client)
-            else:
-                self._count_out(HEADER_REPLY_BATCH, size + bodies)
-                send_bytes(self.sock, self.scratch, size, ZMQ_SNDMORE)
-                for j in range(i, n):
-                    if batched[j].client == client:
-                        count -= 1
-                        send_msg(self.sock, &self.parts[batched[j].part],
-                                 ZMQ_SNDMORE if count else 0)
             for j in range(i, n):
                 if batched[j].client == client:
                     batched[j].client = -1
+
+    cdef void _send_client_batch(
+        self, int32_t client, bint final, uint32_t first, uint32_t n
+    ) noexcept nogil:
+        """One client's REPLY_BATCH after its routing id: the metadata written into
+        ``scratch``, then the bodies as the same frames."""
+        cdef BatchedReply* batched = self.batched_replies
+        cdef uint32_t j, count = 0
+        cdef uint8_t* out = self.scratch
+        cdef size_t size, bodies = 0
+        for j in range(first, n):
+            if batched[j].client == client:
+                count += 1
+                bodies += self._size(batched[j].part)
+        out += ck_write_array(out, 2)
+        out += ck_write_int(out, HEADER_REPLY_BATCH)
+        out += ck_write_array(out, count)
+        for j in range(first, n):
+            if batched[j].client == client:
+                out[0] = MSGPACK_FIXARRAY_2
+                out += 1 + ck_write_int(out + 1, batched[j].client_rid)
+                out[0] = MSGPACK_TRUE if final else MSGPACK_FALSE
+                out += 1
+        size = out - self.scratch
+        self._count_out(HEADER_REPLY_BATCH, size + bodies)
+        send_bytes(self.sock, self.scratch, size, ZMQ_SNDMORE)
+        for j in range(first, n):
+            if batched[j].client == client:
+                count -= 1
+                send_msg(self.sock, &self.parts[batched[j].part], ZMQ_SNDMORE if count else 0)
 
     cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil:
         """Read the batch's entries into ``entries``, and make room for those bound for

@@ -445,20 +445,25 @@ class Loop:
         self._engine_batch.clear()
         for rank, entries in by_rank.items():
             engine = self._engines[rank]
-            if engine.state == GONE:
+            if engine.state == GONE:  # its requests are settled
                 continue
-            if not self._send_identity(engine.identity):
+            if self._send_identity(engine.identity):
+                self._send_engine_batch(entries)
+            else:
                 self._mark_gone(engine, "unreachable")
-                continue
-            head = [
-                _packer.pack_array_header(2),
-                _HEADER_BATCH,
-                _packer.pack_array_header(len(entries)),
-            ]
-            head += [b"\x92" + _packer.pack(rid) + bytes(params) for rid, _, params in entries]
-            out: list[Any] = [b"".join(head), *(prompt for _, prompt, _ in entries)]
-            self._count_out(Header.SUBMIT_BATCH, out)
-            self._sock.send_multipart(out, copy=False)
+
+    def _send_engine_batch(self, entries: list[tuple[int, zmq.Frame, Buffer]]) -> None:
+        """One engine's ENGINE_SUBMIT_BATCH after its routing id: the metadata, then
+        the prompts as the same frames."""
+        head = [
+            _packer.pack_array_header(2),
+            _HEADER_BATCH,
+            _packer.pack_array_header(len(entries)),
+        ]
+        head += [b"\x92" + _packer.pack(rid) + bytes(params) for rid, _, params in entries]
+        out: list[Any] = [b"".join(head), *(prompt for _, prompt, _ in entries)]
+        self._count_out(Header.SUBMIT_BATCH, out)
+        self._sock.send_multipart(out, copy=False)
 
     def _submit_single(self, client: _Client, frames: list[zmq.Frame]) -> None:
         """A new request in one frame: [20, client_rid, prompt, params] (Megatron-Core 0.19).
@@ -702,19 +707,24 @@ class Loop:
         """The entries of the reply batch at hand bound for batched clients: one
         REPLY_BATCH per client, in the order the clients first came, the bodies
         as the same frames."""
-        flag = b"\xc3" if final else b"\xc2"
         batches = list(self._client_batch.items())
         self._client_batch.clear()
         for client, entries in batches:
-            if not self._send_identity(client.identity):
+            if self._send_identity(client.identity):
+                self._send_client_batch(final, entries)
+            else:
                 self._client_gone(client)
-                continue
-            head = [_packer.pack_array_header(2), _HEADER_REPLY_BATCH]
-            head.append(_packer.pack_array_header(len(entries)))
-            head += [b"\x92" + _packer.pack(rid) + flag for rid, _ in entries]
-            out: list[Any] = [b"".join(head), *(body for _, body in entries)]
-            self._count_out(Header.REPLY_BATCH, out)
-            self._sock.send_multipart(out, copy=False)
+
+    def _send_client_batch(self, final: bool, entries: list[tuple[int, Any]]) -> None:
+        """One client's REPLY_BATCH after its routing id: the metadata, then the
+        bodies as the same frames."""
+        flag = b"\xc3" if final else b"\xc2"
+        head = [_packer.pack_array_header(2), _HEADER_REPLY_BATCH]
+        head.append(_packer.pack_array_header(len(entries)))
+        head += [b"\x92" + _packer.pack(rid) + flag for rid, _ in entries]
+        out: list[Any] = [b"".join(head), *(body for _, body in entries)]
+        self._count_out(Header.REPLY_BATCH, out)
+        self._sock.send_multipart(out, copy=False)
 
     def _forward_single_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         """A 0.19 engine's finished requests, each map to its request's client."""
