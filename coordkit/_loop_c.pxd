@@ -3,7 +3,7 @@
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
-from coordkit._codec_c cimport ck_entry, ck_single_entry
+from coordkit._codec_c cimport ck_batch_entry, ck_entry, ck_single_entry
 from coordkit._constants cimport ERROR_SLOTS, HEADER_SLOTS, N_COUNTERS, N_LATENCY_BUCKETS
 from coordkit._libzmq cimport zmq_msg_t
 from coordkit._routing_c cimport Router
@@ -46,6 +46,7 @@ cdef extern from "_tables.h" nogil:
 cdef struct Client:
     bint used
     bint coordkit  # said {"coordkit": 1} in CONNECT: may be sent ERROR and STATS_REPLY
+    bint batch  # granted batches: may send SUBMIT_BATCH, is sent REPLY_BATCH
     int format  # PeerFormat
     int64_t inflight
     uint64_t last_seen  # the message count when it last sent one
@@ -54,6 +55,7 @@ cdef struct Client:
 cdef struct Engine:
     int state  # EngineState
     bint coordkit  # sent ENGINE_HELLO: may be sent ERROR for the entries it got wrong
+    bint batch  # asked for batches in ENGINE_HELLO: is sent ENGINE_SUBMIT_BATCH
     int format  # PeerFormat
     bint heartbeats  # has sent a HEARTBEAT: may be timed out
     double last_heartbeat
@@ -70,16 +72,36 @@ cdef enum GoneReason:
 cdef struct Inbound:
     # A new request as it came, to be put in the format of the engine chosen for it.
     int64_t header
-    zmq_msg_t* meta  # multipart: the rewritten metadata; the payload frames are parts[2:]
+    zmq_msg_t* meta  # multipart: the rewritten metadata
+    uint32_t length  # multipart: the metadata's length
+    int payload  # multipart: the part of its first payload frame
     int n_payload
+    bint batched  # an entry of a SUBMIT_BATCH: a batched engine takes it later
     const uint8_t* frame  # single frame: [20, client_rid, prompt, params]
     size_t frame_size
     size_t prompt  # single frame: where the prompt starts (the params follow it)
     size_t params  # single frame: where the params start, once parsed (else 0)
-    const uint8_t* params_data  # multipart: the params' bytes in the original metadata
+    # multipart: what follows the rid in the original metadata (the params, and a
+    # KV submission's kv_meta), or a SUBMIT_BATCH entry's params
+    const uint8_t* params_data
     size_t params_size
     bint single_ok  # may go to a single-frame engine
     bint multi_ok  # may go to a multipart engine
+
+
+cdef struct BatchedSubmit:  # an entry of the SUBMIT_BATCH at hand bound for a batched engine
+    uint32_t slot
+    int64_t server_rid
+    int rank  # -1 once sent, or left out
+    int part  # its prompt
+    const uint8_t* params
+    size_t params_size
+
+
+cdef struct BatchedReply:  # an entry of the reply batch at hand bound for a batched client
+    int32_t client  # -1 once sent
+    int64_t client_rid
+    int part  # its body
 
 
 cdef struct RequestOrder:  # a request on the rare paths that walk them in server-id order
@@ -156,6 +178,18 @@ cdef class Loop:
         ck_single_entry* single_entries
         uint32_t single_entries_capacity
         uint32_t* work  # by request slot: the work units its rank was charged (router.charged)
+        # The SUBMIT_BATCH at hand: its entries, and those bound for batched engines.
+        ck_batch_entry* batch_entries
+        size_t batch_entries_capacity
+        BatchedSubmit* batched_submits
+        size_t batched_submits_capacity
+        uint32_t n_batched_submits
+        # The reply batch at hand: its entries bound for batched clients.
+        BatchedReply* batched_replies
+        size_t batched_replies_capacity
+        uint32_t n_batched_replies
+        uint8_t* scratch  # the metadata of an outgoing batch, written before it is sent
+        size_t scratch_capacity
 
     # the hot path (no GIL)
     cdef bint _serve_for(self, double timeout) noexcept nogil
@@ -166,6 +200,10 @@ cdef class Loop:
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil
     cdef void _submit(self, int32_t client, int64_t header) noexcept nogil
     cdef void _submit_single(self, int32_t client) noexcept nogil
+    cdef void _submit_batch(self, int32_t client) noexcept nogil
+    cdef int _read_submit_batch(self, uint32_t* count) noexcept nogil
+    cdef void _send_engine_batches(self) noexcept nogil
+    cdef void _send_engine_batch(self, int rank, uint32_t first, uint32_t n) noexcept nogil
     cdef void _accept(self, int32_t client, int64_t rid, const uint8_t* hashes, size_t n_hashes,
                       uint64_t tokens, Inbound* inbound) noexcept nogil
     cdef const uint8_t* _prompt_hashes(self, const uint8_t* prompt, size_t size,
@@ -177,15 +215,19 @@ cdef class Loop:
     cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil
     cdef bint _deliver(self, int32_t client, int64_t header, int64_t client_rid,
                        const uint8_t* body, size_t size, zmq_msg_t* message) noexcept nogil
-    cdef void _rewrite_submit(self, zmq_msg_t* out, int64_t server_rid) noexcept nogil
+    cdef void _rewrite_submit(self, zmq_msg_t* out, int64_t server_rid,
+                              Inbound* inbound) noexcept nogil
     cdef int _route(self, uint32_t slot, const uint8_t* hashes, size_t n_hashes,
                     uint64_t tokens, Inbound* inbound) noexcept nogil
     cdef int _resend(self, uint32_t slot) noexcept nogil
     cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, uint64_t tokens,
-                          bint single_ok, bint multi_ok, int* rank) noexcept nogil
+                          bint single_ok, bint multi_ok, bint batched, int* rank) noexcept nogil
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil
     cdef void _forward_replies(self, int32_t engine) noexcept nogil
     cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil
+    cdef void _send_client_batches(self, bint final) noexcept nogil
+    cdef void _send_client_batch(self, int32_t client, bint final, uint32_t first,
+                                 uint32_t n) noexcept nogil
     cdef void _forget(self, uint32_t slot) noexcept nogil
     cdef void _count_in(self, int64_t header) noexcept nogil
     cdef void _count_out(self, int64_t header, size_t size) noexcept nogil

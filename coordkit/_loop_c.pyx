@@ -26,9 +26,12 @@ from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from coordkit._codec_c cimport (
+    CK_ARRAY_MAX,
     CK_HEADER_INT_MAX,
+    CK_INT_MAX,
     CK_OK,
     CK_TOO_MANY,
+    ck_batch_entry,
     ck_check_map,
     ck_check_prompt,
     ck_entry,
@@ -40,13 +43,16 @@ from coordkit._codec_c cimport (
     ck_read_single_reply,
     ck_read_single_submit,
     ck_read_submit,
+    ck_read_submit_batch,
     ck_single_entry,
     ck_single_submit,
     ck_single_submit_size,
     ck_strstatus,
     ck_submit,
     ck_submit_size,
+    ck_write_array,
     ck_write_header_int,
+    ck_write_int,
     ck_write_single_submit,
     ck_write_submit,
 )
@@ -83,6 +89,7 @@ from coordkit._shared import (
     stats_map,
 )
 from coordkit.protocol import (
+    BATCH_FEATURE,
     CONTROL_TRANSITIONS,
     ProtocolError,
     error_text,
@@ -113,6 +120,11 @@ cdef enum:
 
 GONE_REASONS = ("unreachable", "no heartbeat", "drain timed out")  # by GoneReason
 
+cdef enum:
+    MSGPACK_FIXARRAY_2 = 0x92  # the head of a batch entry [rid, ...] of two
+    MSGPACK_TRUE = 0xc3
+    MSGPACK_FALSE = 0xc2
+
 
 # -- sending ---------------------------------------------------------------------------
 
@@ -142,6 +154,19 @@ cdef inline void send_shared(void* sock, zmq_msg_t* msg, int flags) noexcept nog
     zmq_msg_copy(&copy, msg)
     if zmq_msg_send(&copy, sock, flags) < 0:
         zmq_msg_close(&copy)
+
+
+cdef bint reserve(void** buffer, size_t* capacity, size_t needed, size_t item) noexcept nogil:
+    """Grow ``buffer`` to hold ``needed`` items of ``item`` bytes; False when memory is short."""
+    cdef void* grown
+    if needed <= capacity[0]:
+        return True
+    grown = realloc(buffer[0], needed * item)
+    if grown == NULL:
+        return False
+    buffer[0] = grown
+    capacity[0] = needed
+    return True
 
 
 cdef inline double monotonic() noexcept nogil:
@@ -286,6 +311,10 @@ cdef class Loop:
         self.newer = NULL
         self.oldest = self.newest = UINT32_MAX
         self.work = NULL
+        self.batch_entries = NULL
+        self.batched_submits = NULL
+        self.batched_replies = NULL
+        self.scratch = NULL
 
     def __init__(self, options, Router router not None, router_socket, wake_socket):
         self.router = router
@@ -362,6 +391,10 @@ cdef class Loop:
         free(self.older)
         free(self.newer)
         free(self.work)
+        free(self.batch_entries)
+        free(self.batched_submits)
+        free(self.batched_replies)
+        free(self.scratch)
 
     # -- what the Coordinator calls ------------------------------------------------------
 
@@ -608,6 +641,8 @@ cdef class Loop:
                     )
             else:
                 self._submit(client, header)
+        elif header == HEADER_SUBMIT_BATCH:
+            self._submit_batch(client)
         else:
             with gil:
                 self._from_client_rarely(client, header)
@@ -639,6 +674,8 @@ cdef class Loop:
             return
         memset(&inbound, 0, sizeof(Inbound))
         inbound.header = header
+        inbound.length = submit.length
+        inbound.payload = 2
         inbound.n_payload = n_payload
         inbound.params_data = self._data(1) + submit.offset
         inbound.params_size = self._size(1) - submit.offset
@@ -700,6 +737,155 @@ cdef class Loop:
             &inbound,
         )
 
+    cdef void _submit_batch(self, int32_t client) noexcept nogil:
+        """SUBMIT_BATCH: each entry down the path of a SUBMIT_REQUEST; the entries
+        routed to batched engines leave as one ENGINE_SUBMIT_BATCH per engine once
+        every entry is routed (see _send_engine_batches)."""
+        cdef Inbound inbound
+        cdef ck_batch_entry* entry
+        cdef uint32_t count, i
+        cdef size_t needed = 0, n_hashes
+        cdef int part = 2
+        cdef const uint8_t* hashes
+        cdef int read
+        if not self.clients[client].batch:
+            with gil:
+                self._malformed(client, None, HEADER_SUBMIT_BATCH, "batches not granted")
+            return
+        read = self._read_submit_batch(&count)
+        if read != CK_OK:
+            with gil:
+                self._malformed(client, None, HEADER_SUBMIT_BATCH, ck_strstatus(read).decode())
+            return
+        for i in range(count):
+            needed += 1 + self.batch_entries[i].flag
+        if needed != <size_t>(self.n_parts - 2):
+            # No prompt can be told from another: each request named ends here.
+            with gil:
+                for i in range(count):
+                    if not self.clients[client].used:
+                        return
+                    rid = self.batch_entries[i].rid
+                    self._malformed(client, rid, HEADER_SUBMIT_BATCH, "bad frame layout")
+            return
+        for i in range(count):
+            if not self.clients[client].used:
+                break  # found gone meanwhile
+            entry = &self.batch_entries[i]
+            hashes = NULL
+            n_hashes = 0
+            if entry.flag:
+                hashes = self._data(part + 1)
+                n_hashes = self._size(part + 1) // BLOCK_HASH_SIZE
+            if entry.flag and self._size(part + 1) % BLOCK_HASH_SIZE:
+                with gil:
+                    self._malformed(client, entry.rid, HEADER_SUBMIT_BATCH, "bad frame layout")
+            else:
+                memset(&inbound, 0, sizeof(Inbound))
+                inbound.header = HEADER_SUBMIT_REQUEST
+                inbound.length = 3
+                inbound.payload = part
+                inbound.n_payload = 1
+                inbound.batched = True
+                inbound.params_data = self._data(1) + entry.params_offset
+                inbound.params_size = entry.params_size
+                inbound.multi_ok = True
+                inbound.single_ok = (
+                    self.n_single_engines > 0
+                    and ck_check_prompt(self._data(part), self._size(part)) == CK_OK
+                    and ck_check_map(inbound.params_data, inbound.params_size) == CK_OK
+                )
+                self._accept(
+                    client, entry.rid, hashes, n_hashes,
+                    ck_prompt_tokens(self._data(part), self._size(part)), &inbound,
+                )
+            part += 1 + entry.flag
+        self._send_engine_batches()
+
+    cdef int _read_submit_batch(self, uint32_t* count) noexcept nogil:
+        """Read the SUBMIT_BATCH at hand into ``batch_entries``, and make room for its
+        entries bound for batched engines and their metadata; growing as needed."""
+        cdef int status = ck_read_submit_batch(
+            self._data(1), self._size(1), 3, self.batch_entries, self.batch_entries_capacity,
+            count,
+        )
+        if status == CK_TOO_MANY and reserve(
+            <void**>&self.batch_entries, &self.batch_entries_capacity, count[0],
+            sizeof(ck_batch_entry),
+        ):
+            status = ck_read_submit_batch(
+                self._data(1), self._size(1), 3, self.batch_entries,
+                self.batch_entries_capacity, count,
+            )
+        if status != CK_OK:
+            return status
+        self.n_batched_submits = 0
+        # An ENGINE_SUBMIT_BATCH's metadata: the head, then per entry a fixarray,
+        # a server id and the params as they came.
+        if not reserve(
+            <void**>&self.batched_submits, &self.batched_submits_capacity, count[0],
+            sizeof(BatchedSubmit),
+        ) or not reserve(
+            <void**>&self.scratch, &self.scratch_capacity,
+            2 * CK_ARRAY_MAX + CK_INT_MAX + count[0] * (1 + CK_INT_MAX) + self._size(1), 1,
+        ):
+            return CK_TOO_MANY
+        return CK_OK
+
+    cdef void _send_engine_batches(self) noexcept nogil:
+        """The entries routed to batched engines: one ENGINE_SUBMIT_BATCH per engine,
+        in the order the engines were first chosen, the prompts as the same frames.
+        An entry re-sent or ended meanwhile is left out; an engine found gone here
+        leaves its requests to _settle, as any engine found gone."""
+        cdef BatchedSubmit* batched = self.batched_submits
+        cdef uint32_t n = self.n_batched_submits, i, j
+        cdef ck_request* request
+        cdef int rank
+        self.n_batched_submits = 0
+        for i in range(n):
+            request = &self.requests.pool[batched[i].slot]
+            if request.server_rid != batched[i].server_rid or request.rank != batched[i].rank:
+                batched[i].rank = -1
+        for i in range(n):
+            rank = batched[i].rank
+            if rank < 0:
+                continue
+            if self.engines[rank].state != ENGINE_GONE:  # a gone one's requests are settled
+                if self._send_identity(&self.engine_ids, rank) == 0:
+                    self._send_engine_batch(rank, i, n)
+                else:
+                    self._mark_gone(rank, GONE_UNREACHABLE)
+            for j in range(i, n):
+                if batched[j].rank == rank:
+                    batched[j].rank = -1
+
+    cdef void _send_engine_batch(self, int rank, uint32_t first, uint32_t n) noexcept nogil:
+        """One engine's ENGINE_SUBMIT_BATCH after its routing id: the metadata written
+        into ``scratch``, then the prompts as the same frames."""
+        cdef BatchedSubmit* batched = self.batched_submits
+        cdef uint32_t j, count = 0
+        cdef uint8_t* out = self.scratch
+        cdef size_t size, prompts = 0
+        for j in range(first, n):
+            count += batched[j].rank == rank
+        out += ck_write_array(out, 2)
+        out += ck_write_int(out, HEADER_SUBMIT_BATCH)
+        out += ck_write_array(out, count)
+        for j in range(first, n):
+            if batched[j].rank == rank:
+                out[0] = MSGPACK_FIXARRAY_2
+                out += 1 + ck_write_int(out + 1, batched[j].server_rid)
+                memcpy(out, batched[j].params, batched[j].params_size)
+                out += batched[j].params_size
+                prompts += self._size(batched[j].part)
+        size = out - self.scratch
+        self._count_out(HEADER_SUBMIT_BATCH, size + prompts)
+        send_bytes(self.sock, self.scratch, size, ZMQ_SNDMORE)
+        for j in range(first, n):
+            if batched[j].rank == rank:
+                count -= 1
+                send_msg(self.sock, &self.parts[batched[j].part], ZMQ_SNDMORE if count else 0)
+
     cdef const uint8_t* _prompt_hashes(
         self, const uint8_t* prompt, size_t size, size_t* n_hashes
     ) noexcept nogil:
@@ -760,12 +946,12 @@ cdef class Loop:
         request = &self.requests.pool[slot]
         server_rid = request.server_rid
         if inbound.frame == NULL:  # multipart: the metadata with the server id
-            self._rewrite_submit(&meta, server_rid)
+            self._rewrite_submit(&meta, server_rid, inbound)
             inbound.meta = &meta
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         if header == HEADER_SUBMIT_REQUEST and self.keep_prompts:
             if inbound.frame == NULL:
-                request.kept = keep(&meta, &self.parts[2], False)
+                request.kept = keep(&meta, &self.parts[inbound.payload], False)
             else:
                 request.kept = keep(NULL, &self.parts[1], True)
         status = self._route(slot, hashes, n_hashes, tokens, inbound)
@@ -793,18 +979,17 @@ cdef class Loop:
                     ),
                 )
 
-    cdef void _rewrite_submit(self, zmq_msg_t* out, int64_t server_rid) noexcept nogil:
-        """The current SUBMIT's metadata frame with ``server_rid``, in a new message."""
-        cdef ck_submit submit
-        ck_read_submit(self._data(1), self._size(1), &submit)  # read once already: valid
-        cdef size_t rest_size = self._size(1) - submit.offset
-        zmq_msg_init_size(out, ck_submit_size(&submit, server_rid, rest_size))
+    cdef void _rewrite_submit(
+        self, zmq_msg_t* out, int64_t server_rid, Inbound* inbound
+    ) noexcept nogil:
+        """A new request's metadata with ``server_rid``, in a new message."""
+        cdef ck_submit head
+        head.header = inbound.header
+        head.length = inbound.length
+        zmq_msg_init_size(out, ck_submit_size(&head, server_rid, inbound.params_size))
         ck_write_submit(
-            <uint8_t*>zmq_msg_data(out),
-            &submit,
-            server_rid,
-            self._data(1) + submit.offset,
-            rest_size,
+            <uint8_t*>zmq_msg_data(out), &head, server_rid, inbound.params_data,
+            inbound.params_size,
         )
 
     cdef int _route(
@@ -815,15 +1000,29 @@ cdef class Loop:
         uint64_t tokens,
         Inbound* inbound,
     ) noexcept nogil:
-        """Send a new request to the engine chosen for it, in its format; a RouteStatus."""
+        """Send a new request to the engine chosen for it, in its format; an entry of
+        a SUBMIT_BATCH bound for a batched engine joins that engine's batch. A
+        RouteStatus."""
         cdef int rank
+        cdef BatchedSubmit* batched
         cdef int status = self._pick_engine(
-            hashes, n_hashes, tokens, inbound.single_ok, inbound.multi_ok, &rank
+            hashes, n_hashes, tokens, inbound.single_ok, inbound.multi_ok, inbound.batched,
+            &rank,
         )
         if status == ROUTE_SENT:
             self.requests.pool[slot].rank = rank
             self.work[slot] = <uint32_t>self.router.charged
-            self._send_new(slot, rank, inbound)
+            if inbound.batched and self.engines[rank].batch:
+                batched = &self.batched_submits[self.n_batched_submits]
+                self.n_batched_submits += 1
+                batched.slot = slot
+                batched.server_rid = self.requests.pool[slot].server_rid
+                batched.rank = rank
+                batched.part = inbound.payload
+                batched.params = inbound.params_data
+                batched.params_size = inbound.params_size
+            else:
+                self._send_new(slot, rank, inbound)
         return status
 
     cdef void _send_new(self, uint32_t slot, int rank, Inbound* inbound) noexcept nogil:
@@ -841,16 +1040,18 @@ cdef class Loop:
                                inbound.params - inbound.prompt, frame + inbound.params,
                                end - inbound.params)
         elif single_frame:
-            size = send_submit(self.sock, True, server_rid, self._data(2), self._size(2),
-                               inbound.params_data, inbound.params_size)
+            size = send_submit(self.sock, True, server_rid, self._data(inbound.payload),
+                               self._size(inbound.payload), inbound.params_data,
+                               inbound.params_size)
         else:  # the metadata and the payload frames as themselves
             size = zmq_msg_size(inbound.meta)
             for i in range(inbound.n_payload):
-                size += self._size(2 + i)
+                size += self._size(inbound.payload + i)
             send_msg(self.sock, inbound.meta, ZMQ_SNDMORE)
             for i in range(inbound.n_payload):
                 send_msg(
-                    self.sock, &self.parts[2 + i], ZMQ_SNDMORE if i + 1 < inbound.n_payload else 0
+                    self.sock, &self.parts[inbound.payload + i],
+                    ZMQ_SNDMORE if i + 1 < inbound.n_payload else 0,
                 )
         self._count_out(inbound.header, size)
 
@@ -883,7 +1084,7 @@ cdef class Loop:
                 and ck_check_map(meta + submit.offset, kept.meta_size - submit.offset) == CK_OK
             )
         while status == ROUTE_ENGINE_GONE:  # that one waits in the queue of gone engines
-            status = self._pick_engine(NULL, 0, tokens, single_ok, multi_ok, &rank)
+            status = self._pick_engine(NULL, 0, tokens, single_ok, multi_ok, False, &rank)
         if status == ROUTE_SENT:
             self.requests.pool[slot].rank = rank
             self.work[slot] = <uint32_t>self.router.charged
@@ -923,9 +1124,10 @@ cdef class Loop:
         self._count_out(HEADER_SUBMIT_REQUEST, sent)
 
     cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, uint64_t tokens,
-                          bint single_ok, bint multi_ok, int* rank) noexcept nogil:
+                          bint single_ok, bint multi_ok, bint batched, int* rank) noexcept nogil:
         """The router's choice into ``rank``, its routing id sent (the request's frames
-        follow); a RouteStatus. An unreachable choice is marked gone: ENGINE_GONE; one
+        follow) unless ``batched`` and the engine takes batches (the batch is sent
+        later); a RouteStatus. An unreachable choice is marked gone: ENGINE_GONE; one
         whose format the request cannot be put in: UNSENDABLE."""
         rank[0] = self.router.choose_c(hashes, n_hashes, tokens, monotonic())
         if rank[0] < 0:
@@ -933,6 +1135,8 @@ cdef class Loop:
         if not (single_ok if self.engines[rank[0]].format == FORMAT_SINGLE_FRAME else multi_ok):
             self.router.release_c(rank[0], self.router.charged)
             return ROUTE_UNSENDABLE
+        if batched and self.engines[rank[0]].batch:
+            return ROUTE_SENT
         if self._send_identity(&self.engine_ids, rank[0]) == 0:
             return ROUTE_SENT
         self.router.release_c(rank[0], self.router.charged)
@@ -957,6 +1161,7 @@ cdef class Loop:
         cdef int32_t client
         cdef bint final
         cdef double now = 0.0
+        cdef BatchedReply* batched
         if self._read_replies(&header, &count) != CK_OK:
             with gil:
                 self._malformed(-1, None, -1, "bad ENGINE_REPLY metadata")
@@ -991,27 +1196,98 @@ cdef class Loop:
             if self.entries[i].needs_detokenize and self.has_detokenizer:
                 with gil:
                     self._detokenize(2 + i)
-            if not self._deliver(client, header, client_rid, NULL, 0, &self.parts[2 + i]):
+            if self.clients[client].batch:
+                batched = &self.batched_replies[self.n_batched_replies]
+                self.n_batched_replies += 1
+                batched.client = client
+                batched.client_rid = client_rid
+                batched.part = 2 + i
+            elif not self._deliver(client, header, client_rid, NULL, 0, &self.parts[2 + i]):
                 with gil:
                     self._client_gone(client)
+        self._send_client_batches(final)
+
+    cdef void _send_client_batches(self, bint final) noexcept nogil:
+        """The entries of the reply batch at hand bound for batched clients: one
+        REPLY_BATCH per client, in the order the clients first came, the bodies as
+        the same frames."""
+        cdef BatchedReply* batched = self.batched_replies
+        cdef uint32_t n = self.n_batched_replies, i, j
+        cdef int32_t client
+        self.n_batched_replies = 0
+        for i in range(n):
+            client = batched[i].client
+            if client < 0:
+                continue
+            if self._send_identity(&self.client_ids, client) == 0:
+                self._send_client_batch(client, final, i, n)
+            else:
+                with gil:
+                    self._client_gone(client)
+            for j in range(i, n):
+                if batched[j].client == client:
+                    batched[j].client = -1
+
+    cdef void _send_client_batch(
+        self, int32_t client, bint final, uint32_t first, uint32_t n
+    ) noexcept nogil:
+        """One client's REPLY_BATCH after its routing id: the metadata written into
+        ``scratch``, then the bodies as the same frames."""
+        cdef BatchedReply* batched = self.batched_replies
+        cdef uint32_t j, count = 0
+        cdef uint8_t* out = self.scratch
+        cdef size_t size, bodies = 0
+        for j in range(first, n):
+            if batched[j].client == client:
+                count += 1
+                bodies += self._size(batched[j].part)
+        out += ck_write_array(out, 2)
+        out += ck_write_int(out, HEADER_REPLY_BATCH)
+        out += ck_write_array(out, count)
+        for j in range(first, n):
+            if batched[j].client == client:
+                out[0] = MSGPACK_FIXARRAY_2
+                out += 1 + ck_write_int(out + 1, batched[j].client_rid)
+                out[0] = MSGPACK_TRUE if final else MSGPACK_FALSE
+                out += 1
+        size = out - self.scratch
+        self._count_out(HEADER_REPLY_BATCH, size + bodies)
+        send_bytes(self.sock, self.scratch, size, ZMQ_SNDMORE)
+        for j in range(first, n):
+            if batched[j].client == client:
+                count -= 1
+                send_msg(self.sock, &self.parts[batched[j].part], ZMQ_SNDMORE if count else 0)
 
     cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil:
-        """Read the batch's entries into ``entries``, growing it for a large batch."""
+        """Read the batch's entries into ``entries``, and make room for those bound for
+        batched clients and their metadata; growing as needed for a large batch."""
         cdef ck_entry* grown
         cdef int status = ck_read_reply(
             self._data(1), self._size(1), header, self.entries, self.entries_capacity, count
         )
-        if status != CK_TOO_MANY:
+        if status == CK_TOO_MANY:
+            grown = <ck_entry*>malloc(count[0] * sizeof(ck_entry))
+            if grown == NULL:
+                return status
+            free(self.entries)
+            self.entries = grown
+            self.entries_capacity = count[0]
+            status = ck_read_reply(
+                self._data(1), self._size(1), header, self.entries, self.entries_capacity, count
+            )
+        if status != CK_OK:
             return status
-        grown = <ck_entry*>malloc(count[0] * sizeof(ck_entry))
-        if grown == NULL:
-            return status
-        free(self.entries)
-        self.entries = grown
-        self.entries_capacity = count[0]
-        return ck_read_reply(
-            self._data(1), self._size(1), header, self.entries, self.entries_capacity, count
-        )
+        self.n_batched_replies = 0
+        # A REPLY_BATCH's metadata: the head, then per entry a fixarray, a rid, a bool.
+        if not reserve(
+            <void**>&self.batched_replies, &self.batched_replies_capacity, count[0],
+            sizeof(BatchedReply),
+        ) or not reserve(
+            <void**>&self.scratch, &self.scratch_capacity,
+            2 * CK_ARRAY_MAX + CK_INT_MAX + count[0] * (2 + CK_INT_MAX), 1,
+        ):
+            return CK_TOO_MANY
+        return CK_OK
 
     cdef void _forward_single_replies(self, int32_t engine) noexcept nogil:
         """A 0.19 engine's finished requests, each map to its request's client."""
@@ -1252,6 +1528,7 @@ cdef class Loop:
             engine = self._new_engine(engine)
         if engine >= 0:
             self.engines[engine].coordkit = hello.coordkit
+            self.engines[engine].batch = hello.batch
             self.engines[engine].format = FORMAT_MULTIPART
             self._count_formats()
 
@@ -1298,6 +1575,7 @@ cdef class Loop:
             engine = rank
         self.engines[engine].state = ENGINE_ALIVE
         self.engines[engine].coordkit = False
+        self.engines[engine].batch = False
         self.engines[engine].format = (
             FORMAT_SINGLE_FRAME if self.megatron_core else FORMAT_MULTIPART
         )
@@ -1310,7 +1588,7 @@ cdef class Loop:
         """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
         cdef int32_t index
         try:
-            coordkit = parse_connect(self._frames()).coordkit
+            hello = parse_connect(self._frames())
         except ProtocolError as exc:
             self._malformed(-1, None, HEADER_CONNECT, str(exc))
             return
@@ -1322,7 +1600,7 @@ cdef class Loop:
             if index < 0:
                 self.counters[COUNTER_TABLE_FULL] += 1
                 self.refused[ERROR_BUSY] += 1
-                if coordkit:
+                if hello.coordkit:
                     self.counters[COUNTER_ERRORS_SENT] += 1
                     text = error_text(ERROR_BUSY, HEADER_CONNECT)
                     self._reply_to_sender(protocol.ERROR.pack(None, ERROR_BUSY, text))
@@ -1331,12 +1609,16 @@ cdef class Loop:
             self.clients[index].inflight = 0
             ck_ids_insert(&self.client_ids, index, self._data(0), self._size(0))
             self.n_clients += 1
-        self.clients[index].coordkit = coordkit
+        self.clients[index].coordkit = hello.coordkit
+        self.clients[index].batch = hello.batch
         self.clients[index].last_seen = self.messages
         self.clients[index].format = (
-            FORMAT_SINGLE_FRAME if self.megatron_core and not coordkit else FORMAT_MULTIPART
+            FORMAT_SINGLE_FRAME if self.megatron_core and not hello.coordkit else FORMAT_MULTIPART
         )
-        self._reply_to_sender(protocol.CONNECT_ACK.pack())
+        if hello.batch:
+            self._reply_to_sender(protocol.CONNECT_ACK_BATCH.pack({BATCH_FEATURE: 1}))
+        else:
+            self._reply_to_sender(protocol.CONNECT_ACK.pack())
 
     cdef int32_t _vacant_client(self) except -2:
         """A free client index; when all are used, the idle client seen longest ago

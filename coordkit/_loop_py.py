@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgpack
 import zmq
 
 from . import _codec_py as codec
@@ -44,6 +45,7 @@ from ._shared import (
     stats_map,
 )
 from .protocol import (
+    BATCH_FEATURE,
     BLOCK_HASH_SIZE,
     CONTROL_HEADERS,
     CONTROL_TRANSITIONS,
@@ -69,14 +71,18 @@ __all__ = ["Loop"]
 ALIVE, DRAINING, GONE = EngineState.ALIVE, EngineState.DRAINING, EngineState.GONE
 PRODUCED, ABORTED = RequestFlag.PRODUCED, RequestFlag.ABORTED
 SINGLE_FRAME, MULTIPART = PeerFormat.SINGLE_FRAME, PeerFormat.MULTIPART
+_packer = msgpack.Packer()
+_HEADER_BATCH = _packer.pack(int(Header.SUBMIT_BATCH))
+_HEADER_REPLY_BATCH = _packer.pack(int(Header.REPLY_BATCH))
 
 
 class _Client:
-    __slots__ = ("identity", "coordkit", "format", "inflight", "last_seen")
+    __slots__ = ("identity", "coordkit", "batch", "format", "inflight", "last_seen")
 
     def __init__(self, identity: bytes):
         self.identity = identity
         self.coordkit = False  # may be sent ERROR and STATS_REPLY
+        self.batch = False  # granted batches: may send SUBMIT_BATCH, is sent REPLY_BATCH
         self.format = MULTIPART
         self.inflight = 0
         self.last_seen = 0  # the message count when it last sent one
@@ -88,6 +94,7 @@ class _Engine:
         "identity",
         "state",
         "coordkit",
+        "batch",
         "format",
         "heartbeats",
         "last_heartbeat",
@@ -99,6 +106,7 @@ class _Engine:
         self.identity = identity
         self.state = ALIVE
         self.coordkit = False  # sent ENGINE_HELLO: may be sent ERROR for entries it got wrong
+        self.batch = False  # asked for batches in ENGINE_HELLO: is sent ENGINE_SUBMIT_BATCH
         self.format = MULTIPART
         self.heartbeats = False  # has sent a HEARTBEAT: may be timed out
         self.last_heartbeat = 0.0
@@ -124,17 +132,36 @@ class _Request:
 class _Inbound:
     """A new request as it came, to be put in the format of the engine chosen for it."""
 
-    __slots__ = ("header", "frames", "single", "meta", "prompt", "params", "single_ok", "multi_ok")
+    __slots__ = (
+        "header",
+        "frames",
+        "single",
+        "meta",
+        "length",
+        "rest",
+        "payload",
+        "batched",
+        "prompt",
+        "params",
+        "single_ok",
+        "multi_ok",
+    )
 
-    def __init__(self, header: int, frames: list[zmq.Frame], single: bool, params: int):
+    def __init__(self, header: int, frames: list[zmq.Frame], single: bool):
         self.header = header
         self.frames = frames
         self.single = single  # frames[1] is the whole request: [20, client_rid, prompt, params]
         self.meta = b""  # multipart: the metadata rewritten with the server id
+        # Multipart: the metadata's length, what follows its rid (the params, and a
+        # KV submission's kv_meta), and where the payload frames start in frames.
+        self.length = 3
+        self.rest: Buffer = b""
+        self.payload = 2
+        self.batched = False  # an entry of a SUBMIT_BATCH: a batched engine takes it later
         # Single frame: where the prompt starts in frames[1], and where the params
-        # do (0 until parsed). Multipart: where the params start in the metadata.
+        # do (0 until parsed).
         self.prompt = 0
-        self.params = params
+        self.params = 0
         self.single_ok = True  # may go to a single-frame engine
         self.multi_ok = True  # may go to a multipart engine
 
@@ -162,6 +189,12 @@ class Loop:
         self._engines: list[_Engine] = []
         self._engine_by_identity: dict[bytes, _Engine] = {}
         self._gone: list[tuple[_Engine, str]] = []  # found gone, not settled yet
+        # The SUBMIT_BATCH at hand: (request, server_rid, rank, prompt, params) of
+        # each entry routed to a batched engine, sent once every entry is routed.
+        self._engine_batch: list[tuple[_Request, int, int, zmq.Frame, Buffer]] = []
+        # The reply batch at hand: (client_rid, body) by batched client, sent once
+        # every entry is read.
+        self._client_batch: dict[_Client, list[tuple[int, Any]]] = {}
         # The megatron-core dialect: peers that are not coordkit's speak single frames.
         self._megatron_core = options.dialect == "megatron-core"
         # the prefix policy hashes the prompts of single-frame SUBMITs
@@ -323,6 +356,8 @@ class Loop:
                 self._refuse(client, None, ErrorCode.UNKNOWN_HEADER, header, Counter.UNKNOWN_HEADER)
             else:
                 self._submit(client, header, frames)
+        elif header == Header.SUBMIT_BATCH:
+            self._submit_batch(client, frames)
         else:
             self._from_client_rarely(client, header, frames)
 
@@ -344,15 +379,92 @@ class Loop:
         ):
             self._malformed(client, rid, header, "bad frame layout", frames)
             return
-        inbound = _Inbound(header, frames, False, offset)
+        inbound = _Inbound(header, frames, False)
+        inbound.length = length
+        inbound.rest = meta[offset:]
         # A single-frame engine takes [20, rid, prompt, params]: a str or array, and a map.
         inbound.single_ok = (
             self._n_single_engines > 0
             and header == Header.SUBMIT_REQUEST
             and _parses(codec.check_prompt, frames[2].buffer)
-            and _parses(codec.check_map, meta[offset:])
+            and _parses(codec.check_map, inbound.rest)
         )
         self._accept(client, rid, hashes, codec.prompt_tokens(frames[2].buffer), inbound)
+
+    def _submit_batch(self, client: _Client, frames: list[zmq.Frame]) -> None:
+        """SUBMIT_BATCH: each entry down the path of a SUBMIT_REQUEST; the entries
+        routed to batched engines leave as one ENGINE_SUBMIT_BATCH per engine once
+        every entry is routed (see _send_engine_batches)."""
+        header = Header.SUBMIT_BATCH
+        if not client.batch:
+            self._malformed(client, None, header, "batches not granted", frames)
+            return
+        meta = frames[1].buffer
+        try:
+            entries = codec.read_submit_batch(meta)
+        except ProtocolError as exc:
+            self._malformed(client, None, header, str(exc), frames)
+            return
+        if sum(1 + hashed for *_, hashed in entries) != len(frames) - 2:
+            # No prompt can be told from another: each request named ends here.
+            for rid, *_ in entries:
+                if self._clients.get(client.identity) is not client:
+                    return
+                self._malformed(client, rid, header, "bad frame layout", frames)
+            return
+        part = 2
+        for rid, offset, size, hashed in entries:
+            if self._clients.get(client.identity) is not client:
+                break  # found gone meanwhile
+            hashes = frames[part + 1].buffer if hashed else None
+            if hashes is not None and len(hashes) % BLOCK_HASH_SIZE:
+                self._malformed(client, rid, header, "bad frame layout", frames)
+            else:
+                inbound = _Inbound(Header.SUBMIT_REQUEST, frames, False)
+                inbound.rest = meta[offset : offset + size]
+                inbound.payload = part
+                inbound.batched = True
+                prompt = frames[part].buffer
+                inbound.single_ok = (
+                    self._n_single_engines > 0
+                    and _parses(codec.check_prompt, prompt)
+                    and _parses(codec.check_map, inbound.rest)
+                )
+                self._accept(client, rid, hashes, codec.prompt_tokens(prompt), inbound)
+            part += 1 + hashed
+        self._send_engine_batches()
+
+    def _send_engine_batches(self) -> None:
+        """The entries routed to batched engines: one ENGINE_SUBMIT_BATCH per engine,
+        in the order the engines were first chosen, the prompts as the same frames.
+        An entry re-sent or ended meanwhile is left out; an engine found gone here
+        leaves its requests to _settle, as any engine found gone."""
+        by_rank: dict[int, list[tuple[int, zmq.Frame, Buffer]]] = {}
+        for request, server_rid, rank, prompt, params in self._engine_batch:
+            if self._find(server_rid) is request and request.rank == rank:
+                by_rank.setdefault(rank, []).append((server_rid, prompt, params))
+        self._engine_batch.clear()
+        for rank, entries in by_rank.items():
+            engine = self._engines[rank]
+            if engine.state == GONE:  # its requests are settled
+                continue
+            if self._send_identity(engine.identity):
+                self._send_engine_batch(entries)
+            else:
+                self._mark_gone(engine, "unreachable")
+
+    def _send_engine_batch(self, entries: list[tuple[int, zmq.Frame, Buffer]]) -> None:
+        """One engine's ENGINE_SUBMIT_BATCH after its routing id: the metadata, then
+        the prompts as the same frames."""
+        head = [
+            _packer.pack_array_header(2),
+            _HEADER_BATCH,
+            _packer.pack_array_header(len(entries)),
+        ]
+        head += [b"\x92" + _packer.pack(rid) + bytes(params) for rid, _, params in entries]
+        out: list[Any] = [b"".join(head), *(prompt for _, prompt, _ in entries)]
+        self._count_out(Header.SUBMIT_BATCH, out)
+        self._sock.send_multipart(out, copy=False)
 
     def _submit_single(self, client: _Client, frames: list[zmq.Frame]) -> None:
         """A new request in one frame: [20, client_rid, prompt, params] (Megatron-Core 0.19).
@@ -372,8 +484,9 @@ class Loop:
         except ProtocolError as exc:
             self._malformed(client, exc.rid, Header.SUBMIT_REQUEST, str(exc), frames)
             return
-        inbound = _Inbound(Header.SUBMIT_REQUEST, frames, True, params)
+        inbound = _Inbound(Header.SUBMIT_REQUEST, frames, True)
         inbound.prompt = prompt
+        inbound.params = params
         inbound.multi_ok = params != 0
         hashes = None
         if self._computes_hashes:
@@ -410,10 +523,12 @@ class Loop:
             self._queue[request.server_rid] = request
         frames = inbound.frames
         if not inbound.single:
-            inbound.meta = codec.rewrite_submit(frames[1].buffer, request.server_rid)
+            inbound.meta = codec.write_submit(
+                header, inbound.length, request.server_rid, inbound.rest
+            )
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         if header == Header.SUBMIT_REQUEST and self._options.keep_prompts:
-            kept = frames[1] if inbound.single else frames[2]
+            kept = frames[1] if inbound.single else frames[inbound.payload]
             request.kept = (
                 None if inbound.single else inbound.meta,
                 kept.bytes if len(kept) < COPY_BELOW else kept,
@@ -434,12 +549,20 @@ class Loop:
     def _route(
         self, request: _Request, hashes: Buffer | None, tokens: int, inbound: _Inbound
     ) -> RouteStatus:
-        """Send a new request to the engine chosen for it, in its format."""
-        rank, status = self._pick_engine(hashes, tokens, inbound.single_ok, inbound.multi_ok)
+        """Send a new request to the engine chosen for it, in its format; an entry of
+        a SUBMIT_BATCH bound for a batched engine joins that engine's batch."""
+        rank, status = self._pick_engine(
+            hashes, tokens, inbound.single_ok, inbound.multi_ok, inbound.batched
+        )
         if status == RouteStatus.SENT:
             request.rank = rank
             request.work = self._router.charged
-            self._send_new(request, self._engines[rank], inbound)
+            engine = self._engines[rank]
+            if inbound.batched and engine.batch:
+                prompt = inbound.frames[inbound.payload]
+                self._engine_batch.append((request, request.server_rid, rank, prompt, inbound.rest))
+            else:
+                self._send_new(request, engine, inbound)
         return status
 
     def _send_new(self, request: _Request, engine: _Engine, inbound: _Inbound) -> None:
@@ -451,11 +574,11 @@ class Loop:
             prompt = data[inbound.prompt : inbound.params]
             out = _submit_frames(False, request.server_rid, prompt, data[inbound.params :])
         elif engine.format == SINGLE_FRAME:
-            prompt = inbound.frames[2].buffer
-            out = _submit_frames(True, request.server_rid, prompt, data[inbound.params :])
+            prompt = inbound.frames[inbound.payload].buffer
+            out = _submit_frames(True, request.server_rid, prompt, inbound.rest)
         else:  # the metadata and the payload frames as themselves
             n_payload = 1 if inbound.header == Header.SUBMIT_REQUEST else 2
-            out = [inbound.meta, *inbound.frames[2 : 2 + n_payload]]
+            out = [inbound.meta, *inbound.frames[inbound.payload : inbound.payload + n_payload]]
         self._count_out(inbound.header, out)
         self._sock.send_multipart(out, copy=False)
 
@@ -508,9 +631,15 @@ class Loop:
         self._sock.send_multipart(out, copy=False)
 
     def _pick_engine(
-        self, hashes: Buffer | None, tokens: int, single_ok: bool, multi_ok: bool
+        self,
+        hashes: Buffer | None,
+        tokens: int,
+        single_ok: bool,
+        multi_ok: bool,
+        batched: bool = False,
     ) -> tuple[int, RouteStatus]:
-        """The router's choice, its routing id sent (the request's frames follow).
+        """The router's choice, its routing id sent (the request's frames follow),
+        unless ``batched`` and the engine takes batches (the batch is sent later).
         An unreachable choice is marked gone: ENGINE_GONE; one whose format the
         request cannot be put in: UNSENDABLE."""
         rank = self._router.choose(hashes, time.monotonic(), tokens)
@@ -522,7 +651,7 @@ class Loop:
         if not (single_ok if engine.format == SINGLE_FRAME else multi_ok):
             self._router.release(rank, self._router.charged)
             return rank, RouteStatus.UNSENDABLE
-        if self._send_identity(engine.identity):
+        if (batched and engine.batch) or self._send_identity(engine.identity):
             return rank, RouteStatus.SENT
         self._router.release(rank, self._router.charged)
         self._mark_gone(engine, "unreachable")
@@ -569,8 +698,34 @@ class Loop:
             out: Any = body
             if needs_detokenize and self._options.detokenizer is not None:
                 out = self._detokenized(body.buffer)
-            if not self._deliver(request.client, header, request.client_rid, out):
+            if request.client.batch:
+                self._client_batch.setdefault(request.client, []).append((request.client_rid, out))
+            elif not self._deliver(request.client, header, request.client_rid, out):
                 self._client_gone(request.client)
+        self._send_client_batches(final)
+
+    def _send_client_batches(self, final: bool) -> None:
+        """The entries of the reply batch at hand bound for batched clients: one
+        REPLY_BATCH per client, in the order the clients first came, the bodies
+        as the same frames."""
+        batches = list(self._client_batch.items())
+        self._client_batch.clear()
+        for client, entries in batches:
+            if self._send_identity(client.identity):
+                self._send_client_batch(final, entries)
+            else:
+                self._client_gone(client)
+
+    def _send_client_batch(self, final: bool, entries: list[tuple[int, Any]]) -> None:
+        """One client's REPLY_BATCH after its routing id: the metadata, then the
+        bodies as the same frames."""
+        flag = b"\xc3" if final else b"\xc2"
+        head = [_packer.pack_array_header(2), _HEADER_REPLY_BATCH]
+        head.append(_packer.pack_array_header(len(entries)))
+        head += [b"\x92" + _packer.pack(rid) + flag for rid, _ in entries]
+        out: list[Any] = [b"".join(head), *(body for _, body in entries)]
+        self._count_out(Header.REPLY_BATCH, out)
+        self._sock.send_multipart(out, copy=False)
 
     def _forward_single_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         """A 0.19 engine's finished requests, each map to its request's client."""
@@ -763,6 +918,7 @@ class Loop:
             engine = self._new_engine(identity, engine)
         if engine is not None:
             engine.coordkit = hello.coordkit
+            engine.batch = hello.batch
             engine.format = MULTIPART
             self._count_formats()
 
@@ -801,6 +957,7 @@ class Loop:
             engine = self._engine_by_identity[identity] = self._engines[rank]
         engine.state = ALIVE
         engine.coordkit = False
+        engine.batch = False
         engine.format = SINGLE_FRAME if self._megatron_core else MULTIPART
         engine.heartbeats = False
         self._router.add_rank(engine.rank)
@@ -810,7 +967,7 @@ class Loop:
     def _connect(self, identity: bytes, client: _Client | None, frames: list[zmq.Frame]) -> None:
         """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
         try:
-            coordkit = parse_connect(_buffers(frames)).coordkit
+            hello = parse_connect(_buffers(frames))
         except ProtocolError as exc:
             self._malformed(None, None, Header.CONNECT, str(exc), frames)
             return
@@ -820,16 +977,20 @@ class Loop:
             if len(self._clients) >= self._options.max_clients and not self._vacant_client():
                 self._counters[Counter.TABLE_FULL] += 1
                 self._refused[ErrorCode.BUSY] += 1
-                if coordkit:
+                if hello.coordkit:
                     self._counters[Counter.ERRORS_SENT] += 1
                     text = error_text(ErrorCode.BUSY, Header.CONNECT)
                     self._send(identity, protocol.ERROR.pack(None, ErrorCode.BUSY, text))
                 return
             client = self._clients[identity] = _Client(identity)
-        client.coordkit = coordkit
+        client.coordkit = hello.coordkit
+        client.batch = hello.batch
         client.last_seen = self._messages
-        client.format = SINGLE_FRAME if self._megatron_core and not coordkit else MULTIPART
-        self._send(identity, protocol.CONNECT_ACK.pack())
+        client.format = SINGLE_FRAME if self._megatron_core and not hello.coordkit else MULTIPART
+        if hello.batch:
+            self._send(identity, protocol.CONNECT_ACK_BATCH.pack({BATCH_FEATURE: 1}))
+        else:
+            self._send(identity, protocol.CONNECT_ACK.pack())
 
     def _vacant_client(self) -> bool:
         """Make room for a client: the idle one seen longest ago gives up its place."""

@@ -22,10 +22,12 @@ from tests.support.peers import (
     PAUSE,
     RELEASE_KV,
     REPLY,
+    REPLY_BATCH,
     RESUME,
     START_CUDA_PROFILER,
     STOP,
     SUBMIT,
+    SUBMIT_BATCH,
     SUSPEND,
     UNPAUSE,
     m,
@@ -46,16 +48,31 @@ def _collect(cluster: Cluster, names: dict[zmq.Socket, str], log: dict) -> None:
             log[names[sock]].append(sock.recv_multipart())
 
 
+def _server_ids_in(frames: list[bytes]) -> list[int]:
+    """The server ids an engine was given in one message: a SUBMIT's, or a batch's."""
+    header, *fields = um(frames[0])
+    if header == SUBMIT:
+        return [fields[0]]
+    return [entry[0] for entry in fields[0]] if header == SUBMIT_BATCH else []
+
+
 def _conversation(impl, address: str, policy: str, seed: int, steps: int) -> dict:
     rng = random.Random(seed)
     log: dict[str, list[list[bytes]]] = defaultdict(list)
     with Cluster(impl, address, policy=policy, seed=3, max_inflight=64, prefix_ttl=3600) as c:
         for rank in range(3):
             c.add_engine(f"e{rank}".encode())
-        clients = [c.client(coordkit=True, identity=b"ck"), c.client(identity=b"mg")]
+        c.add_coordkit_engine(b"e3", batch=True)
+        clients = [
+            c.client(coordkit=True, identity=b"ck"),
+            c.client(identity=b"mg"),
+            c.client(batch=True, identity=b"bk"),
+        ]
         peers = [*c.engines, *clients]
-        names = dict(zip([p.sock for p in peers], ["e0", "e1", "e2", "ck", "mg"], strict=True))
-        next_rid = [0, 0]
+        names = dict(
+            zip([p.sock for p in peers], ["e0", "e1", "e2", "e3", "ck", "mg", "bk"], strict=True)
+        )
+        next_rid = [0, 0, 0]
         handled = c.coord.stats()["messages"]
         prefixes = [[rng.randrange(1 << 64) for _ in range(4)] for _ in range(3)]
 
@@ -68,9 +85,25 @@ def _conversation(impl, address: str, policy: str, seed: int, steps: int) -> dic
 
         for _ in range(steps):
             move = rng.random()
-            k = rng.randrange(2)
+            k = rng.randrange(3)
             client = clients[k]
-            if move < 0.35:
+            if move < 0.35 and k == 2:
+                # A batch of one to four, some entries hashed, now and then a rid
+                # again (a duplicate) or a frame missing (every entry named fails).
+                entries, frames = [], []
+                for _ in range(rng.randrange(1, 5)):
+                    rid = next_rid[k] - (rng.random() < 0.1)
+                    next_rid[k] = max(next_rid[k], rid + 1)
+                    chain = prefixes[rng.randrange(3)][: rng.randrange(1, 5)]
+                    hashed = rng.random() < 0.5
+                    entries.append([rid, {"n": rid}, hashed])
+                    frames.append(m([rng.randrange(1000)] * 8))
+                    if hashed:
+                        frames.append(b"".join(h.to_bytes(8, "little") for h in chain))
+                if rng.random() < 0.1:
+                    frames.pop()
+                send(client, m([SUBMIT_BATCH, entries]), *frames)
+            elif move < 0.35:
                 rid = next_rid[k]
                 next_rid[k] += 1
                 frames = [m([SUBMIT, rid, {"n": rid}]), m([rng.randrange(1000)] * 8)]
@@ -80,8 +113,8 @@ def _conversation(impl, address: str, policy: str, seed: int, steps: int) -> dic
                 send(client, *frames)
             elif move < 0.6:
                 # An engine finishes (or streams) some of what it was given.
-                rank = rng.randrange(3)
-                given = [um(f[0])[1] for f in log[f"e{rank}"] if um(f[0])[0] == SUBMIT]
+                rank = rng.randrange(4)
+                given = [sid for f in log[f"e{rank}"] for sid in _server_ids_in(f)]
                 if not given:
                     continue
                 batch = rng.sample(given, min(len(given), rng.randrange(1, 4)))
@@ -99,12 +132,22 @@ def _conversation(impl, address: str, policy: str, seed: int, steps: int) -> dic
             elif move < 0.82:
                 send(client, m([SUBMIT, max(0, next_rid[k] - 1), {}]), b"dup")  # maybe in flight
             elif move < 0.86:
-                rank = rng.randrange(3)
+                rank = rng.randrange(4)
                 send(c.engines[rank], m([DISCONNECT]))
             elif move < 0.9:
-                send(c.engines[rng.randrange(3)], b"")  # register again, or come back
+                send(c.engines[rng.randrange(4)], b"")  # register again, or come back
             else:
-                junk = rng.choice([b"\xc1", m([]), m([SUBMIT, "x", {}]), m([77]), m([SUBMIT, 1])])
+                junk = rng.choice(
+                    [
+                        b"\xc1",
+                        m([]),
+                        m([SUBMIT, "x", {}]),
+                        m([77]),
+                        m([SUBMIT, 1]),
+                        m([SUBMIT_BATCH, [[0, {}]]]),
+                        m([SUBMIT_BATCH, [[next_rid[k], {}, False]]]),
+                    ]
+                )
                 send(client, junk, b"p")
         stats = c.coord.stats()
         metrics = c.coord.metrics()
@@ -124,6 +167,8 @@ def test_same_frames_at_every_peer(c_impl, py_impl, tmp_path, policy):
     ]
     c_run, py_run = runs
     assert sum(len(frames) for frames in c_run["log"].values()) > 50
+    headers = {peer: {um(f[0])[0] for f in frames} for peer, frames in c_run["log"].items()}
+    assert SUBMIT_BATCH in headers["e3"] and REPLY_BATCH in headers["bk"]  # batches went by
     for peer in sorted(set(c_run["log"]) | set(py_run["log"])):
         assert c_run["log"].get(peer) == py_run["log"].get(peer), peer
     assert c_run["counters"] == py_run["counters"]

@@ -2,9 +2,10 @@
 
 Each test runs the client, the coordinator and the engines on one
 implementation (``impl``). The client and the engines either ask for batches
-(what they do by default) or not; a coordinator that does not grant them
-(today's) makes both cases the non-batch protocol, one that does makes the
-asking case the batched one. Every request must come back right either way.
+(what they do by default) or not; the coordinator grants them to those that
+ask, so the asking case is the batched protocol end to end (SUBMIT_BATCH in,
+ENGINE_SUBMIT_BATCH out, REPLY_BATCH back) and the other the per-request one.
+Every request must come back right either way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import threading
 import pytest
 
 from coordkit import Client, CoordinatorError, ErrorCode
-from coordkit.protocol import packb
+from coordkit.protocol import Header, packb
 from coordkit.tools.fake_engine import FakeEngine
 from tests.support.scripted import TIMEOUT, run
 
@@ -52,6 +53,7 @@ def test_submit_many_and_submit(make_coordinator, impl, asked):
         async with await Client.connect(
             address, timeout=TIMEOUT, batch=asked, implementation=impl.name
         ) as client:
+            assert client.batch is asked
             await client.wait_for_engines(2, timeout=TIMEOUT)
             prompts = [[i, i + 1, i + 2] for i in range(500)]
             others = [np.arange(7, dtype=np.int32), array.array("q", [3, 4]), "text"]
@@ -76,6 +78,13 @@ def test_submit_many_and_submit(make_coordinator, impl, asked):
         fake_engines(coord.address, 2, impl, output_tokens=4, batch=asked),
     ):
         run(body(coord.address))
+        traffic = {(t["direction"], t["header"]) for t in coord.metrics()["traffic"]}
+    batched = {
+        ("in", Header.SUBMIT_BATCH),
+        ("out", Header.SUBMIT_BATCH),
+        ("out", Header.REPLY_BATCH),
+    }
+    assert batched <= traffic if asked else not batched & traffic
 
 
 @ASKED

@@ -51,6 +51,7 @@ from tests.support.peers import (
     ERROR,
     PAUSE,
     REPLY,
+    REPLY_BATCH,
     RESUME,
     SET_GENERATION_EPOCH,
     SHUTDOWN,
@@ -58,6 +59,7 @@ from tests.support.peers import (
     STOP,
     STOP_CUDA_PROFILER,
     SUBMIT,
+    SUBMIT_BATCH,
     SUSPEND,
     UNPAUSE,
     Raw,
@@ -637,6 +639,30 @@ def test_both_kinds_of_engine_behind_one_coordinator(megatron):
         )
         for peer in (megatron_client, coordkit_client, *engines):
             peer.assert_silent(0.05)
+
+
+def test_a_batched_client_behind_both_kinds_of_engine(megatron):
+    with megatron(policy="round_robin") as c:
+        single = c.add_single_frame_engine()
+        batched = c.add_coordkit_engine(batch=True)
+        client = c.client(batch=True)
+        # [95, [[5, params, False], [6, ...], [7, ...]]], the params as the client wrote them
+        entries = b"".join(b"\x93" + bytes([rid]) + PARAMS + b"\xc2" for rid in (5, 6, 7))
+        client.send(b"\x92" + m(SUBMIT_BATCH) + b"\x93" + entries, TOKENS, TEXT, b"\x90")
+        # Round robin: 5 and 7 to the single-frame engine, each spliced into one
+        # frame at once; 6 to the batched engine, as a batch of one.
+        assert single.recv_frame() == b"\x94\x14\x00" + TOKENS + PARAMS
+        assert single.recv_frame() == b"\x94\x14\x02\x90" + PARAMS
+        assert batched.recv() == [b"\x92" + m(SUBMIT_BATCH) + b"\x91\x92\x01" + PARAMS, TEXT]
+        # A single-frame engine's finished requests go one message each, batched client or not.
+        single.reply(Raw(finished(2)), Raw(finished(0)))
+        assert client.recv() == [m([REPLY, 7]), finished(2)]
+        assert client.recv() == [m([REPLY, 5]), finished(0)]
+        batched.send(m([REPLY, [[1, False]]]), finished(1))
+        assert client.recv() == [m([REPLY_BATCH, [[6, True]]]), finished(1)]
+        for peer in (client, single, batched):
+            peer.assert_silent(0.05)
+        assert c.coord.stats()["inflight"] == 0
 
 
 @pytest.mark.parametrize(

@@ -44,11 +44,12 @@ class Cluster:
         engine = RawEngine(self.ctx, self.coord.address, identity or self._engine_id())
         return self._registered(engine.register())
 
-    def add_coordkit_engine(self, identity: bytes | None = None) -> RawEngine:
-        """A multipart engine that says so: registration, then ENGINE_HELLO, handled."""
+    def add_coordkit_engine(self, identity: bytes | None = None, batch: bool = False) -> RawEngine:
+        """A multipart engine that says so: registration, then ENGINE_HELLO (asking
+        for batches with ``batch``), handled."""
         engine = self.add_engine(identity)
         messages = self.coord.stats()["messages"]
-        engine.hello()
+        engine.hello(**({"batch": 1} if batch else {}))
         wait_for(lambda: self.coord.stats()["messages"] > messages)
         return engine
 
@@ -67,10 +68,12 @@ class Cluster:
         wait_for(lambda: len(self.coord.stats()["engines"]) > rank)
         return engine
 
-    def client(self, coordkit: bool = False, identity: bytes | None = None) -> RawClient:
+    def client(
+        self, coordkit: bool = False, identity: bytes | None = None, batch: bool = False
+    ) -> RawClient:
         client = RawClient(self.ctx, self.coord.address, identity)
         self.peers.append(client)
-        return client.connect(coordkit)
+        return client.connect(coordkit, batch)
 
     def single_frame_client(self, identity: bytes | None = None) -> SingleFrameClient:
         """A Megatron-Core 0.19 client (one frame per message), connected."""

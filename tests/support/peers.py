@@ -97,7 +97,12 @@ class Peer:
 
 
 class RawClient(Peer):
-    def connect(self, coordkit: bool = False) -> RawClient:
+    def connect(self, coordkit: bool = False, batch: bool = False) -> RawClient:
+        """CONNECT; ``batch`` asks for batches (a coordkit client), and must be granted."""
+        if batch:
+            self.send(m([CONNECT, {"coordkit": 1, "batch": 1}]))
+            assert self.recv() == [m([CONNECT_ACK, {"batch": 1}])]
+            return self
         self.send(m([CONNECT, {"coordkit": 1}]) if coordkit else m([CONNECT]))
         assert self.recv() == [m([CONNECT_ACK])]
         return self
