@@ -67,15 +67,14 @@ from coordkit._libzmq cimport (
     ZMQ_POLLOUT,
     ZMQ_SNDMORE,
     bind_libzmq,
+    recv_parts,
     zmq_errno,
     zmq_getsockopt,
     zmq_msg_close,
     zmq_msg_data,
     zmq_msg_init,
     zmq_msg_init_size,
-    zmq_msg_more,
     zmq_msg_move,
-    zmq_msg_recv,
     zmq_msg_send,
     zmq_msg_size,
     zmq_msg_t,
@@ -697,24 +696,14 @@ cdef class ClientCore:
     # -- requests --------------------------------------------------------------------------
 
     def submit(self, prompt, sampling_params, block_size, bint raw, block_hashes=None):
-        cdef zmq_msg_t msgs[2]
-        cdef Py_ssize_t n = 1
-        self._check_open()
-        hashes = hashes_of(prompt, block_size) if block_size is not None else block_hashes
-        params = params_of(sampling_params)
-        prompt_msg(&msgs[0], &self.scratch, prompt)
-        if hashes is not None:
-            try:
-                ck_msg_from_object(&msgs[1], hashes, COPY_BELOW)
-            except BaseException:
-                zmq_msg_close(&msgs[0])
-                raise
-            n = 2
-        future = self._future(self.next_rid, raw)
-        self._request(future, params, msgs, n, True)
-        return future
+        return self._one(False, prompt, sampling_params, block_size, raw, block_hashes)
 
     def stream(self, prompt, sampling_params, block_size, bint raw, block_hashes=None):
+        return self._one(True, prompt, sampling_params, block_size, raw, block_hashes)
+
+    cdef object _one(self, bint streaming, prompt, sampling_params, block_size, bint raw,
+                     block_hashes):
+        """One request, answered to a future, or to a stream when ``streaming``."""
         cdef zmq_msg_t msgs[2]
         cdef Py_ssize_t n = 1
         self._check_open()
@@ -728,9 +717,12 @@ cdef class ClientCore:
                 zmq_msg_close(&msgs[0])
                 raise
             n = 2
-        stream = self._stream_type(self.next_rid, raw)
-        self._request(stream, params, msgs, n, True)
-        return stream
+        if streaming:
+            target = self._stream_type(self.next_rid, raw)
+        else:
+            target = self._future(self.next_rid, raw)
+        self._request(target, params, msgs, n, True)
+        return target
 
     def submit_many(self, prompts, sampling_params, block_size, bint raw):
         """One future per prompt; everything is encoded before anything is sent."""
@@ -1029,28 +1021,7 @@ cdef class ClientCore:
 
     cdef int _receive(self) except -2:
         """Every frame of the next message into ``parts``: 1, 0 when none waits, -1 on error."""
-        cdef zmq_msg_t* grown
-        cdef Py_ssize_t i
-        zmq_msg_init(&self.parts[0])
-        if zmq_msg_recv(&self.parts[0], self.sock, ZMQ_DONTWAIT) < 0:
-            zmq_msg_close(&self.parts[0])
-            return 0 if zmq_errno() == EAGAIN else -1
-        self.n_parts = 1
-        while zmq_msg_more(&self.parts[self.n_parts - 1]):
-            if self.n_parts == self.parts_capacity:
-                grown = <zmq_msg_t*>malloc(2 * self.parts_capacity * sizeof(zmq_msg_t))
-                if grown == NULL:
-                    raise MemoryError()
-                for i in range(self.n_parts):
-                    zmq_msg_init(&grown[i])
-                    zmq_msg_move(&grown[i], &self.parts[i])
-                free(self.parts)
-                self.parts = grown
-                self.parts_capacity *= 2
-            zmq_msg_init(&self.parts[self.n_parts])
-            zmq_msg_recv(&self.parts[self.n_parts], self.sock, 0)  # the rest is there
-            self.n_parts += 1
-        return 1
+        return recv_parts(self.sock, &self.parts, &self.n_parts, &self.parts_capacity)
 
     cdef int _dispatch(self) except -1:
         cdef const uint8_t* data = <const uint8_t*>zmq_msg_data(&self.parts[0])

@@ -195,12 +195,7 @@ class ClientCore:
         raw: bool,
         block_hashes: Any = None,
     ) -> Any:
-        self._check_open()
-        frame = encode_prompt(prompt)
-        hashes = _hashes(prompt, block_size) if block_size is not None else block_hashes
-        future = self._future(self.next_rid, raw)
-        self._request(future, _params(sampling_params), frame, hashes)
-        return future
+        return self._one(False, prompt, sampling_params, block_size, raw, block_hashes)
 
     def stream(
         self,
@@ -210,12 +205,25 @@ class ClientCore:
         raw: bool,
         block_hashes: Any = None,
     ) -> Any:
+        return self._one(True, prompt, sampling_params, block_size, raw, block_hashes)
+
+    def _one(
+        self,
+        streaming: bool,
+        prompt: Any,
+        sampling_params: Any,
+        block_size: int | None,
+        raw: bool,
+        block_hashes: Any,
+    ) -> Any:
+        """One request, answered to a future, or to a stream when ``streaming``."""
         self._check_open()
         frame = encode_prompt(prompt)
         hashes = _hashes(prompt, block_size) if block_size is not None else block_hashes
-        stream = self._stream_type(self.next_rid, raw)
-        self._request(stream, _params(sampling_params), frame, hashes)
-        return stream
+        make = self._stream_type if streaming else self._future
+        target = make(self.next_rid, raw)
+        self._request(target, _params(sampling_params), frame, hashes)
+        return target
 
     def submit_many(
         self, prompts: Iterable[Any], sampling_params: Any, block_size: int | None, raw: bool

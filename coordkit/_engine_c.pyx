@@ -30,7 +30,7 @@ from cpython.exc cimport PyErr_CheckSignals
 from cpython.list cimport PyList_Append
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_Check
 from cpython.memoryview cimport PyMemoryView_FromMemory
-from libc.errno cimport EAGAIN, EINTR
+from libc.errno cimport EINTR
 from libc.stdint cimport int64_t, uint8_t, uint32_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcmp, memcpy
@@ -52,18 +52,16 @@ from coordkit._codec_c cimport (
 )
 from coordkit._constants cimport *
 from coordkit._libzmq cimport (
-    ZMQ_DONTWAIT,
     ZMQ_POLLIN,
     ZMQ_SNDMORE,
     bind_libzmq,
+    recv_parts,
     zmq_errno,
     zmq_msg_close,
     zmq_msg_data,
     zmq_msg_init,
     zmq_msg_init_size,
-    zmq_msg_more,
     zmq_msg_move,
-    zmq_msg_recv,
     zmq_msg_send,
     zmq_msg_size,
     zmq_msg_t,
@@ -355,28 +353,7 @@ cdef class EngineCore:
 
     cdef int _receive(self) except -2:
         """Every frame of the next message into ``parts``: 1, 0 when none waits, -1 on error."""
-        cdef zmq_msg_t* grown
-        cdef Py_ssize_t i
-        zmq_msg_init(&self.parts[0])
-        if zmq_msg_recv(&self.parts[0], self.sock, ZMQ_DONTWAIT) < 0:
-            zmq_msg_close(&self.parts[0])
-            return 0 if zmq_errno() == EAGAIN else -1
-        self.n_parts = 1
-        while zmq_msg_more(&self.parts[self.n_parts - 1]):
-            if self.n_parts == self.parts_capacity:
-                grown = <zmq_msg_t*>malloc(2 * self.parts_capacity * sizeof(zmq_msg_t))
-                if grown == NULL:
-                    raise MemoryError()
-                for i in range(self.n_parts):
-                    zmq_msg_init(&grown[i])
-                    zmq_msg_move(&grown[i], &self.parts[i])
-                free(self.parts)
-                self.parts = grown
-                self.parts_capacity *= 2
-            zmq_msg_init(&self.parts[self.n_parts])
-            zmq_msg_recv(&self.parts[self.n_parts], self.sock, 0)  # the rest is there
-            self.n_parts += 1
-        return 1
+        return recv_parts(self.sock, &self.parts, &self.n_parts, &self.parts_capacity)
 
     cdef int _parse(self, list events) except -1:
         cdef const uint8_t* data = <const uint8_t*>zmq_msg_data(&self.parts[0])

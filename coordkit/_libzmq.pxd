@@ -1,6 +1,9 @@
 # cython: language_level=3
 """Declarations of the libzmq functions bound at import (see _libzmq.h)."""
 
+from libc.errno cimport EAGAIN
+from libc.stdlib cimport free, malloc
+
 cdef extern from "_libzmq.h" nogil:
     ctypedef struct zmq_msg_t:
         pass
@@ -57,3 +60,34 @@ cdef inline int bind_libzmq() except -1:
         "coordkit: cannot bind to the libzmq loaded by pyzmq: "
         + ("; ".join(reasons) or "no candidate library found")
     )
+
+
+cdef inline int recv_parts(void* sock, zmq_msg_t** parts, Py_ssize_t* n_parts,
+                           Py_ssize_t* capacity) except -2:
+    """Every frame of the next message into ``parts[0]``, an array of ``capacity``
+    that doubles as needed: 1, 0 when none waits, -1 on error."""
+    cdef zmq_msg_t* grown
+    cdef zmq_msg_t* msgs = parts[0]
+    cdef Py_ssize_t i, n
+    zmq_msg_init(&msgs[0])
+    if zmq_msg_recv(&msgs[0], sock, ZMQ_DONTWAIT) < 0:
+        zmq_msg_close(&msgs[0])
+        return 0 if zmq_errno() == EAGAIN else -1
+    n = 1
+    while zmq_msg_more(&msgs[n - 1]):
+        if n == capacity[0]:
+            grown = <zmq_msg_t*>malloc(2 * n * sizeof(zmq_msg_t))
+            if grown == NULL:
+                n_parts[0] = n  # closed by the caller
+                raise MemoryError()
+            for i in range(n):
+                zmq_msg_init(&grown[i])
+                zmq_msg_move(&grown[i], &msgs[i])
+            free(msgs)
+            parts[0] = msgs = grown
+            capacity[0] = 2 * n
+        zmq_msg_init(&msgs[n])
+        zmq_msg_recv(&msgs[n], sock, 0)  # the rest is there
+        n += 1
+    n_parts[0] = n
+    return 1

@@ -9,7 +9,6 @@ timeout (no pytest-asyncio); every receive has its own timeout too.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import queue
 import signal
 import threading
@@ -32,6 +31,7 @@ from tests.support.peers import (
 )
 from tests.support.processes import engine_processes
 from tests.support.scripted import TIMEOUT, run, scripted
+from tests.support.threads import fake_engines
 
 # -- against a scripted coordinator ---------------------------------------------------------
 
@@ -145,25 +145,6 @@ def test_connect_timeout(tmp_path, impl):
 
 
 # -- through a real coordinator ---------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def fake_engines(address: str, count: int, **options):
-    """``count`` FakeEngines running on threads."""
-    stop = threading.Event()
-    engines = [
-        FakeEngine(address, rank, heartbeat_interval=None, **options) for rank in range(count)
-    ]
-    threads = [threading.Thread(target=e.run, args=(stop,), daemon=True) for e in engines]
-    for thread in threads:
-        thread.start()
-    try:
-        yield engines
-    finally:
-        stop.set()
-        for thread, engine in zip(threads, engines, strict=True):
-            thread.join(TIMEOUT)
-            engine.close()
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import contextlib
-import threading
 
 import pytest
 
@@ -21,28 +19,9 @@ from coordkit import Client, CoordinatorError, ErrorCode
 from coordkit.protocol import Header, packb
 from coordkit.tools.fake_engine import FakeEngine
 from tests.support.scripted import TIMEOUT, run
+from tests.support.threads import fake_engines
 
 ASKED = pytest.mark.parametrize("asked", [False, True], ids=["plain", "asking"])
-
-
-@contextlib.contextmanager
-def fake_engines(address: str, count: int, impl, **options):
-    """``count`` FakeEngines of ``impl`` running on threads."""
-    stop = threading.Event()
-    engines = [
-        FakeEngine(address, rank, heartbeat_interval=None, implementation=impl.name, **options)
-        for rank in range(count)
-    ]
-    threads = [threading.Thread(target=e.run, args=(stop,), daemon=True) for e in engines]
-    for thread in threads:
-        thread.start()
-    try:
-        yield engines
-    finally:
-        stop.set()
-        for thread, engine in zip(threads, engines, strict=True):
-            thread.join(TIMEOUT)
-            engine.close()
 
 
 @ASKED
@@ -75,7 +54,7 @@ def test_submit_many_and_submit(make_coordinator, impl, asked):
 
     with (
         make_coordinator(max_inflight=100_000) as coord,
-        fake_engines(coord.address, 2, impl, output_tokens=4, batch=asked),
+        fake_engines(coord.address, 2, implementation=impl.name, output_tokens=4, batch=asked),
     ):
         run(body(coord.address))
         traffic = {(t["direction"], t["header"]) for t in coord.metrics()["traffic"]}
@@ -123,6 +102,13 @@ def test_stream_cancel_and_errors(make_coordinator, impl, asked):
 
     with (
         make_coordinator() as coord,
-        fake_engines(coord.address, 1, impl, output_tokens=1000, batch=asked, latency=0.005),
+        fake_engines(
+            coord.address,
+            1,
+            implementation=impl.name,
+            output_tokens=1000,
+            batch=asked,
+            latency=0.005,
+        ),
     ):
         run(body(coord.address))

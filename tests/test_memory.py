@@ -75,6 +75,7 @@ class Load:
                 done += 1
 
 
+@pytest.mark.timeout(900)  # the Python loop takes ~3 minutes on a quiet machine
 @pytest.mark.parametrize("requests", [2_000_000])  # twice the C index's million positions
 def test_memory_returns_to_its_baseline(impl, tmp_path, requests):
     address = f"ipc://{tmp_path}/coord.sock"
