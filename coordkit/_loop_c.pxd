@@ -9,6 +9,15 @@ from coordkit._libzmq cimport zmq_msg_t
 from coordkit._routing_c cimport Router
 
 
+cdef extern from "_buffers.h" nogil:
+    ctypedef struct ck_buffer_pool:
+        pass
+
+    ck_buffer_pool* ck_buffer_pool_new()
+    void ck_buffer_pool_close(ck_buffer_pool* pool)
+    int ck_buffer_msg(ck_buffer_pool* pool, zmq_msg_t* msg, size_t size)
+
+
 cdef extern from "_tables.h" nogil:
     ctypedef struct ck_ids:
         pass
@@ -115,6 +124,7 @@ cdef class Loop:
         Router router
         void* sock  # the ROUTER's raw libzmq handle
         void* wake  # the inproc PAIR that stop() writes to
+        ck_buffer_pool* buffers  # large outgoing single frames, reused
         bint stopping  # SHUTDOWN arrived, or stop() woke us
 
         int64_t max_inflight

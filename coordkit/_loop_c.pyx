@@ -191,20 +191,23 @@ cdef size_t send_head(void* sock, int64_t header, uint32_t length, int64_t rid,
     return n
 
 
-cdef size_t send_submit(void* sock, bint single_frame, int64_t rid,
-                        const uint8_t* prompt, size_t prompt_size,
+cdef size_t send_submit(void* sock, ck_buffer_pool* buffers, bint single_frame,
+                        int64_t rid, const uint8_t* prompt, size_t prompt_size,
                         const uint8_t* params, size_t params_size) noexcept nogil:
     """A request from the bytes of its prompt and its params, in an engine's format:
     ``[20, rid, <prompt>, <params>]``, or ``[20, rid, <params>]`` and the prompt;
-    the bytes sent."""
+    the bytes sent. Both copy the prompt: a large one into a buffer of ``buffers``."""
     cdef zmq_msg_t msg
     cdef size_t n
     if not single_frame:
+        ck_buffer_msg(buffers, &msg, prompt_size)
+        memcpy(zmq_msg_data(&msg), prompt, prompt_size)
         n = send_head(sock, HEADER_SUBMIT_REQUEST, 3, rid, params, params_size, ZMQ_SNDMORE)
-        send_bytes(sock, prompt, prompt_size, 0)
+        if zmq_msg_send(&msg, sock, 0) < 0:
+            zmq_msg_close(&msg)
         return n + prompt_size
     n = ck_single_submit_size(HEADER_SUBMIT_REQUEST, rid, prompt_size, params_size)
-    zmq_msg_init_size(&msg, n)
+    ck_buffer_msg(buffers, &msg, n)
     ck_write_single_submit(
         <uint8_t*>zmq_msg_data(&msg), HEADER_SUBMIT_REQUEST, rid, prompt, prompt_size,
         params, params_size,
@@ -299,6 +302,7 @@ cdef class Loop:
     implementation = "c"
 
     def __cinit__(self):
+        self.buffers = NULL
         self.clients = NULL
         self.engines = NULL
         self.gone = NULL
@@ -359,9 +363,10 @@ cdef class Loop:
         self.single_entries_capacity = FIRST_ENTRIES
         self.single_entries = <ck_single_entry*>malloc(FIRST_ENTRIES * sizeof(ck_single_entry))
         self.work = <uint32_t*>calloc(options.max_inflight, sizeof(uint32_t))
+        self.buffers = ck_buffer_pool_new()
         if (
-            self.clients == NULL or self.engines == NULL or self.gone == NULL
-            or self.parts == NULL or self.entries == NULL or self.work == NULL
+            self.buffers == NULL or self.clients == NULL or self.engines == NULL
+            or self.gone == NULL or self.parts == NULL or self.entries == NULL or self.work == NULL
             or self.single_entries == NULL
             or ck_requests_init(
                 &self.requests, options.max_inflight, options.index_size, INDEX_WINDOW_MIN
@@ -378,6 +383,8 @@ cdef class Loop:
                 if self.requests.pool[slot].server_rid >= 0:
                     release_kept(self.requests.pool[slot].kept)
         ck_requests_free(&self.requests)
+        if self.buffers != NULL:
+            ck_buffer_pool_close(self.buffers)
         ck_ids_free(&self.client_ids)
         ck_ids_free(&self.engine_ids)
         free(self.clients)
@@ -1033,16 +1040,16 @@ cdef class Loop:
         cdef size_t size, end = inbound.frame_size
         cdef int i
         if frame != NULL and single_frame:  # as it came, behind a new head
-            size = send_submit(self.sock, True, server_rid, frame + inbound.prompt,
+            size = send_submit(self.sock, self.buffers, True, server_rid, frame + inbound.prompt,
                                end - inbound.prompt, NULL, 0)
         elif frame != NULL:  # split at the field boundary
-            size = send_submit(self.sock, False, server_rid, frame + inbound.prompt,
+            size = send_submit(self.sock, self.buffers, False, server_rid, frame + inbound.prompt,
                                inbound.params - inbound.prompt, frame + inbound.params,
                                end - inbound.params)
         elif single_frame:
-            size = send_submit(self.sock, True, server_rid, self._data(inbound.payload),
-                               self._size(inbound.payload), inbound.params_data,
-                               inbound.params_size)
+            size = send_submit(self.sock, self.buffers, True, server_rid,
+                               self._data(inbound.payload), self._size(inbound.payload),
+                               inbound.params_data, inbound.params_size)
         else:  # the metadata and the payload frames as themselves
             size = zmq_msg_size(inbound.meta)
             for i in range(inbound.n_payload):
@@ -1103,16 +1110,16 @@ cdef class Loop:
         cdef const uint8_t* meta = kept_meta(kept)
         if kept.single and single_frame:
             ck_read_single_head(prompt, size, &single)
-            sent = send_submit(self.sock, True, server_rid, prompt + single.prompt,
+            sent = send_submit(self.sock, self.buffers, True, server_rid, prompt + single.prompt,
                                size - single.prompt, NULL, 0)
         elif kept.single:  # _resend read it whole: it splits
             ck_read_single_submit(prompt, size, &single)
-            sent = send_submit(self.sock, False, server_rid, prompt + single.prompt,
+            sent = send_submit(self.sock, self.buffers, False, server_rid, prompt + single.prompt,
                                single.params - single.prompt, prompt + single.params,
                                size - single.params)
         elif single_frame:
             ck_read_submit(meta, kept.meta_size, &submit)
-            sent = send_submit(self.sock, True, server_rid, prompt, size,
+            sent = send_submit(self.sock, self.buffers, True, server_rid, prompt, size,
                                meta + submit.offset, kept.meta_size - submit.offset)
         else:  # the kept metadata (the server id in it already) and the prompt
             sent = kept.meta_size + size
