@@ -602,6 +602,43 @@ def test_coordkit_client_to_single_frame_engine(megatron, hashed):
         assert c.coord.stats()["inflight"] == 0
 
 
+def long_prompt(seed: int) -> bytes:
+    """A token prompt of 40-60 KB (large frames are copied into reused buffers)."""
+    return m(list(range(70_000 + seed, 70_000 + seed + 8_000 + 97 * seed)))
+
+
+def test_long_frames_stay_intact_through_reused_buffers(megatron):
+    with megatron(policy="round_robin") as c:
+        single, multi = c.add_single_frame_engine(), c.add_coordkit_engine()
+        client = c.single_frame_client()
+        for rid in range(24):  # sizes vary, buffers come back and go out again
+            prompt = long_prompt(rid)
+            client.submit(rid, Raw(prompt), Raw(PARAMS))
+            server_rid = rid  # server ids count from 0, one request at a time
+            if rid % 2 == 0:  # the single-frame engine: the whole frame, copied
+                head = m([SUBMIT, server_rid])[1:]
+                assert single.recv_frame() == b"\x94" + head + prompt + PARAMS
+            else:  # the coordkit engine: the prompt span, copied into a frame of its own
+                assert multi.recv() == [b"\x93" + m([SUBMIT, server_rid])[1:] + PARAMS, prompt]
+
+
+def test_stopping_with_long_frames_unsent_loses_nothing_else(megatron):
+    """Buffers libzmq still holds when the loop goes are freed when it lets go."""
+    with megatron() as c:
+        engine = c.add_single_frame_engine()  # never reads until the end
+        client = c.single_frame_client()
+        for rid in range(50):
+            client.submit(rid, Raw(long_prompt(rid)), Raw(PARAMS))
+        wait_for(lambda: c.coord.stats()["inflight"] == 50)
+        c.coord.stop()
+        assert len(engine.recv_frames()) == 50  # every one went out before the stop
+    with megatron() as c:  # and the next coordinator in this process works
+        engine = c.add_single_frame_engine()
+        client = c.single_frame_client()
+        client.submit(1, Raw(long_prompt(1)), Raw(PARAMS))
+        assert engine.recv_frame().endswith(long_prompt(1) + PARAMS)
+
+
 def test_single_frame_client_to_coordkit_engine(megatron):
     with megatron() as c:
         engine = c.add_coordkit_engine()
