@@ -42,7 +42,7 @@ from cpython.tuple cimport PyTuple_CheckExact
 from cpython.unicode cimport PyUnicode_AsUTF8String, PyUnicode_Check
 from libc.errno cimport EAGAIN
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
 from coordkit._codec_c cimport (
@@ -60,6 +60,7 @@ from coordkit._codec_c cimport (
     ck_write_uint,
 )
 from coordkit._constants cimport *
+from coordkit._buf cimport Buf, buf_put, buf_reserve
 from coordkit._libzmq cimport (
     ZMQ_DONTWAIT,
     ZMQ_EVENTS,
@@ -148,33 +149,6 @@ cdef object _set_result = asyncio.Future.set_result
 cdef object _future_done = asyncio.Future.done
 cdef object InvalidStateError = asyncio.InvalidStateError
 cdef object _unpackb = msgpack.unpackb
-
-
-# -- a growable byte buffer ----------------------------------------------------------------
-
-cdef struct Buf:
-    uint8_t* data
-    size_t len
-    size_t cap
-
-
-cdef int buf_reserve(Buf* b, size_t extra) except -1:
-    cdef size_t cap
-    cdef uint8_t* data
-    if b.cap - b.len >= extra:
-        return 0
-    cap = max(2 * b.cap, b.len + extra, <size_t>256)
-    data = <uint8_t*>realloc(b.data, cap)
-    if data == NULL:
-        raise MemoryError()
-    b.data = data
-    b.cap = cap
-    return 0
-
-
-cdef inline void buf_put(Buf* b, const void* data, size_t n) noexcept:
-    memcpy(b.data + b.len, data, n)
-    b.len += n
 
 
 # -- packing prompts -----------------------------------------------------------------------

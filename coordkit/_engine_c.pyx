@@ -32,7 +32,7 @@ from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_Check
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from libc.errno cimport EINTR
 from libc.stdint cimport int64_t, uint8_t, uint32_t
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
 
 from coordkit._codec_c cimport (
@@ -51,6 +51,7 @@ from coordkit._codec_c cimport (
     ck_write_int,
 )
 from coordkit._constants cimport *
+from coordkit._buf cimport Buf, buf_reserve
 from coordkit._libzmq cimport (
     ZMQ_POLLIN,
     ZMQ_SNDMORE,
@@ -222,26 +223,6 @@ cdef bint flat(dict params):
         if type(value) not in _SCALARS:
             return False
     return True
-
-
-cdef struct Buf:
-    uint8_t* data
-    size_t len
-    size_t cap
-
-
-cdef int buf_reserve(Buf* b, size_t extra) except -1:
-    cdef size_t cap
-    cdef uint8_t* data
-    if b.cap - b.len >= extra:
-        return 0
-    cap = max(2 * b.cap, b.len + extra, <size_t>256)
-    data = <uint8_t*>realloc(b.data, cap)
-    if data == NULL:
-        raise MemoryError()
-    b.data = data
-    b.cap = cap
-    return 0
 
 
 cdef int64_t rid_of(str name, object rid) except? -1:

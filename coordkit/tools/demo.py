@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import random
 import subprocess
 import sys
@@ -21,18 +20,16 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import coordkit
 from coordkit import Coordinator, Implementation
 from coordkit.client import Client, CoordinatorError
+from coordkit.tools.engines import fake_engine_processes
 
 __all__ = ["run", "COMPARED_POLICIES", "SUFFIX_TOKENS"]
 
 COMPARED_POLICIES = ("least_loaded", "prefix")
 SUFFIX_TOKENS = 32  # the unique part of a shared-prefix prompt: a short user turn
 _WORKLOAD_SEED = 0  # every run draws the same prefixes in the same order
-_ENGINE_STOP_TIMEOUT = 5.0  # seconds a terminated engine process gets before SIGKILL
 _ROUTER_OPTIONS = ("prefix_prefill_weight", "prefix_decode_tokens")  # None: the default
 
 
@@ -127,33 +124,17 @@ def _run_cluster(
         router = {k: getattr(args, k) for k in _ROUTER_OPTIONS if getattr(args, k) is not None}
         coord = Coordinator(address, implementation=impl.name, policy=policy, **router)
         coord.start()
-        engines: list[subprocess.Popen[bytes]] = []
         try:
-            engines += (_spawn_engine(address, rank, args) for rank in range(args.engines))
-            asyncio.run(_run_load(address, policy, prompt, args, results, engines))
+            with fake_engine_processes(address, args.engines, _engine_options(args)) as engines:
+                asyncio.run(_run_load(address, policy, prompt, args, results, engines))
         except KeyboardInterrupt:
             results.interrupted = True
         finally:
-            # Engines first, while the coordinator can still take their DISCONNECT.
-            _stop_processes(engines)
             coord.stop()
 
 
-def _spawn_engine(address: str, rank: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
-    # The child must import this very coordkit, installed or not.
-    package_root = str(Path(coordkit.__file__).parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    env["COORDKIT_PUREPYTHON"] = "1"  # an engine runs no coordinator: skip loading the extension
-    command = [
-        sys.executable,
-        "-m",
-        "coordkit",
-        "fake-engine",
-        "--address",
-        address,
-        "--rank",
-        str(rank),
+def _engine_options(args: argparse.Namespace) -> list[str]:
+    return [
         "--latency",
         str(args.latency),
         "--output-tokens",
@@ -165,20 +146,6 @@ def _spawn_engine(address: str, rank: int, args: argparse.Namespace) -> subproce
         "--cost-model",
         args.cost_model,
     ]
-    # Its own session: Ctrl-C reaches only the demo, which then stops the engines itself.
-    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
-
-
-def _stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        process.terminate()
-    deadline = time.monotonic() + _ENGINE_STOP_TIMEOUT
-    for process in processes:
-        try:
-            process.wait(max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 async def _run_load(

@@ -42,10 +42,10 @@ from typing import Any
 
 import msgpack
 
-import coordkit
 from coordkit import Coordinator, Implementation
 from coordkit._routing_py import POLICIES
 from coordkit.client import Client, CoordinatorError
+from coordkit.tools.engines import fake_engine_processes
 
 __all__ = ["TraceRequest", "load_trace", "run", "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_BLOCKS"]
 
@@ -56,7 +56,6 @@ DEFAULT_BLOCK_SIZE = 512
 DEFAULT_CACHE_BLOCKS = 1024
 #: The coordinator's prefix_ttl in trace seconds (its default, 600 s).
 PREFIX_TTL = 600.0
-_ENGINE_STOP_TIMEOUT = 5.0  # seconds a terminated engine process gets before SIGKILL
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,44 +208,22 @@ def _run_cluster(
             **router,
         )
         coord.start()
-        engines: list[subprocess.Popen[bytes]] = []
         try:
-            engines += (_spawn_engine(address, rank, args) for rank in range(args.engines))
-            asyncio.run(_replay(address, trace, args, results, engines, progress))
+            with fake_engine_processes(address, args.engines, _engine_options(args)) as engines:
+                asyncio.run(_replay(address, trace, args, results, engines, progress))
         except KeyboardInterrupt:
             results.interrupted = True
         finally:
-            # Engines first, while the coordinator can still take their DISCONNECT.
-            _stop_processes(engines)
             coord.stop()
 
 
-def _spawn_engine(address: str, rank: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
-    # The child must import this very coordkit, installed or not.
-    package_root = str(Path(coordkit.__file__).parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    env["COORDKIT_PUREPYTHON"] = "1"  # an engine runs no coordinator: skip loading the extension
-    command = [sys.executable, "-m", "coordkit", "fake-engine", "--address", address]
-    command += ["--rank", str(rank), "--cost-model", args.cost_model]
-    command += ["--speedup", str(args.speedup), "--prefix-block-size", str(args.block_size)]
-    command += ["--cache-blocks", str(args.cache_blocks), "--heartbeat", "1"]
+def _engine_options(args: argparse.Namespace) -> list[str]:
+    options = ["--cost-model", args.cost_model, "--speedup", str(args.speedup)]
+    options += ["--prefix-block-size", str(args.block_size)]
+    options += ["--cache-blocks", str(args.cache_blocks), "--heartbeat", "1"]
     if args.engine_batch is not None:
-        command += ["--batch", str(args.engine_batch)]
-    # Its own session: Ctrl-C reaches only this process, which then stops the engines itself.
-    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
-
-
-def _stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
-    for process in processes:
-        process.terminate()
-    deadline = time.monotonic() + _ENGINE_STOP_TIMEOUT
-    for process in processes:
-        try:
-            process.wait(max(deadline - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        options += ["--batch", str(args.engine_batch)]
+    return options
 
 
 def _prompt(tokens: int) -> bytes:
