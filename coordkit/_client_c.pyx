@@ -49,11 +49,10 @@ from coordkit._codec_c cimport (
     CK_ARRAY_MAX,
     CK_INT_MAX,
     CK_OK,
-    CK_TOO_MANY,
     ck_batch_entry,
+    ck_read_batch_into,
     ck_read_header,
     ck_read_header_int,
-    ck_read_reply_batch,
     ck_strstatus,
     ck_write_array,
     ck_write_int,
@@ -1013,33 +1012,24 @@ cdef class ClientCore:
                 return 0
             self._deliver(rid, &self.parts[1], header == HEADER_ENGINE_REPLY)
         elif header == HEADER_REPLY_BATCH:
-            status = self._read_replies(data, size, &count)
+            status = ck_read_batch_into(
+                data, size, HEADER_REPLY_BATCH, 2, &self.replies, &self.replies_capacity, &count
+            )
             if status != CK_OK:
-                self._malformed(f"malformed REPLY_BATCH: {ck_strstatus(status).decode()}")
+                self._fail_named(
+                    count, f"malformed REPLY_BATCH: {ck_strstatus(status).decode()}"
+                )
                 return 0
             if count != <uint32_t>(self.n_parts - 1):
-                self._fail_named(count)
+                self._fail_named(
+                    count, f"REPLY_BATCH: {count} entries but {self.n_parts - 1} payload frames"
+                )
                 return 0
             for i in range(count):
                 self._deliver(self.replies[i].rid, &self.parts[1 + i], self.replies[i].flag)
         else:
             self._dispatch_rarely(header)
         return 0
-
-    cdef int _read_replies(self, const uint8_t* data, size_t size, uint32_t* count) except? -100:
-        cdef int status = ck_read_reply_batch(
-            data, size, self.replies, self.replies_capacity, count
-        )
-        cdef ck_batch_entry* grown
-        if status != CK_TOO_MANY:
-            return status
-        grown = <ck_batch_entry*>malloc(count[0] * sizeof(ck_batch_entry))
-        if grown == NULL:
-            raise MemoryError()
-        free(self.replies)
-        self.replies = grown
-        self.replies_capacity = count[0]
-        return ck_read_reply_batch(data, size, self.replies, self.replies_capacity, count)
 
     cdef int _deliver(self, int64_t rid, zmq_msg_t* body, bint final) except -1:
         cdef PyObject* found = self._find(rid)
@@ -1083,11 +1073,11 @@ cdef class ClientCore:
                 pass  # cancelled: its final reply is not wanted
         return 0
 
-    cdef _fail_named(self, uint32_t count):
-        """A REPLY_BATCH whose bodies do not match its entries: the requests it
-        names fail, rather than wait for replies that will not come."""
+    cdef _fail_named(self, uint32_t count, str text):
+        """A REPLY_BATCH that does not read whole, or whose bodies do not match its
+        entries: the requests it names fail, rather than wait for replies that
+        will not come."""
         cdef uint32_t i
-        text = f"REPLY_BATCH: {count} entries but {self.n_parts - 1} payload frames"
         log.warning("coordkit client: %s", text)
         for i in range(count):
             rid = self.replies[i].rid

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import msgpack
@@ -378,9 +378,14 @@ class ClientCore:
                 raise ProtocolError(f"{Header(header).name}: expected 2 frames, got {len(frames)}")
             self._deliver(rid, frames[1], header == Header.ENGINE_REPLY)
         elif header == Header.REPLY_BATCH:
-            entries = _codec_py.read_reply_batch(frames[0])
+            try:
+                entries = _codec_py.read_reply_batch(frames[0])
+            except ProtocolError as exc:
+                self._fail_named(exc.rids, str(exc))
+                return
             if len(entries) != len(frames) - 1:
-                self._fail_named(entries, len(frames) - 1)
+                text = f"REPLY_BATCH: {len(entries)} entries but {len(frames) - 1} payload frames"
+                self._fail_named([rid for rid, _ in entries], text)
                 return
             for (rid, final), body in zip(entries, frames[1:], strict=True):
                 self._deliver(rid, body, final)
@@ -392,12 +397,12 @@ class ClientCore:
         elif header != Header.CONNECT_ACK:  # a repeated ACK is harmless
             raise ProtocolError(f"unexpected header {header!r}")
 
-    def _fail_named(self, entries: list[tuple[int, bool]], bodies: int) -> None:
-        """A REPLY_BATCH whose bodies do not match its entries: the requests it
-        names fail, rather than wait for replies that will not come."""
-        text = f"REPLY_BATCH: {len(entries)} entries but {bodies} payload frames"
+    def _fail_named(self, rids: Sequence[int], text: str) -> None:
+        """A REPLY_BATCH that does not read whole, or whose bodies do not match its
+        entries: the requests it names fail, rather than wait for replies that
+        will not come."""
         log.warning("coordkit client: %s", text)
-        for rid, _ in entries:
+        for rid in rids:
             target = self.pending.pop(rid, None)
             if target is not None:
                 self._fail(target, ProtocolError(text, rid))

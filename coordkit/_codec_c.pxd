@@ -112,8 +112,9 @@ cdef int ck_read_header_int(const uint8_t* buf, size_t n, int64_t* header,
 # SUBMIT_BATCH `[95, [entry, ...]]`, validated whole: each entry `[rid, params, hashed]`
 # (width 3, from a client) or `[rid, params]` (width 2, to an engine), the params any
 # msgpack object, skipped structurally. Capacity and CK_TOO_MANY as for ck_read_reply;
-# on any other error *count is the number of entries read whole before the fault
-# (those within capacity are in `entries`), so that their requests can be named.
+# on any other error *count is the number of entries read as far as their rid, the
+# last one perhaps no further (the rids of those within capacity are in `entries`),
+# so that their requests can be named.
 cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
                               ck_batch_entry* entries, uint32_t capacity,
                               uint32_t* count) noexcept nogil
@@ -121,6 +122,14 @@ cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
 # REPLY_BATCH `[96, [[rid, final], ...]]`, validated whole; as ck_read_submit_batch.
 cdef int ck_read_reply_batch(const uint8_t* buf, size_t n, ck_batch_entry* entries,
                              uint32_t capacity, uint32_t* count) noexcept nogil
+
+# Either of the above (`header` HEADER_SUBMIT_BATCH or HEADER_REPLY_BATCH) into
+# *entries, a malloc'd array of *capacity that is grown (realloc) to hold every entry
+# read, whether the batch reads whole or not. CK_TOO_MANY when memory ran out; *count
+# is then at most *capacity, the entries that could be held.
+cdef int ck_read_batch_into(const uint8_t* buf, size_t n, int64_t header, uint32_t width,
+                            ck_batch_entry** entries, uint32_t* capacity,
+                            uint32_t* count) noexcept nogil
 
 # The writers of the forms above, for the endpoints that build whole frames:
 # an int in its smallest form (as msgpack.packb), a uint64 likewise, an array head.

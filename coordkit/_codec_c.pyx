@@ -511,6 +511,14 @@ cdef inline int _read_batch_head(ck_cursor* c, int64_t expected, uint32_t* lengt
     return CK_TRUNCATED if length[0] > ck_left(c) else CK_OK
 
 
+cdef inline void _name_entry(ck_batch_entry* entries, uint32_t capacity, uint32_t* count,
+                             uint32_t i, int64_t rid) noexcept nogil:
+    """Entry i's id is read: it counts, so that a fault further on can name it."""
+    if i < capacity:
+        entries[i].rid = rid
+    count[0] = i + 1
+
+
 cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
                               ck_batch_entry* entries, uint32_t capacity,
                               uint32_t* count) noexcept nogil:
@@ -534,6 +542,7 @@ cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
         status = _read_int(&c, &entry.rid)
         if status != CK_OK:
             return CK_RID_RANGE if status == CK_RANGE else status
+        _name_entry(entries, capacity, count, i, entry.rid)
         params = c.p
         status = _skip(&c, 1)
         if status != CK_OK:
@@ -546,7 +555,6 @@ cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
                 return status
         if i < capacity:
             entries[i] = entry
-        count[0] = i + 1
     if c.p != c.end:
         return CK_TRAILING
     return CK_TOO_MANY if length > capacity else CK_OK
@@ -574,15 +582,39 @@ cdef int ck_read_reply_batch(const uint8_t* buf, size_t n, ck_batch_entry* entri
         status = _read_int(&c, &entry.rid)
         if status != CK_OK:
             return CK_RID_RANGE if status == CK_RANGE else status
+        _name_entry(entries, capacity, count, i, entry.rid)
         status = _read_bool(&c, &entry.flag)
         if status != CK_OK:
             return status
         if i < capacity:
             entries[i] = entry
-        count[0] = i + 1
     if c.p != c.end:
         return CK_TRAILING
     return CK_TOO_MANY if length > capacity else CK_OK
+
+
+cdef int ck_read_batch_into(const uint8_t* buf, size_t n, int64_t header, uint32_t width,
+                            ck_batch_entry** entries, uint32_t* capacity,
+                            uint32_t* count) noexcept nogil:
+    cdef int status
+    cdef ck_batch_entry* grown
+    cdef int attempt
+    for attempt in range(2):
+        if header == HEADER_SUBMIT_BATCH:
+            status = ck_read_submit_batch(buf, n, width, entries[0], capacity[0], count)
+        else:
+            status = ck_read_reply_batch(buf, n, entries[0], capacity[0], count)
+        if count[0] <= capacity[0] or attempt == 1:
+            break
+        grown = <ck_batch_entry*>realloc(entries[0], count[0] * sizeof(ck_batch_entry))
+        if grown == NULL:
+            break
+        entries[0] = grown
+        capacity[0] = count[0]
+    if count[0] > capacity[0]:  # out of memory to grow: name only the entries held
+        count[0] = capacity[0]
+        return CK_TOO_MANY
+    return status
 
 
 # -- Megatron-Core's single frames -------------------------------------------------
@@ -1166,24 +1198,23 @@ def read_header_int(frame) -> tuple[int, int]:
     return header, value
 
 
-cdef list _batch_entries(str what, object frame, int kind, uint32_t width):
+cdef list _batch_entries(str what, object frame, int64_t header, uint32_t width):
     cdef Py_buffer view
-    cdef ck_batch_entry local[_LOCAL_ENTRIES]
-    cdef ck_batch_entry* entries = local
-    cdef uint32_t count, i
+    cdef uint32_t capacity = _LOCAL_ENTRIES, count, i
+    cdef ck_batch_entry* entries = <ck_batch_entry*>malloc(capacity * sizeof(ck_batch_entry))
     cdef int status
+    if entries == NULL:
+        raise MemoryError()
     _acquire(frame, &view)
-    cdef const uint8_t* buf = <const uint8_t*>view.buf
     try:
-        status = _read_batch(buf, view.len, kind, width, local, _LOCAL_ENTRIES, &count)
-        if status == CK_TOO_MANY:
-            entries = <ck_batch_entry*>malloc(count * sizeof(ck_batch_entry))
-            if entries == NULL:
-                raise MemoryError()
-            status = _read_batch(buf, view.len, kind, width, entries, count, &count)
+        status = ck_read_batch_into(
+            <const uint8_t*>view.buf, view.len, header, width, &entries, &capacity, &count
+        )
         if status != CK_OK:
-            raise _error(what, status)
-        if kind == 0:
+            error = _error(what, status)
+            error.rids = tuple([entries[i].rid for i in range(count)])
+            raise error
+        if header == HEADER_SUBMIT_BATCH:
             return [
                 (entries[i].rid, entries[i].params_offset, entries[i].params_size,
                  entries[i].flag)
@@ -1192,15 +1223,7 @@ cdef list _batch_entries(str what, object frame, int kind, uint32_t width):
         return [(entries[i].rid, entries[i].flag) for i in range(count)]
     finally:
         PyBuffer_Release(&view)
-        if entries != local:
-            free(entries)
-
-
-cdef int _read_batch(const uint8_t* buf, size_t n, int kind, uint32_t width,
-                     ck_batch_entry* entries, uint32_t capacity, uint32_t* count) noexcept:
-    if kind == 0:
-        return ck_read_submit_batch(buf, n, width, entries, capacity, count)
-    return ck_read_reply_batch(buf, n, entries, capacity, count)
+        free(entries)
 
 
 def read_submit_batch(frame, width=3) -> list[tuple[int, int, int, bool]]:
@@ -1212,12 +1235,12 @@ def read_submit_batch(frame, width=3) -> list[tuple[int, int, int, bool]]:
     """
     if width != 2 and width != 3:
         raise ValueError(f"width must be 2 or 3, not {width!r}")
-    return _batch_entries("malformed SUBMIT_BATCH", frame, 0, width)
+    return _batch_entries("malformed SUBMIT_BATCH", frame, HEADER_SUBMIT_BATCH, width)
 
 
 def read_reply_batch(frame) -> list[tuple[int, bool]]:
     """``[(rid, final), ...]`` of a REPLY_BATCH ``[96, [[rid, final], ...]]``."""
-    return _batch_entries("malformed REPLY_BATCH", frame, 1, 2)
+    return _batch_entries("malformed REPLY_BATCH", frame, HEADER_REPLY_BATCH, 2)
 
 
 def write_header(header) -> bytes:

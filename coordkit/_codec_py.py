@@ -242,8 +242,16 @@ def read_header_int(frame: Buffer) -> tuple[int, int]:
     return header, value
 
 
-def _batch(what: str, data: bytes, header: int) -> tuple[msgpack.Unpacker, int]:
-    """An unpacker at the first entry of ``[header, [entry, ...]]``, and the entry count."""
+def _batch_entries(
+    what: str,
+    data: bytes,
+    header: int,
+    width: int,
+    read_rest: Callable[[msgpack.Unpacker], tuple[Any, ...]],
+) -> list[tuple[Any, ...]]:
+    """The entries of ``[header, [[rid, ...], ...]]``, each ``width`` long:
+    ``(rid, *read_rest(unpacker))``. A ProtocolError names in ``rids`` the id of
+    every entry read as far as its id."""
     if not data:
         raise ProtocolError(f"{what}: truncated")
     unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=len(data))
@@ -252,7 +260,21 @@ def _batch(what: str, data: bytes, header: int) -> tuple[msgpack.Unpacker, int]:
         raise ProtocolError(f"{what}: array of the wrong length")
     if _int(what, _unpack(what, unpacker.unpack)) != header:
         raise ProtocolError(f"{what}: unexpected header")
-    return unpacker, _unpack(what, unpacker.read_array_header)
+    count = _unpack(what, unpacker.read_array_header)
+    entries: list[tuple[Any, ...]] = []
+    rids: list[int] = []
+    try:
+        for _ in range(count):
+            if _unpack(what, unpacker.read_array_header) != width:
+                raise ProtocolError(f"{what}: array of the wrong length")
+            rids.append(_int(what, _unpack(what, unpacker.unpack), "request id out of range"))
+            entries.append((rids[-1], *read_rest(unpacker)))
+        if unpacker.tell() != len(data):
+            raise ProtocolError(f"{what}: trailing bytes")
+    except ProtocolError as exc:
+        exc.rids = tuple(rids)
+        raise
+    return entries
 
 
 def _bool(what: str, value: Any) -> bool:
@@ -267,41 +289,32 @@ def read_submit_batch(frame: Buffer, width: int = 3) -> list[tuple[int, int, int
     ``width`` 3: a client's ``[95, [[rid, params, hashed], ...]]``; 2: the
     coordinator's to an engine, ``[95, [[rid, params], ...]]`` (hashed False).
     Each entry's sampling params are ``frame[offset : offset + size]``, verbatim.
+    A ProtocolError's ``rids`` name the entries whose ids could be read.
     """
     if width not in (2, 3):
         raise ValueError(f"width must be 2 or 3, not {width!r}")
     what = "malformed SUBMIT_BATCH"
-    data = _as_bytes(frame)
-    unpacker, count = _batch(what, data, Header.SUBMIT_BATCH)
-    entries = []
-    for _ in range(count):
-        if _unpack(what, unpacker.read_array_header) != width:
-            raise ProtocolError(f"{what}: array of the wrong length")
-        rid = _int(what, _unpack(what, unpacker.unpack), "request id out of range")
+
+    def params_and_hashed(unpacker: msgpack.Unpacker) -> tuple[int, int, bool]:
         offset = unpacker.tell()
         _unpack(what, unpacker.skip)
         size = unpacker.tell() - offset
         hashed = _bool(what, _unpack(what, unpacker.unpack)) if width == 3 else False
-        entries.append((rid, offset, size, hashed))
-    if unpacker.tell() != len(data):
-        raise ProtocolError(f"{what}: trailing bytes")
-    return entries
+        return offset, size, hashed
+
+    entries = _batch_entries(what, _as_bytes(frame), Header.SUBMIT_BATCH, width, params_and_hashed)
+    return cast(list[tuple[int, int, int, bool]], entries)
 
 
 def read_reply_batch(frame: Buffer) -> list[tuple[int, bool]]:
     """``[(rid, final), ...]`` of a REPLY_BATCH ``[96, [[rid, final], ...]]``."""
     what = "malformed REPLY_BATCH"
-    data = _as_bytes(frame)
-    unpacker, count = _batch(what, data, Header.REPLY_BATCH)
-    entries = []
-    for _ in range(count):
-        if _unpack(what, unpacker.read_array_header) != 2:
-            raise ProtocolError(f"{what}: array of the wrong length")
-        rid = _int(what, _unpack(what, unpacker.unpack), "request id out of range")
-        entries.append((rid, _bool(what, _unpack(what, unpacker.unpack))))
-    if unpacker.tell() != len(data):
-        raise ProtocolError(f"{what}: trailing bytes")
-    return entries
+
+    def final(unpacker: msgpack.Unpacker) -> tuple[bool]:
+        return (_bool(what, _unpack(what, unpacker.unpack)),)
+
+    entries = _batch_entries(what, _as_bytes(frame), Header.REPLY_BATCH, 2, final)
+    return cast(list[tuple[int, bool]], entries)
 
 
 def write_header(header: int) -> bytes:

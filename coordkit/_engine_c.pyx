@@ -39,12 +39,11 @@ from coordkit._codec_c cimport (
     CK_ARRAY_MAX,
     CK_INT_MAX,
     CK_OK,
-    CK_TOO_MANY,
     ck_batch_entry,
+    ck_read_batch_into,
     ck_read_header,
     ck_read_header_int,
     ck_read_submit,
-    ck_read_submit_batch,
     ck_strstatus,
     ck_submit,
     ck_write_array,
@@ -346,7 +345,9 @@ cdef class EngineCore:
         if status != CK_OK:
             raise ProtocolError(f"malformed metadata frame: {ck_strstatus(status).decode()}")
         if header == HEADER_SUBMIT_BATCH:
-            status = self._read_entries(data, size, &count)
+            status = ck_read_batch_into(
+                data, size, HEADER_SUBMIT_BATCH, 2, &self.entries, &self.entries_capacity, &count
+            )
             if status != CK_OK:
                 raise ProtocolError(f"ENGINE_SUBMIT_BATCH: {ck_strstatus(status).decode()}")
             if count != <uint32_t>(self.n_parts - 1):
@@ -402,21 +403,6 @@ cdef class EngineCore:
             self.last_params_bytes = PyBytes_FromStringAndSize(<char*>data, size)
             self.last_params = params.copy()
         return params
-
-    cdef int _read_entries(self, const uint8_t* data, size_t size, uint32_t* count) except? -100:
-        cdef int status = ck_read_submit_batch(
-            data, size, 2, self.entries, self.entries_capacity, count
-        )
-        cdef ck_batch_entry* grown
-        if status != CK_TOO_MANY:
-            return status
-        grown = <ck_batch_entry*>malloc(count[0] * sizeof(ck_batch_entry))
-        if grown == NULL:
-            raise MemoryError()
-        free(self.entries)
-        self.entries = grown
-        self.entries_capacity = count[0]
-        return ck_read_submit_batch(data, size, 2, self.entries, self.entries_capacity, count)
 
     cdef _parse_rarely(self, int64_t header, list events):
         cdef Py_ssize_t i

@@ -190,7 +190,7 @@ cdef class Loop:
         uint32_t* work  # by request slot: the work units its rank was charged (router.charged)
         # The SUBMIT_BATCH at hand: its entries, and those bound for batched engines.
         ck_batch_entry* batch_entries
-        size_t batch_entries_capacity
+        uint32_t batch_entries_capacity
         BatchedSubmit* batched_submits
         size_t batched_submits_capacity
         uint32_t n_batched_submits
@@ -211,6 +211,7 @@ cdef class Loop:
     cdef void _submit(self, int32_t client, int64_t header) noexcept nogil
     cdef void _submit_single(self, int32_t client) noexcept nogil
     cdef void _submit_batch(self, int32_t client) noexcept nogil
+    cdef _malformed_batch(self, int32_t client, uint32_t count, str detail)
     cdef int _read_submit_batch(self, uint32_t* count) noexcept nogil
     cdef void _send_engine_batches(self) noexcept nogil
     cdef void _send_engine_batch(self, int rank, uint32_t first, uint32_t n) noexcept nogil

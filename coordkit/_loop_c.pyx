@@ -37,13 +37,13 @@ from coordkit._codec_c cimport (
     ck_entry,
     ck_prompt_hashes,
     ck_prompt_tokens,
+    ck_read_batch_into,
     ck_read_header,
     ck_read_reply,
     ck_read_single_head,
     ck_read_single_reply,
     ck_read_single_submit,
     ck_read_submit,
-    ck_read_submit_batch,
     ck_single_entry,
     ck_single_submit,
     ck_single_submit_size,
@@ -762,18 +762,13 @@ cdef class Loop:
         read = self._read_submit_batch(&count)
         if read != CK_OK:
             with gil:
-                self._malformed(client, None, HEADER_SUBMIT_BATCH, ck_strstatus(read).decode())
+                self._malformed_batch(client, count, ck_strstatus(read).decode())
             return
         for i in range(count):
             needed += 1 + self.batch_entries[i].flag
         if needed != <size_t>(self.n_parts - 2):
-            # No prompt can be told from another: each request named ends here.
             with gil:
-                for i in range(count):
-                    if not self.clients[client].used:
-                        return
-                    rid = self.batch_entries[i].rid
-                    self._malformed(client, rid, HEADER_SUBMIT_BATCH, "bad frame layout")
+                self._malformed_batch(client, count, "bad frame layout")
             return
         for i in range(count):
             if not self.clients[client].used:
@@ -809,21 +804,25 @@ cdef class Loop:
             part += 1 + entry.flag
         self._send_engine_batches()
 
+    cdef _malformed_batch(self, int32_t client, uint32_t count, str detail):
+        """A SUBMIT_BATCH whose entries cannot all go on: no prompt can be told from
+        another, so each of the ``count`` requests named ends here; when none is,
+        one ERROR without an id says so."""
+        cdef uint32_t i
+        if count == 0:
+            self._malformed(client, None, HEADER_SUBMIT_BATCH, detail)
+        for i in range(count):
+            if not self.clients[client].used:
+                return  # found gone meanwhile
+            self._malformed(client, self.batch_entries[i].rid, HEADER_SUBMIT_BATCH, detail)
+
     cdef int _read_submit_batch(self, uint32_t* count) noexcept nogil:
         """Read the SUBMIT_BATCH at hand into ``batch_entries``, and make room for its
         entries bound for batched engines and their metadata; growing as needed."""
-        cdef int status = ck_read_submit_batch(
-            self._data(1), self._size(1), 3, self.batch_entries, self.batch_entries_capacity,
-            count,
+        cdef int status = ck_read_batch_into(
+            self._data(1), self._size(1), HEADER_SUBMIT_BATCH, 3, &self.batch_entries,
+            &self.batch_entries_capacity, count,
         )
-        if status == CK_TOO_MANY and reserve(
-            <void**>&self.batch_entries, &self.batch_entries_capacity, count[0],
-            sizeof(ck_batch_entry),
-        ):
-            status = ck_read_submit_batch(
-                self._data(1), self._size(1), 3, self.batch_entries,
-                self.batch_entries_capacity, count,
-            )
         if status != CK_OK:
             return status
         self.n_batched_submits = 0

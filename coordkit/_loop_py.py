@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -403,14 +403,10 @@ class Loop:
         try:
             entries = codec.read_submit_batch(meta)
         except ProtocolError as exc:
-            self._malformed(client, None, header, str(exc), frames)
+            self._malformed_batch(client, exc.rids, str(exc), frames)
             return
         if sum(1 + hashed for *_, hashed in entries) != len(frames) - 2:
-            # No prompt can be told from another: each request named ends here.
-            for rid, *_ in entries:
-                if self._clients.get(client.identity) is not client:
-                    return
-                self._malformed(client, rid, header, "bad frame layout", frames)
+            self._malformed_batch(client, [rid for rid, *_ in entries], "bad frame layout", frames)
             return
         part = 2
         for rid, offset, size, hashed in entries:
@@ -433,6 +429,19 @@ class Loop:
                 self._accept(client, rid, hashes, codec.prompt_tokens(prompt), inbound)
             part += 1 + hashed
         self._send_engine_batches()
+
+    def _malformed_batch(
+        self, client: _Client, rids: Sequence[int], detail: str, frames: list[zmq.Frame]
+    ) -> None:
+        """A SUBMIT_BATCH whose entries cannot all go on: no prompt can be told from
+        another, so each request named ends here; when none is, one ERROR without
+        an id says so."""
+        if not rids:
+            self._malformed(client, None, Header.SUBMIT_BATCH, detail, frames)
+        for rid in rids:
+            if self._clients.get(client.identity) is not client:
+                return  # found gone meanwhile
+            self._malformed(client, rid, Header.SUBMIT_BATCH, detail, frames)
 
     def _send_engine_batches(self) -> None:
         """The entries routed to batched engines: one ENGINE_SUBMIT_BATCH per engine,

@@ -161,12 +161,14 @@ class ProtocolError(ValueError):
     """A message that does not match its declaration.
 
     ``rid`` is the request id when it could be read before the fault, so the
-    coordinator can fail that one request rather than drop the message.
+    coordinator can fail that one request rather than drop the message;
+    ``rids``, of a batch, the ids of every entry whose id could be read.
     """
 
-    def __init__(self, message: str, rid: int | None = None):
+    def __init__(self, message: str, rid: int | None = None, rids: tuple[int, ...] = ()):
         super().__init__(message)
         self.rid = rid
+        self.rids = rids
 
 
 _ERROR_TEXTS = {

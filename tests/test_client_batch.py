@@ -198,17 +198,24 @@ def test_malformed_reply_batches(tmp_path, impl):
             c = client.submit([3])
             await script.recv()
             await script.send(b"\xc1")  # not msgpack: dropped
-            await script.send(packb([REPLY_BATCH, [[2]]]), packb("x"))  # bad entry: dropped
-            await script.send(packb([REPLY_BATCH, [[2, 1]]]), packb("x"))  # final is an int
+            await script.send(packb([REPLY_BATCH, [[2]]]), packb("x"))  # names no id: dropped
             await script.send(packb([REPLY_BATCH, {}]))
-            await script.send(packb([REPLY_BATCH, [[2, True]]]), b"\xc1")  # body not msgpack
-            with pytest.raises(ProtocolError) as caught:
+            await script.send(packb([REPLY_BATCH, [[0, True], 7]]), packb("x"))  # 0 not pending
+            # does not read whole, but names request 2: it fails
+            await script.send(packb([REPLY_BATCH, [[2, 1]]]), packb("x"))  # final is an int
+            with pytest.raises(ProtocolError, match="malformed REPLY_BATCH") as caught:
                 await c
             assert caught.value.rid == 2
             d = client.submit([4])
             await script.recv()
-            await script.send(packb([REPLY_BATCH, [[3, True]]]), packb("fine"))
-            assert await d == "fine"
+            await script.send(packb([REPLY_BATCH, [[3, True]]]), b"\xc1")  # body not msgpack
+            with pytest.raises(ProtocolError) as caught:
+                await d
+            assert caught.value.rid == 3
+            e = client.submit([5])
+            await script.recv()
+            await script.send(packb([REPLY_BATCH, [[4, True]]]), packb("fine"))
+            assert await e == "fine"
 
     run(body())
 

@@ -451,28 +451,60 @@ def test_submit_batch_larger_than_the_local_buffer(impl):
 
 
 @pytest.mark.parametrize(
-    ("frame", "width"),
+    ("frame", "width", "rids"),
     [
-        (b"", 3),
-        (packb([SUBMIT_BATCH]), 3),
-        (packb([SUBMIT_BATCH, [], 1]), 3),
-        (packb([REPLY_BATCH, []]), 3),  # another header
-        (packb([SUBMIT_BATCH, {}]), 3),
-        (packb([SUBMIT_BATCH, [[1, {}, True]]]), 2),  # a client's entry where an engine's goes
-        (packb([SUBMIT_BATCH, [[1, {}]]]), 3),  # and the other way round
-        (packb([SUBMIT_BATCH, [[1, {}, 1]]]), 3),  # hashed is an int
-        (packb([SUBMIT_BATCH, [["1", {}, True]]]), 3),
-        (packb([SUBMIT_BATCH, [[INT64_MAX + 1, {}, True]]]), 3),
-        (packb([SUBMIT_BATCH, [[1, {}, True]]]) + b"\x00", 3),
-        (packb([SUBMIT_BATCH, [[1, {}, True]]])[:-1], 3),
-        (b"\x92\x5f\x91\x93\x01\xc1\xc3", 3),  # reserved byte in the params
-        (b"\x92\x5f\xdd\xff\xff\xff\xff", 3),  # claims 2**32-1 entries
+        (b"", 3, ()),
+        (packb([SUBMIT_BATCH]), 3, ()),
+        (packb([SUBMIT_BATCH, [], 1]), 3, ()),
+        (packb([REPLY_BATCH, []]), 3, ()),  # another header
+        (packb([SUBMIT_BATCH, {}]), 3, ()),
+        (packb([SUBMIT_BATCH, [[1, {}, True]]]), 2, ()),  # a client's entry where an engine's goes
+        (packb([SUBMIT_BATCH, [[1, {}]]]), 3, ()),  # and the other way round
+        (packb([SUBMIT_BATCH, [[1, {}, 1]]]), 3, (1,)),  # hashed is an int
+        (packb([SUBMIT_BATCH, [["1", {}, True]]]), 3, ()),
+        (packb([SUBMIT_BATCH, [[INT64_MAX + 1, {}, True]]]), 3, ()),
+        (packb([SUBMIT_BATCH, [[1, {}, True]]]) + b"\x00", 3, (1,)),
+        (packb([SUBMIT_BATCH, [[1, {}, True]]])[:-1], 3, (1,)),
+        (b"\x92\x5f\x91\x93\x01\xc1\xc3", 3, (1,)),  # reserved byte in the params
+        (b"\x92\x5f\xdd\xff\xff\xff\xff", 3, ()),  # claims 2**32-1 entries
+        (packb([SUBMIT_BATCH, [[7, {}, True], [8, {}], [9, {}, True]]]), 3, (7,)),
+        (packb([SUBMIT_BATCH, [[7, {}, True], [8, {}, None]]]), 3, (7, 8)),
     ],
 )
-def test_submit_batch_errors(impl, frame, width):
+def test_submit_batch_errors(impl, frame, width, rids):
+    """The error names the entries whose ids could be read, so that they can be answered."""
     with pytest.raises(ProtocolError) as info:
         impl.codec.read_submit_batch(frame, width)
     assert info.value.rid is None
+    assert info.value.rids == rids
+
+
+@SETTINGS
+@given(
+    entries=st.lists(st.tuples(int64s, anything, st.booleans()), min_size=1, max_size=15),
+    data=st.data(),
+)
+def test_a_cut_submit_batch_names_every_id_before_the_cut(impl, entries, data):
+    frame = packb([SUBMIT_BATCH, [list(e) for e in entries]])
+    ends, end = [], 3  # [95, [ then each entry's fixarray, rid and the rest
+    for rid, params, hashed in entries:
+        ends.append(end + 1 + len(packb(rid)))
+        end += len(packb([rid, params, hashed]))
+    cut = data.draw(st.integers(0, len(frame) - 1))
+    with pytest.raises(ProtocolError) as info:
+        impl.codec.read_submit_batch(frame[:cut])
+    named = [rid for (rid, _, _), at in zip(entries, ends, strict=True) if at <= cut]
+    assert info.value.rids == tuple(named)
+
+
+def test_a_long_batch_with_a_fault_at_its_end_names_every_entry(impl):
+    entries = [[i, {"n": i}, False] for i in range(5000)]
+    with pytest.raises(ProtocolError) as info:
+        impl.codec.read_submit_batch(packb([SUBMIT_BATCH, entries]) + b"\x00")
+    assert info.value.rids == tuple(range(5000))
+    with pytest.raises(ProtocolError) as info:
+        impl.codec.read_reply_batch(packb([REPLY_BATCH, [[i, True] for i in range(5000)]])[:-1])
+    assert info.value.rids == tuple(range(5000))
 
 
 def test_submit_batch_width(impl):
@@ -488,24 +520,25 @@ def test_reply_batch(impl, entries):
 
 
 @pytest.mark.parametrize(
-    "frame",
+    ("frame", "rids"),
     [
-        b"",
-        packb([REPLY_BATCH]),
-        packb([REPLY, [[1, True]]]),  # an engine's reply header
-        packb([REPLY_BATCH, [[1]]]),
-        packb([REPLY_BATCH, [[1, True, 2]]]),
-        packb([REPLY_BATCH, [[1, 1]]]),
-        packb([REPLY_BATCH, [1]]),
-        packb([REPLY_BATCH, [[INT64_MAX + 1, True]]]),
-        packb([REPLY_BATCH, [[1, True]]]) + b"\x00",
-        packb([REPLY_BATCH, [[1, True]]])[:-1],
+        (b"", ()),
+        (packb([REPLY_BATCH]), ()),
+        (packb([REPLY, [[1, True]]]), ()),  # an engine's reply header
+        (packb([REPLY_BATCH, [[1]]]), ()),
+        (packb([REPLY_BATCH, [[1, True, 2]]]), ()),
+        (packb([REPLY_BATCH, [[1, 1]]]), (1,)),
+        (packb([REPLY_BATCH, [1]]), ()),
+        (packb([REPLY_BATCH, [[INT64_MAX + 1, True]]]), ()),
+        (packb([REPLY_BATCH, [[1, True]]]) + b"\x00", (1,)),
+        (packb([REPLY_BATCH, [[1, True]]])[:-1], (1,)),
     ],
 )
-def test_reply_batch_errors(impl, frame):
+def test_reply_batch_errors(impl, frame, rids):
     with pytest.raises(ProtocolError) as info:
         impl.codec.read_reply_batch(frame)
     assert info.value.rid is None
+    assert info.value.rids == rids
 
 
 @pytest.mark.parametrize(

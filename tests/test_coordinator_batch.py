@@ -170,26 +170,58 @@ def test_mixed_batched_and_unbatched_peers(make_cluster):
 
 
 @pytest.mark.parametrize(
-    "frames",
+    ("frames", "named"),
     [
-        [m([SUBMIT_BATCH, [[0, {}, "yes"]]]), b"p"],  # hashed not a bool
-        [m([SUBMIT_BATCH, [[0, {}]]]), b"p"],  # an entry of two
-        [m([SUBMIT_BATCH, 5]), b"p"],  # no entries
-        [m([SUBMIT_BATCH, [[0, {}, False]], 1]), b"p"],  # an array of three
-        [m([SUBMIT_BATCH, [[(1 << 64) - 1, {}, False]]]), b"p"],  # a rid beyond int64
-        [m([SUBMIT_BATCH, [[0, {}, False]]])[:-2], b"p"],  # truncated
+        ([m([SUBMIT_BATCH, [[0, {}, "yes"]]]), b"p"], [0]),  # hashed not a bool
+        ([m([SUBMIT_BATCH, [[0, {}]]]), b"p"], [None]),  # an entry of two
+        ([m([SUBMIT_BATCH, 5]), b"p"], [None]),  # no entries
+        ([m([SUBMIT_BATCH, [[0, {}, False]], 1]), b"p"], [None]),  # an array of three
+        ([m([SUBMIT_BATCH, [[(1 << 64) - 1, {}, False]]]), b"p"], [None]),  # a rid beyond int64
+        ([m([SUBMIT_BATCH, [[0, {}, False]]])[:-2], b"p"], [0]),  # truncated in the params
+        ([m([SUBMIT_BATCH, [[0, {}, False]]]) + b"\xc0", b"p"], [0]),  # trailing bytes
+        (  # the third entry's hashed is not a bool: the first three are named
+            [m([SUBMIT_BATCH, [[0, {}, False], [1, {}, False], [2, {}, 1]]]), b"a", b"b", b"c"],
+            [0, 1, 2],
+        ),
+        (  # the third entry is too short: its id is not read as one
+            [m([SUBMIT_BATCH, [[0, {}, False], [1, {}, False], [2, {}]]]), b"a", b"b", b"c"],
+            [0, 1],
+        ),
+        (  # a long batch, faulty at its very end
+            [m([SUBMIT_BATCH, [[i, {}, False] for i in range(3000)]]) + b"\xc0"] + [b"p"] * 3000,
+            list(range(3000)),
+        ),
     ],
-    ids=["hashed", "width", "entries", "length", "rid", "truncated"],
+    ids=[
+        "hashed",
+        "width",
+        "entries",
+        "length",
+        "rid",
+        "truncated",
+        "trailing",
+        "third-hashed",
+        "third-width",
+        "long",
+    ],
 )
-def test_a_batch_that_does_not_read_whole_is_dropped_with_one_error(make_cluster, frames):
+def test_a_batch_that_does_not_read_whole_ends_every_request_named(make_cluster, frames, named):
+    """No prompt can be told from another, so none goes on; each request whose id
+    could be read gets its ERROR, and a batch that names none gets one without an id."""
     with make_cluster() as c:
         engine = c.add_coordkit_engine(batch=True)
         client = c.client(batch=True)
         client.send(*frames)
-        assert errors(client) == [(None, ErrorCode.MALFORMED)]
+        received: list[tuple[int | None, int]] = []
+        deadline = time.monotonic() + 10
+        while len(received) < len(named) and time.monotonic() < deadline:
+            received += errors(client)
+        assert received == [(rid, ErrorCode.MALFORMED) for rid in named]
         engine.assert_silent()
         stats = c.coord.stats()
-        assert stats["counters"]["malformed"] == 1 and stats["inflight"] == 0
+        assert stats["counters"]["malformed"] == len(named) and stats["inflight"] == 0
+        client.send(*batch((7, {}, b"after")))  # the client is served as before
+        assert engine.recv()[1:] == [b"after"]
 
 
 @pytest.mark.parametrize(
