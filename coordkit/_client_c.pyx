@@ -34,7 +34,7 @@ from cpython.dict cimport PyDict_GetItem
 from cpython.exc cimport PyErr_Clear
 from cpython.list cimport PyList_CheckExact, PyList_New, PyList_SET_ITEM
 from cpython.long cimport PyLong_CheckExact
-from cpython.object cimport PyObject
+from cpython.object cimport PyObject, PyObject_Call
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
 from cpython.sequence cimport PySequence_Fast_GET_ITEM
@@ -481,6 +481,7 @@ cdef class ClientCore:
     cdef Table pending
     cdef dict overflow  # pending requests whose cell was held (see Table)
     cdef object _future_type, _raw_type, _rid_slot, _stream_type
+    cdef dict _on_loop  # a future's keyword arguments
     cdef object _on_error, _on_stats, _on_failure, _outbox
     cdef object _flush_callback, _check_callback, _readable_callback
     cdef void* sock
@@ -532,6 +533,8 @@ cdef class ClientCore:
         self.socket = socket
         self.sock = <void*><size_t>socket.underlying
         self.loop = loop
+        # Given its loop, a future does not look it up (a getpid() system call each time).
+        self._on_loop = {"loop": loop}
         self.batch = batch
         table_init(&self.pending, 1024)
         self.overflow = {}
@@ -738,7 +741,7 @@ cdef class ClientCore:
             free(hashed)
 
     cdef object _future(self, int64_t rid, bint raw):
-        future = self._raw_type() if raw else self._future_type()
+        future = PyObject_Call(self._raw_type if raw else self._future_type, (), self._on_loop)
         ck_set_slot(self._rid_slot, future, rid)
         return future
 

@@ -242,7 +242,8 @@ class ClientCore:
         return futures
 
     def _future(self, rid: int, raw: bool) -> Any:
-        future = self._future_types[raw]()
+        # Given its loop, a future does not look it up (a getpid() system call each time).
+        future = self._future_types[raw](loop=self.loop)
         future.request_id = rid
         return future
 

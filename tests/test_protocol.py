@@ -6,6 +6,8 @@ both codecs: what ``pack`` writes, the coordinator's codec reads the same way.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import msgpack
 import pytest
 
@@ -127,3 +129,14 @@ def test_the_codec_reads_what_the_specs_write(impl, rid):
     assert impl.codec.write_header_int(REPLY, rid) == protocol.CLIENT_REPLY.pack(rid, b"")[0]
     reply = protocol.ENGINE_REPLY.pack([(rid, True)], [b"a"])[0]
     assert impl.codec.read_reply(reply) == (REPLY, [(rid, True)])
+
+
+def test_packb_is_msgpack_packb_in_every_thread():
+    """packb keeps a Packer per thread: threads packing at once do not mix their bytes."""
+    values = [{"n": i, "text": "x" * (i % 50), "list": list(range(i % 20))} for i in range(2000)]
+    expected = [msgpack.packb(value, use_bin_type=True) for value in values]
+    with pytest.raises(TypeError):
+        protocol.packb(object())  # a failed pack leaves nothing behind for the next
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: [protocol.packb(v) for v in values], range(8)))
+    assert all(result == expected for result in results)
