@@ -110,7 +110,9 @@ cdef struct BatchedSubmit:  # an entry of the SUBMIT_BATCH at hand bound for a b
 cdef struct BatchedReply:  # an entry of the reply batch at hand bound for a batched client
     int32_t client  # -1 once sent
     int64_t client_rid
-    int part  # its body
+    int part  # its body: that part itself, or when `data` is set (a 0.19 entry) a copy of
+    const uint8_t* data  # data[:size]
+    size_t size
 
 
 cdef struct RequestOrder:  # a request on the rare paths that walk them in server-id order
@@ -200,6 +202,7 @@ cdef class Loop:
         uint32_t n_batched_replies
         uint8_t* scratch  # the metadata of an outgoing batch, written before it is sent
         size_t scratch_capacity
+        list detokenized_bodies  # the bodies BatchedReply.data points into, until sent
 
     # the hot path (no GIL)
     cdef bint _serve_for(self, double timeout) noexcept nogil
@@ -222,6 +225,7 @@ cdef class Loop:
     cdef void _send_new(self, uint32_t slot, int rank, Inbound* inbound) noexcept nogil
     cdef void _send_kept(self, uint32_t slot, int rank) noexcept nogil
     cdef void _forward_single_replies(self, int32_t engine) noexcept nogil
+    cdef int _reserve_reply_batch(self, uint32_t count) noexcept nogil
     cdef int _read_single_replies(self, uint32_t* count) noexcept nogil
     cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil
     cdef bint _deliver(self, int32_t client, int64_t header, int64_t client_rid,

@@ -319,6 +319,7 @@ cdef class Loop:
         self.batched_submits = NULL
         self.batched_replies = NULL
         self.scratch = NULL
+        self.detokenized_bodies = []
 
     def __init__(self, options, Router router not None, router_socket, wake_socket):
         self.router = router
@@ -1208,6 +1209,8 @@ cdef class Loop:
                 batched.client = client
                 batched.client_rid = client_rid
                 batched.part = 2 + i
+                batched.data = NULL
+                batched.size = self._size(2 + i)
             elif not self._deliver(client, header, client_rid, NULL, 0, &self.parts[2 + i]):
                 with gil:
                     self._client_gone(client)
@@ -1246,7 +1249,7 @@ cdef class Loop:
         for j in range(first, n):
             if batched[j].client == client:
                 count += 1
-                bodies += self._size(batched[j].part)
+                bodies += batched[j].size
         out += ck_write_array(out, 2)
         out += ck_write_int(out, HEADER_REPLY_BATCH)
         out += ck_write_array(out, count)
@@ -1262,7 +1265,12 @@ cdef class Loop:
         for j in range(first, n):
             if batched[j].client == client:
                 count -= 1
-                send_msg(self.sock, &self.parts[batched[j].part], ZMQ_SNDMORE if count else 0)
+                if batched[j].data == NULL:
+                    send_msg(self.sock, &self.parts[batched[j].part], ZMQ_SNDMORE if count else 0)
+                else:
+                    send_bytes(
+                        self.sock, batched[j].data, batched[j].size, ZMQ_SNDMORE if count else 0
+                    )
 
     cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil:
         """Read the batch's entries into ``entries``, and make room for those bound for
@@ -1283,27 +1291,38 @@ cdef class Loop:
             )
         if status != CK_OK:
             return status
+        return self._reserve_reply_batch(count[0])
+
+    cdef int _reserve_reply_batch(self, uint32_t count) noexcept nogil:
+        """Room for ``count`` entries bound for batched clients and their metadata."""
         self.n_batched_replies = 0
         # A REPLY_BATCH's metadata: the head, then per entry a fixarray, a rid, a bool.
         if not reserve(
-            <void**>&self.batched_replies, &self.batched_replies_capacity, count[0],
+            <void**>&self.batched_replies, &self.batched_replies_capacity, count,
             sizeof(BatchedReply),
         ) or not reserve(
             <void**>&self.scratch, &self.scratch_capacity,
-            2 * CK_ARRAY_MAX + CK_INT_MAX + count[0] * (2 + CK_INT_MAX), 1,
+            2 * CK_ARRAY_MAX + CK_INT_MAX + count * (2 + CK_INT_MAX), 1,
         ):
             return CK_TOO_MANY
         return CK_OK
 
     cdef void _forward_single_replies(self, int32_t engine) noexcept nogil:
-        """A 0.19 engine's finished requests, each map to its request's client."""
+        """A 0.19 engine's finished requests, each map to its request's client; those
+        bound for batched clients leave as one REPLY_BATCH per client."""
         cdef uint32_t count, i
         cdef int64_t slot, client_rid
         cdef int32_t client
         cdef double now = 0.0
         cdef ck_single_entry* entry
-        cdef bint delivered
-        if self.n_parts != 2 or self._read_single_replies(&count) != CK_OK:
+        cdef BatchedReply* batched
+        cdef const uint8_t* body
+        cdef size_t size
+        if (
+            self.n_parts != 2
+            or self._read_single_replies(&count) != CK_OK
+            or self._reserve_reply_batch(count) != CK_OK
+        ):
             with gil:
                 self._malformed(-1, None, HEADER_ENGINE_REPLY, "bad single-frame ENGINE_REPLY")
             return
@@ -1322,21 +1341,29 @@ cdef class Loop:
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
             self._finish(<uint32_t>slot, True, now)
+            body = self._data(1) + entry.offset
+            size = entry.size
             if self.has_detokenizer:  # as 0.19's coordinator: every finished request
                 with gil:
-                    body = self._detokenized(self._data(1) + entry.offset, entry.size)
-                    delivered = self._deliver(
-                        client, HEADER_ENGINE_REPLY, client_rid,
-                        <const uint8_t*><const char*>body, len(body), NULL,
-                    )
-            else:
-                delivered = self._deliver(
-                    client, HEADER_ENGINE_REPLY, client_rid,
-                    self._data(1) + entry.offset, entry.size, NULL,
-                )
-            if not delivered:
+                    detokenized = self._detokenized(body, size)
+                    self.detokenized_bodies.append(detokenized)  # alive until sent
+                    body = <const uint8_t*><const char*>detokenized
+                    size = len(detokenized)
+            if self.clients[client].batch:
+                batched = &self.batched_replies[self.n_batched_replies]
+                self.n_batched_replies += 1
+                batched.client = client
+                batched.client_rid = client_rid
+                batched.part = 1
+                batched.data = body
+                batched.size = size
+            elif not self._deliver(client, HEADER_ENGINE_REPLY, client_rid, body, size, NULL):
                 with gil:
                     self._client_gone(client)
+        self._send_client_batches(True)
+        if self.has_detokenizer:
+            with gil:
+                self.detokenized_bodies.clear()
 
     cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil:
         """A reply for the request at ``slot`` arrived: timed, counted, and a final

@@ -737,7 +737,8 @@ class Loop:
         self._sock.send_multipart(out, copy=False)
 
     def _forward_single_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        """A 0.19 engine's finished requests, each map to its request's client."""
+        """A 0.19 engine's finished requests, each map to its request's client; those
+        bound for batched clients leave as one REPLY_BATCH per client."""
         data = frames[1].buffer
         try:
             if len(frames) != 2:
@@ -760,8 +761,11 @@ class Loop:
             body: Buffer = data[start:end]
             if self._options.detokenizer is not None:  # as 0.19's coordinator: every one
                 body = self._detokenized(body)
-            if not self._deliver(request.client, Header.ENGINE_REPLY, request.client_rid, body):
+            if request.client.batch:
+                self._client_batch.setdefault(request.client, []).append((request.client_rid, body))
+            elif not self._deliver(request.client, Header.ENGINE_REPLY, request.client_rid, body):
                 self._client_gone(request.client)
+        self._send_client_batches(True)
 
     def _finish(self, request: _Request, final: bool, now: float) -> None:
         """A reply for ``request`` arrived: timed, counted, and a final forgets it."""

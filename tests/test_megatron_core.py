@@ -691,10 +691,9 @@ def test_a_batched_client_behind_both_kinds_of_engine(megatron):
         assert single.recv_frame() == b"\x94\x14\x00" + TOKENS + PARAMS
         assert single.recv_frame() == b"\x94\x14\x02\x90" + PARAMS
         assert batched.recv() == [b"\x92" + m(SUBMIT_BATCH) + b"\x91\x92\x01" + PARAMS, TEXT]
-        # A single-frame engine's finished requests go one message each, batched client or not.
+        # A single-frame engine's finished requests for a batched client: one REPLY_BATCH.
         single.reply(Raw(finished(2)), Raw(finished(0)))
-        assert client.recv() == [m([REPLY, 7]), finished(2)]
-        assert client.recv() == [m([REPLY, 5]), finished(0)]
+        assert client.recv() == [m([REPLY_BATCH, [[7, True], [5, True]]]), finished(2), finished(0)]
         batched.send(m([REPLY, [[1, False]]]), finished(1))
         assert client.recv() == [m([REPLY_BATCH, [[6, True]]]), finished(1)]
         for peer in (client, single, batched):
@@ -823,3 +822,34 @@ def test_detokenizer_fills_generated_text_of_every_finished_request(megatron):
             "generated_text": "t7 t8"
         }
         assert counters(c)["detokenized"] == 1
+
+
+def test_detokenized_replies_coalesced_for_a_batched_client(megatron):
+    """One 0.19 reply finishing requests of a batched and of an unbatched coordkit
+    client: the batched one gets one REPLY_BATCH, both get detokenized bodies."""
+    with megatron(detokenizer=lambda tokens: " ".join(f"t{t}" for t in tokens)) as c:
+        engine = c.add_single_frame_engine()
+        batched = c.client(batch=True)
+        plain = c.client(coordkit=True)
+        entries = [[rid, SP, False] for rid in (3, 4)]
+        batched.send(m([SUBMIT_BATCH, entries]), m([1, 2]), m([3]))
+        plain.send(m([SUBMIT, 9, SP]), m([4, 5]))
+        sid = {}  # the server id of each prompt
+        for _ in range(3):
+            server_rid, prompt, _ = engine.recv_submit()
+            sid[tuple(um(prompt))] = server_rid
+        # the plain client's request finishes between the batched client's two
+        order = [sid[(1, 2)], sid[(4, 5)], sid[(3,)]]
+        engine.reply(*[finished_request(s, None, generated_tokens=[s, 50]) for s in order])
+
+        def text(frame: bytes) -> str:
+            return str(um(frame)["generated_text"])
+
+        frames = batched.recv()
+        assert um(frames[0]) == [REPLY_BATCH, [[3, True], [4, True]]]
+        assert [text(f) for f in frames[1:]] == [f"t{sid[k]} t50" for k in ((1, 2), (3,))]
+        meta, body = plain.recv()
+        assert um(meta) == [REPLY, 9] and text(body) == f"t{sid[(4, 5)]} t50"
+        for peer in (batched, plain, engine):
+            peer.assert_silent(0.05)
+        assert counters(c)["detokenized"] == 3 and c.coord.stats()["inflight"] == 0
