@@ -504,11 +504,8 @@ cdef inline int _read_batch_head(ck_cursor* c, int64_t expected, uint32_t* lengt
         return status
     if header != expected:
         return CK_BAD_HEADER
-    status = _read_array(c, length)
-    if status != CK_OK:
-        return status
-    # every entry takes at least one byte
-    return CK_TRUNCATED if length[0] > ck_left(c) else CK_OK
+    # Not checked against the bytes left: a short batch still names the ids it holds.
+    return _read_array(c, length)
 
 
 cdef inline void _name_entry(ck_batch_entry* entries, uint32_t capacity, uint32_t* count,
@@ -593,24 +590,25 @@ cdef int ck_read_reply_batch(const uint8_t* buf, size_t n, ck_batch_entry* entri
     return CK_TOO_MANY if length > capacity else CK_OK
 
 
+cdef inline int _read_batch(const uint8_t* buf, size_t n, int64_t header, uint32_t width,
+                            ck_batch_entry* entries, uint32_t capacity,
+                            uint32_t* count) noexcept nogil:
+    if header == HEADER_SUBMIT_BATCH:
+        return ck_read_submit_batch(buf, n, width, entries, capacity, count)
+    return ck_read_reply_batch(buf, n, entries, capacity, count)
+
+
 cdef int ck_read_batch_into(const uint8_t* buf, size_t n, int64_t header, uint32_t width,
                             ck_batch_entry** entries, uint32_t* capacity,
                             uint32_t* count) noexcept nogil:
-    cdef int status
     cdef ck_batch_entry* grown
-    cdef int attempt
-    for attempt in range(2):
-        if header == HEADER_SUBMIT_BATCH:
-            status = ck_read_submit_batch(buf, n, width, entries[0], capacity[0], count)
-        else:
-            status = ck_read_reply_batch(buf, n, entries[0], capacity[0], count)
-        if count[0] <= capacity[0] or attempt == 1:
-            break
+    cdef int status = _read_batch(buf, n, header, width, entries[0], capacity[0], count)
+    if count[0] > capacity[0]:
         grown = <ck_batch_entry*>realloc(entries[0], count[0] * sizeof(ck_batch_entry))
-        if grown == NULL:
-            break
-        entries[0] = grown
-        capacity[0] = count[0]
+        if grown != NULL:
+            entries[0] = grown
+            capacity[0] = count[0]
+            status = _read_batch(buf, n, header, width, entries[0], capacity[0], count)
     if count[0] > capacity[0]:  # out of memory to grow: name only the entries held
         count[0] = capacity[0]
         return CK_TOO_MANY
