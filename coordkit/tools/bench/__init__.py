@@ -90,7 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = report.summarize(runs)
     report.print_cpu(args, summary)
     report.print_memory(memory)
-    client_summary = endpoints.summarize(client_runs, ("client_us", "requests_per_s"))
+    client_summary = endpoints.summarize(
+        client_runs, ("client_us", "client_main_us", "requests_per_s")
+    )
     report.print_clients(args, client_summary)
     end_to_end_keys = ("requests_per_s", "client_us", "coordinator_us", "engines_us", "reply_batch")
     end_to_end_summary = endpoints.summarize(end_to_end_runs, end_to_end_keys)

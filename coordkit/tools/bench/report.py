@@ -105,18 +105,21 @@ def print_clients(args: argparse.Namespace, summary: dict[tuple[Any, ...], Any])
         f"({transport}, window {args.window}, replies of at most 16 per message)"
     )
     print(
-        f"{'peer':<12} {'tokens':>6}  {'client':<16} {'µs/req':>8} {'plain/this':>10} "
-        f"{'req/s':>8}  batches"
+        f"{'peer':<12} {'tokens':>6}  {'client':<16} {'µs/req':>8} {'main':>6} {'I/O':>6} "
+        f"{'plain/this':>10} {'req/s':>8}  batches"
     )
     for (peer, variant, tokens), point in sorted(
         summary.items(), key=lambda item: (item[0][0], item[0][2])
     ):
         plain = summary.get((peer, "plain", tokens))
         ratio = f"{plain['client_us'] / point['client_us']:.1f}" if plain else "-"
+        io = point["client_us"] - point["client_main_us"]
         print(
-            f"{peer:<12} {tokens:>6}  {variant:<16} {point['client_us']:8.2f} {ratio:>10} "
+            f"{peer:<12} {tokens:>6}  {variant:<16} {point['client_us']:8.2f} "
+            f"{point['client_main_us']:6.2f} {io:6.2f} {ratio:>10} "
             f"{point['requests_per_s']:8.0f}  {'granted' if point['batch'] else 'no'}"
         )
+    print("(main: the event loop's thread, Python and the core; I/O: libzmq's I/O thread)")
 
 
 def print_end_to_end(args: argparse.Namespace, summary: dict[tuple[Any, ...], Any]) -> None:
