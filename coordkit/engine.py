@@ -113,6 +113,14 @@ class Engine:
     ``batch`` is False; ``implementation`` (``"c"`` or ``"py"``) picks the
     core, by default the one chosen at import.
 
+    ``hello=False`` sends no ENGINE_HELLO: the engine registers as a
+    Megatron engine does (the empty frame only), for a coordinator other
+    than coordkit's that speaks the multipart layout and may not survive a
+    header it does not know (Megatron-Core 0.19's own coordinator raises on
+    one). It then gets no batches and no ERRORs. Not for coordkit's
+    coordinator in the megatron-core dialect, which would take the engine
+    for a 0.19 one and send it single frames.
+
     ``coordinator_timeout`` (seconds; None: none) sets ZMTP heartbeats on the
     socket, so that a coordinator silent that long is deemed lost, as one
     whose connection closed is at once. libzmq reconnects by itself; on the
@@ -138,6 +146,7 @@ class Engine:
         coordinator_timeout: float | None = DEFAULT_COORDINATOR_TIMEOUT,
         curve_server_key: ServerKey | None = None,
         curve_keys: KeySource | None = None,
+        hello: bool = True,
     ):
         impl = load_implementation(implementation) if implementation else selected()
         if identity is None:
@@ -147,7 +156,8 @@ class Engine:
         self.identity = identity.encode() if isinstance(identity, str) else identity
         self.heartbeat_interval = heartbeat_interval
         self.capacity = capacity
-        self.batch = batch
+        self.batch = batch and hello
+        self.hello = hello
         self._next_heartbeat = time.monotonic() if heartbeat_interval else math.inf
         # An own context, so close() can wait (up to the linger) for the last replies to leave.
         self._own_context = context is None
@@ -234,6 +244,8 @@ class Engine:
 
     def _register(self) -> None:
         self._socket.send(b"")  # registration
+        if not self.hello:
+            return
         # A coordkit engine: multipart in every dialect; batches when it asks.
         hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1} if self.batch else COORDKIT_HELLO
         self._socket.send_multipart(protocol.ENGINE_HELLO.pack(hello))

@@ -179,6 +179,21 @@ def test_reply_is_one_batched_message(router, impl):
         assert socket.recv_multipart() == [identity, packb([DISCONNECT])]
 
 
+def test_without_hello_it_registers_as_megatron_engines_do(router, impl):
+    """hello=False: the empty frame and nothing else, for a coordinator that knows
+    no coordkit header; the engine works as ever, unbatched."""
+    socket, address = router
+    with Engine(address, implementation=impl.name, hello=False) as engine:
+        assert not engine.batch
+        assert socket.recv_multipart() == [engine.identity, b""]
+        assert not socket.poll(200), socket.recv_multipart()  # no ENGINE_HELLO
+        submit(socket, engine, 7)
+        [request] = collect(engine, 1)
+        assert isinstance(request, Request) and request.server_rid == 7
+        engine.reply([(7, b"done")])
+        assert socket.recv_multipart() == [engine.identity, packb([REPLY, [[7, False]]]), b"done"]
+
+
 def test_heartbeat_reports_pending_and_capacity(router, impl):
     socket, _ = router
     with registered(router, impl, heartbeat_interval=0.05, capacity=9) as engine:
