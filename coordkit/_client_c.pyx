@@ -46,6 +46,7 @@ from libc.string cimport memcpy
 
 from coordkit._codec_c cimport (
     CK_ARRAY_MAX,
+    CK_BATCH_HEAD_MAX,
     CK_INT_MAX,
     CK_OK,
     ck_batch_entry,
@@ -54,6 +55,7 @@ from coordkit._codec_c cimport (
     ck_read_header_int,
     ck_strstatus,
     ck_write_array,
+    ck_write_batch_head,
     ck_write_int,
     ck_write_uint,
 )
@@ -863,7 +865,7 @@ cdef class ClientCore:
     def flush(self):
         """Send the submissions coalesced so far: one SUBMIT_BATCH, or a SUBMIT for one."""
         cdef Buf* b = &self.open_entries
-        cdef uint8_t head[2 + CK_ARRAY_MAX]
+        cdef uint8_t head[CK_BATCH_HEAD_MAX]
         cdef uint8_t* out
         cdef size_t n
         self.flush_scheduled = False
@@ -877,9 +879,7 @@ cdef class ClientCore:
             out[1] = HEADER_SUBMIT_REQUEST
             memcpy(out + 2, b.data + 1, b.len - 2)
         else:  # [95, [entry, ...]]
-            head[0] = 0x92
-            head[1] = HEADER_SUBMIT_BATCH
-            n = 2 + ck_write_array(head + 2, self.n_open)
+            n = ck_write_batch_head(head, HEADER_SUBMIT_BATCH, self.n_open)
             if zmq_msg_init_size(&self.frames[0], n + b.len) != 0:
                 raise MemoryError()
             out = <uint8_t*>zmq_msg_data(&self.frames[0])

@@ -65,6 +65,7 @@ cdef enum:
     CK_SINGLE_PREFIX_MAX = 19   # fixarray + two int64: the prefix of ck_write_single_submit
     CK_INT_MAX = 9              # bytes ck_write_int or ck_write_uint may write
     CK_ARRAY_MAX = 5            # bytes ck_write_array may write
+    CK_BATCH_HEAD_MAX = 15      # bytes ck_write_batch_head may write: [h, [ of n
 
 cdef const char* ck_strstatus(int status) noexcept nogil
 
@@ -92,6 +93,10 @@ cdef size_t ck_write_header_int(uint8_t* out, int64_t header, int64_t value) noe
 
 # `[header]` into CK_HEADER_MAX bytes; returns the bytes written.
 cdef size_t ck_write_header(uint8_t* out, int64_t header) noexcept nogil
+
+# `[header, [` of a batch of `count` entries (the entries follow) into
+# CK_BATCH_HEAD_MAX bytes; returns the bytes written.
+cdef size_t ck_write_batch_head(uint8_t* out, int64_t header, uint32_t count) noexcept nogil
 
 # `[21, [[rid, needs_detokenize], ...]]` or `[22, [rid, ...]]`. The batch must
 # be readable whole (an error status otherwise); an entry of the wrong shape,

@@ -994,6 +994,12 @@ cdef size_t ck_write_header(uint8_t* out, int64_t header) noexcept nogil:
     return 1 + _write_int(out + 1, header)
 
 
+cdef size_t ck_write_batch_head(uint8_t* out, int64_t header, uint32_t count) noexcept nogil:
+    out[0] = 0x92
+    cdef size_t n = 1 + _write_int(out + 1, header)
+    return n + ck_write_array(out + n, count)
+
+
 cdef inline size_t _write_single_prefix(uint8_t* out, int64_t header, int64_t rid) noexcept nogil:
     out[0] = 0x94
     cdef size_t n = 1 + _write_int(out + 1, header)

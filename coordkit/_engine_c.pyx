@@ -36,7 +36,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
 
 from coordkit._codec_c cimport (
-    CK_ARRAY_MAX,
+    CK_BATCH_HEAD_MAX,
     CK_INT_MAX,
     CK_OK,
     ck_batch_entry,
@@ -46,7 +46,7 @@ from coordkit._codec_c cimport (
     ck_read_submit,
     ck_strstatus,
     ck_submit,
-    ck_write_array,
+    ck_write_batch_head,
     ck_write_int,
 )
 from coordkit._constants cimport *
@@ -451,7 +451,7 @@ cdef class EngineCore:
         cdef bint final = header == HEADER_ENGINE_REPLY
         cdef str name = "ENGINE_REPLY" if final else "ENGINE_REPLY_PARTIAL"
         cdef int64_t rid
-        cdef uint8_t head[2 + CK_ARRAY_MAX]
+        cdef uint8_t head[CK_BATCH_HEAD_MAX]
         cdef size_t head_size
         cdef bint has_meta = False, detokenize
         ck_pins_sweep()
@@ -482,9 +482,7 @@ cdef class EngineCore:
                 n += 1
             if n == 0:
                 return 0
-            head[0] = 0x92
-            head[1] = header
-            head_size = 2 + ck_write_array(head + 2, <uint32_t>n)
+            head_size = ck_write_batch_head(head, header, <uint32_t>n)
             if zmq_msg_init_size(&self.bodies[0], head_size + b.len) != 0:
                 raise MemoryError()
             has_meta = True

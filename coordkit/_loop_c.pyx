@@ -26,7 +26,7 @@ from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from coordkit._codec_c cimport (
-    CK_ARRAY_MAX,
+    CK_BATCH_HEAD_MAX,
     CK_HEADER_INT_MAX,
     CK_INT_MAX,
     CK_OK,
@@ -50,7 +50,7 @@ from coordkit._codec_c cimport (
     ck_strstatus,
     ck_submit,
     ck_submit_size,
-    ck_write_array,
+    ck_write_batch_head,
     ck_write_header_int,
     ck_write_int,
     ck_write_single_submit,
@@ -834,7 +834,7 @@ cdef class Loop:
             sizeof(BatchedSubmit),
         ) or not reserve(
             <void**>&self.scratch, &self.scratch_capacity,
-            2 * CK_ARRAY_MAX + CK_INT_MAX + count[0] * (1 + CK_INT_MAX) + self._size(1), 1,
+            CK_BATCH_HEAD_MAX + count[0] * (1 + CK_INT_MAX) + self._size(1), 1,
         ):
             return CK_TOO_MANY
         return CK_OK
@@ -875,9 +875,7 @@ cdef class Loop:
         cdef size_t size, prompts = 0
         for j in range(first, n):
             count += batched[j].rank == rank
-        out += ck_write_array(out, 2)
-        out += ck_write_int(out, HEADER_SUBMIT_BATCH)
-        out += ck_write_array(out, count)
+        out += ck_write_batch_head(out, HEADER_SUBMIT_BATCH, count)
         for j in range(first, n):
             if batched[j].rank == rank:
                 out[0] = MSGPACK_FIXARRAY_2
@@ -1250,9 +1248,7 @@ cdef class Loop:
             if batched[j].client == client:
                 count += 1
                 bodies += batched[j].size
-        out += ck_write_array(out, 2)
-        out += ck_write_int(out, HEADER_REPLY_BATCH)
-        out += ck_write_array(out, count)
+        out += ck_write_batch_head(out, HEADER_REPLY_BATCH, count)
         for j in range(first, n):
             if batched[j].client == client:
                 out[0] = MSGPACK_FIXARRAY_2
@@ -1302,7 +1298,7 @@ cdef class Loop:
             sizeof(BatchedReply),
         ) or not reserve(
             <void**>&self.scratch, &self.scratch_capacity,
-            2 * CK_ARRAY_MAX + CK_INT_MAX + count * (2 + CK_INT_MAX), 1,
+            CK_BATCH_HEAD_MAX + count * (2 + CK_INT_MAX), 1,
         ):
             return CK_TOO_MANY
         return CK_OK

@@ -23,7 +23,6 @@ import pytest
 import zmq.auth
 
 from coordkit import Client, CoordinatorError, ErrorCode
-from coordkit.curve import keygen
 from coordkit.engine import Engine
 from coordkit.tools.fake_engine import FakeEngine
 from tests.support.peers import wait_for
@@ -193,16 +192,6 @@ def test_coordinator_timeout_must_be_positive(tmp_path, impl):
 
 
 # -- CURVE ----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def keys(tmp_path):
-    """A coordinator key pair, two admitted peers and one stranger."""
-    keygen(tmp_path / "server", "coordinator")
-    for name in ("client", "engine"):
-        keygen(tmp_path / "admitted", name)
-    keygen(tmp_path / "strangers", "mallory")
-    return tmp_path
 
 
 def test_curve_endpoints(make_cluster, keys, impl):

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 import zmq
 
-from coordkit.curve import keygen, secure_client
+from coordkit.curve import secure_client
 from coordkit.metrics import scrape
 from coordkit.protocol import ErrorCode
 from coordkit.tools.cli import stats_table
@@ -149,16 +149,6 @@ def test_without_metrics_the_loop_keeps_no_latency(make_cluster):
 
 
 # -- CURVE ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def keys(tmp_path):
-    """A coordinator key pair, two admitted peers and one stranger."""
-    keygen(tmp_path / "server", "coordinator")
-    for name in ("client", "engine"):
-        keygen(tmp_path / "admitted", name)
-    keygen(tmp_path / "strangers", "mallory")
-    return tmp_path
 
 
 def curve_peer(kind, ctx, address, keys, name, directory="admitted", identity=None):

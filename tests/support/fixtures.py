@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 
 from coordkit import Coordinator
+from coordkit.curve import keygen
 from tests.support import extension
 from tests.support.cluster import Cluster, bind_address
 from tests.support.implementations import load, unavailable
@@ -96,3 +98,14 @@ def zmqutil(tmp_path_factory) -> ModuleType:
     except ImportError as exc:  # built, but it could not bind to pyzmq's libzmq
         reason, details = f"{extension.NAME} did not import: {exc}", ""
     unavailable(reason, details)  # outside the except: no "during handling" chain
+
+
+@pytest.fixture
+def keys(tmp_path) -> Path:
+    """CURVE keys in tmp_path: the coordinator's pair (server/), two admitted
+    peers (admitted/client, admitted/engine) and one stranger (strangers/mallory)."""
+    keygen(tmp_path / "server", "coordinator")
+    for name in ("client", "engine"):
+        keygen(tmp_path / "admitted", name)
+    keygen(tmp_path / "strangers", "mallory")
+    return Path(tmp_path)
