@@ -27,6 +27,7 @@ from coordkit import Coordinator
 from coordkit.curve import keygen
 from tests.support import extension
 from tests.support.cluster import Cluster, bind_address
+from tests.support.etcd import etcd  # noqa: F401  (a fixture: registered by being here)
 from tests.support.implementations import load, unavailable
 
 IMPLEMENTATIONS = [
