@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -55,6 +56,14 @@ def spawn(endpoint: str) -> Iterator[Callable[..., CandidateProcess]]:
 def term_of(election: Election, timeout: float = 10.0) -> Iterator[Term]:
     with election, election.campaign(timeout) as term:
         yield term
+
+
+def etcd_client(endpoint: str) -> Any:
+    """A plain etcd3gw client for the server of ``endpoint`` (the test's own hand on etcd)."""
+    import etcd3gw
+
+    host, port, _ = parse_endpoint(endpoint)
+    return etcd3gw.client(host=host, port=port)
 
 
 def one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
@@ -169,18 +178,16 @@ def test_one_leader_at_a_time_and_epochs_increase(endpoint: str) -> None:
 
 def test_a_key_deleted_by_hand_ends_the_term(endpoint: str) -> None:
     with term_of(Election(endpoint, ttl=TTL)) as term:
-        etcd3gw = pytest.importorskip("etcd3gw")
-        host, port, _ = parse_endpoint(endpoint)
-        assert etcd3gw.client(host=host, port=port).delete(parse_endpoint(endpoint).key)
+        assert etcd_client(endpoint).delete(parse_endpoint(endpoint).key)
         assert term.lost.wait(TTL + 1), "the keepalive did not notice"
         assert not term.valid() and "deleted or taken" in str(term.reason)
 
 
 def test_a_revoked_lease_ends_the_term(endpoint: str) -> None:
     with term_of(Election(endpoint, ttl=TTL)) as term:
-        etcd3gw = pytest.importorskip("etcd3gw")
-        host, port, _ = parse_endpoint(endpoint)
-        etcd3gw.Lease(term.lease_id, etcd3gw.client(host=host, port=port)).revoke()
+        from etcd3gw import Lease
+
+        Lease(term.lease_id, etcd_client(endpoint)).revoke()
         assert term.lost.wait(TTL + 1), "the keepalive did not notice"
         assert not term.valid() and term.reason == "the lease expired"
 
