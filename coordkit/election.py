@@ -13,7 +13,7 @@ increase strictly from term to term and are never reused.
 "Am I still the leader" is :meth:`Term.valid`, a comparison with the
 monotonic clock and no request: a term is valid until ``ttl`` after the last
 keepalive that etcd answered was *sent*, never beyond the moment etcd lets
-the lease expire. A leader frozen (SIGSTOP, a paused VM) past that finds its
+the lease expire. A leader frozen (SIGSTOP, a stall in swap) past that finds its
 term invalid the moment it runs again, before it can act on a message; its
 keepalive thread then sets :attr:`Term.lost` without sending anything.
 
