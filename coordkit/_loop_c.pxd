@@ -78,46 +78,19 @@ cdef enum GoneReason:
     GONE_DRAIN_TIMED_OUT
 
 
-cdef struct Inbound:
-    # A new request as it came, to be put in the format of the engine chosen for it.
-    int64_t header
-    zmq_msg_t* meta  # multipart: the rewritten metadata
-    uint32_t length  # multipart: the metadata's length
-    int payload  # multipart: the part of its first payload frame
-    int n_payload
-    bint batched  # an entry of a SUBMIT_BATCH: a batched engine takes it later
-    const uint8_t* frame  # single frame: [20, client_rid, prompt, params]
-    size_t frame_size
-    size_t prompt  # single frame: where the prompt starts (the params follow it)
-    size_t params  # single frame: where the params start, once parsed (else 0)
-    # multipart: what follows the rid in the original metadata (the params, and a
-    # KV submission's kv_meta), or a SUBMIT_BATCH entry's params
-    const uint8_t* params_data
-    size_t params_size
-    bint single_ok  # may go to a single-frame engine
-    bint multi_ok  # may go to a multipart engine
-
-
-cdef struct BatchedSubmit:  # an entry of the SUBMIT_BATCH at hand bound for a batched engine
-    uint32_t slot
-    int64_t server_rid
-    int rank  # -1 once sent, or left out
-    int part  # its prompt
-    const uint8_t* params
-    size_t params_size
-
-
-cdef struct BatchedReply:  # an entry of the reply batch at hand bound for a batched client
-    int32_t client  # -1 once sent
-    int64_t client_rid
-    int part  # its body: that part itself, or when `data` is set (a 0.19 entry) a copy of
-    const uint8_t* data  # data[:size]
-    size_t size
-
-
 cdef struct RequestOrder:  # a request on the rare paths that walk them in server-id order
     int64_t server_rid
     uint32_t slot
+
+
+# The loop's concepts, each a struct of its own (their functions in loop/*.pyx).
+include "loop/message.pxd"
+include "loop/dialect.pxd"
+include "loop/kept.pxd"
+include "loop/fanout.pxd"
+include "loop/deadlines.pxd"
+include "loop/latency.pxd"
+include "loop/traffic.pxd"
 
 
 cdef class Loop:
@@ -139,116 +112,61 @@ cdef class Loop:
         # The megatron-core dialect: peers that are not coordkit's speak single frames.
         bint megatron_core
         bint computes_hashes  # the prefix policy hashes the prompts of single-frame SUBMITs
-        int n_single_engines  # engines of either format ever registered: which checks to make
-        int n_multipart_engines
         size_t block_size
-        uint8_t* hashes  # block hashes computed from a prompt (prefix policy, single frames)
-        size_t hashes_capacity
         double request_timeout  # 0: requests never time out
+        bint measure_latency
 
+        # The tables.
         ck_requests requests
+        uint32_t* work  # by request slot: the work units its rank was charged (router.charged)
+        # With a request_timeout or measure_latency: when each request (by slot) was submitted.
+        double* submitted
         Client* clients
         ck_ids client_ids
         int n_clients
         Engine* engines
         ck_ids engine_ids
         int n_engines
+        int n_single_engines  # engines not gone of each format: which checks a SUBMIT needs
+        int n_multipart_engines
         int* gone  # ranks found gone whose requests are not settled yet, oldest first
         int n_gone
-        # With a request_timeout or measure_latency: when each request (by slot)
-        # was submitted. With a request_timeout: the requests in submission
-        # order (deadline order), a list through the slots.
-        double* submitted
-        uint32_t* older
-        uint32_t* newer
-        uint32_t oldest
-        uint32_t newest
         int control_state
+
+        # The counts.
         uint64_t counters[N_COUNTERS]
         uint64_t messages
-        # Messages and bytes by header slot, received ([0]) and sent ([1]).
-        uint64_t traffic_messages[2][HEADER_SLOTS]
-        uint64_t traffic_bytes[2][HEADER_SLOTS]
         uint64_t failed[ERROR_SLOTS]  # accepted requests ended with ERROR(code)
         uint64_t refused[ERROR_SLOTS]  # messages refused with ERROR(code)
-        # measure_latency: SUBMIT to final, SUBMIT to the first partial or final.
-        bint measure_latency
-        double latency_bounds[N_LATENCY_BUCKETS]
-        uint64_t final_latency[N_LATENCY_BUCKETS + 1]
-        uint64_t first_latency[N_LATENCY_BUCKETS + 1]
-        double final_latency_sum
-        double first_latency_sum
         uint64_t debug_polls  # DEBUG builds: loop wake-ups, against the messages handled
+        Traffic traffic
+        Latency latency  # measure_latency
+        Deadlines deadlines  # request_timeout
 
-        # The message being handled: its frames, and the entries of a reply batch.
-        zmq_msg_t* parts
-        int n_parts
-        int parts_capacity
-        bint oversized  # it had more than MAX_PARTS frames: malformed
-        ck_entry* entries
-        uint32_t entries_capacity
-        ck_single_entry* single_entries
-        uint32_t single_entries_capacity
-        uint32_t* work  # by request slot: the work units its rank was charged (router.charged)
-        # The SUBMIT_BATCH at hand: its entries, and those bound for batched engines.
-        ck_batch_entry* batch_entries
-        uint32_t batch_entries_capacity
-        BatchedSubmit* batched_submits
-        size_t batched_submits_capacity
-        uint32_t n_batched_submits
-        # The reply batch at hand: its entries bound for batched clients.
-        BatchedReply* batched_replies
-        size_t batched_replies_capacity
-        uint32_t n_batched_replies
-        uint8_t* scratch  # the metadata of an outgoing batch, written before it is sent
-        size_t scratch_capacity
-        list detokenized_bodies  # the bodies BatchedReply.data points into, until sent
+        # The message at hand, and its entries bound for peers that take batches.
+        Message message
+        Fanout fanout
+        list detokenized_bodies  # the bodies Batched.data points into, until sent
 
     # the hot path (no GIL)
     cdef bint _serve_for(self, double timeout) noexcept nogil
     cdef void _drain(self) noexcept nogil
-    cdef bint _receive(self) noexcept nogil
-    cdef void _discard_rest(self) noexcept nogil
     cdef void _handle(self) noexcept nogil
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil
     cdef void _submit(self, int32_t client, int64_t header) noexcept nogil
     cdef void _submit_single(self, int32_t client) noexcept nogil
     cdef void _submit_batch(self, int32_t client) noexcept nogil
-    cdef _malformed_batch(self, int32_t client, uint32_t count, str detail)
-    cdef int _read_submit_batch(self, uint32_t* count) noexcept nogil
-    cdef void _send_engine_batches(self) noexcept nogil
-    cdef void _send_engine_batch(self, int rank, uint32_t first, uint32_t n) noexcept nogil
-    cdef void _accept(self, int32_t client, int64_t rid, const uint8_t* hashes, size_t n_hashes,
-                      uint64_t tokens, Inbound* inbound) noexcept nogil
-    cdef const uint8_t* _prompt_hashes(self, const uint8_t* prompt, size_t size,
-                                       size_t* n_hashes) noexcept nogil
-    cdef void _send_new(self, uint32_t slot, int rank, Inbound* inbound) noexcept nogil
-    cdef void _send_kept(self, uint32_t slot, int rank) noexcept nogil
+    cdef void _accept(self, int32_t client, int64_t rid, Inbound* inbound) noexcept nogil
+    cdef int _route(self, uint32_t slot, Inbound* inbound) noexcept nogil
+    cdef int _pick_engine(self, Inbound* inbound, int* rank) noexcept nogil
+    cdef void _send_batches(self, int64_t header) noexcept nogil
+    cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil
+    cdef void _forward_replies(self, int32_t engine) noexcept nogil
     cdef void _forward_single_replies(self, int32_t engine) noexcept nogil
-    cdef int _reserve_reply_batch(self, uint32_t count) noexcept nogil
-    cdef int _read_single_replies(self, uint32_t* count) noexcept nogil
     cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil
     cdef bint _deliver(self, int32_t client, int64_t header, int64_t client_rid,
                        const uint8_t* body, size_t size, zmq_msg_t* message) noexcept nogil
-    cdef void _rewrite_submit(self, zmq_msg_t* out, int64_t server_rid,
-                              Inbound* inbound) noexcept nogil
-    cdef int _route(self, uint32_t slot, const uint8_t* hashes, size_t n_hashes,
-                    uint64_t tokens, Inbound* inbound) noexcept nogil
-    cdef int _resend(self, uint32_t slot) noexcept nogil
-    cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, uint64_t tokens,
-                          bint single_ok, bint multi_ok, bint batched, int* rank) noexcept nogil
-    cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil
-    cdef void _forward_replies(self, int32_t engine) noexcept nogil
-    cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil
-    cdef void _send_client_batches(self, bint final) noexcept nogil
-    cdef void _send_client_batch(self, int32_t client, bint final, uint32_t first,
-                                 uint32_t n) noexcept nogil
     cdef void _forget(self, uint32_t slot) noexcept nogil
-    cdef void _count_in(self, int64_t header) noexcept nogil
-    cdef void _count_out(self, int64_t header, size_t size) noexcept nogil
-    cdef void _observe(self, uint64_t* buckets, double* total, double seconds) noexcept nogil
-    cdef void _queue(self, uint32_t slot) noexcept nogil
-    cdef void _unqueue(self, uint32_t slot) noexcept nogil
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil
     cdef int _send_identity(self, ck_ids* table, int32_t index) noexcept nogil
     cdef const uint8_t* _data(self, int part) noexcept nogil
@@ -280,6 +198,7 @@ cdef class Loop:
     # failures
     cdef _settle(self)
     cdef _settle_engine(self, int rank)
+    cdef int _resend(self, uint32_t slot) noexcept nogil
     cdef RequestOrder* _in_order(self, int rank, int32_t client, uint32_t* count) except NULL
     cdef _fail_request(self, uint32_t slot, int code, int64_t header)
     cdef _time_out(self, uint32_t slot)
@@ -295,3 +214,4 @@ cdef class Loop:
     cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header)
     cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter)
     cdef _malformed(self, int32_t client, object rid, int64_t header, str detail)
+    cdef _malformed_batch(self, int32_t client, uint32_t count, str detail)

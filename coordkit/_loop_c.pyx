@@ -7,20 +7,29 @@ make the same decisions in the same order and put the same frames on the
 wire. pyzmq creates the sockets; the core takes their raw handles and calls
 the libzmq that pyzmq loaded (see _libzmq.h).
 
+The loop's concepts are small structs with inline functions, each in loop/
+(its struct in the .pxd, its functions in the .pyx), included here into one
+extension: the message at hand (message), multipart and single frame
+(dialect), the kept-prompt store (kept), the batch fan-out of both directions
+(fanout), the request_timeout queue (deadlines), the latency histograms
+(latency) and the traffic counters (traffic). The Loop keeps the tables and
+the handlers.
+
 The hot path (a SUBMIT out to an engine; an engine's batch of replies out to
-their clients) comes first in this file. It runs without the GIL and without
-Python objects: frames are received into ``zmq_msg_t``, the metadata frame is
-read and rewritten by the C codec, payload frames go on as the same messages,
-and state lives in the C tables of _tables.h. The rare paths come after it
-(peers joining and leaving, control signals, failures, malformed input): they
-take the GIL and parse with the message specs of coordkit.protocol. An engine
-found gone on the hot path is only marked; its requests are settled on a
-rare path once the message at hand is done (docs/design.md, "Failure model").
+their clients) comes first in the Loop, top to bottom. It runs without the GIL
+and without Python objects: frames are received into ``zmq_msg_t``, the
+metadata frame is read and rewritten by the C codec, payload frames go on as
+the same messages, and state lives in the C tables of _tables.h. The rare
+paths come after it (peers joining and leaving, control signals, failures,
+malformed input): they take the GIL and parse with the message specs of
+coordkit.protocol. An engine found gone on the hot path is only marked; its
+requests are settled on a rare path once the message at hand is done
+(docs/design.md, "Failure model").
 """
 
 cimport cython
 from libc.errno cimport EINTR
-from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc, qsort, realloc
 from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -69,7 +78,6 @@ from coordkit._libzmq cimport (
     zmq_msg_init,
     zmq_msg_init_size,
     zmq_msg_more,
-    zmq_msg_move,
     zmq_msg_recv,
     zmq_msg_send,
     zmq_msg_size,
@@ -114,19 +122,15 @@ cdef extern from *:
     """
     bint DEBUG "CK_DEBUG"
 
-cdef enum:
-    FIRST_PARTS = 64  # frames of a message before the buffer grows
-    FIRST_ENTRIES = 64  # entries of a reply batch before the buffer grows
-
 GONE_REASONS = ("unreachable", "no heartbeat", "drain timed out")  # by GoneReason
 
 cdef enum:
     MSGPACK_FIXARRAY_2 = 0x92  # the head of a batch entry [rid, ...] of two
-    MSGPACK_TRUE = 0xc3
-    MSGPACK_FALSE = 0xc2
+
+cdef const char* MSGPACK_BOOLS = b"\xc2\xc3"  # false, true: a reply batch entry's final flag
 
 
-# -- sending ---------------------------------------------------------------------------
+# -- sending, growing ------------------------------------------------------------------
 
 cdef inline int send_bytes(void* sock, const void* data, size_t n, int flags) noexcept nogil:
     """Send a copy of ``data`` as one frame; 0, or -1 when the peer is gone."""
@@ -157,15 +161,21 @@ cdef inline void send_shared(void* sock, zmq_msg_t* msg, int flags) noexcept nog
 
 
 cdef bint reserve(void** buffer, size_t* capacity, size_t needed, size_t item) noexcept nogil:
-    """Grow ``buffer`` to hold ``needed`` items of ``item`` bytes; False when memory is short."""
+    """Grow ``buffer`` (of ``capacity`` items of ``item`` bytes) to hold at least
+    ``needed``, at least doubling; False when memory is short (it is then as it was).
+    The one way the loop's buffers grow; never for zmq_msg_t, which must not be
+    byte-copied."""
     cdef void* grown
+    cdef size_t size = 2 * capacity[0]
     if needed <= capacity[0]:
         return True
-    grown = realloc(buffer[0], needed * item)
+    if size < needed:
+        size = needed
+    grown = realloc(buffer[0], size * item)
     if grown == NULL:
         return False
     buffer[0] = grown
-    capacity[0] = needed
+    capacity[0] = size
     return True
 
 
@@ -175,113 +185,18 @@ cdef inline double monotonic() noexcept nogil:
     return ts.tv_sec + ts.tv_nsec * 1e-9
 
 
-cdef size_t send_head(void* sock, int64_t header, uint32_t length, int64_t rid,
-                      const uint8_t* rest, size_t rest_size, int flags) noexcept nogil:
-    """``[header, rid, <rest>]`` (an array of ``length``) as one new frame; its size."""
-    cdef ck_submit head
-    cdef zmq_msg_t msg
-    cdef size_t n
-    head.header = header
-    head.length = length
-    n = ck_submit_size(&head, rid, rest_size)
-    zmq_msg_init_size(&msg, n)
-    ck_write_submit(<uint8_t*>zmq_msg_data(&msg), &head, rid, rest, rest_size)
-    if zmq_msg_send(&msg, sock, flags) < 0:
-        zmq_msg_close(&msg)
-    return n
+# -- the concepts (loop/) --------------------------------------------------------------
+
+include "loop/message.pyx"
+include "loop/dialect.pyx"
+include "loop/kept.pyx"
+include "loop/fanout.pyx"
+include "loop/deadlines.pyx"
+include "loop/latency.pyx"
+include "loop/traffic.pyx"
 
 
-cdef size_t send_submit(void* sock, ck_buffer_pool* buffers, bint single_frame,
-                        int64_t rid, const uint8_t* prompt, size_t prompt_size,
-                        const uint8_t* params, size_t params_size) noexcept nogil:
-    """A request from the bytes of its prompt and its params, in an engine's format:
-    ``[20, rid, <prompt>, <params>]``, or ``[20, rid, <params>]`` and the prompt;
-    the bytes sent. Both copy the prompt: a large one into a buffer of ``buffers``."""
-    cdef zmq_msg_t msg
-    cdef size_t n
-    if not single_frame:
-        ck_buffer_msg(buffers, &msg, prompt_size)
-        memcpy(zmq_msg_data(&msg), prompt, prompt_size)
-        n = send_head(sock, HEADER_SUBMIT_REQUEST, 3, rid, params, params_size, ZMQ_SNDMORE)
-        if zmq_msg_send(&msg, sock, 0) < 0:
-            zmq_msg_close(&msg)
-        return n + prompt_size
-    n = ck_single_submit_size(HEADER_SUBMIT_REQUEST, rid, prompt_size, params_size)
-    ck_buffer_msg(buffers, &msg, n)
-    ck_write_single_submit(
-        <uint8_t*>zmq_msg_data(&msg), HEADER_SUBMIT_REQUEST, rid, prompt, prompt_size,
-        params, params_size,
-    )
-    if zmq_msg_send(&msg, sock, 0) < 0:
-        zmq_msg_close(&msg)
-    return n
-
-
-# -- kept prompts ----------------------------------------------------------------------
-
-cdef struct Kept:
-    # One allocation per kept request: this head, then either the metadata bytes
-    # and the prompt's bytes, or (prompt_size == UINT32_MAX) a zmq_msg_t
-    # sharing the prompt, then the metadata bytes. A request that came as a
-    # single frame keeps that frame whole as its "prompt", with no metadata.
-    uint32_t meta_size
-    uint32_t prompt_size
-    bint single
-
-
-cdef Kept* keep(zmq_msg_t* meta, zmq_msg_t* prompt, bint single) noexcept nogil:
-    """What re-sends a request, or NULL when memory is short (it is then not kept).
-
-    A prompt below COPY_BELOW bytes is copied: a refcounted copy of a small
-    frame would pin the whole receive buffer libzmq decoded it from (pyzmq's
-    copy-below-a-threshold rule). A larger one has a buffer of its own: shared.
-    """
-    cdef size_t meta_size = 0 if meta == NULL else zmq_msg_size(meta)
-    cdef size_t prompt_size = zmq_msg_size(prompt)
-    cdef bint shared = prompt_size >= COPY_BELOW
-    cdef Kept* kept = <Kept*>malloc(
-        sizeof(Kept) + meta_size + (sizeof(zmq_msg_t) if shared else prompt_size)
-    )
-    cdef uint8_t* data
-    if kept == NULL:
-        return NULL
-    kept.meta_size = meta_size
-    kept.single = single
-    data = <uint8_t*>(kept + 1)
-    if shared:
-        kept.prompt_size = UINT32_MAX
-        zmq_msg_init(<zmq_msg_t*>data)
-        zmq_msg_copy(<zmq_msg_t*>data, prompt)
-        if meta_size:
-            memcpy(data + sizeof(zmq_msg_t), zmq_msg_data(meta), meta_size)
-    else:
-        kept.prompt_size = prompt_size
-        if meta_size:
-            memcpy(data, zmq_msg_data(meta), meta_size)
-        memcpy(data + meta_size, zmq_msg_data(prompt), prompt_size)
-    return kept
-
-
-cdef inline const uint8_t* kept_meta(Kept* kept) noexcept nogil:
-    cdef uint8_t* data = <uint8_t*>(kept + 1)
-    return data + sizeof(zmq_msg_t) if kept.prompt_size == UINT32_MAX else data
-
-
-cdef inline const uint8_t* kept_prompt(Kept* kept, size_t* size) noexcept nogil:
-    """The kept prompt's bytes (for a single frame: the whole frame)."""
-    cdef uint8_t* data = <uint8_t*>(kept + 1)
-    if kept.prompt_size == UINT32_MAX:
-        size[0] = zmq_msg_size(<zmq_msg_t*>data)
-        return <const uint8_t*>zmq_msg_data(<zmq_msg_t*>data)
-    size[0] = kept.prompt_size
-    return data + kept.meta_size
-
-
-cdef void release_kept(void* kept) noexcept nogil:
-    if kept != NULL and (<Kept*>kept).prompt_size == UINT32_MAX:
-        zmq_msg_close(<zmq_msg_t*>(<Kept*>kept + 1))
-    free(kept)
-
+# -- the rare paths' helpers -----------------------------------------------------------
 
 cdef inline int refusal(int status) noexcept nogil:
     """The ErrorCode for a new request no engine took (a RouteStatus other than SENT)."""
@@ -302,24 +217,7 @@ cdef class Loop:
     implementation = "c"
 
     def __cinit__(self):
-        self.buffers = NULL
-        self.clients = NULL
-        self.engines = NULL
-        self.gone = NULL
-        self.parts = NULL
-        self.entries = NULL
-        self.single_entries = NULL
-        self.hashes = NULL
-        self.submitted = NULL
-        self.older = NULL
-        self.newer = NULL
-        self.oldest = self.newest = UINT32_MAX
-        self.work = NULL
-        self.batch_entries = NULL
-        self.batched_submits = NULL
-        self.batched_replies = NULL
-        self.scratch = NULL
-        self.detokenized_bodies = []
+        self.detokenized_bodies = []  # the C fields start zeroed: NULL, empty
 
     def __init__(self, options, Router router not None, router_socket, wake_socket):
         self.router = router
@@ -343,32 +241,21 @@ cdef class Loop:
         self.control_state = CONTROL_RUNNING
         self.request_timeout = options.request_timeout
         self.measure_latency = options.measure_latency
-        for i, bound in enumerate(LATENCY_BUCKETS):
-            self.latency_bounds[i] = bound
+        latency_init(&self.latency)
         if self.request_timeout or self.measure_latency:
             self.submitted = <double*>malloc(options.max_inflight * sizeof(double))
             if self.submitted == NULL:
                 raise MemoryError()
-        if self.request_timeout:
-            self.older = <uint32_t*>malloc(options.max_inflight * sizeof(uint32_t))
-            self.newer = <uint32_t*>malloc(options.max_inflight * sizeof(uint32_t))
-            if self.older == NULL or self.newer == NULL:
-                raise MemoryError()
+        if self.request_timeout and not deadlines_init(&self.deadlines, options.max_inflight):
+            raise MemoryError()
         self.clients = <Client*>calloc(self.max_clients, sizeof(Client))
         self.engines = <Engine*>calloc(self.max_engines, sizeof(Engine))
         self.gone = <int*>malloc(self.max_engines * sizeof(int))
-        self.parts_capacity = FIRST_PARTS
-        self.parts = <zmq_msg_t*>malloc(FIRST_PARTS * sizeof(zmq_msg_t))
-        self.entries_capacity = FIRST_ENTRIES
-        self.entries = <ck_entry*>malloc(FIRST_ENTRIES * sizeof(ck_entry))
-        self.single_entries_capacity = FIRST_ENTRIES
-        self.single_entries = <ck_single_entry*>malloc(FIRST_ENTRIES * sizeof(ck_single_entry))
         self.work = <uint32_t*>calloc(options.max_inflight, sizeof(uint32_t))
         self.buffers = ck_buffer_pool_new()
         if (
             self.buffers == NULL or self.clients == NULL or self.engines == NULL
-            or self.gone == NULL or self.parts == NULL or self.entries == NULL or self.work == NULL
-            or self.single_entries == NULL
+            or self.gone == NULL or self.work == NULL or not message_init(&self.message)
             or ck_requests_init(
                 &self.requests, options.max_inflight, options.index_size, INDEX_WINDOW_MIN
             ) != 0
@@ -391,18 +278,11 @@ cdef class Loop:
         free(self.clients)
         free(self.engines)
         free(self.gone)
-        free(self.parts)
-        free(self.entries)
-        free(self.single_entries)
-        free(self.hashes)
-        free(self.submitted)
-        free(self.older)
-        free(self.newer)
         free(self.work)
-        free(self.batch_entries)
-        free(self.batched_submits)
-        free(self.batched_replies)
-        free(self.scratch)
+        free(self.submitted)
+        deadlines_free(&self.deadlines)
+        message_free(&self.message)
+        fanout_free(&self.fanout)
 
     # -- what the Coordinator calls ------------------------------------------------------
 
@@ -435,8 +315,10 @@ cdef class Loop:
             ):
                 self._mark_gone(rank, GONE_NO_HEARTBEAT)
         # The oldest first: only the requests that are due are touched.
-        while self.oldest != UINT32_MAX and self.submitted[self.oldest] < deadline:
-            self._time_out(self.oldest)
+        while self.request_timeout and self.deadlines.oldest != UINT32_MAX and (
+            self.submitted[self.deadlines.oldest] < deadline
+        ):
+            self._time_out(self.deadlines.oldest)
         self._settle()
 
     def shutdown(self) -> None:
@@ -480,27 +362,11 @@ cdef class Loop:
 
     def metrics(self) -> dict:
         """Traffic by header and direction, outcomes by error code, latencies."""
-        cdef int direction, header
-        latency = None
-        if self.measure_latency:
-            latency = {
-                "final": (list(self.final_latency), self.final_latency_sum),
-                "first_reply": (list(self.first_latency), self.first_latency_sum),
-            }
         return metrics_map(
-            traffic=[
-                (
-                    direction,
-                    header,
-                    self.traffic_messages[direction][header],
-                    self.traffic_bytes[direction][header],
-                )
-                for direction in range(2)
-                for header in range(HEADER_SLOTS)
-            ],
+            traffic=traffic_metrics(&self.traffic),
             failed=list(self.failed),
             refused=list(self.refused),
-            latency=latency,
+            latency=latency_metrics(&self.latency) if self.measure_latency else None,
             prefix=self.router.prefix_counts,
         )
 
@@ -539,66 +405,16 @@ cdef class Loop:
 
     cdef void _drain(self) noexcept nogil:
         """Handle every message waiting, one at a time."""
-        cdef int i
-        while not self.stopping and self._receive():
+        while not self.stopping and message_receive(&self.message, self.sock):
             self.messages += 1
             self._handle()
-            for i in range(self.n_parts):
-                zmq_msg_close(&self.parts[i])
-            self.n_parts = 0
+            message_close(&self.message)
             if self.n_gone:
                 with gil:
                     self._settle()
 
-    cdef bint _receive(self) noexcept nogil:
-        """Receive every frame of the next message into ``parts``; False if none waits."""
-        cdef zmq_msg_t* grown
-        cdef int i
-        zmq_msg_init(&self.parts[0])
-        if zmq_msg_recv(&self.parts[0], self.sock, ZMQ_DONTWAIT) < 0:
-            zmq_msg_close(&self.parts[0])
-            return False
-        self.n_parts = 1
-        self.oversized = False
-        while zmq_msg_more(&self.parts[self.n_parts - 1]):
-            if self.n_parts == MAX_PARTS:
-                break
-            if self.n_parts == self.parts_capacity:
-                grown = <zmq_msg_t*>malloc(2 * self.parts_capacity * sizeof(zmq_msg_t))
-                if grown == NULL:
-                    break
-                for i in range(self.n_parts):
-                    zmq_msg_init(&grown[i])
-                    zmq_msg_move(&grown[i], &self.parts[i])
-                free(self.parts)
-                self.parts = grown
-                self.parts_capacity *= 2
-            zmq_msg_init(&self.parts[self.n_parts])
-            zmq_msg_recv(&self.parts[self.n_parts], self.sock, 0)
-            self.n_parts += 1
-        if zmq_msg_more(&self.parts[self.n_parts - 1]):
-            self._discard_rest()
-        return True
-
-    cdef void _discard_rest(self) noexcept nogil:
-        """Drop the remaining frames of an oversized message; it is then malformed."""
-        cdef zmq_msg_t extra
-        cdef int more = 1
-        while more:
-            zmq_msg_init(&extra)
-            zmq_msg_recv(&extra, self.sock, 0)
-            more = zmq_msg_more(&extra)
-            zmq_msg_close(&extra)
-        self.oversized = True
-
-    cdef inline const uint8_t* _data(self, int part) noexcept nogil:
-        return <const uint8_t*>zmq_msg_data(&self.parts[part])
-
-    cdef inline size_t _size(self, int part) noexcept nogil:
-        return zmq_msg_size(&self.parts[part])
-
     cdef void _handle(self) noexcept nogil:
-        """Dispatch the message in ``parts`` (frame 0 is the sender's routing id)."""
+        """Dispatch the message at hand (frame 0 is the sender's routing id)."""
         cdef const uint8_t* identity = self._data(0)
         cdef size_t identity_size = self._size(0)
         cdef int32_t engine = ck_ids_find(&self.engine_ids, identity, identity_size)
@@ -606,19 +422,19 @@ cdef class Loop:
         cdef int64_t header
         cdef uint32_t length
         cdef size_t end
-        if self.n_parts == 2 and self._size(1) == 0:
+        if self.message.n_parts == 2 and self._size(1) == 0:
             with gil:
                 self._register(engine)
             return
         client = ck_ids_find(&self.client_ids, identity, identity_size)
-        if self.oversized or ck_read_header(
+        if self.message.oversized or ck_read_header(
             self._data(1), self._size(1), &header, &length, &end
         ) != CK_OK:
-            self._count_in(-1)
+            traffic_count(&self.traffic, RECEIVED, -1, message_bytes(&self.message))
             with gil:
                 self._malformed(client, None, -1, "malformed metadata frame")
             return
-        self._count_in(header)
+        traffic_count(&self.traffic, RECEIVED, header, message_bytes(&self.message))
         if engine >= 0:
             self._from_engine(engine, header)
         elif header == HEADER_CONNECT:
@@ -661,44 +477,27 @@ cdef class Loop:
         cdef ck_submit submit
         cdef int read = ck_read_submit(self._data(1), self._size(1), &submit)
         cdef int n_payload = 1 if header == HEADER_SUBMIT_REQUEST else 2
-        cdef int n_frames = self.n_parts - 2
-        cdef const uint8_t* hashes = NULL
-        cdef size_t n_hashes = 0
+        cdef int n_frames = self.message.n_parts - 2
+        cdef bint hashed = n_frames == n_payload + 1  # the optional block-hash frame
         if read != CK_OK:
             with gil:
                 rid = submit.rid if submit.offset else None
                 self._malformed(client, rid, header, ck_strstatus(read).decode())
             return
-        if n_frames == n_payload + 1:  # the optional block-hash frame
-            hashes = self._data(2 + n_payload)
-            n_hashes = self._size(2 + n_payload) // BLOCK_HASH_SIZE
         if (
             submit.length != <uint32_t>(2 + n_payload)
             or not n_payload <= n_frames <= n_payload + 1
-            or (hashes != NULL and self._size(2 + n_payload) % BLOCK_HASH_SIZE)
+            or (hashed and self._size(2 + n_payload) % BLOCK_HASH_SIZE)
         ):
             with gil:
                 self._malformed(client, submit.rid, header, "bad frame layout")
             return
-        memset(&inbound, 0, sizeof(Inbound))
-        inbound.header = header
-        inbound.length = submit.length
-        inbound.payload = 2
-        inbound.n_payload = n_payload
-        inbound.params_data = self._data(1) + submit.offset
-        inbound.params_size = self._size(1) - submit.offset
-        inbound.multi_ok = True
-        # A single-frame engine takes [20, rid, prompt, params]: a str or array, and a map.
-        inbound.single_ok = (
-            self.n_single_engines > 0
-            and header == HEADER_SUBMIT_REQUEST
-            and ck_check_prompt(self._data(2), self._size(2)) == CK_OK
-            and ck_check_map(inbound.params_data, inbound.params_size) == CK_OK
+        multipart_inbound(
+            &inbound, header, &self.message.parts[2], n_payload,
+            self._data(1) + submit.offset, self._size(1) - submit.offset,
+            &self.message.parts[2 + n_payload] if hashed else NULL,
         )
-        self._accept(
-            client, submit.rid, hashes, n_hashes, ck_prompt_tokens(self._data(2), self._size(2)),
-            &inbound,
-        )
+        self._accept(client, submit.rid, &inbound)
 
     cdef void _submit_single(self, int32_t client) noexcept nogil:
         """A new request in one frame: [20, client_rid, prompt, params] (Megatron-Core 0.19).
@@ -709,221 +508,77 @@ cdef class Loop:
         """
         cdef Inbound inbound
         cdef ck_single_submit single
-        cdef const uint8_t* hashes = NULL
-        cdef size_t n_hashes = 0
-        cdef int read = ck_read_single_head(self._data(1), self._size(1), &single)
-        if read == CK_OK and self.n_parts != 2:
+        cdef const uint8_t* frame = self._data(1)
+        cdef size_t size = self._size(1)
+        cdef int read = ck_read_single_head(frame, size, &single)
+        if read == CK_OK and self.message.n_parts != 2:
             with gil:
                 self._malformed(client, single.rid, HEADER_SUBMIT_REQUEST, "bad frame layout")
             return
         if read == CK_OK and (self.n_multipart_engines > 0 or self.computes_hashes):
-            read = ck_read_single_submit(self._data(1), self._size(1), &single)
+            read = ck_read_single_submit(frame, size, &single)
         if read != CK_OK:
             with gil:
                 rid = single.rid if single.prompt else None
                 detail = ck_strstatus(read).decode()
                 self._malformed(client, rid, HEADER_SUBMIT_REQUEST, detail)
             return
-        memset(&inbound, 0, sizeof(Inbound))
-        inbound.header = HEADER_SUBMIT_REQUEST
-        inbound.frame = self._data(1)
-        inbound.frame_size = self._size(1)
-        inbound.prompt = single.prompt
-        inbound.params = single.params
-        inbound.single_ok = True
-        inbound.multi_ok = single.params != 0
+        single_inbound(&inbound, frame, size, &single)
+        inbound.payload = &self.message.parts[1]  # kept whole
         if self.computes_hashes:
-            hashes = self._prompt_hashes(
-                inbound.frame + single.prompt, single.params - single.prompt, &n_hashes
+            inbound.hashes = message_prompt_hashes(
+                &self.message, inbound.prompt, inbound.prompt_size, self.block_size,
+                &inbound.n_hashes,
             )
-        self._accept(
-            client,
-            single.rid,
-            hashes,
-            n_hashes,
-            ck_prompt_tokens(inbound.frame + single.prompt, inbound.frame_size - single.prompt),
-            &inbound,
-        )
+        self._accept(client, single.rid, &inbound)
 
     cdef void _submit_batch(self, int32_t client) noexcept nogil:
         """SUBMIT_BATCH: each entry down the path of a SUBMIT_REQUEST; the entries
         routed to batched engines leave as one ENGINE_SUBMIT_BATCH per engine once
-        every entry is routed (see _send_engine_batches)."""
+        every entry is routed (see _send_batches)."""
         cdef Inbound inbound
         cdef ck_batch_entry* entry
         cdef uint32_t count, i
-        cdef size_t needed = 0, n_hashes
+        cdef size_t needed = 0
         cdef int part = 2
-        cdef const uint8_t* hashes
         cdef int read
         if not self.clients[client].batch:
             with gil:
                 self._malformed(client, None, HEADER_SUBMIT_BATCH, "batches not granted")
             return
-        read = self._read_submit_batch(&count)
+        read = message_read_submit_batch(&self.message, &count)
+        # Room for the entries bound for batched engines: their params are in frame 1.
+        if read == CK_OK and not fanout_reserve(&self.fanout, count, self._size(1)):
+            read = CK_TOO_MANY
         if read != CK_OK:
             with gil:
                 self._malformed_batch(client, count, ck_strstatus(read).decode())
             return
         for i in range(count):
-            needed += 1 + self.batch_entries[i].flag
-        if needed != <size_t>(self.n_parts - 2):
+            needed += 1 + self.message.batch_entries[i].flag
+        if needed != <size_t>(self.message.n_parts - 2):
             with gil:
                 self._malformed_batch(client, count, "bad frame layout")
             return
         for i in range(count):
             if not self.clients[client].used:
                 break  # found gone meanwhile
-            entry = &self.batch_entries[i]
-            hashes = NULL
-            n_hashes = 0
-            if entry.flag:
-                hashes = self._data(part + 1)
-                n_hashes = self._size(part + 1) // BLOCK_HASH_SIZE
+            entry = &self.message.batch_entries[i]
             if entry.flag and self._size(part + 1) % BLOCK_HASH_SIZE:
                 with gil:
                     self._malformed(client, entry.rid, HEADER_SUBMIT_BATCH, "bad frame layout")
             else:
-                memset(&inbound, 0, sizeof(Inbound))
-                inbound.header = HEADER_SUBMIT_REQUEST
-                inbound.length = 3
-                inbound.payload = part
-                inbound.n_payload = 1
+                multipart_inbound(
+                    &inbound, HEADER_SUBMIT_REQUEST, &self.message.parts[part], 1,
+                    self._data(1) + entry.params_offset, entry.params_size,
+                    &self.message.parts[part + 1] if entry.flag else NULL,
+                )
                 inbound.batched = True
-                inbound.params_data = self._data(1) + entry.params_offset
-                inbound.params_size = entry.params_size
-                inbound.multi_ok = True
-                inbound.single_ok = (
-                    self.n_single_engines > 0
-                    and ck_check_prompt(self._data(part), self._size(part)) == CK_OK
-                    and ck_check_map(inbound.params_data, inbound.params_size) == CK_OK
-                )
-                self._accept(
-                    client, entry.rid, hashes, n_hashes,
-                    ck_prompt_tokens(self._data(part), self._size(part)), &inbound,
-                )
+                self._accept(client, entry.rid, &inbound)
             part += 1 + entry.flag
-        self._send_engine_batches()
+        self._send_batches(HEADER_SUBMIT_BATCH)
 
-    cdef _malformed_batch(self, int32_t client, uint32_t count, str detail):
-        """A SUBMIT_BATCH whose entries cannot all go on: no prompt can be told from
-        another, so each of the ``count`` requests named ends here; when none is,
-        one ERROR without an id says so."""
-        cdef uint32_t i
-        if count == 0:
-            self._malformed(client, None, HEADER_SUBMIT_BATCH, detail)
-        for i in range(count):
-            if not self.clients[client].used:
-                return  # found gone meanwhile
-            self._malformed(client, self.batch_entries[i].rid, HEADER_SUBMIT_BATCH, detail)
-
-    cdef int _read_submit_batch(self, uint32_t* count) noexcept nogil:
-        """Read the SUBMIT_BATCH at hand into ``batch_entries``, and make room for its
-        entries bound for batched engines and their metadata; growing as needed."""
-        cdef int status = ck_read_batch_into(
-            self._data(1), self._size(1), HEADER_SUBMIT_BATCH, 3, &self.batch_entries,
-            &self.batch_entries_capacity, count,
-        )
-        if status != CK_OK:
-            return status
-        self.n_batched_submits = 0
-        # An ENGINE_SUBMIT_BATCH's metadata: the head, then per entry a fixarray,
-        # a server id and the params as they came.
-        if not reserve(
-            <void**>&self.batched_submits, &self.batched_submits_capacity, count[0],
-            sizeof(BatchedSubmit),
-        ) or not reserve(
-            <void**>&self.scratch, &self.scratch_capacity,
-            CK_BATCH_HEAD_MAX + count[0] * (1 + CK_INT_MAX) + self._size(1), 1,
-        ):
-            return CK_TOO_MANY
-        return CK_OK
-
-    cdef void _send_engine_batches(self) noexcept nogil:
-        """The entries routed to batched engines: one ENGINE_SUBMIT_BATCH per engine,
-        in the order the engines were first chosen, the prompts as the same frames.
-        An entry re-sent or ended meanwhile is left out; an engine found gone here
-        leaves its requests to _settle, as any engine found gone."""
-        cdef BatchedSubmit* batched = self.batched_submits
-        cdef uint32_t n = self.n_batched_submits, i, j
-        cdef ck_request* request
-        cdef int rank
-        self.n_batched_submits = 0
-        for i in range(n):
-            request = &self.requests.pool[batched[i].slot]
-            if request.server_rid != batched[i].server_rid or request.rank != batched[i].rank:
-                batched[i].rank = -1
-        for i in range(n):
-            rank = batched[i].rank
-            if rank < 0:
-                continue
-            if self.engines[rank].state != ENGINE_GONE:  # a gone one's requests are settled
-                if self._send_identity(&self.engine_ids, rank) == 0:
-                    self._send_engine_batch(rank, i, n)
-                else:
-                    self._mark_gone(rank, GONE_UNREACHABLE)
-            for j in range(i, n):
-                if batched[j].rank == rank:
-                    batched[j].rank = -1
-
-    cdef void _send_engine_batch(self, int rank, uint32_t first, uint32_t n) noexcept nogil:
-        """One engine's ENGINE_SUBMIT_BATCH after its routing id: the metadata written
-        into ``scratch``, then the prompts as the same frames."""
-        cdef BatchedSubmit* batched = self.batched_submits
-        cdef uint32_t j, count = 0
-        cdef uint8_t* out = self.scratch
-        cdef size_t size, prompts = 0
-        for j in range(first, n):
-            count += batched[j].rank == rank
-        out += ck_write_batch_head(out, HEADER_SUBMIT_BATCH, count)
-        for j in range(first, n):
-            if batched[j].rank == rank:
-                out[0] = MSGPACK_FIXARRAY_2
-                out += 1 + ck_write_int(out + 1, batched[j].server_rid)
-                memcpy(out, batched[j].params, batched[j].params_size)
-                out += batched[j].params_size
-                prompts += self._size(batched[j].part)
-        size = out - self.scratch
-        self._count_out(HEADER_SUBMIT_BATCH, size + prompts)
-        send_bytes(self.sock, self.scratch, size, ZMQ_SNDMORE)
-        for j in range(first, n):
-            if batched[j].rank == rank:
-                count -= 1
-                send_msg(self.sock, &self.parts[batched[j].part], ZMQ_SNDMORE if count else 0)
-
-    cdef const uint8_t* _prompt_hashes(
-        self, const uint8_t* prompt, size_t size, size_t* n_hashes
-    ) noexcept nogil:
-        """The block hashes of a token-id prompt (a client that sent none); NULL for a
-        prompt with no token ids (a str: it is routed by load)."""
-        cdef uint8_t* grown
-        cdef int status = ck_prompt_hashes(
-            prompt, size, self.block_size, self.hashes, self.hashes_capacity, n_hashes
-        )
-        if status == CK_TOO_MANY:
-            grown = <uint8_t*>realloc(self.hashes, n_hashes[0] * BLOCK_HASH_SIZE)
-            if grown == NULL:
-                n_hashes[0] = 0
-                return NULL
-            self.hashes = grown
-            self.hashes_capacity = n_hashes[0]
-            status = ck_prompt_hashes(
-                prompt, size, self.block_size, self.hashes, self.hashes_capacity, n_hashes
-            )
-        if status != CK_OK:
-            n_hashes[0] = 0
-            return NULL
-        return self.hashes
-
-    cdef void _accept(
-        self,
-        int32_t client,
-        int64_t rid,
-        const uint8_t* hashes,
-        size_t n_hashes,
-        uint64_t tokens,
-        Inbound* inbound,
-    ) noexcept nogil:
+    cdef void _accept(self, int32_t client, int64_t rid, Inbound* inbound) noexcept nogil:
         """A request that parsed: refused (a duplicate id, a full table), or given a
         server id and an engine, and the frames on to it."""
         cdef int64_t header = inbound.header
@@ -946,27 +601,25 @@ cdef class Loop:
         self.clients[client].inflight += 1
         if self.submitted != NULL:
             self.submitted[slot] = monotonic()
-        if self.older != NULL:
-            self._queue(slot)
+        if self.request_timeout:
+            deadlines_push(&self.deadlines, slot)
         request = &self.requests.pool[slot]
         server_rid = request.server_rid
-        if inbound.frame == NULL:  # multipart: the metadata with the server id
-            self._rewrite_submit(&meta, server_rid, inbound)
+        if not inbound.single:
+            rewrite_meta(&meta, inbound, server_rid)
             inbound.meta = &meta
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         if header == HEADER_SUBMIT_REQUEST and self.keep_prompts:
-            if inbound.frame == NULL:
-                request.kept = keep(&meta, &self.parts[inbound.payload], False)
-            else:
-                request.kept = keep(NULL, &self.parts[1], True)
-        status = self._route(slot, hashes, n_hashes, tokens, inbound)
+            request.kept = keep(inbound.meta, inbound.payload, inbound.single)
+        carriers(inbound, self.n_single_engines > 0)
+        status = self._route(slot, inbound)
         while status == ROUTE_ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
             with gil:
                 self._settle()
             if request.server_rid != server_rid:  # its client went away meanwhile
                 break
-            status = self._route(slot, hashes, n_hashes, tokens, inbound)
+            status = self._route(slot, inbound)
         if inbound.meta != NULL:
             zmq_msg_close(&meta)
         if status == ROUTE_SENT:
@@ -984,169 +637,83 @@ cdef class Loop:
                     ),
                 )
 
-    cdef void _rewrite_submit(
-        self, zmq_msg_t* out, int64_t server_rid, Inbound* inbound
-    ) noexcept nogil:
-        """A new request's metadata with ``server_rid``, in a new message."""
-        cdef ck_submit head
-        head.header = inbound.header
-        head.length = inbound.length
-        zmq_msg_init_size(out, ck_submit_size(&head, server_rid, inbound.params_size))
-        ck_write_submit(
-            <uint8_t*>zmq_msg_data(out), &head, server_rid, inbound.params_data,
-            inbound.params_size,
-        )
-
-    cdef int _route(
-        self,
-        uint32_t slot,
-        const uint8_t* hashes,
-        size_t n_hashes,
-        uint64_t tokens,
-        Inbound* inbound,
-    ) noexcept nogil:
-        """Send a new request to the engine chosen for it, in its format; an entry of
-        a SUBMIT_BATCH bound for a batched engine joins that engine's batch. A
+    cdef int _route(self, uint32_t slot, Inbound* inbound) noexcept nogil:
+        """Send a request to the engine chosen for it, in its format; an entry of a
+        SUBMIT_BATCH bound for a batched engine joins that engine's batch. A
         RouteStatus."""
         cdef int rank
-        cdef BatchedSubmit* batched
-        cdef int status = self._pick_engine(
-            hashes, n_hashes, tokens, inbound.single_ok, inbound.multi_ok, inbound.batched,
-            &rank,
-        )
-        if status == ROUTE_SENT:
-            self.requests.pool[slot].rank = rank
-            self.work[slot] = <uint32_t>self.router.charged
-            if inbound.batched and self.engines[rank].batch:
-                batched = &self.batched_submits[self.n_batched_submits]
-                self.n_batched_submits += 1
-                batched.slot = slot
-                batched.server_rid = self.requests.pool[slot].server_rid
-                batched.rank = rank
-                batched.part = inbound.payload
-                batched.params = inbound.params_data
-                batched.params_size = inbound.params_size
-            else:
-                self._send_new(slot, rank, inbound)
-        return status
-
-    cdef void _send_new(self, uint32_t slot, int rank, Inbound* inbound) noexcept nogil:
-        """The frames of a new request after the engine's routing id, in its format."""
         cdef int64_t server_rid = self.requests.pool[slot].server_rid
-        cdef bint single_frame = self.engines[rank].format == FORMAT_SINGLE_FRAME
-        cdef const uint8_t* frame = inbound.frame
-        cdef size_t size, end = inbound.frame_size
-        cdef int i
-        if frame != NULL and single_frame:  # as it came, behind a new head
-            size = send_submit(self.sock, self.buffers, True, server_rid, frame + inbound.prompt,
-                               end - inbound.prompt, NULL, 0)
-        elif frame != NULL:  # split at the field boundary
-            size = send_submit(self.sock, self.buffers, False, server_rid, frame + inbound.prompt,
-                               inbound.params - inbound.prompt, frame + inbound.params,
-                               end - inbound.params)
-        elif single_frame:
-            size = send_submit(self.sock, self.buffers, True, server_rid,
-                               self._data(inbound.payload), self._size(inbound.payload),
-                               inbound.params_data, inbound.params_size)
-        else:  # the metadata and the payload frames as themselves
-            size = zmq_msg_size(inbound.meta)
-            for i in range(inbound.n_payload):
-                size += self._size(inbound.payload + i)
-            send_msg(self.sock, inbound.meta, ZMQ_SNDMORE)
-            for i in range(inbound.n_payload):
-                send_msg(
-                    self.sock, &self.parts[inbound.payload + i],
-                    ZMQ_SNDMORE if i + 1 < inbound.n_payload else 0,
-                )
-        self._count_out(inbound.header, size)
-
-    cdef int _resend(self, uint32_t slot) noexcept nogil:
-        """Send a request whose engine died to another, from what it kept; a RouteStatus."""
-        cdef Kept* kept = <Kept*>self.requests.pool[slot].kept
-        cdef ck_single_submit single
-        cdef ck_submit submit
-        cdef size_t size
-        cdef const uint8_t* prompt = kept_prompt(kept, &size)
-        cdef const uint8_t* meta = kept_meta(kept)
-        cdef bint single_ok, multi_ok
-        cdef uint64_t tokens
-        cdef int rank
-        cdef int status = ROUTE_ENGINE_GONE
-        if kept.single:
-            ck_read_single_head(prompt, size, &single)
-            tokens = ck_prompt_tokens(prompt + single.prompt, size - single.prompt)
-            single_ok = True
-            multi_ok = self.n_multipart_engines > 0 and ck_read_single_submit(
-                prompt, size, &single
-            ) == CK_OK
+        cdef int status = self._pick_engine(inbound, &rank)
+        if status != ROUTE_SENT:
+            return status
+        self.requests.pool[slot].rank = rank
+        self.work[slot] = <uint32_t>self.router.charged
+        if inbound.batched and self.engines[rank].batch:
+            fanout_add(&self.fanout, rank, server_rid, inbound.params, inbound.params_size,
+                       inbound.payload, NULL, 0)
         else:
-            tokens = ck_prompt_tokens(prompt, size)
-            multi_ok = True
-            ck_read_submit(meta, kept.meta_size, &submit)
-            single_ok = (
-                self.n_single_engines > 0
-                and ck_check_prompt(prompt, size) == CK_OK
-                and ck_check_map(meta + submit.offset, kept.meta_size - submit.offset) == CK_OK
-            )
-        while status == ROUTE_ENGINE_GONE:  # that one waits in the queue of gone engines
-            status = self._pick_engine(NULL, 0, tokens, single_ok, multi_ok, False, &rank)
-        if status == ROUTE_SENT:
-            self.requests.pool[slot].rank = rank
-            self.work[slot] = <uint32_t>self.router.charged
-            self._send_kept(slot, rank)
+            traffic_count(&self.traffic, SENT, inbound.header, send_request(
+                self.sock, self.buffers, inbound, server_rid,
+                self.engines[rank].format == FORMAT_SINGLE_FRAME,
+            ))
         return status
 
-    cdef void _send_kept(self, uint32_t slot, int rank) noexcept nogil:
-        """A kept request's frames after the engine's routing id, in the engine's format."""
-        cdef Kept* kept = <Kept*>self.requests.pool[slot].kept
-        cdef int64_t server_rid = self.requests.pool[slot].server_rid
-        cdef bint single_frame = self.engines[rank].format == FORMAT_SINGLE_FRAME
-        cdef ck_single_submit single
-        cdef ck_submit submit
-        cdef size_t size, sent
-        cdef const uint8_t* prompt = kept_prompt(kept, &size)
-        cdef const uint8_t* meta = kept_meta(kept)
-        if kept.single and single_frame:
-            ck_read_single_head(prompt, size, &single)
-            sent = send_submit(self.sock, self.buffers, True, server_rid, prompt + single.prompt,
-                               size - single.prompt, NULL, 0)
-        elif kept.single:  # _resend read it whole: it splits
-            ck_read_single_submit(prompt, size, &single)
-            sent = send_submit(self.sock, self.buffers, False, server_rid, prompt + single.prompt,
-                               single.params - single.prompt, prompt + single.params,
-                               size - single.params)
-        elif single_frame:
-            ck_read_submit(meta, kept.meta_size, &submit)
-            sent = send_submit(self.sock, self.buffers, True, server_rid, prompt, size,
-                               meta + submit.offset, kept.meta_size - submit.offset)
-        else:  # the kept metadata (the server id in it already) and the prompt
-            sent = kept.meta_size + size
-            send_bytes(self.sock, meta, kept.meta_size, ZMQ_SNDMORE)
-            if kept.prompt_size == UINT32_MAX:
-                send_shared(self.sock, <zmq_msg_t*>(kept + 1), 0)
-            else:
-                send_bytes(self.sock, prompt, size, 0)
-        self._count_out(HEADER_SUBMIT_REQUEST, sent)
-
-    cdef int _pick_engine(self, const uint8_t* hashes, size_t n_hashes, uint64_t tokens,
-                          bint single_ok, bint multi_ok, bint batched, int* rank) noexcept nogil:
+    cdef int _pick_engine(self, Inbound* inbound, int* rank) noexcept nogil:
         """The router's choice into ``rank``, its routing id sent (the request's frames
-        follow) unless ``batched`` and the engine takes batches (the batch is sent
-        later); a RouteStatus. An unreachable choice is marked gone: ENGINE_GONE; one
-        whose format the request cannot be put in: UNSENDABLE."""
-        rank[0] = self.router.choose_c(hashes, n_hashes, tokens, monotonic())
+        follow) unless the request is ``batched`` and the engine takes batches (the
+        batch is sent later); a RouteStatus. An unreachable choice is marked gone:
+        ENGINE_GONE; one whose format cannot carry the request: UNSENDABLE."""
+        rank[0] = self.router.choose_c(inbound.hashes, inbound.n_hashes, inbound.tokens,
+                                       monotonic())
         if rank[0] < 0:
             return ROUTE_NO_ENGINES if self.router.n_members == 0 else ROUTE_ALL_BUSY
-        if not (single_ok if self.engines[rank[0]].format == FORMAT_SINGLE_FRAME else multi_ok):
+        if not (
+            inbound.single_ok if self.engines[rank[0]].format == FORMAT_SINGLE_FRAME
+            else inbound.multi_ok
+        ):
             self.router.release_c(rank[0], self.router.charged)
             return ROUTE_UNSENDABLE
-        if batched and self.engines[rank[0]].batch:
+        if inbound.batched and self.engines[rank[0]].batch:
             return ROUTE_SENT
         if self._send_identity(&self.engine_ids, rank[0]) == 0:
             return ROUTE_SENT
         self.router.release_c(rank[0], self.router.charged)
         self._mark_gone(rank[0], GONE_UNREACHABLE)
         return ROUTE_ENGINE_GONE
+
+    cdef void _send_batches(self, int64_t header) noexcept nogil:
+        """The fan-out's entries: one batch per peer (ENGINE_SUBMIT_BATCH to each
+        batched engine, REPLY_BATCH to each batched client), in the order the peers
+        were first chosen. An entry for an engine that was re-sent or ended meanwhile
+        is left out; an engine found gone here leaves its requests to _settle, as any
+        engine found gone, and a client that cannot be reached is gone."""
+        cdef Fanout* fanout = &self.fanout
+        cdef bint to_engines = header == HEADER_SUBMIT_BATCH
+        cdef ck_ids* table = &self.engine_ids if to_engines else &self.client_ids
+        cdef uint32_t i
+        cdef int32_t to
+        cdef int64_t slot
+        if to_engines:
+            for i in range(fanout.n):
+                slot = ck_requests_find(&self.requests, fanout.entries[i].rid)
+                if slot < 0 or self.requests.pool[slot].rank != fanout.entries[i].to:
+                    fanout.entries[i].to = -1
+        for i in range(fanout.n):
+            to = fanout.entries[i].to
+            if to < 0:
+                continue
+            if to_engines and self.engines[to].state == ENGINE_GONE:
+                pass  # its requests are settled
+            elif self._send_identity(table, to) == 0:
+                traffic_count(&self.traffic, SENT, header,
+                              fanout_send(fanout, self.sock, header, i))
+            elif to_engines:
+                self._mark_gone(to, GONE_UNREACHABLE)
+            else:
+                with gil:
+                    self._client_gone(to)
+            fanout_done(fanout, i)
+        fanout.n = 0
 
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil:
         if self.engines[engine].format == FORMAT_SINGLE_FRAME and header == HEADER_ENGINE_REPLY:
@@ -1160,148 +727,62 @@ cdef class Loop:
                 self._from_engine_rarely(engine, header)
 
     cdef void _forward_replies(self, int32_t engine) noexcept nogil:
-        """Each entry of an engine's batch to its request's client, the body as itself."""
+        """Each entry of an engine's batch to its request's client, the body as itself;
+        those bound for batched clients leave as one REPLY_BATCH per client."""
         cdef int64_t header, slot, client_rid
         cdef uint32_t count, i
         cdef int32_t client
         cdef bint final
         cdef double now = 0.0
-        cdef BatchedReply* batched
-        if self._read_replies(&header, &count) != CK_OK:
+        cdef ck_entry* entries
+        # Room for the entries bound for batched clients: each tail a final flag.
+        if message_read_replies(&self.message, &header, &count) != CK_OK or not fanout_reserve(
+            &self.fanout, count, count
+        ):
             with gil:
                 self._malformed(-1, None, -1, "bad ENGINE_REPLY metadata")
             return
-        if count != <uint32_t>(self.n_parts - 2):
+        if count != <uint32_t>(self.message.n_parts - 2):
             with gil:
                 self._malformed(
-                    -1, None, header, f"{count} entries but {self.n_parts - 2} payload frames"
+                    -1, None, header,
+                    f"{count} entries but {self.message.n_parts - 2} payload frames",
                 )
             return
+        entries = self.message.entries
         final = header == HEADER_ENGINE_REPLY
         if self.measure_latency:
             now = monotonic()
         for i in range(count):
-            if not self.entries[i].valid:
+            if not entries[i].valid:
                 with gil:
                     self._reject_entry(engine, None, ERROR_MALFORMED, header)
                 continue
-            slot = ck_requests_find(&self.requests, self.entries[i].rid)
+            slot = ck_requests_find(&self.requests, entries[i].rid)
             if slot < 0 or self.requests.pool[slot].rank != engine:
                 # A late reply (its request ended: aborted, timed out, its client
                 # gone), or a reply the engine got wrong.
                 self.counters[COUNTER_UNKNOWN_REQUEST] += 1
                 if self.engines[engine].coordkit:
                     with gil:
-                        rid = self.entries[i].rid
-                        self._reject_entry(engine, rid, ERROR_UNKNOWN_REQUEST, header)
+                        self._reject_entry(engine, entries[i].rid, ERROR_UNKNOWN_REQUEST, header)
                 continue
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
             self._finish(<uint32_t>slot, final, now)
-            if self.entries[i].needs_detokenize and self.has_detokenizer:
+            if entries[i].needs_detokenize and self.has_detokenizer:
                 with gil:
                     self._detokenize(2 + i)
             if self.clients[client].batch:
-                batched = &self.batched_replies[self.n_batched_replies]
-                self.n_batched_replies += 1
-                batched.client = client
-                batched.client_rid = client_rid
-                batched.part = 2 + i
-                batched.data = NULL
-                batched.size = self._size(2 + i)
-            elif not self._deliver(client, header, client_rid, NULL, 0, &self.parts[2 + i]):
+                fanout_add(&self.fanout, client, client_rid,
+                           <const uint8_t*>MSGPACK_BOOLS + final, 1,
+                           &self.message.parts[2 + i], NULL, 0)
+            elif not self._deliver(
+                client, header, client_rid, NULL, 0, &self.message.parts[2 + i]
+            ):
                 with gil:
                     self._client_gone(client)
-        self._send_client_batches(final)
-
-    cdef void _send_client_batches(self, bint final) noexcept nogil:
-        """The entries of the reply batch at hand bound for batched clients: one
-        REPLY_BATCH per client, in the order the clients first came, the bodies as
-        the same frames."""
-        cdef BatchedReply* batched = self.batched_replies
-        cdef uint32_t n = self.n_batched_replies, i, j
-        cdef int32_t client
-        self.n_batched_replies = 0
-        for i in range(n):
-            client = batched[i].client
-            if client < 0:
-                continue
-            if self._send_identity(&self.client_ids, client) == 0:
-                self._send_client_batch(client, final, i, n)
-            else:
-                with gil:
-                    self._client_gone(client)
-            for j in range(i, n):
-                if batched[j].client == client:
-                    batched[j].client = -1
-
-    cdef void _send_client_batch(
-        self, int32_t client, bint final, uint32_t first, uint32_t n
-    ) noexcept nogil:
-        """One client's REPLY_BATCH after its routing id: the metadata written into
-        ``scratch``, then the bodies as the same frames."""
-        cdef BatchedReply* batched = self.batched_replies
-        cdef uint32_t j, count = 0
-        cdef uint8_t* out = self.scratch
-        cdef size_t size, bodies = 0
-        for j in range(first, n):
-            if batched[j].client == client:
-                count += 1
-                bodies += batched[j].size
-        out += ck_write_batch_head(out, HEADER_REPLY_BATCH, count)
-        for j in range(first, n):
-            if batched[j].client == client:
-                out[0] = MSGPACK_FIXARRAY_2
-                out += 1 + ck_write_int(out + 1, batched[j].client_rid)
-                out[0] = MSGPACK_TRUE if final else MSGPACK_FALSE
-                out += 1
-        size = out - self.scratch
-        self._count_out(HEADER_REPLY_BATCH, size + bodies)
-        send_bytes(self.sock, self.scratch, size, ZMQ_SNDMORE)
-        for j in range(first, n):
-            if batched[j].client == client:
-                count -= 1
-                if batched[j].data == NULL:
-                    send_msg(self.sock, &self.parts[batched[j].part], ZMQ_SNDMORE if count else 0)
-                else:
-                    send_bytes(
-                        self.sock, batched[j].data, batched[j].size, ZMQ_SNDMORE if count else 0
-                    )
-
-    cdef int _read_replies(self, int64_t* header, uint32_t* count) noexcept nogil:
-        """Read the batch's entries into ``entries``, and make room for those bound for
-        batched clients and their metadata; growing as needed for a large batch."""
-        cdef ck_entry* grown
-        cdef int status = ck_read_reply(
-            self._data(1), self._size(1), header, self.entries, self.entries_capacity, count
-        )
-        if status == CK_TOO_MANY:
-            grown = <ck_entry*>malloc(count[0] * sizeof(ck_entry))
-            if grown == NULL:
-                return status
-            free(self.entries)
-            self.entries = grown
-            self.entries_capacity = count[0]
-            status = ck_read_reply(
-                self._data(1), self._size(1), header, self.entries, self.entries_capacity, count
-            )
-        if status != CK_OK:
-            return status
-        return self._reserve_reply_batch(count[0])
-
-    cdef int _reserve_reply_batch(self, uint32_t count) noexcept nogil:
-        """Room for ``count`` entries bound for batched clients and their metadata."""
-        self.n_batched_replies = 0
-        # A REPLY_BATCH's metadata: the head, then per entry a fixarray, a rid, a bool.
-        if not reserve(
-            <void**>&self.batched_replies, &self.batched_replies_capacity, count,
-            sizeof(BatchedReply),
-        ) or not reserve(
-            <void**>&self.scratch, &self.scratch_capacity,
-            CK_BATCH_HEAD_MAX + count * (2 + CK_INT_MAX), 1,
-        ):
-            return CK_TOO_MANY
-        return CK_OK
+        self._send_batches(HEADER_REPLY_BATCH)
 
     cdef void _forward_single_replies(self, int32_t engine) noexcept nogil:
         """A 0.19 engine's finished requests, each map to its request's client; those
@@ -1311,13 +792,12 @@ cdef class Loop:
         cdef int32_t client
         cdef double now = 0.0
         cdef ck_single_entry* entry
-        cdef BatchedReply* batched
         cdef const uint8_t* body
         cdef size_t size
         if (
-            self.n_parts != 2
-            or self._read_single_replies(&count) != CK_OK
-            or self._reserve_reply_batch(count) != CK_OK
+            self.message.n_parts != 2
+            or message_read_single_replies(&self.message, &count) != CK_OK
+            or not fanout_reserve(&self.fanout, count, count)
         ):
             with gil:
                 self._malformed(-1, None, HEADER_ENGINE_REPLY, "bad single-frame ENGINE_REPLY")
@@ -1325,7 +805,7 @@ cdef class Loop:
         if self.measure_latency:
             now = monotonic()
         for i in range(count):
-            entry = &self.single_entries[i]
+            entry = &self.message.single_entries[i]
             if entry.status != CK_OK:
                 with gil:
                     self._reject_entry(engine, None, ERROR_MALFORMED, HEADER_ENGINE_REPLY)
@@ -1346,17 +826,12 @@ cdef class Loop:
                     body = <const uint8_t*><const char*>detokenized
                     size = len(detokenized)
             if self.clients[client].batch:
-                batched = &self.batched_replies[self.n_batched_replies]
-                self.n_batched_replies += 1
-                batched.client = client
-                batched.client_rid = client_rid
-                batched.part = 1
-                batched.data = body
-                batched.size = size
+                fanout_add(&self.fanout, client, client_rid, <const uint8_t*>MSGPACK_BOOLS + 1, 1,
+                           NULL, body, size)
             elif not self._deliver(client, HEADER_ENGINE_REPLY, client_rid, body, size, NULL):
                 with gil:
                     self._client_gone(client)
-        self._send_client_batches(True)
+        self._send_batches(HEADER_REPLY_BATCH)
         if self.has_detokenizer:
             with gil:
                 self.detokenized_bodies.clear()
@@ -1364,70 +839,37 @@ cdef class Loop:
     cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil:
         """A reply for the request at ``slot`` arrived: timed, counted, and a final
         forgets it."""
-        cdef double elapsed
+        cdef ck_request* request = &self.requests.pool[slot]
         if self.measure_latency:
-            elapsed = now - self.submitted[slot]
-            if not self.requests.pool[slot].flags & FLAG_PRODUCED:
-                self._observe(self.first_latency, &self.first_latency_sum, elapsed)
-            if final:
-                self._observe(self.final_latency, &self.final_latency_sum, elapsed)
+            latency_observe(&self.latency, now - self.submitted[slot],
+                            not request.flags & FLAG_PRODUCED, final)
         if final:
             self._forget(slot)
             self.counters[COUNTER_REPLIES] += 1
         else:
-            self.requests.pool[slot].flags |= FLAG_PRODUCED
+            request.flags |= FLAG_PRODUCED
             self.counters[COUNTER_PARTIALS] += 1
-
-    cdef int _read_single_replies(self, uint32_t* count) noexcept nogil:
-        """Read a single-frame batch's entries into ``single_entries``, growing it."""
-        cdef ck_single_entry* grown
-        cdef int status = ck_read_single_reply(
-            self._data(1), self._size(1), self.single_entries, self.single_entries_capacity, count
-        )
-        if status != CK_TOO_MANY:
-            return status
-        grown = <ck_single_entry*>malloc(count[0] * sizeof(ck_single_entry))
-        if grown == NULL:
-            return status
-        free(self.single_entries)
-        self.single_entries = grown
-        self.single_entries_capacity = count[0]
-        return ck_read_single_reply(
-            self._data(1), self._size(1), self.single_entries, self.single_entries_capacity, count
-        )
 
     cdef bint _deliver(self, int32_t client, int64_t header, int64_t client_rid,
                        const uint8_t* body, size_t size, zmq_msg_t* message) noexcept nogil:
-        """One reply to its client in the client's format: the body as ``message``
-        itself when given, else a copy of ``body``. False when the client is gone.
-
-        A 0.19 client takes finals only, each ``[21, client_rid, <map>]``: a partial is
-        not sent, and a final whose body is not a map cannot be (counted, dropped).
-        """
-        cdef uint8_t out[CK_HEADER_INT_MAX]
-        cdef size_t n
+        """One reply to its client in the client's format (reply_carried, send_reply):
+        the body as ``message`` itself when given, else a copy of ``body``. False when
+        the client is gone."""
+        cdef bint single_frame = self.clients[client].format == FORMAT_SINGLE_FRAME
+        cdef int carried
         if message != NULL:
             body = <const uint8_t*>zmq_msg_data(message)
             size = zmq_msg_size(message)
-        if self.clients[client].format == FORMAT_SINGLE_FRAME:
-            if header != HEADER_ENGINE_REPLY:
-                return True
-            if ck_check_map(body, size) != CK_OK:
+        carried = reply_carried(single_frame, header, body, size)
+        if carried != CARRIED:
+            if carried == NOT_A_MAP:
                 self.counters[COUNTER_MALFORMED_ENTRIES] += 1
-                return True
-            if self._send_identity(&self.client_ids, client) != 0:
-                return False
-            self._count_out(header, send_head(self.sock, header, 3, client_rid, body, size, 0))
             return True
-        n = ck_write_header_int(out, header, client_rid)
         if self._send_identity(&self.client_ids, client) != 0:
             return False
-        self._count_out(header, n + size)
-        send_bytes(self.sock, out, n, ZMQ_SNDMORE)
-        if message != NULL:
-            send_msg(self.sock, message, 0)
-        else:
-            send_bytes(self.sock, body, size, 0)
+        traffic_count(&self.traffic, SENT, header, send_reply(
+            self.sock, single_frame, header, client_rid, body, size, message
+        ))
         return True
 
     cdef void _forget(self, uint32_t slot) noexcept nogil:
@@ -1436,8 +878,8 @@ cdef class Loop:
         cdef ck_request* request = &self.requests.pool[slot]
         cdef int rank = request.rank
         self.clients[request.client].inflight -= 1
-        if self.older != NULL:
-            self._unqueue(slot)
+        if self.request_timeout:
+            deadlines_remove(&self.deadlines, slot)
         release_kept(request.kept)
         ck_requests_remove(&self.requests, slot)
         if rank < 0:
@@ -1445,50 +887,6 @@ cdef class Loop:
         self.router.release_c(rank, self.work[slot])
         if self.engines[rank].state == ENGINE_DRAINING and self.router.pending_count[rank] == 0:
             self.engines[rank].state = ENGINE_GONE
-
-    cdef void _count_in(self, int64_t header) noexcept nogil:
-        """Count the message in ``parts`` as received (header -1: unreadable)."""
-        cdef int slot = header if 0 <= header < HEADER_SLOTS - 1 else HEADER_SLOTS - 1
-        cdef size_t size = 0
-        cdef int i
-        for i in range(1, self.n_parts):
-            size += self._size(i)
-        self.traffic_messages[0][slot] += 1
-        self.traffic_bytes[0][slot] += size
-
-    cdef void _count_out(self, int64_t header, size_t size) noexcept nogil:
-        cdef int slot = header if 0 <= header < HEADER_SLOTS - 1 else HEADER_SLOTS - 1
-        self.traffic_messages[1][slot] += 1
-        self.traffic_bytes[1][slot] += size
-
-    cdef void _observe(self, uint64_t* buckets, double* total, double seconds) noexcept nogil:
-        """One duration into a latency histogram: the first bucket whose bound it fits."""
-        cdef int i = 0
-        while i < N_LATENCY_BUCKETS and seconds > self.latency_bounds[i]:
-            i += 1
-        buckets[i] += 1
-        total[0] += seconds
-
-    cdef void _queue(self, uint32_t slot) noexcept nogil:
-        """Append a new request to the submission-order list (request_timeout)."""
-        self.older[slot] = self.newest
-        self.newer[slot] = UINT32_MAX
-        if self.newest != UINT32_MAX:
-            self.newer[self.newest] = slot
-        else:
-            self.oldest = slot
-        self.newest = slot
-
-    cdef void _unqueue(self, uint32_t slot) noexcept nogil:
-        cdef uint32_t older = self.older[slot], newer = self.newer[slot]
-        if older != UINT32_MAX:
-            self.newer[older] = newer
-        else:
-            self.oldest = newer
-        if newer != UINT32_MAX:
-            self.older[newer] = older
-        else:
-            self.newest = older
 
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil:
         """Take ``rank`` out of the pool now; its requests are settled after the
@@ -1508,6 +906,12 @@ cdef class Loop:
         cdef size_t n
         cdef const uint8_t* identity = ck_ids_get(table, index, &n)
         return send_bytes(self.sock, identity, n, ZMQ_SNDMORE)
+
+    cdef inline const uint8_t* _data(self, int part) noexcept nogil:
+        return message_data(&self.message, part)
+
+    cdef inline size_t _size(self, int part) noexcept nogil:
+        return message_size(&self.message, part)
 
     # -- rare paths (with the GIL) -------------------------------------------------------
 
@@ -1715,7 +1119,7 @@ cdef class Loop:
 
     cdef _abort_at_engine(self, int rank, int64_t server_rid):
         """ABORT_REQUEST to an engine; a 0.19 engine has none: the request runs to its end."""
-        if self.engines[rank].format == FORMAT_SINGLE_FRAME:
+        if not engine_parses(self.engines[rank].format, HEADER_ABORT_REQUEST):
             return
         abort = protocol.ABORT_REQUEST.pack(server_rid)
         if not self._send_frames(&self.engine_ids, rank, abort):
@@ -1762,20 +1166,20 @@ cdef class Loop:
         for rank in range(self.n_engines):
             if self.engines[rank].state == ENGINE_GONE:
                 continue
-            if header == HEADER_RELEASE_KV and self.engines[rank].format == FORMAT_SINGLE_FRAME:
+            if not engine_parses(self.engines[rank].format, header):
                 continue  # 0.19 has no KV transfer
             if self._send_identity(&self.engine_ids, rank) != 0:
                 self._mark_gone(rank, GONE_UNREACHABLE)
             else:
-                self._count_out(header, self._size(1))
-                send_shared(self.sock, &self.parts[1], 0)
+                traffic_count(&self.traffic, SENT, header, self._size(1))
+                send_shared(self.sock, &self.message.parts[1], 0)
 
     cdef _detokenize(self, int part):
         """Replace a reply body frame by its detokenized copy."""
         cdef bytes body = self._detokenized(self._data(part), self._size(part))
-        zmq_msg_close(&self.parts[part])
-        zmq_msg_init_size(&self.parts[part], len(body))
-        memcpy(zmq_msg_data(&self.parts[part]), <const char*>body, len(body))
+        zmq_msg_close(&self.message.parts[part])
+        zmq_msg_init_size(&self.message.parts[part], len(body))
+        memcpy(zmq_msg_data(&self.message.parts[part]), <const char*>body, len(body))
 
     cdef bytes _detokenized(self, const uint8_t* body, size_t size):
         """A reply body with its generated_text; on failure the body as it is."""
@@ -1833,6 +1237,21 @@ cdef class Loop:
                     self._fail_request(slot, refusal(status), HEADER_SUBMIT_REQUEST)
         finally:
             free(order)
+
+    cdef int _resend(self, uint32_t slot) noexcept nogil:
+        """Send a request whose engine died to another, from what it kept, as a new
+        request is sent (_route); a RouteStatus."""
+        cdef Inbound inbound
+        cdef zmq_msg_t messages[2]
+        cdef int status = ROUTE_ENGINE_GONE
+        kept_inbound(<Kept*>self.requests.pool[slot].kept, &inbound, messages,
+                     self.n_multipart_engines > 0)
+        carriers(&inbound, self.n_single_engines > 0)
+        while status == ROUTE_ENGINE_GONE:  # that one waits in the queue of gone engines
+            status = self._route(slot, &inbound)
+        zmq_msg_close(&messages[0])
+        zmq_msg_close(&messages[1])
+        return status
 
     cdef RequestOrder* _in_order(self, int rank, int32_t client, uint32_t* count) except NULL:
         """The requests in flight (of ``rank`` / ``client`` when >= 0) by server id;
@@ -1922,7 +1341,7 @@ cdef class Loop:
 
     cdef list _frames(self):
         """The current message's frames after the routing id, as bytes."""
-        return [self._frame_bytes(part) for part in range(1, self.n_parts)]
+        return [self._frame_bytes(part) for part in range(1, self.message.n_parts)]
 
     cdef bytes _frame_bytes(self, int part):
         return (<const char*>self._data(part))[:self._size(part)]
@@ -1957,7 +1376,7 @@ cdef class Loop:
         cdef size_t end
         if ck_read_header(<const uint8_t*><const char*>first, len(first), &header, &length, &end):
             header = -1
-        self._count_out(header, sum(len(frame) for frame in frames))
+        traffic_count(&self.traffic, SENT, header, sum(len(frame) for frame in frames))
 
     cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header):
         """ERROR to a coordkit client (others cannot parse it); False when it is gone."""
@@ -1984,3 +1403,17 @@ cdef class Loop:
             self.counters[COUNTER_MALFORMED] += 1
         else:
             self._refuse(client, rid, ERROR_MALFORMED, header, COUNTER_MALFORMED)
+
+    cdef _malformed_batch(self, int32_t client, uint32_t count, str detail):
+        """A SUBMIT_BATCH whose entries cannot all go on: no prompt can be told from
+        another, so each of the ``count`` requests named ends here; when none is,
+        one ERROR without an id says so."""
+        cdef uint32_t i
+        if count == 0:
+            self._malformed(client, None, HEADER_SUBMIT_BATCH, detail)
+        for i in range(count):
+            if not self.clients[client].used:
+                return  # found gone meanwhile
+            self._malformed(
+                client, self.message.batch_entries[i].rid, HEADER_SUBMIT_BATCH, detail
+            )

@@ -5,12 +5,18 @@ drives this core, or its Cython twin (``_loop_c.pyx``). This one is the
 oracle: both make the same decisions in the same order and put the same
 frames on the wire, method for method under the same names.
 
-The hot path (a SUBMIT out to an engine; an engine's batch of replies out to
-their clients) comes first; the rare paths after it parse with the message
-specs of :mod:`coordkit.protocol`. Requests are filed by ``server_rid &
-mask``, and server ids are drawn exactly as the C index draws them (see
-_add). An engine found gone on the hot path is only marked; its requests are
-settled once the message at hand is done.
+The twin's concepts (``loop/*.pyx``, a struct and its functions each) are the
+classes and functions below, in the same order under the same names: C's
+``x_verb(&self.x, ...)`` is ``self._x.verb(...)`` here. The message at hand is
+pyzmq's list of frames (``message_bytes`` its one function here); then the
+dialect, the kept-prompt store, the batch fan-out, the request_timeout queue,
+the latency histograms and the traffic counters. The Loop keeps the tables and
+the handlers: the hot path (a SUBMIT out to an engine; an engine's batch of
+replies out to their clients) first, the rare paths after it, which parse with
+the message specs of :mod:`coordkit.protocol`. Requests are filed by
+``server_rid & mask``, and server ids are drawn exactly as the C index draws
+them (see _add). An engine found gone on the hot path is only marked; its
+requests are settled once the message at hand is done.
 """
 
 from __future__ import annotations
@@ -72,8 +78,7 @@ ALIVE, DRAINING, GONE = EngineState.ALIVE, EngineState.DRAINING, EngineState.GON
 PRODUCED, ABORTED = RequestFlag.PRODUCED, RequestFlag.ABORTED
 SINGLE_FRAME, MULTIPART = PeerFormat.SINGLE_FRAME, PeerFormat.MULTIPART
 _packer = msgpack.Packer()
-_HEADER_BATCH = _packer.pack(int(Header.SUBMIT_BATCH))
-_HEADER_REPLY_BATCH = _packer.pack(int(Header.REPLY_BATCH))
+MSGPACK_BOOLS = (b"\xc2", b"\xc3")  # false, true: a reply batch entry's final flag
 
 
 class _Client:
@@ -122,48 +127,395 @@ class _Request:
         self.client_rid = client_rid
         self.rank = -1  # -1 while it is being re-sent or failed
         self.flags = 0
-        # To re-send it if its engine dies: the rewritten metadata and the prompt,
-        # or (None, the whole frame) for a request that came as a single frame.
-        self.kept: tuple[bytes | None, zmq.Frame | bytes] | None = None
+        self.kept: Kept | None = None  # to re-send it if its engine dies
         self.work = 0  # the work units its rank was charged for it (router.charged)
         self.submitted = 0.0  # with a request_timeout or measure_latency: when it was submitted
 
 
-class _Inbound:
-    """A new request as it came, to be put in the format of the engine chosen for it."""
+# -- sending ---------------------------------------------------------------------------
+
+
+def _send_all(sock: zmq.Socket, frames: list[Any]) -> int:
+    """Send ``frames`` (after a routing id already sent); the bytes sent."""
+    sock.send_multipart(frames, copy=False)
+    return sum(len(frame) for frame in frames)
+
+
+def _view(frame: zmq.Frame | Buffer) -> memoryview:
+    """A frame's bytes (a zmq.Frame, or bytes kept), without copying them."""
+    return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+
+
+def _parses(check: Callable[[Buffer], object], frame: Buffer) -> bool:
+    try:
+        check(frame)
+    except ProtocolError:
+        return False
+    return True
+
+
+# -- the message at hand (loop/message.pyx): pyzmq's frames ------------------------------
+
+
+def message_bytes(frames: list[zmq.Frame]) -> int:
+    """Its size after the routing id, as the traffic counters count it."""
+    return sum(len(frame) for frame in frames[1:])
+
+
+# -- multipart and single frame (loop/dialect.pyx) -------------------------------------
+
+
+class Inbound:
+    """A request, new or kept, to be put in the format of the engine chosen for it."""
 
     __slots__ = (
         "header",
-        "frames",
         "single",
         "meta",
-        "length",
-        "rest",
         "payload",
-        "batched",
         "prompt",
         "params",
+        "hashes",
+        "tokens",
+        "batched",
         "single_ok",
         "multi_ok",
     )
 
-    def __init__(self, header: int, frames: list[zmq.Frame], single: bool):
+    def __init__(self, header: int):
         self.header = header
-        self.frames = frames
-        self.single = single  # frames[1] is the whole request: [20, client_rid, prompt, params]
-        self.meta = b""  # multipart: the metadata rewritten with the server id
-        # Multipart: the metadata's length, what follows its rid (the params, and a
-        # KV submission's kv_meta), and where the payload frames start in frames.
-        self.length = 3
-        self.rest: Buffer = b""
-        self.payload = 2
+        self.single = False  # it came as one frame, [20, rid, prompt, params] (Megatron-Core 0.19)
+        self.meta = b""  # multipart: its metadata with the server id
+        # The frames it came in after the metadata: multipart its payload frames (the
+        # prompt first), single frame the frame itself.
+        self.payload: list[Any] = []
+        # Its prompt, and what follows the rid in its metadata: the params (and a KV
+        # submission's kv_meta). Single frame: the params once found (else None: the
+        # prompt then runs to the frame's end).
+        self.prompt: Buffer = b""
+        self.params: Buffer | None = b""
+        self.hashes: Buffer | None = None  # its block hashes
+        self.tokens = 0
         self.batched = False  # an entry of a SUBMIT_BATCH: a batched engine takes it later
-        # Single frame: where the prompt starts in frames[1], and where the params
-        # do (0 until parsed).
-        self.prompt = 0
-        self.params = 0
-        self.single_ok = True  # may go to a single-frame engine
-        self.multi_ok = True  # may go to a multipart engine
+        self.single_ok = False  # may go to a single-frame engine (carriers)
+        self.multi_ok = False  # may go to a multipart engine
+
+
+def multipart_inbound(
+    header: int, payload: list[Any], params: Buffer, hashes: Buffer | None
+) -> Inbound:
+    """A multipart request: ``payload`` its payload frames (the prompt first), ``params``
+    what follows the rid in its metadata (or a SUBMIT_BATCH entry's params), ``hashes``
+    its block-hash frame or None."""
+    inbound = Inbound(header)
+    inbound.payload = payload
+    inbound.prompt = _view(payload[0])
+    inbound.params = params
+    inbound.hashes = hashes
+    inbound.tokens = codec.prompt_tokens(inbound.prompt)
+    return inbound
+
+
+def single_inbound(frame: memoryview, prompt: int, params: int) -> Inbound:
+    """A single-frame request, read as far as its rid (``prompt`` where its prompt
+    starts: it runs to the frame's end), or whole (``params`` where its params start)."""
+    inbound = Inbound(Header.SUBMIT_REQUEST)
+    inbound.single = True
+    inbound.prompt = frame[prompt:]
+    inbound.params = None
+    if params:
+        inbound.prompt = frame[prompt:params]
+        inbound.params = frame[params:]
+    inbound.tokens = codec.prompt_tokens(inbound.prompt)
+    return inbound
+
+
+def carriers(inbound: Inbound, single_engines: bool) -> None:
+    """Which formats can carry the request, once: a single frame goes to a multipart
+    engine once its params were found (it splits there); a multipart request goes to
+    a single-frame engine (when there is one) as [20, rid, prompt, params], so only
+    a SUBMIT_REQUEST whose prompt is one str or array and whose params are a map."""
+    if inbound.single:
+        inbound.single_ok = True
+        inbound.multi_ok = inbound.params is not None
+        return
+    assert inbound.params is not None
+    inbound.multi_ok = True
+    inbound.single_ok = (
+        single_engines
+        and inbound.header == Header.SUBMIT_REQUEST
+        and _parses(codec.check_prompt, inbound.prompt)
+        and _parses(codec.check_map, inbound.params)
+    )
+
+
+def rewrite_meta(inbound: Inbound, server_rid: int) -> bytes:
+    """A multipart request's metadata with ``server_rid``: ``[header, server_rid,
+    <params>]``, an array of 2 + its payload frames."""
+    assert inbound.params is not None
+    return codec.write_submit(inbound.header, 2 + len(inbound.payload), server_rid, inbound.params)
+
+
+def send_submit(
+    sock: zmq.Socket, single_frame: bool, rid: int, prompt: Buffer, params: Buffer
+) -> int:
+    """A request from the bytes of its prompt and its params, in an engine's format:
+    ``[20, rid, <prompt>, <params>]``, or ``[20, rid, <params>]`` and the prompt;
+    the bytes sent."""
+    if single_frame:
+        return _send_all(
+            sock, [codec.write_single_submit(Header.SUBMIT_REQUEST, rid, prompt, params)]
+        )
+    return _send_all(sock, [codec.write_submit(Header.SUBMIT_REQUEST, 3, rid, params), prompt])
+
+
+def send_request(sock: zmq.Socket, inbound: Inbound, server_rid: int, single_frame: bool) -> int:
+    """A request's frames after its engine's routing id, in the engine's format; the
+    bytes sent. Multipart to multipart: the metadata and the payload frames as
+    themselves. Otherwise the prompt and the params spliced into the engine's format
+    (a single frame behind a new head, or split at the field boundary): a copy."""
+    if single_frame or inbound.single:
+        params = b"" if inbound.params is None else inbound.params
+        return send_submit(sock, single_frame, server_rid, inbound.prompt, params)
+    return _send_all(sock, [inbound.meta, *inbound.payload])
+
+
+def engine_parses(format: int, header: int) -> bool:
+    """Whether an engine of ``format`` parses a message of ``header`` from the
+    coordinator: a 0.19 engine has no ABORT_REQUEST and no KV transfer."""
+    return format != SINGLE_FRAME or header not in (Header.ABORT_REQUEST, Header.RELEASE_KV)
+
+
+# Whether a client's format carries a reply (reply_carried).
+CARRIED = 0
+NOT_SENT = 1  # a partial to a 0.19 client, which takes finals only
+NOT_A_MAP = 2  # a final whose body is not a map, to a 0.19 client: counted, dropped
+
+
+def reply_carried(single_frame: bool, header: int, body: Any) -> int:
+    """Whether a client of that format takes a reply (CARRIED, NOT_SENT, NOT_A_MAP): a
+    0.19 client takes finals only, each ``[21, client_rid, <map>]``."""
+    if not single_frame:
+        return CARRIED
+    if header != Header.ENGINE_REPLY:
+        return NOT_SENT
+    return CARRIED if _parses(codec.check_map, body) else NOT_A_MAP
+
+
+def send_reply(
+    sock: zmq.Socket, single_frame: bool, header: int, client_rid: int, body: Any
+) -> int:
+    """A reply's frames after its client's routing id, in the client's format: one
+    ``[21, client_rid, <map>]``, or ``[header, client_rid]`` and the body; the bytes
+    sent."""
+    if single_frame:
+        return _send_all(sock, [codec.write_submit(header, 3, client_rid, body)])
+    return _send_all(sock, [codec.write_header_int(header, client_rid), body])
+
+
+# -- the kept-prompt store (loop/kept.pyx) ---------------------------------------------
+
+
+class Kept:
+    """What re-sends a request whose engine died: its metadata (the server id in it
+    already) and its prompt, or (``single``, no metadata) the whole frame it came in."""
+
+    __slots__ = ("meta", "prompt", "single")
+
+    def __init__(self, meta: bytes | None, prompt: zmq.Frame | bytes, single: bool):
+        self.meta = meta
+        self.prompt = prompt
+        self.single = single
+
+
+def keep(meta: bytes | None, prompt: zmq.Frame, single: bool) -> Kept:
+    """What re-sends a request. A prompt below COPY_BELOW bytes is copied: sharing a
+    small frame would pin the whole receive buffer libzmq decoded it from (pyzmq's
+    copy-below-a-threshold rule). A larger one has a buffer of its own: shared."""
+    return Kept(meta, prompt.bytes if len(prompt) < COPY_BELOW else prompt, single)
+
+
+def kept_prompt(kept: Kept) -> memoryview:
+    """The kept prompt's bytes (for a single frame: the whole frame)."""
+    return _view(kept.prompt)
+
+
+def kept_inbound(kept: Kept, whole: bool) -> Inbound:
+    """A kept request as an Inbound, to be re-sent as a new one is sent: a single frame
+    read again (whole when ``whole``, so that it can split for a multipart engine),
+    or its metadata and its prompt."""
+    data = kept_prompt(kept)
+    if kept.single:
+        prompt, params = codec.read_single_head(data)[2], 0
+        if whole:
+            try:
+                params = codec.read_single_submit(data)[3]
+            except ProtocolError:
+                pass
+        return single_inbound(data, prompt, params)
+    assert kept.meta is not None
+    meta = memoryview(kept.meta)
+    inbound = multipart_inbound(
+        Header.SUBMIT_REQUEST, [kept.prompt], meta[codec.read_submit(meta)[3] :], None
+    )
+    inbound.meta = kept.meta
+    return inbound
+
+
+# -- one batch fan-out for both directions (loop/fanout.pyx) ---------------------------
+
+
+class Fanout:
+    """The entries of the batch at hand bound for peers that take batches (a
+    SUBMIT_BATCH's to batched engines, a reply batch's to batched clients), sent
+    once every entry is handled, one batch per peer in the order the peers were
+    first chosen: a head ``[header, [[rid, <tail>], ...]]``, then the frames as the
+    same messages."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        # (peer, rid, tail, frame) in the order they were routed: the peer an _Engine
+        # or a _Client, the rid its server id or its client's, the tail what follows
+        # the rid in its entry (its params, or the final flag).
+        self.entries: list[tuple[Any, int, Buffer, Any]] = []
+
+    def add(self, to: Any, rid: int, tail: Buffer, frame: Any) -> None:
+        self.entries.append((to, rid, tail, frame))
+
+    def by_peer(self) -> dict[Any, list[tuple[int, Buffer, Any]]]:
+        """The entries by peer, the peers in the order they first came; the fan-out
+        is then empty."""
+        peers: dict[Any, list[tuple[int, Buffer, Any]]] = {}
+        for to, rid, tail, frame in self.entries:
+            peers.setdefault(to, []).append((rid, tail, frame))
+        self.entries.clear()
+        return peers
+
+    @staticmethod
+    def send(sock: zmq.Socket, header: int, entries: list[tuple[int, Buffer, Any]]) -> int:
+        """One peer's batch after its routing id: the head, then the frames; the bytes
+        sent."""
+        head = [_packer.pack_array_header(2), _packer.pack(int(header))]
+        head.append(_packer.pack_array_header(len(entries)))
+        head += [b"\x92" + _packer.pack(rid) + bytes(tail) for rid, tail, _ in entries]
+        return _send_all(sock, [b"".join(head), *(frame for *_, frame in entries)])
+
+
+# -- the request_timeout queue (loop/deadlines.pyx) ------------------------------------
+
+
+class Deadlines:
+    """The requests in submission order, so in deadline order (every request has the
+    same timeout): the timer ends the due ones from the head and touches nothing else."""
+
+    __slots__ = ("_requests",)
+
+    def __init__(self) -> None:
+        self._requests: OrderedDict[int, _Request] = OrderedDict()
+
+    @property
+    def oldest(self) -> _Request | None:
+        return next(iter(self._requests.values()), None)
+
+    def push(self, request: _Request) -> None:
+        """A new request, the newest."""
+        self._requests[request.server_rid] = request
+
+    def remove(self, request: _Request) -> None:
+        del self._requests[request.server_rid]
+
+
+# -- the latency histograms of measure_latency (loop/latency.pyx) ----------------------
+
+
+class Histogram:
+    __slots__ = ("buckets", "sum")
+
+    def __init__(self) -> None:
+        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # by bound, and the rest
+        self.sum = 0.0  # of the seconds
+
+    def observe(self, seconds: float) -> None:
+        """One duration into the histogram: the first bucket whose bound it fits."""
+        self.buckets[latency_bucket(seconds)] += 1
+        self.sum += seconds
+
+
+class Latency:
+    """From SUBMIT to the final reply, and to the first (partial or final)."""
+
+    __slots__ = ("final", "first_reply")
+
+    def __init__(self) -> None:
+        self.final = Histogram()
+        self.first_reply = Histogram()
+
+    def observe(self, seconds: float, first: bool, final: bool) -> None:
+        """A reply ``seconds`` after its SUBMIT: into first_reply when it is its
+        request's first, into final when it is final."""
+        if first:
+            self.first_reply.observe(seconds)
+        if final:
+            self.final.observe(seconds)
+
+    def metrics(self) -> dict[str, tuple[list[int], float]]:
+        """Each histogram as metrics() gives it: (count per bucket, sum of the seconds)."""
+        return {
+            "final": (list(self.final.buckets), self.final.sum),
+            "first_reply": (list(self.first_reply.buckets), self.first_reply.sum),
+        }
+
+
+# -- the traffic counters (loop/traffic.pyx) -------------------------------------------
+
+RECEIVED, SENT = 0, 1
+
+
+class Traffic:
+    """Messages and bytes by direction and header slot (the last: unreadable)."""
+
+    __slots__ = ("messages", "bytes")
+
+    def __init__(self) -> None:
+        self.messages = [[0] * HEADER_SLOTS for _ in range(2)]
+        self.bytes = [[0] * HEADER_SLOTS for _ in range(2)]
+
+    def count(self, direction: int, header: int, size: int) -> None:
+        """A message of ``size`` bytes (after the routing id), RECEIVED or SENT."""
+        slot = header_slot(header)
+        self.messages[direction][slot] += 1
+        self.bytes[direction][slot] += size
+
+    def metrics(self) -> list[tuple[int, int, int, int]]:
+        """(direction, header slot, messages, bytes) for every slot, as metrics() gives it."""
+        return [
+            (direction, slot, self.messages[direction][slot], self.bytes[direction][slot])
+            for direction in range(2)
+            for slot in range(HEADER_SLOTS)
+        ]
+
+
+# -- the rare paths' helpers -----------------------------------------------------------
+
+
+def _refusal(status: RouteStatus) -> ErrorCode:
+    """The ErrorCode for a new request no engine took (a RouteStatus other than SENT)."""
+    if status == RouteStatus.NO_ENGINES:
+        return ErrorCode.NO_ENGINES
+    return ErrorCode.MALFORMED if status == RouteStatus.UNSENDABLE else ErrorCode.BUSY
+
+
+_REFUSAL_COUNTERS = {
+    RouteStatus.NO_ENGINES: Counter.NO_ENGINES,
+    RouteStatus.ALL_BUSY: Counter.BUSY,
+    RouteStatus.UNSENDABLE: Counter.MALFORMED,
+}
+
+
+def _buffers(frames: list[zmq.Frame]) -> list[memoryview]:
+    """A message's frames after the routing id, for the specs to parse."""
+    return [frame.buffer for frame in frames[1:]]
 
 
 class Loop:
@@ -182,43 +534,31 @@ class Loop:
         self._stopping = False
         self._mask = options.index_size - 1
         self._window = self._window_min = min(options.index_size, INDEX_WINDOW_MIN)
+        # The tables.
         self._requests: dict[int, _Request] = {}  # server_rid & mask -> request
         self._by_client: dict[tuple[bytes, int], _Request] = {}
         self._next_rid = 0
         self._clients: dict[bytes, _Client] = {}
         self._engines: list[_Engine] = []
         self._engine_by_identity: dict[bytes, _Engine] = {}
+        # engines not gone of each format, counted at each registration: which checks to make
+        self._n_single_engines = self._n_multipart_engines = 0
         self._gone: list[tuple[_Engine, str]] = []  # found gone, not settled yet
-        # The SUBMIT_BATCH at hand: (request, server_rid, rank, prompt, params) of
-        # each entry routed to a batched engine, sent once every entry is routed.
-        self._engine_batch: list[tuple[_Request, int, int, zmq.Frame, Buffer]] = []
-        # The reply batch at hand: (client_rid, body) by batched client, sent once
-        # every entry is read.
-        self._client_batch: dict[_Client, list[tuple[int, Any]]] = {}
+        self._control_state = ControlState.RUNNING
         # The megatron-core dialect: peers that are not coordkit's speak single frames.
         self._megatron_core = options.dialect == "megatron-core"
         # the prefix policy hashes the prompts of single-frame SUBMITs
         self._computes_hashes = self._megatron_core and router.policy == "prefix"
-        # engines not gone of each format, counted at each registration: which checks to make
-        self._n_single_engines = self._n_multipart_engines = 0
-        # With a request_timeout: the requests in submission (so deadline) order.
-        self._queue: OrderedDict[int, _Request] | None = (
-            OrderedDict() if options.request_timeout else None
-        )
-        self._control_state = ControlState.RUNNING
+        # The counts.
         self._counters = [0] * len(Counter)
         self._messages = 0
-        # Messages and bytes by header slot, received ([0]) and sent ([1]).
-        self._traffic_messages = [[0] * HEADER_SLOTS for _ in range(2)]
-        self._traffic_bytes = [[0] * HEADER_SLOTS for _ in range(2)]
         self._failed = [0] * ERROR_SLOTS  # accepted requests ended with ERROR(code)
         self._refused = [0] * ERROR_SLOTS  # messages refused with ERROR(code)
-        # measure_latency: SUBMIT to final, SUBMIT to the first partial or final.
-        self._latency: dict[str, list[Any]] | None = None
-        if options.measure_latency:
-            self._latency = {
-                name: [[0] * (len(LATENCY_BUCKETS) + 1), 0.0] for name in ("final", "first_reply")
-            }
+        self._traffic = Traffic()
+        self._latency = Latency() if options.measure_latency else None
+        self._deadlines = Deadlines() if options.request_timeout else None
+        # The message at hand's entries bound for peers that take batches.
+        self._fanout = Fanout()
         self._poller = zmq.Poller()
         self._poller.register(router_socket, zmq.POLLIN)
         self._poller.register(wake_socket, zmq.POLLIN)
@@ -254,7 +594,9 @@ class Loop:
                 self._mark_gone(engine, "no heartbeat")
         # The oldest first: only the requests that are due are touched.
         deadline = now - self._options.request_timeout
-        while self._queue and (oldest := next(iter(self._queue.values()))).submitted < deadline:
+        while self._deadlines is not None and (oldest := self._deadlines.oldest) is not None:
+            if oldest.submitted >= deadline:
+                break
             self._time_out(oldest)
         self._settle()
 
@@ -286,18 +628,11 @@ class Loop:
 
     def metrics(self) -> dict[str, Any]:
         """Traffic by header and direction, outcomes by error code, latencies."""
-        latency = None
-        if self._latency is not None:
-            latency = {name: (list(b), total) for name, (b, total) in self._latency.items()}
         return metrics_map(
-            traffic=[
-                (direction, slot, self._traffic_messages[direction][slot], size)
-                for direction in range(2)
-                for slot, size in enumerate(self._traffic_bytes[direction])
-            ],
+            traffic=self._traffic.metrics(),
             failed=list(self._failed),
             refused=list(self._refused),
-            latency=latency,
+            latency=None if self._latency is None else self._latency.metrics(),
             prefix=self._router.prefix_counts,
         )
 
@@ -329,10 +664,10 @@ class Loop:
                 raise ProtocolError(f"more than {MAX_PARTS} frames")
             header = codec.read_header(frames[1].buffer)[0]
         except ProtocolError as exc:
-            self._count_in(-1, frames)
+            self._traffic.count(RECEIVED, -1, message_bytes(frames))
             self._malformed(client, None, -1, str(exc), frames)
             return
-        self._count_in(header, frames)
+        self._traffic.count(RECEIVED, header, message_bytes(frames))
         if engine is not None:
             self._from_engine(engine, header, frames)
         elif header == Header.CONNECT:
@@ -379,22 +714,40 @@ class Loop:
         ):
             self._malformed(client, rid, header, "bad frame layout", frames)
             return
-        inbound = _Inbound(header, frames, False)
-        inbound.length = length
-        inbound.rest = meta[offset:]
-        # A single-frame engine takes [20, rid, prompt, params]: a str or array, and a map.
-        inbound.single_ok = (
-            self._n_single_engines > 0
-            and header == Header.SUBMIT_REQUEST
-            and _parses(codec.check_prompt, frames[2].buffer)
-            and _parses(codec.check_map, inbound.rest)
-        )
-        self._accept(client, rid, hashes, codec.prompt_tokens(frames[2].buffer), inbound)
+        inbound = multipart_inbound(header, frames[2 : 2 + n_payload], meta[offset:], hashes)
+        self._accept(client, rid, inbound)
+
+    def _submit_single(self, client: _Client, frames: list[zmq.Frame]) -> None:
+        """A new request in one frame: [20, client_rid, prompt, params] (Megatron-Core 0.19).
+
+        Read as far as its request id: to a single-frame engine the rest goes as it
+        came. The prompt and the params are found (walking the prompt) only when a
+        multipart engine may take it, or the prefix policy hashes the prompt.
+        """
+        data = frames[1].buffer
+        try:
+            _, rid, prompt = codec.read_single_head(data)
+            params = 0
+            if len(frames) != 2:
+                raise ProtocolError("bad frame layout", rid)
+            if self._n_multipart_engines > 0 or self._computes_hashes:
+                _, rid, prompt, params = codec.read_single_submit(data)
+        except ProtocolError as exc:
+            self._malformed(client, exc.rid, Header.SUBMIT_REQUEST, str(exc), frames)
+            return
+        inbound = single_inbound(data, prompt, params)
+        inbound.payload = [frames[1]]  # kept whole
+        if self._computes_hashes:
+            try:
+                inbound.hashes = codec.prompt_hashes(inbound.prompt, self._options.block_size)
+            except ProtocolError:  # no token ids (a str prompt): routed by load
+                pass
+        self._accept(client, rid, inbound)
 
     def _submit_batch(self, client: _Client, frames: list[zmq.Frame]) -> None:
         """SUBMIT_BATCH: each entry down the path of a SUBMIT_REQUEST; the entries
         routed to batched engines leave as one ENGINE_SUBMIT_BATCH per engine once
-        every entry is routed (see _send_engine_batches)."""
+        every entry is routed (see _send_batches)."""
         header = Header.SUBMIT_BATCH
         if not client.batch:
             self._malformed(client, None, header, "batches not granted", frames)
@@ -416,103 +769,14 @@ class Loop:
             if hashes is not None and len(hashes) % BLOCK_HASH_SIZE:
                 self._malformed(client, rid, header, "bad frame layout", frames)
             else:
-                inbound = _Inbound(Header.SUBMIT_REQUEST, frames, False)
-                inbound.rest = meta[offset : offset + size]
-                inbound.payload = part
+                params = meta[offset : offset + size]
+                inbound = multipart_inbound(Header.SUBMIT_REQUEST, [frames[part]], params, hashes)
                 inbound.batched = True
-                prompt = frames[part].buffer
-                inbound.single_ok = (
-                    self._n_single_engines > 0
-                    and _parses(codec.check_prompt, prompt)
-                    and _parses(codec.check_map, inbound.rest)
-                )
-                self._accept(client, rid, hashes, codec.prompt_tokens(prompt), inbound)
+                self._accept(client, rid, inbound)
             part += 1 + hashed
-        self._send_engine_batches()
+        self._send_batches(header)
 
-    def _malformed_batch(
-        self, client: _Client, rids: Sequence[int], detail: str, frames: list[zmq.Frame]
-    ) -> None:
-        """A SUBMIT_BATCH whose entries cannot all go on: no prompt can be told from
-        another, so each request named ends here; when none is, one ERROR without
-        an id says so."""
-        if not rids:
-            self._malformed(client, None, Header.SUBMIT_BATCH, detail, frames)
-        for rid in rids:
-            if self._clients.get(client.identity) is not client:
-                return  # found gone meanwhile
-            self._malformed(client, rid, Header.SUBMIT_BATCH, detail, frames)
-
-    def _send_engine_batches(self) -> None:
-        """The entries routed to batched engines: one ENGINE_SUBMIT_BATCH per engine,
-        in the order the engines were first chosen, the prompts as the same frames.
-        An entry re-sent or ended meanwhile is left out; an engine found gone here
-        leaves its requests to _settle, as any engine found gone."""
-        by_rank: dict[int, list[tuple[int, zmq.Frame, Buffer]]] = {}
-        for request, server_rid, rank, prompt, params in self._engine_batch:
-            if self._find(server_rid) is request and request.rank == rank:
-                by_rank.setdefault(rank, []).append((server_rid, prompt, params))
-        self._engine_batch.clear()
-        for rank, entries in by_rank.items():
-            engine = self._engines[rank]
-            if engine.state == GONE:  # its requests are settled
-                continue
-            if self._send_identity(engine.identity):
-                self._send_engine_batch(entries)
-            else:
-                self._mark_gone(engine, "unreachable")
-
-    def _send_engine_batch(self, entries: list[tuple[int, zmq.Frame, Buffer]]) -> None:
-        """One engine's ENGINE_SUBMIT_BATCH after its routing id: the metadata, then
-        the prompts as the same frames."""
-        head = [
-            _packer.pack_array_header(2),
-            _HEADER_BATCH,
-            _packer.pack_array_header(len(entries)),
-        ]
-        head += [b"\x92" + _packer.pack(rid) + bytes(params) for rid, _, params in entries]
-        out: list[Any] = [b"".join(head), *(prompt for _, prompt, _ in entries)]
-        self._count_out(Header.SUBMIT_BATCH, out)
-        self._sock.send_multipart(out, copy=False)
-
-    def _submit_single(self, client: _Client, frames: list[zmq.Frame]) -> None:
-        """A new request in one frame: [20, client_rid, prompt, params] (Megatron-Core 0.19).
-
-        Read as far as its request id: to a single-frame engine the rest goes as it
-        came. The prompt and the params are found (walking the prompt) only when a
-        multipart engine may take it, or the prefix policy hashes the prompt.
-        """
-        data = frames[1].buffer
-        try:
-            _, rid, prompt = codec.read_single_head(data)
-            params = 0
-            if len(frames) != 2:
-                raise ProtocolError("bad frame layout", rid)
-            if self._n_multipart_engines > 0 or self._computes_hashes:
-                _, rid, prompt, params = codec.read_single_submit(data)
-        except ProtocolError as exc:
-            self._malformed(client, exc.rid, Header.SUBMIT_REQUEST, str(exc), frames)
-            return
-        inbound = _Inbound(Header.SUBMIT_REQUEST, frames, True)
-        inbound.prompt = prompt
-        inbound.params = params
-        inbound.multi_ok = params != 0
-        hashes = None
-        if self._computes_hashes:
-            try:
-                hashes = codec.prompt_hashes(data[prompt:params], self._options.block_size)
-            except ProtocolError:  # no token ids (a str prompt): routed by load
-                pass
-        self._accept(client, rid, hashes, codec.prompt_tokens(data[prompt:]), inbound)
-
-    def _accept(
-        self,
-        client: _Client,
-        rid: int,
-        hashes: Buffer | None,
-        tokens: int,
-        inbound: _Inbound,
-    ) -> None:
+    def _accept(self, client: _Client, rid: int, inbound: Inbound) -> None:
         """A request that parsed: refused (a duplicate id, a full table), or given a
         server id and an engine, and the frames on to it."""
         header = inbound.header
@@ -526,145 +790,91 @@ class Loop:
             return
         request = self._add(client, rid)
         client.inflight += 1
-        if self._queue is not None or self._latency is not None:
+        if self._deadlines is not None or self._latency is not None:
             request.submitted = time.monotonic()
-        if self._queue is not None:
-            self._queue[request.server_rid] = request
-        frames = inbound.frames
+        if self._deadlines is not None:
+            self._deadlines.push(request)
         if not inbound.single:
-            inbound.meta = codec.write_submit(
-                header, inbound.length, request.server_rid, inbound.rest
-            )
+            inbound.meta = rewrite_meta(inbound, request.server_rid)
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         if header == Header.SUBMIT_REQUEST and self._options.keep_prompts:
-            kept = frames[1] if inbound.single else frames[inbound.payload]
-            request.kept = (
-                None if inbound.single else inbound.meta,
-                kept.bytes if len(kept) < COPY_BELOW else kept,
-            )
-        status = self._route(request, hashes, tokens, inbound)
+            meta = None if inbound.single else inbound.meta
+            request.kept = keep(meta, inbound.payload[0], inbound.single)
+        carriers(inbound, self._n_single_engines > 0)
+        status = self._route(request, inbound)
         while status == RouteStatus.ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
             self._settle()
             if self._find(request.server_rid) is not request:  # its client went away meanwhile
                 return
-            status = self._route(request, hashes, tokens, inbound)
+            status = self._route(request, inbound)
         if status == RouteStatus.SENT:
             self._counters[Counter.SUBMITTED] += 1
             return
         self._forget(request)
         self._refuse(client, rid, _refusal(status), header, _REFUSAL_COUNTERS[status])
 
-    def _route(
-        self, request: _Request, hashes: Buffer | None, tokens: int, inbound: _Inbound
-    ) -> RouteStatus:
-        """Send a new request to the engine chosen for it, in its format; an entry of
-        a SUBMIT_BATCH bound for a batched engine joins that engine's batch."""
-        rank, status = self._pick_engine(
-            hashes, tokens, inbound.single_ok, inbound.multi_ok, inbound.batched
-        )
-        if status == RouteStatus.SENT:
-            request.rank = rank
-            request.work = self._router.charged
-            engine = self._engines[rank]
-            if inbound.batched and engine.batch:
-                prompt = inbound.frames[inbound.payload]
-                self._engine_batch.append((request, request.server_rid, rank, prompt, inbound.rest))
-            else:
-                self._send_new(request, engine, inbound)
-        return status
-
-    def _send_new(self, request: _Request, engine: _Engine, inbound: _Inbound) -> None:
-        """The frames of a new request after the engine's routing id, in its format."""
-        data = inbound.frames[1].buffer
-        if inbound.single and engine.format == SINGLE_FRAME:  # as it came, behind a new head
-            out = _submit_frames(True, request.server_rid, data[inbound.prompt :], b"")
-        elif inbound.single:  # split at the field boundary
-            prompt = data[inbound.prompt : inbound.params]
-            out = _submit_frames(False, request.server_rid, prompt, data[inbound.params :])
-        elif engine.format == SINGLE_FRAME:
-            prompt = inbound.frames[inbound.payload].buffer
-            out = _submit_frames(True, request.server_rid, prompt, inbound.rest)
-        else:  # the metadata and the payload frames as themselves
-            n_payload = 1 if inbound.header == Header.SUBMIT_REQUEST else 2
-            out = [inbound.meta, *inbound.frames[inbound.payload : inbound.payload + n_payload]]
-        self._count_out(inbound.header, out)
-        self._sock.send_multipart(out, copy=False)
-
-    def _resend(self, request: _Request) -> RouteStatus:
-        """Send a request whose engine died to another, from what it kept; a RouteStatus."""
-        assert request.kept is not None
-        meta, kept = request.kept
-        data = _view(kept)
-        if meta is None:  # a single frame
-            prompt = codec.read_single_head(data)[2]
-            tokens = codec.prompt_tokens(data[prompt:])
-            single_ok = True
-            multi_ok = self._n_multipart_engines > 0 and _parses(codec.read_single_submit, data)
+    def _route(self, request: _Request, inbound: Inbound) -> RouteStatus:
+        """Send a request to the engine chosen for it, in its format; an entry of a
+        SUBMIT_BATCH bound for a batched engine joins that engine's batch."""
+        rank, status = self._pick_engine(inbound)
+        if status != RouteStatus.SENT:
+            return status
+        request.rank = rank
+        request.work = self._router.charged
+        engine = self._engines[rank]
+        if inbound.batched and engine.batch:
+            assert inbound.params is not None
+            self._fanout.add(engine, request.server_rid, inbound.params, inbound.payload[0])
         else:
-            tokens = codec.prompt_tokens(data)
-            multi_ok = True
-            params = memoryview(meta)[codec.read_submit(meta)[3] :]
-            single_ok = (
-                self._n_single_engines > 0
-                and _parses(codec.check_prompt, data)
-                and _parses(codec.check_map, params)
-            )
-        status = RouteStatus.ENGINE_GONE
-        while status == RouteStatus.ENGINE_GONE:  # that one waits in the queue of gone engines
-            rank, status = self._pick_engine(None, tokens, single_ok, multi_ok)
-        if status == RouteStatus.SENT:
-            request.rank = rank
-            request.work = self._router.charged
-            self._send_kept(request, self._engines[rank])
+            single_frame = engine.format == SINGLE_FRAME
+            size = send_request(self._sock, inbound, request.server_rid, single_frame)
+            self._traffic.count(SENT, inbound.header, size)
         return status
 
-    def _send_kept(self, request: _Request, engine: _Engine) -> None:
-        """A kept request's frames after the engine's routing id, in the engine's format."""
-        assert request.kept is not None
-        meta, kept = request.kept
-        data = _view(kept)
-        single_frame = engine.format == SINGLE_FRAME
-        if meta is None and single_frame:
-            prompt = codec.read_single_head(data)[2]
-            out = _submit_frames(True, request.server_rid, data[prompt:], b"")
-        elif meta is None:  # _resend read it whole: it splits
-            _, _, prompt, params = codec.read_single_submit(data)
-            out = _submit_frames(False, request.server_rid, data[prompt:params], data[params:])
-        elif single_frame:
-            meta_params = memoryview(meta)[codec.read_submit(meta)[3] :]
-            out = _submit_frames(True, request.server_rid, data, meta_params)
-        else:  # the kept metadata (the server id in it already) and the prompt
-            out = [meta, kept]
-        self._count_out(Header.SUBMIT_REQUEST, out)
-        self._sock.send_multipart(out, copy=False)
-
-    def _pick_engine(
-        self,
-        hashes: Buffer | None,
-        tokens: int,
-        single_ok: bool,
-        multi_ok: bool,
-        batched: bool = False,
-    ) -> tuple[int, RouteStatus]:
+    def _pick_engine(self, inbound: Inbound) -> tuple[int, RouteStatus]:
         """The router's choice, its routing id sent (the request's frames follow),
-        unless ``batched`` and the engine takes batches (the batch is sent later).
-        An unreachable choice is marked gone: ENGINE_GONE; one whose format the
-        request cannot be put in: UNSENDABLE."""
-        rank = self._router.choose(hashes, time.monotonic(), tokens)
+        unless the request is ``batched`` and the engine takes batches (the batch is
+        sent later). An unreachable choice is marked gone: ENGINE_GONE; one whose
+        format cannot carry the request: UNSENDABLE."""
+        rank = self._router.choose(inbound.hashes, time.monotonic(), inbound.tokens)
         if rank < 0:
             if self._router.n_accepting == 0:
                 return rank, RouteStatus.NO_ENGINES
             return rank, RouteStatus.ALL_BUSY
         engine = self._engines[rank]
-        if not (single_ok if engine.format == SINGLE_FRAME else multi_ok):
+        if not (inbound.single_ok if engine.format == SINGLE_FRAME else inbound.multi_ok):
             self._router.release(rank, self._router.charged)
             return rank, RouteStatus.UNSENDABLE
-        if (batched and engine.batch) or self._send_identity(engine.identity):
+        if (inbound.batched and engine.batch) or self._send_identity(engine.identity):
             return rank, RouteStatus.SENT
         self._router.release(rank, self._router.charged)
         self._mark_gone(engine, "unreachable")
         return rank, RouteStatus.ENGINE_GONE
+
+    def _send_batches(self, header: int) -> None:
+        """The fan-out's entries: one batch per peer (ENGINE_SUBMIT_BATCH to each
+        batched engine, REPLY_BATCH to each batched client), in the order the peers
+        were first chosen. An entry for an engine that was re-sent or ended meanwhile
+        is left out; an engine found gone here leaves its requests to _settle, as any
+        engine found gone, and a client that cannot be reached is gone."""
+        fanout = self._fanout
+        to_engines = header == Header.SUBMIT_BATCH
+        if to_engines:
+            fanout.entries = [
+                (to, rid, tail, frame)
+                for to, rid, tail, frame in fanout.entries
+                if (request := self._find(rid)) is not None and request.rank == to.rank
+            ]
+        for to, entries in fanout.by_peer().items():
+            if to_engines and to.state == GONE:
+                pass  # its requests are settled
+            elif self._send_identity(to.identity):
+                self._traffic.count(SENT, header, Fanout.send(self._sock, header, entries))
+            elif to_engines:
+                self._mark_gone(to, "unreachable")
+            else:
+                self._client_gone(to)
 
     def _from_engine(self, engine: _Engine, header: int, frames: list[zmq.Frame]) -> None:
         if engine.format == SINGLE_FRAME and header == Header.ENGINE_REPLY:
@@ -677,7 +887,8 @@ class Loop:
             self._from_engine_rarely(engine, header, frames)
 
     def _forward_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        """Each entry of an engine's batch to its request's client, the body as itself."""
+        """Each entry of an engine's batch to its request's client, the body as itself;
+        those bound for batched clients leave as one REPLY_BATCH per client."""
         try:
             header, entries = codec.read_reply(frames[1].buffer)
         except ProtocolError as exc:
@@ -708,33 +919,10 @@ class Loop:
             if needs_detokenize and self._options.detokenizer is not None:
                 out = self._detokenized(body.buffer)
             if request.client.batch:
-                self._client_batch.setdefault(request.client, []).append((request.client_rid, out))
+                self._fanout.add(request.client, request.client_rid, MSGPACK_BOOLS[final], out)
             elif not self._deliver(request.client, header, request.client_rid, out):
                 self._client_gone(request.client)
-        self._send_client_batches(final)
-
-    def _send_client_batches(self, final: bool) -> None:
-        """The entries of the reply batch at hand bound for batched clients: one
-        REPLY_BATCH per client, in the order the clients first came, the bodies
-        as the same frames."""
-        batches = list(self._client_batch.items())
-        self._client_batch.clear()
-        for client, entries in batches:
-            if self._send_identity(client.identity):
-                self._send_client_batch(final, entries)
-            else:
-                self._client_gone(client)
-
-    def _send_client_batch(self, final: bool, entries: list[tuple[int, Any]]) -> None:
-        """One client's REPLY_BATCH after its routing id: the metadata, then the
-        bodies as the same frames."""
-        flag = b"\xc3" if final else b"\xc2"
-        head = [_packer.pack_array_header(2), _HEADER_REPLY_BATCH]
-        head.append(_packer.pack_array_header(len(entries)))
-        head += [b"\x92" + _packer.pack(rid) + flag for rid, _ in entries]
-        out: list[Any] = [b"".join(head), *(body for _, body in entries)]
-        self._count_out(Header.REPLY_BATCH, out)
-        self._sock.send_multipart(out, copy=False)
+        self._send_batches(Header.REPLY_BATCH)
 
     def _forward_single_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         """A 0.19 engine's finished requests, each map to its request's client; those
@@ -762,18 +950,15 @@ class Loop:
             if self._options.detokenizer is not None:  # as 0.19's coordinator: every one
                 body = self._detokenized(body)
             if request.client.batch:
-                self._client_batch.setdefault(request.client, []).append((request.client_rid, body))
+                self._fanout.add(request.client, request.client_rid, MSGPACK_BOOLS[True], body)
             elif not self._deliver(request.client, Header.ENGINE_REPLY, request.client_rid, body):
                 self._client_gone(request.client)
-        self._send_client_batches(True)
+        self._send_batches(Header.REPLY_BATCH)
 
     def _finish(self, request: _Request, final: bool, now: float) -> None:
         """A reply for ``request`` arrived: timed, counted, and a final forgets it."""
         if self._latency is not None:
-            if not request.flags & PRODUCED:
-                self._observe("first_reply", now - request.submitted)
-            if final:
-                self._observe("final", now - request.submitted)
+            self._latency.observe(now - request.submitted, not request.flags & PRODUCED, final)
         if final:
             self._forget(request)
             self._counters[Counter.REPLIES] += 1
@@ -782,26 +967,18 @@ class Loop:
             self._counters[Counter.PARTIALS] += 1
 
     def _deliver(self, client: _Client, header: int, client_rid: int, body: Any) -> bool:
-        """One reply to its client in the client's format; False when the client is gone.
-
-        A 0.19 client takes finals only, each ``[21, client_rid, <map>]``: a partial is
-        not sent, and a final whose body is not a map cannot be (counted, dropped).
-        """
-        if client.format == SINGLE_FRAME:
-            if header != Header.ENGINE_REPLY:
-                return True
-            if not _parses(codec.check_map, body):
+        """One reply to its client in the client's format (reply_carried, send_reply);
+        False when the client is gone."""
+        single_frame = client.format == SINGLE_FRAME
+        carried = reply_carried(single_frame, header, body)
+        if carried != CARRIED:
+            if carried == NOT_A_MAP:
                 self._counters[Counter.MALFORMED_ENTRIES] += 1
-                return True
-            if not self._send_identity(client.identity):
-                return False
-            out = [codec.write_submit(header, 3, client_rid, body)]
-        else:
-            if not self._send_identity(client.identity):
-                return False
-            out = [codec.write_header_int(header, client_rid), body]
-        self._count_out(header, out)
-        self._sock.send_multipart(out, copy=False)
+            return True
+        if not self._send_identity(client.identity):
+            return False
+        size = send_reply(self._sock, single_frame, header, client_rid, body)
+        self._traffic.count(SENT, header, size)
         return True
 
     def _add(self, client: _Client, client_rid: int) -> _Request:
@@ -834,8 +1011,8 @@ class Loop:
         """Take a request out of every table and count; a draining engine whose
         last request this was is gone."""
         request.client.inflight -= 1
-        if self._queue is not None:
-            del self._queue[request.server_rid]
+        if self._deadlines is not None:
+            self._deadlines.remove(request)
         self._remove(request)
         if request.rank < 0:
             return
@@ -843,24 +1020,6 @@ class Loop:
         engine = self._engines[request.rank]
         if engine.state == DRAINING and self._router.pending(engine.rank) == 0:
             engine.state = GONE
-
-    def _count_in(self, header: int, frames: list[zmq.Frame]) -> None:
-        """Count a received message (header -1: unreadable)."""
-        slot = header_slot(header)
-        self._traffic_messages[0][slot] += 1
-        self._traffic_bytes[0][slot] += sum(len(frame) for frame in frames[1:])
-
-    def _count_out(self, header: int, frames: Any) -> None:
-        slot = header_slot(header)
-        self._traffic_messages[1][slot] += 1
-        self._traffic_bytes[1][slot] += sum(len(frame) for frame in frames)
-
-    def _observe(self, name: str, seconds: float) -> None:
-        """One duration into a latency histogram: the first bucket whose bound it fits."""
-        assert self._latency is not None
-        histogram = self._latency[name]
-        histogram[0][latency_bucket(seconds)] += 1
-        histogram[1] += seconds
 
     def _mark_gone(self, engine: _Engine, reason: str) -> None:
         """Take an engine out of the pool now; its requests are settled after the
@@ -1055,7 +1214,7 @@ class Loop:
 
     def _abort_at_engine(self, engine: _Engine, server_rid: int) -> None:
         """ABORT_REQUEST to an engine; a 0.19 engine has none: the request runs to its end."""
-        if engine.format == SINGLE_FRAME:
+        if not engine_parses(engine.format, Header.ABORT_REQUEST):
             return
         if not self._send(engine.identity, protocol.ABORT_REQUEST.pack(server_rid)):
             self._mark_gone(engine, "unreachable")
@@ -1101,7 +1260,7 @@ class Loop:
         for engine in self._engines:
             if engine.state == GONE:
                 continue
-            if header == Header.RELEASE_KV and engine.format == SINGLE_FRAME:
+            if not engine_parses(engine.format, header):
                 continue  # 0.19 has no KV transfer
             if not self._send(engine.identity, [frame]):
                 self._mark_gone(engine, "unreachable")
@@ -1150,6 +1309,17 @@ class Loop:
                 self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
             else:
                 self._fail_request(request, _refusal(status), Header.SUBMIT_REQUEST)
+
+    def _resend(self, request: _Request) -> RouteStatus:
+        """Send a request whose engine died to another, from what it kept, as a new
+        request is sent (_route); a RouteStatus."""
+        assert request.kept is not None
+        inbound = kept_inbound(request.kept, self._n_multipart_engines > 0)
+        carriers(inbound, self._n_single_engines > 0)
+        status = RouteStatus.ENGINE_GONE
+        while status == RouteStatus.ENGINE_GONE:  # that one waits in the queue of gone engines
+            status = self._route(request, inbound)
+        return status
 
     def _in_order(self, keep: Any) -> list[_Request]:
         """The requests in flight for which ``keep`` holds, by server id."""
@@ -1211,8 +1381,7 @@ class Loop:
             header = codec.read_header(frames[0])[0]
         except ProtocolError:
             header = -1
-        self._count_out(header, frames)
-        self._sock.send_multipart(frames, copy=False)
+        self._traffic.count(SENT, header, _send_all(self._sock, frames))
         return True
 
     def _send_error(self, client: _Client, rid: int | None, code: int, header: int) -> bool:
@@ -1248,42 +1417,15 @@ class Loop:
         else:
             self._refuse(client, rid, ErrorCode.MALFORMED, header, Counter.MALFORMED)
 
-
-def _refusal(status: RouteStatus) -> ErrorCode:
-    """The ErrorCode for a new request no engine took (a RouteStatus other than SENT)."""
-    if status == RouteStatus.NO_ENGINES:
-        return ErrorCode.NO_ENGINES
-    return ErrorCode.MALFORMED if status == RouteStatus.UNSENDABLE else ErrorCode.BUSY
-
-
-_REFUSAL_COUNTERS = {
-    RouteStatus.NO_ENGINES: Counter.NO_ENGINES,
-    RouteStatus.ALL_BUSY: Counter.BUSY,
-    RouteStatus.UNSENDABLE: Counter.MALFORMED,
-}
-
-
-def _parses(check: Callable[[Buffer], object], frame: Buffer) -> bool:
-    try:
-        check(frame)
-    except ProtocolError:
-        return False
-    return True
-
-
-def _submit_frames(single_frame: bool, rid: int, prompt: Buffer, params: Buffer) -> list[Any]:
-    """A request from the bytes of its prompt and its params, in an engine's format:
-    ``[20, rid, <prompt>, <params>]``, or ``[20, rid, <params>]`` and the prompt."""
-    if single_frame:
-        return [codec.write_single_submit(Header.SUBMIT_REQUEST, rid, prompt, params)]
-    return [codec.write_submit(Header.SUBMIT_REQUEST, 3, rid, params), prompt]
-
-
-def _view(kept: zmq.Frame | bytes) -> memoryview:
-    """The bytes a request kept, without copying them."""
-    return kept.buffer if isinstance(kept, zmq.Frame) else memoryview(kept)
-
-
-def _buffers(frames: list[zmq.Frame]) -> list[memoryview]:
-    """A message's frames after the routing id, for the specs to parse."""
-    return [frame.buffer for frame in frames[1:]]
+    def _malformed_batch(
+        self, client: _Client, rids: Sequence[int], detail: str, frames: list[zmq.Frame]
+    ) -> None:
+        """A SUBMIT_BATCH whose entries cannot all go on: no prompt can be told from
+        another, so each request named ends here; when none is, one ERROR without
+        an id says so."""
+        if not rids:
+            self._malformed(client, None, Header.SUBMIT_BATCH, detail, frames)
+        for rid in rids:
+            if self._clients.get(client.identity) is not client:
+                return  # found gone meanwhile
+            self._malformed(client, rid, Header.SUBMIT_BATCH, detail, frames)

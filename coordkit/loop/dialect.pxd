@@ -1,0 +1,30 @@
+# Multipart and single frame (its functions: dialect.pyx). Included by _loop_c.pxd.
+
+cdef struct Inbound:
+    # A request, new or kept, to be put in the format of the engine chosen for it.
+    int64_t header
+    bint single  # it came as one frame, [20, rid, prompt, params] (Megatron-Core 0.19)
+    zmq_msg_t* meta  # multipart: its metadata with the server id, a new message
+    # The messages it came in after the metadata: multipart its payload frames (the
+    # prompt first), single frame the frame itself.
+    zmq_msg_t* payload
+    int n_payload
+    # Its prompt, and what follows the rid in its metadata: the params (and a KV
+    # submission's kv_meta). Single frame: the params once found (else NULL: the
+    # prompt then runs to the frame's end).
+    const uint8_t* prompt
+    size_t prompt_size
+    const uint8_t* params
+    size_t params_size
+    const uint8_t* hashes  # its block hashes, n_hashes of them, or NULL
+    size_t n_hashes
+    uint64_t tokens
+    bint batched  # an entry of a SUBMIT_BATCH: a batched engine takes it later
+    bint single_ok  # may go to a single-frame engine (carriers)
+    bint multi_ok  # may go to a multipart engine
+
+
+cdef enum Carried:  # whether a client's format carries a reply (reply_carried)
+    CARRIED
+    NOT_SENT  # a partial to a 0.19 client, which takes finals only
+    NOT_A_MAP  # a final whose body is not a map, to a 0.19 client: counted, dropped

@@ -1,0 +1,174 @@
+# Multipart and single frame (loop/dialect.pxd): everything that translates
+# between coordkit's multipart messages and Megatron-Core 0.19's single frames.
+# A request is read into an Inbound once (multipart_inbound, single_inbound, or
+# kept_inbound for a re-send), carriers says which formats can carry it, and
+# send_request puts it in the chosen engine's format; reply_carried and
+# send_reply do the same for a reply and its client. Included by _loop_c.pyx.
+
+
+cdef inline void multipart_inbound(
+    Inbound* inbound, int64_t header, zmq_msg_t* payload, int n_payload,
+    const uint8_t* params, size_t params_size, zmq_msg_t* hashes,
+) noexcept nogil:
+    """A multipart request: ``payload`` its payload frames (the prompt first), ``params``
+    what follows the rid in its metadata (or a SUBMIT_BATCH entry's params), ``hashes``
+    its block-hash frame or NULL."""
+    memset(inbound, 0, sizeof(Inbound))
+    inbound.header = header
+    inbound.payload = payload
+    inbound.n_payload = n_payload
+    inbound.prompt = <const uint8_t*>zmq_msg_data(payload)
+    inbound.prompt_size = zmq_msg_size(payload)
+    inbound.params = params
+    inbound.params_size = params_size
+    inbound.tokens = ck_prompt_tokens(inbound.prompt, inbound.prompt_size)
+    if hashes != NULL:
+        inbound.hashes = <const uint8_t*>zmq_msg_data(hashes)
+        inbound.n_hashes = zmq_msg_size(hashes) // BLOCK_HASH_SIZE
+
+
+cdef inline void single_inbound(
+    Inbound* inbound, const uint8_t* frame, size_t size, const ck_single_submit* single
+) noexcept nogil:
+    """A single-frame request, ``frame[:size]``, read as far as ``single`` says: to its
+    rid (ck_read_single_head: the prompt runs to the frame's end), or whole
+    (ck_read_single_submit: the prompt and the params found)."""
+    memset(inbound, 0, sizeof(Inbound))
+    inbound.header = HEADER_SUBMIT_REQUEST
+    inbound.single = True
+    inbound.prompt = frame + single.prompt
+    inbound.prompt_size = size - single.prompt
+    if single.params:
+        inbound.prompt_size = single.params - single.prompt
+        inbound.params = frame + single.params
+        inbound.params_size = size - single.params
+    inbound.tokens = ck_prompt_tokens(inbound.prompt, inbound.prompt_size)
+
+
+cdef inline void carriers(Inbound* inbound, bint single_engines) noexcept nogil:
+    """Which formats can carry the request, once: a single frame goes to a multipart
+    engine once its params were found (it splits there); a multipart request goes to
+    a single-frame engine (when there is one) as [20, rid, prompt, params], so only
+    a SUBMIT_REQUEST whose prompt is one str or array and whose params are a map."""
+    if inbound.single:
+        inbound.single_ok = True
+        inbound.multi_ok = inbound.params != NULL
+        return
+    inbound.multi_ok = True
+    inbound.single_ok = (
+        single_engines
+        and inbound.header == HEADER_SUBMIT_REQUEST
+        and ck_check_prompt(inbound.prompt, inbound.prompt_size) == CK_OK
+        and ck_check_map(inbound.params, inbound.params_size) == CK_OK
+    )
+
+
+cdef inline void rewrite_meta(zmq_msg_t* out, Inbound* inbound, int64_t server_rid) noexcept nogil:
+    """A multipart request's metadata with ``server_rid``, in a new message:
+    ``[header, server_rid, <params>]``, an array of 2 + its payload frames."""
+    cdef ck_submit head
+    head.header = inbound.header
+    head.length = 2 + inbound.n_payload
+    zmq_msg_init_size(out, ck_submit_size(&head, server_rid, inbound.params_size))
+    ck_write_submit(
+        <uint8_t*>zmq_msg_data(out), &head, server_rid, inbound.params, inbound.params_size
+    )
+
+
+cdef size_t send_head(void* sock, int64_t header, uint32_t length, int64_t rid,
+                      const uint8_t* rest, size_t rest_size, int flags) noexcept nogil:
+    """``[header, rid, <rest>]`` (an array of ``length``) as one new frame; its size."""
+    cdef ck_submit head
+    cdef zmq_msg_t msg
+    cdef size_t n
+    head.header = header
+    head.length = length
+    n = ck_submit_size(&head, rid, rest_size)
+    zmq_msg_init_size(&msg, n)
+    ck_write_submit(<uint8_t*>zmq_msg_data(&msg), &head, rid, rest, rest_size)
+    if zmq_msg_send(&msg, sock, flags) < 0:
+        zmq_msg_close(&msg)
+    return n
+
+
+cdef size_t send_submit(void* sock, ck_buffer_pool* buffers, bint single_frame,
+                        int64_t rid, const uint8_t* prompt, size_t prompt_size,
+                        const uint8_t* params, size_t params_size) noexcept nogil:
+    """A request from the bytes of its prompt and its params, in an engine's format:
+    ``[20, rid, <prompt>, <params>]``, or ``[20, rid, <params>]`` and the prompt;
+    the bytes sent. Both copy the prompt: a large one into a buffer of ``buffers``."""
+    cdef zmq_msg_t msg
+    cdef size_t n
+    if not single_frame:
+        ck_buffer_msg(buffers, &msg, prompt_size)
+        memcpy(zmq_msg_data(&msg), prompt, prompt_size)
+        n = send_head(sock, HEADER_SUBMIT_REQUEST, 3, rid, params, params_size, ZMQ_SNDMORE)
+        if zmq_msg_send(&msg, sock, 0) < 0:
+            zmq_msg_close(&msg)
+        return n + prompt_size
+    n = ck_single_submit_size(HEADER_SUBMIT_REQUEST, rid, prompt_size, params_size)
+    ck_buffer_msg(buffers, &msg, n)
+    ck_write_single_submit(
+        <uint8_t*>zmq_msg_data(&msg), HEADER_SUBMIT_REQUEST, rid, prompt, prompt_size,
+        params, params_size,
+    )
+    if zmq_msg_send(&msg, sock, 0) < 0:
+        zmq_msg_close(&msg)
+    return n
+
+
+cdef inline size_t send_request(void* sock, ck_buffer_pool* buffers, Inbound* inbound,
+                                int64_t server_rid, bint single_frame) noexcept nogil:
+    """A request's frames after its engine's routing id, in the engine's format; the
+    bytes sent. Multipart to multipart: the metadata and the payload frames as
+    themselves. Otherwise the prompt and the params spliced into the engine's format
+    (a single frame behind a new head, or split at the field boundary): a copy."""
+    cdef size_t size
+    cdef int i
+    if single_frame or inbound.single:
+        return send_submit(sock, buffers, single_frame, server_rid, inbound.prompt,
+                           inbound.prompt_size, inbound.params, inbound.params_size)
+    size = zmq_msg_size(inbound.meta)
+    for i in range(inbound.n_payload):
+        size += zmq_msg_size(&inbound.payload[i])
+    send_msg(sock, inbound.meta, ZMQ_SNDMORE)
+    for i in range(inbound.n_payload):
+        send_msg(sock, &inbound.payload[i], ZMQ_SNDMORE if i + 1 < inbound.n_payload else 0)
+    return size
+
+
+cdef inline bint engine_parses(int format, int64_t header) noexcept nogil:
+    """Whether an engine of ``format`` parses a message of ``header`` from the
+    coordinator: a 0.19 engine has no ABORT_REQUEST and no KV transfer."""
+    return format != FORMAT_SINGLE_FRAME or (
+        header != HEADER_ABORT_REQUEST and header != HEADER_RELEASE_KV
+    )
+
+
+cdef inline int reply_carried(bint single_frame, int64_t header, const uint8_t* body,
+                              size_t size) noexcept nogil:
+    """Whether a client of that format takes a reply (a Carried): a 0.19 client takes
+    finals only, each ``[21, client_rid, <map>]``."""
+    if not single_frame:
+        return CARRIED
+    if header != HEADER_ENGINE_REPLY:
+        return NOT_SENT
+    return CARRIED if ck_check_map(body, size) == CK_OK else NOT_A_MAP
+
+
+cdef inline size_t send_reply(void* sock, bint single_frame, int64_t header, int64_t client_rid,
+                              const uint8_t* body, size_t size, zmq_msg_t* message) noexcept nogil:
+    """A reply's frames after its client's routing id, in the client's format: one
+    ``[21, client_rid, <map>]``, or ``[header, client_rid]`` and the body (as
+    ``message`` itself when given, else a copy of ``body``); the bytes sent."""
+    cdef uint8_t out[CK_HEADER_INT_MAX]
+    cdef size_t n
+    if single_frame:
+        return send_head(sock, header, 3, client_rid, body, size, 0)
+    n = ck_write_header_int(out, header, client_rid)
+    send_bytes(sock, out, n, ZMQ_SNDMORE)
+    if message != NULL:
+        send_msg(sock, message, 0)
+    else:
+        send_bytes(sock, body, size, 0)
+    return n + size
