@@ -59,9 +59,9 @@ from typing import Any
 
 import zmq
 
-from .load import connect_client, frames_sender, head_receiver, read_rid, submitter
+from .load import commands, connect_client, frames_sender, head_receiver, read_rid, submitter
 from .session import Failure, Session
-from .workload import TIMEOUT, Prompt
+from .workload import DIRECT, TIMEOUT, Prompt
 
 GRID = 4  # grid steps per doubling of the offered rate
 BASE_RATE = 1000.0  # requests/s at grid step 0
@@ -101,14 +101,10 @@ def open_loop_child(
     try:
         sock = connect_client(context, variant, address)
         conn.send(("ready",))
-        rng = random.Random(index)
         rid = 0  # never reused: a coordinator would refuse a duplicate in flight
-        while True:
-            command = conn.recv()
-            if command[0] == "stop":
-                return
-            _, prompt, rate, seconds = command
-            schedule = _poisson(rng, rate, seconds)
+        for _, prompt, rate, seconds in commands(conn):
+            # the same arrivals for every variant (and direct) at a rate
+            schedule = _poisson(random.Random(f"{index}/{rate}/{seconds}"), rate, seconds)
             submit = submitter(single_frame, prompt, prefix)
             conn.send(("prepared",))
             start = conn.recv()[1]  # ("go", start): the same for every sender
@@ -189,8 +185,16 @@ class OpenLoop(Session):
     """A variant's coordinator and engine (``direct``: the engine alone), with
     ``--latency-clients`` senders."""
 
-    def __init__(self, variant: str, args: argparse.Namespace, directory: str):
-        super().__init__(variant, args, directory, clients=0, at_once=True)
+    def __init__(
+        self,
+        variant: str,
+        args: argparse.Namespace,
+        directory: str,
+        single_frame: bool | None = None,
+    ):
+        super().__init__(
+            variant, args, directory, clients=0, at_once=True, single_frame=single_frame
+        )
         try:
             self.senders = [
                 self._start(
@@ -369,51 +373,56 @@ def measure_latency(
     """Every variant's sweep at every prompt, direct measured at each rate they reach."""
     points: list[dict[str, Any]] = result.setdefault("points", [])
     summary: dict[str, dict[str, Any]] = result.setdefault("summary", {})
-    try:
-        direct = OpenLoop("direct", args, directory)
-    except Failure as exc:
-        failures["latency direct"] = str(exc)
-        return
+    baselines = _Baselines(args, directory, points)
     try:
         for prompt in args.lengths:
-            try:
-                _warm(direct, prompt, args)
-            except Failure as exc:
-                failures["latency direct"] = f"at {prompt.key} tokens: {exc}"
-                return
-            baseline = _Baseline(direct, prompt, args, points)
             for variant in args.latency_variants:
                 try:
-                    found = _sweep_variant(variant, prompt, baseline, args, directory, points)
+                    found = _sweep_variant(variant, prompt, baselines, args, directory, points)
                 except Failure as exc:  # its own failure, or direct's
                     failures[f"latency {variant}"] = f"at {prompt.key} tokens: {exc}"
                     continue
                 summary[f"{variant}/{prompt.key}"] = summarize(found)
     finally:
-        direct.close()
+        baselines.close()
 
 
-class _Baseline:
-    """Direct's points at one prompt, measured the first time a rate is asked for."""
+class _Baselines:
+    """Direct's points, in the frames of the variant's load (mono's are single frames
+    whatever the dialect: its baseline is ``direct-sf`` then), each measured the first
+    time a variant reaches its rate at its prompt."""
 
-    def __init__(
-        self, direct: OpenLoop, prompt: Prompt, args: argparse.Namespace, points: list[Any]
-    ):
-        self.direct, self.prompt, self.args, self.points = direct, prompt, args, points
-        self.measured: dict[int, dict[str, Any]] = {}
+    def __init__(self, args: argparse.Namespace, directory: str, points: list[Any]):
+        self.args, self.directory, self.points = args, directory, points
+        self.sessions: dict[bool, OpenLoop] = {}
+        self.warm: set[tuple[bool, str]] = set()
+        self.measured: dict[tuple[bool, str, int], dict[str, Any]] = {}
 
-    def __call__(self, k: int) -> dict[str, Any]:
-        if k not in self.measured:
-            self.measured[k] = _measure(self.direct, self.prompt, k, self.args)
-            self.points.append(self.measured[k])
-            _progress(self.measured[k])
-        return self.measured[k]
+    def __call__(self, single_frame: bool, prompt: Prompt, k: int) -> dict[str, Any]:
+        key = (single_frame, prompt.key, k)
+        if key not in self.measured:
+            session = self.sessions.get(single_frame)
+            if session is None:
+                own = single_frame == (self.args.dialect == "megatron-core")
+                session = OpenLoop(DIRECT[not own], self.args, self.directory, single_frame)
+                self.sessions[single_frame] = session
+            if (single_frame, prompt.key) not in self.warm:
+                _warm(session, prompt, self.args)
+                self.warm.add((single_frame, prompt.key))
+            self.measured[key] = _measure(session, prompt, k, self.args)
+            self.points.append(self.measured[key])
+            _progress(self.measured[key])
+        return self.measured[key]
+
+    def close(self) -> None:
+        for session in self.sessions.values():
+            session.close()
 
 
 def _sweep_variant(
     variant: str,
     prompt: Prompt,
-    baseline: _Baseline,
+    baselines: _Baselines,
     args: argparse.Namespace,
     directory: str,
     points: list[dict[str, Any]],
@@ -424,7 +433,7 @@ def _sweep_variant(
 
         def measure(k: int) -> dict[str, Any]:
             point = _measure(session, prompt, k, args)
-            direct = baseline(k)
+            direct = baselines(session.single_frame, prompt, k)
             for key in ("p50_us", "p99_us", "p999_us"):
                 point[f"added_{key}"] = point[key] - direct[key]
             point["direct_kept_up"] = direct["generator_kept_up"]

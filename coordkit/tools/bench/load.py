@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -34,6 +34,7 @@ from .workload import (
     BLOCK_SIZE,
     CONNECT,
     CONNECT_ACK,
+    DIRECT,
     ECHO_BATCH,
     REPLY,
     SAMPLING,
@@ -120,6 +121,12 @@ def submitter(single_frame: bool, prompt: Prompt, prefix: bool) -> Callable[[int
     return lambda rid: [_array_head(3, SUBMIT) + packb(rid) + sampling, *payload]
 
 
+def commands(conn: Connection) -> Iterator[Any]:
+    """The bench's commands to a load generator, up to its "stop"."""
+    while (command := conn.recv())[0] != "stop":
+        yield command
+
+
 def raise_fd_limit() -> int:
     """Lift this process's open-file limit to its hard limit (a connection is a
     descriptor: 10 000 clients need as many); the limit now."""
@@ -174,7 +181,7 @@ def connect_client(context: zmq.Context, variant: str, address: str) -> zmq.Sock
 
 def _handshake(sock: zmq.Socket, variant: str, envelopes: list[list[bytes]]) -> None:
     """A CONNECT from each client (its envelope before it), and every CONNECT_ACK."""
-    if variant in ("floor", "direct"):  # a proxy, an engine: no CONNECT
+    if variant == "floor" or variant in DIRECT:  # a proxy, an engine: no CONNECT
         return
     for envelope in envelopes:
         sock.send_multipart([*envelope, packb([CONNECT])])
@@ -200,11 +207,7 @@ def client_child(
         sock, routes = connect_clients(context, variant, address, clients)
         conn.send(("ready",))
         rid = 0  # never reused: a coordinator would refuse a duplicate in flight
-        while True:
-            command = conn.recv()
-            if command[0] == "stop":
-                return
-            mode, prompt, n, warmup, window = command
+        for mode, prompt, n, warmup, window in commands(conn):
             submit = submitter(single_frame, prompt, prefix)
             _round_trips(sock, routes, submit, rid, warmup, window)
             rid += warmup
@@ -292,7 +295,7 @@ def engine_child(
     context = zmq.Context()
     try:
         sock = _routed(context)
-        if variant == "direct":
+        if variant in DIRECT:
             sock.bind(address)
             address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
@@ -333,7 +336,7 @@ def _serve_engine(
     # The frames before a request's metadata: this socket's name for the peer, and
     # behind the proxy the client's identity.
     envelope = 2 if variant == "floor" else 1
-    echo = variant in ("floor", "direct")
+    echo = variant == "floor" or variant in DIRECT
     received = answered = messages = 0
     send, receive = frames_sender(sock), head_receiver(sock, envelope + 1)
     pending: dict[bytes, list[int]] = {}

@@ -20,6 +20,7 @@ from . import latency
 from .workload import (
     BATCH,
     BLOCK_SIZE,
+    DIRECT,
     ECHO_BATCH,
     MEMORY_PROMPT_TOKENS,
     OUTPUT_TOKENS,
@@ -189,11 +190,11 @@ def print_latency(args: argparse.Namespace, result: dict[str, Any]) -> None:
     )
     print("(added: the variant's percentile minus direct's, the clients connected to the engine)")
     print(
-        f"{'tokens':>6}  {'variant':<9} {'offered':>8} {'sent/s':>8} {'answered':>8} "
-        f"{'p50':>8} {'p99':>8} {'p99.9':>9}  {'raw p99':>8} {'late p99':>8}  note"
+        f"{'tokens':>6}  {'variant':<9} {'offered':>8} {'drawn':>8} {'sent':>8} {'answered':>8} "
+        f"{'p50':>8} {'p99':>8} {'p99.9':>8}  {'raw p99':>8} {'late p99':>8}  note"
     )
-    print(f"{'':>6}  {'':<9} {'':>8} {'':>8} {'':>8} {'added µs':>27}  {'µs':>17}")
-    order = {v: i for i, v in enumerate(("direct", *args.latency_variants))}
+    print(f"{'':>6}  {'':<9} {'requests/s':>35} {'added µs':>26}  {'µs':>17}")
+    order = {v: i for i, v in enumerate((*DIRECT, *args.latency_variants))}
     low = {key: row["low_load_p99_us"] for key, row in result["summary"].items()}
     for p in sorted(points, key=lambda p: (p["tokens"], order.get(p["variant"], 99), p["offered"])):
         notes = []
@@ -205,8 +206,9 @@ def print_latency(args: argparse.Namespace, result: dict[str, Any]) -> None:
         added = [p.get(f"added_{k}") for k in ("p50_us", "p99_us", "p999_us")]
         shown = " ".join(f"{a:>8.0f}" if a is not None else f"{'-':>8}" for a in added)
         print(
-            f"{p['prompt']:>6}  {p['variant']:<9} {p['offered']:8.0f} {p['send_rate']:8.0f} "
-            f"{p['achieved']:8.0f} {shown}  {p['p99_us']:8.0f} {p['lag_p99_us']:8.0f}  "
+            f"{p['prompt']:>6}  {p['variant']:<9} {p['offered']:8.0f} {p['scheduled_rate']:8.0f} "
+            f"{p['send_rate']:8.0f} {p['achieved']:8.0f} {shown}  {p['p99_us']:8.0f} "
+            f"{p['lag_p99_us']:8.0f}  "
             f"{', '.join(notes)}"
         )
     print(

@@ -9,6 +9,7 @@ silent becomes a :class:`Failure` naming it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing
 import resource
 import signal
@@ -22,12 +23,13 @@ from typing import Any
 
 from .load import client_child, engine_child
 from .servers import coordinator_child
-from .workload import IMPLEMENTATIONS, MEMORY_PROMPT_TOKENS, RANKS, TIMEOUT, Prompt
+from .workload import DIRECT, IMPLEMENTATIONS, MEMORY_PROMPT_TOKENS, RANKS, TIMEOUT, Prompt
 
 _STOP_TIMEOUT = 10.0  # seconds the coordinator gets to exit before it is terminated
 _GRACE = 2.0  # the same for a load generator, and for any process after SIGTERM
 _SPAWN = multiprocessing.get_context("spawn")  # children hold no state of ours
 _SPARE_FDS = 64  # descriptors a process needs besides its connections
+_SESSIONS = itertools.count()
 
 
 class Failure(Exception):
@@ -139,7 +141,9 @@ class Session(Processes):
     ``ranks`` engine ranks share the engine process, ``clients`` clients the
     client process (none: the caller starts its own); ``at_once`` has the
     engine answer what it reads at once instead of in full batches. The
-    variant ``direct`` has no coordinator: the clients connect to the engine.
+    variants ``direct`` and ``direct-sf`` have no coordinator: the clients
+    connect to the engine. The load speaks the dialect's frames, mono's single
+    frames always, or as ``single_frame`` says.
     """
 
     def __init__(
@@ -153,11 +157,14 @@ class Session(Processes):
         ranks: int = RANKS,
         clients: int = 1,
         at_once: bool = False,
+        single_frame: bool | None = None,
     ):
         super().__init__(variant)
         self.held = _SPAWN.Value("q", 0, lock=False)  # requests the engine holds
         # mono is Megatron-Core 0.19's design: its load speaks that format in any dialect.
-        self.single_frame = variant == "mono" or args.dialect == "megatron-core"
+        if single_frame is None:
+            single_frame = variant == "mono" or args.dialect == "megatron-core"
+        self.single_frame = single_frame
         self.prefix = args.policy == "prefix" and variant in IMPLEMENTATIONS
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         if ranks + clients + _SPARE_FDS > hard:
@@ -197,8 +204,9 @@ class Session(Processes):
         """Start the coordinator and the engine; the address the clients connect to."""
         if args.transport == "tcp":
             endpoints = ["tcp://127.0.0.1:*"] * 2  # the ports are read back once bound
-        else:
-            endpoints = [f"ipc://{directory}/{self.variant}-{side}" for side in ("front", "back")]
+        else:  # sessions of one variant may be alive together (--scale: one per policy)
+            name = f"{directory}/{self.variant}-{next(_SESSIONS)}"
+            endpoints = [f"ipc://{name}-{side}" for side in ("front", "back")]
 
         def engine(address: str) -> str:
             self.engine = self._start(
@@ -214,7 +222,7 @@ class Session(Processes):
             )
             return str(self._receive(self.engine)[1])
 
-        if self.variant == "direct":
+        if self.variant in DIRECT:
             return engine(endpoints[0])
         options = dict(coordinator_options or {})
         if args.dialect == "megatron-core" and self.variant in IMPLEMENTATIONS:

@@ -18,6 +18,9 @@ from coordkit.protocol import Header, packb
 VARIANTS = ("floor", "c", "c-metrics", "py", "mono")
 #: The coordkit variants, and the implementation each runs on.
 IMPLEMENTATIONS = {"c": "c", "c-metrics": "c", "py": "py"}
+#: No coordinator: the clients on the engine itself (--latency's baselines; ``-sf``:
+#: in single frames, mono's, whatever the dialect).
+DIRECT = ("direct", "direct-sf")
 LENGTHS = (16, 256, 2000, 8000, 32000)  # random-id prompts of the cost table
 RANKS = 2  # engine ranks in the one engine process
 BATCH = 8  # finished requests per ENGINE_REPLY, at most
