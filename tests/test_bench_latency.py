@@ -30,7 +30,9 @@ def _system(capacity: float, measured: list[int]):
         return {
             "offered": rate,
             "scheduled_rate": rate,
+            "send_rate": rate,
             "achieved": 0.9 * capacity if over else rate,
+            "p50_us": 50_000.0 if over else 500.0,
             "p99_us": 100_000.0 if over else 1000.0,
             "generator_kept_up": True,
         }
@@ -49,8 +51,10 @@ def test_sweep_finds_the_saturation_and_sweeps_from_a_tenth_of_it(capacity):
     measured: list[int] = []
     points = latency.sweep(_system(capacity, measured), _args())
 
-    assert len(measured) == len(set(measured)) == len(points)  # no rate measured twice
     found = latency.summarize(points)
+    # a rate measured twice when it chokes (to confirm it), once else
+    for k in points:
+        assert measured.count(k) == (2 if latency.rate_at(k) >= capacity else 1), k
     saturation = max(k for k in points if latency.rate_at(k) < capacity)
     assert found["saturation"] == latency.rate_at(saturation)
     assert found["chokes_at"] == latency.rate_at(saturation + 1)  # to one grid step
@@ -70,6 +74,25 @@ def test_sweep_below_the_first_rate_and_up_to_the_last():
     points = latency.sweep(_system(math.inf, []), _args(max_rate=8000.0))
     found = latency.summarize(points)
     assert found["chokes_at"] is None and found["saturation"] == 8000.0
+
+
+def test_a_choke_the_second_measurement_does_not_confirm_is_noise():
+    measured: list[int] = []
+    system = _system(10_000.0, measured)
+    stalled = latency.grid_at(4000.0)
+
+    def measure(k: int) -> dict[str, float | bool]:
+        point = system(k)
+        if k == stalled and measured.count(k) == 1:  # a stall of the machine, once
+            point.update(p99_us=50_000.0, p50_us=900.0)
+        return point
+
+    points = latency.sweep(measure, _args())
+    assert points[stalled]["p99_us"] == 1000.0
+    assert points[stalled]["discarded"]["p99_us"] == 50_000.0
+    assert latency.summarize(points)["saturation"] == max(
+        latency.rate_at(k) for k in points if latency.rate_at(k) < 10_000.0
+    )
 
 
 def test_a_choke_of_the_senders_is_theirs():

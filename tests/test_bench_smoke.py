@@ -16,10 +16,16 @@ import pytest
 
 import coordkit
 from coordkit._shared import COPY_BELOW
-from coordkit.protocol import packb
+from coordkit.protocol import packb, unpackb
 from coordkit.tools import bench
-from coordkit.tools.bench.load import read_rid
-from coordkit.tools.bench.workload import EDGE_MARGIN, POOLED_FROM, THRESHOLDS, Prompt
+from coordkit.tools.bench.load import megatron_reply, read_rid
+from coordkit.tools.bench.workload import (
+    EDGE_MARGIN,
+    POOLED_FROM,
+    THRESHOLDS,
+    Prompt,
+    reply_body,
+)
 from tests.support.implementations import REQUIRE_EXTENSION
 
 
@@ -118,6 +124,14 @@ def test_the_load_generators_read_request_ids_as_msgpack_does(rid):
         assert read_rid(frame) == read_rid(memoryview(frame)) == rid
     negative = -min(rid, 2**63 - 1) - 1  # not as the peers write them: the general reader
     assert read_rid(packb([20, negative, {}])) == negative
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 300])
+def test_the_engines_single_frame_replies_are_megatrons(n):
+    body = reply_body()
+    reply = unpackb(megatron_reply(list(range(1000, 1000 + n)), body))
+    assert reply == [21, [{"request_id": 1000 + i, **unpackb(body)} for i in range(n)]]
+    assert list(reply[1][0])[0] == "request_id"
 
 
 def test_a_quick_scale_run_reports_every_point(tmp_path):

@@ -27,7 +27,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from coordkit.protocol import block_hashes, packb, unpackb
+from coordkit.protocol import block_hashes, packb
 
 from .workload import (
     BATCH,
@@ -82,14 +82,18 @@ def head_receiver(sock: zmq.Socket, count: int) -> Callable[[], list[bytes]]:
     return receive
 
 
-def _fixarray(n: int) -> bytes:
-    """The msgpack head of an array of ``n`` < 16 items (the items follow it, packed)."""
-    return bytes([0x90 | n])
-
-
 def _array_head(n: int, header: int) -> bytes:
-    """The msgpack bytes that start an ``n``-array whose first item is ``header``."""
-    return _fixarray(n) + bytes([header])  # the header: a positive fixint
+    """The msgpack bytes that start an ``n``-array (``n`` < 16) whose first item is ``header``."""
+    return bytes([0x90 | n, header])  # a fixarray; the header a positive fixint
+
+
+def megatron_reply(rids: list[int], body: bytes) -> bytes:
+    """Megatron-Core 0.19's ``[21, [finished_request, ...]]``: per request the reply
+    ``body`` (a fixmap of fewer than 15 keys) with its ``"request_id"`` first."""
+    head, rest = bytes([body[0] + 1]) + packb("request_id"), body[1:]
+    # an array of len(rids) entries: its head as msgpack writes it, the entries after it
+    entries = packb([None] * len(rids))[: -len(rids)]
+    return _array_head(2, REPLY) + entries + b"".join(head + packb(rid) + rest for rid in rids)
 
 
 def read_rid(metadata: bytes | memoryview) -> int:
@@ -328,9 +332,6 @@ def _serve_engine(
     client's envelope: a proxy cannot batch.
     """
     body = reply_body()
-    # Megatron-Core 0.19's finished request: the body's map with its "request_id" first.
-    assert body[0] == 0x80 | (len(unpackb(body)) & 0x0F)  # a fixmap, one more key fits
-    with_id_head, with_id_rest = bytes([body[0] + 1]) + packb("request_id"), body[1:]
     shared_body = zmq.Frame(body)  # sent by reference
     batch = ECHO_BATCH if at_once else BATCH
     # The frames before a request's metadata: this socket's name for the peer, and
@@ -347,8 +348,7 @@ def _serve_engine(
     def reply(route: bytes, rids: list[int]) -> None:
         nonlocal answered, messages
         if single_frame:  # [21, [finished_request, ...]], one whole message
-            entries = b"".join(with_id_head + packb(rid) + with_id_rest for rid in rids)
-            send([route, _array_head(2, REPLY) + _fixarray(len(rids)) + entries])
+            send([route, megatron_reply(rids, body)])
         else:
             metadata = packb([REPLY, [[rid, False] for rid in rids]])
             send([route, metadata, *[shared_body] * len(rids)])
