@@ -438,6 +438,10 @@ class _Baselines:
             self.points.append(measured[k])
         return measured[k]
 
+    def low_load(self, session: OpenLoop, prompt: Prompt) -> float:
+        """Direct's low-load p99 at ``prompt``, in the frames of ``session``'s load."""
+        return low_load_p99(self.measured[(session.single_frame, prompt.key)])
+
     def close(self) -> None:
         for session in self.sessions.values():
             session.close()
@@ -460,7 +464,10 @@ def _sweep_variant(
             direct = baselines(session.single_frame, prompt, k)
             for key in ("p50_us", "p99_us", "p999_us"):
                 point[f"added_{key}"] = point[key] - direct[key]
+            # a baseline that choked itself (its one engine process saturated, or its
+            # senders fell behind) says little of what the variant adds
             point["direct_kept_up"] = direct["generator_kept_up"]
+            point["direct_choked"] = choked(direct, baselines.low_load(session, prompt))
             _progress(point)
             return point
 

@@ -45,7 +45,8 @@ from .workload import (
 )
 
 _DRAIN = 64  # messages read before the engine replies to what it has (at once) or polls again
-_FLUSH_MS = 20  # an engine sends a short batch after this long without a request
+_FLUSH_MS = 100  # an engine sends a short batch after this long without a request (the
+# end of a load: a stall of a shared machine shorter than this does not cut batches short)
 _UINTS = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}  # msgpack's unsigned ints: their sizes
 _MORE = int(zmq.SNDMORE)
 

@@ -203,6 +203,8 @@ def print_latency(args: argparse.Namespace, result: dict[str, Any]) -> None:
             notes.append("choked")
         if not p["generator_kept_up"]:
             notes.append("senders behind")
+        if p.get("direct_choked"):
+            notes.append("direct choked")
         added = [p.get(f"added_{k}") for k in ("p50_us", "p99_us", "p999_us")]
         shown = " ".join(f"{a:>8.0f}" if a is not None else f"{'-':>8}" for a in added)
         print(
