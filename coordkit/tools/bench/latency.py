@@ -50,6 +50,7 @@ lower bound, and the report says so (``--latency-clients`` adds senders).
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import random
 import resource
@@ -113,7 +114,11 @@ def open_loop_child(
             conn.send(("prepared",))
             start = conn.recv()[1]  # ("go", start): the same for every sender
             before = _cpu()
-            sent, received = _open_loop(sock, submit, rid, schedule, start)
+            gc.disable()  # no collector's pause in the middle of a schedule
+            try:
+                sent, received = _open_loop(sock, submit, rid, schedule, start)
+            finally:
+                gc.enable()
             cpu = _cpu() - before
             rid += len(schedule)
             arrays = (schedule.tobytes(), sent.tobytes(), received.tobytes())

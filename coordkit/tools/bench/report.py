@@ -64,10 +64,9 @@ def _ratio(point: dict[str, dict[str, float]], a: str, b: str, key: str = "total
 
 
 def _prompt_label(point: dict[str, Any]) -> str:
-    """``2000 range   5.9K``: tokens, their ids, the bytes of the frame carrying them."""
-    size = point["frame_bytes"]
-    bytes_ = f"{size}" if size < 10_000 else f"{size / 1000:.1f}K"
-    return f"{point['tokens']:>6} {point['ids']:<6} {bytes_:>7}"
+    """``  2000 range     5619``: tokens, their ids, the bytes of the frame carrying them
+    (exactly: the points either side of a threshold are a few bytes apart)."""
+    return f"{point['tokens']:>6} {point['ids']:<6} {point['frame_bytes']:>7}"
 
 
 def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, Any]]]) -> None:
