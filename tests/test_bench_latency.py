@@ -126,13 +126,14 @@ def test_statistics_of_the_recorded_times():
     assert point["scheduled_rate"] == pytest.approx(1000.0)
     assert point["send_rate"] == pytest.approx(1000.0)
     assert point["achieved"] == pytest.approx(898 / 0.9)  # the last two replies come after it
-    assert point["generator_kept_up"]
+    assert point["generator_kept_up"] and point["on_schedule"]
     # the same schedule sent at half its pace: the senders fell behind
     late = array("d", [t * 2 for t in schedule])
     point = latency._statistics(
         [[schedule, late, array("d", [t + 0.002 for t in late])]], 1000.0, 1.0
     )
     assert not point["generator_kept_up"] and point["lag_max_us"] > 400_000
+    assert not point["on_schedule"]
 
 
 def test_a_tiny_latency_run_reports_every_point(tmp_path):

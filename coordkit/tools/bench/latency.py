@@ -38,7 +38,9 @@ A point's statistics are those of the requests scheduled after its first
 tenth (the queues filling): their latency percentiles, and how many of them
 were sent and answered before the point's end, per second (``send_rate``,
 ``achieved``). Every request is answered before the next point, so no point
-inherits another's backlog.
+inherits another's backlog. ``on_schedule`` says whether 99% of the sends
+left within 1 ms of their time (a sender that falls behind and catches up
+keeps its rate but sends bursts instead of Poisson arrivals).
 
 **The generator's own limit.** A point whose senders sent less than 95% of
 what they scheduled was limited by the load generator (or by what the
@@ -76,6 +78,7 @@ LOW_POINTS = 3  # the low-load p99 is the least of this many lowest rates'
 WARM_FRACTION = 0.1  # the part of a point its statistics leave out
 LATENCY_LENGTHS = (16, 2000)
 LATENCY_VARIANTS = ("floor", "c", "py", "mono")
+ON_SCHEDULE = 1e-3  # seconds: a point whose sends are this late at p99 was not on schedule
 MIN_REQUESTS = 1000  # a point lasts long enough for this many requests, up to 4 × its seconds
 _LEAD = 0.02  # seconds between a point's start and its first scheduled send
 _BURST = 64  # sends before the client reads its replies again
@@ -278,6 +281,8 @@ def _statistics(records: list[list[array[float]]], rate: float, seconds: float) 
         "lag_max_us": lags[-1] * 1e6 if lags else math.nan,
         "late_1ms": sum(lag > 1e-3 for lag in lags) / max(len(lags), 1),
         "generator_kept_up": send_rate >= KEPT_UP * scheduled_rate,
+        # kept up on average, and each send close to its time: the arrivals were Poisson
+        "on_schedule": _percentile(lags, 0.99) <= ON_SCHEDULE,
     }
 
 

@@ -202,6 +202,8 @@ def print_latency(args: argparse.Namespace, result: dict[str, Any]) -> None:
             notes.append("choked")
         if not p["generator_kept_up"]:
             notes.append("senders behind")
+        elif not p["on_schedule"]:
+            notes.append("sends late")
         if p.get("direct_choked"):
             notes.append("direct choked")
         added = [p.get(f"added_{k}") for k in ("p50_us", "p99_us", "p999_us")]
@@ -237,6 +239,12 @@ def print_latency(args: argparse.Namespace, result: dict[str, Any]) -> None:
         print(
             f"{prompt:>6}  {variant:<9} {saturation:>10} {chokes:>10} {row['reason'] or '-':>9} "
             f"{row['low_load_p99_us']:8.0f} {ratio:>7}  {limit}"
+        )
+    late = sum(not p["on_schedule"] for p in points)
+    if late:
+        print(
+            f"{late} of {len(points)} point(s) sent 1% of their requests more than "
+            f"{latency.ON_SCHEDULE * 1e3:g} ms late (sends late: bursts, not Poisson arrivals)"
         )
     behind = [p for p in points if not p["generator_kept_up"]]
     if behind:
