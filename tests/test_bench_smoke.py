@@ -1,5 +1,6 @@
-"""Smoke test of ``coordkit bench --quick`` (and of its ``--client`` and
-``--end-to-end`` modes): it runs, and reports every point.
+"""Smoke test of ``coordkit bench --quick`` (and of its ``--client``,
+``--end-to-end`` and ``--scale`` modes): it runs, and reports every point; and
+what the bench's load is made of (its prompts, the ids its generators read).
 
 Timings and ratios are never asserted (docs/design.md: benchmarks, not tests);
 only that every variant and prompt length produced positive figures.
@@ -8,9 +9,23 @@ only that every variant and prompt length produced positive figures.
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
+
+import pytest
 
 import coordkit
+from coordkit._shared import COPY_BELOW
+from coordkit.protocol import packb, unpackb
 from coordkit.tools import bench
+from coordkit.tools.bench.load import megatron_reply, read_rid
+from coordkit.tools.bench.workload import (
+    EDGE_MARGIN,
+    POOLED_FROM,
+    THRESHOLDS,
+    Prompt,
+    reply_body,
+)
 from tests.support.implementations import REQUIRE_EXTENSION
 
 
@@ -34,15 +49,20 @@ def test_quick_run_reports_every_point(tmp_path):
     assert not result["failures"]
     assert result["environment"]["libzmq"]
     summary = result["summary"]
-    assert sorted(summary, key=int) == [str(t) for t in bench.LENGTHS]
-    for tokens, point in summary.items():
-        assert sorted(point) == sorted(variants), tokens
+    prompts = bench.standard_prompts(single_frame=False)
+    assert list(summary) == [p.key for p in prompts]  # in the order of their bytes
+    for prompt in prompts:
+        point = summary[prompt.key]
+        assert sorted(point) == sorted(variants), prompt
         for variant, figures in point.items():
             for key in ("total_us", "requests_per_s"):
-                assert figures[key] > 0, (tokens, variant, key)
+                assert figures[key] > 0, (prompt, variant, key)
             assert figures["user_us"] >= 0 and figures["sys_us"] >= 0
+            assert (figures["tokens"], figures["ids"]) == (prompt.tokens, prompt.ids)
+            # mono speaks single frames: its frame holds the whole request
+            assert figures["frame_bytes"] >= figures["prompt_bytes"] == prompt.packed_bytes()
     runs = result["runs"]
-    assert len(runs) == len(variants) * len(bench.LENGTHS)
+    assert len(runs) == len(variants) * len(prompts)
     memory = {m["variant"]: m for m in result["memory"]}
     for variant in {"c", "py"} & set(variants):
         assert memory[variant]["inflight"] > 0
@@ -74,3 +94,68 @@ def test_quick_endpoint_runs_report_every_point(tmp_path):
             for key in ("requests_per_s", "client_us", "coordinator_us", "engines_us"):
                 assert figures[key] > 0, (variant, tokens, key)
             assert len(figures["engine_us"]) == 2
+
+
+def test_the_standard_prompts_cross_every_threshold_of_the_loop():
+    for single_frame in (False, True):
+        sizes = [p.frame_bytes(single_frame) for p in bench.standard_prompts(single_frame)]
+        assert sizes == sorted(sizes)
+        for threshold in THRESHOLDS.values():
+            margin = EDGE_MARGIN  # just below and just above: within twice the margin
+            below = [s for s in sizes if threshold - 2 * margin <= s <= threshold - margin]
+            above = [s for s in sizes if threshold + margin <= s <= threshold + 2 * margin]
+            assert below and above, (single_frame, threshold, sizes)
+    # small ids pack smaller: 2000 of them sit below the copy threshold, random ones above
+    assert Prompt(2000, "range").packed_bytes() < COPY_BELOW < Prompt(2000).packed_bytes()
+    assert Prompt(2000, "range").token_ids() == list(range(2000))
+    assert Prompt(16).token_ids() == Prompt(2000).token_ids()[:16]  # prefixes of one sequence
+
+
+def test_the_pool_threshold_is_the_loops():
+    header = (Path(coordkit.__file__).parent / "_buffers.h").read_text()
+    shift = int(re.search(r"#define CK_BUFFER_MIN_SHIFT (\d+)", header).group(1))
+    assert "size < ((size_t)1 << CK_BUFFER_MIN_SHIFT) / 2" in header  # pooled from half of it
+    assert POOLED_FROM == (1 << shift) // 2
+
+
+@pytest.mark.parametrize("rid", [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63])
+def test_the_load_generators_read_request_ids_as_msgpack_does(rid):
+    for frame in (packb([20, rid, {"a": 1}]), packb([21, rid]), packb([21, rid, {}])):
+        assert read_rid(frame) == read_rid(memoryview(frame)) == rid
+    negative = -min(rid, 2**63 - 1) - 1  # not as the peers write them: the general reader
+    assert read_rid(packb([20, negative, {}])) == negative
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 300])
+def test_the_engines_single_frame_replies_are_megatrons(n):
+    body = reply_body()
+    reply = unpackb(megatron_reply(list(range(1000, 1000 + n)), body))
+    assert reply == [21, [{"request_id": 1000 + i, **unpackb(body)} for i in range(n)]]
+    assert list(reply[1][0])[0] == "request_id"
+
+
+def test_a_quick_scale_run_reports_every_point(tmp_path):
+    variants = [v for v in _variants() if v in ("floor", "c", "py")]
+    path = tmp_path / "scale.json"
+    argv = ["--scale", "--variants", *variants, "--scale-engines", "2", "16", "--scale-clients"]
+    argv += ["1", "8", "--scale-inflight", "256", "--requests", "1000", "--repeat", "1"]
+    argv += ["--scale-policies", "power_of_two"]  # the client axis: --policy, least_loaded
+    assert bench.main([*argv, "--json", str(path)]) == 0
+
+    result = json.loads(path.read_text())
+    assert not result["failures"]
+    rows = {(r["axis"], r["count"], r["variant"]): r for r in result["scale"]["summary"]}
+    coordinators = [v for v in variants if v != "floor"]
+    expected = {("engines", n, "floor") for n in (2, 16)}
+    expected |= {("clients", n, "floor") for n in (1, 8)}
+    for variant in coordinators:
+        expected |= {("engines", n, f"{variant} power_of_two") for n in (2, 16)}
+        expected |= {("clients", n, f"{variant} least_loaded") for n in (1, 8)}
+    assert set(rows) == expected
+    for (axis, count, variant), row in rows.items():
+        assert row["total_us"] > 0 and row["requests_per_s"] > 0, (axis, count, variant)
+        assert row["to_first"] > 0 and row["first_count"] == (2 if axis == "engines" else 1)
+        assert row["to_floor"] > 0
+        # every rank answers in full batches (short ones only at the end of a load); the floor
+        # echoes each request
+        assert row["reply_batch"] == 1.0 if variant == "floor" else row["reply_batch"] > 4

@@ -1,7 +1,7 @@
 """``coordkit bench``: the coordinator process's own CPU time per request, side by side.
 
 Every variant runs in its own process, with one client process and one engine
-process (``RANKS`` engine sockets) as lean raw-pyzmq load generators:
+process (``RANKS`` engine ranks) as lean raw-pyzmq load generators:
 
 * ``floor`` -- libzmq's ``zmq.proxy`` between a ROUTER (clients) and a DEALER
   (engines) carrying the same frames; no decoding, no state: this machine's limit;
@@ -15,7 +15,14 @@ process (``RANKS`` engine sockets) as lean raw-pyzmq load generators:
 ``--dialect megatron-core`` makes every variant's load speak 0.19's single
 frames (``c``, ``py`` serving them with ``dialect="megatron-core"``).
 
-For each prompt length the client first warms the path up, then the bench
+The prompts cross every size threshold of the loop: besides random token ids
+of 16 to 32 000 tokens, small ids (``list(range(n))``, which pack smaller)
+and, computed from the packing, lengths whose frame sits just below and just
+above each of ``workload.THRESHOLDS`` (a kept prompt copied or shared, a
+forwarded one from malloc or the buffer pool); each point is labelled by its
+tokens and bytes.
+
+For each prompt the client first warms the path up, then the bench
 reads the coordinator's ``getrusage`` (user and sys, all its threads,
 libzmq's I/O thread included) right before the load and right after its last
 reply: CPU time, not wall time, is the figure, because the load generators
@@ -28,11 +35,17 @@ Client beside a plain pyzmq client doing what Megatron-LM's does; and a whole
 deployment (client, coordinator, two engine ranks, each its own process),
 its requests per second and every process's CPU per request.
 
+``--latency`` (:mod:`.latency`) measures the latency each variant adds under
+open-loop Poisson load, up to its saturation and past it; ``--scale``
+(:mod:`.scale`) the cost per request against the number of engines and of
+clients.
+
 Here: the options, the points in order and the results. :mod:`.session`
 starts and drives a variant's processes, :mod:`.servers` is the coordinator
-child, :mod:`.load` the client and engine children, :mod:`.endpoints` the
-endpoint modes, :mod:`.report` the summaries, tables, JSON records and plot;
-:mod:`.workload` holds what they share.
+child, :mod:`.load` the client and engine children, :mod:`.endpoints`,
+:mod:`.latency` and :mod:`.scale` the other modes, :mod:`.report` the
+summaries, tables, JSON records and plots; :mod:`.workload` holds what they
+share.
 """
 
 from __future__ import annotations
@@ -50,11 +63,20 @@ from typing import Any
 from coordkit._routing_py import POLICIES
 from coordkit._shared import DIALECTS
 
-from . import endpoints, report
+from . import endpoints, latency, report, scale
+from .latency import LATENCY_LENGTHS, LATENCY_VARIANTS
 from .session import Failure, Session
-from .workload import IMPLEMENTATIONS, LENGTHS, VARIANTS, requests_at
+from .workload import (
+    IMPLEMENTATIONS,
+    LENGTHS,
+    VARIANTS,
+    Prompt,
+    parse_prompt,
+    requests_at,
+    standard_prompts,
+)
 
-__all__ = ["main", "VARIANTS", "LENGTHS", "IMPLEMENTATIONS"]
+__all__ = ["main", "VARIANTS", "LENGTHS", "IMPLEMENTATIONS", "standard_prompts"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,18 +94,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory: list[dict[str, Any]] = []
     client_runs: list[dict[str, Any]] = []
     end_to_end_runs: list[dict[str, Any]] = []
+    latency_result: dict[str, Any] = {}
+    scale_runs: list[dict[str, Any]] = []
     failures: dict[str, str] = {}
     interrupted = False
-    coordinator_mode = not (args.client or args.end_to_end)
     with tempfile.TemporaryDirectory(prefix="coordkit-bench-") as directory:
         try:
-            if coordinator_mode:
+            if args.cost:
                 _measure_cpu(args, directory, runs, failures)
                 _measure_memory(args, directory, memory, failures)
             if args.client:
                 endpoints.measure_clients(args, directory, client_runs, failures)
             if args.end_to_end:
                 endpoints.measure_end_to_end(args, directory, end_to_end_runs, failures)
+            if args.latency:
+                latency.measure_latency(args, directory, latency_result, failures)
+            if args.scale:
+                scale.measure_scale(args, directory, scale_runs, failures)
         except KeyboardInterrupt:
             interrupted = True
             print("coordkit bench: interrupted; reporting what was measured", file=sys.stderr)
@@ -97,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     end_to_end_keys = ("requests_per_s", "client_us", "coordinator_us", "engines_us", "reply_batch")
     end_to_end_summary = endpoints.summarize(end_to_end_runs, end_to_end_keys)
     report.print_end_to_end(args, end_to_end_summary)
+    report.print_latency(args, latency_result)
+    scale_rows = scale.summarize(scale_runs)
+    report.print_scale(args, scale_rows)
     for variant, reason in failures.items():
         print(f"FAILED {variant}: {reason}")
     if args.json:
@@ -106,8 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "failures": failures,
             "seconds": round(time.monotonic() - started, 1),
         }
-        if coordinator_mode:
-            result.update(runs=runs, summary={str(t): s for t, s in summary.items()}, memory=memory)
+        if args.cost:
+            result.update(runs=runs, summary=summary, memory=memory)
         if args.client:
             result["client"] = {
                 "runs": client_runs,
@@ -118,9 +148,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "runs": end_to_end_runs,
                 "summary": report.keyed(end_to_end_summary),
             }
+        if args.latency:
+            result["latency"] = latency_result
+        if args.scale:
+            result["scale"] = {"runs": scale_runs, "summary": scale_rows}
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
-        report.plot(args, summary, Path(args.plot))
+        if args.latency:
+            if latency_result.get("points"):
+                report.plot_latency(args, latency_result, Path(args.plot))
+        elif summary:
+            report.plot(args, summary, Path(args.plot))
     return 130 if interrupted else 1 if failures else 0
 
 
@@ -129,59 +167,99 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="coordkit bench",
         description="Coordinator CPU time per request (user and sys of its own process) "
         "and memory per request in flight, for floor, c, py and mono side by side; "
-        "with --client or --end-to-end, the endpoints' instead.",
+        "with --client, --end-to-end, --latency or --scale, those measures instead "
+        "(any of them in one run).",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run (under a minute)")
-    parser.add_argument(
+    modes = parser.add_argument_group("modes (default: the coordinator cost table)")
+    modes.add_argument(
         "--client",
         action="store_true",
         help="client process CPU per request: coordkit's Client beside a plain pyzmq client",
     )
-    parser.add_argument(
+    modes.add_argument(
         "--end-to-end",
         action="store_true",
         help="client, coordinator and two engine ranks as processes: requests/s and "
         "every process's CPU per request",
+    )
+    modes.add_argument(
+        "--latency",
+        action="store_true",
+        help="client-observed latency under open-loop Poisson load, minus the same load's "
+        "with no coordinator, from a tenth of each variant's saturation to past it: "
+        "saturation rates and the choke curve (--plot)",
+    )
+    modes.add_argument(
+        "--scale",
+        action="store_true",
+        help="coordinator CPU per request against the engine count and the client count, "
+        "per policy and for the floor",
     )
     parser.add_argument(
         "--clients",
         nargs="+",
         choices=endpoints.CLIENT_VARIANTS,
         default=endpoints.CLIENT_VARIANTS,
-        help="--client: the client variants",
+        help=f"--client: the client variants (default {' '.join(endpoints.CLIENT_VARIANTS)})",
     )
     parser.add_argument(
         "--peers",
         nargs="+",
         choices=endpoints.PEERS,
         default=endpoints.PEERS,
-        help="--client: what the clients talk to (a coordinator and an echo engine, "
-        "or a stand-in that grants batches)",
+        help="--client: what the clients talk to, a coordinator and an echo engine, "
+        f"or a stand-in that grants batches (default {' '.join(endpoints.PEERS)})",
     )
     parser.add_argument(
         "--end-to-end-clients",
         nargs="+",
         choices=endpoints.END_TO_END_VARIANTS,
         default=endpoints.END_TO_END_VARIANTS,
-        help="--end-to-end: the client variants",
+        help="--end-to-end: the client variants "
+        f"(default {' '.join(endpoints.END_TO_END_VARIANTS)})",
     )
-    parser.add_argument("--lengths", type=int, nargs="+", metavar="TOKENS")
+    parser.add_argument(
+        "--lengths",
+        type=parse_prompt,
+        nargs="+",
+        metavar="TOKENS[:range]",
+        help="prompt lengths, random token ids unless ':range' (list(range(TOKENS))); "
+        "default: the cost table's standard set (random 16 256 2000 8000 32000, range 16 "
+        "2000, and lengths just below and above each size threshold of the loop, "
+        "computed from the packing), 16 2000 for --client, --end-to-end and --latency, "
+        "16 for --scale",
+    )
     parser.add_argument(
         "--requests",
         type=int,
         metavar="N",
         help="measured requests per point up to 2000 tokens; longer prompts get "
-        "proportionally fewer, at least N/8 (default 60000, --quick 2000)",
+        "proportionally fewer, at least N/8 (default 60000, --client 40000, "
+        "--end-to-end 200000, --scale 100000; --quick 2000)",
     )
-    parser.add_argument("--repeat", type=int, metavar="N", help="default 5, --quick 1")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
-    parser.add_argument("--policy", choices=POLICIES, default="least_loaded", help="c and py")
+    parser.add_argument(
+        "--repeat", type=int, metavar="N", help="repetitions; medians (default 5, --quick 1)"
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        help=f"default: {' '.join(VARIANTS)}; --latency {' '.join(LATENCY_VARIANTS)}; "
+        f"--scale floor c (of {' '.join(scale.SCALE_VARIANTS)})",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="least_loaded",
+        help="the routing policy of c and py (default least_loaded)",
+    )
     parser.add_argument(
         "--dialect",
         choices=DIALECTS,
         default="multipart",
         help="the format every variant's load speaks: megatron-core is Megatron-Core "
-        "0.19's single frame per message (mono speaks it in either)",
+        "0.19's single frame per message (mono speaks it in either) (default multipart)",
     )
     parser.add_argument(
         "--inflight",
@@ -201,27 +279,124 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         help="requests in flight per client (default 512, --end-to-end 4096)",
     )
-    parser.add_argument("--transport", choices=("tcp", "ipc"), default="tcp")
-    parser.add_argument("--json", metavar="PATH", help="write every repetition here")
-    parser.add_argument("--plot", metavar="PATH", help="PNG of µs/request against prompt length")
+    parser.add_argument(
+        "--transport", choices=("tcp", "ipc"), default="tcp", help="default tcp (on loopback)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="write every measurement (default: none)")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="a PNG: µs/request against prompt bytes, or with --latency the choke curve "
+        "(default: none; needs matplotlib)",
+    )
+    open_loop = parser.add_argument_group("--latency")
+    open_loop.add_argument(
+        "--latency-clients",
+        type=int,
+        metavar="N",
+        default=1,
+        help="sender processes sharing each point's rate (default 1)",
+    )
+    open_loop.add_argument(
+        "--latency-seconds",
+        type=float,
+        metavar="S",
+        help="seconds of arrivals per point, longer at low rates to get 1000 requests, at "
+        "most 4×S (default 2, --quick 0.5)",
+    )
+    open_loop.add_argument(
+        "--min-rate",
+        type=float,
+        metavar="R",
+        default=1000.0,
+        help="requests/s the search for each variant's saturation starts at (default 1000)",
+    )
+    open_loop.add_argument(
+        "--max-rate",
+        type=float,
+        metavar="R",
+        help="requests/s the search stops at (default 200000, --quick 16000)",
+    )
+    open_loop.add_argument(
+        "--sweep-from",
+        type=float,
+        metavar="F",
+        default=0.1,
+        help="the sweep starts at this fraction of each variant's saturation (default 0.1)",
+    )
+    fleet = parser.add_argument_group("--scale")
+    fleet.add_argument(
+        "--scale-engines",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="engine ranks per point, one engine process hosting them "
+        f"(default {' '.join(map(str, scale.ENGINE_COUNTS))}, --quick 2 64)",
+    )
+    fleet.add_argument(
+        "--scale-clients",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="clients per point, one client process hosting them "
+        f"(default {' '.join(map(str, scale.CLIENT_COUNTS))}, --quick 1 100)",
+    )
+    fleet.add_argument(
+        "--scale-policies",
+        nargs="+",
+        choices=POLICIES,
+        default=list(POLICIES),
+        help=f"the policies of the engine axis (default {' '.join(POLICIES)})",
+    )
+    fleet.add_argument(
+        "--scale-inflight",
+        type=int,
+        metavar="N",
+        help="requests in flight at every point, at least 2 × 8 per rank of the largest "
+        f"engine count (default {scale.INFLIGHT}, --quick 1024)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
-    endpoint_lengths = [16, 2000]
-    if args.lengths is None:
-        args.lengths = endpoint_lengths if args.client or args.end_to_end else list(LENGTHS)
+    args.cost = not (args.client or args.end_to_end or args.latency or args.scale)
+    given_lengths, given_variants = args.lengths, args.variants
+    if given_lengths is None:
+        single_frame = args.dialect == "megatron-core"
+        args.lengths = (
+            standard_prompts(single_frame) if args.cost else [Prompt(n) for n in LATENCY_LENGTHS]
+        )
+    args.scale_lengths = given_lengths or [Prompt(16)]
+    args.variants = given_variants or list(VARIANTS)
+    args.latency_variants = given_variants or list(LATENCY_VARIANTS)
+    args.scale_variants = [v for v in given_variants or ("floor", "c") if v in scale.SCALE_VARIANTS]
     if args.window is None:
         args.window = 4096 if args.end_to_end and not quick else 512
     full_requests = 200_000 if args.end_to_end else 40_000 if args.client else 60_000
     for name, full, smoke in (
-        ("requests", full_requests, 2_000),
         ("repeat", 5, 1),
         ("inflight", 200_000, 20_000),
         ("inflight_large", 1_000_000, 0),
+        ("latency_seconds", 2.0, 0.5),
+        ("max_rate", 200_000.0, 16_000.0),
+        ("scale_engines", list(scale.ENGINE_COUNTS), [2, 64]),
+        ("scale_clients", list(scale.CLIENT_COUNTS), [1, 100]),
+        ("scale_inflight", scale.INFLIGHT, 1024),
     ):
         if getattr(args, name) is None:
             setattr(args, name, smoke if quick else full)
-    if min(args.lengths) < 1 or args.requests < 1 or args.repeat < 1 or args.window < 1:
-        parser.error("--lengths, --requests, --repeat and --window must be positive")
+    args.scale_requests = args.requests or (2_000 if quick else 100_000)
+    if args.requests is None:
+        args.requests = 2_000 if quick else full_requests
+    if args.requests < 1 or args.repeat < 1 or args.window < 1:
+        parser.error("--requests, --repeat and --window must be positive")
+    if args.latency:
+        if args.latency_clients < 1 or args.latency_seconds <= 0:
+            parser.error("--latency-clients and --latency-seconds must be positive")
+        if not 0 < args.min_rate <= args.max_rate:
+            parser.error("--min-rate must be positive and at most --max-rate")
+        if not 0 < args.sweep_from <= 1:
+            parser.error("--sweep-from must be in (0, 1]")
+    if args.scale:
+        scale.check(args, parser.error)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -245,20 +420,22 @@ def _measure_cpu(
                 failures[variant] = str(exc)
         # Variants interleave within each repetition, so drift hits them all alike.
         for repetition in range(args.repeat):
-            for tokens in args.lengths:
-                n = requests_at(args, tokens)
+            for prompt in args.lengths:
+                n = requests_at(args, prompt.tokens)
                 warmup = min(n, max(2 * args.window, n // 20))
                 for variant in list(sessions):
+                    session = sessions[variant]
                     try:
-                        run = sessions[variant].run(tokens, n, warmup, args.window)
+                        run = session.run(prompt, n, warmup, args.window)
                     except Failure as exc:
-                        failures[variant] = f"at {tokens} tokens: {exc}"
+                        failures[variant] = f"at {prompt.key} tokens: {exc}"
                         sessions.pop(variant).close()
                         continue
-                    run.update(variant=variant, tokens=tokens, repetition=repetition)
+                    run.update(variant=variant, repetition=repetition)
+                    run.update(prompt.describe(session.single_frame))
                     runs.append(run)
                     print(
-                        f"[{repetition + 1}/{args.repeat}] {tokens:>6} tokens {variant:>5}: "
+                        f"[{repetition + 1}/{args.repeat}] {prompt.key:>10} tokens {variant:>5}: "
                         f"{run['total_us']:8.2f} µs/request, {run['requests_per_s']:8.0f} req/s",
                         file=sys.stderr,
                     )

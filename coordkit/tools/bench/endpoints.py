@@ -52,7 +52,7 @@ from coordkit.protocol import Header, packb, parse_connect, unpackb
 
 from .servers import _usage, coordinator_child
 from .session import Failure, Processes
-from .workload import SAMPLING, TIMEOUT, prompt_tokens, reply_body
+from .workload import ECHO_BATCH, SAMPLING, TIMEOUT, Prompt, reply_body, requests_at
 
 __all__ = [
     "CLIENT_VARIANTS",
@@ -66,7 +66,6 @@ __all__ = [
 CLIENT_VARIANTS = ("plain", "submit", "submit_many", "submit-raw", "submit_many-raw")
 END_TO_END_VARIANTS = ("plain", "submit", "submit_many")
 PEERS = ("coordinator", "echo")
-ECHO_BATCH = 16  # requests per reply message, at most
 ENGINE_RANKS = 2
 
 SUBMIT, REPLY, REPLY_BATCH = int(Header.SUBMIT_REQUEST), int(Header.ENGINE_REPLY), 96
@@ -157,8 +156,8 @@ async def _client(conn: Connection, variant: str, address: str, implementation: 
             command = conn.recv()  # nothing is in flight between loads: block the loop
             if command[0] == "stop":
                 return
-            _, tokens, n, warmup, window = command
-            load = _load(variant, client, prompt_tokens(tokens))
+            _, prompt, n, warmup, window = command
+            load = _load(variant, client, prompt.token_ids())
             await _waves(load, warmup, window)
             conn.send(("warm",))
             if conn.recv()[0] != "go":
@@ -340,12 +339,12 @@ class _Bench(Processes):
             time.sleep(0.01)
 
     def _load(
-        self, key: str, tokens: int, n: int, warmup: int, window: int, around: list[Any]
+        self, key: str, prompt: Prompt, n: int, warmup: int, window: int, around: list[Any]
     ) -> tuple[float, float, float, list[Any], list[Any]]:
         """Warm up, then the measured load: (wall, client cpu, its main thread's,
         samples before, after)."""
         client = self.clients[key]
-        client.conn.send(("load", tokens, n, warmup, window))
+        client.conn.send(("load", prompt, n, warmup, window))
         self._receive(client, timeout=None)
         before = [self._call(proc, ("sample",)) for proc in around]
         client.conn.send(("go",))
@@ -381,8 +380,8 @@ class ClientBench(_Bench):
             self.close()
             raise
 
-    def run(self, variant: str, tokens: int, n: int, warmup: int, window: int) -> dict[str, Any]:
-        wall, cpu, main, _, _ = self._load(variant, tokens, n, warmup, window, [])
+    def run(self, variant: str, prompt: Prompt, n: int, warmup: int, window: int) -> dict[str, Any]:
+        wall, cpu, main, _, _ = self._load(variant, prompt, n, warmup, window, [])
         return {
             "requests": n,
             "client_us": cpu / n * 1e6,
@@ -416,9 +415,9 @@ class EndToEnd(_Bench):
             self.close()
             raise
 
-    def run(self, variant: str, tokens: int, n: int, warmup: int, window: int) -> dict[str, Any]:
+    def run(self, variant: str, prompt: Prompt, n: int, warmup: int, window: int) -> dict[str, Any]:
         around = [self.coordinator, *self.engines]
-        wall, cpu, _, before, after = self._load(variant, tokens, n, warmup, window, around)
+        wall, cpu, _, before, after = self._load(variant, prompt, n, warmup, window, around)
 
         def used(i: int) -> float:
             b, a = before[i][1], after[i][1]
@@ -454,11 +453,6 @@ def _warmup(n: int, window: int) -> int:
     return min(n, max(2 * window, n // 20))
 
 
-def _requests(args: argparse.Namespace, tokens: int) -> int:
-    # Long prompts cost mostly copies: fewer requests keep the run short.
-    return max(args.requests // 8, min(args.requests, args.requests * 2000 // tokens), 1)
-
-
 def measure_clients(
     args: argparse.Namespace,
     directory: str,
@@ -473,22 +467,23 @@ def measure_clients(
             except Failure as exc:
                 failures[f"client against {peer}"] = str(exc)
         for repetition in range(args.repeat):
-            for tokens in args.lengths:
-                n = _requests(args, tokens)
+            for prompt in args.lengths:
+                n = requests_at(args, prompt.tokens)
                 for peer, bench in list(benches.items()):
                     for variant in args.clients:
                         try:
                             run = bench.run(
-                                variant, tokens, n, _warmup(n, args.window), args.window
+                                variant, prompt, n, _warmup(n, args.window), args.window
                             )
                         except Failure as exc:
-                            failures[f"client against {peer}"] = f"at {tokens} tokens: {exc}"
+                            failures[f"client against {peer}"] = f"at {prompt.key} tokens: {exc}"
                             benches.pop(peer).close()
                             break
-                        run.update(peer=peer, variant=variant, tokens=tokens, repetition=repetition)
+                        run.update(peer=peer, variant=variant, repetition=repetition)
+                        run.update(prompt.describe())
                         runs.append(run)
                         print(
-                            f"[{repetition + 1}/{args.repeat}] {tokens:>6} tokens {peer:>11} "
+                            f"[{repetition + 1}/{args.repeat}] {prompt.key:>6} tokens {peer:>11} "
                             f"{variant:>15}: {run['client_us']:8.2f} µs/request "
                             f"({run['client_main_us']:.2f} in the main thread), "
                             f"{run['requests_per_s']:8.0f} req/s",
@@ -512,14 +507,14 @@ def measure_end_to_end(
         return
     try:
         for repetition in range(args.repeat):
-            for tokens in args.lengths:
-                n = _requests(args, tokens)
+            for prompt in args.lengths:
+                n = requests_at(args, prompt.tokens)
                 for variant in args.end_to_end_clients:
-                    run = bench.run(variant, tokens, n, _warmup(n, args.window), args.window)
-                    run.update(variant=variant, tokens=tokens, repetition=repetition)
+                    run = bench.run(variant, prompt, n, _warmup(n, args.window), args.window)
+                    run.update(variant=variant, repetition=repetition, **prompt.describe())
                     runs.append(run)
                     print(
-                        f"[{repetition + 1}/{args.repeat}] {tokens:>6} tokens {variant:>11}: "
+                        f"[{repetition + 1}/{args.repeat}] {prompt.key:>6} tokens {variant:>11}: "
                         f"{run['requests_per_s']:8.0f} req/s, client {run['client_us']:.2f}, "
                         f"coordinator {run['coordinator_us']:.2f}, engines "
                         f"{run['engines_us']:.2f} µs/request",
@@ -532,10 +527,10 @@ def measure_end_to_end(
 
 
 def summarize(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[tuple[Any, ...], Any]:
-    """(peer, variant, tokens) or (variant, tokens) -> the medians of ``keys``."""
+    """(peer, variant, prompt) or (variant, prompt) -> the medians of ``keys``."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for run in runs:
-        group = (run.get("peer"), run["variant"], run["tokens"])
+        group = (run.get("peer"), run["variant"], run["prompt"])
         groups.setdefault(group, []).append(run)
     summary = {}
     for group, members in groups.items():
@@ -546,6 +541,7 @@ def summarize(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[tuple[A
                 statistics.median(r["engine_us"][i] for r in members) for i in range(ranks)
             ]
         point["batch"] = members[0]["batch"]
+        point["tokens"] = members[0]["tokens"]
         point["repetitions"] = len(members)
         summary[group] = point
     return summary

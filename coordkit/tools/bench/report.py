@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -15,37 +16,45 @@ import zmq
 
 import coordkit
 
+from . import latency
 from .workload import (
     BATCH,
     BLOCK_SIZE,
+    DIRECT,
+    ECHO_BATCH,
     MEMORY_PROMPT_TOKENS,
     OUTPUT_TOKENS,
     RANKS,
     SAMPLING,
+    THRESHOLDS,
     VARIANTS,
     reply_body,
     requests_at,
 )
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[int, dict[str, dict[str, float]]]:
-    """tokens -> variant -> medians over the repetitions (and the total's range)."""
-    groups: dict[int, dict[str, list[dict[str, Any]]]] = {}
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """prompt -> variant -> medians over the repetitions (and the total's range)."""
+    groups: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for run in runs:
-        groups.setdefault(run["tokens"], {}).setdefault(run["variant"], []).append(run)
-    summary: dict[int, dict[str, dict[str, float]]] = {}
-    for tokens, variants in sorted(groups.items()):
-        summary[tokens] = {}
+        groups.setdefault(run["prompt"], {}).setdefault(run["variant"], []).append(run)
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    for prompt, variants in groups.items():
+        summary[prompt] = {}
         for variant, group in variants.items():
-            point = {
+            point: dict[str, Any] = {
                 key: statistics.median(r[key] for r in group)
                 for key in ("total_us", "user_us", "sys_us", "requests_per_s", "reply_batch")
             }
             point["min_total_us"] = min(r["total_us"] for r in group)
             point["max_total_us"] = max(r["total_us"] for r in group)
             point["repetitions"] = len(group)
-            summary[tokens][variant] = point
+            point.update({k: group[0][k] for k in _PROMPT_KEYS})
+            summary[prompt][variant] = point
     return summary
+
+
+_PROMPT_KEYS = ("tokens", "ids", "prompt_bytes", "frame_bytes")
 
 
 def _ratio(point: dict[str, dict[str, float]], a: str, b: str, key: str = "total_us") -> str:
@@ -54,7 +63,13 @@ def _ratio(point: dict[str, dict[str, float]], a: str, b: str, key: str = "total
     return f"{point[a][key] / point[b][key]:.2f}"
 
 
-def print_cpu(args: argparse.Namespace, summary: dict[int, dict[str, dict[str, float]]]) -> None:
+def _prompt_label(point: dict[str, Any]) -> str:
+    """``  2000 range     5619``: tokens, their ids, the bytes of the frame carrying them
+    (exactly: the points either side of a threshold are a few bytes apart)."""
+    return f"{point['tokens']:>6} {point['ids']:<6} {point['frame_bytes']:>7}"
+
+
+def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, Any]]]) -> None:
     if not summary:
         return
     transport = "tcp://127.0.0.1" if args.transport == "tcp" else "ipc://"
@@ -63,11 +78,14 @@ def print_cpu(args: argparse.Namespace, summary: dict[int, dict[str, dict[str, f
         f"({transport}, {args.dialect} dialect, policy {args.policy}, {RANKS} engine ranks, "
         f"window {args.window})"
     )
+    edges = ", ".join(f"{name} at {size} B" for name, size in THRESHOLDS.items())
+    print(f"(bytes: the frame carrying the prompt; the loop's thresholds: {edges})")
+    head = f"{'tokens':>6} {'ids':<6} {'bytes':>7}"
     print(
-        f"{'tokens':>6}  {'variant':<7} {'µs/req':>8} {'user':>8} {'sys':>8} "
+        f"{head}  {'variant':<9} {'µs/req':>8} {'user':>8} {'sys':>8} "
         f"{'>floor':>8} {'req/s':>8} {'batch':>6}"
     )
-    for tokens, point in summary.items():
+    for point in summary.values():
         floor = point.get("floor", {}).get("total_us")
         for variant in VARIANTS:
             if variant not in point:
@@ -75,19 +93,17 @@ def print_cpu(args: argparse.Namespace, summary: dict[int, dict[str, dict[str, f
             p = point[variant]
             above = "-" if floor is None or variant == "floor" else f"{p['total_us'] - floor:.2f}"
             print(
-                f"{tokens:>6}  {variant:<7} {p['total_us']:8.2f} {p['user_us']:8.2f} "
+                f"{_prompt_label(p)}  {variant:<9} {p['total_us']:8.2f} {p['user_us']:8.2f} "
                 f"{p['sys_us']:8.2f} {above:>8} {p['requests_per_s']:8.0f} "
                 f"{p['reply_batch']:6.2f}"
             )
-    print(
-        f"\n{'tokens':>6}  {'c/floor':>8} {'py/c':>8} {'py/c user':>10} {'mono/c':>8} "
-        f"{'c-metrics/c':>12}"
-    )
-    for tokens, point in summary.items():
+    ratios = f"{'c/floor':>8} {'py/c':>8} {'py/c user':>10} {'mono/c':>8} {'c-metrics/c':>12}"
+    print(f"\n{head}  {ratios}")
+    for point in summary.values():
         print(
-            f"{tokens:>6}  {_ratio(point, 'c', 'floor'):>8} {_ratio(point, 'py', 'c'):>8} "
-            f"{_ratio(point, 'py', 'c', 'user_us'):>10} {_ratio(point, 'mono', 'c'):>8} "
-            f"{_ratio(point, 'c-metrics', 'c'):>12}"
+            f"{_prompt_label(next(iter(point.values())))}  {_ratio(point, 'c', 'floor'):>8} "
+            f"{_ratio(point, 'py', 'c'):>8} {_ratio(point, 'py', 'c', 'user_us'):>10} "
+            f"{_ratio(point, 'mono', 'c'):>8} {_ratio(point, 'c-metrics', 'c'):>12}"
         )
 
 
@@ -109,7 +125,7 @@ def print_clients(args: argparse.Namespace, summary: dict[tuple[Any, ...], Any])
         f"{'plain/this':>10} {'req/s':>8}  batches"
     )
     for (peer, variant, tokens), point in sorted(
-        summary.items(), key=lambda item: (item[0][0], item[0][2])
+        summary.items(), key=lambda item: (item[0][0], item[1]["tokens"])
     ):
         plain = summary.get((peer, "plain", tokens))
         ratio = f"{plain['client_us'] / point['client_us']:.1f}" if plain else "-"
@@ -135,7 +151,7 @@ def print_end_to_end(args: argparse.Namespace, summary: dict[tuple[Any, ...], An
         f"{'engines':>8} {'per engine':>16} {'reply':>6}  batches"
     )
     print(f"{'':>6}  {'':<12} {'':>8} {'µs/request of each process':>42}")
-    for (_, variant, tokens), point in sorted(summary.items(), key=lambda item: item[0][2]):
+    for (_, variant, tokens), point in sorted(summary.items(), key=lambda item: item[1]["tokens"]):
         per_engine = " ".join(f"{us:.2f}" for us in point["engine_us"])
         print(
             f"{tokens:>6}  {variant:<12} {point['requests_per_s']:8.0f} "
@@ -161,6 +177,107 @@ def print_memory(memory: list[dict[str, Any]]) -> None:
         )
 
 
+def print_latency(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    points = result.get("points")
+    if not points:
+        return
+    transport = "tcp://127.0.0.1" if args.transport == "tcp" else "ipc://"
+    print(
+        f"\nlatency under open-loop load (Poisson arrivals from {args.latency_clients} "
+        f"sender process(es), {transport}, {args.dialect} dialect, policy {args.policy}, "
+        f"{RANKS} engine ranks answering at once, {args.latency_seconds:g} s a point)"
+    )
+    print("(added: the variant's percentile minus direct's, the clients connected to the engine)")
+    print(
+        f"{'tokens':>6}  {'variant':<9} {'offered':>8} {'drawn':>8} {'sent':>8} {'answered':>8} "
+        f"{'p50':>8} {'p99':>8} {'p99.9':>8}  {'raw p99':>8} {'late p99':>8}  note"
+    )
+    print(f"{'':>6}  {'':<9} {'requests/s':>35} {'added µs':>26}  {'µs':>17}")
+    order = {v: i for i, v in enumerate((*DIRECT, *args.latency_variants))}
+    low = {key: row["low_load_p99_us"] for key, row in result["summary"].items()}
+    for p in sorted(points, key=lambda p: (p["tokens"], order.get(p["variant"], 99), p["offered"])):
+        notes = []
+        reference = low.get(f"{p['variant']}/{p['prompt']}")
+        if reference is not None and latency.choked(p, reference):
+            notes.append("choked")
+        if not p["generator_kept_up"]:
+            notes.append("senders behind")
+        elif not p["on_schedule"]:
+            notes.append("sends late")
+        if p.get("direct_choked"):
+            notes.append("direct choked")
+        added = [p.get(f"added_{k}") for k in ("p50_us", "p99_us", "p999_us")]
+        shown = " ".join(f"{a:>8.0f}" if a is not None else f"{'-':>8}" for a in added)
+        print(
+            f"{p['prompt']:>6}  {p['variant']:<9} {p['offered']:8.0f} {p['scheduled_rate']:8.0f} "
+            f"{p['send_rate']:8.0f} {p['achieved']:8.0f} {shown}  {p['p99_us']:8.0f} "
+            f"{p['lag_p99_us']:8.0f}  "
+            f"{', '.join(notes)}"
+        )
+    print(
+        f"\nsaturation: the highest offered rate before the first choke (p99 above "
+        f"{latency.CHOKE_P99:g}× the low-load p99, the least of the {latency.LOW_POINTS} lowest "
+        f"rates', or answered/s below {latency.KEPT_UP:.0%} of scheduled)"
+    )
+    print(
+        f"{'tokens':>6}  {'variant':<9} {'saturation':>10} {'chokes at':>10} {'by':>9} "
+        f"{'low p99':>8} {'/floor':>7}  limit"
+    )
+    summary = result["summary"]
+    for key, row in sorted(summary.items(), key=lambda kv: (kv[0].split("/")[1], kv[0])):
+        variant, prompt = key.split("/", 1)
+        floor = summary.get(f"floor/{prompt}", {}).get("saturation")
+        ratio = f"{row['saturation'] / floor:.2f}" if floor and row["saturation"] else "-"
+        saturation = f"{row['saturation']:.0f}" if row["saturation"] else "-"
+        chokes = f"{row['chokes_at']:.0f}" if row["chokes_at"] else "none"
+        if row["generator_limited"]:
+            limit = "the senders (a lower bound: add --latency-clients)"
+        elif row["chokes_at"]:
+            limit = "the coordinator"
+        else:
+            limit = f"not reached by {row['highest_offered']:.0f}/s"
+        print(
+            f"{prompt:>6}  {variant:<9} {saturation:>10} {chokes:>10} {row['reason'] or '-':>9} "
+            f"{row['low_load_p99_us']:8.0f} {ratio:>7}  {limit}"
+        )
+    late = sum(not p["on_schedule"] for p in points)
+    if late:
+        print(
+            f"{late} of {len(points)} point(s) sent 1% of their requests more than "
+            f"{latency.ON_SCHEDULE * 1e3:g} ms late (sends late: bursts, not Poisson arrivals)"
+        )
+    behind = [p for p in points if not p["generator_kept_up"]]
+    if behind:
+        lowest = min(p["offered"] for p in behind)
+        print(
+            f"the senders fell behind their schedule at {len(behind)} point(s), from "
+            f"{lowest:.0f}/s offered: there the load generator, not the coordinator, was the limit"
+        )
+
+
+def print_scale(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    transport = "tcp://127.0.0.1" if args.transport == "tcp" else "ipc://"
+    print(
+        f"\ncoordinator CPU per request against the fleet's size, median of {args.repeat} "
+        f"({transport}, {args.scale_inflight} in flight at every point, replies of "
+        f"{BATCH} per message)"
+    )
+    print(
+        f"{'axis':<7} {'count':>6} {'tokens':>6}  {'variant':<16} {'µs/req':>8} {'user':>7} "
+        f"{'sys':>7} {'×floor':>7} {'×first':>7} {'req/s':>8} {'batch':>6}"
+    )
+    for r in rows:
+        to_floor = f"{r['to_floor']:.2f}" if r["to_floor"] and r["variant"] != "floor" else "-"
+        print(
+            f"{r['axis']:<7} {r['count']:>6} {r['prompt']:>6}  {r['variant']:<16} "
+            f"{r['total_us']:8.2f} {r['user_us']:7.2f} {r['sys_us']:7.2f} {to_floor:>7} "
+            f"{r['to_first']:7.2f} {r['requests_per_s']:8.0f} {r['reply_batch']:6.2f}"
+        )
+    print("(×first: to the variant's own at the axis's first count)")
+
+
 def environment(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -184,8 +301,9 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
 
 def config(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "lengths": list(args.lengths),
-        "requests": {str(t): requests_at(args, t) for t in args.lengths},
+        "lengths": [p.key for p in args.lengths],
+        "requests": {p.key: requests_at(args, p.tokens) for p in args.lengths},
+        "thresholds": THRESHOLDS,
         "repeat": args.repeat,
         "variants": list(args.variants),
         "policy": args.policy,
@@ -206,36 +324,112 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         "peers": list(args.peers),
         "end_to_end_clients": list(args.end_to_end_clients),
         "implementation": coordkit.IMPLEMENTATION,
+        "latency": args.latency
+        and {
+            "variants": list(args.latency_variants),
+            "senders": args.latency_clients,
+            "seconds_per_point": args.latency_seconds,
+            "min_rate": args.min_rate,
+            "max_rate": args.max_rate,
+            "sweep_from": args.sweep_from,
+            "grid": f"{latency.BASE_RATE:.0f}/s × 2**(k/{latency.GRID})",
+            "choke": f"p99 > {latency.CHOKE_P99:g} × the low-load p99 (the least of the "
+            f"{latency.LOW_POINTS} lowest rates'), or answered/s < {latency.KEPT_UP:g} × scheduled",
+            "engine_reply_batch_max": ECHO_BATCH,
+        },
+        "scale": args.scale
+        and {
+            "engines": list(args.scale_engines),
+            "clients": list(args.scale_clients),
+            "policies": list(args.scale_policies),
+            "variants": list(args.scale_variants),
+            "inflight": args.scale_inflight,
+            "requests": args.scale_requests,
+            "lengths": [p.key for p in args.scale_lengths],
+            "reply_batch": BATCH,
+        },
     }
 
 
 def plot(
-    args: argparse.Namespace, summary: dict[int, dict[str, dict[str, float]]], path: Path
+    args: argparse.Namespace, summary: dict[str, dict[str, dict[str, Any]]], path: Path
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # a file, no display
-    from matplotlib import pyplot
-
+    """µs/request against the bytes of the prompt's frame, the loop's thresholds marked."""
+    pyplot = _pyplot()
     figure, axes = pyplot.subplots(figsize=(7, 4.5))
     for variant in VARIANTS:
-        lengths = [t for t in summary if variant in summary[t]]
-        if not lengths:
+        points = sorted(
+            (point[variant] for point in summary.values() if variant in point),
+            key=lambda p: p["frame_bytes"],
+        )
+        if not points:
             continue
-        points = [summary[t][variant] for t in lengths]
+        sizes = [p["frame_bytes"] for p in points]
         medians = [p["total_us"] for p in points]
         spread = [
             [m - p["min_total_us"] for m, p in zip(medians, points, strict=True)],
             [p["max_total_us"] - m for m, p in zip(medians, points, strict=True)],
         ]
-        axes.errorbar(lengths, medians, yerr=spread, marker="o", capsize=3, label=variant)
+        axes.errorbar(sizes, medians, yerr=spread, marker="o", capsize=3, label=variant)
+    for name, size in THRESHOLDS.items():
+        axes.axvline(size, color="grey", linestyle=":", linewidth=1)
+        axes.annotate(name, (size, 1), xycoords=("data", "axes fraction"), fontsize=8,
+                      rotation=90, va="top", ha="right", color="grey")  # fmt: skip
     axes.set_xscale("log")
     axes.set_yscale("log")
-    axes.set_xlabel("prompt length (tokens)")
+    axes.set_xlabel("bytes of the frame carrying the prompt")
     axes.set_ylabel("coordinator CPU per request (µs, user + sys)")
     axes.set_title(f"coordkit bench ({args.transport}, median of {args.repeat}, min-max bars)")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
+    _save(pyplot, figure, axes, path)
+
+
+def plot_latency(args: argparse.Namespace, result: dict[str, Any], path: Path) -> None:
+    """The choke curve: p99 latency added to direct's against the offered rate, one
+    curve per variant, a panel per prompt; a cross where a point choked."""
+    pyplot = _pyplot()
+    prompts = list(dict.fromkeys(p["prompt"] for p in result["points"]))
+    figure, panels = pyplot.subplots(
+        1, len(prompts), figsize=(6 * len(prompts), 4.5), squeeze=False
+    )
+    for axes, prompt in zip(panels[0], prompts, strict=True):
+        for variant in args.latency_variants:
+            points = sorted(
+                (p for p in result["points"] if (p["variant"], p["prompt"]) == (variant, prompt)),
+                key=lambda p: p["offered"],
+            )
+            if not points:
+                continue
+            low = result["summary"].get(f"{variant}/{prompt}", {}).get("low_load_p99_us", math.inf)
+            rates = [p["offered"] for p in points]
+            added = [p["added_p99_us"] for p in points]
+            (line,) = axes.plot(rates, added, marker="o", markersize=3, label=variant)
+            chokes = [(r, a) for r, a, p in zip(rates, added, points, strict=True)
+                      if latency.choked(p, low)]  # fmt: skip
+            if chokes:
+                axes.scatter(*zip(*chokes, strict=True), marker="x", s=60, color=line.get_color())
+        axes.set_xscale("log")
+        axes.set_yscale("symlog", linthresh=100)
+        axes.set_xlabel("offered load (requests/s, Poisson)")
+        axes.set_ylabel("p99 latency added to direct's (µs)")
+        axes.set_title(f"{prompt} tokens ({args.transport}, {args.latency_clients} sender(s))")
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
+    _save(pyplot, figure, None, path)
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, no display
+    from matplotlib import pyplot
+
+    return pyplot
+
+
+def _save(pyplot: Any, figure: Any, axes: Any, path: Path) -> None:
+    if axes is not None:
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend()
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)

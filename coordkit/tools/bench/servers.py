@@ -15,11 +15,13 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 import coordkit
 from coordkit.protocol import packb, unpackb
 
-from .workload import CONNECT, CONNECT_ACK, IMPLEMENTATIONS, RANKS, REPLY, SUBMIT
+from .load import raise_fd_limit
+from .workload import CONNECT, CONNECT_ACK, IMPLEMENTATIONS, REPLY, SUBMIT
 
 
 def _usage() -> dict[str, float]:
@@ -44,6 +46,7 @@ def coordinator_child(
     policy: str,
     options: dict[str, Any],
 ) -> None:
+    raise_fd_limit()
     context = zmq.Context()
     server: _Server
     if variant == "floor":
@@ -131,6 +134,7 @@ class _Floor:
     """libzmq's proxy: clients on a ROUTER, engines on a DEALER; nothing decoded, no state.
 
     ``proxy_steerable`` is ``zmq.proxy`` with a control socket, the way to stop it.
+    The engines are counted by a monitor of the DEALER, as their handshakes end.
     """
 
     def __init__(self, context: zmq.Context, front: str, back: str):
@@ -141,8 +145,13 @@ class _Floor:
         control = f"inproc://coordkit-bench-floor-{id(self):x}"
         self.control = context.socket(zmq.PAIR)
         self.control.bind(control)
-        self.stopper = context.socket(zmq.PAIR)  # used by the answering thread only
+        # The answering thread's alone:
+        self.stopper = context.socket(zmq.PAIR)
         self.stopper.connect(control)
+        self.monitor = self.back.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
+        self.connected = 0
 
     def serve(self) -> None:
         zmq.proxy_steerable(self.front, self.back, None, self.control)
@@ -151,7 +160,10 @@ class _Floor:
         self.stopper.send(b"TERMINATE")
 
     def engines(self) -> int:
-        return RANKS  # a DEALER cannot tell; it holds messages until an engine connects
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            self.connected += 1 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else -1
+        return self.connected
 
 
 class _Mono:

@@ -9,7 +9,9 @@ silent becomes a :class:`Failure` naming it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing
+import resource
 import signal
 import time
 import traceback
@@ -21,11 +23,13 @@ from typing import Any
 
 from .load import client_child, engine_child
 from .servers import coordinator_child
-from .workload import IMPLEMENTATIONS, MEMORY_PROMPT_TOKENS, RANKS, TIMEOUT
+from .workload import DIRECT, IMPLEMENTATIONS, MEMORY_PROMPT_TOKENS, RANKS, TIMEOUT, Prompt
 
 _STOP_TIMEOUT = 10.0  # seconds the coordinator gets to exit before it is terminated
 _GRACE = 2.0  # the same for a load generator, and for any process after SIGTERM
 _SPAWN = multiprocessing.get_context("spawn")  # children hold no state of ours
+_SPARE_FDS = 64  # descriptors a process needs besides its connections
+_SESSIONS = itertools.count()
 
 
 class Failure(Exception):
@@ -134,6 +138,12 @@ class Session(Processes):
 
     ``hold_after`` makes it a memory session: the engine answers that many
     requests (the warm-up), then holds every later one without replying.
+    ``ranks`` engine ranks share the engine process, ``clients`` clients the
+    client process (none: the caller starts its own); ``at_once`` has the
+    engine answer what it reads at once instead of in full batches. The
+    variants ``direct`` and ``direct-sf`` have no coordinator: the clients
+    connect to the engine. The load speaks the dialect's frames, mono's single
+    frames always, or as ``single_frame`` says.
     """
 
     def __init__(
@@ -143,42 +153,97 @@ class Session(Processes):
         directory: str,
         coordinator_options: dict[str, Any] | None = None,
         hold_after: int | None = None,
+        *,
+        ranks: int = RANKS,
+        clients: int = 1,
+        at_once: bool = False,
+        single_frame: bool | None = None,
     ):
         super().__init__(variant)
         self.held = _SPAWN.Value("q", 0, lock=False)  # requests the engine holds
-        try:
-            if args.transport == "tcp":
-                endpoints = ["tcp://127.0.0.1:*"] * 2  # the ports are read back once bound
-            else:
-                endpoints = [f"ipc://{directory}/{variant}-{side}" for side in ("front", "back")]
-            options = dict(coordinator_options or {})
-            # mono is Megatron-Core 0.19's design: its load speaks that format in any dialect.
+        # mono is Megatron-Core 0.19's design: its load speaks that format in any dialect.
+        if single_frame is None:
             single_frame = variant == "mono" or args.dialect == "megatron-core"
-            if args.dialect == "megatron-core" and variant in IMPLEMENTATIONS:
-                options["dialect"] = args.dialect
-            if variant == "c-metrics":  # served on a free port, the latency histograms kept
-                options["metrics_port"] = 0
-            self.coordinator = self._start(
-                "coordinator", coordinator_child, variant, endpoints, args.policy, options
+        self.single_frame = single_frame
+        self.prefix = args.policy == "prefix" and variant in IMPLEMENTATIONS
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if ranks + clients + _SPARE_FDS > hard:
+            raise Failure(
+                f"{ranks} engine and {clients} client connections need as many file "
+                f"descriptors; RLIMIT_NOFILE allows {hard}"
             )
-            _, client_address, engine_address = self._receive(self.coordinator)
-            self.engine = self._start(
-                "engine", engine_child, variant, single_frame, engine_address, hold_after, self.held
+        try:
+            self.address = self._servers(
+                args, directory, coordinator_options, hold_after, ranks, at_once
             )
-            self._receive(self.engine)
-            self._wait_for_engines()
-            prefix = args.policy == "prefix"
-            self.client = self._start(
-                "client", client_child, variant, single_frame, client_address, prefix, self.held
-            )
-            self._receive(self.client)
+            if clients:
+                self.client = self._start(
+                    "client",
+                    client_child,
+                    variant,
+                    self.single_frame,
+                    self.address,
+                    self.prefix,
+                    self.held,
+                    clients,
+                )
+                self._receive(self.client)
         except BaseException:
             self.close()
             raise
 
-    def run(self, tokens: int, n: int, warmup: int, window: int) -> dict[str, Any]:
+    def _servers(
+        self,
+        args: argparse.Namespace,
+        directory: str,
+        coordinator_options: dict[str, Any] | None,
+        hold_after: int | None,
+        ranks: int,
+        at_once: bool,
+    ) -> str:
+        """Start the coordinator and the engine; the address the clients connect to."""
+        if args.transport == "tcp":
+            endpoints = ["tcp://127.0.0.1:*"] * 2  # the ports are read back once bound
+        else:  # sessions of one variant may be alive together (--scale: one per policy)
+            name = f"{directory}/{self.variant}-{next(_SESSIONS)}"
+            endpoints = [f"ipc://{name}-{side}" for side in ("front", "back")]
+
+        def engine(address: str) -> str:
+            self.engine = self._start(
+                "engine",
+                engine_child,
+                self.variant,
+                self.single_frame,
+                address,
+                ranks,
+                at_once,
+                hold_after,
+                self.held,
+            )
+            return str(self._receive(self.engine)[1])
+
+        if self.variant in DIRECT:
+            return engine(endpoints[0])
+        options = dict(coordinator_options or {})
+        if args.dialect == "megatron-core" and self.variant in IMPLEMENTATIONS:
+            options["dialect"] = args.dialect
+        if self.variant == "c-metrics":  # served on a free port, the latency histograms kept
+            options["metrics_port"] = 0
+        self.coordinator = self._start(
+            "coordinator", coordinator_child, self.variant, endpoints, args.policy, options
+        )
+        _, client_address, engine_address = self._receive(self.coordinator)
+        engine(engine_address)
+        # c and py would drop a plain client's requests while no engine is registered.
+        self._wait(
+            lambda: self._call(self.coordinator, ("engines",))[1] >= ranks,
+            f"the {ranks} engine ranks to register",
+        )
+        return str(client_address)
+
+    def run(self, prompt: Prompt, n: int, warmup: int, window: int) -> dict[str, Any]:
         """Warm up, then ``n`` requests with the coordinator's CPU sampled around them."""
-        self.client.conn.send(("load", tokens, n, warmup, window))
+        self.client.conn.send(("load", prompt, n, warmup, window))
         self._receive(self.client, timeout=None)  # warm: the client progresses or says why not
         _, messages0, entries0 = self._call(self.engine, ("stats",))
         before = self._call(self.coordinator, ("sample",))[1]
@@ -204,7 +269,7 @@ class Session(Processes):
 
     def fill(self, n: int, warmup: int, window: int) -> dict[str, Any]:
         """Hold ``n`` requests at the engine; the coordinator's RSS before and with them."""
-        self.client.conn.send(("fill", MEMORY_PROMPT_TOKENS, n, warmup, window))
+        self.client.conn.send(("fill", Prompt(MEMORY_PROMPT_TOKENS), n, warmup, window))
         self._receive(self.client, timeout=None)
         before = self._call(self.coordinator, ("sample",))[1]
         self.client.conn.send(("go",))
@@ -222,14 +287,6 @@ class Session(Processes):
             "submit_cpu_us": cpu / n * 1e6,
             "fill_s": wall,
         }
-
-    def _wait_for_engines(self) -> None:
-        # c and py would drop a plain client's requests while no engine is registered.
-        deadline = time.monotonic() + TIMEOUT
-        while self._call(self.coordinator, ("engines",))[1] < RANKS:
-            if time.monotonic() > deadline:
-                raise Failure(f"the {RANKS} engine ranks did not register")
-            time.sleep(0.01)
 
 
 def _child(conn: Connection, target: Callable[..., None], *args: Any) -> None:

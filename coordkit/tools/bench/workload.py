@@ -1,23 +1,30 @@
 """The bench's fixed parameters: what is measured, with what traffic, for how long.
 
-Shared by the bench and its child processes: the variants and prompt
-lengths, the shape of the requests and replies every variant carries (built
-here), and how long a point may go without progress.
+Shared by the bench and its child processes: the variants, the prompts (and
+the size thresholds of the loop their packed bytes must cross), the shape of
+the requests and replies every variant carries (built here), and how long a
+point may go without progress.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+from dataclasses import dataclass
 
+from coordkit._shared import COPY_BELOW
 from coordkit.protocol import Header, packb
 
 VARIANTS = ("floor", "c", "c-metrics", "py", "mono")
 #: The coordkit variants, and the implementation each runs on.
 IMPLEMENTATIONS = {"c": "c", "c-metrics": "c", "py": "py"}
-LENGTHS = (16, 256, 2000, 8000, 32000)
-RANKS = 2  # engine sockets in the one engine process
+#: No coordinator: the clients on the engine itself (--latency's baselines; ``-sf``:
+#: in single frames, mono's, whatever the dialect).
+DIRECT = ("direct", "direct-sf")
+LENGTHS = (16, 256, 2000, 8000, 32000)  # random-id prompts of the cost table
+RANKS = 2  # engine ranks in the one engine process
 BATCH = 8  # finished requests per ENGINE_REPLY, at most
+ECHO_BATCH = 16  # the same for an engine answering at once (the endpoints' echo engine)
 VOCAB = 150_000  # token ids are drawn below this
 OUTPUT_TOKENS = 32  # generated tokens (and logprobs) in every reply body
 BLOCK_SIZE = 16  # tokens per block hash with --policy prefix
@@ -31,21 +38,110 @@ SAMPLING = {
     "termination_id": 2,
 }
 
+#: Sizes (bytes of the frame that carries a prompt to the loop) where the
+#: loop's handling changes: below COPY_BELOW a kept prompt is copied inline
+#: into its record, from it shared; from POOLED_FROM a forwarded prompt's
+#: frame comes from the loop's buffer pool (``_buffers.h``: ``ck_buffer_msg``
+#: pools sizes from half of ``1 << CK_BUFFER_MIN_SHIFT``), below it from malloc.
+POOLED_FROM = 1 << 15
+THRESHOLDS = {"copy": COPY_BELOW, "pool": POOLED_FROM}
+#: How far from a threshold its edge prompts sit: more than the few bytes a
+#: request id adds to a single frame as it grows.
+EDGE_MARGIN = 16
+RANGE_LENGTHS = (16, 2000)  # list(range(n)) prompts of the cost table: small ids pack smaller
+
 TIMEOUT = 60.0  # seconds without progress before a point is declared failed
 # Plain ints: the loops compare them per message.
 CONNECT, CONNECT_ACK = int(Header.CONNECT), int(Header.CONNECT_ACK)
 SUBMIT, REPLY = int(Header.SUBMIT_REQUEST), int(Header.ENGINE_REPLY)
 
+_CHUNK = 1024  # random ids are drawn in chunks, chunk i from Random(i):
+_random_ids: list[int] = []  # one sequence, the same in every process; prompts are its prefixes
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """``tokens`` token ids: random below VOCAB, or ``list(range(tokens))`` (``ids="range"``)."""
+
+    tokens: int
+    ids: str = "random"
+
+    def token_ids(self) -> list[int]:
+        if self.ids == "range":
+            return list(range(self.tokens))
+        while len(_random_ids) < self.tokens:
+            rng = random.Random(len(_random_ids) // _CHUNK)
+            _random_ids.extend(rng.randrange(VOCAB) for _ in range(_CHUNK))
+        return _random_ids[: self.tokens]
+
+    @property
+    def key(self) -> str:
+        """How the JSON and ``--lengths`` name it: ``2000``, ``2000:range``."""
+        return str(self.tokens) if self.ids == "random" else f"{self.tokens}:{self.ids}"
+
+    def packed_bytes(self) -> int:
+        return len(packb(self.token_ids()))
+
+    def frame_bytes(self, single_frame: bool) -> int:
+        """The bytes of the frame that carries it: the prompt's own frame, or (Megatron-Core
+        0.19's single frame) the whole ``[20, rid, prompt, sampling_params]`` with a 1-byte rid."""
+        if not single_frame:
+            return self.packed_bytes()
+        return 3 + self.packed_bytes() + len(packb(SAMPLING))
+
+    def describe(self, single_frame: bool = False) -> dict[str, int | str]:
+        """What a JSON record says of it."""
+        return {
+            "prompt": self.key,
+            "tokens": self.tokens,
+            "ids": self.ids,
+            "prompt_bytes": self.packed_bytes(),
+            "frame_bytes": self.frame_bytes(single_frame),
+        }
+
+
+def parse_prompt(spec: str) -> Prompt:
+    """``--lengths`` items: ``N`` (random ids) or ``N:range``."""
+    tokens, _, ids = spec.partition(":")
+    if not tokens.isdigit() or int(tokens) < 1 or ids not in ("", "random", "range"):
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected TOKENS or TOKENS:range")
+    return Prompt(int(tokens), ids or "random")
+
+
+def edge_prompts(single_frame: bool) -> list[Prompt]:
+    """Random-id prompts whose frame sits just below and just above each of THRESHOLDS."""
+    edges = []
+    for threshold in THRESHOLDS.values():
+        below = _fewest(single_frame, threshold - EDGE_MARGIN + 1) - 1
+        edges += [Prompt(below), Prompt(_fewest(single_frame, threshold + EDGE_MARGIN))]
+    return edges
+
+
+def _fewest(single_frame: bool, size: int) -> int:
+    """The fewest random token ids whose frame has at least ``size`` bytes (a bisection:
+    a prefix of more ids never packs smaller)."""
+    low, high = 1, 1
+    while Prompt(high).frame_bytes(single_frame) < size:
+        low, high = high, high * 2
+    while low < high:
+        middle = (low + high) // 2
+        if Prompt(middle).frame_bytes(single_frame) < size:
+            low = middle + 1
+        else:
+            high = middle
+    return high
+
+
+def standard_prompts(single_frame: bool) -> list[Prompt]:
+    """The cost table's prompts, by frame size: LENGTHS, RANGE_LENGTHS and every edge."""
+    prompts = {Prompt(n) for n in LENGTHS} | {Prompt(n, "range") for n in RANGE_LENGTHS}
+    prompts.update(edge_prompts(single_frame))
+    return sorted(prompts, key=lambda p: (p.frame_bytes(single_frame), p.key))
+
 
 def requests_at(args: argparse.Namespace, tokens: int) -> int:
     # Long prompts cost mostly copies: fewer requests keep the run short.
     return max(args.requests // 8, min(args.requests, args.requests * 2000 // tokens), 1)
-
-
-def prompt_tokens(tokens: int) -> list[int]:
-    """A prompt of ``tokens`` random token ids, the same one for every variant."""
-    rng = random.Random(tokens)
-    return [rng.randrange(VOCAB) for _ in range(tokens)]
 
 
 def reply_body() -> bytes:
