@@ -25,7 +25,7 @@ from libc.stdlib cimport calloc, free, malloc, qsort, realloc
 from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
-from coordkit._codec_c cimport (
+from ._codec_c cimport (
     CK_BATCH_HEAD_MAX,
     CK_HEADER_INT_MAX,
     CK_INT_MAX,
@@ -56,8 +56,8 @@ from coordkit._codec_c cimport (
     ck_write_single_submit,
     ck_write_submit,
 )
-from coordkit._constants cimport *
-from coordkit._libzmq cimport (
+from ._constants cimport *
+from .includes.libzmq cimport (
     ZMQ_DONTWAIT,
     ZMQ_POLLIN,
     ZMQ_SNDMORE,
@@ -77,10 +77,11 @@ from coordkit._libzmq cimport (
     zmq_poll,
     zmq_pollitem_t,
 )
-from coordkit._routing_c cimport Router
+from ._routing_c cimport Router
+from .includes.sysdep cimport DEBUG
 
-from coordkit import protocol
-from coordkit._shared import (
+from . import protocol
+from ._shared import (
     LATENCY_BUCKETS,
     RateLimitedLog,
     check_constants,
@@ -88,7 +89,7 @@ from coordkit._shared import (
     metrics_map,
     stats_map,
 )
-from coordkit.protocol import (
+from .protocol import (
     BATCH_FEATURE,
     CONTROL_TRANSITIONS,
     ProtocolError,
@@ -103,16 +104,6 @@ bind_libzmq()
 check_constants(generated_constants())
 
 __all__ = ["Loop"]
-
-cdef extern from *:
-    """
-    #ifdef COORDKIT_DEBUG
-    #define CK_DEBUG 1
-    #else
-    #define CK_DEBUG 0
-    #endif
-    """
-    bint DEBUG "CK_DEBUG"
 
 cdef enum:
     FIRST_PARTS = 64  # frames of a message before the buffer grows

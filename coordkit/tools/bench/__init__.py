@@ -47,9 +47,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coordkit._routing_py import POLICIES
-from coordkit._shared import DIALECTS
-
+from ..._policies import POLICIES
+from ..._shared import DIALECTS
 from . import endpoints, report
 from .session import Failure, Session
 from .workload import IMPLEMENTATIONS, LENGTHS, VARIANTS, requests_at

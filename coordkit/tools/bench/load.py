@@ -16,8 +16,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from coordkit.protocol import block_hashes, packb, unpackb
-
+from ...protocol import block_hashes, packb, unpackb
 from .workload import (
     BATCH,
     BLOCK_SIZE,

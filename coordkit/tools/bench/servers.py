@@ -16,9 +16,8 @@ from typing import Any, Protocol
 
 import zmq
 
-import coordkit
-from coordkit.protocol import packb, unpackb
-
+from ... import Coordinator
+from ...protocol import packb, unpackb
 from .workload import CONNECT, CONNECT_ACK, IMPLEMENTATIONS, RANKS, REPLY, SUBMIT
 
 
@@ -108,7 +107,7 @@ class _Coordkit:
         policy: str,
         options: dict[str, Any],
     ):
-        self.coord = coordkit.Coordinator(
+        self.coord = Coordinator(
             endpoint,
             implementation=IMPLEMENTATIONS[variant],
             policy=policy,

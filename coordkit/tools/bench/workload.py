@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from coordkit.protocol import Header, packb
+from ...protocol import Header, packb
 
 VARIANTS = ("floor", "c", "c-metrics", "py", "mono")
 #: The coordkit variants, and the implementation each runs on.

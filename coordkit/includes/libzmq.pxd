@@ -1,10 +1,11 @@
 # cython: language_level=3
-"""Declarations of the libzmq functions bound at import (see _libzmq.h)."""
+"""Declarations of libzmq.h: the libzmq functions bound at import, under libzmq's own names,
+and the two helpers every user of the binding needs: the binding itself and a receive."""
 
 from libc.errno cimport EAGAIN
 from libc.stdlib cimport free, malloc
 
-cdef extern from "_libzmq.h" nogil:
+cdef extern from "includes/libzmq.h" nogil:
     ctypedef struct zmq_msg_t:
         pass
 
@@ -45,10 +46,36 @@ cdef extern from "_libzmq.h" nogil:
     int zmq_getsockopt "ck_getsockopt"(void* socket, int option, void* value, size_t* size)
 
 
-cdef inline int bind_libzmq() except -1:
-    """Bind this module's function table to the libzmq pyzmq loaded."""
-    from coordkit._libzmq_path import libzmq_candidates
+cdef inline list libzmq_candidates():
+    """Paths that may hold pyzmq's libzmq symbols, most likely first.
 
+    A pyzmq wheel bundles ``libzmq-<hash>.so`` and loads it with its backend:
+    the libzmq paths mapped into this process come first. A pyzmq built
+    against a static libzmq exports the symbols from the backend module
+    itself, which is the last resort. Nothing here imports coordkit, so a
+    module of any package (a vendored copy, a host's own) binds the same way.
+    """
+    import os
+
+    import zmq.backend.cython._zmq as backend  # loads libzmq as a side effect
+
+    candidates = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                name = os.path.basename(path)
+                if name.startswith("libzmq") and ".so" in name and path not in candidates:
+                    candidates.append(path)
+    except OSError:
+        pass
+    candidates.append(backend.__file__)
+    return candidates
+
+
+cdef inline int bind_libzmq() except -1:
+    """Bind this module's function table to the libzmq pyzmq loaded: each module that
+    cimports this header has a table of its own, and calls this once at import."""
     cdef char err[512]
     reasons = []
     for path in libzmq_candidates():
