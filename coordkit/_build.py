@@ -9,9 +9,10 @@ with its package name and path::
 
     build = runpy.run_path("src/hoststack/_vendor/coordkit/_build.py")
     setup(
+        package_dir={"": "src"},
         ext_modules=build["extensions"](
             package="hoststack._vendor.coordkit", path="src/hoststack/_vendor/coordkit"
-        )
+        ),
     )
 
 This file is run by path, not imported: importing the package would need

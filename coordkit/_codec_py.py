@@ -43,9 +43,6 @@ __all__ = [
     "write_single_submit",
 ]
 
-#: prompt_tokens counts a prompt that is not token ids as this many bytes a token.
-BYTES_PER_TOKEN = 4
-
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
 _UINT32_MAX = (1 << 32) - 1
@@ -255,6 +252,10 @@ def _entry(data: bytes, full: bool) -> tuple[int, bool] | None:
     if type(rid) is not int or not _INT64_MIN <= rid <= _INT64_MAX:
         return None
     return rid, flag
+
+
+#: prompt_tokens counts a prompt that is not token ids as this many bytes a token.
+BYTES_PER_TOKEN = 4
 
 
 def prompt_tokens(frame: Frame) -> int:

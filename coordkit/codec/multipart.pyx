@@ -269,6 +269,13 @@ cdef int ck_read_batch_into(const uint8_t* buf, size_t n, int64_t header, uint32
     return status
 
 
+cdef enum:
+    _BYTES_PER_TOKEN = 4
+
+#: prompt_tokens counts a prompt that is not token ids as this many bytes a token.
+BYTES_PER_TOKEN = _BYTES_PER_TOKEN
+
+
 cdef inline uint64_t _ceil_tokens(uint64_t n_bytes) noexcept nogil:
     return n_bytes // _BYTES_PER_TOKEN + (n_bytes % _BYTES_PER_TOKEN != 0)
 

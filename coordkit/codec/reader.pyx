@@ -1,7 +1,9 @@
 """The reads every part of the codec is made of (included by _codec_c.pyx).
 
-Each takes a cursor (``includes/cursor.h``) and returns a ``ck_status``; none
-reads past the cursor's end, whatever the lengths in the data say.
+The status texts; an array head, an int, a bool and the structural skip of
+any object, each at a cursor (``includes/cursor.h``), returning a
+``ck_status`` and never reading past the cursor's end, whatever the lengths in
+the data say; and the helpers the parts' Python functions share.
 """
 
 from cpython.bool cimport PyBool_Check
@@ -20,10 +22,6 @@ cdef enum:
     _SKIP_DEPTH = 1024
     # read_reply takes batches up to this size without a heap allocation.
     _LOCAL_ENTRIES = 64
-    _BYTES_PER_TOKEN = 4
-
-#: prompt_tokens counts a prompt that is not token ids as this many bytes a token.
-BYTES_PER_TOKEN = _BYTES_PER_TOKEN
 
 cdef const char* ck_strstatus(int status) noexcept nogil:
     if status == CK_OK:
