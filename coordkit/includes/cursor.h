@@ -73,12 +73,17 @@ static inline const uint8_t *ck_take(ck_cursor *c, size_t n)
 
 /* An int in msgpack's smallest form, the one msgpack.packb chooses; the bytes
  * it takes are returned. `out` must have room for 9 bytes (CK_INT_MAX)
- * whatever `v` is: an int in [0, 2**32) -- a token id, a request id, a header
- * -- is written as one 8-byte store built from tables, without a branch on its
- * size (token ids are as often above 0xffff as below, a branch missed half the
- * time), and that store may overwrite the 7 bytes after the int. */
+ * whatever `v` is: a fixint (a header, a small id) is one byte; any other int
+ * in [0, 2**32) -- a token id, a request id -- is written as one 8-byte store
+ * built from tables, without a branch on its size (token ids are as often
+ * above 0xffff as below, a branch missed half the time), and that store may
+ * overwrite the 7 bytes after the int. */
 static inline size_t ck_write_int(uint8_t *out, int64_t v)
 {
+    if ((uint64_t)v < 0x80) { /* a header, a small id: one byte, and a branch predicted */
+        out[0] = (uint8_t)v;
+        return 1;
+    }
 #if defined(__GNUC__) && !CK_BIG_ENDIAN
     if ((uint64_t)v <= 0xffffffffu) {
         static const uint8_t tags[4] = {0, 0xcc, 0xcd, 0xce};
@@ -94,10 +99,6 @@ static inline size_t ck_write_int(uint8_t *out, int64_t v)
     }
 #endif
     if (v >= 0) {
-        if (v < 0x80) {
-            out[0] = (uint8_t)v;
-            return 1;
-        }
         if (v <= 0xff) {
             out[0] = 0xcc;
             out[1] = (uint8_t)v;
