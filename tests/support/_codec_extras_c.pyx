@@ -5,19 +5,13 @@ They are written on the C codec's own reads and writes, cimported as a host's
 code cimports them (coordkit's public ``__init__.pxd``), so that their tests
 hold the product's code against msgpack: ``encode`` on ``ck_write_int`` and
 ``ck_write_array``, ``decode`` on ``ck_read_int`` and ``ck_read_array``,
-``rewrite_submit`` on ``ck_read_submit`` and ``ck_write_submit``,
-``write_header`` on ``ck_write_header``, ``blake2b`` on ``includes/blake2b.h``.
+``write_header`` on ``ck_write_header``, ``blake2b`` on ``includes/blake2b.h``,
+and ``rewrite_submit`` on the C codec's read_submit and write_submit, as its
+twin is on the Python codec's.
 No product code calls any of them. Compiled once per session (extension.py).
 """
 
-from cpython.bool cimport PyBool_Check
-from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer
-from cpython.bytes cimport (
-    PyBytes_AS_STRING,
-    PyBytes_CheckExact,
-    PyBytes_FromStringAndSize,
-    PyBytes_GET_SIZE,
-)
+from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.list cimport PyList_Check, PyList_New, PyList_SET_ITEM
 from cpython.long cimport (
     PyLong_AsLongLongAndOverflow,
@@ -43,14 +37,10 @@ from coordkit cimport (
     ck_cursor,
     ck_read_array,
     ck_read_int,
-    ck_read_submit,
     ck_strstatus,
-    ck_submit,
-    ck_submit_size,
     ck_write_array,
     ck_write_header,
     ck_write_int,
-    ck_write_submit,
 )
 from coordkit.includes.blake2b cimport (
     CK_BLAKE2B_MAX_OUT,
@@ -62,6 +52,7 @@ from coordkit.includes.blake2b cimport (
 from coordkit.includes.bytebuf cimport Buf, buf_reserve
 from coordkit.includes.cursor cimport ck_left, ck_store_be64
 
+from coordkit._codec_c import read_submit, write_submit
 from coordkit.protocol import ProtocolError
 
 __all__ = ["MAX_NESTING", "encode", "decode", "rewrite_submit", "write_header", "blake2b"]
@@ -73,69 +64,41 @@ cdef enum:
 MAX_NESTING = _MAX_NESTING
 
 
-cdef inline int _acquire(object frame, Py_buffer* view) except -1:
-    if PyBytes_CheckExact(frame):
-        return PyBuffer_FillInfo(
-            view, frame, PyBytes_AS_STRING(frame), PyBytes_GET_SIZE(frame), 1, PyBUF_SIMPLE
-        )
-    return PyObject_GetBuffer(frame, view, PyBUF_SIMPLE)
-
-
-cdef object _error(str what, int status, object rid=None):
-    return ProtocolError(f"{what}: {ck_strstatus(status).decode()}", rid)
-
-
-cdef inline int64_t _int64_arg(object value) except? -1:
-    cdef int overflow
-    if not PyLong_Check(value) or PyBool_Check(value):
-        raise TypeError(f"expected an int, got {type(value).__name__}")
-    cdef long long v = PyLong_AsLongLongAndOverflow(value, &overflow)
-    if overflow:
-        raise OverflowError(f"{value} does not fit int64")
-    return v
+cdef inline const uint8_t* _bytes(const unsigned char[::1] view) noexcept:
+    return &view[0] if view.shape[0] else NULL
 
 
 def rewrite_submit(frame, rid) -> bytes:
     """``frame``, validated as by read_submit, with its request id replaced by ``rid``."""
-    cdef int64_t new_rid = _int64_arg(rid)
-    cdef Py_buffer view
-    cdef ck_submit s
-    _acquire(frame, &view)
-    cdef const uint8_t* buf = <const uint8_t*>view.buf
-    cdef int status = ck_read_submit(buf, view.len, &s)
-    if status != CK_OK:
-        PyBuffer_Release(&view)
-        raise _error("malformed metadata frame", status, s.rid if s.offset else None)
-    cdef size_t rest_len = view.len - s.offset
-    try:
-        out = PyBytes_FromStringAndSize(NULL, ck_submit_size(&s, new_rid, rest_len))
-        ck_write_submit(<uint8_t*>PyBytes_AS_STRING(out), &s, new_rid, buf + s.offset, rest_len)
-    finally:
-        PyBuffer_Release(&view)
-    return out
+    header, length, _, offset = read_submit(frame)
+    return write_submit(header, length, rid, memoryview(frame)[offset:])
 
 
 def write_header(header) -> bytes:
     """``msgpack.packb([header])``."""
+    if not isinstance(header, int) or isinstance(header, bool):
+        raise TypeError(f"expected an int, got {type(header).__name__}")
     cdef uint8_t out[CK_HEADER_MAX]
-    cdef size_t n = ck_write_header(out, _int64_arg(header))
+    cdef size_t n = ck_write_header(out, header)  # OverflowError beyond int64
     return PyBytes_FromStringAndSize(<char*>out, n)
 
 
 def blake2b(data, digest_size=8) -> bytes:
     """``hashlib.blake2b(data, digest_size=digest_size).digest()``, by ``includes/blake2b.h``
     (the block hashes' BLAKE2b, tested on its own)."""
+    cdef const unsigned char[::1] view = data
     if not 1 <= digest_size <= CK_BLAKE2B_MAX_OUT:
         raise ValueError(f"digest_size must be in 1..{CK_BLAKE2B_MAX_OUT}")
     cdef ck_blake2b_state state
     cdef uint8_t digest[CK_BLAKE2B_MAX_OUT]
-    cdef Py_buffer view
-    _acquire(data, &view)
     ck_blake2b_init(&state, digest_size)
-    ck_blake2b_update(&state, <const uint8_t*>view.buf, view.len)
-    PyBuffer_Release(&view)
+    ck_blake2b_update(&state, _bytes(view), view.shape[0])
     ck_blake2b_final(&state, digest)
     return PyBytes_FromStringAndSize(<char*>digest, digest_size)
+
+
+cdef object _error(int status):
+    return ProtocolError(f"decode: {ck_strstatus(status).decode()}")
 
 
 cdef int _encode(Buf* w, object obj, int level) except -1:
@@ -200,7 +163,7 @@ cdef object _decode(ck_cursor* c, int level):
     cdef uint32_t length, i
     cdef int status
     if ck_left(c) == 0:
-        raise _error("decode", CK_TRUNCATED)
+        raise _error(CK_TRUNCATED)
     cdef uint8_t b = c.p[0]
     if b == 0xc0 or b == 0xc2 or b == 0xc3:
         c.p += 1
@@ -213,7 +176,7 @@ cdef object _decode(ck_cursor* c, int level):
         if status == CK_OK and length > ck_left(c):
             status = CK_TRUNCATED
         if status != CK_OK:
-            raise _error("decode", status)
+            raise _error(status)
         result = PyList_New(length)
         for i in range(length):
             item = _decode(c, level + 1)
@@ -225,21 +188,17 @@ cdef object _decode(ck_cursor* c, int level):
         return PyLong_FromLongLong(v)
     if status == CK_RANGE:
         return PyLong_FromUnsignedLongLong(<uint64_t>v)
-    raise _error("decode", status)
+    raise _error(status)
 
 
 def decode(frame) -> object:
     """``msgpack.unpackb(frame)`` for the types encode writes; ProtocolError for
     anything else, for trailing bytes and for arrays nested deeper than MAX_NESTING."""
-    cdef Py_buffer view
+    cdef const unsigned char[::1] view = frame
     cdef ck_cursor c
-    _acquire(frame, &view)
-    c.p = <const uint8_t*>view.buf
-    c.end = c.p + view.len
-    try:
-        result = _decode(&c, 0)
-        if c.p != c.end:
-            raise _error("decode", CK_TRAILING)
-        return result
-    finally:
-        PyBuffer_Release(&view)
+    c.p = _bytes(view)
+    c.end = c.p + view.shape[0]
+    result = _decode(&c, 0)
+    if c.p != c.end:
+        raise _error(CK_TRAILING)
+    return result

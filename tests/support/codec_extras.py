@@ -61,10 +61,8 @@ def decode(frame: Buffer) -> Any:
 
 def rewrite_submit(frame: Buffer, rid: int) -> bytes:
     """``frame``, validated as by read_submit, with its request id replaced by ``rid``."""
-    rid = _int64_arg(rid)
-    data = _as_bytes(frame)
-    header, length, _, offset = read_submit(data)
-    return write_submit(header, length, rid, data[offset:])
+    header, length, _, offset = read_submit(frame)
+    return write_submit(header, length, rid, memoryview(frame)[offset:])
 
 
 def write_header(header: int) -> bytes:
