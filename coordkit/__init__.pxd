@@ -30,7 +30,8 @@ What is public is what this file declares, and nothing else: every other
   names, bound at import to the libzmq pyzmq loaded (``bind_libzmq``, which
   every module that cimports this calls once, and ``libzmq_candidates``, the
   paths it tries); ``recv_parts``, every frame of the next message into a
-  growable array; ``ck_msg_from_object``, a frame from any Python buffer
+  growable array of messages (``reserve_msgs`` grows one);
+  ``ck_msg_from_object``, a frame from any Python buffer
   (copied below ``copy_below`` bytes, sent without a copy above it), whose
   pins ``ck_pins_sweep`` releases, with the GIL, at each send and receive.
   Sockets stay pyzmq's: take the raw handle from ``socket.underlying``.
@@ -132,6 +133,7 @@ from .includes.libzmq cimport (
     bind_libzmq,
     libzmq_candidates,
     recv_parts,
+    reserve_msgs,
     zmq_errno,
     zmq_free_fn,
     zmq_getsockopt,

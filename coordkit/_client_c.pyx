@@ -69,6 +69,7 @@ from .includes.libzmq cimport (
     ZMQ_SNDMORE,
     bind_libzmq,
     recv_parts,
+    reserve_msgs,
     zmq_errno,
     zmq_getsockopt,
     zmq_msg_close,
@@ -763,20 +764,12 @@ cdef class ClientCore:
         return 0
 
     cdef int _take_frames(self, zmq_msg_t* msgs, Py_ssize_t n) except -1:
-        cdef Py_ssize_t i, capacity
-        cdef zmq_msg_t* grown
-        if self.n_frames + n > self.frames_capacity:
-            capacity = 2 * self.frames_capacity + n
-            grown = <zmq_msg_t*>malloc(capacity * sizeof(zmq_msg_t))
-            if grown == NULL:
-                close_msgs(msgs, n)
-                raise MemoryError()
-            for i in range(1, self.n_frames):
-                zmq_msg_init(&grown[i])
-                zmq_msg_move(&grown[i], &self.frames[i])
-            free(self.frames)
-            self.frames = grown
-            self.frames_capacity = capacity
+        cdef Py_ssize_t i
+        if not reserve_msgs(
+            &self.frames, &self.frames_capacity, 1, self.n_frames, self.n_frames + n
+        ):
+            close_msgs(msgs, n)
+            raise MemoryError()
         for i in range(n):
             self.open_bytes += zmq_msg_size(&msgs[i])
             zmq_msg_init(&self.frames[self.n_frames])

@@ -132,7 +132,7 @@ cdef int ck_read_reply_batch(const uint8_t* buf, size_t n, ck_batch_entry* entri
                              uint32_t capacity, uint32_t* count) noexcept nogil
 
 # Either of the above (`header` HEADER_SUBMIT_BATCH or HEADER_REPLY_BATCH) into
-# *entries, a malloc'd array of *capacity that is grown (realloc) to hold every entry
+# *entries, a malloc'd array of *capacity that is grown (reserve) to hold every entry
 # read, whether the batch reads whole or not. CK_TOO_MANY when memory ran out; *count
 # is then at most *capacity, the entries that could be held.
 cdef int ck_read_batch_into(const uint8_t* buf, size_t n, int64_t header, uint32_t width,

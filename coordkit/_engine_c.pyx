@@ -56,6 +56,7 @@ from .includes.libzmq cimport (
     ZMQ_SNDMORE,
     bind_libzmq,
     recv_parts,
+    reserve_msgs,
     zmq_errno,
     zmq_msg_close,
     zmq_msg_data,
@@ -479,19 +480,10 @@ cdef class EngineCore:
             self.n_bodies = 1
 
     cdef int _take_body(self, object body) except -1:
-        cdef zmq_msg_t* grown
-        cdef Py_ssize_t i, capacity
-        if self.n_bodies == self.bodies_capacity:
-            capacity = 2 * self.bodies_capacity
-            grown = <zmq_msg_t*>malloc(capacity * sizeof(zmq_msg_t))
-            if grown == NULL:
-                raise MemoryError()
-            for i in range(1, self.n_bodies):
-                zmq_msg_init(&grown[i])
-                zmq_msg_move(&grown[i], &self.bodies[i])
-            free(self.bodies)
-            self.bodies = grown
-            self.bodies_capacity = capacity
+        if not reserve_msgs(
+            &self.bodies, &self.bodies_capacity, 1, self.n_bodies, self.n_bodies + 1
+        ):
+            raise MemoryError()
         ck_msg_from_object(&self.bodies[self.n_bodies], body, COPY_BELOW)
         self.n_bodies += 1
         return 0

@@ -1,6 +1,7 @@
 # cython: language_level=3
 """Declarations of libzmq.h: the libzmq functions bound at import, under libzmq's own names,
-and the two helpers every user of the binding needs: the binding itself and a receive."""
+and what every user of the binding needs: the binding itself, a growable array of
+messages, a receive of every frame of a message into one."""
 
 from libc.errno cimport EAGAIN
 from libc.stdlib cimport free, malloc
@@ -89,32 +90,46 @@ cdef inline int bind_libzmq() except -1:
     )
 
 
+cdef inline bint reserve_msgs(zmq_msg_t** msgs, Py_ssize_t* capacity, Py_ssize_t first,
+                              Py_ssize_t used, Py_ssize_t needed) noexcept nogil:
+    """Grow ``msgs[0]``, an array of ``capacity[0]`` messages of which ``[first, used)``
+    are live, to hold at least ``needed``, at least doubling it: the live ones are moved
+    with zmq_msg_move (a zmq_msg_t is libzmq's to move, never copied by hand, so this
+    is ``reserve`` for messages). False when memory is short (the array is as it was)."""
+    cdef Py_ssize_t i, grown_capacity = 2 * capacity[0]
+    cdef zmq_msg_t* grown
+    if needed <= capacity[0]:
+        return True
+    if grown_capacity < needed:
+        grown_capacity = needed
+    grown = <zmq_msg_t*>malloc(grown_capacity * sizeof(zmq_msg_t))
+    if grown == NULL:
+        return False
+    for i in range(first, used):
+        zmq_msg_init(&grown[i])
+        zmq_msg_move(&grown[i], &msgs[0][i])
+    free(msgs[0])
+    msgs[0] = grown
+    capacity[0] = grown_capacity
+    return True
+
+
 cdef inline int recv_parts(void* sock, zmq_msg_t** parts, Py_ssize_t* n_parts,
                            Py_ssize_t* capacity) except -2:
     """Every frame of the next message into ``parts[0]``, an array of ``capacity``
-    that doubles as needed: 1, 0 when none waits, -1 on error."""
-    cdef zmq_msg_t* grown
-    cdef zmq_msg_t* msgs = parts[0]
-    cdef Py_ssize_t i, n
-    zmq_msg_init(&msgs[0])
-    if zmq_msg_recv(&msgs[0], sock, ZMQ_DONTWAIT) < 0:
-        zmq_msg_close(&msgs[0])
+    that grows as needed (reserve_msgs): 1, 0 when none waits, -1 on error."""
+    cdef Py_ssize_t n
+    zmq_msg_init(&parts[0][0])
+    if zmq_msg_recv(&parts[0][0], sock, ZMQ_DONTWAIT) < 0:
+        zmq_msg_close(&parts[0][0])
         return 0 if zmq_errno() == EAGAIN else -1
     n = 1
-    while zmq_msg_more(&msgs[n - 1]):
-        if n == capacity[0]:
-            grown = <zmq_msg_t*>malloc(2 * n * sizeof(zmq_msg_t))
-            if grown == NULL:
-                n_parts[0] = n  # closed by the caller
-                raise MemoryError()
-            for i in range(n):
-                zmq_msg_init(&grown[i])
-                zmq_msg_move(&grown[i], &msgs[i])
-            free(msgs)
-            parts[0] = msgs = grown
-            capacity[0] = 2 * n
-        zmq_msg_init(&msgs[n])
-        zmq_msg_recv(&msgs[n], sock, 0)  # the rest is there
+    while zmq_msg_more(&parts[0][n - 1]):
+        if not reserve_msgs(parts, capacity, 0, n, n + 1):
+            n_parts[0] = n  # closed by the caller
+            raise MemoryError()
+        zmq_msg_init(&parts[0][n])
+        zmq_msg_recv(&parts[0][n], sock, 0)  # the rest is there
         n += 1
     n_parts[0] = n
     return 1
