@@ -1,7 +1,4 @@
-"""Build the Cython extensions unless COORDKIT_PUREPYTHON=1.
-
-The extensions do not link libzmq: at import they bind to the copy pyzmq
-already loaded (see coordkit/_libzmq.h), so no zmq.h is needed here.
+"""Build the Cython extensions unless COORDKIT_PUREPYTHON=1: one call of coordkit/_build.py.
 
 ``COORDKIT_DEBUG=1`` builds for debugging (``make debug``): the DEBUG
 counters compiled in, Cython's line tracing (``CYTHON_TRACE``, so coverage
@@ -12,12 +9,10 @@ two builds leaves nothing of the other.
 """
 
 import os
+import runpy
 import sys
-from pathlib import Path
 
-from setuptools import Extension, setup
-
-EXTENSIONS = sorted(p.stem for p in Path(__file__).parent.joinpath("coordkit").glob("*.pyx"))
+from setuptools import setup
 
 
 def _flag(name):
@@ -27,29 +22,12 @@ def _flag(name):
 def extensions():
     if _flag("COORDKIT_PUREPYTHON"):
         return []
-    from Cython.Build import cythonize
-
-    debug = _flag("COORDKIT_DEBUG")
-    directives = {"language_level": "3", "embedsignature": True}
-    macros = []
-    if debug:
-        directives["linetrace"] = True
-        macros = [("COORDKIT_DEBUG", "1"), ("CYTHON_TRACE", "1"), ("CYTHON_TRACE_NOGIL", "1")]
-    modules = [
-        Extension(
-            f"coordkit.{name}",
-            [f"coordkit/{name}.pyx"],
-            include_dirs=["coordkit"],
-            libraries=["dl"] if sys.platform.startswith("linux") else [],
-            define_macros=macros,
-            extra_compile_args=["-O0", "-g"] if debug else ["-O3"],
-        )
-        for name in EXTENSIONS
-    ]
-    return cythonize(
-        modules,
-        compiler_directives=directives,
-        annotate=debug or _flag("COORDKIT_ANNOTATE"),
+    build = runpy.run_path("coordkit/_build.py")
+    return build["extensions"](
+        package="coordkit",
+        path="coordkit",
+        debug=_flag("COORDKIT_DEBUG"),
+        annotate=_flag("COORDKIT_ANNOTATE"),
         force="--force" in sys.argv or "-f" in sys.argv,
     )
 

@@ -4,7 +4,7 @@
 Same API, same frames on the wire, same futures resolved with the same values
 (the module docstring of the twin says how the core works). Here the frames
 are built in ``zmq_msg_t``\\ s with the C codec and sent with the libzmq that
-pyzmq loaded (see _libzmq.h), the metadata of every reply is read in C, and a
+pyzmq loaded (see includes/libzmq.h), the metadata of every reply is read in C, and a
 reply's body goes from its message straight into ``msgpack.unpackb`` (or a
 ``bytes``). Token-id prompts are packed in C: a list of ints without a call
 per token, and any object exporting an integer buffer (``array.array``, numpy
@@ -13,7 +13,7 @@ arrays) from the buffer itself, without a Python int per token.
 Frames given as Python objects (a bytes-like prompt, block hashes) are copied
 below ``COPY_BELOW`` bytes and sent without a copy above it, the buffer pinned
 until libzmq's I/O thread is done with it and released by the next call that
-holds the GIL (_pins.h).
+holds the GIL (includes/pins.h).
 
 The rare paths -- a message libzmq refused for now (the outbox), control
 messages, ERROR and STATS_REPLY -- use pyzmq and the message specs, as the
@@ -44,7 +44,7 @@ from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, u
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
-from coordkit._codec_c cimport (
+from ._codec_c cimport (
     CK_ARRAY_MAX,
     CK_BATCH_HEAD_MAX,
     CK_INT_MAX,
@@ -59,9 +59,9 @@ from coordkit._codec_c cimport (
     ck_write_int,
     ck_write_uint,
 )
-from coordkit._constants cimport *
-from coordkit._buf cimport Buf, buf_put, buf_reserve
-from coordkit._libzmq cimport (
+from ._constants cimport *
+from .includes.bytebuf cimport Buf, buf_put, buf_reserve
+from .includes.libzmq cimport (
     ZMQ_DONTWAIT,
     ZMQ_EVENTS,
     ZMQ_POLLIN,
@@ -69,6 +69,7 @@ from coordkit._libzmq cimport (
     ZMQ_SNDMORE,
     bind_libzmq,
     recv_parts,
+    reserve_msgs,
     zmq_errno,
     zmq_getsockopt,
     zmq_msg_close,
@@ -81,32 +82,21 @@ from coordkit._libzmq cimport (
     zmq_msg_t,
     zmq_strerror,
 )
+from .includes.pins cimport ck_msg_from_object, ck_pins_sweep
+from .includes.slots cimport ck_set_slot
+from .includes.sysdep cimport BIG_ENDIAN
 
 import asyncio
-import logging
 
 import msgpack
 import zmq
 
-from coordkit import protocol
-from coordkit._shared import check_constants
-from coordkit.protocol import ProtocolError, packb, unpackb
+from . import protocol
+from ._shared import check_constants, logger
+from .protocol import ProtocolError, packb, unpackb
 
 bind_libzmq()
 check_constants(generated_constants())
-
-cdef extern from "_pins.h":
-    void ck_pins_sweep()
-    int ck_msg_from_object(zmq_msg_t* msg, object obj, size_t copy_below) except -1
-
-cdef extern from *:
-    """
-    static inline int ck_set_slot(PyObject *descr, PyObject *obj, PyObject *value)
-    {
-        return Py_TYPE(descr)->tp_descr_set(descr, obj, value);
-    }
-    """
-    int ck_set_slot(object descr, object obj, object value) except -1
 
 cdef extern from *:
     """
@@ -124,43 +114,6 @@ cdef extern from *:
     """
     int ck_sequence_int(object seq, Py_ssize_t i, long long* v) noexcept
 
-cdef extern from *:
-    """
-    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    #define CK_BIG_ENDIAN 1
-    #else
-    #define CK_BIG_ENDIAN 0
-    #endif
-
-    /* A uint32 in msgpack's smallest form, without a branch on its size (token ids
-       are as likely above 0xffff as below, a branch that would be missed half the
-       time): the form's tag and the value's big-endian bytes built as one 8-byte
-       word. `out` has room for 8 bytes; the bytes written are returned. Where
-       CK_PUT_UINT32 is 0 (a big-endian host, or no __builtin_bswap32), put_int
-       branches instead. */
-    #if defined(__GNUC__) && !CK_BIG_ENDIAN
-    #define CK_PUT_UINT32 1
-    static inline size_t ck_put_uint32(uint8_t *out, uint32_t v)
-    {
-        static const uint8_t tags[4] = {0, 0xcc, 0xcd, 0xce};
-        static const uint8_t shifts[4] = {24, 24, 16, 0};
-        static const uint8_t places[4] = {0, 8, 8, 8};
-        static const uint8_t sizes[4] = {1, 2, 3, 5};
-        unsigned form = (v >= 0x80) + (v > 0xff) + (v > 0xffff);
-        uint64_t be = __builtin_bswap32(v) >> shifts[form];
-        uint64_t word = tags[form] | (be << places[form]);
-        memcpy(out, &word, 8);
-        return sizes[form];
-    }
-    #else
-    #define CK_PUT_UINT32 0
-    static inline size_t ck_put_uint32(uint8_t *out, uint32_t v) { (void)out; (void)v; return 0; }
-    #endif
-    """
-    bint BIG_ENDIAN "CK_BIG_ENDIAN"
-    bint PUT_UINT32 "CK_PUT_UINT32"
-    size_t ck_put_uint32(uint8_t* out, uint32_t v) noexcept nogil
-
 __all__ = [
     "ClientCore",
     "MAX_BATCH_ENTRIES",
@@ -170,7 +123,7 @@ __all__ = [
     "pack_tokens",
 ]
 
-log = logging.getLogger("coordkit.client")
+log = logger.getChild("client")
 
 cdef enum:
     _MAX_BATCH_ENTRIES = 1024
@@ -196,33 +149,6 @@ cdef object _unpackb = msgpack.unpackb
 
 # -- packing prompts -----------------------------------------------------------------------
 
-cdef inline uint8_t* put_int(uint8_t* out, int64_t v) noexcept nogil:
-    """``v`` in msgpack's smallest form: token ids (0 .. 2**32-1) inline, the rest by the
-    codec. ``out`` has room for 8 bytes."""
-    if PUT_UINT32 and 0 <= v <= <int64_t>0xffffffff:
-        return out + ck_put_uint32(out, <uint32_t>v)
-    if 0 <= v < 0x80:
-        out[0] = <uint8_t>v
-        return out + 1
-    if 0 <= v <= 0xff:
-        out[0] = 0xcc
-        out[1] = <uint8_t>v
-        return out + 2
-    if 0 <= v <= 0xffff:
-        out[0] = 0xcd
-        out[1] = <uint8_t>(v >> 8)
-        out[2] = <uint8_t>v
-        return out + 3
-    if 0 <= v <= <int64_t>0xffffffff:
-        out[0] = 0xce
-        out[1] = <uint8_t>(v >> 24)
-        out[2] = <uint8_t>(v >> 16)
-        out[3] = <uint8_t>(v >> 8)
-        out[4] = <uint8_t>v
-        return out + 5
-    return out + ck_write_int(out, v)
-
-
 cdef int pack_sequence(Buf* b, object seq) except -1:
     """A list or tuple of plain ints into ``b``, as msgpack.packb packs it; 0 (nothing
     written) when an item is not a plain int in range, for msgpack itself to handle."""
@@ -237,7 +163,7 @@ cdef int pack_sequence(Buf* b, object seq) except -1:
     for i in range(n):
         kind = ck_sequence_int(seq, i, &v)
         if kind == 1:
-            out = put_int(out, v)
+            out += ck_write_int(out, v)
         elif kind == 0:  # a bool packs as a bool; anything else is msgpack's
             return 0
         else:
@@ -320,7 +246,7 @@ cdef int pack_buffer(Buf* b, object obj) except -1:
                     i64 = i32
                 else:
                     memcpy(&i64, p, 8)
-                out = put_int(out, i64)
+                out += ck_write_int(out, i64)
             else:
                 if view.itemsize == 1:
                     memcpy(&u8, p, 1)
@@ -333,10 +259,7 @@ cdef int pack_buffer(Buf* b, object obj) except -1:
                     u64 = u32
                 else:
                     memcpy(&u64, p, 8)
-                if u64 <= <uint64_t>0xffffffff:
-                    out = put_int(out, <int64_t>u64)
-                else:
-                    out += ck_write_uint(out, u64)
+                out += ck_write_uint(out, u64)
         b.len = out - b.data
         return 1
     finally:
@@ -841,20 +764,12 @@ cdef class ClientCore:
         return 0
 
     cdef int _take_frames(self, zmq_msg_t* msgs, Py_ssize_t n) except -1:
-        cdef Py_ssize_t i, capacity
-        cdef zmq_msg_t* grown
-        if self.n_frames + n > self.frames_capacity:
-            capacity = 2 * self.frames_capacity + n
-            grown = <zmq_msg_t*>malloc(capacity * sizeof(zmq_msg_t))
-            if grown == NULL:
-                close_msgs(msgs, n)
-                raise MemoryError()
-            for i in range(1, self.n_frames):
-                zmq_msg_init(&grown[i])
-                zmq_msg_move(&grown[i], &self.frames[i])
-            free(self.frames)
-            self.frames = grown
-            self.frames_capacity = capacity
+        cdef Py_ssize_t i
+        if not reserve_msgs(
+            &self.frames, &self.frames_capacity, 1, self.n_frames, self.n_frames + n
+        ):
+            close_msgs(msgs, n)
+            raise MemoryError()
         for i in range(n):
             self.open_bytes += zmq_msg_size(&msgs[i])
             zmq_msg_init(&self.frames[self.n_frames])

@@ -25,7 +25,6 @@ the same values:
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
@@ -34,6 +33,7 @@ import msgpack
 import zmq
 
 from . import _codec_py, protocol
+from ._shared import logger
 from .protocol import Header, ProtocolError, block_hashes, packb, unpackb
 
 __all__ = [
@@ -45,7 +45,7 @@ __all__ = [
     "pack_tokens",
 ]
 
-log = logging.getLogger("coordkit.client")
+log = logger.getChild("client")
 
 #: Requests in one SUBMIT_BATCH at most; a longer burst goes as several.
 MAX_BATCH_ENTRIES = 1024

@@ -1,5 +1,6 @@
 # cython: language_level=3
-"""The C-level header codec, for the Cython coordinator to cimport.
+"""The C-level header codec, for the Cython modules to cimport (and a host's own, through
+``__init__.pxd``).
 
 Every function reads a msgpack metadata frame from ``buf[0:n]`` (or writes one
 into ``out``), holds no Python object and needs no GIL. Reads return a
@@ -7,6 +8,8 @@ into ``out``), holds no Python object and needs no GIL. Reads return a
 """
 
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+
+from .includes.cursor cimport ck_cursor, ck_write_int, ck_write_uint
 
 
 ctypedef struct ck_submit:
@@ -63,7 +66,7 @@ cdef enum:
     CK_HEADER_INT_MAX = 19      # bytes ck_write_header_int may write: [h, v]
     CK_SUBMIT_PREFIX_MAX = 23   # array32 header + two int64: the prefix of ck_write_submit
     CK_SINGLE_PREFIX_MAX = 19   # fixarray + two int64: the prefix of ck_write_single_submit
-    CK_INT_MAX = 9              # bytes ck_write_int or ck_write_uint may write
+    CK_INT_MAX = 9              # room ck_write_int and ck_write_uint need
     CK_ARRAY_MAX = 5            # bytes ck_write_array may write
     CK_BATCH_HEAD_MAX = 15      # bytes ck_write_batch_head may write: [h, [ of n
 
@@ -129,18 +132,23 @@ cdef int ck_read_reply_batch(const uint8_t* buf, size_t n, ck_batch_entry* entri
                              uint32_t capacity, uint32_t* count) noexcept nogil
 
 # Either of the above (`header` HEADER_SUBMIT_BATCH or HEADER_REPLY_BATCH) into
-# *entries, a malloc'd array of *capacity that is grown (realloc) to hold every entry
+# *entries, a malloc'd array of *capacity that is grown (reserve) to hold every entry
 # read, whether the batch reads whole or not. CK_TOO_MANY when memory ran out; *count
 # is then at most *capacity, the entries that could be held.
 cdef int ck_read_batch_into(const uint8_t* buf, size_t n, int64_t header, uint32_t width,
                             ck_batch_entry** entries, uint32_t* capacity,
                             uint32_t* count) noexcept nogil
 
-# The writers of the forms above, for the endpoints that build whole frames:
-# an int in its smallest form (as msgpack.packb), a uint64 likewise, an array head.
-cdef size_t ck_write_int(uint8_t* out, int64_t v) noexcept nogil
-cdef size_t ck_write_uint(uint8_t* out, uint64_t v) noexcept nogil
+# The writers of the forms above, for the endpoints that build whole frames: an array
+# head; an int64 or a uint64 in its smallest form (as msgpack.packb) is ck_write_int's or
+# ck_write_uint's (includes/cursor.h, inline), which need CK_INT_MAX bytes of room.
 cdef size_t ck_write_array(uint8_t* out, uint32_t length) noexcept nogil
+
+# The reads the others are made of, at a cursor over a frame: an array head (its
+# length), an int (any msgpack int; a uint64 beyond int64 is CK_RANGE, its bits in
+# *value). The cursor moves past what was read.
+cdef int ck_read_array(ck_cursor* c, uint32_t* length) noexcept nogil
+cdef int ck_read_int(ck_cursor* c, int64_t* value) noexcept nogil
 
 # -- Megatron-Core's single-frame dialect -------------------------------------
 #

@@ -6,11 +6,14 @@ the part of a SUBMIT it does not need (sampling_params, kv_meta) is checked
 for structure only and never built into objects, just as the C twin does.
 Megatron-Core's single frames are read the same way: a prompt or a reply map
 is skipped, never decoded, and handed back as a byte span.
+
+The parts come in the order of the C twin's (``codec/*.pyx``), under the same
+names: the reader (the reads every part is made of, the errors' texts), the
+multipart frames, the single frames, the writer.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -19,44 +22,44 @@ import msgpack
 from .protocol import Buffer, Frame, Header, ProtocolError, block_hashes
 
 __all__ = [
-    "MAX_NESTING",
+    # multipart
     "read_header",
     "read_submit",
-    "rewrite_submit",
-    "write_submit",
     "read_reply",
+    "prompt_tokens",
     "read_header_int",
     "read_submit_batch",
     "read_reply_batch",
-    "prompt_tokens",
-    "write_header",
-    "write_header_int",
-    "encode",
-    "decode",
+    # single frame
     "read_single_head",
     "read_single_submit",
     "read_single_reply",
     "check_prompt",
     "check_map",
     "prompt_hashes",
+    # writer
+    "write_submit",
+    "write_header_int",
     "write_single_submit",
-    "blake2b",
 ]
-
-#: encode and decode refuse arrays nested deeper than this.
-MAX_NESTING = 512
-#: prompt_tokens counts a prompt that is not token ids as this many bytes a token.
-BYTES_PER_TOKEN = 4
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
 _UINT32_MAX = (1 << 32) - 1
-_UINT64_MAX = (1 << 64) - 1
 _METADATA = "malformed metadata frame"
 _REPLY = "malformed engine reply"
 
-# pack_array_header runs in C without releasing the GIL: one shared Packer is safe.
-_packer = msgpack.Packer()
+# The texts of the C twin's ck_strstatus, for the same faults.
+_TRUNCATED = "truncated"
+_BAD_TYPE = "unexpected type"
+_NOT_MAP = "reply entry is not a map"
+_NO_REQUEST_ID = "reply entry has no request_id"
+_BAD_REQUEST_ID = "request_id is not an int64"
+_PROMPT_STR = "the prompt is a str"
+_BAD_TOKEN = "a token is not an int in [0, 2**32)"
+
+# "request_id" as a msgpack str, in each of its four forms.
+# -- reader: the reads every part is made of ------------------------------------------
 
 
 def _as_bytes(frame: Buffer) -> bytes:
@@ -90,6 +93,79 @@ def _int(what: str, value: Any, out_of_range: str = "int out of int64 range") ->
     if not _INT64_MIN <= value <= _INT64_MAX:
         raise ProtocolError(f"{what}: {out_of_range}")
     return value
+
+
+def _bool(what: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise ProtocolError(f"{what}: unexpected type")
+    return value
+
+
+def _unpacker(data: bytes) -> msgpack.Unpacker:
+    # sized to the frame: the default would allocate 1 MiB per call
+    unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    return unpacker
+
+
+def _is_str(b: int) -> bool:
+    return b & 0xE0 == 0xA0 or b in (0xD9, 0xDA, 0xDB)
+
+
+def _is_array(b: int) -> bool:
+    return b & 0xF0 == 0x90 or b in (0xDC, 0xDD)
+
+
+def _is_map(b: int) -> bool:
+    return b & 0xF0 == 0x80 or b in (0xDE, 0xDF)
+
+
+def _is_int(b: int) -> bool:
+    return b < 0x80 or b >= 0xE0 or 0xCC <= b <= 0xD3
+
+
+def _is_prompt(b: int) -> bool:
+    return _is_str(b) or _is_array(b)
+
+
+def _array_length(what: str, data: bytes, unpacker: msgpack.Unpacker) -> int:
+    at = unpacker.tell()
+    if at < len(data) and not _is_array(data[at]):
+        raise ProtocolError(f"{what}: {_BAD_TYPE}")
+    return int(_unpack(what, unpacker.read_array_header))
+
+
+def _count(what: str, data: bytes, unpacker: msgpack.Unpacker, kind: Callable[[int], bool]) -> int:
+    """The element count of the array (or map: twice its pairs) that ``kind``
+    says comes next, refused as truncated when its elements, a byte each at
+    least, cannot fit in what is left: the checks of the C twin, in its order."""
+    at = unpacker.tell()
+    if at >= len(data):
+        raise ProtocolError(f"{what}: {_TRUNCATED}")
+    if not kind(data[at]):
+        raise ProtocolError(f"{what}: {_BAD_TYPE}")
+    if kind is _is_map:
+        count = 2 * _unpack(what, unpacker.read_map_header)
+    else:
+        count = _unpack(what, unpacker.read_array_header)
+    if count > len(data) - unpacker.tell():
+        raise ProtocolError(f"{what}: {_TRUNCATED}")
+    return count
+
+
+def _skip_one(
+    what: str, data: bytes, unpacker: msgpack.Unpacker, kind: Callable[[int], bool], rid: Any
+) -> None:
+    """Skip one object whose first byte ``kind`` accepts."""
+    at = unpacker.tell()
+    if at >= len(data):
+        raise ProtocolError(f"{what}: {_TRUNCATED}", rid)
+    if not kind(data[at]):
+        raise ProtocolError(f"{what}: {_BAD_TYPE}", rid)
+    _unpack(what, unpacker.skip, rid)
+
+
+# -- multipart: the metadata frames of the multipart protocol --------------------------
 
 
 def _start(
@@ -134,25 +210,6 @@ def read_submit(frame: Buffer) -> tuple[int, int, int, int]:
     return header, length, rid, offset
 
 
-def rewrite_submit(frame: Buffer, rid: int) -> bytes:
-    """``frame``, validated as by read_submit, with its request id replaced by ``rid``."""
-    rid = _int64_arg(rid)
-    data = _as_bytes(frame)
-    header, length, _, offset = read_submit(data)
-    return write_submit(header, length, rid, data[offset:])
-
-
-def write_submit(header: int, length: int, rid: int, rest: Buffer) -> bytes:
-    """``[header, rid, <rest>]``, an array of ``length`` elements: ``rest`` (the
-    other ``length - 2``, already packed) spliced in as it is."""
-    if not isinstance(length, int) or isinstance(length, bool):
-        raise TypeError(f"expected an int, got {type(length).__name__}")
-    if not 2 <= length <= _UINT32_MAX:
-        raise ValueError(f"length must be in 2..2**32-1, not {length}")
-    head = _packer.pack_array_header(length) + _packer.pack(_int64_arg(header))
-    return head + _packer.pack(_int64_arg(rid)) + _as_bytes(rest)
-
-
 def read_reply(frame: Buffer) -> tuple[int, list[tuple[int, bool] | None]]:
     """``(header, entries)`` of an engine's batch, one entry per body frame.
 
@@ -195,6 +252,10 @@ def _entry(data: bytes, full: bool) -> tuple[int, bool] | None:
     if type(rid) is not int or not _INT64_MIN <= rid <= _INT64_MAX:
         return None
     return rid, flag
+
+
+#: prompt_tokens counts a prompt that is not token ids as this many bytes a token.
+BYTES_PER_TOKEN = 4
 
 
 def prompt_tokens(frame: Frame) -> int:
@@ -277,12 +338,6 @@ def _batch_entries(
     return entries
 
 
-def _bool(what: str, value: Any) -> bool:
-    if type(value) is not bool:
-        raise ProtocolError(f"{what}: unexpected type")
-    return value
-
-
 def read_submit_batch(frame: Buffer, width: int = 3) -> list[tuple[int, int, int, bool]]:
     """``[(rid, params_offset, params_size, hashed), ...]`` of a SUBMIT_BATCH.
 
@@ -317,130 +372,13 @@ def read_reply_batch(frame: Buffer) -> list[tuple[int, bool]]:
     return cast(list[tuple[int, bool]], entries)
 
 
-def write_header(header: int) -> bytes:
-    """``msgpack.packb([header])``."""
-    return msgpack.packb([_int64_arg(header)])
-
-
-def write_header_int(header: int, value: int) -> bytes:
-    """``msgpack.packb([header, value])``."""
-    return msgpack.packb([_int64_arg(header), _int64_arg(value)])
-
-
-def _check_supported(what: str, obj: Any) -> None:
-    """ProtocolError unless obj is None, bool, int or arrays of them, not too deep."""
-    stack = [(obj, 0)]
-    while stack:
-        item, level = stack.pop()
-        if item is None or isinstance(item, bool):
-            continue
-        if isinstance(item, int):
-            if not _INT64_MIN <= item <= _UINT64_MAX:
-                raise ProtocolError(f"{what}: {item} is out of range")
-        elif isinstance(item, (list, tuple)):
-            if level >= MAX_NESTING:
-                raise ProtocolError(f"{what}: nested too deep")
-            stack.extend((child, level + 1) for child in item)
-        else:
-            raise ProtocolError(f"{what}: unsupported type {type(item).__name__}")
-
-
-def encode(obj: Any) -> bytes:
-    """``msgpack.packb(obj)`` for None, bool, int (-2**63 .. 2**64-1) and lists
-    or tuples of them, nested at most MAX_NESTING deep; ProtocolError otherwise."""
-    _check_supported("encode", obj)
-    return msgpack.packb(obj)
-
-
-def decode(frame: Buffer) -> Any:
-    """``msgpack.unpackb(frame)`` for the types encode writes; ProtocolError for
-    anything else, for trailing bytes and for arrays nested deeper than MAX_NESTING."""
-    data = _as_bytes(frame)
-    obj = _unpack("decode", lambda: msgpack.unpackb(data))
-    _check_supported("decode", obj)
-    return obj
-
-
-# -- Megatron-Core's single frames ---------------------------------------------------
-
-# The texts of the C twin's ck_strstatus, for the same faults.
-_TRUNCATED = "truncated"
-_BAD_TYPE = "unexpected type"
-_NOT_MAP = "reply entry is not a map"
-_NO_REQUEST_ID = "reply entry has no request_id"
-_BAD_REQUEST_ID = "request_id is not an int64"
-_PROMPT_STR = "the prompt is a str"
-_BAD_TOKEN = "a token is not an int in [0, 2**32)"
+# -- single frame: Megatron-Core 0.19's single frames, as byte spans --------------------
 
 # "request_id" as a msgpack str, in each of its four forms.
 _REQUEST_ID_KEYS = tuple(
     head + b"request_id"
     for head in (b"\xaa", b"\xd9\x0a", b"\xda\x00\x0a", b"\xdb\x00\x00\x00\x0a")
 )
-
-
-def _is_str(b: int) -> bool:
-    return b & 0xE0 == 0xA0 or b in (0xD9, 0xDA, 0xDB)
-
-
-def _is_array(b: int) -> bool:
-    return b & 0xF0 == 0x90 or b in (0xDC, 0xDD)
-
-
-def _is_map(b: int) -> bool:
-    return b & 0xF0 == 0x80 or b in (0xDE, 0xDF)
-
-
-def _is_int(b: int) -> bool:
-    return b < 0x80 or b >= 0xE0 or 0xCC <= b <= 0xD3
-
-
-def _is_prompt(b: int) -> bool:
-    return _is_str(b) or _is_array(b)
-
-
-def _unpacker(data: bytes) -> msgpack.Unpacker:
-    # sized to the frame: the default would allocate 1 MiB per call
-    unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, max_buffer_size=max(len(data), 1))
-    unpacker.feed(data)
-    return unpacker
-
-
-def _array_length(what: str, data: bytes, unpacker: msgpack.Unpacker) -> int:
-    at = unpacker.tell()
-    if at < len(data) and not _is_array(data[at]):
-        raise ProtocolError(f"{what}: {_BAD_TYPE}")
-    return int(_unpack(what, unpacker.read_array_header))
-
-
-def _count(what: str, data: bytes, unpacker: msgpack.Unpacker, kind: Callable[[int], bool]) -> int:
-    """The element count of the array (or map: twice its pairs) that ``kind``
-    says comes next, refused as truncated when its elements, a byte each at
-    least, cannot fit in what is left: the checks of the C twin, in its order."""
-    at = unpacker.tell()
-    if at >= len(data):
-        raise ProtocolError(f"{what}: {_TRUNCATED}")
-    if not kind(data[at]):
-        raise ProtocolError(f"{what}: {_BAD_TYPE}")
-    if kind is _is_map:
-        count = 2 * _unpack(what, unpacker.read_map_header)
-    else:
-        count = _unpack(what, unpacker.read_array_header)
-    if count > len(data) - unpacker.tell():
-        raise ProtocolError(f"{what}: {_TRUNCATED}")
-    return count
-
-
-def _skip_one(
-    what: str, data: bytes, unpacker: msgpack.Unpacker, kind: Callable[[int], bool], rid: Any
-) -> None:
-    """Skip one object whose first byte ``kind`` accepts."""
-    at = unpacker.tell()
-    if at >= len(data):
-        raise ProtocolError(f"{what}: {_TRUNCATED}", rid)
-    if not kind(data[at]):
-        raise ProtocolError(f"{what}: {_BAD_TYPE}", rid)
-    _unpack(what, unpacker.skip, rid)
 
 
 def _single_head(data: bytes) -> tuple[msgpack.Unpacker, int, int]:
@@ -602,17 +540,31 @@ def prompt_hashes(prompt: Buffer, block_size: int) -> bytes:
     return block_hashes(_tokens(_as_bytes(prompt)), size)
 
 
+# -- writer: the frames the coordinator and the endpoints write ------------------------
+
+# pack_array_header runs in C without releasing the GIL: one shared Packer is safe.
+_packer = msgpack.Packer()
+
+
+def write_submit(header: int, length: int, rid: int, rest: Buffer) -> bytes:
+    """``[header, rid, <rest>]``, an array of ``length`` elements: ``rest`` (the
+    other ``length - 2``, already packed) spliced in as it is."""
+    if not isinstance(length, int) or isinstance(length, bool):
+        raise TypeError(f"expected an int, got {type(length).__name__}")
+    if not 2 <= length <= _UINT32_MAX:
+        raise ValueError(f"length must be in 2..2**32-1, not {length}")
+    head = _packer.pack_array_header(length) + _packer.pack(_int64_arg(header))
+    return head + _packer.pack(_int64_arg(rid)) + _as_bytes(rest)
+
+
+def write_header_int(header: int, value: int) -> bytes:
+    """``msgpack.packb([header, value])``."""
+    return msgpack.packb([_int64_arg(header), _int64_arg(value)])
+
+
 def write_single_submit(header: int, rid: int, prompt: Buffer, params: Buffer) -> bytes:
     """``[header, rid, <prompt>, <params>]``: the two byte strings spliced in as
     they are (so ``msgpack.packb([header, rid, p, s])`` when they are ``packb(p)``
     and ``packb(s)``)."""
     head = _packer.pack_array_header(4) + _packer.pack(_int64_arg(header))
     return head + _packer.pack(_int64_arg(rid)) + _as_bytes(prompt) + _as_bytes(params)
-
-
-def blake2b(data: Buffer, digest_size: int = 8) -> bytes:
-    """``hashlib.blake2b(data, digest_size=digest_size).digest()`` (the C twin has
-    its own BLAKE2b, ``_blake2b.h``; this one is the oracle it is tested against)."""
-    if not 1 <= digest_size <= 64:
-        raise ValueError("digest_size must be in 1..64")
-    return hashlib.blake2b(data, digest_size=digest_size).digest()

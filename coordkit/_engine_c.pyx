@@ -10,7 +10,7 @@ and its :class:`~coordkit.engine.Request` is built without going through the
 dataclass's ``__init__`` (its slots are set directly; checked at import).
 :meth:`EngineCore.reply` writes the batch's metadata in C and sends each body
 as it is -- copied below ``COPY_BELOW`` bytes, pinned until sent above it
-(_pins.h).
+(includes/pins.h).
 
 A prompt is handed out as a ``zmq.Frame``, as pyzmq's own receive gives it:
 below pyzmq's copy threshold the frame holds a copy of the bytes; above it,
@@ -35,7 +35,7 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memcpy
 
-from coordkit._codec_c cimport (
+from ._codec_c cimport (
     CK_BATCH_HEAD_MAX,
     CK_INT_MAX,
     CK_OK,
@@ -49,13 +49,14 @@ from coordkit._codec_c cimport (
     ck_write_batch_head,
     ck_write_int,
 )
-from coordkit._constants cimport *
-from coordkit._buf cimport Buf, buf_reserve
-from coordkit._libzmq cimport (
+from ._constants cimport *
+from .includes.bytebuf cimport Buf, buf_reserve
+from .includes.libzmq cimport (
     ZMQ_POLLIN,
     ZMQ_SNDMORE,
     bind_libzmq,
     recv_parts,
+    reserve_msgs,
     zmq_errno,
     zmq_msg_close,
     zmq_msg_data,
@@ -68,45 +69,24 @@ from coordkit._libzmq cimport (
     zmq_poll,
     zmq_pollitem_t,
 )
+from .includes.pins cimport ck_msg_from_object, ck_pins_sweep
+from .includes.slots cimport ck_alloc, ck_set_slot
 
 import dataclasses
-import logging
 import types
 
 import msgpack
 import zmq
 
-from coordkit import protocol
-from coordkit._shared import check_constants
-from coordkit._engine_py import _refused
-from coordkit.engine import Abort, Control, ReleaseKV, Request
-from coordkit.protocol import Header, ProtocolError, packb
+from . import protocol
+from ._events import Abort, Control, ReleaseKV, Request, log, refused
+from ._shared import check_constants
+from .protocol import Header, ProtocolError, packb
 
 bind_libzmq()
 check_constants(generated_constants())
 
-cdef extern from "_pins.h":
-    void ck_pins_sweep()
-    int ck_msg_from_object(zmq_msg_t* msg, object obj, size_t copy_below) except -1
-
-cdef extern from *:
-    """
-    static inline PyObject *ck_alloc(PyObject *cls)
-    {
-        PyTypeObject *type = (PyTypeObject *)cls;
-        return type->tp_alloc(type, 0);
-    }
-    static inline int ck_set_slot(PyObject *descr, PyObject *obj, PyObject *value)
-    {
-        return Py_TYPE(descr)->tp_descr_set(descr, obj, value);
-    }
-    """
-    object ck_alloc(object cls)
-    int ck_set_slot(object descr, object obj, object value) except -1
-
 __all__ = ["EngineCore", "MAX_DRAIN"]
-
-log = logging.getLogger("coordkit.engine")
 
 cdef enum:
     _MAX_DRAIN = 4096
@@ -428,7 +408,7 @@ cdef class EngineCore:
             message = protocol.CONTROL[header].parse(frames)
             events.append(Control(Header(header), getattr(message, "epoch", None)))
         elif header == HEADER_ERROR:
-            _refused(protocol.ERROR.parse(frames))
+            refused(protocol.ERROR.parse(frames))
         else:
             raise ProtocolError(f"unexpected header {header!r}")
 
@@ -500,19 +480,10 @@ cdef class EngineCore:
             self.n_bodies = 1
 
     cdef int _take_body(self, object body) except -1:
-        cdef zmq_msg_t* grown
-        cdef Py_ssize_t i, capacity
-        if self.n_bodies == self.bodies_capacity:
-            capacity = 2 * self.bodies_capacity
-            grown = <zmq_msg_t*>malloc(capacity * sizeof(zmq_msg_t))
-            if grown == NULL:
-                raise MemoryError()
-            for i in range(1, self.n_bodies):
-                zmq_msg_init(&grown[i])
-                zmq_msg_move(&grown[i], &self.bodies[i])
-            free(self.bodies)
-            self.bodies = grown
-            self.bodies_capacity = capacity
+        if not reserve_msgs(
+            &self.bodies, &self.bodies_capacity, 1, self.n_bodies, self.n_bodies + 1
+        ):
+            raise MemoryError()
         ck_msg_from_object(&self.bodies[self.n_bodies], body, COPY_BELOW)
         self.n_bodies += 1
         return 0

@@ -19,33 +19,21 @@ frames on the wire:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any, cast
 
 import zmq
 
 from . import _codec_py, protocol
-from .engine import Abort, Control, ReleaseKV, Request
+from ._events import Abort, Control, ReleaseKV, Request, log, refused
 from .protocol import Header, ProtocolError, packb
 
 __all__ = ["EngineCore", "MAX_DRAIN"]
-
-log = logging.getLogger("coordkit.engine")
 
 #: Messages taken per poll, so that a flood cannot starve the step loop.
 MAX_DRAIN = 4096
 
 _BYTES_LIKE = (bytes, bytearray, memoryview, zmq.Frame)
-
-
-def _refused(error: Any) -> None:
-    """An ERROR from the coordinator: a reply entry of ours it could not deliver."""
-    log.warning(
-        "coordkit engine: the coordinator refused %s: %s",
-        "a message" if error.rid is None else f"the reply to request {error.rid}",
-        error.message,
-    )
 
 
 def _body(body: Any) -> Any:
@@ -112,7 +100,7 @@ class EngineCore:
             message = protocol.CONTROL[header].parse(frames)
             events.append(Control(Header(header), getattr(message, "epoch", None)))
         elif header == Header.ERROR:
-            _refused(protocol.ERROR.parse(frames))
+            refused(protocol.ERROR.parse(frames))
         else:
             raise ProtocolError(f"unexpected header {header!r}")
 

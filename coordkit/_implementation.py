@@ -46,7 +46,8 @@ def load_implementation(name: str) -> Implementation:
     """The ``"c"`` or ``"py"`` implementation; ImportError when ``"c"`` cannot be imported."""
     if name not in ("c", "py"):
         raise ValueError(f"implementation must be 'c' or 'py', not {name!r}")
-    modules = {role: importlib.import_module(f"coordkit._{role}_{name}") for role in _ROLES}
+    # relative to this package: a vendored copy loads its own cores, never an installed coordkit's
+    modules = {role: importlib.import_module(f"._{role}_{name}", __package__) for role in _ROLES}
     return Implementation(name, **modules)
 
 

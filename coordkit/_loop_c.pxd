@@ -1,55 +1,35 @@
 # cython: language_level=3
-"""Declarations of the Cython loop core (its C tables are in _tables.h)."""
+"""Declarations of the Cython loop core (its C tables are in includes/tables.h)."""
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
-from coordkit._codec_c cimport ck_batch_entry, ck_entry, ck_single_entry
-from coordkit._constants cimport ERROR_SLOTS, HEADER_SLOTS, N_COUNTERS, N_LATENCY_BUCKETS
-from coordkit._libzmq cimport zmq_msg_t
-from coordkit._routing_c cimport Router
-
-
-cdef extern from "_buffers.h" nogil:
-    ctypedef struct ck_buffer_pool:
-        pass
-
-    ck_buffer_pool* ck_buffer_pool_new()
-    void ck_buffer_pool_close(ck_buffer_pool* pool)
-    int ck_buffer_msg(ck_buffer_pool* pool, zmq_msg_t* msg, size_t size)
-
-
-cdef extern from "_tables.h" nogil:
-    ctypedef struct ck_ids:
-        pass
-
-    ctypedef struct ck_request:
-        int64_t server_rid
-        int64_t client_rid
-        void* kept
-        uint32_t client
-        uint32_t flags
-        int32_t rank
-
-    ctypedef struct ck_requests:
-        ck_request* pool
-        uint32_t used
-        uint32_t live
-
-    int ck_ids_init(ck_ids* t, uint32_t capacity)
-    void ck_ids_free(ck_ids* t)
-    int32_t ck_ids_find(const ck_ids* t, const uint8_t* id, size_t n)
-    void ck_ids_insert(ck_ids* t, int32_t index, const uint8_t* id, size_t n)
-    void ck_ids_remove(ck_ids* t, int32_t index)
-    const uint8_t* ck_ids_get(const ck_ids* t, int32_t index, size_t* n)
-
-    int ck_requests_init(
-        ck_requests* t, uint32_t capacity, uint64_t index_size, uint64_t window_min
-    )
-    void ck_requests_free(ck_requests* t)
-    int64_t ck_requests_find(const ck_requests* t, int64_t server_rid)
-    int64_t ck_requests_find_client(const ck_requests* t, uint32_t client, int64_t client_rid)
-    uint32_t ck_requests_add(ck_requests* t, uint32_t client, int64_t client_rid)
-    void ck_requests_remove(ck_requests* t, uint32_t slot)
+from ._codec_c cimport ck_batch_entry, ck_entry, ck_single_entry
+from ._constants cimport ERROR_SLOTS, HEADER_SLOTS, N_COUNTERS, N_LATENCY_BUCKETS
+from ._routing_c cimport Router
+from .includes.framepool cimport (
+    ck_buffer_msg,
+    ck_buffer_pool,
+    ck_buffer_pool_close,
+    ck_buffer_pool_new,
+)
+from .includes.libzmq cimport zmq_msg_t
+from .includes.tables cimport (
+    ck_ids,
+    ck_ids_find,
+    ck_ids_free,
+    ck_ids_get,
+    ck_ids_init,
+    ck_ids_insert,
+    ck_ids_remove,
+    ck_request,
+    ck_requests,
+    ck_requests_add,
+    ck_requests_find,
+    ck_requests_find_client,
+    ck_requests_free,
+    ck_requests_init,
+    ck_requests_remove,
+)
 
 
 cdef struct Client:

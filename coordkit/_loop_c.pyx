@@ -5,7 +5,7 @@
 drives this core, or its twin :mod:`coordkit._loop_py`, the reference: both
 make the same decisions in the same order and put the same frames on the
 wire. pyzmq creates the sockets; the core takes their raw handles and calls
-the libzmq that pyzmq loaded (see _libzmq.h).
+the libzmq that pyzmq loaded (see includes/libzmq.h).
 
 The loop's concepts are small structs with inline functions, each in loop/
 (its struct in the .pxd, its functions in the .pyx), included here into one
@@ -19,7 +19,7 @@ The hot path (a SUBMIT out to an engine; an engine's batch of replies out to
 their clients) comes first in the Loop, top to bottom. It runs without the GIL
 and without Python objects: frames are received into ``zmq_msg_t``, the
 metadata frame is read and rewritten by the C codec, payload frames go on as
-the same messages, and state lives in the C tables of _tables.h. The rare
+the same messages, and state lives in the C tables of includes/tables.h. The rare
 paths come after it (peers joining and leaving, control signals, failures,
 malformed input): they take the GIL and parse with the message specs of
 coordkit.protocol. An engine found gone on the hot path is only marked; its
@@ -30,11 +30,11 @@ requests are settled on a rare path once the message at hand is done
 cimport cython
 from libc.errno cimport EINTR
 from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t
-from libc.stdlib cimport calloc, free, malloc, qsort, realloc
+from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
-from coordkit._codec_c cimport (
+from ._codec_c cimport (
     CK_BATCH_HEAD_MAX,
     CK_HEADER_INT_MAX,
     CK_INT_MAX,
@@ -65,8 +65,8 @@ from coordkit._codec_c cimport (
     ck_write_single_submit,
     ck_write_submit,
 )
-from coordkit._constants cimport *
-from coordkit._libzmq cimport (
+from ._constants cimport *
+from .includes.libzmq cimport (
     ZMQ_DONTWAIT,
     ZMQ_POLLIN,
     ZMQ_SNDMORE,
@@ -85,10 +85,12 @@ from coordkit._libzmq cimport (
     zmq_poll,
     zmq_pollitem_t,
 )
-from coordkit._routing_c cimport Router
+from ._routing_c cimport Router
+from .includes.bytebuf cimport reserve
+from .includes.sysdep cimport DEBUG
 
-from coordkit import protocol
-from coordkit._shared import (
+from . import protocol
+from ._shared import (
     LATENCY_BUCKETS,
     RateLimitedLog,
     check_constants,
@@ -96,7 +98,7 @@ from coordkit._shared import (
     metrics_map,
     stats_map,
 )
-from coordkit.protocol import (
+from .protocol import (
     BATCH_FEATURE,
     CONTROL_TRANSITIONS,
     ProtocolError,
@@ -112,15 +114,6 @@ check_constants(generated_constants())
 
 __all__ = ["Loop"]
 
-cdef extern from *:
-    """
-    #ifdef COORDKIT_DEBUG
-    #define CK_DEBUG 1
-    #else
-    #define CK_DEBUG 0
-    #endif
-    """
-    bint DEBUG "CK_DEBUG"
 
 GONE_REASONS = ("unreachable", "no heartbeat", "drain timed out")  # by GoneReason
 
@@ -158,25 +151,6 @@ cdef inline void send_shared(void* sock, zmq_msg_t* msg, int flags) noexcept nog
     zmq_msg_copy(&copy, msg)
     if zmq_msg_send(&copy, sock, flags) < 0:
         zmq_msg_close(&copy)
-
-
-cdef bint reserve(void** buffer, size_t* capacity, size_t needed, size_t item) noexcept nogil:
-    """Grow ``buffer`` (of ``capacity`` items of ``item`` bytes) to hold at least
-    ``needed``, at least doubling; False when memory is short (it is then as it was).
-    The one way the loop's buffers grow; never for zmq_msg_t, which must not be
-    byte-copied."""
-    cdef void* grown
-    cdef size_t size = 2 * capacity[0]
-    if needed <= capacity[0]:
-        return True
-    if size < needed:
-        size = needed
-    grown = realloc(buffer[0], size * item)
-    if grown == NULL:
-        return False
-    buffer[0] = grown
-    capacity[0] = size
-    return True
 
 
 cdef inline double monotonic() noexcept nogil:

@@ -3,29 +3,13 @@
 
 ``choose_c``, ``release_c``, ``accepting_c`` and ``remove_rank_c`` touch only
 the C tables below, all allocated by the constructor. The rules are those of
-coordkit._routing_py (the reference).
+coordkit._policies, which its twin _routing_py follows too.
 """
 
 cimport cython
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
-
-cdef extern from "_tables.h" nogil:
-    uint64_t CK_GOLDEN
-
-    ctypedef struct ck_prefix_entry:
-        uint64_t hash
-        double last_used
-        uint32_t older  # LRU neighbours, CK_NIL at the ends; older links the free list
-        uint32_t newer
-
-    ctypedef struct ck_prefix:
-        uint32_t* cells
-
-    int ck_prefix_init(ck_prefix* t, ck_prefix_entry* entries, uint32_t max_entries)
-    uint32_t ck_prefix_find(const ck_prefix* t, uint64_t hash)
-    void ck_prefix_insert(ck_prefix* t, uint32_t e)
-    void ck_prefix_remove(ck_prefix* t, uint32_t e)
+from .includes.tables cimport ck_prefix, ck_prefix_entry
 
 
 @cython.final
@@ -45,7 +29,7 @@ cdef class Router:
         int* members         # the accepting ranks, compact: power_of_two draws from it
         int* member_pos      # rank -> its index in members
 
-        # The work model (see coordkit._routing_py): every policy charges.
+        # The work model (see coordkit._policies): every policy charges.
         readonly int64_t charged  # what the last choose_c charged its rank (0: none)
         int64_t new_blocks   # the blocks the chosen rank has to prefill (set by the policy)
         int64_t weight       # prefix_prefill_weight in units of 1 / WEIGHT_SCALE

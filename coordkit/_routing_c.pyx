@@ -1,11 +1,14 @@
 # cython: language_level=3, embedsignature=True
 # cython: cdivision=True, boundscheck=False, wraparound=False
-"""The router in Cython: coordkit._routing_py's Router over C tables.
+"""The router in Cython: which engine rank gets the next request, over C tables.
 
-The rules are defined once, in coordkit._routing_py; this module makes the
-same decisions bit for bit. Every table is allocated by the constructor (the
-prefix table's hash part is _tables.h's ck_prefix), so a decision allocates
-nothing and needs neither the GIL nor a Python object (see ``Router.choose_c``).
+The twin of :mod:`coordkit._routing_py`, which makes the same decisions bit
+for bit; the rules both follow, their constants and their argument check are
+:mod:`coordkit._policies`' (WEIGHT_SCALE and MAX_BLOCKS reach here as
+generated constants). Every table is allocated by the constructor (the prefix
+table's hash part is ``includes/tables.h``'s ck_prefix), so a decision
+allocates nothing and needs neither the GIL nor a Python object (see
+``Router.choose_c``).
 """
 
 cimport cython
@@ -14,67 +17,38 @@ from libc.stdint cimport INT64_MAX, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memset
 
-from coordkit._constants cimport BLOCK_HASH_SIZE, generated_constants
+from ._constants cimport (
+    BLOCK_HASH_SIZE,
+    MAX_BLOCKS,
+    POLICY_LEAST_LOADED,
+    POLICY_POWER_OF_TWO,
+    POLICY_PREFIX,
+    POLICY_ROUND_ROBIN,
+    WEIGHT_SCALE,
+    generated_constants,
+)
+from .includes.sysdep cimport ck_ctz64, ck_load_le64
+from .includes.tables cimport (
+    CK_GOLDEN,
+    CK_NIL,
+    ck_prefix_find,
+    ck_prefix_init,
+    ck_prefix_insert,
+    ck_prefix_remove,
+)
 
-from coordkit import _routing_py
-from coordkit._routing_py import (
+from ._policies import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DECODE_TOKENS,
     DEFAULT_PREFILL_WEIGHT,
     POLICIES,
-    _check_args,
+    check_args,
 )
-from coordkit._shared import check_constants
+from ._shared import check_constants
 
 check_constants(generated_constants())
-if (_routing_py.WEIGHT_SCALE, _routing_py.MAX_BLOCKS) != (WEIGHT_SCALE, MAX_BLOCKS):
-    raise ImportError("coordkit._routing_c: WEIGHT_SCALE or MAX_BLOCKS differ from _routing_py's")
 
-__all__ = ["Router", "POLICIES"]
-
-
-cdef extern from *:
-    """
-    #include <string.h>
-    #define CK_NIL UINT32_MAX
-
-    /* The hash frame is a zmq message body: no alignment guarantee. */
-    static inline uint64_t ck_load_le64(const uint8_t *p) {
-        uint64_t v;
-        memcpy(&v, p, sizeof v);
-    #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-        v = __builtin_bswap64(v);
-    #endif
-        return v;
-    }
-
-    static inline int ck_ctz64(uint64_t x) {  /* x != 0 */
-    #if defined(__GNUC__)
-        return __builtin_ctzll(x);
-    #else
-        int n = 0;
-        while (!(x & 1)) { x >>= 1; n++; }
-        return n;
-    #endif
-    }
-    """
-    uint32_t CK_NIL
-    uint64_t ck_load_le64(const uint8_t* p) noexcept nogil
-    int ck_ctz64(uint64_t x) noexcept nogil
-
-
-# In the order of POLICIES.
-cdef enum:
-    ROUND_ROBIN
-    LEAST_LOADED
-    POWER_OF_TWO
-    PREFIX
-
-
-# coordkit._routing_py's WEIGHT_SCALE and MAX_BLOCKS (checked at import).
-cdef enum:
-    WEIGHT_SCALE = 256
-    MAX_BLOCKS = 1 << 23
+__all__ = ["Router"]
 
 
 cdef int _check_rank(Router self, int rank) except -1:
@@ -85,7 +59,7 @@ cdef int _check_rank(Router self, int rank) except -1:
 
 @cython.final
 cdef class Router:
-    """Picks a rank per request; the rules are coordkit._routing_py's."""
+    """Picks a rank per request; the rules are coordkit._policies'."""
 
     def __cinit__(
         self,
@@ -100,7 +74,7 @@ cdef class Router:
         double prefix_ttl=600.0,
         prefix_max_entries=1_000_000,
     ):
-        self.weight, self.decode_blocks = _check_args(
+        self.weight, self.decode_blocks = check_args(
             policy,
             max_ranks,
             seed,
@@ -127,7 +101,7 @@ cdef class Router:
                 or self.work_units == NULL or self.members == NULL
                 or self.member_pos == NULL):
             raise MemoryError()
-        if self.policy_id != PREFIX:
+        if self.policy_id != POLICY_PREFIX:
             return
         # The pools can be large (1M entries x 1024 ranks = 128 MB of masks),
         # but calloc maps fresh zero pages and the pool fills from its start,
@@ -297,11 +271,11 @@ cdef class Router:
             size = prompt_tokens // self.block_size + (prompt_tokens % self.block_size != 0)
         # Capped here already: min(size - depth, MAX_BLOCKS) is then the same.
         self.new_blocks = <int64_t>(size if size < MAX_BLOCKS else MAX_BLOCKS)
-        if self.policy_id == ROUND_ROBIN:
+        if self.policy_id == POLICY_ROUND_ROBIN:
             rank = self._round_robin()
-        elif self.policy_id == LEAST_LOADED:
+        elif self.policy_id == POLICY_LEAST_LOADED:
             rank = self._least_loaded()
-        elif self.policy_id == POWER_OF_TWO:
+        elif self.policy_id == POLICY_POWER_OF_TWO:
             rank = self._power_of_two()
         else:
             rank = self._prefix(hashes, n_hashes, now)

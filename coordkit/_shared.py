@@ -1,11 +1,11 @@
 """What the two loop cores share: their counters, states and thresholds, and
 the little Python both run off the hot path (options, stats, logging).
 
-The enums and ints here, with those of :mod:`coordkit.protocol`, are the one
-source of the constants the Cython modules use: ``make constants`` writes them
-into ``_constants.pxd`` (``Counter.SUBMITTED`` is ``COUNTER_SUBMITTED``
-there), and each module checks at import that what it was compiled with
-still matches.
+The enums and ints here, with those of :mod:`coordkit.protocol` and
+:mod:`coordkit._policies`, are the one source of the constants the Cython
+modules use: ``make constants`` writes them into ``_constants.pxd``
+(``Counter.SUBMITTED`` is ``COUNTER_SUBMITTED`` there), and each module checks
+at import that what it was compiled with still matches.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from . import protocol
+from . import _policies, protocol
 from .protocol import Buffer, ControlState, packb, unpackb
 
-logger = logging.getLogger("coordkit")
+#: The package's logger, by the name the package lives under (a vendored copy logs apart).
+logger = logging.getLogger(__package__)
 
 Detokenizer = Callable[[list[int]], str]
 
@@ -30,7 +31,7 @@ Detokenizer = Callable[[list[int]], str]
 DIALECTS = ("multipart", "megatron-core")
 
 #: Server ids are drawn from at least this many positions of the request index
-#: (a power of two; see ck_requests in _tables.h): with few requests in flight,
+#: (a power of two; see ck_requests in includes/tables.h): with few requests in flight,
 #: the index's working set stays this small.
 INDEX_WINDOW_MIN = 4096
 
@@ -171,7 +172,11 @@ def cython_constants() -> dict[str, int]:
         ERROR_SLOTS=ERROR_SLOTS,
         N_LATENCY_BUCKETS=len(LATENCY_BUCKETS),
         N_COUNTERS=len(Counter),
+        WEIGHT_SCALE=_policies.WEIGHT_SCALE,
+        MAX_BLOCKS=_policies.MAX_BLOCKS,
     )
+    # a router's policy, by its index in POLICIES: POLICY_ROUND_ROBIN = 0, ...
+    values.update({f"POLICY_{name.upper()}": i for i, name in enumerate(_policies.POLICIES)})
     return values
 
 

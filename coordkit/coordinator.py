@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ._implementation import load_implementation, selected
-from ._routing_py import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
+from ._policies import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
 from ._shared import DIALECTS, Detokenizer, Options
 from .curve import CurveServer
 from .metrics import MetricsServer
@@ -68,7 +68,8 @@ class _Sockets:
             raise
         self.address: str = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         # A fresh name each time: libzmq frees an inproc name only a little after close.
-        wake = f"inproc://coordkit-wake-{next(_wake_ids)}"
+        # by the package's name: a vendored copy shares the process and its Context.instance()
+        wake = f"inproc://{__name__}-wake-{next(_wake_ids)}"
         self.wake_recv = self.context.socket(zmq.PAIR)
         self.wake_recv.bind(wake)
         self._wake_send = self.context.socket(zmq.PAIR)

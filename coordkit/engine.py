@@ -32,16 +32,16 @@ import logging
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from . import protocol
+from ._events import Abort, Control, Event, ReleaseKV, Request
 from ._implementation import load_implementation, selected
 from ._liveness import DEFAULT_COORDINATOR_TIMEOUT, ConnectionWatch, prepare
 from .curve import KeySource, ServerKey
-from .protocol import BATCH_FEATURE, COORDKIT_HELLO, Header, unpackb
+from .protocol import BATCH_FEATURE, COORDKIT_HELLO
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -54,48 +54,6 @@ _CLOSE_LINGER_MS = 1000  # lets the last replies and DISCONNECT leave on close()
 #: How often poll() reads the connection's events: bounds how late a re-registration is.
 _WATCH_INTERVAL = 0.1
 
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """A new request: SUBMIT_REQUEST, or SUBMIT_REQUEST_WITH_KV when ``kv_meta`` is set.
-
-    ``prompt`` (and ``src_block_ids``) are the received frames, not copies.
-    """
-
-    server_rid: int
-    sampling_params: Any
-    prompt: zmq.Frame
-    kv_meta: Any = None
-    src_block_ids: zmq.Frame | None = None
-
-    def prompt_tokens(self) -> Any:
-        """The prompt msgpack-decoded: token ids (or a str, as the client sent it)."""
-        return unpackb(self.prompt.buffer)
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """Abort ``server_rid``; the engine still owes it a final reply."""
-
-    server_rid: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseKV:
-    """RELEASE_KV, broadcast to every engine; ``rid`` is the id the client sent."""
-
-    rid: int
-
-
-@dataclass(frozen=True, slots=True)
-class Control:
-    """A control signal (PAUSE ... STOP_CUDA_PROFILER); ``epoch`` for SET_GENERATION_EPOCH."""
-
-    header: Header
-    epoch: int | None = None
-
-
-Event = Request | Abort | ReleaseKV | Control
 
 #: A reply entry: (server_rid, body) or (server_rid, body, needs_detokenize).
 #: A body that is not bytes-like is msgpack-packed.

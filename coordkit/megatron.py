@@ -66,7 +66,6 @@ What each argument becomes:
 from __future__ import annotations
 
 import errno
-import logging
 import socket
 import threading
 import time
@@ -74,12 +73,12 @@ from typing import Any, Protocol
 
 import zmq
 
-from ._routing_py import DEFAULT_PREFILL_WEIGHT, MAX_PREFILL_WEIGHT
+from ._policies import DEFAULT_PREFILL_WEIGHT, MAX_PREFILL_WEIGHT
+from ._shared import logger
 from .coordinator import Coordinator
 
 __all__ = ["entrypoint"]
 
-logger = logging.getLogger("coordkit")
 
 #: Tokens per block when 0.19 passes no block_size_tokens.
 DEFAULT_BLOCK_SIZE = 16

@@ -76,7 +76,7 @@ MAX_PARTS = 1 << 16
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 #: The sampling-params key that asks an engine for partial replies
-#: (:class:`coordkit.FakeEngine` honours it); ``Client.stream`` sets it.
+#: (:class:`~coordkit.tools.fake_engine.FakeEngine` honours it); ``Client.stream`` sets it.
 STREAM_KEY = "stream"
 
 

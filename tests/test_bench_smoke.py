@@ -112,7 +112,7 @@ def test_the_standard_prompts_cross_every_threshold_of_the_loop():
 
 
 def test_the_pool_threshold_is_the_loops():
-    header = (Path(coordkit.__file__).parent / "_buffers.h").read_text()
+    header = (Path(coordkit.__file__).parent / "includes" / "framepool.h").read_text()
     shift = int(re.search(r"#define CK_BUFFER_MIN_SHIFT (\d+)", header).group(1))
     assert "size < ((size_t)1 << CK_BUFFER_MIN_SHIFT) / 2" in header  # pooled from half of it
     assert POOLED_FROM == (1 << shift) // 2

@@ -1,9 +1,9 @@
 """The raw libzmq binding drives pyzmq's own sockets.
 
 Through ``zmqutil``, a tiny Cython user of the binding that the session
-compiles (tests/support/_zmqutil_c.pyx): real sockets, real transports, frames
-sent with pyzmq, moved by the binding, received intact with pyzmq, and the
-other way round.
+compiles on coordkit's public ``__init__.pxd`` (tests/support/_zmqutil_c.pyx):
+real sockets, real transports, frames sent with pyzmq, moved by the binding,
+received intact with pyzmq, and the other way round.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import pytest
 import zmq
 import zmq.backend.cython._zmq as backend
 
-from coordkit._libzmq_path import libzmq_candidates
 from tests.support.peers import REPLY, SUBMIT
 
 pytestmark = pytest.mark.c_extension
@@ -43,15 +42,15 @@ def pair(ctx: zmq.Context, endpoint: str) -> tuple[zmq.Socket, zmq.Socket]:
 
 def loaded_zmq_version(path: str) -> tuple[int, int, int]:
     """The version of the libzmq that ``path``, already loaded here, resolves symbols to."""
-    # RTLD_NOLOAD, as _libzmq.h binds: a library this process has not loaded raises OSError.
+    # RTLD_NOLOAD, as includes/libzmq.h binds: a library this process has not loaded raises OSError.
     library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     version = [ctypes.c_int() for _ in range(3)]
     library.zmq_version(*map(ctypes.byref, version))
     return tuple(v.value for v in version)
 
 
-def test_libzmq_candidates():
-    candidates = libzmq_candidates()
+def test_libzmq_candidates(zmqutil):
+    candidates = zmqutil.libzmq_candidates()
     # pyzmq's backend module is always the last resort and always exists, so that a candidate
     # exists proves nothing: each must be loaded here and be (or link) pyzmq's libzmq.
     assert candidates[-1] == backend.__file__

@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordkit.protocol import ProtocolError, block_hashes
+from tests.support import codec_extras as py_codec_extras
 from tests.support.peers import PARTIAL, REPLY, REPLY_BATCH, SUBMIT, SUBMIT_BATCH
 
 SETTINGS = settings(max_examples=300, deadline=None)
@@ -185,19 +186,19 @@ def outcome(fn, *args) -> tuple[str, Any]:
 
 @SETTINGS
 @given(obj=supported)
-def test_encode_is_packb(impl, obj):
-    assert impl.codec.encode(obj) == packb(obj)
+def test_encode_is_packb(codec_extras, obj):
+    assert codec_extras.encode(obj) == packb(obj)
 
 
 @SETTINGS
 @given(obj=supported)
-def test_decode_round_trip(impl, obj):
-    assert repr(impl.codec.decode(packb(obj))) == repr(as_lists(obj))
+def test_decode_round_trip(codec_extras, obj):
+    assert repr(codec_extras.decode(packb(obj))) == repr(as_lists(obj))
 
 
 @SETTINGS
 @given(data=st.binary(max_size=40) | mutated())
-def test_decode_agrees_with_msgpack(impl, data):
+def test_decode_agrees_with_msgpack(codec_extras, data):
     try:
         expected = msgpack.unpackb(data)
     except Exception:
@@ -205,10 +206,10 @@ def test_decode_agrees_with_msgpack(impl, data):
     else:
         ok = supported_value(expected)
     if ok:
-        assert repr(impl.codec.decode(data)) == repr(expected)
+        assert repr(codec_extras.decode(data)) == repr(expected)
     else:
         with pytest.raises(ProtocolError):
-            impl.codec.decode(data)
+            codec_extras.decode(data)
 
 
 class Color(enum.IntEnum):
@@ -219,17 +220,17 @@ class Color(enum.IntEnum):
     "obj",
     [Color.RED, [Color.RED, (1, 2)], namedtuple("P", "x y")(1, [None]), [[]] * 16, [0] * 70000],
 )
-def test_encode_subclasses_and_long_arrays(impl, obj):
-    assert impl.codec.encode(obj) == packb(obj)
-    assert impl.codec.decode(packb(obj)) == as_lists(obj)
+def test_encode_subclasses_and_long_arrays(codec_extras, obj):
+    assert codec_extras.encode(obj) == packb(obj)
+    assert codec_extras.decode(packb(obj)) == as_lists(obj)
 
 
 @pytest.mark.parametrize(
     "obj", ["a", b"a", 1.5, {}, object(), [1, "a"], (None, [{}]), UINT64_MAX + 1, INT64_MIN - 1]
 )
-def test_encode_unsupported(impl, obj):
+def test_encode_unsupported(codec_extras, obj):
     with pytest.raises(ProtocolError):
-        impl.codec.encode(obj)
+        codec_extras.encode(obj)
 
 
 @pytest.mark.parametrize(
@@ -250,9 +251,9 @@ def test_encode_unsupported(impl, obj):
         packb([1, [2, "x"]]),
     ],
 )
-def test_decode_unsupported(impl, frame):
+def test_decode_unsupported(codec_extras, frame):
     with pytest.raises(ProtocolError):
-        impl.codec.decode(frame)
+        codec_extras.decode(frame)
 
 
 def nested(depth: int) -> list:
@@ -262,18 +263,18 @@ def nested(depth: int) -> list:
     return obj
 
 
-def test_nesting_limit(impl):
-    assert impl.codec.MAX_NESTING == MAX_NESTING
-    assert impl.codec.encode(nested(MAX_NESTING)) == packb(nested(MAX_NESTING))
-    assert impl.codec.decode(packb(nested(MAX_NESTING))) == nested(MAX_NESTING)
+def test_nesting_limit(codec_extras):
+    assert codec_extras.MAX_NESTING == MAX_NESTING
+    assert codec_extras.encode(nested(MAX_NESTING)) == packb(nested(MAX_NESTING))
+    assert codec_extras.decode(packb(nested(MAX_NESTING))) == nested(MAX_NESTING)
     with pytest.raises(ProtocolError, match="deep"):
-        impl.codec.encode(nested(MAX_NESTING + 1))
+        codec_extras.encode(nested(MAX_NESTING + 1))
     with pytest.raises(ProtocolError, match="deep"):
-        impl.codec.decode(packb(nested(MAX_NESTING + 1)))
+        codec_extras.decode(packb(nested(MAX_NESTING + 1)))
     cycle: list = []
     cycle.append(cycle)
     with pytest.raises(ProtocolError, match="deep"):
-        impl.codec.encode(cycle)
+        codec_extras.encode(cycle)
 
 
 # -- read_header / read_submit / rewrite_submit ----------------------------------
@@ -281,19 +282,19 @@ def test_nesting_limit(impl):
 
 @SETTINGS
 @given(header=int64s, rid=int64s, rest=st.lists(anything, max_size=4), new_rid=int64s)
-def test_submit(impl, header, rid, rest, new_rid):
+def test_submit(impl, codec_extras, header, rid, rest, new_rid):
     frame = submit_frame(header, rid, rest)
     offset = len(frame) - sum(len(packb(x)) for x in rest)
     assert impl.codec.read_header(frame) == (header, len(rest) + 2, offset - len(packb(rid)))
     assert impl.codec.read_submit(frame) == (header, len(rest) + 2, rid, offset)
-    assert impl.codec.rewrite_submit(frame, new_rid) == submit_frame(header, new_rid, rest)
+    assert codec_extras.rewrite_submit(frame, new_rid) == submit_frame(header, new_rid, rest)
 
 
-def test_submit_array16_and_large_remainder(impl):
+def test_submit_array16_and_large_remainder(impl, codec_extras):
     rest = [None] * 20 + [b"\0" * (1 << 20)]
     frame = submit_frame(SUBMIT, 5, rest)
     assert impl.codec.read_submit(frame) == (SUBMIT, 23, 5, 5)
-    assert impl.codec.rewrite_submit(frame, 1 << 40) == submit_frame(SUBMIT, 1 << 40, rest)
+    assert codec_extras.rewrite_submit(frame, 1 << 40) == submit_frame(SUBMIT, 1 << 40, rest)
 
 
 def test_header_ignores_what_follows(impl):
@@ -306,12 +307,12 @@ def test_header_ignores_what_follows(impl):
     )
 
 
-def test_remainder_is_checked_for_structure_only(impl):
+def test_remainder_is_checked_for_structure_only(impl, codec_extras):
     # a str with invalid UTF-8, an ext -1 (timestamp) of a bad length, floats, any map keys
     rest = b"\xa2\xff\xfe" + b"\xc7\x03\xffxyz" + packb({1: 1.5, b"k": [{}]})
     frame = b"\x95\x14\x05" + rest
     assert impl.codec.read_submit(frame) == (20, 5, 5, 3)
-    assert impl.codec.rewrite_submit(frame, 300) == b"\x95\x14\xcd\x01\x2c" + rest
+    assert codec_extras.rewrite_submit(frame, 300) == b"\x95\x14\xcd\x01\x2c" + rest
 
 
 @pytest.mark.parametrize(
@@ -334,12 +335,12 @@ def test_remainder_is_checked_for_structure_only(impl):
         (b"\xdd\xff\xff\xff\xff\x14\x05", 5),  # array claiming 2**32-1 elements
     ],
 )
-def test_submit_errors(impl, frame, rid):
+def test_submit_errors(impl, codec_extras, frame, rid):
     with pytest.raises(ProtocolError) as info:
         impl.codec.read_submit(frame)
     assert info.value.rid == rid
     with pytest.raises(ProtocolError) as info:
-        impl.codec.rewrite_submit(frame, 1)
+        codec_extras.rewrite_submit(frame, 1)
     assert info.value.rid == rid
 
 
@@ -569,8 +570,8 @@ def test_reply_salvages_good_entries(impl, frame, entries):
 
 @SETTINGS
 @given(header=int64s, value=int64s)
-def test_writers(impl, header, value):
-    assert impl.codec.write_header(header) == packb([header])
+def test_writers(impl, codec_extras, header, value):
+    assert codec_extras.write_header(header) == packb([header])
     assert impl.codec.write_header_int(header, value) == packb([header, value])
 
 
@@ -585,13 +586,13 @@ def test_writers(impl, header, value):
         (INT64_MIN - 1, OverflowError),
     ],
 )
-def test_int_arguments(impl, value, error):
+def test_int_arguments(impl, codec_extras, value, error):
     with pytest.raises(error):
-        impl.codec.write_header(value)
+        codec_extras.write_header(value)
     with pytest.raises(error):
         impl.codec.write_header_int(REPLY, value)
     with pytest.raises(error):
-        impl.codec.rewrite_submit(packb([SUBMIT, 1]), value)
+        codec_extras.rewrite_submit(packb([SUBMIT, 1]), value)
 
 
 def test_int_enum_arguments(impl):
@@ -1083,37 +1084,37 @@ LENGTHS = sorted(set(range(0, 300)) | {b * 128 + d for b in range(2, 9) for d in
 
 
 @pytest.mark.parametrize("digest_size", [8, 1, 16, 32, 63, 64])
-def test_blake2b_is_hashlibs(impl, digest_size):
+def test_blake2b_is_hashlibs(codec_extras, digest_size):
     rng = random.Random(digest_size)
     for n in LENGTHS:
         data = rng.randbytes(n)
         expected = hashlib.blake2b(data, digest_size=digest_size).digest()
-        assert impl.codec.blake2b(data, digest_size) == expected, n
+        assert codec_extras.blake2b(data, digest_size) == expected, n
 
 
 @SETTINGS
 @given(data=st.binary(max_size=2000))
-def test_blake2b_random_inputs(impl, data):
-    assert impl.codec.blake2b(data) == hashlib.blake2b(data, digest_size=8).digest()
+def test_blake2b_random_inputs(codec_extras, data):
+    assert codec_extras.blake2b(data) == hashlib.blake2b(data, digest_size=8).digest()
 
 
-def test_blake2b_large_input_and_buffers(impl):
+def test_blake2b_large_input_and_buffers(codec_extras):
     data = random.Random(0).randbytes(1 << 20)
     expected = hashlib.blake2b(data, digest_size=8).digest()
-    assert impl.codec.blake2b(memoryview(b"x" + data)[1:]) == expected
-    assert impl.codec.blake2b(bytearray(data)) == expected
+    assert codec_extras.blake2b(memoryview(b"x" + data)[1:]) == expected
+    assert codec_extras.blake2b(bytearray(data)) == expected
 
 
 @pytest.mark.parametrize("digest_size", [0, 65, -1])
-def test_blake2b_digest_size(impl, digest_size):
+def test_blake2b_digest_size(codec_extras, digest_size):
     with pytest.raises(ValueError):
-        impl.codec.blake2b(b"x", digest_size)
+        codec_extras.blake2b(b"x", digest_size)
 
 
 # -- any bytes-like frame ----------------------------------------------------------
 
 
-def test_buffers(impl):
+def test_buffers(impl, codec_extras):
     frame = submit_frame(SUBMIT, 5, [{"n": 1}])
     padded = b"xx" + frame
     views = [
@@ -1126,14 +1127,14 @@ def test_buffers(impl):
     for view in views:
         assert impl.codec.read_header(view) == (SUBMIT, 3, 2)
         assert impl.codec.read_submit(view) == (SUBMIT, 3, 5, 3)
-        assert impl.codec.rewrite_submit(view, 6) == submit_frame(SUBMIT, 6, [{"n": 1}])
+        assert codec_extras.rewrite_submit(view, 6) == submit_frame(SUBMIT, 6, [{"n": 1}])
     reply = packb([REPLY, [[1, True]]])
     assert impl.codec.read_reply(memoryview(b"x" + reply)[1:]) == (REPLY, [(1, True)])
     batch = packb([REPLY_BATCH, [[1, True]]])
     assert impl.codec.read_reply_batch(memoryview(b"x" + batch)[1:]) == [(1, True)]
     submit = packb([SUBMIT_BATCH, [[1, None, False]]])
     assert impl.codec.read_submit_batch(bytearray(submit)) == [(1, 5, 1, False)]
-    assert impl.codec.decode(bytearray(packb([1, None]))) == [1, None]
+    assert codec_extras.decode(bytearray(packb([1, None]))) == [1, None]
 
 
 @pytest.mark.parametrize(
@@ -1153,15 +1154,20 @@ def test_buffers(impl):
         "blake2b",
     ],
 )
-def test_not_a_buffer(impl, name):
+def test_not_a_buffer(impl, codec_extras, name):
     with pytest.raises(TypeError):
-        getattr(impl.codec, name)(12)
+        function(impl, codec_extras, name)(12)
 
 
 # -- C against Python, on any bytes ---------------------------------------------------
 
 
-def same_everywhere(c_impl, py_impl, data: bytes) -> None:
+def function(impl, codec_extras, name: str):
+    """A function of impl's codec, or one of its test-only ones."""
+    return getattr(impl.codec, name, None) or getattr(codec_extras, name)
+
+
+def same_everywhere(c_impl, c_codec_extras, py_impl, data: bytes) -> None:
     for name, args in [
         ("read_header", ()),
         ("read_submit", ()),
@@ -1180,23 +1186,23 @@ def same_everywhere(c_impl, py_impl, data: bytes) -> None:
         ("prompt_hashes", (1,)),
         ("prompt_hashes", (3,)),
     ]:
-        c = outcome(getattr(c_impl.codec, name), data, *args)
-        py = outcome(getattr(py_impl.codec, name), data, *args)
+        c = outcome(function(c_impl, c_codec_extras, name), data, *args)
+        py = outcome(function(py_impl, py_codec_extras, name), data, *args)
         assert c == py, name
 
 
 @pytest.mark.c_extension
 @DIFFERENTIAL
 @given(data=st.binary(max_size=64))
-def test_differential_any_bytes(c_impl, py_impl, data):
-    same_everywhere(c_impl, py_impl, data)
+def test_differential_any_bytes(c_impl, c_codec_extras, py_impl, data):
+    same_everywhere(c_impl, c_codec_extras, py_impl, data)
 
 
 @pytest.mark.c_extension
 @DIFFERENTIAL
 @given(data=mutated())
-def test_differential_mutated_frames(c_impl, py_impl, data):
-    same_everywhere(c_impl, py_impl, data)
+def test_differential_mutated_frames(c_impl, c_codec_extras, py_impl, data):
+    same_everywhere(c_impl, c_codec_extras, py_impl, data)
 
 
 @pytest.mark.c_extension
@@ -1208,16 +1214,16 @@ def test_differential_mutated_frames(c_impl, py_impl, data):
         st.binary(max_size=40),
     )
 )
-def test_differential_submit_remainders(c_impl, py_impl, data):
+def test_differential_submit_remainders(c_impl, c_codec_extras, py_impl, data):
     # random bytes after a valid header and rid: the skip of the remainder
-    same_everywhere(c_impl, py_impl, data)
+    same_everywhere(c_impl, c_codec_extras, py_impl, data)
 
 
 @pytest.mark.c_extension
 @DIFFERENTIAL
 @given(data=mutated(single_frames))
-def test_differential_mutated_single_frames(c_impl, py_impl, data):
-    same_everywhere(c_impl, py_impl, data)
+def test_differential_mutated_single_frames(c_impl, c_codec_extras, py_impl, data):
+    same_everywhere(c_impl, c_codec_extras, py_impl, data)
 
 
 @pytest.mark.c_extension
@@ -1234,9 +1240,9 @@ def test_differential_mutated_single_frames(c_impl, py_impl, data):
         st.binary(max_size=30),
     )
 )
-def test_differential_single_remainders(c_impl, py_impl, data):
+def test_differential_single_remainders(c_impl, c_codec_extras, py_impl, data):
     # random bytes where a reply map's keys, or a SUBMIT's prompt and params, are read
-    same_everywhere(c_impl, py_impl, data)
+    same_everywhere(c_impl, c_codec_extras, py_impl, data)
 
 
 # Every fixed-size form the skip takes by table, in runs, and cut short at every byte.

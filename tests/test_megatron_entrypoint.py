@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 import coordkit.megatron
-from coordkit._routing_py import MAX_PREFILL_WEIGHT
+from coordkit._policies import MAX_PREFILL_WEIGHT
 from coordkit.megatron import entrypoint
 from tests.support.peers import (
     CONNECT_ACK,

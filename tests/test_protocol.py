@@ -120,12 +120,12 @@ def test_pack_refuses_what_parse_would():
 
 
 @pytest.mark.parametrize("rid", [0, 7, -1, 2**31, 2**63 - 1, -(2**63)])
-def test_the_codec_reads_what_the_specs_write(impl, rid):
+def test_the_codec_reads_what_the_specs_write(impl, codec_extras, rid):
     meta = protocol.SUBMIT_REQUEST.pack(rid, SP, b"p")[0]
     header, length, got, offset = impl.codec.read_submit(meta)
     assert (header, length, got) == (SUBMIT, 3, rid)
     assert meta[offset:] == m(SP)
-    assert impl.codec.rewrite_submit(meta, 5) == protocol.SUBMIT_REQUEST.pack(5, SP, b"p")[0]
+    assert codec_extras.rewrite_submit(meta, 5) == protocol.SUBMIT_REQUEST.pack(5, SP, b"p")[0]
     assert impl.codec.write_header_int(REPLY, rid) == protocol.CLIENT_REPLY.pack(rid, b"")[0]
     reply = protocol.ENGINE_REPLY.pack([(rid, True)], [b"a"])[0]
     assert impl.codec.read_reply(reply) == (REPLY, [(rid, True)])

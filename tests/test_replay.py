@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coordkit._routing_py import POLICIES
+from coordkit._policies import POLICIES
 from coordkit.tools.cli import main
 from coordkit.tools.replay import TraceRequest, load_trace
 

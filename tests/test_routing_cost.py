@@ -12,7 +12,7 @@ import struct
 
 import pytest
 
-from coordkit._routing_py import DEFAULT_PREFILL_WEIGHT
+from coordkit._policies import DEFAULT_PREFILL_WEIGHT
 from tests.support.peers import DISCONNECT, REPLY, SUBMIT, m, um, wait_for
 
 RANKS = 4

@@ -27,19 +27,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import coordkit
-from coordkit import Coordinator, Implementation
-from coordkit._liveness import DEFAULT_COORDINATOR_TIMEOUT
-from coordkit._routing_py import (
+from .. import IMPLEMENTATION, Coordinator, Implementation, load_implementation
+from .._liveness import DEFAULT_COORDINATOR_TIMEOUT
+from .._policies import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DECODE_TOKENS,
     DEFAULT_PREFILL_WEIGHT,
     POLICIES,
 )
-from coordkit._shared import DIALECTS
-from coordkit.client import Client
-from coordkit.curve import keygen
-
+from .._shared import DIALECTS
+from ..client import Client
+from ..curve import keygen
 from .demo import COMPARED_POLICIES, SUFFIX_TOKENS
 from .demo import run as run_demo
 from .fake_engine import COST_MODELS, DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
@@ -370,8 +368,8 @@ def _add_coordinator_choices(
     parser.add_argument(
         "--implementation",
         choices=("c", "py"),
-        default=coordkit.IMPLEMENTATION,
-        help=f"coordinator implementation (default: {coordkit.IMPLEMENTATION})",
+        default=IMPLEMENTATION,
+        help=f"coordinator implementation (default: {IMPLEMENTATION})",
     )
 
 
@@ -392,7 +390,7 @@ def _import_callable(spec: str) -> Callable[..., Any]:
 
 def _load(name: str) -> Implementation:
     try:
-        return coordkit.load_implementation(name)
+        return load_implementation(name)
     except ImportError as exc:
         raise SystemExit(f"coordkit: the {name!r} implementation is not available: {exc}") from None
 

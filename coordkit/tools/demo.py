@@ -21,9 +21,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordkit import Coordinator, Implementation
-from coordkit.client import Client, CoordinatorError
-from coordkit.tools.engines import fake_engine_processes
+from .. import Coordinator, Implementation
+from ..client import Client, CoordinatorError
+from .engines import fake_engine_processes
 
 __all__ = ["run", "COMPARED_POLICIES", "SUFFIX_TOKENS"]
 

@@ -10,7 +10,10 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import coordkit
+#: The package these tools belong to (``coordkit``, or a vendored copy's name), and the
+#: directory its top-level package is found in: a child must start this very copy.
+PACKAGE = __name__.rsplit(".", 2)[0]
+PACKAGE_ROOT = Path(__file__).resolve().parents[PACKAGE.count(".") + 2]
 
 STOP_TIMEOUT = 5.0  # seconds a terminated engine process gets before SIGKILL
 
@@ -32,11 +35,10 @@ def fake_engine_processes(
 
 def _spawn(address: str, rank: int, options: Sequence[str]) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
-    # The child must import this very coordkit, installed or not.
-    package_root = str(Path(coordkit.__file__).parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    # The child must import this very coordkit, installed or not, vendored or not.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     env["COORDKIT_PUREPYTHON"] = "1"  # an engine runs no coordinator: skip loading the extension
-    command = [sys.executable, "-m", "coordkit", "fake-engine", "--address", address]
+    command = [sys.executable, "-m", PACKAGE, "fake-engine", "--address", address]
     command += ["--rank", str(rank), *options]
     # Its own session: Ctrl-C reaches only the tool, which then stops the engines itself.
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)

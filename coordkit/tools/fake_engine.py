@@ -25,10 +25,10 @@ from typing import Any, NamedTuple, TypeGuard
 
 import zmq
 
-from coordkit._liveness import DEFAULT_COORDINATOR_TIMEOUT
-from coordkit.curve import KeySource, ServerKey
-from coordkit.engine import Abort, Control, Engine, Event, Request
-from coordkit.protocol import BLOCK_HASH_SIZE, Header, block_hashes, unpackb
+from .._liveness import DEFAULT_COORDINATOR_TIMEOUT
+from ..curve import KeySource, ServerKey
+from ..engine import Abort, Control, Engine, Event, Request
+from ..protocol import BLOCK_HASH_SIZE, Header, block_hashes, unpackb
 
 __all__ = [
     "FakeEngine",

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import json
 import math
 import os
@@ -42,10 +41,10 @@ from typing import Any
 
 import msgpack
 
-from coordkit import Coordinator, Implementation
-from coordkit._routing_py import POLICIES
-from coordkit.client import Client, CoordinatorError
-from coordkit.tools.engines import fake_engine_processes
+from .. import Coordinator, Implementation, __version__
+from .._policies import POLICIES
+from ..client import Client, CoordinatorError
+from .engines import fake_engine_processes
 
 __all__ = ["TraceRequest", "load_trace", "run", "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_BLOCKS"]
 
@@ -412,19 +411,12 @@ def _report(
             "machine": platform.machine(),
             "processor": platform.processor(),
             "cpus": os.cpu_count(),
-            "coordkit": _version(),
+            "coordkit": __version__,  # of the copy that ran: a vendored one has no metadata
         },
         "results": {
             results.policy: {**_metrics(results, args), "ttft": results.ttft} for results in runs
         },
     }
-
-
-def _version() -> str | None:
-    try:
-        return importlib.metadata.version("coordkit")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _require_matplotlib() -> None:

@@ -8,9 +8,12 @@ the extension does not import the ``[c]`` cases skip, unless
 ``make_cluster`` and ``make_coordinator`` build coordinators of ``impl`` on
 fresh sockets in the test's tmp_path; ``cluster`` is one with a single engine.
 
-``zmqutil`` is the test-only helper built on coordkit's libzmq binding,
-compiled once per session (see extension.py); where it does not build or
-import, its tests skip, or fail under ``COORDKIT_REQUIRE_EXTENSION=1``.
+``zmqutil`` (a host's own Cython code on coordkit's public ``__init__.pxd``)
+and the C ``codec_extras`` (the codec's test-only functions) are compiled once
+per session (see extension.py); ``codec_extras`` is the C or the Python one,
+by ``impl``. ``vendored`` is a copy of coordkit built under another package
+name (see vendoring.py). Where one does not build or import, its tests skip,
+or fail under ``COORDKIT_REQUIRE_EXTENSION=1``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import pytest
 
 from coordkit import Coordinator
 from coordkit.curve import keygen
-from tests.support import extension
+from tests.support import codec_extras as py_codec_extras
+from tests.support import extension, vendoring
 from tests.support.cluster import Cluster, bind_address
 from tests.support.etcd import etcd  # noqa: F401  (a fixture: registered by being here)
 from tests.support.implementations import load, unavailable
@@ -90,15 +94,42 @@ def cluster(make_cluster) -> Iterator[Cluster]:
         yield c
 
 
-@pytest.fixture(scope="session")
-def zmqutil(tmp_path_factory) -> ModuleType:
+def _built(name: str, tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
     try:
-        return extension.build(tmp_path_factory.mktemp("zmqutil"))
+        return extension.build(name, tmp_path_factory.mktemp(name))
     except extension.BuildError as exc:
         reason, details = str(exc), exc.output
     except ImportError as exc:  # built, but it could not bind to pyzmq's libzmq
-        reason, details = f"{extension.NAME} did not import: {exc}", ""
+        reason, details = f"{name} did not import: {exc}", ""
     unavailable(reason, details)  # outside the except: no "during handling" chain
+
+
+@pytest.fixture(scope="session")
+def zmqutil(tmp_path_factory) -> ModuleType:
+    return _built("_zmqutil_c", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def c_codec_extras(tmp_path_factory) -> ModuleType:
+    return _built("_codec_extras_c", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def codec_extras(impl, request) -> ModuleType:
+    """The codec's test-only functions (encode, decode, rewrite_submit, write_header,
+    blake2b) of ``impl``: the C ones built on the C codec, or the Python ones."""
+    if impl.name == "c":
+        return request.getfixturevalue("c_codec_extras")
+    return py_codec_extras
+
+
+@pytest.fixture(scope="session")
+def vendored(tmp_path_factory) -> vendoring.Vendored:
+    try:
+        return vendoring.build(tmp_path_factory.mktemp("vendored"))
+    except extension.BuildError as exc:
+        reason, details = str(exc), exc.output
+    unavailable(reason, details)
 
 
 @pytest.fixture

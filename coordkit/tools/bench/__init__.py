@@ -60,9 +60,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from coordkit._routing_py import POLICIES
-from coordkit._shared import DIALECTS
-
+from ..._policies import POLICIES
+from ..._shared import DIALECTS
 from . import endpoints, latency, report, scale
 from .latency import LATENCY_LENGTHS, LATENCY_VARIANTS
 from .session import Failure, Session

@@ -45,11 +45,9 @@ from typing import Any
 import msgpack
 import zmq
 
-import coordkit
-from coordkit import Client
-from coordkit.engine import Engine, Request
-from coordkit.protocol import Header, packb, parse_connect, unpackb
-
+from ... import IMPLEMENTATION, Client, load_implementation
+from ...engine import Engine, Request
+from ...protocol import Header, packb, parse_connect, unpackb
 from .servers import _usage, coordinator_child
 from .session import Failure, Processes
 from .workload import ECHO_BATCH, SAMPLING, TIMEOUT, Prompt, reply_body, requests_at
@@ -245,7 +243,7 @@ def batch_echo_child(conn: Connection, endpoint: str, implementation: str) -> No
     It costs as little as plain pyzmq allows, so that the client it serves is
     not kept waiting: the prompts are received into one scratch buffer
     (``recv_into``), the body sent is one frame shared by reference."""
-    codec = coordkit.load_implementation(implementation).codec
+    codec = load_implementation(implementation).codec
     body = zmq.Frame(reply_body())
     scratch = bytearray(1 << 16)
     context = zmq.Context()
@@ -359,7 +357,7 @@ class ClientBench(_Bench):
 
     def __init__(self, peer: str, variants: list[str], args: argparse.Namespace, directory: str):
         super().__init__(f"client-{peer}")
-        implementation = coordkit.IMPLEMENTATION
+        implementation = IMPLEMENTATION
         try:
             if peer == "coordinator":
                 address = self._coordinator(args, directory, "client-coordinator")
@@ -398,7 +396,7 @@ class EndToEnd(_Bench):
 
     def __init__(self, variants: list[str], args: argparse.Namespace, directory: str):
         super().__init__("end-to-end")
-        implementation = coordkit.IMPLEMENTATION
+        implementation = IMPLEMENTATION
         try:
             address = self._coordinator(args, directory, "end-to-end")
             self.engines = []

@@ -27,8 +27,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from coordkit.protocol import block_hashes, packb
-
+from ...protocol import block_hashes, packb
 from .workload import (
     BATCH,
     BLOCK_SIZE,

@@ -14,8 +14,7 @@ from typing import Any
 import msgpack
 import zmq
 
-import coordkit
-
+from ... import IMPLEMENTATION, __version__
 from . import latency
 from .workload import (
     BATCH,
@@ -292,7 +291,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         "pyzmq": zmq.__version__,
         "libzmq": zmq.zmq_version(),
         "msgpack": ".".join(map(str, msgpack.version)),
-        "coordkit": coordkit.__version__,
+        "coordkit": __version__,
         "transport": "tcp://127.0.0.1" if args.transport == "tcp" else "ipc://",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "loadavg": os.getloadavg(),  # before the run: others sharing the CPUs disturb it
@@ -323,7 +322,7 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         "clients": list(args.clients),
         "peers": list(args.peers),
         "end_to_end_clients": list(args.end_to_end_clients),
-        "implementation": coordkit.IMPLEMENTATION,
+        "implementation": IMPLEMENTATION,
         "latency": args.latency
         and {
             "variants": list(args.latency_variants),

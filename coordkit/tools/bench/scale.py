@@ -35,8 +35,7 @@ import statistics
 import sys
 from typing import Any
 
-import coordkit
-
+from ... import Coordinator
 from .session import Failure, Session
 from .workload import BATCH, RANKS
 
@@ -48,7 +47,7 @@ _FIGURES = ("total_us", "user_us", "sys_us", "requests_per_s", "reply_batch")
 
 
 def _default(option: str) -> int:
-    return int(inspect.signature(coordkit.Coordinator).parameters[option].default)
+    return int(inspect.signature(Coordinator).parameters[option].default)
 
 
 def measure_scale(

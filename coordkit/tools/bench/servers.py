@@ -17,9 +17,8 @@ from typing import Any, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-import coordkit
-from coordkit.protocol import packb, unpackb
-
+from ... import Coordinator
+from ...protocol import packb, unpackb
 from .load import raise_fd_limit
 from .workload import CONNECT, CONNECT_ACK, IMPLEMENTATIONS, REPLY, SUBMIT
 
@@ -111,7 +110,7 @@ class _Coordkit:
         policy: str,
         options: dict[str, Any],
     ):
-        self.coord = coordkit.Coordinator(
+        self.coord = Coordinator(
             endpoint,
             implementation=IMPLEMENTATIONS[variant],
             policy=policy,

@@ -12,8 +12,8 @@ import argparse
 import random
 from dataclasses import dataclass
 
-from coordkit._shared import COPY_BELOW
-from coordkit.protocol import Header, packb
+from ..._shared import COPY_BELOW
+from ...protocol import Header, packb
 
 VARIANTS = ("floor", "c", "c-metrics", "py", "mono")
 #: The coordkit variants, and the implementation each runs on.
@@ -41,7 +41,7 @@ SAMPLING = {
 #: Sizes (bytes of the frame that carries a prompt to the loop) where the
 #: loop's handling changes: below COPY_BELOW a kept prompt is copied inline
 #: into its record, from it shared; from POOLED_FROM a forwarded prompt's
-#: frame comes from the loop's buffer pool (``_buffers.h``: ``ck_buffer_msg``
+#: frame comes from the loop's buffer pool (``includes/framepool.h``: ``ck_buffer_msg``
 #: pools sizes from half of ``1 << CK_BUFFER_MIN_SHIFT``), below it from malloc.
 POOLED_FROM = 1 << 15
 THRESHOLDS = {"copy": COPY_BELOW, "pool": POOLED_FROM}

@@ -307,10 +307,12 @@ static inline void ck_requests_remove(ck_requests *t, uint32_t slot)
 
 /* ---- ck_prefix: the router's block hash -> prefix entry --------------------- */
 
+#define CK_NIL UINT32_MAX /* no entry: the ends of the LRU list and of the free list */
+
 typedef struct {
     uint64_t hash;
     double last_used;
-    uint32_t older; /* LRU neighbours, UINT32_MAX at the ends; older links the free list */
+    uint32_t older; /* LRU neighbours, CK_NIL at the ends; older links the free list */
     uint32_t newer;
 } ck_prefix_entry;
 

@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "sysdep.h"
+
 #define CK_BLAKE2B_BLOCK 128
 #define CK_BLAKE2B_MAX_OUT 64
 
@@ -55,27 +57,6 @@ static const uint8_t ck_blake2b_sigma[12][16] = {
     {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
 };
 
-static inline uint64_t ck_b2_load_le64(const uint8_t *p)
-{
-    return (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16) |
-           ((uint64_t)p[3] << 24) | ((uint64_t)p[4] << 32) | ((uint64_t)p[5] << 40) |
-           ((uint64_t)p[6] << 48) | ((uint64_t)p[7] << 56);
-}
-
-static inline void ck_b2_store_le64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static inline void ck_b2_store_le32(uint8_t *p, uint32_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-    p[2] = (uint8_t)(v >> 16);
-    p[3] = (uint8_t)(v >> 24);
-}
-
 static inline uint64_t ck_rotr64(uint64_t x, unsigned n)
 {
     return (x >> n) | (x << (64 - n));
@@ -108,7 +89,7 @@ static inline void ck_blake2b_compress(ck_blake2b_state *s, int last)
     if (last)
         v[14] = ~v[14];
     for (i = 0; i < 16; i++)
-        m[i] = ck_b2_load_le64(s->b + 8 * i);
+        m[i] = ck_load_le64(s->b + 8 * i);
     for (i = 0; i < 12; i++) {
         const uint8_t *z = ck_blake2b_sigma[i];
         CK_BLAKE2B_G(0, 4, 8, 12, m[z[0]], m[z[1]]);
@@ -175,11 +156,11 @@ static inline void ck_blake2b_update_le32(ck_blake2b_state *s, uint32_t v)
         s->c = 0;
     }
     if (s->c + 4 <= CK_BLAKE2B_BLOCK) {
-        ck_b2_store_le32(s->b + s->c, v);
+        ck_store_le32(s->b + s->c, v);
         s->c += 4;
     } else {  /* straddles a block boundary: only after an unaligned update */
         uint8_t tmp[4];
-        ck_b2_store_le32(tmp, v);
+        ck_store_le32(tmp, v);
         ck_blake2b_update(s, tmp, 4);
     }
 }
@@ -193,7 +174,7 @@ static inline void ck_blake2b_final(ck_blake2b_state *s, uint8_t *out)
     memset(s->b + s->c, 0, CK_BLAKE2B_BLOCK - s->c);
     ck_blake2b_compress(s, 1);
     for (i = 0; i < 8; i++)
-        ck_b2_store_le64(digest + 8 * i, s->h[i]);
+        ck_store_le64(digest + 8 * i, s->h[i]);
     memcpy(out, digest, s->outlen);
 }
 

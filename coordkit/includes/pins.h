@@ -21,7 +21,7 @@
 #include <Python.h>
 #include <string.h>
 
-#include "_libzmq.h"
+#include "libzmq.h"
 
 typedef struct ck_pin {
     struct ck_pin *next;

@@ -15,13 +15,13 @@
  * the loop and every buffer in flight, and whoever drops the last reference
  * frees what is left and the pool.
  */
-#ifndef COORDKIT_BUFFERS_H
-#define COORDKIT_BUFFERS_H
+#ifndef COORDKIT_FRAMEPOOL_H
+#define COORDKIT_FRAMEPOOL_H
 
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "_libzmq.h"
+#include "libzmq.h"
 
 #define CK_BUFFER_MIN_SHIFT 16 /* 64 KiB: below, malloc reuses its own bins */
 #define CK_BUFFER_CLASSES 11   /* up to 64 MiB; larger ones are not pooled */

@@ -1,0 +1,76 @@
+"""What an engine rank receives, as events: the Engine hands them out, both engine cores make them.
+
+:class:`Request` (SUBMIT_REQUEST, SUBMIT_REQUEST_WITH_KV, an entry of an
+ENGINE_SUBMIT_BATCH), :class:`Abort`, :class:`ReleaseKV` and :class:`Control`;
+:func:`refused` is what both cores do with an ERROR from the coordinator. They
+live apart from the endpoint (``engine.py``, which re-exports them) and from
+either core, so that the twins ``_engine_c`` and ``_engine_py`` import a
+module below both, never each other or the endpoint above them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from ._shared import logger
+from .protocol import Header, unpackb
+
+__all__ = ["Request", "Abort", "ReleaseKV", "Control", "Event", "refused"]
+
+#: The engine side's logger: ``<package>.engine``, as the endpoint's own.
+log = logger.getChild("engine")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A new request: SUBMIT_REQUEST, or SUBMIT_REQUEST_WITH_KV when ``kv_meta`` is set.
+
+    ``prompt`` (and ``src_block_ids``) are the received frames, not copies.
+    """
+
+    server_rid: int
+    sampling_params: Any
+    prompt: zmq.Frame
+    kv_meta: Any = None
+    src_block_ids: zmq.Frame | None = None
+
+    def prompt_tokens(self) -> Any:
+        """The prompt msgpack-decoded: token ids (or a str, as the client sent it)."""
+        return unpackb(self.prompt.buffer)
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Abort ``server_rid``; the engine still owes it a final reply."""
+
+    server_rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseKV:
+    """RELEASE_KV, broadcast to every engine; ``rid`` is the id the client sent."""
+
+    rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Control:
+    """A control signal (PAUSE ... STOP_CUDA_PROFILER); ``epoch`` for SET_GENERATION_EPOCH."""
+
+    header: Header
+    epoch: int | None = None
+
+
+Event = Request | Abort | ReleaseKV | Control
+
+
+def refused(error: Any) -> None:
+    """An ERROR from the coordinator: a reply entry of ours it could not deliver."""
+    log.warning(
+        "coordkit engine: the coordinator refused %s: %s",
+        "a message" if error.rid is None else f"the reply to request {error.rid}",
+        error.message,
+    )
