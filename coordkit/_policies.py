@@ -91,6 +91,15 @@ Work
       most-recent end. Scoring only reads the table.
     * ``remove_rank(r)`` clears ``r`` from every entry and deletes the
       entries left empty; the others keep their LRU order.
+    * ``learn(r, hashes, now)`` records the hashes of an engine's report (the
+      chains of the requests routed to it lately, oldest first) for ``r``
+      exactly as a decision records its chain, without counting a decision;
+      under any other policy it does nothing.
+
+Taking over
+    ``hold(r)`` counts a request already at ``r`` (one a new coordinator
+    adopts from an engine's report): ``pending(r) += 1``, and it is charged
+    the decode share alone (``charged = decode``, its prompt unknown).
 
 Block hashes
     ``h[0 .. m-1]`` are defined by :func:`coordkit.protocol.block_hashes`; the

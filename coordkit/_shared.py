@@ -46,6 +46,12 @@ ERROR_SLOTS = 32
 #: 100 µs to about 3.5 minutes; a last bucket takes the rest (+Inf).
 LATENCY_BUCKETS = tuple(0.0001 * 2.0**k for k in range(22))
 
+#: Seconds a coordinator waits, from its start, for engines to report what they hold
+#: before it tells rebuild clients to re-send what none claimed: the endpoints'
+#: default coordinator_timeout, so that peers that noticed a frozen leader only by
+#: its silence still report in time.
+REBUILD_WINDOW = 5.0
+
 #: A kept prompt below this many bytes is copied: sharing it would pin the whole
 #: receive buffer libzmq decoded it from (pyzmq's copy-below-a-threshold rule).
 COPY_BELOW = 8192
@@ -81,6 +87,9 @@ class Counter(IntEnum):
     MALFORMED_ENTRIES = 24  # entries of an engine's batch skipped, the rest delivered
     TIMED_OUT = 25
     AUTH_REFUSED = 26  # peers refused at the CURVE handshake (counted off the loop)
+    ADOPTED = 27  # requests an engine reported holding, taken over after a coordinator's loss
+    RESENT = 28  # requests a rebuild client was told to send again (RESEND)
+    REPLAYED = 29  # requests whose replies an engine was asked to send again (REPLAY)
 
 
 class EngineState(IntEnum):
@@ -97,6 +106,9 @@ class RequestFlag(IntEnum):
 
     PRODUCED = 1  # a partial reply went out: it cannot be re-sent
     ABORTED = 2  # its client aborted it: it is never re-sent
+    REPLAYING = 4  # its engine was asked to REPLAY it: its replies wait for the REPLAYED
+    ORPHAN = 8  # adopted from an engine's report: its client has not REJOINed yet
+    PINNED = 16  # a KV submission: tied to the engine chosen, never sent again
 
 
 class RouteStatus(IntEnum):
@@ -137,6 +149,9 @@ class Options:
     measure_latency: bool  # keep the latency histograms (Coordinator(metrics_port=...))
     dialect: str
     block_size: int
+    epoch: int  # what the coordinator announces to rebuild peers (see coordinator.py)
+    first_server_id: int  # its server ids start here: above any of an earlier life's
+    rebuild_window: float  # seconds after the start during which peers report
 
     @property
     def index_size(self) -> int:
@@ -289,6 +304,7 @@ def stats_map(
     *,
     implementation: str,
     policy: str,
+    epoch: int,
     messages: int,
     inflight: int,
     clients: int,
@@ -296,11 +312,12 @@ def stats_map(
     counters: list[int],
     engines: list[tuple[int, bytes, int, int]],
 ) -> dict[str, Any]:
-    """The map of ``Coordinator.stats()`` and STATS_REPLY; ``engines`` is
-    (rank, identity, state, pending) per rank."""
+    """The map of ``Coordinator.stats()`` and STATS_REPLY; ``epoch`` is what the
+    coordinator announces, ``engines`` (rank, identity, state, pending) per rank."""
     return {
         "implementation": implementation,
         "policy": policy,
+        "epoch": epoch,
         "messages": messages,
         "inflight": inflight,
         "clients": clients,

@@ -47,6 +47,11 @@ __all__ = [
     "parse_engine_hello",
     "Hello",
     "BATCH_FEATURE",
+    "REBUILD_FEATURE",
+    "EPOCH_KEY",
+    "Trailer",
+    "pack_trailer",
+    "parse_trailer",
     "block_hashes",
     "packb",
     "unpackb",
@@ -64,6 +69,16 @@ COORDKIT_HELLO = {"coordkit": 1}
 #: (SUBMIT_BATCH, REPLY_BATCH); a coordinator that grants it to a client says
 #: so in its CONNECT_ACK.
 BATCH_FEATURE = "batch"
+
+#: The key of a CONNECT or ENGINE_HELLO map by which a coordkit peer says it takes
+#: part in the rebuild after a coordinator's loss (a client keeps its requests and
+#: REJOINs; an engine keeps what it sent and reports what it holds); a coordinator
+#: that grants it says so in its answer, with its epoch under EPOCH_KEY.
+REBUILD_FEATURE = "rebuild"
+EPOCH_KEY = "epoch"
+#: The key of a rebuild engine's ENGINE_HELLO map: the number its next reply message
+#: has (see HANDLED).
+BASE_KEY = "base"
 
 #: Bytes per entry of the optional block-hash frame (little-endian u64).
 BLOCK_HASH_SIZE = 8
@@ -107,6 +122,14 @@ class Header(IntEnum):
     ENGINE_HELLO = 94
     SUBMIT_BATCH = 95
     REPLY_BATCH = 96
+    ENGINE_ACK = 97
+    # the rebuild after a coordinator's loss (docs/design.md, "Failover")
+    REJOIN = 98
+    RESEND = 99
+    HELD = 100
+    HANDLED = 101
+    REPLAY = 102
+    REPLAYED = 103
 
 
 #: Control signals a client sends and the coordinator broadcasts to engines.
@@ -376,16 +399,20 @@ class MessageSpec:
 
 
 class BatchedMessageSpec:
-    """An engine's batch: ``[header, [entry, ...]]`` and one payload frame per entry.
+    """An engine's batch: ``[header, [entry, ...]]`` and one payload frame per entry
+    (none with ``bodies=False``).
 
     ``entry_fields`` with one field gives bare values (``[rid, ...]``), with
     several an array per entry (``[[rid, flag], ...]``).
     """
 
-    def __init__(self, name: str, header: Header, entry_fields: Sequence[Field]):
+    def __init__(
+        self, name: str, header: Header, entry_fields: Sequence[Field], bodies: bool = True
+    ):
         self.name = name
         self.header = header
         self.entry_fields = tuple(entry_fields)
+        self.bodies = bodies
 
     def _check_entry(self, entry: Any) -> None:
         if len(self.entry_fields) == 1:
@@ -398,8 +425,8 @@ class BatchedMessageSpec:
         for spec, value in zip(self.entry_fields, entry, strict=True):
             spec.check(self.name, value)
 
-    def pack(self, entries: Sequence[Any], bodies: Sequence[Any]) -> list[bytes | Any]:
-        if len(entries) != len(bodies):
+    def pack(self, entries: Sequence[Any], bodies: Sequence[Any] = ()) -> list[bytes | Any]:
+        if len(bodies) != (len(entries) if self.bodies else 0):
             raise ProtocolError(
                 f"{self.name}: {len(entries)} entries but {len(bodies)} payload frames"
             )
@@ -418,7 +445,7 @@ class BatchedMessageSpec:
         for entry in entries:
             self._check_entry(entry)
         bodies = list(frames[1:])
-        if len(entries) != len(bodies):
+        if len(bodies) != (len(entries) if self.bodies else 0):
             raise ProtocolError(
                 f"{self.name}: {len(entries)} entries but {len(bodies)} payload frames"
             )
@@ -473,11 +500,128 @@ class SubmitBatchSpec:
 SubmitEntry = namedtuple("SubmitEntry", "rid sampling_params prompt block_hashes")
 
 
+class HeldSpec:
+    """HELD, a rebuild engine's report after each registration: ``[100, [[server_rid,
+    client_rid, client_id, partials, final], ...]]`` -- the requests it holds that a
+    rebuild client sent, how many partials it sent for each, whether it sent the
+    final -- then one frame: the block hashes of the requests routed to it lately
+    (little-endian u64s, oldest first; empty when none), so that the prefix policy's
+    table outlives the coordinator."""
+
+    name = "HELD"
+    header = Header.HELD
+    entry_fields = (
+        Field("server_rid", int),
+        Field("client_rid", int),
+        Field("client_id", bytes),
+        Field("partials", int),
+        Field("final", bool),
+    )
+
+    def pack(self, entries: Sequence[Sequence[Any]], hashes: Buffer = b"") -> list[Any]:
+        entries = [list(entry) for entry in entries]
+        for entry in entries:
+            _check_entry(self.name, self.entry_fields, entry)
+        return [packb([int(self.header), entries]), hashes]
+
+    def parse(self, frames: Sequence[Frame]) -> tuple[list[list[Any]], Frame]:
+        if len(frames) != 2:
+            raise ProtocolError(f"{self.name}: expected 2 frames, got {len(frames)}")
+        metadata = _decode_metadata(self.name, self.header, frames[0])
+        if len(metadata) != 2 or not isinstance(metadata[1], list):
+            raise ProtocolError(f"{self.name}: metadata must be [header, [entries]]")
+        for entry in metadata[1]:
+            _check_entry(self.name, self.entry_fields, entry)
+        if len(memoryview(frames[1])) % BLOCK_HASH_SIZE:
+            raise ProtocolError(f"{self.name}: the block-hash frame is not whole hashes")
+        return metadata[1], frames[1]
+
+
+class ReplayedSpec:
+    """REPLAYED from a rebuild engine, its answer to a REPLAY: ``[103, [[server_rid,
+    first, count, final], ...]]`` and, entry after entry, ``count`` bodies each: the
+    partials it sent from partial ``first`` on, then the final when ``final``.
+    ``first`` is -1 for a request it does not hold."""
+
+    name = "REPLAYED"
+    header = Header.REPLAYED
+    entry_fields = (
+        Field("server_rid", int),
+        Field("first", int),
+        Field("count", int),
+        Field("final", bool),
+    )
+
+    def pack(self, entries: Sequence[Sequence[Any]], bodies: Sequence[Any]) -> list[Any]:
+        entries = [list(entry) for entry in entries]
+        for entry in entries:
+            _check_entry(self.name, self.entry_fields, entry)
+        if sum(entry[2] for entry in entries) != len(bodies):
+            raise ProtocolError(f"{self.name}: the counts do not add up to the bodies")
+        return [packb([int(self.header), entries]), *bodies]
+
+    def parse(self, frames: Sequence[Frame]) -> tuple[list[list[Any]], list[Frame]]:
+        if not frames:
+            raise ProtocolError(f"{self.name}: empty message")
+        metadata = _decode_metadata(self.name, self.header, frames[0])
+        if len(metadata) != 2 or not isinstance(metadata[1], list):
+            raise ProtocolError(f"{self.name}: metadata must be [header, [entries]]")
+        for entry in metadata[1]:
+            _check_entry(self.name, self.entry_fields, entry)
+            if entry[2] < 0 or entry[1] < -1:
+                raise ProtocolError(f"{self.name}: a negative count or first")
+        if sum(entry[2] for entry in metadata[1]) != len(frames) - 1:
+            raise ProtocolError(f"{self.name}: the counts do not add up to the bodies")
+        return metadata[1], list(frames[1:])
+
+
+def _check_entry(name: str, fields: Sequence[Field], entry: Any) -> None:
+    if not isinstance(entry, list) or len(entry) != len(fields):
+        raise ProtocolError(f"{name}: each entry must be an array of {len(fields)}")
+    for spec, value in zip(fields, entry, strict=True):
+        spec.check(name, value)
+
+
+class Trailer(NamedTuple):
+    """What a rebuild engine is told of each request, in the frame after its payload
+    (the *trailer*): ``[client_rid, client_id, hashed]``. ``client_id`` is the routing
+    id of a rebuild client (None for any other: its request cannot outlive the
+    coordinator); ``hashed`` says that the request's block-hash frame follows."""
+
+    client_rid: int
+    client_id: bytes | None
+    hashed: bool
+
+
+_TRAILER_FIELDS = (
+    Field("client_rid", int),
+    Field("client_id", bytes, nullable=True),
+    Field("hashed", bool),
+)
+
+
+def pack_trailer(client_rid: int, client_id: bytes | None, hashed: bool) -> bytes:
+    entry = [client_rid, client_id, hashed]
+    _check_entry("trailer", _TRAILER_FIELDS, entry)
+    return packb(entry)
+
+
+def parse_trailer(frame: Frame) -> Trailer:
+    try:
+        entry = unpackb(frame)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"trailer: not msgpack ({exc})") from None
+    _check_entry("trailer", _TRAILER_FIELDS, entry)
+    return Trailer(*entry)
+
+
 class Hello(NamedTuple):
     """What a peer said of itself in CONNECT or ENGINE_HELLO."""
 
     coordkit: bool  # a coordkit peer: may be sent ERROR and STATS_REPLY
     batch: bool  # asks for SUBMIT_BATCH / REPLY_BATCH
+    rebuild: bool = False  # takes part in the rebuild after a coordinator's loss
+    base: int = 0  # a rebuild engine: the number of its next reply message (HANDLED)
 
 
 _rid = Field("rid", int)
@@ -540,6 +684,31 @@ ENGINE_SUBMIT_BATCH = BatchedMessageSpec(
 )
 #: Replies for one client, from one engine batch, to a client that asked for batches.
 REPLY_BATCH = BatchedMessageSpec("REPLY_BATCH", Header.REPLY_BATCH, [_rid, Field("final", bool)])
+#: The answer to an ENGINE_HELLO that asked for the rebuild: ``[97, {"rebuild": 1,
+#: "epoch": E}]`` (the header is branch newcomer's ENGINE_ACK; its other keys may join).
+ENGINE_ACK = MessageSpec("ENGINE_ACK", Header.ENGINE_ACK, [Field("features", dict)])
+#: A rebuild client, once acknowledged again: the requests it still waits for, and
+#: how many partials each one got.
+REJOIN = BatchedMessageSpec("REJOIN", Header.REJOIN, [_rid, Field("partials", int)], bodies=False)
+#: To a rebuild client: send these requests again (no engine holds them).
+RESEND = BatchedMessageSpec("RESEND", Header.RESEND, [_rid], bodies=False)
+HELD = HeldSpec()
+#: To a rebuild engine, on the coordinator's timer: it handled the engine's reply
+#: messages up to number ``count`` (counted from the ``base`` of its ENGINE_HELLO).
+HANDLED = MessageSpec("HANDLED", Header.HANDLED, [Field("count", int)])
+#: To a rebuild engine: send again what you sent for these requests, from partial
+#: ``start`` on (-1: all you keep).
+REPLAY = BatchedMessageSpec(
+    "REPLAY", Header.REPLAY, [Field("server_rid", int), Field("start", int)], bodies=False
+)
+REPLAYED = ReplayedSpec()
+#: REPLAYED to a rebuild client: each reply sent again with its place, ``index``
+#: (the partials before it), so that the client drops what it has.
+CLIENT_REPLAYED = BatchedMessageSpec(
+    "CLIENT_REPLAYED",
+    Header.REPLAYED,
+    [_rid, Field("index", int), Field("final", bool)],
+)
 
 # Megatron-Core's single-frame dialect (up to release 0.19): each message is one
 # frame, the prompt and the replies inside it.
@@ -558,10 +727,19 @@ SINGLE_CLIENT_REPLY = MessageSpec(
 )
 
 
+def _feature(value: Any) -> bool:
+    return type(value) is int and value >= 1
+
+
 def _hello(hello: dict[Any, Any]) -> Hello:
-    version, batch = hello.get("coordkit"), hello.get(BATCH_FEATURE)
-    coordkit = type(version) is int and version >= 1
-    return Hello(coordkit, coordkit and type(batch) is int and batch >= 1)
+    coordkit = _feature(hello.get("coordkit"))
+    base = hello.get(BASE_KEY, 1)
+    if type(base) is not int or not 0 < base <= INT64_MAX:
+        base = 0  # no numbering: the engine cannot be told what was handled
+    rebuild = coordkit and _feature(hello.get(REBUILD_FEATURE)) and base > 0
+    return Hello(
+        coordkit, coordkit and _feature(hello.get(BATCH_FEATURE)), rebuild, base if rebuild else 0
+    )
 
 
 def parse_connect(frames: Sequence[Frame]) -> Hello:
