@@ -29,6 +29,13 @@ cdef enum:  # coordkit.protocol.Header
     HEADER_ENGINE_HELLO = 94
     HEADER_SUBMIT_BATCH = 95
     HEADER_REPLY_BATCH = 96
+    HEADER_ENGINE_ACK = 97
+    HEADER_REJOIN = 98
+    HEADER_RESEND = 99
+    HEADER_HELD = 100
+    HEADER_HANDLED = 101
+    HEADER_REPLAY = 102
+    HEADER_REPLAYED = 103
 
 cdef enum:  # coordkit.protocol.ErrorCode
     ERROR_MALFORMED = 1
@@ -76,6 +83,9 @@ cdef enum:  # coordkit._shared.Counter
     COUNTER_MALFORMED_ENTRIES = 24
     COUNTER_TIMED_OUT = 25
     COUNTER_AUTH_REFUSED = 26
+    COUNTER_ADOPTED = 27
+    COUNTER_RESENT = 28
+    COUNTER_REPLAYED = 29
 
 cdef enum:  # coordkit._shared.EngineState
     ENGINE_ALIVE = 0
@@ -85,6 +95,9 @@ cdef enum:  # coordkit._shared.EngineState
 cdef enum:  # coordkit._shared.RequestFlag
     FLAG_PRODUCED = 1
     FLAG_ABORTED = 2
+    FLAG_REPLAYING = 4
+    FLAG_ORPHAN = 8
+    FLAG_PINNED = 16
 
 cdef enum:  # coordkit._shared.RouteStatus
     ROUTE_SENT = 0
@@ -106,7 +119,7 @@ cdef enum:
     HEADER_SLOTS = 128
     ERROR_SLOTS = 32
     N_LATENCY_BUCKETS = 22
-    N_COUNTERS = 27
+    N_COUNTERS = 30
     WEIGHT_SCALE = 256
     MAX_BLOCKS = 8388608
     POLICY_ROUND_ROBIN = 0
@@ -142,6 +155,13 @@ cdef inline dict generated_constants():
         "Header.ENGINE_HELLO": 94,
         "Header.SUBMIT_BATCH": 95,
         "Header.REPLY_BATCH": 96,
+        "Header.ENGINE_ACK": 97,
+        "Header.REJOIN": 98,
+        "Header.RESEND": 99,
+        "Header.HELD": 100,
+        "Header.HANDLED": 101,
+        "Header.REPLAY": 102,
+        "Header.REPLAYED": 103,
         "ErrorCode.MALFORMED": 1,
         "ErrorCode.UNKNOWN_HEADER": 2,
         "ErrorCode.NOT_CONNECTED": 3,
@@ -183,11 +203,17 @@ cdef inline dict generated_constants():
         "Counter.MALFORMED_ENTRIES": 24,
         "Counter.TIMED_OUT": 25,
         "Counter.AUTH_REFUSED": 26,
+        "Counter.ADOPTED": 27,
+        "Counter.RESENT": 28,
+        "Counter.REPLAYED": 29,
         "EngineState.ALIVE": 0,
         "EngineState.DRAINING": 1,
         "EngineState.GONE": 2,
         "RequestFlag.PRODUCED": 1,
         "RequestFlag.ABORTED": 2,
+        "RequestFlag.REPLAYING": 4,
+        "RequestFlag.ORPHAN": 8,
+        "RequestFlag.PINNED": 16,
         "RouteStatus.SENT": 0,
         "RouteStatus.NO_ENGINES": 1,
         "RouteStatus.ALL_BUSY": 2,
@@ -203,7 +229,7 @@ cdef inline dict generated_constants():
         "HEADER_SLOTS": 128,
         "ERROR_SLOTS": 32,
         "N_LATENCY_BUCKETS": 22,
-        "N_COUNTERS": 27,
+        "N_COUNTERS": 30,
         "WEIGHT_SCALE": 256,
         "MAX_BLOCKS": 8388608,
         "POLICY_ROUND_ROBIN": 0,

@@ -24,6 +24,7 @@ from .includes.tables cimport (
     ck_request,
     ck_requests,
     ck_requests_add,
+    ck_requests_adopt,
     ck_requests_find,
     ck_requests_find_client,
     ck_requests_free,
@@ -36,6 +37,9 @@ cdef struct Client:
     bint used
     bint coordkit  # said {"coordkit": 1} in CONNECT: may be sent ERROR and STATS_REPLY
     bint batch  # granted batches: may send SUBMIT_BATCH, is sent REPLY_BATCH
+    bint rebuild  # keeps its requests: told to RESEND, sent CLIENT_REPLAYED
+    bint present  # sent CONNECT (False: known only from an engine's report)
+    bint rejoined  # sent REJOIN: its requests not listed are not awaited
     int format  # PeerFormat
     int64_t inflight
     uint64_t last_seen  # the message count when it last sent one
@@ -50,6 +54,14 @@ cdef struct Engine:
     double last_heartbeat
     double drain_deadline
     int gone_reason  # why it was found gone, for the log
+    # A rebuild engine is sent a trailer with every request, and HANDLED on the
+    # timer: the number of its last reply message handled a whole tick ago (its
+    # reply messages since its registration are numbered from its base).
+    bint rebuild
+    int64_t base
+    uint64_t handled  # reply messages received since its registration
+    uint64_t mark  # handled at the last tick
+    uint64_t acked  # handled as of the last HANDLED sent
 
 
 cdef enum GoneReason:
@@ -95,6 +107,16 @@ cdef class Loop:
         size_t block_size
         double request_timeout  # 0: requests never time out
         bint measure_latency
+
+        # The rebuild: until the window ends, engines report what they hold and clients
+        # what they wait for; meanwhile no HANDLED goes out (a replay may need it all).
+        int64_t epoch
+        double rebuild_until
+        bint rebuilding
+        dict awaiting  # REJOIN entries no engine claimed yet: (client, rid) -> partials got
+        bint forwards_hashes  # the prefix policy learns from what rebuild engines report
+        uint32_t drained  # messages handled in this wake-up: the deadline is read every 256
+        double deadline  # the term's, for this serve() call
 
         # The tables.
         ck_requests requests
@@ -146,6 +168,7 @@ cdef class Loop:
     cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil
     cdef bint _deliver(self, int32_t client, int64_t header, int64_t client_rid,
                        const uint8_t* body, size_t size, zmq_msg_t* message) noexcept nogil
+    cdef void _admit(self, uint32_t slot, int32_t client) noexcept nogil
     cdef void _forget(self, uint32_t slot) noexcept nogil
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil
     cdef int _send_identity(self, ck_ids* table, int32_t index) noexcept nogil
@@ -174,6 +197,20 @@ cdef class Loop:
     cdef _broadcast(self, int64_t header)
     cdef _detokenize(self, int part)
     cdef bytes _detokenized(self, const uint8_t* body, size_t size)
+
+    # the rebuild after a coordinator's loss
+    cdef _held(self, int32_t engine)
+    cdef int32_t _adoptive_client(self, bytes identity, int64_t client_rid) except -2
+    cdef _rejoin(self, int32_t client)
+    cdef _replayed(self, int32_t engine)
+    cdef _replay(self, uint32_t slot, int64_t start, dict replays)
+    cdef _send_replays(self, dict replays)
+    cdef _send_resends(self, dict resend)
+    cdef _unclaimed(self, int32_t client, int64_t rid, int64_t partials, dict resend)
+    cdef _unheld(self, uint32_t slot, dict resend)
+    cdef _drop_orphan(self, uint32_t slot)
+    cdef _end_rebuild(self)
+    cdef _acknowledge(self)
 
     # failures
     cdef _settle(self)

@@ -29,6 +29,7 @@ requests are settled on a rare path once the message at hand is done
 
 cimport cython
 from libc.errno cimport EINTR
+from libc.math cimport INFINITY
 from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcpy, memset
@@ -89,6 +90,8 @@ from ._routing_c cimport Router
 from .includes.bytebuf cimport reserve
 from .includes.sysdep cimport DEBUG
 
+from collections import defaultdict
+
 from . import protocol
 from ._shared import (
     LATENCY_BUCKETS,
@@ -101,6 +104,8 @@ from ._shared import (
 from .protocol import (
     BATCH_FEATURE,
     CONTROL_TRANSITIONS,
+    EPOCH_KEY,
+    REBUILD_FEATURE,
     ProtocolError,
     error_text,
     header_name,
@@ -192,6 +197,8 @@ cdef class Loop:
 
     def __cinit__(self):
         self.detokenized_bodies = []  # the C fields start zeroed: NULL, empty
+        self.awaiting = {}
+        self.deadline = INFINITY
 
     def __init__(self, options, Router router not None, router_socket, wake_socket):
         self.router = router
@@ -215,6 +222,10 @@ cdef class Loop:
         self.control_state = CONTROL_RUNNING
         self.request_timeout = options.request_timeout
         self.measure_latency = options.measure_latency
+        self.epoch = options.epoch
+        self.rebuild_until = monotonic() + options.rebuild_window
+        self.rebuilding = True
+        self.forwards_hashes = router.policy == "prefix"
         latency_init(&self.latency)
         if self.request_timeout or self.measure_latency:
             self.submitted = <double*>malloc(options.max_inflight * sizeof(double))
@@ -231,7 +242,8 @@ cdef class Loop:
             self.buffers == NULL or self.clients == NULL or self.engines == NULL
             or self.gone == NULL or self.work == NULL or not message_init(&self.message)
             or ck_requests_init(
-                &self.requests, options.max_inflight, options.index_size, INDEX_WINDOW_MIN
+                &self.requests, options.max_inflight, options.index_size, INDEX_WINDOW_MIN,
+                options.first_server_id,
             ) != 0
             or ck_ids_init(&self.client_ids, self.max_clients) != 0
             or ck_ids_init(&self.engine_ids, self.max_engines) != 0
@@ -260,13 +272,16 @@ cdef class Loop:
 
     # -- what the Coordinator calls ------------------------------------------------------
 
-    def serve(self, double timeout) -> bool:
+    def serve(self, double timeout, double deadline=INFINITY) -> bool:
         """Handle messages for up to ``timeout`` seconds, without the GIL.
 
-        False once the loop must stop (a SHUTDOWN arrived, or ``stop()`` woke
-        it); True when the time is up or a signal interrupted the wait.
+        False once the loop must stop (a SHUTDOWN arrived, ``stop()`` woke it, or
+        ``deadline``, its term's ``time.monotonic()``, passed: read after each
+        wake-up, before anything is handled); True when the time is up or a signal
+        interrupted the wait.
         """
         cdef bint stop
+        self.deadline = deadline
         with nogil:
             stop = self._serve_for(timeout)
         return not stop
@@ -293,6 +308,9 @@ cdef class Loop:
             self.submitted[self.deadlines.oldest] < deadline
         ):
             self._time_out(self.deadlines.oldest)
+        if self.rebuilding and now >= self.rebuild_until:
+            self._end_rebuild()
+        self._acknowledge()
         self._settle()
 
     def shutdown(self) -> None:
@@ -319,6 +337,7 @@ cdef class Loop:
         result = stats_map(
             implementation=self.implementation,
             policy=self.router.policy,
+            epoch=self.epoch,
             messages=self.messages,
             inflight=self.requests.live,
             clients=self.n_clients,
@@ -368,7 +387,9 @@ cdef class Loop:
                 return zmq_errno() != EINTR
             if DEBUG:
                 self.debug_polls += 1
-            if items[1].revents & ZMQ_POLLIN:
+            if monotonic() >= self.deadline:  # its term is over (a freeze, say): serve nobody
+                self.stopping = True
+            elif items[1].revents & ZMQ_POLLIN:
                 zmq_msg_init(&wake)
                 zmq_msg_recv(&wake, self.wake, ZMQ_DONTWAIT)
                 zmq_msg_close(&wake)
@@ -378,8 +399,14 @@ cdef class Loop:
         return True
 
     cdef void _drain(self) noexcept nogil:
-        """Handle every message waiting, one at a time."""
+        """Handle every message waiting, one at a time; the term's deadline is read
+        again every 256 (a freeze in a long burst)."""
         while not self.stopping and message_receive(&self.message, self.sock):
+            self.drained += 1
+            if not self.drained & 255 and monotonic() >= self.deadline:
+                self.stopping = True
+                message_close(&self.message)
+                return
             self.messages += 1
             self._handle()
             message_close(&self.message)
@@ -572,18 +599,17 @@ cdef class Loop:
                 self._refuse(client, rid, ERROR_BUSY, header, COUNTER_BUSY)
             return
         slot = ck_requests_add(&self.requests, client, rid)
-        self.clients[client].inflight += 1
-        if self.submitted != NULL:
-            self.submitted[slot] = monotonic()
-        if self.request_timeout:
-            deadlines_push(&self.deadlines, slot)
+        self._admit(slot, client)
         request = &self.requests.pool[slot]
         server_rid = request.server_rid
         if not inbound.single:
             rewrite_meta(&meta, inbound, server_rid)
             inbound.meta = &meta
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
-        if header == HEADER_SUBMIT_REQUEST and self.keep_prompts:
+        # A rebuild client keeps what re-sends its requests itself (RESEND).
+        if header != HEADER_SUBMIT_REQUEST:
+            request.flags |= FLAG_PINNED
+        elif self.keep_prompts and not self.clients[client].rebuild:
             request.kept = keep(inbound.meta, inbound.payload, inbound.single)
         carriers(inbound, self.n_single_engines > 0)
         status = self._route(slot, inbound)
@@ -612,23 +638,35 @@ cdef class Loop:
                 )
 
     cdef int _route(self, uint32_t slot, Inbound* inbound) noexcept nogil:
-        """Send a request to the engine chosen for it, in its format; an entry of a
-        SUBMIT_BATCH bound for a batched engine joins that engine's batch. A
-        RouteStatus."""
+        """Send a request to the engine chosen for it, in its format (and its trailer to
+        a rebuild engine); an entry of a SUBMIT_BATCH bound for a batched engine joins
+        that engine's batch. A RouteStatus."""
         cdef int rank
-        cdef int64_t server_rid = self.requests.pool[slot].server_rid
+        cdef ck_request* request = &self.requests.pool[slot]
+        cdef int32_t client = request.client
+        cdef Origin origin
+        cdef Origin* trailer = NULL
         cdef int status = self._pick_engine(inbound, &rank)
         if status != ROUTE_SENT:
             return status
-        self.requests.pool[slot].rank = rank
+        request.rank = rank
         self.work[slot] = <uint32_t>self.router.charged
+        if self.engines[rank].rebuild:
+            trailer = &origin
+            origin.client_rid = request.client_rid
+            origin.client_id = NULL
+            if self.clients[client].rebuild:
+                origin.client_id = ck_ids_get(&self.client_ids, client, &origin.client_id_size)
+            origin.hashes = inbound.hash_msg if self.forwards_hashes else NULL
         if inbound.batched and self.engines[rank].batch:
-            fanout_add(&self.fanout, rank, server_rid, inbound.params, inbound.params_size,
-                       inbound.payload, NULL, 0)
+            fanout_add(&self.fanout, rank, request.server_rid, inbound.params,
+                       inbound.params_size, inbound.payload, NULL, 0)
+            if trailer != NULL:
+                fanout_trail(&self.fanout, trailer)
         else:
             traffic_count(&self.traffic, SENT, inbound.header, send_request(
-                self.sock, self.buffers, inbound, server_rid,
-                self.engines[rank].format == FORMAT_SINGLE_FRAME,
+                self.sock, self.buffers, inbound, request.server_rid,
+                self.engines[rank].format == FORMAT_SINGLE_FRAME, trailer,
             ))
         return status
 
@@ -695,6 +733,7 @@ cdef class Loop:
         elif self.engines[engine].format != FORMAT_SINGLE_FRAME and (
             header == HEADER_ENGINE_REPLY or header == HEADER_ENGINE_REPLY_PARTIAL
         ):
+            self.engines[engine].handled += 1
             self._forward_replies(engine)
         else:
             with gil:
@@ -741,6 +780,8 @@ cdef class Loop:
                     with gil:
                         self._reject_entry(engine, entries[i].rid, ERROR_UNKNOWN_REQUEST, header)
                 continue
+            if self.requests.pool[slot].flags & FLAG_REPLAYING:
+                continue  # the engine's REPLAYED brings it again, in its place
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
             self._finish(<uint32_t>slot, final, now)
@@ -846,6 +887,14 @@ cdef class Loop:
         ))
         return True
 
+    cdef void _admit(self, uint32_t slot, int32_t client) noexcept nogil:
+        """A request that joins the tables: counted at its client, timed."""
+        self.clients[client].inflight += 1
+        if self.submitted != NULL:
+            self.submitted[slot] = monotonic()
+        if self.request_timeout:
+            deadlines_push(&self.deadlines, slot)
+
     cdef void _forget(self, uint32_t slot) noexcept nogil:
         """Take the request at ``slot`` out of every table and count; a draining
         engine whose last request this was is gone."""
@@ -900,6 +949,8 @@ cdef class Loop:
             self._shutdown_signal(client)
         elif header == HEADER_STATS:
             self._stats_request(client)
+        elif header == HEADER_REJOIN and self.clients[client].rebuild:
+            self._rejoin(client)
         else:
             self._refuse(client, None, ERROR_UNKNOWN_HEADER, header, COUNTER_UNKNOWN_HEADER)
 
@@ -910,6 +961,11 @@ cdef class Loop:
             self._engine_hello(engine)
         elif header == HEADER_DISCONNECT:
             self._disconnect(engine)
+        elif header == HEADER_HELD and self.engines[engine].rebuild:
+            self._held(engine)
+        elif header == HEADER_REPLAYED and self.engines[engine].rebuild:
+            self.engines[engine].handled += 1
+            self._replayed(engine)
         else:
             self.counters[COUNTER_UNKNOWN_HEADER] += 1
             self._log.warn(
@@ -937,7 +993,16 @@ cdef class Loop:
             self.engines[engine].coordkit = hello.coordkit
             self.engines[engine].batch = hello.batch
             self.engines[engine].format = FORMAT_MULTIPART
+            # Its reply messages are numbered anew from its base: a registration each time.
+            self.engines[engine].rebuild = hello.rebuild
+            self.engines[engine].base = hello.base
+            self.engines[engine].handled = self.engines[engine].mark = 0
+            self.engines[engine].acked = 0
             self._count_formats()
+            if hello.rebuild:
+                ack = protocol.ENGINE_ACK.pack({REBUILD_FEATURE: 1, EPOCH_KEY: self.epoch})
+                if not self._send_frames(&self.engine_ids, engine, ack):
+                    self._mark_gone(engine, GONE_UNREACHABLE)
 
     cdef _count_formats(self):
         """How many engines not gone speak each format: which checks a SUBMIT needs."""
@@ -987,6 +1052,8 @@ cdef class Loop:
             FORMAT_SINGLE_FRAME if self.megatron_core else FORMAT_MULTIPART
         )
         self.engines[engine].heartbeats = False
+        self.engines[engine].rebuild = False
+        self.engines[engine].handled = self.engines[engine].mark = self.engines[engine].acked = 0
         self.router.add_rank(engine)
         self._count_formats()
         return engine
@@ -1000,7 +1067,8 @@ cdef class Loop:
             self._malformed(-1, None, HEADER_CONNECT, str(exc))
             return
         if client >= 0:
-            self.counters[COUNTER_DUPLICATE_CONNECT] += 1
+            if self.clients[client].present:
+                self.counters[COUNTER_DUPLICATE_CONNECT] += 1
             index = client
         else:
             index = self._vacant_client()
@@ -1018,12 +1086,18 @@ cdef class Loop:
             self.n_clients += 1
         self.clients[index].coordkit = hello.coordkit
         self.clients[index].batch = hello.batch
+        self.clients[index].rebuild = hello.rebuild
+        self.clients[index].present = True
+        self.clients[index].rejoined = False  # until its REJOIN, the requests adopted wait
         self.clients[index].last_seen = self.messages
         self.clients[index].format = (
             FORMAT_SINGLE_FRAME if self.megatron_core and not hello.coordkit else FORMAT_MULTIPART
         )
-        if hello.batch:
-            self._reply_to_sender(protocol.CONNECT_ACK_BATCH.pack({BATCH_FEATURE: 1}))
+        features = {BATCH_FEATURE: 1} if hello.batch else {}
+        if hello.rebuild:
+            features.update({REBUILD_FEATURE: 1, EPOCH_KEY: self.epoch})
+        if features:
+            self._reply_to_sender(protocol.CONNECT_ACK_BATCH.pack(features))
         else:
             self._reply_to_sender(protocol.CONNECT_ACK.pack())
 
@@ -1167,6 +1241,290 @@ cdef class Loop:
         self.counters[COUNTER_DETOKENIZED] += 1
         return result
 
+    # -- the rebuild after a coordinator's loss (docs/design.md, "Failover") ---------------
+
+    cdef _held(self, int32_t engine):
+        """HELD: what a rebuild engine holds, after its registration. A request this
+        coordinator has at that engine (a blip) is replayed whole; one it does not know
+        is adopted under its server id while the window lasts, for a client that may
+        still REJOIN it; any other is aborted at the engine, which must not run it on."""
+        cdef int64_t slot
+        cdef int32_t client
+        cdef ck_request* request
+        cdef const uint8_t* identity
+        cdef size_t n
+        parsed = self._parse(protocol.HELD, -1, HEADER_HELD)
+        if parsed is None:
+            return
+        entries, hashes = parsed
+        self.router.learn(engine, hashes, monotonic())
+        replays = {}
+        aborts = []
+        for server_rid, client_rid, client_id, partials, _ in entries:
+            slot = ck_requests_find(&self.requests, server_rid)
+            if slot >= 0:
+                request = &self.requests.pool[slot]
+                identity = ck_ids_get(&self.client_ids, request.client, &n)
+                if not (
+                    request.rank == engine and request.client_rid == client_rid
+                    and identity[:n] == client_id
+                ):
+                    aborts.append(server_rid)
+                elif not request.flags & FLAG_ORPHAN:  # an orphan's replay waits for its client
+                    self._replay(slot, -1, replays)
+                continue
+            client = -1
+            if self.engines[engine].state != ENGINE_GONE:
+                client = self._adoptive_client(client_id, client_rid)
+            if client < 0:
+                aborts.append(server_rid)
+                continue
+            slot = ck_requests_adopt(&self.requests, client, client_rid, server_rid)
+            self._admit(slot, client)
+            self.router.hold(engine)
+            request = &self.requests.pool[slot]
+            request.rank = engine
+            self.work[slot] = <uint32_t>self.router.charged
+            request.flags = FLAG_ORPHAN | FLAG_REPLAYING | (FLAG_PRODUCED if partials else 0)
+            self.counters[COUNTER_ADOPTED] += 1
+            start = self.awaiting.pop((client_id, client_rid), None)
+            if start is not None:
+                request.flags &= ~FLAG_ORPHAN
+                self._replay(slot, start, replays)
+        for server_rid in aborts:
+            if self.engines[engine].state != ENGINE_GONE:
+                self._abort_at_engine(engine, server_rid)
+        self._send_replays(replays)
+
+    cdef int32_t _adoptive_client(self, bytes identity, int64_t client_rid) except -2:
+        """The client an adopted request would be for (made, absent, until it
+        connects); -1 when it must not be adopted: the window is over, the client
+        rejoined without it or sent it again, or the tables are full."""
+        cdef size_t n = len(identity)
+        cdef int32_t client = ck_ids_find(&self.client_ids, identity, n)
+        cdef bint unwanted = client >= 0 and self.clients[client].rejoined
+        if (
+            not self.rebuilding
+            or self.requests.live >= self.max_inflight
+            or (client >= 0 and ck_requests_find_client(&self.requests, client, client_rid) >= 0)
+            or (unwanted and (identity, client_rid) not in self.awaiting)
+        ):
+            return -1
+        if client >= 0:
+            return client
+        if ck_ids_find(&self.engine_ids, identity, n) >= 0:
+            return -1
+        client = self._vacant_client()
+        if client < 0:
+            return -1
+        memset(&self.clients[client], 0, sizeof(Client))
+        self.clients[client].used = True
+        self.clients[client].coordkit = self.clients[client].rebuild = True  # only theirs travel
+        self.clients[client].format = FORMAT_MULTIPART
+        ck_ids_insert(&self.client_ids, client, identity, n)
+        self.n_clients += 1
+        return client
+
+    cdef _rejoin(self, int32_t client):
+        """REJOIN: the requests a rebuild client still waits for, once acknowledged
+        again. Each one held is replayed from the partials it got; one not held waits
+        for an engine to claim it while the window lasts, and is sent back after it
+        (RESEND, or ERROR(ENGINE_FAILED) when it got partials: it cannot start over).
+        Its adopted requests it did not list are not awaited: aborted."""
+        cdef int64_t slot
+        cdef uint32_t i, n
+        cdef RequestOrder* order
+        parsed = self._parse(protocol.REJOIN, client, HEADER_REJOIN)
+        if parsed is None:
+            return
+        entries, _ = parsed
+        if any(partials < 0 for _, partials in entries):
+            self._malformed(client, None, HEADER_REJOIN, "a negative count of partials")
+            return
+        self.clients[client].rejoined = True
+        identity = self._frame_bytes(0)
+        replays = {}
+        resend = {}
+        for rid, partials in entries:
+            slot = ck_requests_find_client(&self.requests, client, rid)
+            if slot >= 0:
+                self.requests.pool[slot].flags &= ~FLAG_ORPHAN
+                self._replay(slot, partials, replays)
+            elif self.rebuilding:
+                self.awaiting[(identity, rid)] = partials
+            else:
+                self._unclaimed(client, rid, partials, resend)
+        order = self._in_order(-1, client, &n)
+        try:
+            for i in range(n):
+                slot = order[i].slot
+                if self.requests.pool[slot].server_rid == order[i].server_rid and (
+                    self.requests.pool[slot].flags & FLAG_ORPHAN
+                ):
+                    self._drop_orphan(slot)
+        finally:
+            free(order)
+        self._send_replays(replays)
+        self._send_resends(resend)
+
+    cdef _replayed(self, int32_t engine):
+        """REPLAYED: what an engine sends again, each reply with its place, on to its
+        client as CLIENT_REPLAYED (which drops what it has); its normal replies flow
+        again. A request the engine does not hold is sent back to its client when
+        nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
+        cdef int64_t slot
+        cdef int32_t client
+        cdef int part
+        cdef double now = 0.0
+        cdef size_t size
+        parsed = self._parse(protocol.REPLAYED, -1, HEADER_REPLAYED)
+        if parsed is None:
+            return
+        entries, _ = parsed
+        if self.measure_latency:
+            now = monotonic()
+        out = {}  # client -> (its entries, the parts of their bodies)
+        resend = {}
+        at = 2
+        for server_rid, first, count, final in entries:
+            parts, at = range(at, at + count), at + count
+            slot = ck_requests_find(&self.requests, server_rid)
+            if slot < 0 or self.requests.pool[slot].rank != engine:
+                continue
+            self.requests.pool[slot].flags &= ~FLAG_REPLAYING
+            if first < 0:
+                self._unheld(<uint32_t>slot, resend)
+                continue
+            client = self.requests.pool[slot].client
+            client_rid = self.requests.pool[slot].client_rid
+            for j, part in enumerate(parts):
+                last = final and j == count - 1
+                self._finish(<uint32_t>slot, last, now)
+                replies = out.setdefault(client, ([], []))
+                replies[0].append([client_rid, first + j, last])
+                replies[1].append(part)
+        for client, (replied, parts) in out.items():
+            if not self.clients[client].present:
+                continue
+            if self._send_identity(&self.client_ids, client) != 0:
+                self._client_gone(client)
+                continue
+            meta = packb([HEADER_REPLAYED, replied])
+            send_bytes(self.sock, <const char*>meta, len(meta), ZMQ_SNDMORE)
+            size = len(meta)
+            for j, part in enumerate(parts):
+                size += self._size(part)
+                send_msg(self.sock, &self.message.parts[part],
+                         ZMQ_SNDMORE if j + 1 < len(parts) else 0)
+            traffic_count(&self.traffic, SENT, HEADER_REPLAYED, size)
+        self._send_resends(resend)
+
+    cdef _replay(self, uint32_t slot, int64_t start, dict replays):
+        """Ask the request's engine (a rebuild engine) to send again what it sent for
+        it from partial ``start`` on (-1: all it keeps); its replies wait till then."""
+        cdef ck_request* request = &self.requests.pool[slot]
+        cdef int rank = request.rank
+        if rank < 0:
+            return
+        if self.engines[rank].rebuild and self.engines[rank].state != ENGINE_GONE:
+            request.flags |= FLAG_REPLAYING
+            replays.setdefault(rank, []).append([request.server_rid, start])
+
+    cdef _send_replays(self, dict replays):
+        for rank, entries in replays.items():
+            self.counters[COUNTER_REPLAYED] += len(entries)
+            if not self._send_frames(&self.engine_ids, rank, protocol.REPLAY.pack(entries)):
+                self._mark_gone(rank, GONE_UNREACHABLE)
+
+    cdef _send_resends(self, dict resend):
+        """RESEND to each client (one that is connected) of the requests it must send again."""
+        cdef int32_t client
+        for client, rids in resend.items():
+            if not (self.clients[client].used and self.clients[client].present):
+                continue
+            self.counters[COUNTER_RESENT] += len(rids)
+            if not self._send_frames(&self.client_ids, client, protocol.RESEND.pack(rids)):
+                self._client_gone(client)
+
+    cdef _unclaimed(self, int32_t client, int64_t rid, int64_t partials, dict resend):
+        """A request a client waits for that no engine holds: sent back when it got
+        nothing, else ended (partials went out: it cannot start over)."""
+        if partials == 0:
+            resend.setdefault(client, []).append(rid)
+            return
+        self.failed[ERROR_ENGINE_FAILED] += 1
+        self.counters[COUNTER_ENGINE_FAILED] += 1
+        if not self._send_error(client, rid, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST):
+            self._client_gone(client)
+
+    cdef _unheld(self, uint32_t slot, dict resend):
+        """A request its engine says it does not hold (any more): sent back to its
+        client when nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
+        cdef ck_request* request = &self.requests.pool[slot]
+        cdef int32_t client = request.client
+        cdef int64_t client_rid = request.client_rid
+        if request.flags & (FLAG_PRODUCED | FLAG_PINNED) or not self.clients[client].rebuild:
+            self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
+            return
+        self._forget(slot)
+        resend.setdefault(client, []).append(client_rid)
+
+    cdef _drop_orphan(self, uint32_t slot):
+        """An adopted request no client waits for: aborted at its engine and forgotten,
+        and its client with it when that never came back and has nothing left."""
+        cdef int rank = self.requests.pool[slot].rank
+        cdef int32_t client = self.requests.pool[slot].client
+        cdef int64_t server_rid = self.requests.pool[slot].server_rid
+        self._forget(slot)
+        if rank >= 0 and self.engines[rank].state != ENGINE_GONE:
+            self._abort_at_engine(rank, server_rid)
+        if not self.clients[client].present and self.clients[client].inflight == 0:
+            self._remove_client(client)
+
+    cdef _end_rebuild(self):
+        """The window's end: the requests clients wait for that no engine claimed are
+        sent back (see _unclaimed), the adopted ones no client came back for are
+        aborted, and HANDLED goes out again."""
+        cdef int32_t client
+        cdef uint32_t i, n, slot
+        cdef RequestOrder* order
+        self.rebuilding = False
+        awaiting, self.awaiting = self.awaiting, {}
+        resend = {}
+        for (identity, rid), partials in awaiting.items():
+            client = ck_ids_find(&self.client_ids, identity, len(identity))
+            if client >= 0:
+                self._unclaimed(client, rid, partials, resend)
+        self._send_resends(resend)
+        order = self._in_order(-1, -1, &n)
+        try:
+            for i in range(n):
+                slot = order[i].slot
+                if self.requests.pool[slot].server_rid == order[i].server_rid and (
+                    self.requests.pool[slot].flags & FLAG_ORPHAN
+                ):
+                    self._drop_orphan(slot)
+        finally:
+            free(order)
+
+    cdef _acknowledge(self):
+        """HANDLED to each rebuild engine (after the window): the number of its last
+        reply message handled by the previous tick, so at least a tick ago, by when
+        the replies in it have left this process in all but a stall."""
+        cdef int rank
+        cdef Engine* engine
+        for rank in range(self.n_engines):
+            engine = &self.engines[rank]
+            if (
+                engine.rebuild and engine.state != ENGINE_GONE and not self.rebuilding
+                and engine.mark > engine.acked
+            ):
+                engine.acked = engine.mark
+                handled = protocol.HANDLED.pack(engine.base + <int64_t>engine.acked - 1)
+                if not self._send_frames(&self.engine_ids, rank, handled):
+                    self._mark_gone(rank, GONE_UNREACHABLE)
+            engine.mark = engine.handled
+
     # -- failures ------------------------------------------------------------------------
 
     cdef _settle(self):
@@ -1188,8 +1546,10 @@ cdef class Loop:
         cdef RequestOrder* order
         cdef ck_request* request
         cdef int status
+        cdef int32_t client
         reason = GONE_REASONS[self.engines[rank].gone_reason]
         self._log.warn("engine_failed", f"engine {rank} gone ({reason})")
+        resend = {}
         order = self._in_order(rank, -1, &n)
         try:
             for i in range(n):
@@ -1199,8 +1559,15 @@ cdef class Loop:
                     continue  # ended meanwhile: its client went away
                 self.router.release_c(rank, self.work[slot])
                 request.rank = -1
-                if request.flags & (FLAG_PRODUCED | FLAG_ABORTED) or request.kept == NULL:
+                client = request.client
+                if request.flags & (FLAG_PRODUCED | FLAG_ABORTED | FLAG_PINNED) or (
+                    request.kept == NULL and not self.clients[client].rebuild
+                ):
                     self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
+                    continue
+                if request.kept == NULL:  # a rebuild client sends it again itself
+                    resend.setdefault(client, []).append(request.client_rid)
+                    self._forget(slot)
                     continue
                 status = self._resend(slot)
                 if status == ROUTE_SENT:
@@ -1211,6 +1578,7 @@ cdef class Loop:
                     self._fail_request(slot, refusal(status), HEADER_SUBMIT_REQUEST)
         finally:
             free(order)
+        self._send_resends(resend)
 
     cdef int _resend(self, uint32_t slot) noexcept nogil:
         """Send a request whose engine died to another, from what it kept, as a new

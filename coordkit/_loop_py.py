@@ -21,8 +21,9 @@ requests are settled once the message at hand is done.
 
 from __future__ import annotations
 
+import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +56,9 @@ from .protocol import (
     BLOCK_HASH_SIZE,
     CONTROL_HEADERS,
     CONTROL_TRANSITIONS,
+    EPOCH_KEY,
     MAX_PARTS,
+    REBUILD_FEATURE,
     Buffer,
     ControlState,
     ErrorCode,
@@ -76,18 +79,32 @@ __all__ = ["Loop"]
 
 ALIVE, DRAINING, GONE = EngineState.ALIVE, EngineState.DRAINING, EngineState.GONE
 PRODUCED, ABORTED = RequestFlag.PRODUCED, RequestFlag.ABORTED
+REPLAYING, ORPHAN, PINNED = RequestFlag.REPLAYING, RequestFlag.ORPHAN, RequestFlag.PINNED
 SINGLE_FRAME, MULTIPART = PeerFormat.SINGLE_FRAME, PeerFormat.MULTIPART
 _packer = msgpack.Packer()
 MSGPACK_BOOLS = (b"\xc2", b"\xc3")  # false, true: a reply batch entry's final flag
 
 
 class _Client:
-    __slots__ = ("identity", "coordkit", "batch", "format", "inflight", "last_seen")
+    __slots__ = (
+        "identity",
+        "coordkit",
+        "batch",
+        "rebuild",
+        "present",
+        "rejoined",
+        "format",
+        "inflight",
+        "last_seen",
+    )
 
     def __init__(self, identity: bytes):
         self.identity = identity
         self.coordkit = False  # may be sent ERROR and STATS_REPLY
         self.batch = False  # granted batches: may send SUBMIT_BATCH, is sent REPLY_BATCH
+        self.rebuild = False  # keeps its requests: told to RESEND, sent CLIENT_REPLAYED
+        self.present = True  # sent CONNECT (False: known only from an engine's report)
+        self.rejoined = False  # sent REJOIN: its requests not listed are not awaited
         self.format = MULTIPART
         self.inflight = 0
         self.last_seen = 0  # the message count when it last sent one
@@ -104,6 +121,11 @@ class _Engine:
         "heartbeats",
         "last_heartbeat",
         "drain_deadline",
+        "rebuild",
+        "base",
+        "handled",
+        "mark",
+        "acked",
     )
 
     def __init__(self, rank: int, identity: bytes):
@@ -116,6 +138,14 @@ class _Engine:
         self.heartbeats = False  # has sent a HEARTBEAT: may be timed out
         self.last_heartbeat = 0.0
         self.drain_deadline = 0.0
+        # A rebuild engine is sent a trailer with every request, and HANDLED on the
+        # timer: the number of its last reply message handled a whole tick ago (its
+        # reply messages since its registration are numbered from its base).
+        self.rebuild = False
+        self.base = 0
+        self.handled = 0  # reply messages received since its registration
+        self.mark = 0  # handled at the last tick
+        self.acked = 0  # handled as of the last HANDLED sent
 
 
 class _Request:
@@ -176,6 +206,7 @@ class Inbound:
         "prompt",
         "params",
         "hashes",
+        "hash_frame",
         "tokens",
         "batched",
         "single_ok",
@@ -195,15 +226,14 @@ class Inbound:
         self.prompt: Buffer = b""
         self.params: Buffer | None = b""
         self.hashes: Buffer | None = None  # its block hashes
+        self.hash_frame: Any = None  # the frame they came in: forwarded to a rebuild engine
         self.tokens = 0
         self.batched = False  # an entry of a SUBMIT_BATCH: a batched engine takes it later
         self.single_ok = False  # may go to a single-frame engine (carriers)
         self.multi_ok = False  # may go to a multipart engine
 
 
-def multipart_inbound(
-    header: int, payload: list[Any], params: Buffer, hashes: Buffer | None
-) -> Inbound:
+def multipart_inbound(header: int, payload: list[Any], params: Buffer, hashes: Any) -> Inbound:
     """A multipart request: ``payload`` its payload frames (the prompt first), ``params``
     what follows the rid in its metadata (or a SUBMIT_BATCH entry's params), ``hashes``
     its block-hash frame or None."""
@@ -211,7 +241,9 @@ def multipart_inbound(
     inbound.payload = payload
     inbound.prompt = _view(payload[0])
     inbound.params = params
-    inbound.hashes = hashes
+    if hashes is not None:
+        inbound.hashes = _view(hashes)
+        inbound.hash_frame = hashes
     inbound.tokens = codec.prompt_tokens(inbound.prompt)
     return inbound
 
@@ -257,27 +289,43 @@ def rewrite_meta(inbound: Inbound, server_rid: int) -> bytes:
 
 
 def send_submit(
-    sock: zmq.Socket, single_frame: bool, rid: int, prompt: Buffer, params: Buffer
+    sock: zmq.Socket,
+    single_frame: bool,
+    rid: int,
+    prompt: Buffer,
+    params: Buffer,
+    trailer: list[Any],
 ) -> int:
     """A request from the bytes of its prompt and its params, in an engine's format:
-    ``[20, rid, <prompt>, <params>]``, or ``[20, rid, <params>]`` and the prompt;
-    the bytes sent."""
+    ``[20, rid, <prompt>, <params>]``, or ``[20, rid, <params>]`` and the prompt, then
+    ``trailer``; the bytes sent."""
     if single_frame:
-        return _send_all(
-            sock, [codec.write_single_submit(Header.SUBMIT_REQUEST, rid, prompt, params)]
-        )
-    return _send_all(sock, [codec.write_submit(Header.SUBMIT_REQUEST, 3, rid, params), prompt])
+        single = codec.write_single_submit(Header.SUBMIT_REQUEST, rid, prompt, params)
+        return _send_all(sock, [single, *trailer])
+    meta = codec.write_submit(Header.SUBMIT_REQUEST, 3, rid, params)
+    return _send_all(sock, [meta, prompt, *trailer])
 
 
-def send_request(sock: zmq.Socket, inbound: Inbound, server_rid: int, single_frame: bool) -> int:
-    """A request's frames after its engine's routing id, in the engine's format; the
-    bytes sent. Multipart to multipart: the metadata and the payload frames as
-    themselves. Otherwise the prompt and the params spliced into the engine's format
-    (a single frame behind a new head, or split at the field boundary): a copy."""
+def send_request(
+    sock: zmq.Socket, inbound: Inbound, server_rid: int, single_frame: bool, trailer: list[Any]
+) -> int:
+    """A request's frames after its engine's routing id, in the engine's format, then
+    ``trailer`` (see trailer_frames); the bytes sent. Multipart to multipart: the
+    metadata and the payload frames as themselves. Otherwise the prompt and the params
+    spliced into the engine's format (a single frame behind a new head, or split at the
+    field boundary): a copy."""
     if single_frame or inbound.single:
         params = b"" if inbound.params is None else inbound.params
-        return send_submit(sock, single_frame, server_rid, inbound.prompt, params)
-    return _send_all(sock, [inbound.meta, *inbound.payload])
+        return send_submit(sock, single_frame, server_rid, inbound.prompt, params, trailer)
+    return _send_all(sock, [inbound.meta, *inbound.payload, *trailer])
+
+
+def trailer_frames(client_rid: int, client_id: bytes | None, hashes: Any) -> list[Any]:
+    """What follows a request's payload to a rebuild engine: its trailer ``[client_rid,
+    client_id, hashed]`` (``client_id`` None for a client that cannot rejoin), then its
+    block-hash frame when given."""
+    trailer = protocol.pack_trailer(client_rid, client_id, hashes is not None)
+    return [trailer] if hashes is None else [trailer, hashes]
 
 
 def engine_parses(format: int, header: int) -> bool:
@@ -375,31 +423,32 @@ class Fanout:
     __slots__ = ("entries",)
 
     def __init__(self) -> None:
-        # (peer, rid, tail, frame) in the order they were routed: the peer an _Engine
+        # (peer, rid, tail, frames) in the order they were routed: the peer an _Engine
         # or a _Client, the rid its server id or its client's, the tail what follows
-        # the rid in its entry (its params, or the final flag).
-        self.entries: list[tuple[Any, int, Buffer, Any]] = []
+        # the rid in its entry (its params, or the final flag), the frames its prompt
+        # (and its trailer to a rebuild engine) or its body.
+        self.entries: list[tuple[Any, int, Buffer, list[Any]]] = []
 
-    def add(self, to: Any, rid: int, tail: Buffer, frame: Any) -> None:
-        self.entries.append((to, rid, tail, frame))
+    def add(self, to: Any, rid: int, tail: Buffer, frames: list[Any]) -> None:
+        self.entries.append((to, rid, tail, frames))
 
-    def by_peer(self) -> dict[Any, list[tuple[int, Buffer, Any]]]:
+    def by_peer(self) -> dict[Any, list[tuple[int, Buffer, list[Any]]]]:
         """The entries by peer, the peers in the order they first came; the fan-out
         is then empty."""
-        peers: dict[Any, list[tuple[int, Buffer, Any]]] = {}
-        for to, rid, tail, frame in self.entries:
-            peers.setdefault(to, []).append((rid, tail, frame))
+        peers: dict[Any, list[tuple[int, Buffer, list[Any]]]] = {}
+        for to, rid, tail, frames in self.entries:
+            peers.setdefault(to, []).append((rid, tail, frames))
         self.entries.clear()
         return peers
 
     @staticmethod
-    def send(sock: zmq.Socket, header: int, entries: list[tuple[int, Buffer, Any]]) -> int:
+    def send(sock: zmq.Socket, header: int, entries: list[tuple[int, Buffer, list[Any]]]) -> int:
         """One peer's batch after its routing id: the head, then the frames; the bytes
         sent."""
         head = [_packer.pack_array_header(2), _packer.pack(int(header))]
         head.append(_packer.pack_array_header(len(entries)))
         head += [b"\x92" + _packer.pack(rid) + bytes(tail) for rid, tail, _ in entries]
-        return _send_all(sock, [b"".join(head), *(frame for *_, frame in entries)])
+        return _send_all(sock, [b"".join(head), *(f for *_, frames in entries for f in frames)])
 
 
 # -- the request_timeout queue (loop/deadlines.pyx) ------------------------------------
@@ -536,8 +585,10 @@ class Loop:
         self._window = self._window_min = min(options.index_size, INDEX_WINDOW_MIN)
         # The tables.
         self._requests: dict[int, _Request] = {}  # server_rid & mask -> request
+        # adopted requests whose position was held, by server id (ck_requests' side table)
+        self._adopted: dict[int, _Request] = {}
         self._by_client: dict[tuple[bytes, int], _Request] = {}
-        self._next_rid = 0
+        self._next_rid = options.first_server_id
         self._clients: dict[bytes, _Client] = {}
         self._engines: list[_Engine] = []
         self._engine_by_identity: dict[bytes, _Engine] = {}
@@ -549,9 +600,20 @@ class Loop:
         self._megatron_core = options.dialect == "megatron-core"
         # the prefix policy hashes the prompts of single-frame SUBMITs
         self._computes_hashes = self._megatron_core and router.policy == "prefix"
+        # The rebuild: until the window ends, engines report what they hold and clients
+        # what they wait for; meanwhile no HANDLED goes out (a replay may need it all).
+        self._epoch = options.epoch
+        self._rebuild_until = time.monotonic() + options.rebuild_window
+        self._rebuilding = True
+        # REJOIN entries no engine claimed yet: (client identity, rid) -> partials got
+        self._awaiting: dict[tuple[bytes, int], int] = {}
+        self._replay_start: dict[int, int] = {}  # server id -> the start its REPLAY asked
+        # the prefix policy learns from the hashes a rebuild engine reports: it is sent them
+        self._forwards_hashes = router.policy == "prefix"
         # The counts.
         self._counters = [0] * len(Counter)
         self._messages = 0
+        self._drained = 0  # messages received in wake-ups: the deadline is read every 256
         self._failed = [0] * ERROR_SLOTS  # accepted requests ended with ERROR(code)
         self._refused = [0] * ERROR_SLOTS  # messages refused with ERROR(code)
         self._traffic = Traffic()
@@ -565,19 +627,25 @@ class Loop:
 
     # -- what the Coordinator calls ------------------------------------------------------
 
-    def serve(self, timeout: float) -> bool:
-        """Handle messages for up to ``timeout`` seconds; False once the loop must stop."""
-        deadline = time.monotonic() + timeout
+    def serve(self, timeout: float, deadline: float = math.inf) -> bool:
+        """Handle messages for up to ``timeout`` seconds; False once the loop must stop.
+
+        ``deadline`` (a ``time.monotonic()``) is its term's: read after each wake-up,
+        before anything is handled; past it, the loop stops.
+        """
+        until = time.monotonic() + timeout
         while not self._stopping:
-            wait_ms = int((deadline - time.monotonic()) * 1000)
+            wait_ms = int((until - time.monotonic()) * 1000)
             if wait_ms <= 0:
                 return True
             ready = dict(self._poller.poll(wait_ms))
-            if self._wake in ready:
+            if time.monotonic() >= deadline:
+                self._stopping = True
+            elif self._wake in ready:
                 self._wake.recv()
                 self._stopping = True
             elif self._sock in ready:
-                self._drain()
+                self._drain(deadline)
         return False
 
     def expire(self, now: float) -> None:
@@ -598,6 +666,9 @@ class Loop:
             if oldest.submitted >= deadline:
                 break
             self._time_out(oldest)
+        if self._rebuilding and now >= self._rebuild_until:
+            self._end_rebuild()
+        self._acknowledge()
         self._settle()
 
     def shutdown(self) -> None:
@@ -611,8 +682,9 @@ class Loop:
         return stats_map(
             implementation=self.implementation,
             policy=self._router.policy,
+            epoch=self._epoch,
             messages=self._messages,
-            inflight=len(self._requests),
+            inflight=self._live,
             clients=len(self._clients),
             control_state=self._control_state,
             counters=list(self._counters),
@@ -638,13 +710,18 @@ class Loop:
 
     # -- the hot path --------------------------------------------------------------------
 
-    def _drain(self) -> None:
-        """Handle every message waiting, one at a time."""
+    def _drain(self, deadline: float) -> None:
+        """Handle every message waiting, one at a time; the term's ``deadline`` is read
+        again every 256 (a freeze in a long burst)."""
         receive = self._sock.recv_multipart
         while not self._stopping:
             try:
                 frames = receive(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                return
+            self._drained += 1
+            if not self._drained & 255 and time.monotonic() >= deadline:
+                self._stopping = True
                 return
             self._messages += 1
             self._handle(frames)
@@ -706,7 +783,7 @@ class Loop:
             return
         n_payload = 1 if header == Header.SUBMIT_REQUEST else 2
         n_frames = len(frames) - 2
-        hashes = frames[2 + n_payload].buffer if n_frames == n_payload + 1 else None
+        hashes = frames[2 + n_payload] if n_frames == n_payload + 1 else None
         if (
             length != 2 + n_payload
             or not n_payload <= n_frames <= n_payload + 1
@@ -765,7 +842,7 @@ class Loop:
         for rid, offset, size, hashed in entries:
             if self._clients.get(client.identity) is not client:
                 break  # found gone meanwhile
-            hashes = frames[part + 1].buffer if hashed else None
+            hashes = frames[part + 1] if hashed else None
             if hashes is not None and len(hashes) % BLOCK_HASH_SIZE:
                 self._malformed(client, rid, header, "bad frame layout", frames)
             else:
@@ -785,19 +862,18 @@ class Loop:
                 client, rid, ErrorCode.DUPLICATE_REQUEST, header, Counter.DUPLICATE_REQUEST
             )
             return
-        if len(self._requests) >= self._options.max_inflight:
+        if self._live >= self._options.max_inflight:
             self._refuse(client, rid, ErrorCode.BUSY, header, Counter.BUSY)
             return
         request = self._add(client, rid)
-        client.inflight += 1
-        if self._deadlines is not None or self._latency is not None:
-            request.submitted = time.monotonic()
-        if self._deadlines is not None:
-            self._deadlines.push(request)
+        self._admit(request)
         if not inbound.single:
             inbound.meta = rewrite_meta(inbound, request.server_rid)
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
-        if header == Header.SUBMIT_REQUEST and self._options.keep_prompts:
+        # A rebuild client keeps what re-sends its requests itself (RESEND).
+        if header != Header.SUBMIT_REQUEST:
+            request.flags |= PINNED
+        elif self._options.keep_prompts and not client.rebuild:
             meta = None if inbound.single else inbound.meta
             request.kept = keep(meta, inbound.payload[0], inbound.single)
         carriers(inbound, self._n_single_engines > 0)
@@ -823,12 +899,19 @@ class Loop:
         request.rank = rank
         request.work = self._router.charged
         engine = self._engines[rank]
+        trailer = []
+        if engine.rebuild:
+            client = request.client
+            hashes = inbound.hash_frame if self._forwards_hashes else None
+            client_id = client.identity if client.rebuild else None
+            trailer = trailer_frames(request.client_rid, client_id, hashes)
         if inbound.batched and engine.batch:
             assert inbound.params is not None
-            self._fanout.add(engine, request.server_rid, inbound.params, inbound.payload[0])
+            frames = [inbound.payload[0], *trailer]
+            self._fanout.add(engine, request.server_rid, inbound.params, frames)
         else:
             single_frame = engine.format == SINGLE_FRAME
-            size = send_request(self._sock, inbound, request.server_rid, single_frame)
+            size = send_request(self._sock, inbound, request.server_rid, single_frame, trailer)
             self._traffic.count(SENT, inbound.header, size)
         return status
 
@@ -882,6 +965,7 @@ class Loop:
         elif engine.format != SINGLE_FRAME and (
             header == Header.ENGINE_REPLY or header == Header.ENGINE_REPLY_PARTIAL
         ):
+            engine.handled += 1
             self._forward_replies(engine, frames)
         else:
             self._from_engine_rarely(engine, header, frames)
@@ -914,12 +998,14 @@ class Loop:
                 if engine.coordkit:
                     self._reject_entry(engine, server_rid, ErrorCode.UNKNOWN_REQUEST, header)
                 continue
+            if request.flags & REPLAYING:
+                continue  # the engine's REPLAYED brings it again, in its place
             self._finish(request, final, now)
             out: Any = body
             if needs_detokenize and self._options.detokenizer is not None:
                 out = self._detokenized(body.buffer)
             if request.client.batch:
-                self._fanout.add(request.client, request.client_rid, MSGPACK_BOOLS[final], out)
+                self._fanout.add(request.client, request.client_rid, MSGPACK_BOOLS[final], [out])
             elif not self._deliver(request.client, header, request.client_rid, out):
                 self._client_gone(request.client)
         self._send_batches(Header.REPLY_BATCH)
@@ -950,7 +1036,7 @@ class Loop:
             if self._options.detokenizer is not None:  # as 0.19's coordinator: every one
                 body = self._detokenized(body)
             if request.client.batch:
-                self._fanout.add(request.client, request.client_rid, MSGPACK_BOOLS[True], body)
+                self._fanout.add(request.client, request.client_rid, MSGPACK_BOOLS[True], [body])
             elif not self._deliver(request.client, Header.ENGINE_REPLY, request.client_rid, body):
                 self._client_gone(request.client)
         self._send_batches(Header.REPLY_BATCH)
@@ -981,10 +1067,22 @@ class Loop:
         self._traffic.count(SENT, header, size)
         return True
 
+    def _admit(self, request: _Request) -> None:
+        """A request that joins the tables: counted at its client, timed."""
+        request.client.inflight += 1
+        if self._deadlines is not None or self._latency is not None:
+            request.submitted = time.monotonic()
+        if self._deadlines is not None:
+            self._deadlines.push(request)
+
+    @property
+    def _live(self) -> int:
+        return len(self._requests) + len(self._adopted)
+
     def _add(self, client: _Client, client_rid: int) -> _Request:
         """A new request: the next server id whose position is free, drawn below
         the window while few requests are in flight (as ck_requests_add does)."""
-        rid, mask, live = self._next_rid, self._mask, len(self._requests)
+        rid, mask, live = self._next_rid, self._mask, self._live
         if rid & mask >= self._window:  # the window's end: a new lap
             rid = (rid | mask) + 1
             while self._window > self._window_min and 4 * live < self._window:
@@ -999,13 +1097,32 @@ class Loop:
         self._by_client[(client.identity, client_rid)] = request
         return request
 
+    def _adopt(self, client: _Client, client_rid: int, server_rid: int) -> _Request:
+        """A request an engine holds from an earlier life, under its server id (no
+        request in flight has it): filed by position when that is free, else apart;
+        server ids drawn later are above it (as ck_requests_adopt does)."""
+        request = _Request(server_rid, client, client_rid)
+        if server_rid & self._mask in self._requests:
+            self._adopted[server_rid] = request
+        else:
+            self._requests[server_rid & self._mask] = request
+        self._by_client[(client.identity, client_rid)] = request
+        self._next_rid = max(self._next_rid, server_rid + 1)
+        return request
+
     def _remove(self, request: _Request) -> None:
-        del self._requests[request.server_rid & self._mask]
+        position = request.server_rid & self._mask
+        if self._requests.get(position) is request:
+            del self._requests[position]
+        else:
+            del self._adopted[request.server_rid]
         del self._by_client[(request.client.identity, request.client_rid)]
 
     def _find(self, server_rid: int) -> _Request | None:
         request = self._requests.get(server_rid & self._mask)
-        return request if request is not None and request.server_rid == server_rid else None
+        if request is not None and request.server_rid == server_rid:
+            return request
+        return self._adopted.get(server_rid) if self._adopted else None
 
     def _forget(self, request: _Request) -> None:
         """Take a request out of every table and count; a draining engine whose
@@ -1055,6 +1172,8 @@ class Loop:
             self._shutdown_signal(client, frames)
         elif header == Header.STATS:
             self._stats_request(client, frames)
+        elif header == Header.REJOIN and client.rebuild:
+            self._rejoin(client, frames)
         else:
             self._refuse(client, None, ErrorCode.UNKNOWN_HEADER, header, Counter.UNKNOWN_HEADER)
 
@@ -1065,6 +1184,11 @@ class Loop:
             self._engine_hello(engine.identity, engine, frames)
         elif header == Header.DISCONNECT:
             self._disconnect(engine, frames)
+        elif header == Header.HELD and engine.rebuild:
+            self._held(engine, frames)
+        elif header == Header.REPLAYED and engine.rebuild:
+            engine.handled += 1
+            self._replayed(engine, frames)
         else:
             self._counters[Counter.UNKNOWN_HEADER] += 1
             self._log.warn(
@@ -1092,7 +1216,14 @@ class Loop:
             engine.coordkit = hello.coordkit
             engine.batch = hello.batch
             engine.format = MULTIPART
+            # Its reply messages are numbered anew from its base: a registration each time.
+            engine.rebuild, engine.base = hello.rebuild, hello.base
+            engine.handled = engine.mark = engine.acked = 0
             self._count_formats()
+            if hello.rebuild:
+                ack = protocol.ENGINE_ACK.pack({REBUILD_FEATURE: 1, EPOCH_KEY: self._epoch})
+                if not self._send(identity, ack):
+                    self._mark_gone(engine, "unreachable")
 
     def _count_formats(self) -> None:
         """How many engines not gone speak each format: which checks a SUBMIT needs."""
@@ -1132,6 +1263,8 @@ class Loop:
         engine.batch = False
         engine.format = SINGLE_FRAME if self._megatron_core else MULTIPART
         engine.heartbeats = False
+        engine.rebuild = False
+        engine.handled = engine.mark = engine.acked = 0
         self._router.add_rank(engine.rank)
         self._count_formats()
         return engine
@@ -1144,7 +1277,8 @@ class Loop:
             self._malformed(None, None, Header.CONNECT, str(exc), frames)
             return
         if client is not None:
-            self._counters[Counter.DUPLICATE_CONNECT] += 1
+            if client.present:
+                self._counters[Counter.DUPLICATE_CONNECT] += 1
         else:
             if len(self._clients) >= self._options.max_clients and not self._vacant_client():
                 self._counters[Counter.TABLE_FULL] += 1
@@ -1157,10 +1291,16 @@ class Loop:
             client = self._clients[identity] = _Client(identity)
         client.coordkit = hello.coordkit
         client.batch = hello.batch
+        client.rebuild = hello.rebuild
+        client.present = True
+        client.rejoined = False  # until its REJOIN, the requests adopted for it wait
         client.last_seen = self._messages
         client.format = SINGLE_FRAME if self._megatron_core and not hello.coordkit else MULTIPART
-        if hello.batch:
-            self._send(identity, protocol.CONNECT_ACK_BATCH.pack({BATCH_FEATURE: 1}))
+        features: dict[str, int] = {BATCH_FEATURE: 1} if hello.batch else {}
+        if hello.rebuild:
+            features.update({REBUILD_FEATURE: 1, EPOCH_KEY: self._epoch})
+        if features:
+            self._send(identity, protocol.CONNECT_ACK_BATCH.pack(features))
         else:
             self._send(identity, protocol.CONNECT_ACK.pack())
 
@@ -1276,6 +1416,226 @@ class Loop:
         self._counters[Counter.DETOKENIZED] += 1
         return out
 
+    # -- the rebuild after a coordinator's loss (docs/design.md, "Failover") ---------------
+
+    def _held(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
+        """HELD: what a rebuild engine holds, after its registration. A request this
+        coordinator has at that engine (a blip) is replayed whole; one it does not know
+        is adopted under its server id while the window lasts, for a client that may
+        still REJOIN it; any other is aborted at the engine, which must not run it on."""
+        parsed = self._parse(protocol.HELD, None, Header.HELD, frames)
+        if parsed is None:
+            return
+        entries, hashes = parsed
+        self._router.learn(engine.rank, hashes, time.monotonic())
+        replays: dict[_Engine, list[list[int]]] = defaultdict(list)
+        aborts = []
+        for server_rid, client_rid, client_id, partials, _ in entries:
+            request = self._find(server_rid)
+            if request is not None:
+                ours = request.rank == engine.rank and request.client_rid == client_rid
+                if not (ours and request.client.identity == client_id):
+                    aborts.append(server_rid)
+                elif not request.flags & ORPHAN:  # an orphan's replay waits for its client
+                    self._replay(request, -1, replays)
+                continue
+            client = None if engine.state == GONE else self._adoptive_client(client_id, client_rid)
+            if client is None:
+                aborts.append(server_rid)
+                continue
+            request = self._adopt(client, client_rid, server_rid)
+            self._admit(request)
+            self._router.hold(engine.rank)
+            request.rank, request.work = engine.rank, self._router.charged
+            request.flags = ORPHAN | REPLAYING | (PRODUCED if partials else 0)
+            self._counters[Counter.ADOPTED] += 1
+            start = self._awaiting.pop((client_id, client_rid), None)
+            if start is not None:
+                request.flags &= ~ORPHAN
+                self._replay(request, start, replays)
+        for server_rid in aborts:
+            if engine.state != GONE:
+                self._abort_at_engine(engine, server_rid)
+        self._send_replays(replays)
+
+    def _adoptive_client(self, identity: bytes, client_rid: int) -> _Client | None:
+        """The client an adopted request would be for (made, absent, until it
+        connects); None when it must not be adopted: the window is over, the client
+        rejoined without it or sent it again, or the tables are full."""
+        client = self._clients.get(identity)
+        unwanted = client is not None and client.rejoined
+        if (
+            not self._rebuilding
+            or self._live >= self._options.max_inflight
+            or (identity, client_rid) in self._by_client
+            or (unwanted and (identity, client_rid) not in self._awaiting)
+        ):
+            return None
+        if client is not None:
+            return client
+        if identity in self._engine_by_identity:
+            return None
+        if len(self._clients) >= self._options.max_clients and not self._vacant_client():
+            return None
+        client = self._clients[identity] = _Client(identity)
+        client.coordkit = client.rebuild = True  # only a rebuild client's id travels
+        client.present = False
+        return client
+
+    def _rejoin(self, client: _Client, frames: list[zmq.Frame]) -> None:
+        """REJOIN: the requests a rebuild client still waits for, once acknowledged
+        again. Each one held is replayed from the partials it got; one not held waits
+        for an engine to claim it while the window lasts, and is sent back after it
+        (RESEND, or ERROR(ENGINE_FAILED) when it got partials: it cannot start over).
+        Its adopted requests it did not list are not awaited: aborted."""
+        parsed = self._parse(protocol.REJOIN, client, Header.REJOIN, frames)
+        if parsed is None:
+            return
+        entries, _ = parsed
+        if any(partials < 0 for _, partials in entries):
+            self._malformed(client, None, Header.REJOIN, "a negative count of partials", frames)
+            return
+        client.rejoined = True
+        replays: dict[_Engine, list[list[int]]] = defaultdict(list)
+        resend: dict[_Client, list[int]] = defaultdict(list)
+        for rid, partials in entries:
+            request = self._by_client.get((client.identity, rid))
+            if request is not None:
+                request.flags &= ~ORPHAN
+                self._replay(request, partials, replays)
+            elif self._rebuilding:
+                self._awaiting[(client.identity, rid)] = partials
+            else:
+                self._unclaimed(client, rid, partials, resend)
+        for request in self._in_order(lambda r: r.client is client and r.flags & ORPHAN):
+            self._drop_orphan(request)
+        self._send_replays(replays)
+        self._send_resends(resend)
+
+    def _replayed(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
+        """REPLAYED: what an engine sends again, each reply with its place, on to its
+        client as CLIENT_REPLAYED (which drops what it has); its normal replies flow
+        again. A request the engine does not hold is sent back to its client when
+        nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
+        parsed = self._parse(protocol.REPLAYED, None, Header.REPLAYED, frames)
+        if parsed is None:
+            return
+        entries, _ = parsed
+        now = time.monotonic() if self._latency is not None else 0.0
+        out: dict[_Client, list[tuple[list[Any], Any]]] = defaultdict(list)
+        resend: dict[_Client, list[int]] = defaultdict(list)
+        at = 2
+        for server_rid, first, count, final in entries:
+            bodies, at = frames[at : at + count], at + count
+            request = self._find(server_rid)
+            if request is None or request.rank != engine.rank:
+                continue
+            request.flags &= ~REPLAYING
+            if first < 0:
+                self._unheld(request, resend)
+                continue
+            for j, body in enumerate(bodies):
+                last = final and j == count - 1
+                self._finish(request, last, now)
+                out[request.client].append(([request.client_rid, first + j, last], body))
+        for client, replies in out.items():
+            if not client.present:
+                continue
+            message = protocol.CLIENT_REPLAYED.pack(*zip(*replies, strict=True))
+            if not self._send(client.identity, message):
+                self._client_gone(client)
+        self._send_resends(resend)
+
+    def _replay(self, request: _Request, start: int, replays: dict[_Engine, Any]) -> None:
+        """Ask the request's engine (a rebuild engine) to send again what it sent for
+        it from partial ``start`` on (-1: all it keeps); its replies wait till then."""
+        if request.rank < 0:
+            return
+        engine = self._engines[request.rank]
+        if engine.rebuild and engine.state != GONE:
+            request.flags |= REPLAYING
+            replays[engine].append([request.server_rid, start])
+
+    def _send_replays(self, replays: dict[_Engine, list[list[int]]]) -> None:
+        for engine, entries in replays.items():
+            self._counters[Counter.REPLAYED] += len(entries)
+            if not self._send(engine.identity, protocol.REPLAY.pack(entries)):
+                self._mark_gone(engine, "unreachable")
+
+    def _send_resends(self, resend: dict[_Client, list[int]]) -> None:
+        """RESEND to each client (one that is connected) of the requests it must send again."""
+        for client, rids in resend.items():
+            if not client.present or self._clients.get(client.identity) is not client:
+                continue
+            self._counters[Counter.RESENT] += len(rids)
+            if not self._send(client.identity, protocol.RESEND.pack(rids)):
+                self._client_gone(client)
+
+    def _unclaimed(
+        self, client: _Client, rid: int, partials: int, resend: dict[_Client, list[int]]
+    ) -> None:
+        """A request a client waits for that no engine holds: sent back when it got
+        nothing, else ended (partials went out: it cannot start over)."""
+        if partials == 0:
+            resend[client].append(rid)
+            return
+        self._failed[ErrorCode.ENGINE_FAILED] += 1
+        self._counters[Counter.ENGINE_FAILED] += 1
+        if not self._send_error(client, rid, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST):
+            self._client_gone(client)
+
+    def _unheld(self, request: _Request, resend: dict[_Client, list[int]]) -> None:
+        """A request its engine says it does not hold (any more): sent back to its
+        client when nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
+        if request.flags & (PRODUCED | PINNED) or not request.client.rebuild:
+            self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
+            return
+        self._forget(request)
+        resend[request.client].append(request.client_rid)
+
+    def _drop_orphan(self, request: _Request) -> None:
+        """An adopted request no client waits for: aborted at its engine and forgotten,
+        and its client with it when that never came back and has nothing left."""
+        rank, client = request.rank, request.client
+        self._forget(request)
+        if rank >= 0 and self._engines[rank].state != GONE:
+            self._abort_at_engine(self._engines[rank], request.server_rid)
+        if not client.present and client.inflight == 0:
+            self._clients.pop(client.identity, None)
+
+    def _end_rebuild(self) -> None:
+        """The window's end: the requests clients wait for that no engine claimed are
+        sent back (see _unclaimed), the adopted ones no client came back for are
+        aborted, and HANDLED goes out again."""
+        self._rebuilding = False
+        awaiting, self._awaiting = self._awaiting, {}
+        resend: dict[_Client, list[int]] = defaultdict(list)
+        for (identity, rid), partials in awaiting.items():
+            client = self._clients.get(identity)
+            if client is not None:
+                self._unclaimed(client, rid, partials, resend)
+        self._send_resends(resend)
+        for request in self._in_order(lambda r: r.flags & ORPHAN):
+            if self._find(request.server_rid) is request:
+                self._drop_orphan(request)
+
+    def _acknowledge(self) -> None:
+        """HANDLED to each rebuild engine (after the window): the number of its last
+        reply message handled by the previous tick, so at least a tick ago, by when
+        the replies in it have left this process in all but a stall."""
+        for engine in self._engines:
+            if (
+                engine.rebuild
+                and engine.state != GONE
+                and not self._rebuilding
+                and engine.mark > engine.acked
+            ):
+                engine.acked = engine.mark
+                count = engine.base + engine.acked - 1
+                if not self._send(engine.identity, protocol.HANDLED.pack(count)):
+                    self._mark_gone(engine, "unreachable")
+            engine.mark = engine.handled
+
     # -- failures ------------------------------------------------------------------------
 
     def _settle(self) -> None:
@@ -1294,13 +1654,20 @@ class Loop:
         """Each request of a gone engine, by server id: re-sent when it produced
         nothing and was kept, otherwise ended with ERROR(ENGINE_FAILED)."""
         self._log.warn("engine_failed", f"engine {engine.rank} gone ({reason})")
+        resend: dict[_Client, list[int]] = defaultdict(list)
         for request in self._in_order(lambda r: r.rank == engine.rank):
             if self._find(request.server_rid) is not request or request.rank != engine.rank:
                 continue  # ended meanwhile: its client went away
             self._router.release(engine.rank, request.work)
             request.rank = -1
-            if request.flags & (PRODUCED | ABORTED) or request.kept is None:
+            if request.flags & (PRODUCED | ABORTED | PINNED) or (
+                request.kept is None and not request.client.rebuild
+            ):
                 self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
+                continue
+            if request.kept is None:  # a rebuild client sends it again itself
+                self._forget(request)
+                resend[request.client].append(request.client_rid)
                 continue
             status = self._resend(request)
             if status == RouteStatus.SENT:
@@ -1309,6 +1676,7 @@ class Loop:
                 self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
             else:
                 self._fail_request(request, _refusal(status), Header.SUBMIT_REQUEST)
+        self._send_resends(resend)
 
     def _resend(self, request: _Request) -> RouteStatus:
         """Send a request whose engine died to another, from what it kept, as a new
@@ -1323,7 +1691,8 @@ class Loop:
 
     def _in_order(self, keep: Any) -> list[_Request]:
         """The requests in flight for which ``keep`` holds, by server id."""
-        return sorted((r for r in self._requests.values() if keep(r)), key=lambda r: r.server_rid)
+        requests = [*self._requests.values(), *self._adopted.values()]
+        return sorted((r for r in requests if keep(r)), key=lambda r: r.server_rid)
 
     def _fail_request(self, request: _Request, code: ErrorCode, header: int) -> None:
         """End ``request`` with ERROR(code): its one terminal reply."""

@@ -221,6 +221,31 @@ cdef class Router:
         _check_rank(self, rank)
         self.release_c(rank, work)
 
+    def hold(self, int rank) -> None:
+        """A request already at ``rank`` (taken over after a coordinator's loss): one
+        more pending there, charged the decode share (``charged``)."""
+        _check_rank(self, rank)
+        self.charged = self.decode_blocks
+        self.pending_count[rank] += 1
+        self.work_units[rank] += self.charged
+
+    def learn(self, int rank, block_hashes, double now) -> None:
+        """Under ``prefix``, record the chains of ``block_hashes`` (an engine's report,
+        oldest first) for ``rank`` as a decision records its chain; else nothing."""
+        cdef Py_buffer frame
+        _check_rank(self, rank)
+        PyObject_GetBuffer(block_hashes, &frame, PyBUF_SIMPLE)
+        try:
+            if frame.len % BLOCK_HASH_SIZE:
+                raise ValueError(
+                    f"the block-hash frame is {frame.len} bytes, "
+                    f"not a multiple of {BLOCK_HASH_SIZE}"
+                )
+            if self.policy_id == POLICY_PREFIX and frame.len:
+                self._record(<const uint8_t*>frame.buf, <size_t>frame.len >> 3, rank, now)
+        finally:
+            PyBuffer_Release(&frame)
+
     def choose(self, block_hashes=None, double now=0.0, int64_t prompt_tokens=0) -> int:
         """The rank for the next request, or -1 when none is eligible.
 

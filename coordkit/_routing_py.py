@@ -190,6 +190,23 @@ class Router:
             self._pending[rank] -= 1
         self._work[rank] = max(self._work[rank] - work, 0)
 
+    def hold(self, rank: int) -> None:
+        """A request already at ``rank`` (taken over after a coordinator's loss): one
+        more pending there, charged the decode share (``charged``)."""
+        self._check_rank(rank)
+        self._charged = self._decode_blocks
+        self._pending[rank] += 1
+        self._work[rank] += self._charged
+
+    def learn(self, rank: int, block_hashes: Buffer, now: float) -> None:
+        """Under ``prefix``, record the chains of ``block_hashes`` (an engine's report,
+        oldest first) for ``rank`` as a decision records its chain; else nothing."""
+        self._check_rank(rank)
+        frame = _hash_frame(block_hashes)
+        m = len(frame) // BLOCK_HASH_SIZE
+        if self._policy == "prefix" and m:
+            self._record(struct.unpack(f"<{m}Q", frame), rank, float(now))
+
     def choose(
         self, block_hashes: Buffer | None = None, now: float = 0.0, prompt_tokens: int = 0
     ) -> int:

@@ -12,6 +12,7 @@ as pyzmq layers ``zmq.Socket`` over its Cython backend.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import time
@@ -21,12 +22,14 @@ import zmq
 
 from ._implementation import load_implementation, selected
 from ._policies import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
-from ._shared import DIALECTS, Detokenizer, Options
+from ._shared import DIALECTS, REBUILD_WINDOW, Detokenizer, Options
 from .curve import CurveServer
 from .metrics import MetricsServer
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+    from .election import Term
 
 __all__ = ["Coordinator"]
 
@@ -34,6 +37,11 @@ __all__ = ["Coordinator"]
 TIMER_INTERVAL = 0.05
 
 _wake_ids = itertools.count()
+
+#: The wall clock in ns at a coordinator's start: its epoch (without a term) and its
+#: first server id, both above those of any earlier life at the same place (the
+#: tests pin it to compare frames).
+_clock_ns = time.time_ns
 
 
 class _Sockets:
@@ -54,6 +62,9 @@ class _Sockets:
         self.router = self.context.socket(zmq.ROUTER)
         # A send to a peer that is gone fails (EHOSTUNREACH) instead of vanishing.
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A peer that reconnects with its routing id (a blip) takes it over from its
+        # old connection instead of being refused while that one lingers.
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.router.setsockopt(zmq.SNDHWM, 0)  # memory is bounded by max_inflight instead
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_size)
@@ -98,6 +109,13 @@ class Coordinator:
     Every option is keyword-only; the README's table says what each means.
     ``implementation`` is ``"c"`` or ``"py"`` (default: the one selected at
     import, :data:`coordkit.IMPLEMENTATION`); both behave alike, frame for frame.
+
+    ``term`` (an :class:`coordkit.election.Term`) makes it serve while that term
+    lasts: its epoch is the term's, the loop stops the moment the term's
+    deadline passes (checked at each wake-up) or the term is lost, and it then
+    closes without failing what is in flight (the next leader takes it over).
+    ``rebuild_window`` is how long after its start it waits for engines to
+    report what they hold (docs/failover.md).
     """
 
     def __init__(
@@ -122,6 +140,8 @@ class Coordinator:
         request_timeout: float = 0.0,
         dialect: str = "multipart",
         block_size: int = DEFAULT_BLOCK_SIZE,
+        rebuild_window: float = REBUILD_WINDOW,
+        term: Term | None = None,
         metrics_port: int | None = None,
         curve_secret_key: str | os.PathLike[str] | None = None,
         curve_authorized_keys: str | os.PathLike[str] | None = None,
@@ -132,7 +152,7 @@ class Coordinator:
             raise ValueError("max_inflight must be between 1 and 2**30")
         if max_inflight_per_engine < 0:
             raise ValueError("max_inflight_per_engine must be >= 0 (0: no cap)")
-        if heartbeat_timeout < 0 or drain_timeout < 0 or request_timeout < 0:
+        if min(heartbeat_timeout, drain_timeout, request_timeout, rebuild_window) < 0:
             raise ValueError("timeouts must be >= 0 (0 disables heartbeat and request expiry)")
         if max_message_size < -1 or max_message_size == 0:
             raise ValueError("max_message_size must be positive, or -1 for no limit")
@@ -161,7 +181,11 @@ class Coordinator:
             measure_latency=metrics_port is not None,
             dialect=dialect,
             block_size=block_size,
+            epoch=term.epoch if term is not None else _clock_ns(),
+            first_server_id=_clock_ns(),
+            rebuild_window=rebuild_window,
         )
+        self._term = term
         router = impl.Router(
             policy,
             max_engines,
@@ -196,24 +220,36 @@ class Coordinator:
                 raise
         self._thread: threading.Thread | None = None
         self._started = False
+        if term is not None:
+            term.on_lost(lambda reason: self._sockets.wake())
+
+    @property
+    def epoch(self) -> int:
+        """What it announces to rebuild peers: its term's epoch, or the clock at its start."""
+        return self.options.epoch
 
     def serve_forever(self) -> None:
-        """Run the loop until SHUTDOWN or :meth:`stop`; then close the sockets.
+        """Run the loop until SHUTDOWN or :meth:`stop`, or its term ends; then close.
 
-        Every request still in flight then gets ERROR(SHUTTING_DOWN).
+        Every request still in flight then gets ERROR(SHUTTING_DOWN), unless the
+        term ended: then nothing more is sent, and the next leader takes them over.
         """
         if self._sockets.closed:
             raise RuntimeError("coordinator is closed")
         self._started = True
+        term = self._term
         next_timer = time.monotonic() + TIMER_INTERVAL
         try:
-            while self._loop.serve(max(next_timer - time.monotonic(), 0.001)):
+            while self._loop.serve(
+                max(next_timer - time.monotonic(), 0.001),
+                math.inf if term is None else term.deadline,
+            ):
                 now = time.monotonic()
                 if now >= next_timer:
                     self._loop.expire(now)
                     next_timer = now + TIMER_INTERVAL
         finally:
-            self._close()
+            self._close(handover=term is not None and not term.valid())
 
     def start(self) -> None:
         """Run :meth:`serve_forever` on a background thread named ``coordkit``."""
@@ -258,9 +294,10 @@ class Coordinator:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _close(self) -> None:
+    def _close(self, handover: bool = False) -> None:
         if not self._sockets.closed:
-            self._loop.shutdown()
+            if not handover:
+                self._loop.shutdown()
             self._sockets.close()
         if self._metrics is not None:
             self._metrics.close()

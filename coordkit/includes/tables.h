@@ -9,7 +9,9 @@
  *   ck_ids       a peer's ZeroMQ routing id -> its index (clients, engines)
  *   ck_requests  the requests in flight: a pool of slots reused most recently
  *                freed first (a small working set), found by server id through
- *                a direct-mapped index and by (client, client rid) by hashing
+ *                a direct-mapped index (and, for the few adopted from an
+ *                earlier life whose position was held, a hashed side table)
+ *                and by (client, client rid) by hashing
  *   ck_prefix    the router's block hash -> prefix entry
  *
  * Nothing here allocates after init, and nothing needs the GIL.
@@ -181,6 +183,12 @@ typedef struct {
     uint64_t next_rid;
     uint32_t *by_client; /* (client, client_rid) -> slot + 1, hashed */
     uint64_t by_client_mask;
+    /* Requests adopted after a coordinator's loss keep the server ids an earlier
+     * life gave them; one whose index position is held by another is filed here
+     * instead (server_rid -> slot + 1, hashed), consulted only when the index
+     * misses and only while there is one. */
+    uint32_t *adopted;
+    uint32_t n_adopted;
 } ck_requests;
 
 static inline uint64_t ck_requests_client_hash(const ck_requests *t, uint32_t client, int64_t rid)
@@ -198,22 +206,40 @@ static inline uint64_t ck_requests_client_home(const void *table, uint32_t cell)
 /* Room for `capacity` requests; `index_size` is a power of two >= capacity, and
  * `window_min` the smallest window (a power of two). calloc: pages of the pool
  * and index that are never reached cost no memory. */
+static inline uint64_t ck_requests_adopted_hash(const ck_requests *t, int64_t server_rid)
+{
+    return ck_mix64((uint64_t)server_rid) & t->by_client_mask; /* as many cells as by_client */
+}
+
+static inline uint64_t ck_requests_adopted_home(const void *table, uint32_t cell)
+{
+    const ck_requests *t = (const ck_requests *)table;
+    return ck_requests_adopted_hash(t, t->pool[cell - 1].server_rid);
+}
+
+/* Room for `capacity` requests; `index_size` is a power of two >= capacity, and
+ * `window_min` the smallest window (a power of two); server ids start at
+ * `first_rid`. calloc: pages of the pool and index that are never reached cost
+ * no memory. */
 static inline int ck_requests_init(ck_requests *t, uint32_t capacity, uint64_t index_size,
-                                   uint64_t window_min)
+                                   uint64_t window_min, int64_t first_rid)
 {
     uint64_t n_cells = ck_cells_for(capacity);
     t->pool = (ck_request *)calloc(capacity, sizeof(ck_request));
     t->index = (uint32_t *)calloc(index_size, sizeof(uint32_t));
     t->by_client = (uint32_t *)calloc(n_cells, sizeof(uint32_t));
+    t->adopted = (uint32_t *)calloc(n_cells, sizeof(uint32_t));
     t->capacity = capacity;
-    t->used = t->live = 0;
+    t->used = t->live = t->n_adopted = 0;
     t->free_head = UINT32_MAX;
     t->index_mask = index_size - 1;
     t->window_min = index_size < window_min ? index_size : window_min;
     t->window = t->window_min;
-    t->next_rid = 0;
+    t->next_rid = (uint64_t)first_rid;
     t->by_client_mask = n_cells - 1;
-    return t->pool != NULL && t->index != NULL && t->by_client != NULL ? 0 : -1;
+    return t->pool != NULL && t->index != NULL && t->by_client != NULL && t->adopted != NULL
+               ? 0
+               : -1;
 }
 
 static inline void ck_requests_free(ck_requests *t)
@@ -221,9 +247,25 @@ static inline void ck_requests_free(ck_requests *t)
     free(t->pool);
     free(t->index);
     free(t->by_client);
+    free(t->adopted);
     t->pool = NULL;
     t->index = NULL;
     t->by_client = NULL;
+    t->adopted = NULL;
+}
+
+/* An adopted request whose index position was held, by server id: its slot, or -1. */
+static inline int64_t ck_requests_find_adopted(const ck_requests *t, int64_t server_rid)
+{
+    uint64_t pos = ck_requests_adopted_hash(t, server_rid);
+    for (;;) {
+        uint32_t cell = t->adopted[pos];
+        if (cell == 0)
+            return -1;
+        if (t->pool[cell - 1].server_rid == server_rid)
+            return (int64_t)cell - 1;
+        pos = (pos + 1) & t->by_client_mask;
+    }
 }
 
 /* The slot of the request in flight with this server id, or -1. */
@@ -232,9 +274,9 @@ static inline int64_t ck_requests_find(const ck_requests *t, int64_t server_rid)
     if (server_rid < 0)
         return -1;
     uint32_t cell = t->index[(uint64_t)server_rid & t->index_mask];
-    if (cell == 0 || t->pool[cell - 1].server_rid != server_rid)
-        return -1;
-    return (int64_t)cell - 1;
+    if (cell != 0 && t->pool[cell - 1].server_rid == server_rid)
+        return (int64_t)cell - 1;
+    return t->n_adopted ? ck_requests_find_adopted(t, server_rid) : -1;
 }
 
 /* The slot of this client's request `client_rid` in flight, or -1. */
@@ -253,6 +295,31 @@ static inline int64_t ck_requests_find_client(const ck_requests *t, uint32_t cli
     }
 }
 
+/* A slot for request `server_rid` of `client` (live < capacity), filed by client,
+ * with flags 0 and rank -1; the caller files it by server id. */
+static inline uint32_t ck_requests_take(ck_requests *t, uint32_t client, int64_t client_rid,
+                                        int64_t server_rid)
+{
+    uint32_t slot;
+    if (t->free_head != UINT32_MAX) {
+        slot = t->free_head;
+        t->free_head = (uint32_t)t->pool[slot].client_rid;
+    } else {
+        slot = t->used++;
+    }
+    ck_request *r = &t->pool[slot];
+    r->server_rid = server_rid;
+    r->client_rid = client_rid;
+    r->kept = NULL;
+    r->client = client;
+    r->flags = 0;
+    r->rank = -1;
+    uint64_t home = ck_requests_client_hash(t, client, client_rid);
+    t->by_client[ck_cells_vacant(t->by_client, t->by_client_mask, home)] = slot + 1;
+    t->live++;
+    return slot;
+}
+
 /* A new request of `client` (live < capacity): it gets the next server id
  * whose index position is free and a slot, flags 0 and rank -1. */
 static inline uint32_t ck_requests_add(ck_requests *t, uint32_t client, int64_t client_rid)
@@ -268,24 +335,28 @@ static inline uint32_t ck_requests_add(ck_requests *t, uint32_t client, int64_t 
     while (t->index[rid & t->index_mask] != 0)
         rid++;
     t->next_rid = rid + 1;
-    uint32_t slot;
-    if (t->free_head != UINT32_MAX) {
-        slot = t->free_head;
-        t->free_head = (uint32_t)t->pool[slot].client_rid;
-    } else {
-        slot = t->used++;
-    }
-    ck_request *r = &t->pool[slot];
-    r->server_rid = (int64_t)rid;
-    r->client_rid = client_rid;
-    r->kept = NULL;
-    r->client = client;
-    r->flags = 0;
-    r->rank = -1;
+    uint32_t slot = ck_requests_take(t, client, client_rid, (int64_t)rid);
     t->index[rid & t->index_mask] = slot + 1;
-    uint64_t home = ck_requests_client_hash(t, client, client_rid);
-    t->by_client[ck_cells_vacant(t->by_client, t->by_client_mask, home)] = slot + 1;
-    t->live++;
+    return slot;
+}
+
+/* A request an engine holds from an earlier life of the coordinator, under the
+ * server id it has (live < capacity, no request in flight has it): filed in the
+ * index when its position is free, else apart. Server ids drawn later are above it. */
+static inline uint32_t ck_requests_adopt(ck_requests *t, uint32_t client, int64_t client_rid,
+                                         int64_t server_rid)
+{
+    uint32_t slot = ck_requests_take(t, client, client_rid, server_rid);
+    uint32_t *cell = &t->index[(uint64_t)server_rid & t->index_mask];
+    if (*cell == 0) {
+        *cell = slot + 1;
+    } else {
+        uint64_t home = ck_requests_adopted_hash(t, server_rid);
+        t->adopted[ck_cells_vacant(t->adopted, t->by_client_mask, home)] = slot + 1;
+        t->n_adopted++;
+    }
+    if ((uint64_t)server_rid >= t->next_rid)
+        t->next_rid = (uint64_t)server_rid + 1;
     return slot;
 }
 
@@ -297,7 +368,16 @@ static inline void ck_requests_remove(ck_requests *t, uint32_t slot)
     while (t->by_client[pos] != slot + 1)
         pos = (pos + 1) & t->by_client_mask;
     ck_cells_remove(t->by_client, t->by_client_mask, pos, ck_requests_client_home, t);
-    t->index[(uint64_t)r->server_rid & t->index_mask] = 0;
+    uint32_t *cell = &t->index[(uint64_t)r->server_rid & t->index_mask];
+    if (*cell == slot + 1) {
+        *cell = 0;
+    } else { /* an adopted request filed apart */
+        pos = ck_requests_adopted_hash(t, r->server_rid);
+        while (t->adopted[pos] != slot + 1)
+            pos = (pos + 1) & t->by_client_mask;
+        ck_cells_remove(t->adopted, t->by_client_mask, pos, ck_requests_adopted_home, t);
+        t->n_adopted--;
+    }
     r->server_rid = -1;
     r->kept = NULL;
     r->client_rid = t->free_head;

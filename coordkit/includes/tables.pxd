@@ -36,12 +36,16 @@ cdef extern from "includes/tables.h" nogil:
         uint32_t live
 
     int ck_requests_init(
-        ck_requests* t, uint32_t capacity, uint64_t index_size, uint64_t window_min
+        ck_requests* t, uint32_t capacity, uint64_t index_size, uint64_t window_min,
+        int64_t first_rid,
     )
     void ck_requests_free(ck_requests* t)
     int64_t ck_requests_find(const ck_requests* t, int64_t server_rid)
     int64_t ck_requests_find_client(const ck_requests* t, uint32_t client, int64_t client_rid)
     uint32_t ck_requests_add(ck_requests* t, uint32_t client, int64_t client_rid)
+    uint32_t ck_requests_adopt(
+        ck_requests* t, uint32_t client, int64_t client_rid, int64_t server_rid
+    )
     void ck_requests_remove(ck_requests* t, uint32_t slot)
 
     # -- ck_prefix: the router's block hash -> prefix entry

@@ -18,10 +18,21 @@ cdef struct Inbound:
     size_t params_size
     const uint8_t* hashes  # its block hashes, n_hashes of them, or NULL
     size_t n_hashes
+    zmq_msg_t* hash_msg  # the frame they came in, or NULL: forwarded to a rebuild engine
     uint64_t tokens
     bint batched  # an entry of a SUBMIT_BATCH: a batched engine takes it later
     bint single_ok  # may go to a single-frame engine (carriers)
     bint multi_ok  # may go to a multipart engine
+
+
+cdef struct Origin:
+    # What a rebuild engine is told of a request after its payload (its trailer):
+    # the client's request id, the client's routing id (NULL: a client that cannot
+    # rejoin), and its block-hash frame to forward, or NULL.
+    int64_t client_rid
+    const uint8_t* client_id
+    size_t client_id_size
+    zmq_msg_t* hashes
 
 
 cdef enum Carried:  # whether a client's format carries a reply (reply_carried)

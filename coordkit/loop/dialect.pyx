@@ -25,6 +25,7 @@ cdef inline void multipart_inbound(
     if hashes != NULL:
         inbound.hashes = <const uint8_t*>zmq_msg_data(hashes)
         inbound.n_hashes = zmq_msg_size(hashes) // BLOCK_HASH_SIZE
+        inbound.hash_msg = hashes
 
 
 cdef inline void single_inbound(
@@ -93,17 +94,18 @@ cdef size_t send_head(void* sock, int64_t header, uint32_t length, int64_t rid,
 
 cdef size_t send_submit(void* sock, ck_buffer_pool* buffers, bint single_frame,
                         int64_t rid, const uint8_t* prompt, size_t prompt_size,
-                        const uint8_t* params, size_t params_size) noexcept nogil:
+                        const uint8_t* params, size_t params_size, int last) noexcept nogil:
     """A request from the bytes of its prompt and its params, in an engine's format:
-    ``[20, rid, <prompt>, <params>]``, or ``[20, rid, <params>]`` and the prompt;
-    the bytes sent. Both copy the prompt: a large one into a buffer of ``buffers``."""
+    ``[20, rid, <prompt>, <params>]``, or ``[20, rid, <params>]`` and the prompt, the
+    last frame sent with the flags ``last``; the bytes sent. Both copy the prompt: a
+    large one into a buffer of ``buffers``."""
     cdef zmq_msg_t msg
     cdef size_t n
     if not single_frame:
         ck_buffer_msg(buffers, &msg, prompt_size)
         memcpy(zmq_msg_data(&msg), prompt, prompt_size)
         n = send_head(sock, HEADER_SUBMIT_REQUEST, 3, rid, params, params_size, ZMQ_SNDMORE)
-        if zmq_msg_send(&msg, sock, 0) < 0:
+        if zmq_msg_send(&msg, sock, last) < 0:
             zmq_msg_close(&msg)
         return n + prompt_size
     n = ck_single_submit_size(HEADER_SUBMIT_REQUEST, rid, prompt_size, params_size)
@@ -112,29 +114,71 @@ cdef size_t send_submit(void* sock, ck_buffer_pool* buffers, bint single_frame,
         <uint8_t*>zmq_msg_data(&msg), HEADER_SUBMIT_REQUEST, rid, prompt, prompt_size,
         params, params_size,
     )
-    if zmq_msg_send(&msg, sock, 0) < 0:
+    if zmq_msg_send(&msg, sock, last) < 0:
         zmq_msg_close(&msg)
     return n
 
 
 cdef inline size_t send_request(void* sock, ck_buffer_pool* buffers, Inbound* inbound,
-                                int64_t server_rid, bint single_frame) noexcept nogil:
-    """A request's frames after its engine's routing id, in the engine's format; the
-    bytes sent. Multipart to multipart: the metadata and the payload frames as
-    themselves. Otherwise the prompt and the params spliced into the engine's format
-    (a single frame behind a new head, or split at the field boundary): a copy."""
+                                int64_t server_rid, bint single_frame,
+                                const Origin* origin) noexcept nogil:
+    """A request's frames after its engine's routing id, in the engine's format, then
+    its trailer when ``origin`` is given (a rebuild engine: send_trailer); the bytes
+    sent. Multipart to multipart: the metadata and the payload frames as themselves.
+    Otherwise the prompt and the params spliced into the engine's format (a single
+    frame behind a new head, or split at the field boundary): a copy."""
     cdef size_t size
-    cdef int i
+    cdef int i, last = ZMQ_SNDMORE if origin != NULL else 0
     if single_frame or inbound.single:
-        return send_submit(sock, buffers, single_frame, server_rid, inbound.prompt,
-                           inbound.prompt_size, inbound.params, inbound.params_size)
-    size = zmq_msg_size(inbound.meta)
-    for i in range(inbound.n_payload):
-        size += zmq_msg_size(&inbound.payload[i])
-    send_msg(sock, inbound.meta, ZMQ_SNDMORE)
-    for i in range(inbound.n_payload):
-        send_msg(sock, &inbound.payload[i], ZMQ_SNDMORE if i + 1 < inbound.n_payload else 0)
+        size = send_submit(sock, buffers, single_frame, server_rid, inbound.prompt,
+                           inbound.prompt_size, inbound.params, inbound.params_size, last)
+    else:
+        size = zmq_msg_size(inbound.meta)
+        for i in range(inbound.n_payload):
+            size += zmq_msg_size(&inbound.payload[i])
+        send_msg(sock, inbound.meta, ZMQ_SNDMORE)
+        for i in range(inbound.n_payload):
+            send_msg(sock, &inbound.payload[i],
+                     ZMQ_SNDMORE if i + 1 < inbound.n_payload else last)
+    if origin != NULL:
+        size += send_trailer(sock, origin, 0)
     return size
+
+
+cdef enum:
+    TRAILER_MAX = 1 + CK_INT_MAX + 2 + 255 + 1  # [client_rid, bin8 client_id, hashed]
+
+
+cdef inline size_t write_trailer(uint8_t* out, const Origin* origin) noexcept nogil:
+    """A request's trailer, ``[client_rid, client_id or nil, hashed]``, into ``out``
+    (TRAILER_MAX bytes); its size."""
+    cdef uint8_t* at = out
+    at[0] = 0x93
+    at += 1 + ck_write_int(at + 1, origin.client_rid)
+    if origin.client_id == NULL:
+        at[0] = 0xc0
+        at += 1
+    else:
+        at[0] = 0xc4
+        at[1] = <uint8_t>origin.client_id_size
+        memcpy(at + 2, origin.client_id, origin.client_id_size)
+        at += 2 + origin.client_id_size
+    at[0] = 0xc3 if origin.hashes != NULL else 0xc2
+    return at + 1 - out
+
+
+cdef size_t send_trailer(void* sock, const Origin* origin, int last) noexcept nogil:
+    """What follows a request's payload to a rebuild engine: its trailer, then its
+    block-hash frame (as the message itself) when it is forwarded, the last frame
+    sent with the flags ``last``; the bytes sent."""
+    cdef uint8_t out[TRAILER_MAX]
+    cdef size_t n = write_trailer(out, origin)
+    send_bytes(sock, out, n, ZMQ_SNDMORE if origin.hashes != NULL else last)
+    if origin.hashes == NULL:
+        return n
+    n += zmq_msg_size(origin.hashes)
+    send_msg(sock, origin.hashes, last)
+    return n
 
 
 cdef inline bint engine_parses(int format, int64_t header) noexcept nogil:

@@ -8,6 +8,8 @@ cdef struct Batched:  # an entry of the batch at hand bound for a peer that take
     zmq_msg_t* frame  # its frame (prompt or body), sent as the message itself
     const uint8_t* data  # or, when frame is NULL, a copy of data[:size] (a 0.19 reply)
     size_t size
+    bint trailed  # to a rebuild engine: its trailer follows the frame
+    Origin origin
 
 
 cdef struct Fanout:

@@ -33,6 +33,13 @@ cdef inline void fanout_add(Fanout* self, int32_t to, int64_t rid, const uint8_t
     entry.frame = frame
     entry.data = data
     entry.size = size
+    entry.trailed = False
+
+
+cdef inline void fanout_trail(Fanout* self, const Origin* origin) noexcept nogil:
+    """The last entry added goes to a rebuild engine: its trailer follows its frame."""
+    self.entries[self.n - 1].trailed = True
+    self.entries[self.n - 1].origin = origin[0]
 
 
 cdef size_t fanout_send(Fanout* self, void* sock, int64_t header, uint32_t first) noexcept nogil:
@@ -43,6 +50,7 @@ cdef size_t fanout_send(Fanout* self, void* sock, int64_t header, uint32_t first
     cdef uint32_t j, count = 0
     cdef uint8_t* out = self.head
     cdef size_t size, frames = 0
+    cdef int more
     for j in range(first, self.n):
         if entries[j].to == to:
             count += 1
@@ -59,10 +67,13 @@ cdef size_t fanout_send(Fanout* self, void* sock, int64_t header, uint32_t first
     for j in range(first, self.n):
         if entries[j].to == to:
             count -= 1
+            more = ZMQ_SNDMORE if count else 0
             if entries[j].frame:
-                send_msg(sock, entries[j].frame, ZMQ_SNDMORE if count else 0)
+                send_msg(sock, entries[j].frame, ZMQ_SNDMORE if entries[j].trailed else more)
             else:
-                send_bytes(sock, entries[j].data, entries[j].size, ZMQ_SNDMORE if count else 0)
+                send_bytes(sock, entries[j].data, entries[j].size, more)
+            if entries[j].trailed:
+                frames += send_trailer(sock, &entries[j].origin, more)
     return size + frames
 
 

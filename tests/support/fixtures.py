@@ -19,6 +19,7 @@ or fail under ``COORDKIT_REQUIRE_EXTENSION=1``.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from coordkit import Coordinator
+from coordkit import Coordinator, coordinator
 from coordkit.curve import keygen
 from tests.support import codec_extras as py_codec_extras
 from tests.support import extension, vendoring
@@ -38,6 +39,21 @@ IMPLEMENTATIONS = [
     pytest.param("c", marks=pytest.mark.c_extension, id="c"),
     pytest.param("py", id="py"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def pinned_clock(monkeypatch) -> None:
+    """A coordinator made in this process starts its server ids and its epoch at 0,
+    not at the clock: its frames are then the same from run to run and from one
+    implementation to the other. (A test of a restart in-process takes real_clock;
+    the coordinator processes of the failover tests run on the clock.)"""
+    monkeypatch.setattr(coordinator, "_clock_ns", lambda: 0)
+
+
+@pytest.fixture
+def real_clock(pinned_clock, monkeypatch) -> None:
+    """Coordinators made in this test start their server ids and epoch at the clock."""
+    monkeypatch.setattr(coordinator, "_clock_ns", time.time_ns)
 
 
 # Session scope: an implementation is a set of imported modules, loaded once.

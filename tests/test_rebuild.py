@@ -1,0 +1,312 @@
+"""The coordinator's side of the rebuild after a coordinator's loss, on the wire.
+
+Raw peers (tests/support/peers.py) speak the rebuild messages as the protocol
+declares them: a client that asked for the rebuild in CONNECT, an engine that
+asked in ENGINE_HELLO. Each test runs on both loop cores; the last drives one
+conversation through both and compares every frame every peer received.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from coordkit import Coordinator
+from tests.support.cluster import Cluster
+from tests.support.peers import (
+    ABORT,
+    CONNECT,
+    CONNECT_ACK,
+    ENGINE_ACK,
+    ERROR,
+    HANDLED,
+    HEARTBEAT,
+    HELD,
+    PARTIAL,
+    REJOIN,
+    REPLAY,
+    REPLAYED,
+    REPLY,
+    RESEND,
+    SUBMIT,
+    SUBMIT_BATCH,
+    RawClient,
+    RawEngine,
+    m,
+    um,
+    wait_for,
+)
+
+ENGINE_FAILED = 5
+
+
+def rebuild_client(c: Cluster, identity: bytes, batch: bool = False) -> RawClient:
+    """A client that asks for the rebuild; its CONNECT_ACK carries the epoch."""
+    client = RawClient(c.ctx, c.coord.address, identity)
+    c.peers.append(client)
+    hello = {"coordkit": 1, "rebuild": 1, **({"batch": 1} if batch else {})}
+    client.send(m([CONNECT, hello]))
+    features = {**({"batch": 1} if batch else {}), "rebuild": 1, "epoch": c.coord.epoch}
+    assert client.recv() == [m([CONNECT_ACK, features])]
+    return client
+
+
+def rebuild_engine(c: Cluster, identity: bytes, base: int = 1, **features: int) -> RawEngine:
+    """An engine that asks for the rebuild (its reply messages numbered from ``base``)."""
+    engine = c.add_engine(identity)
+    engine.hello(rebuild=1, base=base, **features)
+    assert engine.recv() == [m([ENGINE_ACK, {"rebuild": 1, "epoch": c.coord.epoch}])]
+    return engine
+
+
+def trailer(client_rid: int, client_id: bytes | None, hashed: bool = False) -> bytes:
+    return m([client_rid, client_id, hashed])
+
+
+def counted(c: Cluster, name: str, value: int) -> dict:
+    """The stats once counter ``name`` reached ``value`` (the loop runs on its thread)."""
+    wait_for(lambda: c.coord.stats()["counters"][name] >= value)
+    return c.coord.stats()
+
+
+def test_the_epoch_is_announced_to_rebuild_peers_only(make_cluster):
+    with make_cluster(n_engines=1) as c:
+        assert c.coord.stats()["epoch"] == c.coord.epoch == 0  # pinned_clock
+        rebuild_client(c, b"ck")
+        rebuild_engine(c, b"e1")
+        c.client(coordkit=True)  # CONNECT_ACK [1], as before
+        c.engines[0].assert_silent()  # no ENGINE_ACK to an engine that did not ask
+
+
+def test_a_rebuild_engine_gets_a_trailer_with_every_request(make_cluster):
+    with make_cluster(policy="prefix") as c:
+        engine = rebuild_engine(c, b"e0")
+        ours, megatron = rebuild_client(c, b"ck"), c.client(identity=b"mg")
+        ours.send(m([SUBMIT, 5, {"a": 1}]), m([1, 2]))
+        meta, prompt, tail = engine.recv()
+        assert um(meta)[::2] == [SUBMIT, {"a": 1}] and prompt == m([1, 2])
+        assert tail == trailer(5, b"ck")
+        # A Megatron client's request cannot outlive the coordinator: no client id.
+        megatron.send(m([SUBMIT, 9, {}]), m([3]))
+        assert engine.recv()[2] == trailer(9, None)
+        # The prefix policy forwards the block hashes, for the table to outlive it too.
+        hashes = (1).to_bytes(8, "little") + (2).to_bytes(8, "little")
+        ours.send(m([SUBMIT, 6, {}]), m([4] * 32), hashes)
+        assert engine.recv()[2:] == [trailer(6, b"ck", True), hashes]
+
+
+def test_a_batch_to_a_rebuild_engine_trails_each_prompt(make_cluster):
+    with make_cluster() as c:
+        engine = rebuild_engine(c, b"e0", batch=1)
+        client = rebuild_client(c, b"bk", batch=True)
+        client.send(m([SUBMIT_BATCH, [[0, {}, False], [1, {"x": 1}, False]]]), b"p0", b"p1")
+        meta, *frames = engine.recv()
+        assert [entry[1] for entry in um(meta)[1]] == [{}, {"x": 1}]
+        assert frames == [b"p0", trailer(0, b"bk"), b"p1", trailer(1, b"bk")]
+
+
+def test_a_plain_engine_gets_the_frames_it_always_got(make_cluster):
+    with make_cluster(n_engines=1) as c:
+        client = rebuild_client(c, b"ck")
+        client.send(m([SUBMIT, 5, {}]), b"p")
+        assert c.engines[0].recv() == [m([SUBMIT, 0, {}]), b"p"]
+
+
+def test_an_engines_held_request_is_adopted_and_replayed_to_its_client(make_cluster, real_clock):
+    with make_cluster(rebuild_window=30.0) as c:
+        engine = rebuild_engine(c, b"e0", base=40)
+        sid = 12345  # an id from an earlier life
+        engine.send(m([HELD, [[sid, 3, b"ck", 2, False]]]), b"")
+        assert counted(c, "adopted", 1)["inflight"] == 1
+        engine.send(m([PARTIAL, [sid]]), b"held back")  # its client is not back yet
+        client = rebuild_client(c, b"ck")
+        client.send(m([REJOIN, [[3, 1]]]))
+        assert engine.recv() == [m([REPLAY, [[sid, 1]]])]  # from the partial it lacks
+        engine.send(m([REPLAYED, [[sid, 1, 3, True]]]), b"p1", b"p2", b"final")
+        entries = [[3, 1, False], [3, 2, False], [3, 3, True]]
+        assert client.recv() == [m([REPLAYED, entries]), b"p1", b"p2", b"final"]
+        client.assert_silent()  # the partial held back was not forwarded
+        stats = c.coord.stats()
+        assert stats["inflight"] == 0 and stats["counters"]["replayed"] == 1
+
+
+def test_a_client_that_rejoins_first_waits_for_its_engine(make_cluster):
+    with make_cluster(rebuild_window=30.0) as c:
+        client = rebuild_client(c, b"ck")
+        client.send(m([REJOIN, [[3, 0]]]))
+        engine = rebuild_engine(c, b"e0")
+        engine.send(m([HELD, [[77, 3, b"ck", 0, False]]]), b"")
+        assert engine.recv() == [m([REPLAY, [[77, 0]]])]
+        engine.send(m([REPLAYED, [[77, 0, 0, False]]]))  # nothing yet: replies flow again
+        engine.send(m([REPLY, [[77, False]]]), b"done")
+        assert client.recv() == [m([REPLY, 3]), b"done"]
+
+
+def test_what_nobody_claims_is_sent_back_at_the_windows_end(make_cluster):
+    with make_cluster(rebuild_window=0.3) as c:
+        engine = rebuild_engine(c, b"e0")
+        engine.send(m([HELD, [[50, 1, b"gone", 0, False]]]), b"")  # its client never comes
+        client = rebuild_client(c, b"ck")
+        client.send(m([REJOIN, [[7, 0], [8, 2]]]))
+        # Nothing started for 7: sent again by its client. 8 had partials: it failed.
+        messages = client.recv_all(1.0)
+        assert [m([RESEND, [7]])] in messages
+        errors = [um(f[0]) for f in messages if um(f[0])[0] == ERROR]
+        assert [(e[1], e[2]) for e in errors] == [(8, ENGINE_FAILED)]
+        assert engine.recv(2.0) == [m([ABORT, 50])]  # the orphan is not run on
+        wait_for(lambda: c.coord.stats()["inflight"] == 0)
+        assert c.coord.stats()["clients"] == 1  # the absent client is forgotten with it
+        # After the window a REJOIN is answered at once.
+        client.send(m([REJOIN, [[9, 0]]]))
+        assert client.recv() == [m([RESEND, [9]])]
+        # And a late engine's report is not adopted: aborted.
+        engine.send(m([HELD, [[60, 9, b"ck", 0, False]]]), b"")
+        assert engine.recv() == [m([ABORT, 60])]
+
+
+def test_handled_acknowledges_an_engines_replies_on_the_timer(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0", base=100)
+        client = rebuild_client(c, b"ck")
+        for rid in range(3):
+            client.send(m([SUBMIT, rid, {}]), b"p")
+        sids = [um(engine.recv()[0])[1] for _ in range(3)]
+        engine.send(m([PARTIAL, sids[:1]]), b"a")
+        engine.send(m([REPLY, [[sid, False] for sid in sids]]), b"x", b"y", b"z")
+        # Messages 100 and 101, a tick after they were handled.
+        assert engine.recv(2.0) == [m([HANDLED, 101])]
+        engine.assert_silent(0.3)  # nothing more to acknowledge
+
+
+def test_no_handled_while_the_window_lasts(make_cluster):
+    with make_cluster(rebuild_window=30.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck")
+        client.send(m([SUBMIT, 0, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        engine.send(m([REPLY, [[sid, False]]]), b"x")
+        assert client.recv() == [m([REPLY, 0]), b"x"]
+        engine.assert_silent(0.5)
+
+
+def test_an_engine_that_dies_sends_a_rebuild_clients_request_back(make_cluster):
+    with make_cluster(heartbeat_timeout=0.3) as c:
+        engine = rebuild_engine(c, b"e0")
+        engine.send(m([HEARTBEAT, 0, 1]))
+        client = rebuild_client(c, b"ck")
+        client.send(m([SUBMIT, 4, {}]), b"p")
+        engine.recv()
+        # No HEARTBEAT any more: the engine is gone; the request produced nothing, and
+        # its client keeps it (the coordinator kept no prompt): it is sent back.
+        assert client.recv(3.0) == [m([RESEND, [4]])]
+        stats = c.coord.stats()
+        assert stats["inflight"] == 0 and stats["counters"]["resent"] == 1
+        assert stats["counters"]["rerouted"] == 0
+
+
+def test_a_blip_replays_what_the_engine_kept(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck")
+        client.send(m([SUBMIT, 1, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        # The engine lost its connection and registered again: the same coordinator
+        # holds the request, so the engine sends again all it kept; the client drops
+        # what it has by the partials' places.
+        engine.register().hello(rebuild=1, base=9)
+        assert um(engine.recv()[0])[0] == ENGINE_ACK
+        engine.send(m([HELD, [[sid, 1, b"ck", 1, False]]]), b"")
+        assert engine.recv() == [m([REPLAY, [[sid, -1]]])]
+        engine.send(m([REPLAYED, [[sid, 0, 1, False]]]), b"p0")
+        assert client.recv() == [m([REPLAYED, [[1, 0, False]]]), b"p0"]
+
+
+def test_a_replay_the_engine_cannot_serve(make_cluster):
+    with make_cluster(rebuild_window=30.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        engine.send(m([HELD, [[5, 1, b"ck", 0, False], [6, 2, b"ck", 3, False]]]), b"")
+        client = rebuild_client(c, b"ck")
+        client.send(m([REJOIN, [[1, 0], [2, 3]]]))
+        assert engine.recv() == [m([REPLAY, [[5, 0], [6, 3]]])]
+        # It does not hold them any more: 1 produced nothing, it is sent back; 2 did.
+        engine.send(m([REPLAYED, [[5, -1, 0, False], [6, -1, 0, False]]]))
+        messages = client.recv_all(0.5)
+        assert messages[0] == [
+            m([ERROR, 2, ENGINE_FAILED, "SUBMIT_REQUEST: the engine serving the request failed"])
+        ]
+        assert messages[1] == [m([RESEND, [1]])]
+        assert c.coord.stats()["inflight"] == 0
+
+
+def test_a_conflicting_report_is_aborted(make_cluster):
+    with make_cluster(rebuild_window=30.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck")
+        client.send(m([SUBMIT, 1, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        # The same client and id already in flight: the engine must not run its copy.
+        engine.send(m([HELD, [[sid + 1000, 1, b"ck", 0, False]]]), b"")
+        assert engine.recv() == [m([ABORT, sid + 1000])]
+
+
+def test_a_term_deadline_stops_the_loop_before_it_handles_anything(impl, tmp_path):
+    coord = Coordinator(f"ipc://{tmp_path}/c.sock", implementation=impl.name)
+    client = RawClient(zmq.Context.instance(), coord.address)
+    try:
+        client.send(m([CONNECT]))
+        # A CONNECT waits; a deadline already past: the loop stops, answering nothing.
+        assert coord._loop.serve(1.0, time.monotonic() - 1) is False
+        client.assert_silent(0.2)
+        assert coord.stats()["messages"] == 0
+    finally:
+        coord.stop()
+        client.close()
+
+
+@pytest.mark.c_extension
+def test_the_rebuild_conversation_is_the_same_in_both_loops(c_impl, py_impl, tmp_path):
+    logs = [_conversation(impl, f"ipc://{tmp_path}/{impl.name}.sock") for impl in (c_impl, py_impl)]
+    assert logs[0] == logs[1]
+    frames = {name: [um(f[0])[0] for f in got] for name, got in logs[0]["peers"].items()}
+    assert {REPLAY, ABORT, SUBMIT, HANDLED} <= set(frames["e0"])
+    assert {REPLAYED, RESEND, PARTIAL} <= set(frames["ck"])
+    assert logs[0]["counters"]["adopted"] == 3 and logs[0]["counters"]["resent"] >= 2
+
+
+def _conversation(impl, address: str) -> dict:
+    log: dict[str, list] = {}
+    with Cluster(impl, address, rebuild_window=0.5, policy="prefix", prefix_ttl=3600) as c:
+        handled = c.coord.stats()["messages"]
+
+        def send(peer, *frames):  # one message at a time, each handled before the next
+            nonlocal handled
+            peer.send(*frames)
+            handled += 1
+            wait_for(lambda: c.coord.stats()["messages"] >= handled)
+
+        e0 = rebuild_engine(c, b"e0")
+        e1 = c.add_engine(b"e1")
+        ck = rebuild_client(c, b"ck")
+        mg = c.client(identity=b"mg")
+        handled = c.coord.stats()["messages"]
+        held = [[900, 1, b"ck", 1, False], [901, 2, b"ck", 0, True], [902, 1, b"zz", 0, False]]
+        send(e0, m([HELD, held]), (7).to_bytes(8, "little"))
+        send(ck, m([REJOIN, [[1, 1], [2, 0], [3, 0]]]))
+        for rid in range(4, 8):
+            send(ck, m([SUBMIT, rid, {}]), m([rid] * 16), (7).to_bytes(8, "little"))
+            send(mg, m([SUBMIT, rid, {}]), m([rid]))
+        send(e0, m([REPLAYED, [[900, 1, 1, False], [901, 0, 1, True]]]), b"p1", b"f")
+        send(e0, m([PARTIAL, [900]]), b"p2")
+        wait_for(lambda: c.coord.stats()["counters"]["resent"] > 0, 5.0)  # the window ended
+        send(e0, m([HELD, [[903, 9, b"ck", 0, False]]]), b"")
+        send(ck, m([REJOIN, [[10, 0]]]))
+        log["peers"] = {
+            name: peer.recv_all(0.3) for name, peer in (("e0", e0), ("e1", e1), ("ck", ck))
+        }
+        log["peers"]["mg"] = mg.recv_all(0.3)
+        stats = c.coord.stats()
+        log["counters"] = stats["counters"]
+        log["inflight"] = stats["inflight"]
+    return log
