@@ -80,8 +80,9 @@ import zmq
 
 from . import protocol
 from ._events import Abort, Control, ReleaseKV, Request, log, refused
+from ._held import trailed
 from ._shared import check_constants
-from .protocol import Header, ProtocolError, packb
+from .protocol import Header, ProtocolError, packb, parse_trailer
 
 bind_libzmq()
 check_constants(generated_constants())
@@ -226,6 +227,7 @@ cdef class EngineCore:
 
     cdef readonly object socket
     cdef public long long pending
+    cdef public object held  # a coordkit._held.Held, or None (see the twin)
     cdef void* sock
 
     # The last sampling params decoded, when they are a map of scalars: the
@@ -254,8 +256,9 @@ cdef class EngineCore:
         self.meta.data = NULL
         self.meta.len = self.meta.cap = 0
 
-    def __init__(self, socket):
+    def __init__(self, socket, held=None):
         self.socket = socket
+        self.held = held
         self.sock = <void*><size_t>socket.underlying
         self.parts_capacity = FIRST_PARTS
         self.parts = <zmq_msg_t*>malloc(FIRST_PARTS * sizeof(zmq_msg_t))
@@ -322,6 +325,8 @@ cdef class EngineCore:
         cdef uint32_t length, count, i
         cdef ck_submit submit
         cdef int status = ck_read_header(data, size, &header, &length, &end)
+        cdef list layout = None
+        held = self.held if self.held is not None and self.held.granted else None
         if status != CK_OK:
             raise ProtocolError(f"malformed metadata frame: {ck_strstatus(status).decode()}")
         if header == HEADER_SUBMIT_BATCH:
@@ -330,7 +335,9 @@ cdef class EngineCore:
             )
             if status != CK_OK:
                 raise ProtocolError(f"ENGINE_SUBMIT_BATCH: {ck_strstatus(status).decode()}")
-            if count != <uint32_t>(self.n_parts - 1):
+            if held is not None:
+                layout = trailed(self.n_parts, self._bytes_of)
+            if count != <uint32_t>(self.n_parts - 1 if layout is None else len(layout)):
                 raise ProtocolError(
                     f"ENGINE_SUBMIT_BATCH: {count} entries but {self.n_parts - 1} payload frames"
                 )
@@ -345,27 +352,37 @@ cdef class EngineCore:
             ]
             for i in range(count):
                 PyList_Append(events, new_request(
-                    self.entries[i].rid, params[i], frame_of(&self.parts[1 + i])
+                    self.entries[i].rid,
+                    params[i],
+                    frame_of(&self.parts[1 + i if layout is None else layout[i][0]]),
                 ))
+                if layout is not None:
+                    held.track(self.entries[i].rid, layout[i][1])
             self.pending += count
         elif header == HEADER_SUBMIT_REQUEST:
             status = ck_read_submit(data, size, &submit)
             if status != CK_OK:
                 raise ProtocolError(f"SUBMIT_REQUEST: {ck_strstatus(status).decode()}")
-            if submit.length != 3 or not 2 <= self.n_parts <= 3:
+            if submit.length != 3 or not 2 <= self.n_parts <= (3 if held is None else 4):
                 raise ProtocolError("SUBMIT_REQUEST: bad layout")
+            if held is not None and self.n_parts < 3:
+                raise ProtocolError("SUBMIT_REQUEST: no trailer")
             sampling_params = self._params(
                 data + submit.offset, size - submit.offset, "SUBMIT_REQUEST"
             )
             PyList_Append(events, new_request(
                 submit.rid, sampling_params, frame_of(&self.parts[1])
             ))
+            if held is not None:
+                held.track(submit.rid, parse_trailer(self._bytes_of(2)))
             self.pending += 1
         elif header == HEADER_ABORT_REQUEST or header == HEADER_RELEASE_KV:
             status = ck_read_header_int(data, size, &header, &rid)
             if status != CK_OK or self.n_parts != 1:
                 raise ProtocolError(f"{protocol.header_name(header)}: bad layout")
             PyList_Append(events, Abort(rid) if header == HEADER_ABORT_REQUEST else ReleaseKV(rid))
+            if header == HEADER_ABORT_REQUEST and self.held is not None:
+                self.held.aborted(rid)
         else:
             self._parse_rarely(header, events)
         return 0
@@ -409,8 +426,14 @@ cdef class EngineCore:
             events.append(Control(Header(header), getattr(message, "epoch", None)))
         elif header == HEADER_ERROR:
             refused(protocol.ERROR.parse(frames))
-        else:
+        elif self.held is None or not self.held.on_message(header, frames):
             raise ProtocolError(f"unexpected header {header!r}")
+
+    def _bytes_of(self, Py_ssize_t i):
+        """Frame ``i`` of the message being parsed, as bytes (a trailer)."""
+        return PyBytes_FromStringAndSize(
+            <char*>zmq_msg_data(&self.parts[i]), zmq_msg_size(&self.parts[i])
+        )
 
     # -- replying ------------------------------------------------------------------------------
 
@@ -434,6 +457,7 @@ cdef class EngineCore:
         cdef uint8_t head[CK_BATCH_HEAD_MAX]
         cdef size_t head_size
         cdef bint has_meta = False, detokenize
+        cdef list sent = None if self.held is None else []
         ck_pins_sweep()
         b.len = 0
         self.n_bodies = 1
@@ -458,7 +482,10 @@ cdef class EngineCore:
                 if final:
                     b.data[b.len] = 0xc3 if detokenize else 0xc2
                     b.len += 1
-                self._take_body(body if isinstance(body, BYTES_LIKE) else packb(body))
+                body = body if isinstance(body, BYTES_LIKE) else packb(body)
+                self._take_body(body)
+                if sent is not None:
+                    sent.append((rid, body))
                 n += 1
             if n == 0:
                 return 0
@@ -472,6 +499,8 @@ cdef class EngineCore:
             for i in range(n + 1):
                 if zmq_msg_send(&self.bodies[i], self.sock, ZMQ_SNDMORE if i < n else 0) < 0:
                     raise zmq.ZMQError(zmq_errno())
+            if sent is not None:
+                self.held.sent(final, sent)
             return n
         finally:
             # Sent messages are empty now: closing them is harmless.

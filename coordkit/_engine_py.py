@@ -26,7 +26,8 @@ import zmq
 
 from . import _codec_py, protocol
 from ._events import Abort, Control, ReleaseKV, Request, log, refused
-from .protocol import Header, ProtocolError, packb
+from ._held import Held, trailed
+from .protocol import Header, ProtocolError, packb, parse_trailer
 
 __all__ = ["EngineCore", "MAX_DRAIN"]
 
@@ -44,14 +45,17 @@ class EngineCore:
     """What arrives, as events, and the replies of a step, as one message each.
 
     ``socket`` is the engine's registered DEALER. ``pending`` counts the
-    requests received and not yet answered with a final reply.
+    requests received and not yet answered with a final reply. ``held`` (a
+    :class:`coordkit._held.Held`, or None) keeps what the rebuild needs: once
+    the coordinator granted it, every request is followed by its trailer.
     """
 
     implementation = "py"
 
-    def __init__(self, socket: zmq.Socket):
+    def __init__(self, socket: zmq.Socket, held: Held | None = None):
         self.socket = socket
         self.pending = 0
+        self.held = held
 
     def poll(self, wait_ms: int) -> list[Any]:
         """Wait up to ``wait_ms`` for a message (0: do not wait), then take what is queued."""
@@ -71,14 +75,25 @@ class EngineCore:
 
     def _parse(self, frames: list[zmq.Frame], events: list[Any]) -> None:
         header = _codec_py.read_header(frames[0].buffer)[0]  # as the C twin reads it
+        held = self.held if self.held is not None and self.held.granted else None
         if header == Header.SUBMIT_BATCH:
+            layout = None if held is None else trailed(len(frames), lambda i: frames[i].buffer)
+            if layout is not None:
+                frames = [frames[0], *(frames[at] for at, _ in layout)]
             entries, prompts = protocol.ENGINE_SUBMIT_BATCH.parse(frames)
             for (rid, sampling_params), prompt in zip(entries, prompts, strict=True):
                 events.append(Request(rid, sampling_params, cast(zmq.Frame, prompt)))
+            if held is not None and layout is not None:
+                for (rid, _), (_, trailer) in zip(entries, layout, strict=True):
+                    held.track(rid, trailer)
             self.pending += len(entries)
         elif header == Header.SUBMIT_REQUEST:
-            submit = protocol.SUBMIT_REQUEST.parse(frames)
+            if held is not None and len(frames) < 3:
+                raise ProtocolError("SUBMIT_REQUEST: no trailer")
+            submit = protocol.SUBMIT_REQUEST.parse(frames[:2] if held is not None else frames)
             events.append(Request(submit.rid, submit.sampling_params, submit.prompt))
+            if held is not None:
+                held.track(submit.rid, parse_trailer(frames[2].buffer))
             self.pending += 1
         elif header == Header.SUBMIT_REQUEST_WITH_KV:
             submit = protocol.SUBMIT_REQUEST_WITH_KV.parse(frames)
@@ -93,7 +108,10 @@ class EngineCore:
             )
             self.pending += 1
         elif header == Header.ABORT_REQUEST:
-            events.append(Abort(protocol.ABORT_REQUEST.parse(frames).rid))
+            rid = protocol.ABORT_REQUEST.parse(frames).rid
+            events.append(Abort(rid))
+            if self.held is not None:
+                self.held.aborted(rid)
         elif header == Header.RELEASE_KV:
             events.append(ReleaseKV(protocol.RELEASE_KV.parse(frames).rid))
         elif header in protocol.CONTROL:
@@ -101,7 +119,7 @@ class EngineCore:
             events.append(Control(Header(header), getattr(message, "epoch", None)))
         elif header == Header.ERROR:
             refused(protocol.ERROR.parse(frames))
-        else:
+        elif self.held is None or not self.held.on_message(header, frames):
             raise ProtocolError(f"unexpected header {header!r}")
 
     def reply(self, finished: Iterable[Any]) -> None:
@@ -113,6 +131,8 @@ class EngineCore:
         if entries:
             self.socket.send_multipart(protocol.ENGINE_REPLY.pack(entries, bodies), copy=False)
             self.pending = max(self.pending - len(entries), 0)
+            if self.held is not None:
+                self.held.sent(True, [(e[0], b) for e, b in zip(entries, bodies, strict=True)])
 
     def reply_partial(self, partial: Iterable[Any]) -> None:
         """Send the partial replies of one step as ONE batched ENGINE_REPLY_PARTIAL."""
@@ -123,3 +143,5 @@ class EngineCore:
         if entries:
             frames = protocol.ENGINE_REPLY_PARTIAL.pack(entries, bodies)
             self.socket.send_multipart(frames, copy=False)
+            if self.held is not None:
+                self.held.sent(False, list(zip(entries, bodies, strict=True)))

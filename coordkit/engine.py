@@ -38,10 +38,11 @@ import zmq
 
 from . import protocol
 from ._events import Abort, Control, Event, ReleaseKV, Request
+from ._held import Held
 from ._implementation import load_implementation, selected
 from ._liveness import DEFAULT_COORDINATOR_TIMEOUT, ConnectionWatch, prepare
 from .curve import KeySource, ServerKey
-from .protocol import BATCH_FEATURE, COORDKIT_HELLO
+from .protocol import BASE_KEY, BATCH_FEATURE, COORDKIT_HELLO, REBUILD_FEATURE
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -88,6 +89,12 @@ class Engine:
     ``curve_server_key`` (the coordinator's public key: its ``.key`` file or
     z85 bytes) and ``curve_keys`` (the engine's own pair: its
     ``.key_secret`` file or ``(public, secret)`` z85 bytes) are given both.
+
+    ``rebuild`` (with ``hello``) makes it take part in the rebuild after a
+    coordinator's loss: it keeps, for each request a rebuild client sent, who
+    sent it and the replies the coordinator has not acknowledged (HANDLED), and
+    on each registration reports what it holds (HELD) and sends again what is
+    asked (REPLAY); its requests are then never run twice (docs/failover.md).
     """
 
     def __init__(
@@ -105,6 +112,7 @@ class Engine:
         curve_server_key: ServerKey | None = None,
         curve_keys: KeySource | None = None,
         hello: bool = True,
+        rebuild: bool = True,
     ):
         impl = load_implementation(implementation) if implementation else selected()
         if identity is None:
@@ -135,14 +143,20 @@ class Engine:
         self._watch = ConnectionWatch(self._socket)  # before connect(): no event missed
         self._next_watch = time.monotonic() + _WATCH_INTERVAL
         self.connected = True  # the registration below is queued for the first connection
+        self._held = Held(self._socket) if rebuild and hello else None
         self._socket.connect(address)
         self._register()
-        self._core = impl.engine.EngineCore(self._socket)
+        self._core = impl.engine.EngineCore(self._socket, self._held)
 
     @property
     def implementation(self) -> str:
         """``"c"`` or ``"py"``: the core this engine runs on."""
         return str(self._core.implementation)
+
+    @property
+    def coordinator_epoch(self) -> int | None:
+        """The epoch the coordinator announced when it granted the rebuild, or None."""
+        return None if self._held is None else self._held.epoch
 
     @property
     def pending(self) -> int:
@@ -205,7 +219,11 @@ class Engine:
         if not self.hello:
             return
         # A coordkit engine: multipart in every dialect; batches when it asks.
-        hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1} if self.batch else COORDKIT_HELLO
+        hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1} if self.batch else dict(COORDKIT_HELLO)
+        if self._held is not None:
+            # Until the answer says the rebuild is granted, requests carry no trailer.
+            self._held.granted = False
+            hello.update({REBUILD_FEATURE: 1, BASE_KEY: self._held.next_number})
         self._socket.send_multipart(protocol.ENGINE_HELLO.pack(hello))
 
     def _check_connection(self, now: float) -> None:

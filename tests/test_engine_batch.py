@@ -25,6 +25,7 @@ from tests.support.peers import (
     ERROR,
     PARTIAL,
     PAUSE,
+    REBUILD_HELLO,
     RELEASE_KV,
     REPLY,
     SUBMIT,
@@ -52,6 +53,7 @@ def connected(router, impl, **kwargs) -> Engine:
     engine = Engine(address, implementation=impl.name, **kwargs)
     assert socket.recv_multipart() == [engine.identity, b""]
     hello = {"coordkit": 1, "batch": 1} if kwargs.get("batch", True) else {"coordkit": 1}
+    hello.update(REBUILD_HELLO)
     assert socket.recv_multipart() == [engine.identity, packb([ENGINE_HELLO, hello])]
     return engine
 

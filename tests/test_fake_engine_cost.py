@@ -17,12 +17,12 @@ import zmq
 from coordkit.protocol import Header, packb, unpackb
 from coordkit.tools.fake_engine import H100, NO_COST, CostModel, FakeEngine
 from tests.support.cluster import bind_address
-from tests.support.peers import ENGINE_HELLO, SUBMIT
+from tests.support.peers import ENGINE_HELLO, REBUILD_HELLO, SUBMIT
 from tests.support.processes import engine_processes
 
 TIMEOUT_MS = 5000
 FAST = 1e6  # speedup: the model's seconds become microseconds of waiting
-HELLO = packb([ENGINE_HELLO, {"coordkit": 1, "batch": 1}])
+HELLO = packb([ENGINE_HELLO, {"coordkit": 1, "batch": 1, **REBUILD_HELLO}])
 
 
 @pytest.fixture
