@@ -445,12 +445,13 @@ cdef class ClientCore:
     cdef object __weakref__  # the client's future classes refer to their core weakly
     cdef public bint batch  # set again when a reconnection is acknowledged
     cdef public bint closed
+    cdef public bint held  # no coordinator for now: sends are dropped (see the twin)
     cdef readonly int64_t next_rid
     cdef Table pending
     cdef dict overflow  # pending requests whose cell was held (see Table)
     cdef object _future_type, _raw_type, _rid_slot, _stream_type
     cdef dict _on_loop  # a future's keyword arguments
-    cdef object _on_error, _on_stats, _on_failure, _outbox
+    cdef object _on_error, _on_stats, _on_failure, _on_resend, _outbox
     cdef object _flush_callback, _check_callback, _readable_callback
     cdef void* sock
     cdef bint flush_scheduled, check_scheduled
@@ -495,6 +496,7 @@ cdef class ClientCore:
         on_error,
         on_stats,
         on_failure,
+        on_resend=None,
     ):
         from collections import deque
 
@@ -513,6 +515,7 @@ cdef class ClientCore:
         self._on_error = on_error
         self._on_stats = on_stats
         self._on_failure = on_failure
+        self._on_resend = on_resend
         self._outbox = deque()
         self._flush_callback = self.flush
         self._check_callback = self._check
@@ -556,6 +559,21 @@ cdef class ClientCore:
     def pop(self, int64_t rid):
         """The pending request ``rid``, taken out of the table; None when it is not pending."""
         return self._take(rid)
+
+    def get(self, int64_t rid):
+        """The pending request ``rid``, left in the table; None when it is not pending."""
+        cdef PyObject* found = self._find(rid)
+        return None if found == NULL else <object>found
+
+    def targets(self):
+        """The pending requests, by id."""
+        cdef uint64_t i
+        entries = list(self.overflow.items())
+        for i in range(self.pending.mask + 1):
+            if self.pending.cells[i].target != NULL:
+                entries.append((self.pending.cells[i].rid, <object>self.pending.cells[i].target))
+        entries.sort(key=_first)
+        return [target for _, target in entries]
 
     # -- the table of pending requests -------------------------------------------------------
 
@@ -668,6 +686,23 @@ cdef class ClientCore:
         self._request(target, params, msgs, n, True)
         return target
 
+    def resend(self, int64_t rid, prompt, sampling_params, block_size, block_hashes=None):
+        """Send the pending request ``rid`` again, under its id (RESEND, a rejoin)."""
+        cdef zmq_msg_t msgs[2]
+        cdef Py_ssize_t n = 1
+        self._check_open()
+        hashes = hashes_of(prompt, block_size) if block_size is not None else block_hashes
+        params = params_of(sampling_params)
+        prompt_msg(&msgs[0], &self.scratch, prompt)
+        if hashes is not None:
+            try:
+                ck_msg_from_object(&msgs[1], hashes, COPY_BELOW)
+            except BaseException:
+                zmq_msg_close(&msgs[0])
+                raise
+            n = 2
+        self._send_request(rid, params, msgs, n, True)
+
     def submit_many(self, prompts, sampling_params, block_size, bint raw):
         """One future per prompt; everything is encoded before anything is sent."""
         cdef Py_ssize_t i, n, made = 0, first = 0
@@ -719,13 +754,18 @@ cdef class ClientCore:
         """Register ``target`` under the next id and send (or coalesce) its frames;
         ``msgs`` (the prompt, and its hashes) are taken whatever happens."""
         cdef int64_t rid = self.next_rid
+        self.next_rid += 1
+        self._insert(rid, target)
+        return self._send_request(rid, params, msgs, n, scheduled)
+
+    cdef int _send_request(
+        self, int64_t rid, bytes params, zmq_msg_t* msgs, Py_ssize_t n, bint scheduled
+    ) except -1:
         cdef zmq_msg_t parts[3]
         cdef uint8_t head[2 + CK_INT_MAX]
         cdef Py_ssize_t i, size = PyBytes_GET_SIZE(params)
         cdef size_t head_size
         cdef uint8_t* out
-        self.next_rid += 1
-        self._insert(rid, target)
         if not self.batch:  # [20, rid, params]
             head[0] = 0x93
             head[1] = HEADER_SUBMIT_REQUEST
@@ -807,6 +847,12 @@ cdef class ClientCore:
         b.len = 0
         self._send_parts(self.frames, n)
 
+    def hold(self):
+        """No coordinator for now: drop what waits to be sent, and all sends until
+        ``held`` is False again (the client REJOINs, then sends again what it must)."""
+        self.held = True
+        self._outbox.clear()
+
     def abort(self, int64_t rid):
         """Send ABORT for a pending request; False (nothing sent) when it is not pending."""
         if self.closed or self._find(rid) == NULL:
@@ -831,6 +877,9 @@ cdef class ClientCore:
         cdef Py_ssize_t i
         cdef int err, flags
         ck_pins_sweep()
+        if self.held:
+            close_msgs(parts, n)
+            return 0
         if self._outbox:
             self._queue(parts, n)
             return 0
@@ -867,6 +916,8 @@ cdef class ClientCore:
         return 0
 
     cdef _send_frames(self, list frames):
+        if self.held:
+            return
         if not self._outbox:
             try:
                 self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -1060,6 +1111,14 @@ cdef class ClientCore:
                 self._on_error(error.rid, error.code, error.message)
             elif header == HEADER_STATS_REPLY:
                 self._on_stats(unpackb(protocol.STATS_REPLY.parse(frames).stats))
+            elif header == HEADER_RESEND and self._on_resend is not None:
+                self._on_resend(protocol.RESEND.parse(frames)[0])
+            elif header == HEADER_REPLAYED:
+                entries = protocol.CLIENT_REPLAYED.parse(frames)[0]
+                for i in range(len(entries)):
+                    rid, index, final = entries[i]
+                    if final or index >= getattr(self.get(rid), "partials", index):
+                        self._deliver(rid, &self.parts[1 + i], final)
             elif header != HEADER_CONNECT_ACK:  # a repeated ACK is harmless
                 raise ProtocolError(f"unexpected header {header!r}")
         except ProtocolError as exc:

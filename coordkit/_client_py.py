@@ -153,18 +153,23 @@ class ClientCore:
         on_error: Callable[[int | None, int, str], None],
         on_stats: Callable[[Any], None],
         on_failure: Callable[[BaseException], None],
+        on_resend: Callable[[list[int]], None] | None = None,
     ):
         self.socket = socket
         self.loop = loop
         self.batch = batch
         self.pending: dict[int, Any] = {}
         self.closed = False
+        # No coordinator for now (a rebuild client riding through its loss): what
+        # would be sent is dropped; the client REJOINs and re-sends it later.
+        self.held = False
         self.next_rid = 0
         self._future_types = future_types  # decoded, raw
         self._stream_type: Any = stream_type
         self._on_error = on_error
         self._on_stats = on_stats
         self._on_failure = on_failure
+        self._on_resend = on_resend
         self._outbox: deque[list[Any]] = deque()  # whole messages libzmq refused, in order
         self._open: list[tuple[int, bytes, Any, bytes | None]] = []  # submissions to coalesce
         self._open_bytes = 0
@@ -184,6 +189,14 @@ class ClientCore:
     def pop(self, rid: int) -> Any:
         """The pending request ``rid``, taken out of the table; None when it is not pending."""
         return self.pending.pop(rid, None)
+
+    def get(self, rid: int) -> Any:
+        """The pending request ``rid``, left in the table; None when it is not pending."""
+        return self.pending.get(rid)
+
+    def targets(self) -> list[Any]:
+        """The pending requests, by id."""
+        return [self.pending[rid] for rid in sorted(self.pending)]
 
     # -- requests --------------------------------------------------------------------
 
@@ -225,6 +238,20 @@ class ClientCore:
         self._request(target, _params(sampling_params), frame, hashes)
         return target
 
+    def resend(
+        self,
+        rid: int,
+        prompt: Any,
+        sampling_params: Any,
+        block_size: int | None,
+        block_hashes: Any = None,
+    ) -> None:
+        """Send the pending request ``rid`` again, under its id (RESEND, a rejoin)."""
+        self._check_open()
+        frame = encode_prompt(prompt)
+        hashes = _hashes(prompt, block_size) if block_size is not None else block_hashes
+        self._send_request(rid, _params(sampling_params), frame, hashes, True)
+
     def submit_many(
         self, prompts: Iterable[Any], sampling_params: Any, block_size: int | None, raw: bool
     ) -> list[Any]:
@@ -253,6 +280,11 @@ class ClientCore:
         rid = self.next_rid
         self.next_rid += 1
         self.pending[rid] = target
+        self._send_request(rid, params, frame, hashes, scheduled)
+
+    def _send_request(
+        self, rid: int, params: bytes, frame: Any, hashes: bytes | None, scheduled: bool
+    ) -> None:
         if not self.batch:
             self._send_message(submit_frames(rid, params, frame, hashes))
             return
@@ -272,6 +304,12 @@ class ClientCore:
             self._send_message(submit_frames(*requests[0]))
         elif requests:
             self._send_message(submit_batch_frames(requests))
+
+    def hold(self) -> None:
+        """No coordinator for now: drop what waits to be sent, and all sends until
+        ``held`` is False again (the client REJOINs, then sends again what it must)."""
+        self.held = True
+        self._outbox.clear()
 
     def abort(self, rid: int) -> bool:
         """Send ABORT for a pending request; False (nothing sent) when it is not pending."""
@@ -293,6 +331,8 @@ class ClientCore:
         self._send_message(frames)
 
     def _send_message(self, frames: list[Any]) -> None:
+        if self.held:
+            return
         if not self._outbox:
             try:
                 self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -395,6 +435,14 @@ class ClientCore:
             self._on_error(error.rid, error.code, error.message)
         elif header == Header.STATS_REPLY:
             self._on_stats(unpackb(protocol.STATS_REPLY.parse(frames).stats))
+        elif header == Header.RESEND and self._on_resend is not None:
+            self._on_resend(protocol.RESEND.parse(frames)[0])
+        elif header == Header.REPLAYED:
+            entries, bodies = protocol.CLIENT_REPLAYED.parse(frames)
+            for entry, body in zip(entries, cast(list[bytes], bodies), strict=True):
+                rid, index, final = cast(list[Any], entry)
+                if final or index >= getattr(self.pending.get(rid), "partials", index):
+                    self._deliver(rid, body, final)
         elif header != Header.CONNECT_ACK:  # a repeated ACK is harmless
             raise ProtocolError(f"unexpected header {header!r}")
 

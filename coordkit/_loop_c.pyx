@@ -90,7 +90,6 @@ from ._routing_c cimport Router
 from .includes.bytebuf cimport reserve
 from .includes.sysdep cimport DEBUG
 
-from collections import defaultdict
 
 from . import protocol
 from ._shared import (

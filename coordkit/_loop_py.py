@@ -1386,7 +1386,11 @@ class Loop:
                 self._send(client.identity, protocol.STATS_REPLY.pack(packb(self.stats())))
 
     def _parse(
-        self, spec: MessageSpec, client: _Client | None, header: int, frames: list[zmq.Frame]
+        self,
+        spec: MessageSpec | protocol.BatchedMessageSpec | protocol.HeldSpec | protocol.ReplayedSpec,
+        client: _Client | None,
+        header: int,
+        frames: list[zmq.Frame],
     ) -> Any:
         """The message parsed by ``spec``, or None after handling it as malformed."""
         try:

@@ -36,6 +36,8 @@ from .curve import KeySource, ServerKey
 from .protocol import (
     BATCH_FEATURE,
     COORDKIT_HELLO,
+    EPOCH_KEY,
+    REBUILD_FEATURE,
     STREAM_KEY,
     ErrorCode,
     Header,
@@ -87,9 +89,10 @@ class ReplyFuture(asyncio.Future[Any]):
     carries its id only, which keeps the many made by ``submit_many`` cheap.
     """
 
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "_kept")
 
     request_id: int
+    _kept: tuple[Any, ...]  # what sends it again after a coordinator's loss (rebuild)
     raw: bool = False
     _core: weakref.ref[Any] | None = None  # the client's core, told of a cancellation
 
@@ -119,10 +122,14 @@ class Stream:
     def __init__(self, request_id: int, raw: bool):
         self.request_id = request_id
         self.raw = raw
+        self.partials = 0  # partial replies received: a replay after a rebuild skips them
+        self._kept: tuple[Any, ...] = ()
         self._queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
         self._ended = False
 
     def _put(self, final: bool, value: Any) -> None:
+        if not final:
+            self.partials += 1
         self._queue.put_nowait((final, value))
 
     def _fail(self, exc: BaseException) -> None:
@@ -153,7 +160,14 @@ class Client:
     or ``"py"``.
 
     When the connection to the coordinator ends (it died, or its heartbeats
-    stopped: see :meth:`connect`), every pending request fails with
+    stopped: see :meth:`connect`) and the coordinator granted the rebuild
+    (``failover_timeout`` > 0, the default), the client rides through it:
+    pending requests stay pending, new ones and control calls wait, and once a
+    coordinator acknowledges it again the client REJOINs with the requests it
+    waits for and sends again those no engine holds (docs/failover.md). Past
+    ``failover_timeout`` seconds without one, what is pending fails with
+    :class:`ConnectionError`, as it does at once with ``failover_timeout=0``:
+    every pending request fails with
     :class:`ConnectionError` naming the coordinator's address and
     :attr:`connected` turns False; while it is False, sending anything raises
     :class:`ConnectionError` at once. libzmq reconnects by itself; on the new
@@ -172,6 +186,8 @@ class Client:
         watch: ConnectionWatch | None = None,
         ask_batch: bool | None = None,
         handshake_timeout: float = 10.0,
+        rebuild: bool = False,
+        failover_timeout: float = 0.0,
     ):
         impl = load_implementation(implementation) if implementation else selected()
         self.address = address
@@ -192,6 +208,7 @@ class Client:
             on_error=self._error,
             on_stats=self._stats,
             on_failure=self._failure,
+            on_resend=self._resend,
         )
         for future_type in future_types:
             future_type._core = weakref.ref(self._core)
@@ -204,6 +221,15 @@ class Client:
         self._ask_batch = batch if ask_batch is None else ask_batch
         self._handshake_timeout = handshake_timeout
         self._rejoining: asyncio.Task[None] | None = None
+        # The ride through a coordinator's loss: whether the coordinator granted the
+        # rebuild (the requests then keep what sends them again), the ids submitted
+        # meanwhile (sent once a coordinator is back), the timer that ends the ride.
+        self._rebuild = rebuild
+        self._failover_timeout = failover_timeout
+        self._unsent: list[int] = []
+        self._expiry: asyncio.TimerHandle | None = None
+        self._up = asyncio.Event()
+        self._up.set()
         if watch is not None:
             self._loop.add_reader(watch.fd, self._on_connection_event)
             self._loop.call_soon(self._on_connection_event)  # events from before add_reader
@@ -221,6 +247,7 @@ class Client:
         coordinator_timeout: float | None = DEFAULT_COORDINATOR_TIMEOUT,
         curve_server_key: ServerKey | None = None,
         curve_keys: KeySource | None = None,
+        failover_timeout: float = 30.0,
     ) -> Client:
         """Connect to the coordinator at ``address`` and wait for its CONNECT_ACK.
 
@@ -240,7 +267,14 @@ class Client:
         ``.key`` file, or the z85 bytes) and ``curve_keys`` the client's own
         pair (its ``.key_secret`` file, or ``(public, secret)`` z85 bytes, as
         ``zmq.auth.load_certificate`` returns them); both or neither.
+
+        ``failover_timeout`` (seconds) is how long the client rides through a
+        lost coordinator (see :class:`Client`); 0 asks for no rebuild, and a
+        loss fails what is pending at once. With it, every request keeps a
+        reference to its prompt until it ends: do not modify a prompt meanwhile.
         """
+        if not failover_timeout >= 0:
+            raise ValueError(f"failover_timeout must be >= 0 seconds, got {failover_timeout!r}")
         if implementation is not None:
             load_implementation(implementation)  # an unknown or unbuilt one fails here
         socket = zmq.Socket(context or zmq.Context.instance(), zmq.DEALER)
@@ -249,7 +283,9 @@ class Client:
             prepare(socket, coordinator_timeout, curve_server_key, curve_keys)
             watch = ConnectionWatch(socket)  # before connect(): the first events count too
             socket.connect(address)
-            granted = await asyncio.wait_for(_handshake(socket, batch), timeout)
+            granted, rebuild = await asyncio.wait_for(
+                _handshake(socket, batch, failover_timeout > 0), timeout
+            )
         except BaseException as exc:
             if watch is not None:
                 watch.close()
@@ -268,6 +304,8 @@ class Client:
             watch=watch,
             ask_batch=batch,
             handshake_timeout=timeout,
+            rebuild=rebuild,
+            failover_timeout=failover_timeout,
         )
 
     @property
@@ -313,11 +351,13 @@ class Client:
         The request leaves at once, or, when the coordinator granted batches,
         with the others submitted in the same event-loop iteration.
         """
-        if not self._connected:
+        if not self._connected and self._expiry is None:
             self._raise_not_connected()
         future: ReplyFuture = self._core.submit(
             prompt, sampling_params, block_size, raw, block_hashes
         )
+        if self._rebuild:
+            self._keep(future, (prompt, sampling_params, block_size, block_hashes))
         return future
 
     def submit_many(
@@ -336,11 +376,16 @@ class Client:
         SUBMIT_BATCH (several for a very large call), otherwise as one
         SUBMIT_REQUEST each, at once. Their ids are consecutive.
         """
-        if not self._connected:
+        if not self._connected and self._expiry is None:
             self._raise_not_connected()
+        if self._rebuild and not isinstance(prompts, list):
+            prompts = list(prompts)
         futures: list[ReplyFuture] = self._core.submit_many(
             prompts, sampling_params, block_size, raw
         )
+        if self._rebuild:
+            for future, prompt in zip(futures, cast(list[Any], prompts), strict=True):
+                self._keep(future, (prompt, sampling_params, block_size, None))
         return futures
 
     def stream(
@@ -357,10 +402,12 @@ class Client:
         The request is sent now; the returned :class:`Stream` yields each
         partial reply and ends with the final one.
         """
-        if not self._connected:
+        if not self._connected and self._expiry is None:
             self._raise_not_connected()
         params = {**(sampling_params or {}), STREAM_KEY: True}
         stream: Stream = self._core.stream(prompt, params, block_size, raw, block_hashes)
+        if self._rebuild:
+            self._keep(stream, (prompt, params, block_size, block_hashes))
         return stream
 
     async def abort(self, request: ReplyFuture | Stream | int) -> None:
@@ -398,7 +445,7 @@ class Client:
 
     async def stats(self, timeout: float | None = 10.0) -> dict[str, Any]:
         """The coordinator's counters, engines and state (raises TimeoutError)."""
-        if not self._connected:
+        if not self._connected and self._expiry is None:
             self._raise_not_connected()
         waiter: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         # Replies carry no id: they come in order, and a timed-out waiter still takes its own.
@@ -430,6 +477,10 @@ class Client:
         self._loop.remove_reader(self._fd)
         if self._rejoining is not None:
             self._rejoining.cancel()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        self._up.set()  # what waits for a coordinator sees the client closed
         if self._watch is not None:
             self._loop.remove_reader(self._watch.fd)
             self._watch.close()
@@ -457,9 +508,32 @@ class Client:
         )
 
     async def _send(self, frames: list[Any]) -> None:
+        if not self._connected and self._expiry is not None:
+            await self._up.wait()  # a coordinator back, or the ride's end
         if not self._connected:
             self._raise_not_connected()
         self._core.send(frames)
+
+    def _keep(self, target: ReplyFuture | Stream, kept: tuple[Any, ...]) -> None:
+        """What sends ``target`` again (its prompt, params, hashes); while no coordinator
+        is there, it is sent once one acknowledges the client."""
+        target._kept = kept
+        if not self._connected:
+            self._unsent.append(target.request_id)
+
+    def _resend(self, rids: list[int]) -> None:
+        """RESEND: the coordinator asks for these requests again (no engine holds them)."""
+        for rid in rids:
+            target = self._core.get(rid)
+            if target is None:
+                continue
+            try:
+                self._core.resend(rid, *target._kept)
+            except (ValueError, TypeError, AttributeError) as exc:
+                self._core.pop(rid)
+                _fail(
+                    target, ConnectionError(f"coordkit: could not send request {rid} again: {exc}")
+                )
 
     def _fail_stats(self, exc: BaseException) -> None:
         while self._stats_waiters:
@@ -487,9 +561,36 @@ class Client:
         self._connected = False
         self._core.on_readable()  # replies that arrived before the end are delivered first
         exc = ConnectionError(f"coordkit: lost the coordinator at {self.address}")
-        log.warning("%s; failing %d pending requests", exc, self._core.count)
-        self._core.fail_all(exc)
         self._fail_stats(exc)
+        if not self._rebuild:
+            log.warning("%s; failing %d pending requests", exc, self._core.count)
+            self._core.fail_all(exc)
+            return
+        # Ride through: what coalesced goes now (the REJOIN names it), nothing after.
+        self._core.flush()
+        self._core.hold()
+        self._up.clear()
+        self._expiry = self._loop.call_later(self._failover_timeout, self._expire)
+        log.warning(
+            "%s; %d pending requests wait up to %s s for a coordinator",
+            exc,
+            self._core.count,
+            self._failover_timeout,
+        )
+
+    def _expire(self) -> None:
+        """No coordinator within failover_timeout: what is pending fails."""
+        self._expiry = None
+        if self._connected or self._closed:
+            return
+        exc = ConnectionError(
+            f"coordkit: lost the coordinator at {self.address}; none answered within "
+            f"failover_timeout={self._failover_timeout} s"
+        )
+        log.warning("%s; failing %d pending requests", exc, self._core.count)
+        self._unsent.clear()
+        self._core.fail_all(exc)
+        self._up.set()
 
     async def _rejoin(self) -> None:
         """CONNECT on the new connection, until the coordinator acknowledges it."""
@@ -498,8 +599,9 @@ class Client:
         try:
             while True:
                 try:
-                    granted = await asyncio.wait_for(
-                        _handshake(self._socket, self._ask_batch), self._handshake_timeout
+                    granted, rebuild = await asyncio.wait_for(
+                        _handshake(self._socket, self._ask_batch, self._failover_timeout > 0),
+                        self._handshake_timeout,
                     )
                     break
                 except (asyncio.TimeoutError, ConnectionError, ProtocolError) as exc:
@@ -511,9 +613,37 @@ class Client:
                 self._loop.add_reader(self._fd, self._core.on_readable)
         self._rejoining = None
         self._core.batch = granted
+        self._core.flush()  # submitted meanwhile: dropped (held), sent below
+        self._core.held = False
         self._connected = True
+        riding = self._expiry is not None
+        if riding:
+            cast(asyncio.TimerHandle, self._expiry).cancel()
+            self._expiry = None
+            self._rejoined(rebuild)
+        self._rebuild = rebuild
+        self._up.set()
         self._loop.call_soon(self._core.on_readable)
         log.info("coordkit client: connected again to %s", self.address)
+
+    def _rejoined(self, rebuild: bool) -> None:
+        """After a ride through: REJOIN with the requests sent before (the coordinator
+        finds them at their engines, or asks for them again), then send those
+        submitted meanwhile. A coordinator without the rebuild fails them all."""
+        unsent, self._unsent = self._unsent, []
+        if not rebuild:
+            exc = ConnectionError(f"coordkit: the coordinator at {self.address} cannot rebuild")
+            self._core.fail_all(exc)
+            return
+        fresh = set(unsent)
+        entries = [
+            [target.request_id, getattr(target, "partials", 0)]
+            for target in self._core.targets()
+            if target.request_id not in fresh
+        ]
+        if entries:
+            self._core.send(protocol.REJOIN.pack(entries))
+        self._resend(unsent)
 
     # -- what the core hands up -----------------------------------------------------------
 
@@ -549,9 +679,13 @@ class Client:
                 log.exception("coordkit client: on_error callback failed")
 
 
-async def _handshake(socket: zmq.Socket, batch: bool) -> bool:
-    """Send CONNECT, wait for CONNECT_ACK; whether batches were granted."""
-    hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1} if batch else COORDKIT_HELLO
+async def _handshake(socket: zmq.Socket, batch: bool, rebuild: bool) -> tuple[bool, bool]:
+    """Send CONNECT, wait for CONNECT_ACK; whether batches, and the rebuild, were granted."""
+    hello = dict(COORDKIT_HELLO)
+    if batch:
+        hello[BATCH_FEATURE] = 1
+    if rebuild:
+        hello[REBUILD_FEATURE] = 1
     socket.send_multipart(protocol.CONNECT_COORDKIT.pack(hello))  # queued: nothing is full yet
     frames = await _receive(socket)
     try:
@@ -559,7 +693,8 @@ async def _handshake(socket: zmq.Socket, batch: bool) -> bool:
     except ProtocolError:
         pass
     else:
-        return batch and features.get(BATCH_FEATURE) == 1
+        granted = rebuild and features.get(REBUILD_FEATURE) == 1 and EPOCH_KEY in features
+        return batch and features.get(BATCH_FEATURE) == 1, granted
     try:
         protocol.CONNECT_ACK.parse(frames)
     except ProtocolError:
@@ -568,7 +703,7 @@ async def _handshake(socket: zmq.Socket, batch: bool) -> bool:
         raise ConnectionError(
             f"coordkit: the coordinator refused the connection: {refusal}"
         ) from None
-    return False
+    return False, False
 
 
 async def _receive(socket: zmq.Socket) -> list[bytes]:

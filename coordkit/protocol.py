@@ -532,7 +532,9 @@ class HeldSpec:
             raise ProtocolError(f"{self.name}: metadata must be [header, [entries]]")
         for entry in metadata[1]:
             _check_entry(self.name, self.entry_fields, entry)
-        if len(memoryview(frames[1])) % BLOCK_HASH_SIZE:
+        hashes = frames[1]
+        size = len(hashes.buffer if isinstance(hashes, zmq.Frame) else memoryview(hashes))
+        if size % BLOCK_HASH_SIZE:
             raise ProtocolError(f"{self.name}: the block-hash frame is not whole hashes")
         return metadata[1], frames[1]
 

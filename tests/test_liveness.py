@@ -12,12 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import zmq.auth
@@ -26,35 +24,12 @@ from coordkit import Client, CoordinatorError, ErrorCode
 from coordkit.engine import Engine
 from coordkit.tools.fake_engine import FakeEngine
 from tests.support.peers import wait_for
-from tests.support.processes import coordkit_command, engine_processes, python_env
+from tests.support.processes import engine_processes, free_tcp_address, serve
 from tests.support.scripted import run
 
 #: The coordinator_timeout of these tests' endpoints, and the slack allowed on top of it.
 COORDINATOR_TIMEOUT = 1.0
 SLACK = 1.5
-
-
-def free_tcp_address() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
-
-
-@contextlib.contextmanager
-def serve(address: str, impl_name: str, log: Path) -> Iterator[subprocess.Popen]:
-    """``coordkit serve`` at ``address`` (stderr in ``log``), killed at exit."""
-    command = coordkit_command("serve", "--bind", address, "--implementation", impl_name)
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(command, env=python_env(), stderr=stderr)
-    try:
-        wait_for(lambda: "listening" in log.read_text() or process.poll() is not None, 30)
-        assert process.poll() is None, log.read_text()
-        yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGCONT)  # a stopped process cannot die until resumed
-            process.kill()
-        process.wait()
 
 
 @contextlib.contextmanager
@@ -126,7 +101,10 @@ def test_a_restarted_coordinator_serves_the_same_client_and_engine(tmp_path, imp
             engine_thread(slow_engine(address, impl.name)) as engine,
         ):
             client = await Client.connect(
-                address, implementation=impl.name, coordinator_timeout=COORDINATOR_TIMEOUT
+                address,
+                implementation=impl.name,
+                coordinator_timeout=COORDINATOR_TIMEOUT,
+                failover_timeout=0,  # fail at once (tests/test_failover.py rides through)
             )
             async with client:
                 await client.wait_for_engines(1)
@@ -153,7 +131,10 @@ def test_a_frozen_coordinator_is_noticed_by_the_heartbeats_and_found_again(tmp_p
             engine_thread(slow_engine(address, impl.name)),
         ):
             client = await Client.connect(
-                address, implementation=impl.name, coordinator_timeout=COORDINATOR_TIMEOUT
+                address,
+                implementation=impl.name,
+                coordinator_timeout=COORDINATOR_TIMEOUT,
+                failover_timeout=0,  # fail at once (tests/test_failover.py rides through)
             )
             async with client:
                 await client.wait_for_engines(1)

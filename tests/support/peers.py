@@ -315,3 +315,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     _main()
+
+#: What a coordkit Engine adds to its ENGINE_HELLO by default: it takes part in the
+#: rebuild, its reply messages numbered from 1.
+REBUILD_HELLO = {"rebuild": 1, "base": 1}

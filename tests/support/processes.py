@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import coordkit
+from tests.support.peers import wait_for
 
 #: The directory that holds the coordkit package these tests import.
 ROOT = Path(coordkit.__file__).parent.parent
@@ -73,4 +76,27 @@ def single_frame_engine_process(
         yield process
     finally:
         process.kill()
+        process.wait()
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def serve(address: str, impl_name: str, log: Path, *options: str) -> Iterator[subprocess.Popen]:
+    """``coordkit serve`` at ``address`` (stderr in ``log``), killed at exit."""
+    command = coordkit_command("serve", "--bind", address, "--implementation", impl_name, *options)
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, env=python_env(), stderr=stderr)
+    try:
+        wait_for(lambda: "listening" in log.read_text() or process.poll() is not None, 30)
+        assert process.poll() is None, log.read_text()
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGCONT)  # a stopped process cannot die until resumed
+            process.kill()
         process.wait()
