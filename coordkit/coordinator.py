@@ -95,7 +95,8 @@ class _Sockets:
 class Coordinator:
     """A data-parallel coordinator bound to ``bind`` (any ZeroMQ endpoint).
 
-    Every option is keyword-only; the README's table says what each means.
+    Every option is keyword-only; the user guide's table (``docs/guide.md``)
+    says what each means.
     ``implementation`` is ``"c"`` or ``"py"`` (default: the one selected at
     import, :data:`coordkit.IMPLEMENTATION`); both behave alike, frame for frame.
     """
