@@ -119,6 +119,15 @@ def test_the_readme_quick_start_is_run() -> None:
     assert all(b.not_run is None for b in readme)
 
 
+def test_the_readmes_links_lead_somewhere() -> None:
+    """The README is read on GitHub and PyPI, outside the site mkdocs checks: its links too."""
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [target for target in targets if "://" not in target]
+    assert local
+    assert [target for target in local if not (ROOT / target).exists()] == []
+
+
 def test_the_parser_finds_what_it_must(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text(
