@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from typing import Any
 
 import pytest
 import zmq
@@ -59,6 +60,39 @@ def _collect(cluster: Cluster, names: dict[zmq.Socket, str], log: dict) -> None:
             log[names[sock]].append(sock.recv_multipart())
 
 
+def _sender(cluster: Cluster, names: dict[zmq.Socket, str], log: dict) -> Any:
+    """``send(peer, *frames)``: one message, then what every peer received once the
+    coordinator handled it."""
+    handled = cluster.coord.stats()["messages"]
+
+    def send(peer: Any, *frames: bytes) -> None:
+        nonlocal handled
+        peer.send(*frames)
+        handled += 1
+        wait_for(lambda: cluster.coord.stats()["messages"] >= handled)
+        _collect(cluster, names, log)
+
+    return send
+
+
+def _outcome(cluster: Cluster, log: dict) -> dict:
+    """What a conversation left: every peer's frames, the counters, the metrics."""
+    stats = cluster.coord.stats()
+    return {
+        "log": dict(log),
+        "counters": stats["counters"],
+        "inflight": stats["inflight"],
+        "metrics": cluster.coord.metrics(),
+    }
+
+
+def _assert_same(c_run: dict, py_run: dict) -> None:
+    for peer in sorted(set(c_run["log"]) | set(py_run["log"])):
+        assert c_run["log"].get(peer) == py_run["log"].get(peer), peer
+    for key in ("counters", "inflight", "metrics"):
+        assert c_run[key] == py_run[key], key
+
+
 def _server_ids_in(frames: list[bytes]) -> list[int]:
     """The server ids an engine was given in one message: a SUBMIT's, or a batch's."""
     header, *fields = um(frames[0])
@@ -84,15 +118,8 @@ def _conversation(impl, address: str, policy: str, seed: int, steps: int) -> dic
             zip([p.sock for p in peers], ["e0", "e1", "e2", "e3", "ck", "mg", "bk"], strict=True)
         )
         next_rid = [0, 0, 0]
-        handled = c.coord.stats()["messages"]
+        send = _sender(c, names, log)
         prefixes = [[rng.randrange(1 << 64) for _ in range(4)] for _ in range(3)]
-
-        def send(peer, *frames):
-            nonlocal handled
-            peer.send(*frames)
-            handled += 1
-            wait_for(lambda: c.coord.stats()["messages"] >= handled)
-            _collect(c, names, log)
 
         for _ in range(steps):
             move = rng.random()
@@ -160,14 +187,7 @@ def _conversation(impl, address: str, policy: str, seed: int, steps: int) -> dic
                     ]
                 )
                 send(client, junk, b"p")
-        stats = c.coord.stats()
-        metrics = c.coord.metrics()
-    return {
-        "log": dict(log),
-        "counters": stats["counters"],
-        "inflight": stats["inflight"],
-        "metrics": metrics,
-    }
+        return _outcome(c, log)
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "power_of_two", "prefix"])
@@ -180,11 +200,7 @@ def test_same_frames_at_every_peer(c_impl, py_impl, tmp_path, policy):
     assert sum(len(frames) for frames in c_run["log"].values()) > 50
     headers = {peer: {um(f[0])[0] for f in frames} for peer, frames in c_run["log"].items()}
     assert SUBMIT_BATCH in headers["e3"] and REPLY_BATCH in headers["bk"]  # batches went by
-    for peer in sorted(set(c_run["log"]) | set(py_run["log"])):
-        assert c_run["log"].get(peer) == py_run["log"].get(peer), peer
-    assert c_run["counters"] == py_run["counters"]
-    assert c_run["inflight"] == py_run["inflight"]
-    assert c_run["metrics"] == py_run["metrics"]
+    _assert_same(c_run, py_run)
 
 
 def _given(frames: list[bytes]) -> list[int]:
@@ -226,15 +242,8 @@ def _megatron_conversation(
         names = {peer.sock: name for name, peer in peers.items()}
         next_rid: defaultdict[str, int] = defaultdict(int)
         answered: set[int] = set()  # the server ids an engine sent a final for
-        handled = c.coord.stats()["messages"]
+        send = _sender(c, names, log)
         prefixes = [[rng.randrange(1 << 20) for _ in range(8)] for _ in range(3)]
-
-        def send(peer, *frames):
-            nonlocal handled
-            peer.send(*frames)
-            handled += 1
-            wait_for(lambda: c.coord.stats()["messages"] >= handled)
-            _collect(c, names, log)
 
         def rid(client: str) -> int:
             next_rid[client] += 1
@@ -321,14 +330,7 @@ def _megatron_conversation(
                 send(rng.choice([main, old]), junk)
                 # main's: a body that goes unread to a main engine, or is walked and refused
                 send(main, m([SUBMIT, rid("main"), b"bin", {}, None]))
-        stats = c.coord.stats()
-        metrics = c.coord.metrics()
-    return {
-        "log": dict(log),
-        "counters": stats["counters"],
-        "inflight": stats["inflight"],
-        "metrics": metrics,
-    }
+        return _outcome(c, log)
 
 
 @pytest.mark.parametrize(
@@ -360,11 +362,7 @@ def test_same_frames_at_every_megatron_peer(c_impl, py_impl, tmp_path, version, 
     assert REPLY_BATCH in headers["bk"] and SUBMIT_BATCH in headers["ck-1"]
     if version == "main":
         assert {SUBMIT_KV, ABORT, RELEASE_KV} <= headers["mp-coord-0"] | headers["mp-coord-1"]
-    for peer in sorted(set(c_run["log"]) | set(py_run["log"])):
-        assert c_run["log"].get(peer) == py_run["log"].get(peer), peer
-    assert c_run["counters"] == py_run["counters"]
-    assert c_run["inflight"] == py_run["inflight"]
-    assert c_run["metrics"] == py_run["metrics"]
+    _assert_same(c_run, py_run)
 
 
 def _server_ids(impl, address: str, waves: list[int]) -> list[int]:

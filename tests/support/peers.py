@@ -20,10 +20,13 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zmq
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 WAIT = 5.0  # seconds any single expected message may take
 
@@ -175,9 +178,9 @@ class SingleFramePeer(Peer):
 class SingleFrameClient(SingleFramePeer):
     """Megatron-Core 0.19's ``InferenceClient`` on the wire."""
 
-    def connect(self) -> SingleFrameClient:
+    def connect(self) -> Self:
         self.send(m([CONNECT]))
-        assert um(self.recv_frame())[0] == CONNECT_ACK  # all 0.19's client reads of it
+        assert um(self.recv_frame())[0] == CONNECT_ACK  # all Megatron's client reads of it
         return self
 
     def submit(self, rid: int, prompt: Any, sampling_params: Any) -> bytes:
@@ -213,7 +216,7 @@ def reply_parts(frame: bytes) -> tuple[int, bytes]:
 class SingleFrameEngine(SingleFramePeer):
     """A Megatron-Core 0.19 engine rank (its ``mp-coord-N`` socket) on the wire."""
 
-    def register(self) -> SingleFrameEngine:
+    def register(self) -> Self:
         self.send(b"")
         return self
 
@@ -223,8 +226,11 @@ class SingleFrameEngine(SingleFramePeer):
 
     def reply(self, *finished: Any) -> bytes:
         """One ENGINE_REPLY with these finished requests (maps, or their bytes as they are)."""
-        entries = b"".join(_raw(f).data for f in finished)
-        frame = splice(REPLY, Raw(array_header(len(finished)) + entries))
+        return self._send_batch(REPLY, finished)
+
+    def _send_batch(self, header: int, entries: Sequence[Any]) -> bytes:
+        body = b"".join(_raw(entry).data for entry in entries)
+        frame = splice(header, Raw(array_header(len(entries)) + body))
         self.send(frame)
         return frame
 
@@ -323,15 +329,10 @@ def parse_main_client(frame: bytes) -> tuple[int, int, Any]:
     return header, rid, body
 
 
-class MainClient(SingleFramePeer):
-    """Megatron main's ``InferenceClient`` on the wire."""
+class MainClient(SingleFrameClient):
+    """Megatron main's ``InferenceClient`` on the wire: 0.19's, and main's layouts."""
 
-    def connect(self) -> MainClient:
-        self.send(m([CONNECT]))
-        assert um(self.recv_frame())[0] == CONNECT_ACK
-        return self
-
-    def submit(
+    def submit(  # main's client sends five fields, always
         self, rid: int, prompt: Any, sampling_params: Any, multi_modal_data: Any = None
     ) -> bytes:
         """add_request (add_request_streaming sets "streaming" in the params): the frame
@@ -355,9 +356,6 @@ class MainClient(SingleFramePeer):
     def release_handoff(self, request_id: int) -> None:
         self.send(m([RELEASE_KV, request_id]))
 
-    def signal(self, header: int, *args: Any) -> None:
-        self.send(m([header, *args]))
-
     def recv_message(self, timeout: float = WAIT) -> tuple[int, int, bytes]:
         """The next message: ``(header, client_rid, body bytes as they came)``, which main's
         client must parse."""
@@ -368,34 +366,18 @@ class MainClient(SingleFramePeer):
         return header, rid, frame[len(head) :]
 
 
-class MainEngine(SingleFramePeer):
-    """A Megatron main engine rank (its ``mp-coord-N`` socket) on the wire."""
-
-    def register(self) -> MainEngine:
-        self.send(b"")
-        return self
+class MainEngine(SingleFrameEngine):
+    """A Megatron main engine rank (its ``mp-coord-N`` socket) on the wire: 0.19's, and
+    main's partial replies."""
 
     def recv_parsed(self, timeout: float = WAIT) -> tuple[list[Any], bytes]:
         """The next message, parsed as main's engine parses it, and its frame."""
         frame = self.recv_frame(timeout)
         return parse_main_engine(frame), frame
 
-    def reply(self, *finished: Any) -> bytes:
-        """One ENGINE_REPLY with these finished requests (maps, or their bytes)."""
-        return self._send_batch(REPLY, finished)
-
     def partial(self, *partials: Any) -> bytes:
         """One ENGINE_REPLY_PARTIAL with these partials (maps, or their bytes)."""
         return self._send_batch(PARTIAL, partials)
-
-    def _send_batch(self, header: int, entries: Sequence[Any]) -> bytes:
-        body = b"".join(_raw(entry).data for entry in entries)
-        frame = splice(header, Raw(array_header(len(entries)) + body))
-        self.send(frame)
-        return frame
-
-    def disconnect(self) -> None:
-        self.send(m([DISCONNECT]))
 
 
 def main_partial(server_rid: int, new_tokens: list[int]) -> dict[str, Any]:
