@@ -193,7 +193,9 @@ cdef class Loop:
     cdef bint _send_frames(self, ck_ids* table, int32_t index, list frames)
     cdef _reply_to_sender(self, list frames)
     cdef _count_frames_out(self, list frames)
-    cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header)
-    cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter)
+    cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header,
+                          bint ends=*)
+    cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter,
+                 bint ends=*)
     cdef _malformed(self, int32_t client, object rid, int64_t header, str detail)
     cdef _malformed_batch(self, int32_t client, uint32_t count, str detail)

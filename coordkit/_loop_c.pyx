@@ -95,6 +95,7 @@ from ._shared import (
     RateLimitedLog,
     check_constants,
     detokenize,
+    megatron_failed_reply,
     metrics_map,
     stats_map,
     unknown_from_engine,
@@ -617,6 +618,7 @@ cdef class Loop:
                     COUNTER_NO_ENGINES if status == ROUTE_NO_ENGINES else (
                         COUNTER_MALFORMED if status == ROUTE_UNSENDABLE else COUNTER_BUSY
                     ),
+                    True,
                 )
 
     cdef int _route(self, uint32_t slot, Inbound* inbound) noexcept nogil:
@@ -1267,7 +1269,7 @@ cdef class Loop:
         self.failed[code] += 1
         if code == ERROR_ENGINE_FAILED:
             self.counters[COUNTER_ENGINE_FAILED] += 1
-        if not self._send_error(client, rid, code, header):
+        if not self._send_error(client, rid, code, header, True):
             self._client_gone(client)
 
     cdef _time_out(self, uint32_t slot):
@@ -1361,19 +1363,29 @@ cdef class Loop:
             header = -1
         traffic_count(&self.traffic, SENT, header, sum(len(frame) for frame in frames))
 
-    cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header):
-        """ERROR to a coordkit client (others cannot parse it); False when it is gone."""
-        if not self.clients[client].coordkit:
+    cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header,
+                          bint ends=False):
+        """ERROR to a coordkit client; to a Megatron main client, when the error ends
+        a request of its (``ends``), the FAILED final it takes (0.19's clients get
+        nothing). False when the client is gone."""
+        cdef bint coordkit = self.clients[client].coordkit
+        if not coordkit and not (ends and self.clients[client].format == FORMAT_SINGLE_FRAME_MAIN):
             return True
         self.counters[COUNTER_ERRORS_SENT] += 1
+        if not coordkit:
+            text = error_text(code, header)
+            self._log.warn("failed_final", f"a Megatron main client's request {rid} failed: {text}")
+            return self._send_frames(&self.client_ids, client, [megatron_failed_reply(rid)])
         error = protocol.ERROR.pack(rid, code, error_text(code, header))
         return self._send_frames(&self.client_ids, client, error)
 
-    cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter):
-        """Count a refused message and answer its client with ERROR(code)."""
+    cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter,
+                 bint ends=False):
+        """Count a refused message and answer its client with ERROR(code); ``ends``:
+        it was a request that parsed (see _send_error)."""
         self.counters[counter] += 1
         self.refused[code] += 1
-        if not self._send_error(client, rid, code, header):
+        if not self._send_error(client, rid, code, header, ends):
             self._client_gone(client)
 
     cdef _malformed(self, int32_t client, object rid, int64_t header, str detail):

@@ -47,6 +47,7 @@ from ._shared import (
     detokenize,
     header_slot,
     latency_bucket,
+    megatron_failed_reply,
     metrics_map,
     stats_map,
     unknown_from_engine,
@@ -883,7 +884,7 @@ class Loop:
             self._counters[Counter.SUBMITTED] += 1
             return
         self._forget(request)
-        self._refuse(client, rid, _refusal(status), header, _REFUSAL_COUNTERS[status])
+        self._refuse(client, rid, _refusal(status), header, _REFUSAL_COUNTERS[status], True)
 
     def _route(self, request: _Request, inbound: Inbound) -> RouteStatus:
         """Send a request to the engine chosen for it, in its format; an entry of a
@@ -1404,7 +1405,7 @@ class Loop:
         self._failed[code] += 1
         if code == ErrorCode.ENGINE_FAILED:
             self._counters[Counter.ENGINE_FAILED] += 1
-        if not self._send_error(request.client, request.client_rid, code, header):
+        if not self._send_error(request.client, request.client_rid, code, header, True):
             self._client_gone(request.client)
 
     def _time_out(self, request: _Request) -> None:
@@ -1457,20 +1458,36 @@ class Loop:
         self._traffic.count(SENT, header, _send_all(self._sock, frames))
         return True
 
-    def _send_error(self, client: _Client, rid: int | None, code: int, header: int) -> bool:
-        """ERROR to a coordkit client (others cannot parse it); False when it is gone."""
-        if not client.coordkit:
+    def _send_error(
+        self, client: _Client, rid: int | None, code: int, header: int, ends: bool = False
+    ) -> bool:
+        """ERROR to a coordkit client; to a Megatron main client, when the error ends
+        a request of its (``ends``), the FAILED final it takes (0.19's clients get
+        nothing). False when the client is gone."""
+        if not client.coordkit and not (ends and client.format == SINGLE_FRAME_MAIN):
             return True
         self._counters[Counter.ERRORS_SENT] += 1
+        if not client.coordkit:
+            assert rid is not None
+            text = error_text(code, header)
+            self._log.warn("failed_final", f"a Megatron main client's request {rid} failed: {text}")
+            return self._send(client.identity, [megatron_failed_reply(rid)])
         return self._send(client.identity, protocol.ERROR.pack(rid, code, error_text(code, header)))
 
     def _refuse(
-        self, client: _Client, rid: int | None, code: int, header: int, counter: Counter
+        self,
+        client: _Client,
+        rid: int | None,
+        code: int,
+        header: int,
+        counter: Counter,
+        ends: bool = False,
     ) -> None:
-        """Count a refused message and answer its client with ERROR(code)."""
+        """Count a refused message and answer its client with ERROR(code); ``ends``:
+        it was a request that parsed (see _send_error)."""
         self._counters[counter] += 1
         self._refused[code] += 1
-        if not self._send_error(client, rid, code, header):
+        if not self._send_error(client, rid, code, header, ends):
             self._client_gone(client)
 
     def _malformed(

@@ -213,6 +213,26 @@ def detokenize(detokenizer: Detokenizer, body: Buffer) -> bytes:
     return packb(reply)
 
 
+def megatron_failed_reply(client_rid: int) -> bytes:
+    """ENGINE_REPLY ending a Megatron main client's request that coordkit ended
+    (refused, timed out, its engine lost): a finished request whose status is
+    FAILED, as main's engine sends for a request it cannot take. Main's client
+    resolves its future (or ends its stream) with it; its ``deserialize=True``
+    path rebuilds a DynamicInferenceRequest from it, so it holds fields of that
+    class only. Its FAIL event has no timestamp (the event's own __post_init__
+    stamps one on deserializing), so both loop cores send the same bytes."""
+    failed = {
+        "request_id": client_rid,
+        "status": "FAILED",
+        "sampling_params": None,
+        "inference_parameters": None,
+        "generated_tokens": [],
+        "generated_text": "",
+        "events": [{"timestamp": None, "type": "FAIL", "payload": None}],
+    }
+    return packb([int(protocol.Header.ENGINE_REPLY), client_rid, failed])
+
+
 class RateLimitedLog:
     """At most one warning per kind per interval, with the count of those skipped."""
 

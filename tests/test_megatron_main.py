@@ -111,6 +111,23 @@ def server_rid_of(engine: Any) -> int:
     return int(data[1])
 
 
+def assert_failed_final(client: Any, rid: int) -> None:
+    """The one terminal reply of a main client's request that coordkit ended: the
+    ENGINE_REPLY main's engine sends for a request it cannot take, a finished request
+    whose status is FAILED (its client resolves the future or ends the stream with
+    it), holding only fields DynamicInferenceRequest.deserialize takes."""
+    header, got, body = client.recv_message()
+    reply = um(body)
+    assert (header, got) == (REPLY, rid)
+    assert reply["status"] == "FAILED" and reply["request_id"] == rid
+    assert [event["type"] for event in reply["events"]] == ["FAIL"]
+    assert reply["events"][0]["payload"] is None  # main's FAIL event has none
+    assert reply["events"][0]["timestamp"] is None  # the same bytes from both cores
+    assert (reply["generated_tokens"], reply["generated_text"]) == ([], "")
+    # _post_deserialize reads these three; the rest are the dataclass's fields
+    assert {"status", "sampling_params", "inference_parameters"} <= set(reply)
+
+
 # -- the layouts ---------------------------------------------------------------------
 
 
@@ -296,7 +313,10 @@ def test_timeout_aborts_at_a_main_engine(main):
         client.submit(0, [1], SP)
         server_rid = server_rid_of(engine)
         assert engine.recv_parsed(5.0)[1] == m([ABORT, server_rid])
-        client.assert_silent()  # a Megatron client cannot parse ERROR(TIMED_OUT)
+        assert_failed_final(client, 0)  # not ERROR(TIMED_OUT): it cannot parse one
+        engine.reply(finished(server_rid))  # the engine's late final: unknown, dropped
+        wait_for(lambda: counters(c)["unknown_request"] == 1)
+        client.assert_silent()
         assert counters(c)["timed_out"] == 1
 
 
@@ -368,14 +388,16 @@ def test_main_client_on_019_engines(v019):
     ],
     ids=["image", "empty-map", "kv"],
 )
-def test_what_a_019_engine_cannot_take_is_refused(v019, frame):
-    """Refused by the failure model's rule: counted, and no ERROR (a Megatron client
-    cannot parse one); the request is not in flight."""
+def test_what_a_019_engine_cannot_take_is_refused(v019, frame, caplog):
+    """Refused, counted and logged, and ended with the FAILED final main's client
+    takes (not ERROR: it cannot parse one); the request is not in flight."""
     with v019() as c:
         engine = c.add_single_frame_engine()
         client = c.main_client()
         client.send(frame)
-        wait_for(lambda: counters(c)["malformed"] == 1)
+        assert_failed_final(client, 7)
+        assert counters(c)["malformed"] == 1 and counters(c)["errors_sent"] == 1
+        assert "a Megatron main client's request 7 failed" in caplog.text
         engine.assert_silent()
         client.assert_silent()
         assert c.coord.stats()["inflight"] == 0
@@ -395,6 +417,20 @@ def test_a_partial_from_an_engine_taken_for_019s_is_dropped(v019, caplog):
         assert "megatron_version='main'" in caplog.text
         engine.reply(finished(server_rid))
         assert client.recv_message() == (REPLY, 1, finished(server_rid))
+
+
+def test_a_main_clients_request_no_engine_takes_fails(main):
+    """No engine registered: main's coordinator would exit its loop; coordkit ends the
+    request with its one terminal reply, the FAILED final, and goes on."""
+    with main() as c:
+        client = c.main_client()
+        client.submit(4, [1], STREAM)
+        assert_failed_final(client, 4)
+        assert counters(c)["no_engines"] == 1 and c.coord.stats()["inflight"] == 0
+        engine = c.add_main_engine()
+        client.submit(5, [1], SP)
+        assert server_rid_of(engine) >= 0
+        client.assert_silent()
 
 
 # -- a removed engine (#6025) ------------------------------------------------------------
@@ -453,6 +489,7 @@ def test_an_unreachable_engines_requests_resent_as_they_came(main):
         assert all(um(f)[1] != streamed for f in frames)
         for server_rid in [answered, *(um(f)[1] for f in frames)]:
             survivor.reply(finished(server_rid))
+        assert_failed_final(client, 2)  # it streamed: ended, not re-sent
         replies = [client.recv_message()[1] for _ in range(len(frames) + 1)]
         assert len(set(replies)) == len(replies)  # one final each
         assert {0, 1} <= set(replies) and 2 not in replies
@@ -473,7 +510,8 @@ def test_main_client_to_a_coordkit_engine(main):
         # coordkit's multipart KV submission: [24, rid, params, kv_meta], prompt, blocks
         assert engine.recv() == [b"\x94\x18\x00" + PARAMS + KV_META, TOKENS, BLOCKS]
         client.submit(3, Raw(TEXT), Raw(PARAMS), Raw(MULTIMODAL))  # no room for an image
-        wait_for(lambda: counters(c)["malformed"] == 1)
+        assert_failed_final(client, 3)
+        assert counters(c)["malformed"] == 1
         engine.assert_silent()
         client.assert_silent()
         engine.send(m([REPLY, [[0, False]]]), finished(0))
