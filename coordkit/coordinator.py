@@ -22,7 +22,7 @@ import zmq
 
 from ._implementation import load_implementation, selected
 from ._policies import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
-from ._shared import DIALECTS, REBUILD_WINDOW, Detokenizer, Options
+from ._shared import DIALECTS, MEGATRON_VERSIONS, REBUILD_WINDOW, Detokenizer, Options
 from .curve import CurveServer
 from .metrics import MetricsServer
 
@@ -106,7 +106,8 @@ class _Sockets:
 class Coordinator:
     """A data-parallel coordinator bound to ``bind`` (any ZeroMQ endpoint).
 
-    Every option is keyword-only; the README's table says what each means.
+    Every option is keyword-only; the user guide's table (``docs/guide.md``)
+    says what each means.
     ``implementation`` is ``"c"`` or ``"py"`` (default: the one selected at
     import, :data:`coordkit.IMPLEMENTATION`); both behave alike, frame for frame.
 
@@ -139,6 +140,7 @@ class Coordinator:
         keep_prompts: bool = True,
         request_timeout: float = 0.0,
         dialect: str = "multipart",
+        megatron_version: str = "0.19",
         block_size: int = DEFAULT_BLOCK_SIZE,
         rebuild_window: float = REBUILD_WINDOW,
         term: Term | None = None,
@@ -160,6 +162,13 @@ class Coordinator:
             raise ValueError("max_clients must be in 1..2**24 and max_engines in 1..65536")
         if dialect not in DIALECTS:
             raise ValueError(f"dialect must be one of {', '.join(DIALECTS)}, not {dialect!r}")
+        if megatron_version not in MEGATRON_VERSIONS:
+            raise ValueError(
+                f"megatron_version must be one of {', '.join(MEGATRON_VERSIONS)}, "
+                f"not {megatron_version!r}"
+            )
+        if megatron_version != "0.19" and dialect != "megatron-core":
+            raise ValueError(f"megatron_version={megatron_version!r} needs dialect='megatron-core'")
         if block_size < 1:
             raise ValueError("block_size must be at least 1")
         if (curve_secret_key is None) != (curve_authorized_keys is None):
@@ -184,6 +193,7 @@ class Coordinator:
             epoch=term.epoch if term is not None else _clock_ns(),
             first_server_id=_clock_ns(),
             rebuild_window=rebuild_window,
+            megatron_version=megatron_version,
         )
         self._term = term
         router = impl.Router(
