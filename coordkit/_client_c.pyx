@@ -667,18 +667,10 @@ cdef class ClientCore:
                      block_hashes):
         """One request, answered to a future, or to a stream when ``streaming``."""
         cdef zmq_msg_t msgs[2]
-        cdef Py_ssize_t n = 1
+        cdef Py_ssize_t n
         self._check_open()
-        hashes = hashes_of(prompt, block_size) if block_size is not None else block_hashes
         params = params_of(sampling_params)
-        prompt_msg(&msgs[0], &self.scratch, prompt)
-        if hashes is not None:
-            try:
-                ck_msg_from_object(&msgs[1], hashes, COPY_BELOW)
-            except BaseException:
-                zmq_msg_close(&msgs[0])
-                raise
-            n = 2
+        n = self._frames_of(prompt, block_size, block_hashes, msgs)
         if streaming:
             target = self._stream_type(self.next_rid, raw)
         else:
@@ -689,19 +681,24 @@ cdef class ClientCore:
     def resend(self, int64_t rid, prompt, sampling_params, block_size, block_hashes=None):
         """Send the pending request ``rid`` again, under its id (RESEND, a rejoin)."""
         cdef zmq_msg_t msgs[2]
-        cdef Py_ssize_t n = 1
+        cdef Py_ssize_t n
         self._check_open()
-        hashes = hashes_of(prompt, block_size) if block_size is not None else block_hashes
         params = params_of(sampling_params)
-        prompt_msg(&msgs[0], &self.scratch, prompt)
-        if hashes is not None:
-            try:
-                ck_msg_from_object(&msgs[1], hashes, COPY_BELOW)
-            except BaseException:
-                zmq_msg_close(&msgs[0])
-                raise
-            n = 2
+        n = self._frames_of(prompt, block_size, block_hashes, msgs)
         self._send_request(rid, params, msgs, n, True)
+
+    cdef Py_ssize_t _frames_of(self, prompt, block_size, block_hashes, zmq_msg_t* msgs) except -1:
+        """A request's prompt (and its block hashes) into ``msgs``; how many."""
+        hashes = hashes_of(prompt, block_size) if block_size is not None else block_hashes
+        prompt_msg(&msgs[0], &self.scratch, prompt)
+        if hashes is None:
+            return 1
+        try:
+            ck_msg_from_object(&msgs[1], hashes, COPY_BELOW)
+        except BaseException:
+            zmq_msg_close(&msgs[0])
+            raise
+        return 2
 
     def submit_many(self, prompts, sampling_params, block_size, bint raw):
         """One future per prompt; everything is encoded before anything is sent."""

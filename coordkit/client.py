@@ -222,11 +222,10 @@ class Client:
         self._handshake_timeout = handshake_timeout
         self._rejoining: asyncio.Task[None] | None = None
         # The ride through a coordinator's loss: whether the coordinator granted the
-        # rebuild (the requests then keep what sends them again), the ids submitted
-        # meanwhile (sent once a coordinator is back), the timer that ends the ride.
+        # rebuild (the requests then keep what sends them again), the timer that ends
+        # the ride.
         self._rebuild = rebuild
         self._failover_timeout = failover_timeout
-        self._unsent: list[int] = []
         self._expiry: asyncio.TimerHandle | None = None
         self._up = asyncio.Event()
         self._up.set()
@@ -515,11 +514,9 @@ class Client:
         self._core.send(frames)
 
     def _keep(self, target: ReplyFuture | Stream, kept: tuple[Any, ...]) -> None:
-        """What sends ``target`` again (its prompt, params, hashes); while no coordinator
-        is there, it is sent once one acknowledges the client."""
+        """What sends ``target`` again (its prompt, params, hashes): RESEND, or a ride
+        through a coordinator's loss (what is submitted meanwhile is not sent)."""
         target._kept = kept
-        if not self._connected:
-            self._unsent.append(target.request_id)
 
     def _resend(self, rids: list[int]) -> None:
         """RESEND: the coordinator asks for these requests again (no engine holds them)."""
@@ -588,7 +585,6 @@ class Client:
             f"failover_timeout={self._failover_timeout} s"
         )
         log.warning("%s; failing %d pending requests", exc, self._core.count)
-        self._unsent.clear()
         self._core.fail_all(exc)
         self._up.set()
 
@@ -613,7 +609,7 @@ class Client:
                 self._loop.add_reader(self._fd, self._core.on_readable)
         self._rejoining = None
         self._core.batch = granted
-        self._core.flush()  # submitted meanwhile: dropped (held), sent below
+        self._core.flush()  # submitted meanwhile: dropped (held), named in the REJOIN
         self._core.held = False
         self._connected = True
         riding = self._expiry is not None
@@ -627,23 +623,19 @@ class Client:
         log.info("coordkit client: connected again to %s", self.address)
 
     def _rejoined(self, rebuild: bool) -> None:
-        """After a ride through: REJOIN with the requests sent before (the coordinator
-        finds them at their engines, or asks for them again), then send those
-        submitted meanwhile. A coordinator without the rebuild fails them all."""
-        unsent, self._unsent = self._unsent, []
+        """After a ride through: REJOIN with every pending request (those sent before
+        and those submitted meanwhile alike); the coordinator finds each at its engine,
+        or asks for it again (RESEND) once the engines had time to report -- by when
+        they are back to run it. A coordinator without the rebuild fails them all."""
         if not rebuild:
             exc = ConnectionError(f"coordkit: the coordinator at {self.address} cannot rebuild")
             self._core.fail_all(exc)
             return
-        fresh = set(unsent)
         entries = [
-            [target.request_id, getattr(target, "partials", 0)]
-            for target in self._core.targets()
-            if target.request_id not in fresh
+            [target.request_id, getattr(target, "partials", 0)] for target in self._core.targets()
         ]
         if entries:
             self._core.send(protocol.REJOIN.pack(entries))
-        self._resend(unsent)
 
     # -- what the core hands up -----------------------------------------------------------
 
