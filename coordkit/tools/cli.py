@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import IMPLEMENTATION, Coordinator, Implementation, load_implementation
 from .._liveness import DEFAULT_COORDINATOR_TIMEOUT
@@ -38,6 +38,7 @@ from .._policies import (
 from .._shared import DIALECTS, MEGATRON_VERSIONS
 from ..client import Client
 from ..curve import keygen
+from ..election import DEFAULT_TTL, Election
 from .demo import COMPARED_POLICIES, SUFFIX_TOKENS
 from .demo import run as run_demo
 from .fake_engine import COST_MODELS, DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
@@ -45,6 +46,9 @@ from .fake_engine import run as run_fake_engine
 from .replay import DEFAULT_BLOCK_SIZE as REPLAY_BLOCK_SIZE
 from .replay import DEFAULT_CACHE_BLOCKS as REPLAY_CACHE_BLOCKS
 from .replay import run as run_replay
+
+if TYPE_CHECKING:
+    from ..election import Term
 
 __all__ = ["main"]
 
@@ -121,6 +125,19 @@ def _parser() -> argparse.ArgumentParser:
         "--curve-authorized-keys",
         metavar="DIR",
         help="the public keys (.key files) of the clients and engines it admits",
+    )
+    serve.add_argument(
+        "--ha",
+        metavar="etcd://HOST:PORT/NAME",
+        help="stand as one of NAME's candidates: bind and serve only while holding "
+        "NAME's etcd lease (pip install 'coordkit[ha]')",
+    )
+    serve.add_argument(
+        "--ha-ttl",
+        type=_positive_int,
+        metavar="S",
+        default=DEFAULT_TTL,
+        help=f"the lease's TTL in whole seconds (default {DEFAULT_TTL})",
     )
     serve.add_argument(
         "--detokenizer",
@@ -432,8 +449,52 @@ def _serve(args: argparse.Namespace) -> int:
     # Options not given keep the Coordinator's own defaults.
     options = {name: getattr(args, name) for name in _SERVE_OPTIONS}
     options = {name: value for name, value in options.items() if value is not None}
+    if args.ha is None:
+        return _serve_term(args, impl, options, None)
     try:
-        coord = Coordinator(args.bind, implementation=impl.name, policy=args.policy, **options)
+        election = Election(args.ha, ttl=args.ha_ttl, value=args.bind)
+    except (ValueError, ImportError, ConnectionError) as exc:
+        raise SystemExit(f"coordkit serve: {exc}") from None
+    stopped = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopped.set())
+    print(f"coordkit: a candidate for {election.endpoint}", file=sys.stderr, flush=True)
+    with election:
+        while not stopped.is_set():
+            try:
+                term = election.campaign(timeout=0.5)
+            except TimeoutError:
+                continue  # look at the signals, then stand again
+            except ConnectionError as exc:
+                raise SystemExit(f"coordkit serve: {exc}") from None
+            if stopped.is_set():
+                term.resign()
+                break
+            print(f"coordkit: elected, epoch {term.epoch}", file=sys.stderr, flush=True)
+            code = _serve_term(args, impl, options, term, stopped)
+            if code or stopped.is_set():
+                term.resign()
+                return code
+            print(
+                f"coordkit: the term of epoch {term.epoch} ended; standing again",
+                file=sys.stderr,
+                flush=True,
+            )
+    return 0
+
+
+def _serve_term(
+    args: argparse.Namespace,
+    impl: Implementation,
+    options: dict[str, Any],
+    term: Term | None,
+    stopped: threading.Event | None = None,
+) -> int:
+    """Serve at ``args.bind`` until stopped (a signal, SHUTDOWN) or ``term`` ends."""
+    try:
+        coord = Coordinator(
+            args.bind, implementation=impl.name, policy=args.policy, term=term, **options
+        )
     except Exception as exc:  # a bad option or an address that cannot be bound
         raise SystemExit(f"coordkit serve: {exc}") from None
 
@@ -448,8 +509,14 @@ def _serve(args: argparse.Namespace) -> int:
 
     # The loop runs on a thread so that the main thread stays free for signal handlers.
     thread = threading.Thread(target=serve, name="coordkit-serve")
+
+    def stop(*_: object) -> None:
+        if stopped is not None:
+            stopped.set()
+        coord.stop(timeout=0)
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: coord.stop(timeout=0))
+        signal.signal(signum, stop)
     thread.start()
     print(
         f"coordkit listening on {coord.address} (implementation {impl.name}, policy {args.policy})",

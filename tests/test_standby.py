@@ -1,0 +1,89 @@
+"""A standby through an etcd lease: ``coordkit serve --ha``, on a real etcd server.
+
+Two ``coordkit serve --ha etcd://.../NAME`` processes at two addresses: only
+the lease's holder binds and serves. SIGSTOP it: its lease expires, the other
+takes over with a higher epoch; SIGCONT it: its term is over, and it serves
+nobody (its loop stops at its first wake-up past the term's deadline) but
+stands again. Raw clients ask each address in turn. Both implementations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import zmq
+
+from tests.support.etcd import EtcdServer
+from tests.support.peers import CONNECT, CONNECT_ACK, RawClient, m, um, wait_for
+from tests.support.processes import coordkit_command, free_tcp_address, python_env
+
+TTL = 1
+TAKEOVER = 30.0  # seconds allowed for a lease to expire and the standby to serve
+
+
+@contextlib.contextmanager
+def candidate(address: str, name: str, impl_name: str, log: Path) -> Iterator[subprocess.Popen]:
+    command = coordkit_command(
+        "serve", "--bind", address, "--implementation", impl_name,
+        "--ha", name, "--ha-ttl", str(TTL),
+    )  # fmt: skip
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, env=python_env(), stderr=stderr)
+    try:
+        yield process
+    finally:
+        process.send_signal(signal.SIGCONT)
+        process.kill()
+        process.wait()
+
+
+def epoch_at(address: str, timeout: float = 5.0) -> int | None:
+    """The epoch a coordinator at ``address`` announces to a rebuild client, or None
+    when nobody answers within ``timeout``."""
+    client = RawClient(zmq.Context.instance(), address)
+    try:
+        client.send(m([CONNECT, {"coordkit": 1, "rebuild": 1}]))
+        try:
+            frames = client.recv(timeout)
+        except TimeoutError:
+            return None
+        header, features = um(frames[0])
+        assert header == CONNECT_ACK
+        return int(features["epoch"])
+    finally:
+        client.close()
+
+
+def test_a_standby_takes_over_and_a_frozen_leader_serves_nobody(tmp_path, impl, etcd: EtcdServer):
+    name = etcd.endpoint(f"standby/{impl.name}-{time.monotonic_ns()}")
+    addresses = [free_tcp_address(), free_tcp_address()]
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    with (
+        candidate(addresses[0], name, impl.name, logs[0]) as first,
+        candidate(addresses[1], name, impl.name, logs[1]) as second,
+    ):
+        wait_for(lambda: any("listening" in log.read_text() for log in logs), TAKEOVER)
+        time.sleep(0.5)  # the other one, were it serving too, would have said so by now
+        serving = ["listening" in log.read_text() for log in logs]
+        assert serving.count(True) == 1, [log.read_text() for log in logs]
+        lead = serving.index(True)
+        leader, standby = (first, second) if lead == 0 else (second, first)
+        epoch = epoch_at(addresses[lead])
+        assert epoch is not None
+        assert epoch_at(addresses[1 - lead], 1.0) is None  # the standby has not bound
+
+        leader.send_signal(signal.SIGSTOP)
+        wait_for(lambda: "listening" in logs[1 - lead].read_text(), TAKEOVER)
+        taken_over = epoch_at(addresses[1 - lead])
+        assert taken_over is not None and taken_over > epoch
+
+        leader.send_signal(signal.SIGCONT)
+        wait_for(lambda: "ended" in logs[lead].read_text(), TAKEOVER)
+        assert epoch_at(addresses[lead], 2.0) is None  # the old leader serves nobody
+        assert epoch_at(addresses[1 - lead]) == taken_over
+        assert standby.poll() is None and leader.poll() is None
