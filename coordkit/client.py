@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import weakref
 from collections import deque
@@ -280,6 +281,11 @@ class Client:
         watch = None
         try:
             prepare(socket, coordinator_timeout, curve_server_key, curve_keys)
+            if failover_timeout > 0:
+                # A routing id of its own, the same at every coordinator: the one a
+                # ROUTER would generate is its count of peers, which a restarted
+                # coordinator hands out again, in another order.
+                socket.setsockopt(zmq.IDENTITY, b"c" + os.urandom(7))
             watch = ConnectionWatch(socket)  # before connect(): the first events count too
             socket.connect(address)
             granted, rebuild = await asyncio.wait_for(

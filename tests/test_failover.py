@@ -69,14 +69,21 @@ def test_a_restart_at_the_same_address_loses_nothing(tmp_path, impl):
             serve(address, impl.name, tmp_path / "first.log") as first,
             steady_engines(address, impl.name, logs),
         ):
-            client = await Client.connect(
-                address, implementation=impl.name, coordinator_timeout=1.0
-            )
-            async with client:
+            # Two clients: each must get its own requests back from the engines' reports.
+            clients = [
+                await Client.connect(address, implementation=impl.name, coordinator_timeout=1.0)
+                for _ in range(2)
+            ]
+            async with clients[0] as client, clients[1] as other:
                 await client.wait_for_engines(2, timeout=30)
-                futures = client.submit_many([[n, 1, 2] for n in range(REQUESTS)])
+                half = REQUESTS // 2
+                futures = client.submit_many([[n, 1, 2] for n in range(half)])
+                futures += other.submit_many([[n, 1, 2] for n in range(half, REQUESTS)])
                 numbers = range(REQUESTS, REQUESTS + STREAMS)
-                streams = [asyncio.ensure_future(collect(client.stream([n, 3]))) for n in numbers]
+                streams = [
+                    asyncio.ensure_future(collect((client, other)[n % 2].stream([n, 3])))
+                    for n in numbers
+                ]
                 # In flight at the engines, and the streams well under way.
                 deadline = time.monotonic() + SETTLE
                 while sum(started(logs).values()) < REQUESTS + STREAMS:
