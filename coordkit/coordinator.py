@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from ._checks import check_address
 from ._implementation import load_implementation, selected
 from ._policies import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
 from ._shared import DIALECTS, Detokenizer, Options
@@ -128,6 +129,7 @@ class Coordinator:
         context: zmq.Context | None = None,
         implementation: str | None = None,
     ):
+        check_address(bind)
         if not 1 <= max_inflight <= 1 << 30:
             raise ValueError("max_inflight must be between 1 and 2**30")
         if max_inflight_per_engine < 0:

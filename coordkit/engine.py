@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from . import protocol
+from ._checks import check_address
 from ._events import Abort, Control, Event, ReleaseKV, Request
 from ._implementation import load_implementation, selected
 from ._liveness import DEFAULT_COORDINATOR_TIMEOUT, ConnectionWatch, prepare
@@ -106,6 +107,7 @@ class Engine:
         curve_keys: KeySource | None = None,
         hello: bool = True,
     ):
+        check_address(address)
         impl = load_implementation(implementation) if implementation else selected()
         if identity is None:
             identity = f"engine-{rank}"
