@@ -37,6 +37,25 @@ TIMER_INTERVAL = 0.05
 _wake_ids = itertools.count()
 
 
+#: Options that are gone, and what replaced them: the hint their error gives.
+REMOVED_OPTIONS = {
+    "prefix_alpha": (
+        "prefix_prefill_weight",
+        "32·α/(1−α) for the old α: the same ratio of affinity to load",
+    ),
+}
+
+
+def _removed(options: dict[str, Any]) -> TypeError:
+    """The error for keyword arguments Coordinator() does not take: a removed one named
+    with its replacement, any other as Python names an unexpected one."""
+    name = next(iter(options))
+    if name in REMOVED_OPTIONS:
+        replacement, how = REMOVED_OPTIONS[name]
+        return TypeError(f"coordkit: {name} is gone: use {replacement} ({how})")
+    return TypeError(f"Coordinator() got an unexpected keyword argument {name!r}")
+
+
 class _Sockets:
     """The coordinator's ROUTER, and the inproc pair through which stop() wakes its loop."""
 
@@ -128,7 +147,10 @@ class Coordinator:
         curve_authorized_keys: str | os.PathLike[str] | None = None,
         context: zmq.Context | None = None,
         implementation: str | None = None,
+        **removed: Any,
     ):
+        if removed:
+            raise _removed(removed)
         check_address(bind)
         if not 1 <= max_inflight <= 1 << 30:
             raise ValueError("max_inflight must be between 1 and 2**30")

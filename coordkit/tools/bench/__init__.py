@@ -62,6 +62,7 @@ from typing import Any
 
 from ..._policies import POLICIES
 from ..._shared import DIALECTS
+from ..options import Parser
 from . import endpoints, latency, report, scale
 from .latency import LATENCY_LENGTHS, LATENCY_VARIANTS
 from .session import Failure, Session
@@ -162,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="coordkit bench",
         description="Coordinator CPU time per request (user and sys of its own process) "
         "and memory per request in flight, for floor, c, py and mono side by side; "
