@@ -11,8 +11,12 @@ as pyzmq layers ``zmq.Socket`` over its Cython backend.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import os
+import socket
+import stat
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -56,8 +60,48 @@ def _removed(options: dict[str, Any]) -> TypeError:
     return TypeError(f"Coordinator() got an unexpected keyword argument {name!r}")
 
 
+def _ipc_file(address: str) -> str | None:
+    """The socket file an ``ipc://`` address binds (None: another transport, an
+    abstract name, or libzmq's ``*``)."""
+    if not address.startswith("ipc://"):
+        return None
+    path = address[len("ipc://") :]
+    return None if path.startswith("@") or path == "*" else os.path.abspath(path)
+
+
+def _refuse_if_answered(address: str, path: str) -> None:
+    """ZMQError(EADDRINUSE) when something accepts connections on the socket file:
+    libzmq's bind would replace the file and leave whoever serves it unreachable.
+    A file nobody serves (ECONNREFUSED: its coordinator was killed) is replaced;
+    one that is not a socket at all (libzmq would delete it) is refused (EEXIST)."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise zmq.ZMQError(
+                errno.EEXIST, f"coordkit: cannot bind {address}: {path} is not a socket file"
+            )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (BlockingIOError, TimeoutError):
+        pass  # a listener whose backlog is full: it is there all the same
+    except OSError:
+        return  # no file, or nobody behind it
+    finally:
+        probe.close()
+    raise zmq.ZMQError(
+        errno.EADDRINUSE,
+        f"coordkit: {address} is in use: a coordinator (or another program) answers there; "
+        "stop it, or bind another path",
+    )
+
+
 class _Sockets:
-    """The coordinator's ROUTER, and the inproc pair through which stop() wakes its loop."""
+    """The coordinator's ROUTER, and the inproc pair through which stop() wakes its loop.
+
+    An ``ipc://`` path already served is refused; the socket file bound is removed
+    on close, unless another coordinator bound the path since.
+    """
 
     LINGER_MS = 500  # lets the final ERRORs of a shutdown reach their clients
 
@@ -79,11 +123,22 @@ class _Sockets:
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_size)
         self.router.setsockopt(zmq.LINGER, self.LINGER_MS)
         self.curve = curve
+        self._bound_file: tuple[str, int, int] | None = None  # path, device, inode
         try:
             if curve is not None:
                 curve.secure(self.router)
-            self.router.bind(bind)
-        except zmq.ZMQError:
+            path = _ipc_file(bind)
+            if path is not None:
+                _refuse_if_answered(bind, path)
+            try:
+                self.router.bind(bind)
+            except zmq.ZMQError as exc:
+                text = f"coordkit: cannot bind {bind}: {zmq.strerror(exc.errno)}"
+                raise zmq.ZMQError(exc.errno, text) from None
+            if path is not None:
+                info = os.stat(path)
+                self._bound_file = (path, info.st_dev, info.st_ino)
+        except BaseException:
             self.close()
             raise
         self.address: str = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -104,12 +159,25 @@ class _Sockets:
     def close(self) -> None:
         with self._lock:
             self.closed = True
+            # The file first: libzmq closes the listener a little after close(), and a
+            # coordinator started meanwhile must not find this one answering there.
+            self._remove_bound_file()
             if self.curve is not None:
                 self.curve.close(self.router)
             self.router.close()
             if hasattr(self, "wake_recv"):  # bound, not failed before
                 self.wake_recv.close()
                 self._wake_send.close(linger=0)
+
+    def _remove_bound_file(self) -> None:
+        if self._bound_file is None:
+            return
+        path, device, inode = self._bound_file
+        self._bound_file = None
+        with contextlib.suppress(FileNotFoundError):
+            info = os.stat(path)
+            if (info.st_dev, info.st_ino) == (device, inode):  # not another's since
+                os.unlink(path)
 
 
 class Coordinator:
@@ -118,6 +186,13 @@ class Coordinator:
     Every option is keyword-only; the README's table says what each means.
     ``implementation`` is ``"c"`` or ``"py"`` (default: the one selected at
     import, :data:`coordkit.IMPLEMENTATION`); both behave alike, frame for frame.
+
+    ``bind`` is ``tcp://HOST:PORT``, ``ipc:///path`` or ``inproc://name``
+    (ValueError otherwise). An ``ipc://`` path where something already
+    answers is refused (``zmq.ZMQError``, errno ``EADDRINUSE``, as a tcp port
+    in use is); a socket file left by a coordinator that was killed is
+    replaced, and the file is removed when the coordinator closes. A removed
+    option (``prefix_alpha``) raises TypeError naming its replacement.
     """
 
     def __init__(
