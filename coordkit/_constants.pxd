@@ -76,6 +76,7 @@ cdef enum:  # coordkit._shared.Counter
     COUNTER_MALFORMED_ENTRIES = 24
     COUNTER_TIMED_OUT = 25
     COUNTER_AUTH_REFUSED = 26
+    COUNTER_CLIENTS_DEPARTED = 27
 
 cdef enum:  # coordkit._shared.EngineState
     ENGINE_ALIVE = 0
@@ -106,7 +107,7 @@ cdef enum:
     HEADER_SLOTS = 128
     ERROR_SLOTS = 32
     N_LATENCY_BUCKETS = 22
-    N_COUNTERS = 27
+    N_COUNTERS = 28
     WEIGHT_SCALE = 256
     MAX_BLOCKS = 8388608
     POLICY_ROUND_ROBIN = 0
@@ -183,6 +184,7 @@ cdef inline dict generated_constants():
         "Counter.MALFORMED_ENTRIES": 24,
         "Counter.TIMED_OUT": 25,
         "Counter.AUTH_REFUSED": 26,
+        "Counter.CLIENTS_DEPARTED": 27,
         "EngineState.ALIVE": 0,
         "EngineState.DRAINING": 1,
         "EngineState.GONE": 2,
@@ -203,7 +205,7 @@ cdef inline dict generated_constants():
         "HEADER_SLOTS": 128,
         "ERROR_SLOTS": 32,
         "N_LATENCY_BUCKETS": 22,
-        "N_COUNTERS": 27,
+        "N_COUNTERS": 28,
         "WEIGHT_SCALE": 256,
         "MAX_BLOCKS": 8388608,
         "POLICY_ROUND_ROBIN": 0,

@@ -429,11 +429,15 @@ class Client:
     # -- lifecycle -----------------------------------------------------------------
 
     async def close(self) -> None:
-        """Close the socket; pending requests fail with ConnectionError."""
+        """Close the socket; pending requests fail with ConnectionError.
+
+        The coordinator is told (DISCONNECT ``[60]``): it forgets the client at
+        once and aborts its requests at their engines.
+        """
         if self._closed:
             return
         self._closed = True
-        self._connected = False
+        acknowledged, self._connected = self._connected, False
         self._loop.remove_reader(self._fd)
         if self._rejoining is not None:
             self._rejoining.cancel()
@@ -443,6 +447,11 @@ class Client:
         exc = ConnectionError("coordkit client closed with the request pending")
         self._core.close(exc)
         self._fail_stats(exc)
+        if acknowledged:
+            # Past the core (closed: its requests are dropped); a full pipe or a failed socket
+            # is no reason to wait: the coordinator then learns it from the connection's end.
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.send_multipart(protocol.DISCONNECT.pack(), zmq.NOBLOCK)
         self._socket.close(linger=_CLOSE_LINGER_MS)
 
     async def __aenter__(self) -> Self:
@@ -479,6 +488,8 @@ class Client:
     def _on_connection_event(self) -> None:
         """The monitor's reader: the connection ended, or a new one was made."""
         assert self._watch is not None
+        if self._closed:  # a call scheduled before close() closed the watch
+            return
         for event in self._watch.events():
             if event == zmq.EVENT_DISCONNECTED:
                 self._lost()

@@ -26,7 +26,7 @@ import zmq
 from ._checks import check_address
 from ._implementation import load_implementation, selected
 from ._policies import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
-from ._shared import DIALECTS, Detokenizer, Options
+from ._shared import CONNECTION_EVENTS, DIALECTS, REFUSAL_EVENTS, Detokenizer, Options
 from .curve import CurveServer
 from .metrics import MetricsServer
 
@@ -97,7 +97,8 @@ def _refuse_if_answered(address: str, path: str) -> None:
 
 
 class _Sockets:
-    """The coordinator's ROUTER, and the inproc pair through which stop() wakes its loop.
+    """The coordinator's ROUTER, its socket monitor (read by the loop: connections that
+    end, handshakes refused), and the inproc pair through which stop() wakes its loop.
 
     An ``ipc://`` path already served is refused; the socket file bound is removed
     on close, unless another coordinator bound the path since.
@@ -123,10 +124,12 @@ class _Sockets:
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_size)
         self.router.setsockopt(zmq.LINGER, self.LINGER_MS)
         self.curve = curve
+        self.monitor: zmq.Socket | None = None
         self._bound_file: tuple[str, int, int] | None = None  # path, device, inode
         try:
             if curve is not None:
                 curve.secure(self.router)
+            self.monitor = self._watch(CONNECTION_EVENTS | (REFUSAL_EVENTS if curve else 0))
             path = _ipc_file(bind)
             if path is not None:
                 _refuse_if_answered(bind, path)
@@ -150,6 +153,15 @@ class _Sockets:
         self._wake_send = self.context.socket(zmq.PAIR)
         self._wake_send.connect(wake)
 
+    def _watch(self, events: int) -> zmq.Socket:
+        """The ROUTER's monitor, set before it binds so that every connection is seen."""
+        address = f"inproc://{__name__}-monitor-{next(_wake_ids)}"
+        self.router.monitor(address, events)
+        monitor = self.context.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.RCVHWM, 0)  # a full pipe would stall libzmq's I/O thread
+        monitor.connect(address)
+        return monitor
+
     def wake(self) -> None:
         """Ask the loop to stop; safe from any thread, a no-op once closed."""
         with self._lock:
@@ -162,8 +174,11 @@ class _Sockets:
             # The file first: libzmq closes the listener a little after close(), and a
             # coordinator started meanwhile must not find this one answering there.
             self._remove_bound_file()
+            if self.monitor is not None:
+                self.router.disable_monitor()
+                self.monitor.close(linger=0)
             if self.curve is not None:
-                self.curve.close(self.router)
+                self.curve.close()
             self.router.close()
             if hasattr(self, "wake_recv"):  # bound, not failed before
                 self.wake_recv.close()
@@ -275,16 +290,18 @@ class Coordinator:
         context = context or zmq.Context.instance()
         curve = None
         if curve_secret_key is not None and curve_authorized_keys is not None:
-            curve = CurveServer(
-                context, curve_secret_key, curve_authorized_keys, self._auth_refused
-            )
+            curve = CurveServer(context, curve_secret_key, curve_authorized_keys)
         self._sockets = _Sockets(bind, max_message_size, context, curve)
         #: The bound endpoint (a tcp port asked for as 0 or * is resolved).
         self.address = self._sockets.address
         #: Whether peers must authenticate with CURVE (and traffic is encrypted).
         self.curve = curve is not None
         self._loop = impl.loop.Loop(
-            self.options, router, self._sockets.router, self._sockets.wake_recv
+            self.options,
+            router,
+            self._sockets.router,
+            self._sockets.wake_recv,
+            self._sockets.monitor,
         )
         self._metrics: MetricsServer | None = None
         if metrics_port is not None:
@@ -343,12 +360,6 @@ class Coordinator:
     def metrics_port(self) -> int | None:
         """The port its Prometheus metrics are served on (None: not served)."""
         return None if self._metrics is None else self._metrics.port
-
-    def _auth_refused(self) -> None:
-        # Only the CURVE monitor thread calls this; the loop itself never writes the count.
-        loop = getattr(self, "_loop", None)  # a refusal may come before the loop is built
-        if loop is not None:
-            loop.count_auth_refused()
 
     def __enter__(self) -> Self:
         self.start()

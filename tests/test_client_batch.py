@@ -21,6 +21,7 @@ from coordkit import CoordinatorError, ErrorCode, ProtocolError
 from coordkit.protocol import block_hashes
 from tests.support.peers import (
     ABORT,
+    DISCONNECT,
     ERROR,
     PARTIAL,
     PAUSE,
@@ -230,6 +231,7 @@ def test_close_fails_what_was_coalesced(tmp_path, impl):
             await client.close()  # before the flush: the request never leaves
             with pytest.raises(ConnectionError):
                 await future
+            assert await script.recv() == [packb([DISCONNECT])]  # only the goodbye
             await script.silent()
             with pytest.raises(ConnectionError):
                 client.submit_many([[1]])
