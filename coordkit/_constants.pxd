@@ -29,6 +29,7 @@ cdef enum:  # coordkit.protocol.Header
     HEADER_ENGINE_HELLO = 94
     HEADER_SUBMIT_BATCH = 95
     HEADER_REPLY_BATCH = 96
+    HEADER_ENGINE_ACK = 97
 
 cdef enum:  # coordkit.protocol.ErrorCode
     ERROR_MALFORMED = 1
@@ -143,6 +144,7 @@ cdef inline dict generated_constants():
         "Header.ENGINE_HELLO": 94,
         "Header.SUBMIT_BATCH": 95,
         "Header.REPLY_BATCH": 96,
+        "Header.ENGINE_ACK": 97,
         "ErrorCode.MALFORMED": 1,
         "ErrorCode.UNKNOWN_HEADER": 2,
         "ErrorCode.NOT_CONNECTED": 3,

@@ -956,6 +956,8 @@ cdef class Loop:
             self.engines[engine].batch = hello.batch
             self.engines[engine].format = FORMAT_MULTIPART
             self._count_formats()
+            if hello.ack:  # it is in the pool: say so, and what it was granted
+                self._reply_to_sender(protocol.engine_ack(hello))
 
     cdef _count_formats(self):
         """How many engines not gone speak each format: which checks a SUBMIT needs."""

@@ -1111,6 +1111,8 @@ class Loop:
             engine.batch = hello.batch
             engine.format = MULTIPART
             self._count_formats()
+            if hello.ack:  # it is in the pool: say so, and what it was granted
+                self._send(identity, protocol.engine_ack(hello))
 
     def _count_formats(self) -> None:
         """How many engines not gone speak each format: which checks a SUBMIT needs."""

@@ -484,6 +484,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="CURVE: this engine's key pair (.key_secret; default: no CURVE)",
     )
+    fake.add_argument(
+        "--quiet",
+        action="store_true",
+        help="log warnings only, not the registration (on stderr, one line each)",
+    )
 
     # Listed for --help only: main() hands `bench` its arguments before parsing.
     commands.add_parser("bench", help="run the benchmarks (coordkit bench --help)")
