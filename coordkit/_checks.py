@@ -167,7 +167,7 @@ def token_ids(tokens: Any, prompt_index: int | None = None) -> list[int] | tuple
     else:
         raise prompt_error(tokens, prompt_index)
     if _plain(items):
-        return items  # type: ignore[no-any-return]
+        return items
     return [_token(i, value, prompt_index) for i, value in enumerate(items)]
 
 

@@ -210,7 +210,7 @@ def check_constants(generated: dict[str, int]) -> None:
 
 def monitor_events(monitor: zmq.Socket) -> list[tuple[int, int]]:
     """(event, value) of each event waiting on a socket monitor, in order, without blocking."""
-    events = []
+    events: list[tuple[int, int]] = []
     while True:
         try:
             frames = monitor.recv_multipart(zmq.NOBLOCK)

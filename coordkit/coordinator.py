@@ -136,7 +136,8 @@ class _Sockets:
             try:
                 self.router.bind(bind)
             except zmq.ZMQError as exc:
-                text = f"coordkit: cannot bind {bind}: {zmq.strerror(exc.errno)}"
+                reason = zmq.strerror(exc.errno) if exc.errno else exc.strerror  # no addr=...
+                text = f"coordkit: cannot bind {bind}: {reason}"
                 raise zmq.ZMQError(exc.errno, text) from None
             if path is not None:
                 info = os.stat(path)
