@@ -86,19 +86,19 @@ def _parser() -> argparse.ArgumentParser:
         "--bind", required=True, metavar="ADDRESS", help=f"where to listen: {ADDRESS_FORMS}"
     )
     _add_coordinator_choices(serve)
-    serve.add_argument(
-        "--max-inflight",
-        type=int,
-        default=_default("max_inflight"),
-        metavar="N",
-        help="requests in flight at most; more are refused with ERROR(BUSY)",
+    _option(
+        serve,
+        "max_inflight",
+        int,
+        "N",
+        "requests in flight at most; more are refused with ERROR(BUSY)",
     )
-    serve.add_argument(
-        "--max-inflight-per-engine",
-        type=int,
-        default=_default("max_inflight_per_engine"),
-        metavar="N",
-        help="requests in flight per engine at most (0: no cap)",
+    _option(
+        serve,
+        "max_inflight_per_engine",
+        int,
+        "N",
+        "requests in flight per engine at most (0: no cap)",
     )
     serve.add_argument(
         "--no-keep-prompts",
@@ -107,33 +107,33 @@ def _parser() -> argparse.ArgumentParser:
         default=_default("keep_prompts"),
         help="do not keep prompts to re-send requests whose engine dies (less memory)",
     )
-    serve.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=_default("heartbeat_timeout"),
-        metavar="S",
-        help="an engine that heartbeats is gone after S seconds without one (0: never)",
+    _option(
+        serve,
+        "heartbeat_timeout",
+        float,
+        "S",
+        "an engine that heartbeats is gone after S seconds without one (0: never)",
     )
-    serve.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=_default("drain_timeout"),
-        metavar="S",
-        help="an engine that sent DISCONNECT has S seconds to finish what it holds",
+    _option(
+        serve,
+        "drain_timeout",
+        float,
+        "S",
+        "an engine that sent DISCONNECT has S seconds to finish what it holds",
     )
-    serve.add_argument(
-        "--request-timeout",
-        type=float,
-        default=_default("request_timeout"),
-        metavar="S",
-        help="a request in flight longer than this gets ERROR(TIMED_OUT) (0: never)",
+    _option(
+        serve,
+        "request_timeout",
+        float,
+        "S",
+        "a request in flight longer than this gets ERROR(TIMED_OUT) (0: never)",
     )
-    serve.add_argument(
-        "--max-message-size",
-        type=int,
-        default=_default("max_message_size"),
-        metavar="BYTES",
-        help="a larger message ends its sender's connection (-1: no limit)",
+    _option(
+        serve,
+        "max_message_size",
+        int,
+        "BYTES",
+        "a larger message ends its sender's connection (-1: no limit)",
     )
     serve.add_argument(
         "--dialect",
@@ -141,12 +141,12 @@ def _parser() -> argparse.ArgumentParser:
         default=_default("dialect"),
         help="what peers that are not coordkit's speak",
     )
-    serve.add_argument(
-        "--block-size",
-        type=_positive_int,
-        default=_default("block_size"),
-        metavar="N",
-        help="tokens per block: the prefix hashes it computes (megatron-core dialect) and "
+    _option(
+        serve,
+        "block_size",
+        _positive_int,
+        "N",
+        "tokens per block: the prefix hashes it computes (megatron-core dialect) and "
         "the size of a request without hashes",
     )
     serve.add_argument(
@@ -177,35 +177,21 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--seed", type=int, default=_default("seed"), metavar="N", help="for power_of_two"
     )
-    serve.add_argument(
-        "--prefix-prefill-weight",
-        type=float,
-        default=_default("prefix_prefill_weight"),
-        metavar="F",
-        help="prefix: weight of a block to prefill against a queued one",
+    _add_prefix_model(serve)
+    _option(
+        serve,
+        "prefix_ttl",
+        float,
+        "S",
+        "prefix: seconds a cached prefix is remembered after its last use",
     )
-    serve.add_argument(
-        "--prefix-decode-tokens",
-        type=int,
-        default=_default("prefix_decode_tokens"),
-        metavar="N",
-        help="prefix: each request's decode share, in prompt tokens' worth of work",
+    _option(
+        serve,
+        "prefix_max_entries",
+        int,
+        "N",
+        "prefix: block hashes remembered at most (least recently used go first)",
     )
-    serve.add_argument(
-        "--prefix-ttl",
-        type=float,
-        default=_default("prefix_ttl"),
-        metavar="S",
-        help="prefix: seconds a cached prefix is remembered after its last use",
-    )
-    serve.add_argument(
-        "--prefix-max-entries",
-        type=int,
-        default=_default("prefix_max_entries"),
-        metavar="N",
-        help="prefix: block hashes remembered at most (least recently used go first)",
-    )
-    add_removed(serve, REMOVED_OPTIONS)
 
     demo = commands.add_parser("demo", help="run a local cluster under a client load")
     demo.set_defaults(command=_demo)
@@ -249,21 +235,7 @@ def _parser() -> argparse.ArgumentParser:
         default="none",
         help="the engines' cost model: none (steps of --latency) or h100 (cache hits are cheaper)",
     )
-    demo.add_argument(
-        "--prefix-prefill-weight",
-        type=float,
-        default=_default("prefix_prefill_weight"),
-        metavar="F",
-        help="for prefix (coordkit serve's)",
-    )
-    demo.add_argument(
-        "--prefix-decode-tokens",
-        type=int,
-        default=_default("prefix_decode_tokens"),
-        metavar="N",
-        help="for prefix (coordkit serve's)",
-    )
-    add_removed(demo, REMOVED_OPTIONS)
+    _add_prefix_model(demo)
     demo.add_argument(
         "--compare-policies",
         action="store_true",
@@ -334,21 +306,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="max requests running per engine (default: the cost model's)",
     )
-    replay.add_argument(
-        "--prefix-prefill-weight",
-        type=float,
-        default=_default("prefix_prefill_weight"),
-        metavar="F",
-        help="for prefix (coordkit serve's)",
-    )
-    replay.add_argument(
-        "--prefix-decode-tokens",
-        type=int,
-        default=_default("prefix_decode_tokens"),
-        metavar="N",
-        help="for prefix (coordkit serve's)",
-    )
-    add_removed(replay, REMOVED_OPTIONS)
+    _add_prefix_model(replay)
     replay.add_argument(
         "--json", metavar="PATH", help="write every figure and TTFT as JSON (default: not written)"
     )
@@ -493,6 +451,33 @@ def _parser() -> argparse.ArgumentParser:
     # Listed for --help only: main() hands `bench` its arguments before parsing.
     commands.add_parser("bench", help="run the benchmarks (coordkit bench --help)")
     return parser
+
+
+def _option(
+    parser: argparse.ArgumentParser, name: str, kind: Callable[[str], Any], metavar: str, help: str
+) -> None:
+    """The option of Coordinator's parameter ``name``: ``--name``, its type, its default."""
+    flag = "--" + name.replace("_", "-")
+    parser.add_argument(flag, type=kind, default=_default(name), metavar=metavar, help=help)
+
+
+def _add_prefix_model(parser: argparse.ArgumentParser) -> None:
+    """The prefix policy's work model (serve, demo, replay alike), and the options gone."""
+    _option(
+        parser,
+        "prefix_prefill_weight",
+        float,
+        "F",
+        "prefix: weight of a block to prefill against a queued one",
+    )
+    _option(
+        parser,
+        "prefix_decode_tokens",
+        int,
+        "N",
+        "prefix: each request's decode share, in prompt tokens' worth of work",
+    )
+    add_removed(parser, REMOVED_OPTIONS)
 
 
 def _add_coordinator_choices(
