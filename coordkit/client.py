@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 Prompt = str | bytes | bytearray | memoryview | zmq.Frame | Sequence[int] | Any
 
 _CLOSE_LINGER_MS = 1000  # lets a last message (SHUTDOWN, ABORT) leave after close()
+_SEND_RETRY = 0.01  # seconds between tries of a CONNECT that libzmq has no pipe for yet
 
 
 class CoordinatorError(Exception):
@@ -570,7 +571,16 @@ class Client:
 async def _handshake(socket: zmq.Socket, batch: bool) -> bool:
     """Send CONNECT, wait for CONNECT_ACK; whether batches were granted."""
     hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1} if batch else COORDKIT_HELLO
-    socket.send_multipart(protocol.CONNECT_COORDKIT.pack(hello))  # queued: nothing is full yet
+    connect = protocol.CONNECT_COORDKIT.pack(hello)
+    while True:
+        try:
+            socket.send_multipart(connect, zmq.NOBLOCK)
+            break
+        except zmq.Again:
+            # No pipe to queue it on: libzmq drops a connection's pipe when a CURVE
+            # handshake is refused. A blocking send would stall the event loop for good;
+            # the caller's timeout bounds this wait.
+            await asyncio.sleep(_SEND_RETRY)
     frames = await _receive(socket)
     try:
         features = protocol.CONNECT_ACK_BATCH.parse(frames).features
