@@ -14,8 +14,10 @@ steps that grow with the running batch (see :data:`H100`).
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import struct
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -26,6 +28,7 @@ from typing import Any, NamedTuple, TypeGuard
 import zmq
 
 from .._liveness import DEFAULT_COORDINATOR_TIMEOUT
+from .._shared import logger
 from ..curve import KeySource, ServerKey
 from ..engine import Abort, Control, Engine, Event, Request
 from ..protocol import BLOCK_HASH_SIZE, Header, block_hashes, unpackb
@@ -414,7 +417,16 @@ def _positive(value: object) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``coordkit fake-engine``: run one FakeEngine rank until STOP, SIGTERM or SIGINT."""
+    """``coordkit fake-engine``: run one FakeEngine rank until STOP, SIGTERM or SIGINT.
+
+    The engine's log goes to stderr, one line each: registered (acknowledged by
+    the coordinator), not registered after a few seconds, the coordinator lost;
+    warnings only with ``--quiet``.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
