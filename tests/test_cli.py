@@ -165,7 +165,7 @@ def test_serve_speaks_megatron_mains_frames(impl, serve, tmp_path):
 
 def test_serve_megatron_version_needs_the_dialect(serve, tmp_path):
     server = serve("--bind", f"ipc://{tmp_path}/c.sock", "--megatron-version", "main")
-    assert server.wait() == 1
+    assert server.wait() == 2
     assert "".join(server.stderr) == (
         "coordkit serve: megatron_version='main' needs dialect='megatron-core'\n"
     )
