@@ -370,7 +370,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=sorted(COST_MODELS),
         default="none",
         help="what steps cost: none (free prefill, --latency per step) or h100 "
-        "(an H100-class engine; see the README)",
+        "(an H100-class engine; see docs/routing.md)",
     )
     fake.add_argument(
         "--latency",

@@ -71,7 +71,7 @@ class CostModel(NamedTuple):
 #: No cost: steps of ``latency`` seconds (0 by default), prefill free. The default.
 NO_COST = CostModel(0.0, 0.0, 0.0, 8192, 64)
 #: An H100-class engine, from public specs and back-of-envelope arithmetic
-#: (README, "FakeEngine's cost model"): a ~70B model in BF16 on four H100s,
+#: (docs/routing.md, "FakeEngine's cost model"): a ~70B model in BF16 on four H100s,
 #: tensor parallel. Prefill is compute-bound: 2 * 70e9 FLOP a token against
 #: 4 * 989 TFLOPS at ~40% utilisation is ~1e4 tokens/s. A decode step reads
 #: the 140 GB of weights once (4 * 3.35 TB/s: ~10 ms, ~20 ms with the
