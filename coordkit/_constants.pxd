@@ -83,9 +83,10 @@ cdef enum:  # coordkit._shared.Counter
     COUNTER_MALFORMED_ENTRIES = 24
     COUNTER_TIMED_OUT = 25
     COUNTER_AUTH_REFUSED = 26
-    COUNTER_ADOPTED = 27
-    COUNTER_RESENT = 28
-    COUNTER_REPLAYED = 29
+    COUNTER_CLIENTS_DEPARTED = 27
+    COUNTER_ADOPTED = 28
+    COUNTER_RESENT = 29
+    COUNTER_REPLAYED = 30
 
 cdef enum:  # coordkit._shared.EngineState
     ENGINE_ALIVE = 0
@@ -120,7 +121,7 @@ cdef enum:
     HEADER_SLOTS = 128
     ERROR_SLOTS = 32
     N_LATENCY_BUCKETS = 22
-    N_COUNTERS = 30
+    N_COUNTERS = 31
     WEIGHT_SCALE = 256
     MAX_BLOCKS = 8388608
     POLICY_ROUND_ROBIN = 0
@@ -204,9 +205,10 @@ cdef inline dict generated_constants():
         "Counter.MALFORMED_ENTRIES": 24,
         "Counter.TIMED_OUT": 25,
         "Counter.AUTH_REFUSED": 26,
-        "Counter.ADOPTED": 27,
-        "Counter.RESENT": 28,
-        "Counter.REPLAYED": 29,
+        "Counter.CLIENTS_DEPARTED": 27,
+        "Counter.ADOPTED": 28,
+        "Counter.RESENT": 29,
+        "Counter.REPLAYED": 30,
         "EngineState.ALIVE": 0,
         "EngineState.DRAINING": 1,
         "EngineState.GONE": 2,
@@ -231,7 +233,7 @@ cdef inline dict generated_constants():
         "HEADER_SLOTS": 128,
         "ERROR_SLOTS": 32,
         "N_LATENCY_BUCKETS": 22,
-        "N_COUNTERS": 30,
+        "N_COUNTERS": 31,
         "WEIGHT_SCALE": 256,
         "MAX_BLOCKS": 8388608,
         "POLICY_ROUND_ROBIN": 0,

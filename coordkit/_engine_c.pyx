@@ -20,7 +20,8 @@ the next request with the same bytes (in a batch, most of them) gets a copy
 of the map instead of a decoding.
 
 The rare messages (SUBMIT_REQUEST_WITH_KV, the control signals, an ERROR
-from the coordinator) are parsed with the message specs, as the twin does.
+or an ENGINE_ACK from the coordinator) are parsed with the message specs, as
+the twin does.
 """
 
 cimport cython
@@ -222,13 +223,15 @@ cdef class EngineCore:
     """What arrives, as events, and the replies of a step, as one message each.
 
     ``socket`` is the engine's registered DEALER. ``pending`` counts the
-    requests received and not yet answered with a final reply.
+    requests received and not yet answered with a final reply. ``on_ack``
+    takes the map of each ENGINE_ACK.
     """
 
     cdef readonly object socket
     cdef public long long pending
     cdef public object held  # a coordkit._held.Held, or None (see the twin)
     cdef void* sock
+    cdef object _on_ack
 
     # The last sampling params decoded, when they are a map of scalars: the
     # requests of a batch (and of a run of submissions) mostly share theirs, so
@@ -256,8 +259,9 @@ cdef class EngineCore:
         self.meta.data = NULL
         self.meta.len = self.meta.cap = 0
 
-    def __init__(self, socket, held=None):
+    def __init__(self, socket, on_ack, held=None):
         self.socket = socket
+        self._on_ack = on_ack
         self.held = held
         self.sock = <void*><size_t>socket.underlying
         self.parts_capacity = FIRST_PARTS
@@ -426,6 +430,8 @@ cdef class EngineCore:
             events.append(Control(Header(header), getattr(message, "epoch", None)))
         elif header == HEADER_ERROR:
             refused(protocol.ERROR.parse(frames))
+        elif header == HEADER_ENGINE_ACK:
+            self._on_ack(protocol.ENGINE_ACK.parse(frames).granted)
         elif self.held is None or not self.held.on_message(header, frames):
             raise ProtocolError(f"unexpected header {header!r}")
 

@@ -7,7 +7,8 @@ trailer names the client), the client's id and request id, the partials sent
 and whether the final was, and the bodies of the replies no HANDLED covers
 yet; and it answers the coordinator's rebuild messages:
 
-* ENGINE_ACK (the rebuild granted): HELD, what it holds;
+* ENGINE_ACK (the rebuild granted; the Engine passes its map on): HELD, what
+  it holds;
 * REPLAY: REPLAYED, the bodies kept from the partial asked for on;
 * HANDLED: the bodies of reply messages up to that number are dropped, and a
   request whose final is among them is forgotten.
@@ -105,19 +106,20 @@ class Held:
         if kept is not None and kept.final:
             del self.requests[server_rid]
 
+    def acknowledged(self, granted: dict[Any, Any]) -> None:
+        """An ENGINE_ACK's map: when the rebuild is granted, report what it holds (HELD)."""
+        self.granted = granted.get(REBUILD_FEATURE) == 1
+        self.epoch = granted.get(EPOCH_KEY)
+        if self.granted:
+            entries = [
+                [rid, k.client_rid, k.client_id, k.partials, k.final]
+                for rid, k in self.requests.items()
+            ]
+            self.socket.send_multipart(protocol.HELD.pack(entries, b""))
+
     def on_message(self, header: int, frames: Sequence[Any]) -> bool:
-        """ENGINE_ACK, HANDLED or REPLAY; False for any other header."""
-        if header == Header.ENGINE_ACK:
-            features = protocol.ENGINE_ACK.parse(frames).features
-            self.granted = features.get(REBUILD_FEATURE) == 1
-            self.epoch = features.get(EPOCH_KEY)
-            if self.granted:
-                entries = [
-                    [rid, k.client_rid, k.client_id, k.partials, k.final]
-                    for rid, k in self.requests.items()
-                ]
-                self.socket.send_multipart(protocol.HELD.pack(entries, b""))
-        elif header == Header.HANDLED:
+        """HANDLED or REPLAY; False for any other header."""
+        if header == Header.HANDLED:
             self._handled(protocol.HANDLED.parse(frames).count)
         elif header == Header.REPLAY:
             self._replay(protocol.REPLAY.parse(frames)[0])

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
 from . import _policies, protocol
 from .protocol import Buffer, ControlState, packb, unpackb
 
@@ -58,6 +61,16 @@ LATENCY_BUCKETS = tuple(0.0001 * 2.0**k for k in range(22))
 #: its silence still report in time.
 REBUILD_WINDOW = 5.0
 
+#: What the loop reads from its ROUTER's socket monitor: the connections accepted and
+#: ended (by fd: a client whose CONNECT came on a connection that ended has left), and
+#: the handshakes refused (CURVE: no key or the wrong mechanism, a key not admitted).
+CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+REFUSAL_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
 #: A kept prompt below this many bytes is copied: sharing it would pin the whole
 #: receive buffer libzmq decoded it from (pyzmq's copy-below-a-threshold rule).
 COPY_BELOW = 8192
@@ -92,10 +105,11 @@ class Counter(IntEnum):
     DETOKENIZE_ERRORS = 23
     MALFORMED_ENTRIES = 24  # entries of an engine's batch skipped, the rest delivered
     TIMED_OUT = 25
-    AUTH_REFUSED = 26  # peers refused at the CURVE handshake (counted off the loop)
-    ADOPTED = 27  # requests an engine reported holding, taken over after a coordinator's loss
-    RESENT = 28  # requests a rebuild client was told to send again (RESEND)
-    REPLAYED = 29  # requests whose replies an engine was asked to send again (REPLAY)
+    AUTH_REFUSED = 26  # peers refused at the CURVE handshake
+    CLIENTS_DEPARTED = 27  # clients that left: said DISCONNECT, their connection ended, or gone
+    ADOPTED = 28  # requests an engine reported holding, taken over after a coordinator's loss
+    RESENT = 29  # requests a rebuild client was told to send again (RESEND)
+    REPLAYED = 30  # requests whose replies an engine was asked to send again (REPLAY)
 
 
 class EngineState(IntEnum):
@@ -215,6 +229,18 @@ def check_constants(generated: dict[str, int]) -> None:
             "coordkit: the compiled constants differ from the Python ones "
             f"({', '.join(stale)}): run make constants and rebuild"
         )
+
+
+def monitor_events(monitor: zmq.Socket) -> list[tuple[int, int]]:
+    """(event, value) of each event waiting on a socket monitor, in order, without blocking."""
+    events: list[tuple[int, int]] = []
+    while True:
+        try:
+            frames = monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return events
+        event = parse_monitor_message(frames)
+        events.append((int(event["event"]), int(event["value"])))
 
 
 def detokenize(detokenizer: Detokenizer, body: Buffer) -> bytes:

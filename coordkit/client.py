@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import zmq
 
 from . import protocol
+from ._checks import check_address, streaming_params
 from ._implementation import load_implementation, selected
 from ._liveness import DEFAULT_COORDINATOR_TIMEOUT, ConnectionWatch, prepare
 from .curve import KeySource, ServerKey
@@ -39,7 +40,6 @@ from .protocol import (
     COORDKIT_HELLO,
     EPOCH_KEY,
     REBUILD_FEATURE,
-    STREAM_KEY,
     ErrorCode,
     Header,
     ProtocolError,
@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 Prompt = str | bytes | bytearray | memoryview | zmq.Frame | Sequence[int] | Any
 
 _CLOSE_LINGER_MS = 1000  # lets a last message (SHUTDOWN, ABORT) leave after close()
+_SEND_RETRY = 0.01  # seconds between tries of a CONNECT that libzmq has no pipe for yet
 
 
 class CoordinatorError(Exception):
@@ -254,6 +255,8 @@ class Client:
         The CONNECT asks for batched messages unless ``batch`` is False; they
         are used only when the coordinator grants them. ``implementation``
         (``"c"`` or ``"py"``) picks the core; by default the one chosen at import.
+        ``address`` is ``tcp://HOST:PORT``, ``ipc:///path`` or ``inproc://name``
+        (ValueError otherwise, before anything is opened).
         Raises :class:`ConnectionError` if no CONNECT_ACK comes within
         ``timeout`` seconds (also what a CURVE coordinator that refuses the
         key looks like), or at once if the coordinator refuses the client.
@@ -273,6 +276,7 @@ class Client:
         loss fails what is pending at once. With it, every request keeps a
         reference to its prompt until it ends: do not modify a prompt meanwhile.
         """
+        check_address(address)
         if not failover_timeout >= 0:
             raise ValueError(f"failover_timeout must be >= 0 seconds, got {failover_timeout!r}")
         if implementation is not None:
@@ -343,13 +347,16 @@ class Client:
         """Send one request; the future resolves to its final reply body.
 
         ``prompt`` is a ``str`` (sent msgpack-packed), token ids (msgpack-packed,
-        as Megatron's engines expect: a sequence of ints, or an ``array.array``
-        or numpy array of an integer type, packed from its buffer) or a
-        bytes-like object (``bytes``, ``bytearray``, ``memoryview``,
-        ``zmq.Frame``), sent as it is: do not modify it until the reply came.
-        ``block_size`` adds the prefix-routing block hashes (token-id prompts
-        only), or ``block_hashes`` sends a block-hash frame as given. The body
-        is msgpack-decoded unless ``raw``, which gives bytes.
+        as Megatron's engines expect: a sequence of ints in ``[0, 2**32)``, or an
+        ``array.array`` or numpy array of an integer type, packed from its
+        buffer) or a bytes-like object (``bytes``, ``bytearray``,
+        ``memoryview``, ``zmq.Frame``), sent as it is: do not modify it until
+        the reply came. ``sampling_params`` is a map (a ``dict``) or None.
+        Anything else raises TypeError, or ValueError for a token id out of
+        range, naming what was given (a token by its index and value), and
+        nothing is sent. ``block_size`` adds the prefix-routing block hashes
+        (token-id prompts only), or ``block_hashes`` sends a block-hash frame
+        as given. The body is msgpack-decoded unless ``raw``, which gives bytes.
         Partial replies are not delivered here; use :meth:`stream` for them.
         An ERROR for the request fails the future with :class:`CoordinatorError`.
 
@@ -377,9 +384,10 @@ class Client:
 
         Every prompt is as for :meth:`submit` and they share ``sampling_params``
         (packed once). All are encoded before any is sent: a bad prompt raises
-        and nothing is sent. With batches granted they leave as one
-        SUBMIT_BATCH (several for a very large call), otherwise as one
-        SUBMIT_REQUEST each, at once. Their ids are consecutive.
+        (its error names its index in ``prompts``) and nothing is sent. With
+        batches granted they leave as one SUBMIT_BATCH (several for a very
+        large call), otherwise as one SUBMIT_REQUEST each, at once. Their ids
+        are consecutive.
         """
         if not self._connected and self._expiry is None:
             self._raise_not_connected()
@@ -409,7 +417,7 @@ class Client:
         """
         if not self._connected and self._expiry is None:
             self._raise_not_connected()
-        params = {**(sampling_params or {}), STREAM_KEY: True}
+        params = streaming_params(sampling_params)
         stream: Stream = self._core.stream(prompt, params, block_size, raw, block_hashes)
         if self._rebuild:
             self._keep(stream, (prompt, params, block_size, block_hashes))
@@ -474,11 +482,15 @@ class Client:
     # -- lifecycle -----------------------------------------------------------------
 
     async def close(self) -> None:
-        """Close the socket; pending requests fail with ConnectionError."""
+        """Close the socket; pending requests fail with ConnectionError.
+
+        The coordinator is told (DISCONNECT ``[60]``): it forgets the client at
+        once and aborts its requests at their engines.
+        """
         if self._closed:
             return
         self._closed = True
-        self._connected = False
+        acknowledged, self._connected = self._connected, False
         self._loop.remove_reader(self._fd)
         if self._rejoining is not None:
             self._rejoining.cancel()
@@ -492,6 +504,11 @@ class Client:
         exc = ConnectionError("coordkit client closed with the request pending")
         self._core.close(exc)
         self._fail_stats(exc)
+        if acknowledged:
+            # Past the core (closed: its requests are dropped); a full pipe or a failed socket
+            # is no reason to wait: the coordinator then learns it from the connection's end.
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.send_multipart(protocol.DISCONNECT.pack(), zmq.NOBLOCK)
         self._socket.close(linger=_CLOSE_LINGER_MS)
 
     async def __aenter__(self) -> Self:
@@ -549,6 +566,8 @@ class Client:
     def _on_connection_event(self) -> None:
         """The monitor's reader: the connection ended, or a new one was made."""
         assert self._watch is not None
+        if self._closed:  # a call scheduled before close() closed the watch
+            return
         for event in self._watch.events():
             if event == zmq.EVENT_DISCONNECTED:
                 self._lost()
@@ -684,7 +703,16 @@ async def _handshake(socket: zmq.Socket, batch: bool, rebuild: bool) -> tuple[bo
         hello[BATCH_FEATURE] = 1
     if rebuild:
         hello[REBUILD_FEATURE] = 1
-    socket.send_multipart(protocol.CONNECT_COORDKIT.pack(hello))  # queued: nothing is full yet
+    connect = protocol.CONNECT_COORDKIT.pack(hello)
+    while True:
+        try:
+            socket.send_multipart(connect, zmq.NOBLOCK)
+            break
+        except zmq.Again:
+            # No pipe to queue it on: libzmq drops a connection's pipe when a CURVE
+            # handshake is refused. A blocking send would stall the event loop for good;
+            # the caller's timeout bounds this wait.
+            await asyncio.sleep(_SEND_RETRY)
     frames = await _receive(socket)
     try:
         features = protocol.CONNECT_ACK_BATCH.parse(frames).features

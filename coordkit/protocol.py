@@ -45,8 +45,10 @@ __all__ = [
     "header_name",
     "parse_connect",
     "parse_engine_hello",
+    "engine_ack",
     "Hello",
     "BATCH_FEATURE",
+    "ACK_FEATURE",
     "REBUILD_FEATURE",
     "EPOCH_KEY",
     "Trailer",
@@ -69,6 +71,12 @@ COORDKIT_HELLO = {"coordkit": 1}
 #: (SUBMIT_BATCH, REPLY_BATCH); a coordinator that grants it to a client says
 #: so in its CONNECT_ACK.
 BATCH_FEATURE = "batch"
+
+#: The key of an ENGINE_HELLO map by which a coordkit engine says it reads
+#: ENGINE_ACK: only such an engine is sent one (an engine of coordkit 0.1,
+#: which does not, would log it as an unknown header; Megatron's engines send
+#: no ENGINE_HELLO at all).
+ACK_FEATURE = "ack"
 
 #: The key of a CONNECT or ENGINE_HELLO map by which a coordkit peer says it takes
 #: part in the rebuild after a coordinator's loss (a client keeps its requests and
@@ -622,6 +630,7 @@ class Hello(NamedTuple):
 
     coordkit: bool  # a coordkit peer: may be sent ERROR and STATS_REPLY
     batch: bool  # asks for SUBMIT_BATCH / REPLY_BATCH
+    ack: bool = False  # an engine that reads ENGINE_ACK
     rebuild: bool = False  # takes part in the rebuild after a coordinator's loss
     base: int = 0  # a rebuild engine: the number of its next reply message (HANDLED)
 
@@ -677,8 +686,11 @@ HEARTBEAT = MessageSpec(
 )
 STATS = MessageSpec("STATS", Header.STATS)
 STATS_REPLY = MessageSpec("STATS_REPLY", Header.STATS_REPLY, [], ["stats"])
-#: A coordkit engine's registration: ``[94, {"coordkit": 1, "batch": 1}]``.
+#: A coordkit engine's registration: ``[94, {"coordkit": 1, "ack": 1, "batch": 1}]``.
 ENGINE_HELLO = MessageSpec("ENGINE_HELLO", Header.ENGINE_HELLO, [Field("hello", dict)])
+#: coordkit's coordinator's answer to each ENGINE_HELLO it took: the engine is in the
+#: pool, and ``granted`` says what it was granted (``{"batch": 1}``, or ``{}``).
+ENGINE_ACK = MessageSpec("ENGINE_ACK", Header.ENGINE_ACK, [Field("granted", dict)])
 SUBMIT_BATCH = SubmitBatchSpec()
 #: SUBMIT_BATCH as the coordinator sends it to an engine that asked for batches.
 ENGINE_SUBMIT_BATCH = BatchedMessageSpec(
@@ -687,8 +699,6 @@ ENGINE_SUBMIT_BATCH = BatchedMessageSpec(
 #: Replies for one client, from one engine batch, to a client that asked for batches.
 REPLY_BATCH = BatchedMessageSpec("REPLY_BATCH", Header.REPLY_BATCH, [_rid, Field("final", bool)])
 #: The answer to an ENGINE_HELLO that asked for the rebuild: ``[97, {"rebuild": 1,
-#: "epoch": E}]`` (the header is branch newcomer's ENGINE_ACK; its other keys may join).
-ENGINE_ACK = MessageSpec("ENGINE_ACK", Header.ENGINE_ACK, [Field("features", dict)])
 #: A rebuild client, once acknowledged again: the requests it still waits for, and
 #: how many partials each one got.
 REJOIN = BatchedMessageSpec("REJOIN", Header.REJOIN, [_rid, Field("partials", int)], bodies=False)
@@ -740,7 +750,11 @@ def _hello(hello: dict[Any, Any]) -> Hello:
         base = 0  # no numbering: the engine cannot be told what was handled
     rebuild = coordkit and _feature(hello.get(REBUILD_FEATURE)) and base > 0
     return Hello(
-        coordkit, coordkit and _feature(hello.get(BATCH_FEATURE)), rebuild, base if rebuild else 0
+        coordkit,
+        coordkit and _feature(hello.get(BATCH_FEATURE)),
+        coordkit and _feature(hello.get(ACK_FEATURE)),
+        rebuild,
+        base if rebuild else 0,
     )
 
 
@@ -759,6 +773,15 @@ def parse_connect(frames: Sequence[Frame]) -> Hello:
 def parse_engine_hello(frames: Sequence[Frame]) -> Hello:
     """What an ENGINE_HELLO says; ProtocolError when it is not one."""
     return _hello(ENGINE_HELLO.parse(frames).hello)
+
+
+def engine_ack(hello: Hello, epoch: int) -> list[bytes]:
+    """The ENGINE_ACK answering the hello of an engine that reads it: what it was granted
+    (the rebuild with the coordinator's ``epoch``, when asked)."""
+    granted: dict[str, int] = {BATCH_FEATURE: 1} if hello.batch else {}
+    if hello.rebuild:
+        granted.update({REBUILD_FEATURE: 1, EPOCH_KEY: epoch})
+    return ENGINE_ACK.pack(granted)
 
 
 #: The bare control signals (all but SET_GENERATION_EPOCH, which carries an epoch).

@@ -57,7 +57,9 @@ def rebuild_engine(c: Cluster, identity: bytes, base: int = 1, **features: int) 
     """An engine that asks for the rebuild (its reply messages numbered from ``base``)."""
     engine = c.add_engine(identity)
     engine.hello(rebuild=1, base=base, **features)
-    assert engine.recv() == [m([ENGINE_ACK, {"rebuild": 1, "epoch": c.coord.epoch}])]
+    granted = {"batch": 1} if features.get("batch") else {}
+    granted.update({"rebuild": 1, "epoch": c.coord.epoch})
+    assert engine.recv() == [m([ENGINE_ACK, granted])]
     return engine
 
 
