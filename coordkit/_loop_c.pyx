@@ -1097,6 +1097,7 @@ cdef class Loop:
             if self.clients[client].present:
                 self.counters[COUNTER_DUPLICATE_CONNECT] += 1
             else:  # known from an engine's report only: this is its connection
+                self._connection_events()  # as for a new client: what the monitor said first
                 self.clients[client].fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
             index = client
         else:

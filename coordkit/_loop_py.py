@@ -1369,6 +1369,7 @@ class Loop:
             if client.present:
                 self._counters[Counter.DUPLICATE_CONNECT] += 1
             else:  # known from an engine's report only: this is its connection
+                self._connection_events()  # as for a new client: what the monitor said first
                 client.fd = frames[1].get(zmq.SRCFD)
         else:
             # What the monitor said first: a connection that ended on this CONNECT's fd

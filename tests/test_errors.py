@@ -24,7 +24,7 @@ import coordkit
 from coordkit import Client, Coordinator, Engine
 from coordkit.protocol import Header
 from coordkit.tools import cli
-from tests.support.peers import ENGINE_HELLO, m, wait_for
+from tests.support.peers import ENGINE_HELLO, REBUILD_HELLO, m, wait_for
 from tests.support.processes import coordkit_command, fake_engine_command, python_env
 from tests.support.scripted import packb, run, scripted
 
@@ -290,10 +290,11 @@ def test_an_engine_acknowledged(make_cluster, impl):
     cluster = make_cluster()
     with Engine(cluster.coord.address, implementation=impl.name) as engine:
         assert engine.wait_registered(TIMEOUT) is True
-        assert engine.registered and engine.granted == {"batch": 1}
+        # The rebuild is granted too, with the coordinator's epoch (pinned_clock: 0).
+        assert engine.registered and engine.granted == {"batch": 1, "rebuild": 1, "epoch": 0}
         assert engine.poll(0.05) == []  # the ENGINE_ACK is no event
     with Engine(cluster.coord.address, implementation=impl.name, batch=False, rank=1) as engine:
-        assert engine.wait_registered(TIMEOUT) and engine.granted == {}
+        assert engine.wait_registered(TIMEOUT) and engine.granted == {"rebuild": 1, "epoch": 0}
     with Engine(cluster.coord.address, implementation=impl.name, hello=False, rank=2) as engine:
         with pytest.raises(RuntimeError, match="hello=False is never acknowledged"):
             engine.wait_registered(0.1)
@@ -307,7 +308,7 @@ def test_a_request_before_the_ack_is_kept(impl, tmp_path):
     try:
         with Engine(f"ipc://{tmp_path}/script.sock", implementation=impl.name) as engine:
             assert router.poll(TIMEOUT * 1000) and router.recv_multipart()[1] == b""
-            hello = m([ENGINE_HELLO, {"coordkit": 1, "ack": 1, "batch": 1}])
+            hello = m([ENGINE_HELLO, {"coordkit": 1, "ack": 1, "batch": 1, **REBUILD_HELLO}])
             assert router.poll(TIMEOUT * 1000) and router.recv_multipart()[1] == hello
             identity = engine.identity
             router.send_multipart([identity, m([Header.SUBMIT_REQUEST, 7, {}]), m([1, 2])])
@@ -360,7 +361,8 @@ def test_fake_engine_says_when_it_is_registered(make_cluster):
     )
     try:
         line = process.stderr.readline()
-        assert line == f"coordkit engine 4: registered at {address} (granted {{'batch': 1}})\n"
+        granted = "{'batch': 1, 'rebuild': 1, 'epoch': 0}"
+        assert line == f"coordkit engine 4: registered at {address} (granted {granted})\n"
         process.send_signal(signal.SIGTERM)
         assert process.wait(TIMEOUT) == 0
         assert process.stderr.read() == ""  # that one line, nothing more

@@ -184,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
         "--ha",
         metavar="etcd://HOST:PORT/NAME",
         help="stand as one of NAME's candidates: bind and serve only while holding "
-        "NAME's etcd lease (pip install 'coordkit[ha]')",
+        "NAME's etcd lease (pip install 'coordkit[ha]'; default: serve alone)",
     )
     serve.add_argument(
         "--ha-ttl",
