@@ -29,6 +29,16 @@ cdef class Router:
         int* members         # the accepting ranks, compact: power_of_two draws from it
         int* member_pos      # rank -> its index in members
 
+        # The eligible ranks in the policy's order, kept as they change (see _update):
+        # a tree over ``leaves`` ranks (a power of two >= n_ranks), node i over the
+        # leaves below it, holding the first of them in that order (-1: none
+        # eligible). Leaf r is node leaves + r; the root is node 1.
+        int* ranking         # NULL when the policy never asks it (power_of_two, no cap)
+        int leaves
+        bint by_work         # prefix: ordered by work, then pending, then rank
+        bint by_pending      # least_loaded, power_of_two: by pending, then rank
+        uint64_t* eligible   # prefix: the eligible ranks as a mask, max_stride words
+
         # The work model (see coordkit._policies): every policy charges.
         readonly int64_t charged  # what the last choose_c charged its rank (0: none)
         int64_t new_blocks   # the blocks the chosen rank has to prefill (set by the policy)
@@ -50,12 +60,16 @@ cdef class Router:
         uint32_t free_list
         uint32_t lru_oldest
         uint32_t lru_newest
-        size_t stride        # mask words per entry: ceil(max_ranks / 64)
+        size_t stride        # mask words per entry: enough for n_ranks, doubled as it grows
+        size_t max_stride    # ceil(max_ranks / 64): the words the masks have room for
         ck_prefix_entry* entries
         ck_prefix table      # hash -> entry
         uint64_t* masks      # each entry's ranks, stride words
+        int group            # mask words per bit of an entry's summary: ceil(stride / 64)
         uint64_t* running    # scratch: candidate ranks along the chain
         uint64_t* matched    # scratch: the ranks of the chain's first entry (depth > 0)
+        int* matched_words   # scratch: the words of matched that are not 0, n_matched_words
+        int n_matched_words
         int* depth           # scratch: matched depth per rank
 
     cdef int choose_c(self, const uint8_t* hashes, size_t n_hashes, uint64_t prompt_tokens,
@@ -66,6 +80,11 @@ cdef class Router:
 
     # Internals (a cdef class declared in a .pxd declares all its C methods here).
     cdef bint _eligible(self, int rank) noexcept nogil
+    cdef void _update(self, int rank) noexcept nogil
+    cdef void _build(self, int leaves) noexcept nogil
+    cdef bint _ahead(self, int a, int b) noexcept nogil
+    cdef int _first(self, int a, int b) noexcept nogil
+    cdef int _first_from(self, int start) noexcept nogil
     cdef int _round_robin(self) noexcept nogil
     cdef int _least_loaded(self) noexcept nogil
     cdef uint64_t _rand(self) noexcept nogil
@@ -79,3 +98,4 @@ cdef class Router:
     cdef void _delete(self, uint32_t e) noexcept nogil
     cdef void _unlink(self, uint32_t e) noexcept nogil
     cdef void _append(self, uint32_t e) noexcept nogil
+    cdef void _widen(self, size_t stride) noexcept nogil

@@ -314,6 +314,7 @@ typedef struct {
     double last_used;
     uint32_t older; /* LRU neighbours, CK_NIL at the ends; older links the free list */
     uint32_t newer;
+    uint64_t summary; /* bit b: a rank in the b-th group of its mask's words (the router's) */
 } ck_prefix_entry;
 
 typedef struct {
