@@ -109,6 +109,8 @@ cdef enum:
     N_COUNTERS = 27
     WEIGHT_SCALE = 256
     MAX_BLOCKS = 8388608
+    SPARSE_RANKS = 16
+    WALK_MAX = 16
     POLICY_ROUND_ROBIN = 0
     POLICY_LEAST_LOADED = 1
     POLICY_POWER_OF_TWO = 2
@@ -206,6 +208,8 @@ cdef inline dict generated_constants():
         "N_COUNTERS": 27,
         "WEIGHT_SCALE": 256,
         "MAX_BLOCKS": 8388608,
+        "SPARSE_RANKS": 16,
+        "WALK_MAX": 16,
         "POLICY_ROUND_ROBIN": 0,
         "POLICY_LEAST_LOADED": 1,
         "POLICY_POWER_OF_TWO": 2,

@@ -12,6 +12,15 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from .includes.tables cimport ck_prefix, ck_prefix_entry
 
 
+cdef struct Choice:  # a prefix decision's best rank so far, by the contract's key
+    int rank  # -1: none yet
+    int pos  # its place in the rotating order
+    int64_t cost
+    int64_t pending
+    int64_t new  # the blocks it would prefill
+    int64_t depth  # the blocks it has
+
+
 @cython.final
 cdef class Router:
     cdef:
@@ -71,6 +80,8 @@ cdef class Router:
         int* matched_words   # scratch: the words of matched that are not 0, n_matched_words
         int n_matched_words
         int* depth           # scratch: matched depth per rank
+        uint32_t* chain      # scratch: the live entries leading a request's chain
+        int* hidden          # scratch: the ranks a walk took out of the ranking
 
     cdef int choose_c(self, const uint8_t* hashes, size_t n_hashes, uint64_t prompt_tokens,
                       double now) noexcept nogil
@@ -81,6 +92,7 @@ cdef class Router:
     # Internals (a cdef class declared in a .pxd declares all its C methods here).
     cdef bint _eligible(self, int rank) noexcept nogil
     cdef void _update(self, int rank) noexcept nogil
+    cdef void _set_leaf(self, int rank, bint ok) noexcept nogil
     cdef void _build(self, int leaves) noexcept nogil
     cdef bint _ahead(self, int a, int b) noexcept nogil
     cdef int _first(self, int a, int b) noexcept nogil
@@ -90,6 +102,13 @@ cdef class Router:
     cdef uint64_t _rand(self) noexcept nogil
     cdef int _power_of_two(self) noexcept nogil
     cdef int _prefix(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil
+    cdef void _consider(self, Choice* best, int rank, int64_t depth, int start,
+                        int64_t size) noexcept nogil
+    cdef int _chain_of(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil
+    cdef int _depth_along(self, int rank, int d, int length) noexcept nogil
+    cdef bint _affine(self, int start, int length, int64_t size, Choice* best) noexcept nogil
+    cdef void _scan(self, const uint8_t* hashes, size_t n_hashes, double now, int start,
+                    int64_t size, Choice* best) noexcept nogil
     cdef int _match(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil
     cdef void _count_prefix(self, size_t n_hashes, int64_t matched) noexcept nogil
     cdef void _record(self, const uint8_t* hashes, size_t n_hashes, int rank,

@@ -24,6 +24,8 @@ from ._constants cimport (
     POLICY_POWER_OF_TWO,
     POLICY_PREFIX,
     POLICY_ROUND_ROBIN,
+    SPARSE_RANKS,
+    WALK_MAX,
     WEIGHT_SCALE,
     generated_constants,
 )
@@ -49,6 +51,9 @@ from ._shared import check_constants
 check_constants(generated_constants())
 
 __all__ = ["Router"]
+
+cdef enum:
+    CHAIN_MAX = 4096  # live entries of a chain the affine decision holds; longer: the scan
 
 
 cdef int _check_rank(Router self, int rank) except -1:
@@ -129,9 +134,11 @@ cdef class Router:
         self.matched = <uint64_t*>calloc(self.max_stride, sizeof(uint64_t))
         self.matched_words = <int*>calloc(self.max_stride, sizeof(int))
         self.depth = <int*>calloc(self.max_ranks, sizeof(int))
+        self.chain = <uint32_t*>malloc(CHAIN_MAX * sizeof(uint32_t))
+        self.hidden = <int*>malloc(WALK_MAX * sizeof(int))
         if (self.entries == NULL or self.masks == NULL or self.eligible == NULL
                 or self.running == NULL or self.matched == NULL or self.matched_words == NULL
-                or self.depth == NULL
+                or self.depth == NULL or self.chain == NULL or self.hidden == NULL
                 or ck_prefix_init(&self.table, self.entries, self.max_entries) != 0):
             raise MemoryError()
 
@@ -150,6 +157,8 @@ cdef class Router:
         free(self.matched)
         free(self.matched_words)
         free(self.depth)
+        free(self.chain)
+        free(self.hidden)
 
     # -- Python API -------------------------------------------------------
 
@@ -227,6 +236,7 @@ cdef class Router:
             mask = self.masks + e * self.stride
             if mask[word] & bit:
                 mask[word] ^= bit
+                self.entries[e].count -= 1
                 if not mask[word]:
                     empty = True
                     for w in range(group * self.group,
@@ -236,8 +246,8 @@ cdef class Router:
                             break
                     if empty:
                         self.entries[e].summary ^= (<uint64_t>1) << group
-                        if not self.entries[e].summary:
-                            self._delete(e)
+                if not self.entries[e].count:
+                    self._delete(e)
             e = newer
 
     def accepting(self, int rank) -> bool:
@@ -351,7 +361,6 @@ cdef class Router:
         O(log n_ranks), and it stops where a node's first rank stays another one.
         """
         cdef bint ok
-        cdef int node, first
         if rank >= self.n_ranks:
             return  # never added: never eligible
         ok = self._eligible(rank)
@@ -360,9 +369,12 @@ cdef class Router:
                 self.eligible[rank >> 6] |= (<uint64_t>1) << (rank & 63)
             else:
                 self.eligible[rank >> 6] &= ~((<uint64_t>1) << (rank & 63))
-        if self.ranking == NULL:
-            return
-        node = self.leaves + rank
+        if self.ranking != NULL:
+            self._set_leaf(rank, ok)
+
+    cdef void _set_leaf(self, int rank, bint ok) noexcept nogil:
+        """``rank`` in the ranking (``ok``) or out of it, and the nodes above it mended."""
+        cdef int node = self.leaves + rank, first
         if not self.by_pending and (self.ranking[node] >= 0) == ok:
             return  # round_robin orders by rank alone: only eligibility moves it
         self.ranking[node] = rank if ok else -1
@@ -473,65 +485,151 @@ cdef class Router:
         return self._least_loaded()
 
     cdef int _prefix(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
-        cdef int n = self.n_ranks, start, r, w, k, pos, best_pos = 0, rank = -1, c
-        cdef int64_t size = <int64_t>n_hashes  # a request with hashes: its blocks
-        cdef const int64_t* pending = self.pending_count
-        cdef const int64_t* work = self.work_units
-        cdef int64_t least = 0, p, new, cost, best_cost = 0, best_new = 0
-        cdef int64_t depth = 0  # the chosen rank's matched blocks
-        cdef uint64_t bits
-        cdef bint c_matched, decided = False
+        """The contract's winner without pricing every rank (docs/scaling.md): the
+        affine decision over the chain's live entries, or when it cannot settle it,
+        the scan of the first entry's ranks."""
+        cdef Choice best
+        cdef int n = self.n_ranks, start, length = 0
+        # A request's blocks: its hashes, else its prompt's (new_blocks, capped already).
+        cdef int64_t size = <int64_t>n_hashes if n_hashes else self.new_blocks
         if self.ranking[1] < 0:
             return -1  # none eligible
         start = self.cursor % n
         self.cursor = (start + 1) % n
-        if n_hashes and self._match(hashes, n_hashes, now) > 0:
-            # The best of the (few) matched ranks, on the reference's full key.
+        best.rank = -1
+        if n_hashes:
+            length = self._chain_of(hashes, n_hashes, now)
+        if length == 0:  # no match: the least work, then the fewest pending
+            self._consider(&best, self._first_from(start), 0, start, size)
+        elif length < 0 or not self._affine(start, length, size, &best):
+            best.rank = -1
+            self._scan(hashes, n_hashes, now, start, size, &best)
+        self.new_blocks = best.new
+        if n_hashes:
+            self._count_prefix(n_hashes, best.depth)
+            self._record(hashes, n_hashes, best.rank, now)
+        return best.rank
+
+    cdef void _consider(self, Choice* best, int rank, int64_t depth, int start,
+                        int64_t size) noexcept nogil:
+        """``rank``, which has ``depth`` blocks, in place of ``best`` if its key is lower:
+        (cost, pending, place in the rotating order)."""
+        cdef int64_t new = min(size - depth, <int64_t>MAX_BLOCKS)
+        cdef int64_t cost = self.weight * new + WEIGHT_SCALE * self.work_units[rank]
+        cdef int64_t p = self.pending_count[rank]
+        cdef int pos = rank - start if rank >= start else rank - start + self.n_ranks
+        if (best.rank < 0 or cost < best.cost or (cost == best.cost and (
+                p < best.pending or (p == best.pending and pos < best.pos)))):
+            best.rank = rank
+            best.pos = pos
+            best.cost = cost
+            best.pending = p
+            best.new = new
+            best.depth = depth
+
+    cdef int _chain_of(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
+        """The live entries leading the request's chain, into ``chain``: how many, or
+        -1 when more than CHAIN_MAX."""
+        cdef size_t i
+        cdef uint32_t e
+        for i in range(n_hashes):
+            e = ck_prefix_find(&self.table, ck_load_le64(hashes + 8 * i))
+            if e == CK_NIL or now - self.entries[e].last_used > self.prefix_ttl:
+                return <int>i
+            if i == CHAIN_MAX:
+                return -1
+            self.chain[i] = e
+        return <int>n_hashes
+
+    cdef inline int _depth_along(self, int rank, int d, int length) noexcept nogil:
+        """The depth of ``rank`` in the chain's first ``length`` entries, the first
+        ``d`` of which list it."""
+        cdef size_t word = rank >> 6
+        cdef uint64_t bit = (<uint64_t>1) << (rank & 63)
+        while d < length and self.masks[self.chain[d] * self.stride + word] & bit:
+            d += 1
+        return d
+
+    cdef bint _affine(self, int start, int length, int64_t size, Choice* best) noexcept nogil:
+        """The winner from the chain's ``length`` live entries and the ranking alone;
+        False when the walk hid WALK_MAX ranks without settling it.
+
+        Entry k is the first that lists at most SPARSE_RANKS ranks (k = length if
+        none): every rank deeper than k is one of them, each priced. The others
+        are found walking the ranking, best (work, pending) first: a rank can only
+        win if it is deeper than every rank before it (one before it at least as
+        deep costs no more, and wins a tie), so the walk prices those, and it ends
+        at a rank of depth k or more (none after can win), at one whose work
+        alone prices it above the best so far, or with the ranking.
+        """
+        cdef int k = 0, w, end, r, g, d, deepest = -1, n_hidden = 0, i
+        cdef uint64_t groups, bits
+        cdef uint64_t* mask
+        cdef int64_t floor
+        cdef bint settled = False
+        while k < length and self.entries[self.chain[k]].count > SPARSE_RANKS:
+            k += 1
+        if k < length:
+            mask = self.masks + self.chain[k] * self.stride
+            groups = self.entries[self.chain[k]].summary
+            while groups:
+                w = ck_ctz64(groups) * self.group
+                groups &= groups - 1
+                end = min(w + self.group, <int>self.stride)
+                while w < end:
+                    bits = mask[w] & self.eligible[w]
+                    while bits:
+                        r = (w << 6) + ck_ctz64(bits)
+                        bits &= bits - 1
+                        if self._depth_along(r, 0, k) == k:
+                            self._consider(best, r, self._depth_along(r, k + 1, length), start,
+                                           size)
+                    w += 1
+        # Every rank the walk has not priced yet has depth <= k: new blocks >= this.
+        floor = self.weight * min(size - k, <int64_t>MAX_BLOCKS)
+        while True:
+            g = self._first_from(start)
+            if g < 0 or (best.rank >= 0
+                         and best.cost < floor + WEIGHT_SCALE * self.work_units[g]):
+                settled = True
+                break
+            d = self._depth_along(g, 0, length)
+            if d > deepest:
+                self._consider(best, g, d, start, size)
+                deepest = d
+            if d >= k:
+                settled = True
+                break
+            if n_hidden == WALK_MAX:
+                break
+            self._set_leaf(g, False)  # the next one, until put back below
+            self.hidden[n_hidden] = g
+            n_hidden += 1
+        for i in range(n_hidden):
+            self._set_leaf(self.hidden[i], True)
+        return settled
+
+    cdef void _scan(self, const uint8_t* hashes, size_t n_hashes, double now, int start,
+                    int64_t size, Choice* best) noexcept nogil:
+        """Every rank of the chain's first entry priced, then the least-worked one:
+        the unmatched ranks all have the same new blocks, so that one beats or
+        ties-and-wins each of them."""
+        cdef int k, w, r, c
+        cdef uint64_t bits
+        if self._match(hashes, n_hashes, now) > 0:
             for k in range(self.n_matched_words):
                 w = self.matched_words[k]
                 bits = self.matched[w]
                 while bits:
                     r = (w << 6) + ck_ctz64(bits)
                     bits &= bits - 1
-                    new = min(size - self.depth[r], <int64_t>MAX_BLOCKS)
-                    cost = self.weight * new + WEIGHT_SCALE * work[r]
-                    p = pending[r]
-                    pos = r - start if r >= start else r - start + n
-                    if (rank < 0 or cost < best_cost or (cost == best_cost and (
-                            p < least or (p == least and pos < best_pos)))):
-                        rank = r
-                        best_cost = cost
-                        best_new = new
-                        least = p
-                        best_pos = pos
-            depth = self.depth[rank]
-            # An unmatched rank costs at least weight * new_blocks (its work is >= 0):
-            # strictly below that, no other rank can win, nor tie.
-            decided = best_cost < self.weight * self.new_blocks
-        if not decided:
-            # Otherwise the winner is the best matched rank or the eligible rank of the
-            # least work, then the fewest pending, first in the rotating order: all the
-            # unmatched ranks have the same new blocks, so that one beats or
-            # ties-and-wins each of them.
-            c = self._first_from(start)
-            c_matched = rank >= 0 and self.matched[c >> 6] >> (c & 63) & 1
-            new = min(size - self.depth[c], <int64_t>MAX_BLOCKS) if c_matched else self.new_blocks
-            cost = self.weight * new + WEIGHT_SCALE * work[c]
-            p = pending[c]
-            pos = c - start if c >= start else c - start + n
-            if (rank < 0 or cost < best_cost
-                    or (cost == best_cost and (p < least or (p == least and pos < best_pos)))):
-                rank = c
-                best_new = new
-                depth = self.depth[c] if c_matched else 0
+                    self._consider(best, r, self.depth[r], start, size)
+        c = self._first_from(start)
+        self._consider(best, c, self.depth[c] if self.matched[c >> 6] >> (c & 63) & 1 else 0,
+                       start, size)
         for k in range(self.n_matched_words):  # the scratch is all zero between decisions
             self.matched[self.matched_words[k]] = 0
         self.n_matched_words = 0
-        self.new_blocks = best_new
-        if n_hashes:
-            self._count_prefix(n_hashes, depth)
-            self._record(hashes, n_hashes, rank, now)
-        return rank
 
     cdef void _count_prefix(self, size_t n_hashes, int64_t matched) noexcept nogil:
         self.prefix_decisions += 1
@@ -618,7 +716,10 @@ cdef class Router:
                 if now - self.entries[e].last_used > self.prefix_ttl:
                     memset(self.masks + e * self.stride, 0, self.stride * sizeof(uint64_t))
                     self.entries[e].summary = 0
+                    self.entries[e].count = 0
                 self._unlink(e)
+            if not self.masks[e * self.stride + word] & bit:
+                self.entries[e].count += 1
             self.masks[e * self.stride + word] |= bit
             self.entries[e].summary |= group_bit
             self.entries[e].last_used = now
@@ -637,6 +738,7 @@ cdef class Router:
             self.n_used += 1
         self.entries[e].hash = h
         self.entries[e].summary = 0
+        self.entries[e].count = 0
         memset(self.masks + e * self.stride, 0, self.stride * sizeof(uint64_t))
         ck_prefix_insert(&self.table, e)
         self.n_entries += 1

@@ -17,7 +17,9 @@ from ._policies import (
     DEFAULT_DECODE_TOKENS,
     DEFAULT_PREFILL_WEIGHT,
     MAX_BLOCKS,
+    SPARSE_RANKS,
     U64_MASK,
+    WALK_MAX,
     WEIGHT_SCALE,
     check_args,
 )
@@ -26,6 +28,9 @@ from .protocol import BLOCK_HASH_SIZE
 __all__ = ["Router"]
 
 Buffer = bytes | bytearray | memoryview
+#: A prefix decision's best rank so far: its key (cost, pending, place in the rotating
+#: order), the rank, the blocks it would prefill and the blocks it has.
+Choice = tuple[tuple[int, int, int], int, int, int]
 
 
 def _hash_frame(block_hashes: Buffer | None) -> memoryview:
@@ -270,9 +275,13 @@ class Router:
         ok = self._eligible(rank)
         if self._policy == "prefix" and ok != bool(self._eligible_mask >> rank & 1):
             self._eligible_mask ^= 1 << rank
+        if self._ranking is not None:
+            self._set_leaf(rank, ok)
+
+    def _set_leaf(self, rank: int, ok: bool) -> None:
+        """``rank`` in the ranking (``ok``) or out of it, and the nodes above it mended."""
         ranking = self._ranking
-        if ranking is None:
-            return
+        assert ranking is not None
         node = self._leaves + rank
         if self._policy == "round_robin" and (ranking[node] >= 0) == ok:
             return  # round_robin orders by rank alone: only eligibility moves it
@@ -376,6 +385,9 @@ class Router:
         return self._least_loaded(frame, now, size)
 
     def _prefix(self, frame: memoryview, now: float, size: int) -> tuple[int, int]:
+        """The contract's winner without pricing every rank (docs/scaling.md): the
+        affine decision over the chain's live entries, or when it cannot settle it,
+        the scan of the first entry's ranks."""
         ranking = self._ranking
         assert ranking is not None
         if ranking[1] < 0:
@@ -385,24 +397,113 @@ class Router:
         self._cursor = (start + 1) % n
         m = len(frame) // BLOCK_HASH_SIZE
         hashes = struct.unpack(f"<{m}Q", frame)
-        depth = self._depths(hashes, now) if m else {}
-        # The unmatched ranks all have the same new blocks: the one of the least work,
-        # then the fewest pending, first in the rotating order, beats or ties-and-wins
-        # each of them. So the winner is a matched rank or that one.
-        pending, work, weight = self._pending, self._work, self._weight
-        rank, best_new, best_key = -1, 0, (0, 0, 0)
-        for r in (*depth, self._first_from(start)):
-            new = min(size - depth.get(r, 0), MAX_BLOCKS)
-            key = (weight * new + WEIGHT_SCALE * work[r], pending[r], (r - start) % n)
-            if rank < 0 or key < best_key:
-                rank, best_new, best_key = r, new, key
+        chain = self._chain(hashes, now)
+        if not chain:  # no match: the least work, then the fewest pending
+            best = self._consider(None, self._first_from(start), 0, start, size)
+        else:
+            best = self._affine(chain, start, size) or self._scan(hashes, now, start, size)
+        _, rank, new, depth = best
         if m:
             counts = self._prefix_counts
             counts[0] += 1
             counts[1] += m
-            counts[2] += depth.get(rank, 0)
+            counts[2] += depth
             self._record(hashes, rank, now)
-        return rank, best_new
+        return rank, new
+
+    def _consider(
+        self, best: Choice | None, rank: int, depth: int, start: int, size: int
+    ) -> Choice:
+        """``rank``, which has ``depth`` blocks, in place of ``best`` if its key is lower:
+        (cost, pending, place in the rotating order)."""
+        new = min(size - depth, MAX_BLOCKS)
+        key = (
+            self._weight * new + WEIGHT_SCALE * self._work[rank],
+            self._pending[rank],
+            (rank - start) % self._n_ranks,
+        )
+        if best is None or key < best[0]:
+            return key, rank, new, depth
+        return best
+
+    def _chain(self, hashes: tuple[int, ...], now: float) -> list[int]:
+        """The rank masks of the live entries leading the request's chain."""
+        table, ttl = self._table, self._ttl
+        chain = []
+        for h in hashes:
+            entry = table.get(h)
+            if entry is None or now - entry[1] > ttl:
+                break
+            chain.append(entry[0])
+        return chain
+
+    @staticmethod
+    def _depth_along(chain: list[int], rank: int, d: int, length: int) -> int:
+        """The depth of ``rank`` in the chain's first ``length`` entries, the first
+        ``d`` of which list it."""
+        while d < length and chain[d] >> rank & 1:
+            d += 1
+        return d
+
+    def _affine(self, chain: list[int], start: int, size: int) -> Choice | None:
+        """The winner from the chain's live entries and the ranking alone; None when
+        the walk hid WALK_MAX ranks without settling it.
+
+        Entry k is the first that lists at most SPARSE_RANKS ranks (k = len(chain)
+        if none): every rank deeper than k is one of them, each priced. The others
+        are found walking the ranking, best (work, pending) first: a rank can only
+        win if it is deeper than every rank before it (one before it at least as
+        deep costs no more, and wins a tie), so the walk prices those, and it ends
+        at a rank of depth k or more (none after can win), at one whose work
+        alone prices it above the best so far, or with the ranking.
+        """
+        length = len(chain)
+        k = next((i for i, mask in enumerate(chain) if mask.bit_count() <= SPARSE_RANKS), length)
+        best: Choice | None = None
+        if k < length:
+            bits = chain[k] & self._eligible_mask
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                r = low.bit_length() - 1
+                if self._depth_along(chain, r, 0, k) == k:
+                    depth = self._depth_along(chain, r, k + 1, length)
+                    best = self._consider(best, r, depth, start, size)
+        # Every rank the walk has not priced yet has depth <= k: new blocks >= this.
+        floor = self._weight * min(size - k, MAX_BLOCKS)
+        hidden: list[int] = []
+        settled = False
+        deepest = -1
+        while True:
+            g = self._first_from(start)
+            if g < 0 or (best is not None and best[0][0] < floor + WEIGHT_SCALE * self._work[g]):
+                settled = True
+                break
+            d = self._depth_along(chain, g, 0, length)
+            if d > deepest:
+                best = self._consider(best, g, d, start, size)
+                deepest = d
+            if d >= k:
+                settled = True
+                break
+            if len(hidden) == WALK_MAX:
+                break
+            self._set_leaf(g, False)  # the next one, until put back below
+            hidden.append(g)
+        for g in hidden:
+            self._set_leaf(g, True)
+        return best if settled else None
+
+    def _scan(self, hashes: tuple[int, ...], now: float, start: int, size: int) -> Choice:
+        """Every rank of the chain's first entry priced, then the least-worked one:
+        the unmatched ranks all have the same new blocks, so that one beats or
+        ties-and-wins each of them."""
+        depth = self._depths(hashes, now)
+        best = None
+        for r, d in depth.items():
+            best = self._consider(best, r, d, start, size)
+        c = self._first_from(start)
+        return self._consider(best, c, depth.get(c, 0), start, size)
 
     def _depths(self, hashes: tuple[int, ...], now: float) -> dict[int, int]:
         """The eligible ranks of the first hash's live entry, with their matched depth;

@@ -174,6 +174,8 @@ def cython_constants() -> dict[str, int]:
         N_COUNTERS=len(Counter),
         WEIGHT_SCALE=_policies.WEIGHT_SCALE,
         MAX_BLOCKS=_policies.MAX_BLOCKS,
+        SPARSE_RANKS=_policies.SPARSE_RANKS,
+        WALK_MAX=_policies.WALK_MAX,
     )
     # a router's policy, by its index in POLICIES: POLICY_ROUND_ROBIN = 0, ...
     values.update({f"POLICY_{name.upper()}": i for i, name in enumerate(_policies.POLICIES)})

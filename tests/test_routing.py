@@ -549,13 +549,13 @@ def test_differential_trace(
     run_trace([*routers, c_impl.Router(policy, **kwargs)], seed, max_ranks, steps=3000)
 
 
-def run_fleet(routers, seed: int, max_ranks: int, steps: int) -> None:
+def run_fleet(routers, seed: int, max_ranks: int, steps: int, n_prefixes: int = 40) -> None:
     """A fleet of hundreds of ranks, growing from a few: joining and leaving in
     waves, draining (out of the pool, its requests still to release), dying (its
     requests released at once), under a load that keeps most ranks at few pending
-    requests (ties everywhere)."""
+    requests (ties everywhere). Few prefixes make entries that list many ranks."""
     rng = random.Random(seed)
-    prefixes = [[rng.getrandbits(64) for _ in range(rng.randint(1, 8))] for _ in range(40)]
+    prefixes = [[rng.getrandbits(64) for _ in range(rng.randint(1, 8))] for _ in range(n_prefixes)]
     held: dict[int, list[int]] = {}  # rank -> the charges of its requests in flight
     accepting: set[int] = set()
     frontier = 16  # ranks join below it; it moves up as the fleet grows
@@ -635,6 +635,25 @@ def test_fleet_structures_against_the_scan(c_impl, py_impl, policy, max_ranks, r
     run_fleet([*routers, c_impl.Router(policy, **kwargs)], seed, max_ranks, steps)
 
 
+@pytest.mark.parametrize("weight", [0.0, 0.3, 1.0, 8.0])
+@pytest.mark.parametrize("rank_cap", [0, 3])
+def test_prefix_entries_of_many_ranks_against_the_scan(c_impl, py_impl, weight, rank_cap):
+    # Three prefixes over hundreds of ranks: their entries list dozens of ranks or all
+    # of them, so prefix decides by walking the ranking (and, when that cannot settle
+    # it, by the scan) as often as from a sparse entry.
+    kwargs = dict(
+        max_ranks=500,
+        seed=3,
+        rank_cap=rank_cap,
+        prefix_prefill_weight=weight,
+        prefix_decode_tokens=16,
+        prefix_ttl=100.0,
+        prefix_max_entries=500,
+    )
+    routers = [ScanningRouter("prefix", **kwargs), py_impl.Router("prefix", **kwargs)]
+    run_fleet([*routers, c_impl.Router("prefix", **kwargs)], 21, 500, 3000, n_prefixes=3)
+
+
 def test_prefix_masks_widen_as_the_fleet_grows(c_impl, py_impl):
     # The C router's masks are as wide as the ranks added so far: each new highest
     # rank past a multiple of 64 moves every entry's mask (and past 4096 ranks,
@@ -667,3 +686,17 @@ def test_prefix_masks_widen_as_the_fleet_grows(c_impl, py_impl):
         for router in routers:
             router.remove_rank(rank)
         same_state(routers, 9000, 0.0, [h for chain in chains for h in chain])
+
+
+def test_prefix_chain_longer_than_the_c_scratch(c_impl, py_impl):
+    # The C router holds up to 4096 live entries of a chain for its affine decision;
+    # a longer match is decided by the scan, to the same rank.
+    routers = [ScanningRouter("prefix"), py_impl.Router("prefix"), c_impl.Router("prefix")]
+    for router in routers:
+        for rank in range(3):
+            router.add_rank(rank)
+    long_chain = frame(*range(1, 4300))
+    for step in range(6):
+        rank = same_choice(routers, long_chain if step % 2 else frame(*range(1, 200)), 0.0, 0, step)
+        assert rank >= 0
+    same_state(routers, 3, 0.0, [1, 4000, 4299])
