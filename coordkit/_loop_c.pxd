@@ -32,13 +32,16 @@ from .includes.tables cimport (
 )
 
 
+include "loop/lists.pxd"
+
+
 cdef struct Client:
     bint used
     bint coordkit  # said {"coordkit": 1} in CONNECT: may be sent ERROR and STATS_REPLY
     bint batch  # granted batches: may send SUBMIT_BATCH, is sent REPLY_BATCH
     int format  # PeerFormat
     int64_t inflight
-    uint64_t last_seen  # the message count when it last sent one
+    Ends requests  # its requests in flight: slots, through Loop.client_links
 
 
 cdef struct Engine:
@@ -68,7 +71,6 @@ include "loop/message.pxd"
 include "loop/dialect.pxd"
 include "loop/kept.pxd"
 include "loop/fanout.pxd"
-include "loop/deadlines.pxd"
 include "loop/latency.pxd"
 include "loop/traffic.pxd"
 
@@ -104,6 +106,11 @@ cdef class Loop:
         Client* clients
         ck_ids client_ids
         int n_clients
+        uint32_t clients_used  # client indices ever used: above them, calloc's untouched zeros
+        Links client_links  # by request slot: each client's requests
+        Links idle_links  # by client index: the idle list, or the vacant list
+        Ends idle  # the clients with nothing in flight, the one idle longest first
+        Ends vacant  # the unused client indices below clients_used
         Engine* engines
         ck_ids engine_ids
         int n_engines
@@ -121,7 +128,8 @@ cdef class Loop:
         uint64_t debug_polls  # DEBUG builds: loop wake-ups, against the messages handled
         Traffic traffic
         Latency latency  # measure_latency
-        Deadlines deadlines  # request_timeout
+        Links deadline_links  # by request slot: the request_timeout queue
+        Ends deadlines  # the requests in submission order (with a request_timeout)
 
         # The message at hand, and its entries bound for peers that take batches.
         Message message
@@ -147,6 +155,7 @@ cdef class Loop:
     cdef bint _deliver(self, int32_t client, int64_t header, int64_t client_rid,
                        const uint8_t* body, size_t size, zmq_msg_t* message) noexcept nogil
     cdef void _forget(self, uint32_t slot) noexcept nogil
+    cdef void _seen(self, int32_t client) noexcept nogil
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil
     cdef int _send_identity(self, ck_ids* table, int32_t index) noexcept nogil
     cdef const uint8_t* _data(self, int part) noexcept nogil

@@ -11,7 +11,8 @@ The loop's concepts are small structs with inline functions, each in loop/
 (its struct in the .pxd, its functions in the .pyx), included here into one
 extension: the message at hand (message), multipart and single frame
 (dialect), the kept-prompt store (kept), the batch fan-out of both directions
-(fanout), the request_timeout queue (deadlines), the latency histograms
+(fanout), lists through indices (lists: the request_timeout queue, each
+client's requests, the idle clients), the latency histograms
 (latency) and the traffic counters (traffic). The Loop keeps the tables and
 the handlers.
 
@@ -165,7 +166,7 @@ include "loop/message.pyx"
 include "loop/dialect.pyx"
 include "loop/kept.pyx"
 include "loop/fanout.pyx"
-include "loop/deadlines.pyx"
+include "loop/lists.pyx"
 include "loop/latency.pyx"
 include "loop/traffic.pyx"
 
@@ -220,8 +221,11 @@ cdef class Loop:
             self.submitted = <double*>malloc(options.max_inflight * sizeof(double))
             if self.submitted == NULL:
                 raise MemoryError()
-        if self.request_timeout and not deadlines_init(&self.deadlines, options.max_inflight):
+        ends_init(&self.deadlines)
+        if self.request_timeout and not links_init(&self.deadline_links, options.max_inflight):
             raise MemoryError()
+        ends_init(&self.idle)
+        ends_init(&self.vacant)
         self.clients = <Client*>calloc(self.max_clients, sizeof(Client))
         self.engines = <Engine*>calloc(self.max_engines, sizeof(Engine))
         self.gone = <int*>malloc(self.max_engines * sizeof(int))
@@ -235,6 +239,8 @@ cdef class Loop:
             ) != 0
             or ck_ids_init(&self.client_ids, self.max_clients) != 0
             or ck_ids_init(&self.engine_ids, self.max_engines) != 0
+            or not links_init(&self.client_links, options.max_inflight)
+            or not links_init(&self.idle_links, self.max_clients)
         ):
             raise MemoryError()
 
@@ -254,7 +260,9 @@ cdef class Loop:
         free(self.gone)
         free(self.work)
         free(self.submitted)
-        deadlines_free(&self.deadlines)
+        links_free(&self.deadline_links)
+        links_free(&self.client_links)
+        links_free(&self.idle_links)
         message_free(&self.message)
         fanout_free(&self.fanout)
 
@@ -425,7 +433,7 @@ cdef class Loop:
                     f"dropped {header_name(header)} from a peer that never connected",
                 )
         else:
-            self.clients[client].last_seen = self.messages
+            self._seen(client)
             self._from_client(client, header)
 
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil:
@@ -572,11 +580,14 @@ cdef class Loop:
                 self._refuse(client, rid, ERROR_BUSY, header, COUNTER_BUSY)
             return
         slot = ck_requests_add(&self.requests, client, rid)
+        if self.clients[client].inflight == 0:
+            list_remove(&self.idle_links, &self.idle, client)
         self.clients[client].inflight += 1
+        list_push(&self.client_links, &self.clients[client].requests, slot)
         if self.submitted != NULL:
             self.submitted[slot] = monotonic()
         if self.request_timeout:
-            deadlines_push(&self.deadlines, slot)
+            list_push(&self.deadline_links, &self.deadlines, slot)
         request = &self.requests.pool[slot]
         server_rid = request.server_rid
         if not inbound.single:
@@ -850,10 +861,14 @@ cdef class Loop:
         """Take the request at ``slot`` out of every table and count; a draining
         engine whose last request this was is gone."""
         cdef ck_request* request = &self.requests.pool[slot]
+        cdef Client* client = &self.clients[request.client]
         cdef int rank = request.rank
-        self.clients[request.client].inflight -= 1
+        list_remove(&self.client_links, &client.requests, slot)
+        client.inflight -= 1
+        if client.inflight == 0:
+            list_push(&self.idle_links, &self.idle, request.client)
         if self.request_timeout:
-            deadlines_remove(&self.deadlines, slot)
+            list_remove(&self.deadline_links, &self.deadlines, slot)
         release_kept(request.kept)
         ck_requests_remove(&self.requests, slot)
         if rank < 0:
@@ -861,6 +876,12 @@ cdef class Loop:
         self.router.release_c(rank, self.work[slot])
         if self.engines[rank].state == ENGINE_DRAINING and self.router.pending_count[rank] == 0:
             self.engines[rank].state = ENGINE_GONE
+
+    cdef inline void _seen(self, int32_t client) noexcept nogil:
+        """A message from ``client``: with nothing in flight, it is the idle one seen last."""
+        if self.clients[client].inflight == 0:
+            list_remove(&self.idle_links, &self.idle, client)
+            list_push(&self.idle_links, &self.idle, client)
 
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil:
         """Take ``rank`` out of the pool now; its requests are settled after the
@@ -1002,6 +1023,7 @@ cdef class Loop:
         if client >= 0:
             self.counters[COUNTER_DUPLICATE_CONNECT] += 1
             index = client
+            self._seen(client)
         else:
             index = self._vacant_client()
             if index < 0:
@@ -1014,11 +1036,12 @@ cdef class Loop:
                 return
             self.clients[index].used = True
             self.clients[index].inflight = 0
+            ends_init(&self.clients[index].requests)
+            list_push(&self.idle_links, &self.idle, index)
             ck_ids_insert(&self.client_ids, index, self._data(0), self._size(0))
             self.n_clients += 1
         self.clients[index].coordkit = hello.coordkit
         self.clients[index].batch = hello.batch
-        self.clients[index].last_seen = self.messages
         self.clients[index].format = (
             FORMAT_SINGLE_FRAME if self.megatron_core and not hello.coordkit else FORMAT_MULTIPART
         )
@@ -1028,25 +1051,27 @@ cdef class Loop:
             self._reply_to_sender(protocol.CONNECT_ACK.pack())
 
     cdef int32_t _vacant_client(self) except -2:
-        """A free client index; when all are used, the idle client seen longest ago
-        gives up its own; -1 when none is idle."""
-        cdef int32_t index, idle = -1
-        if self.n_clients < self.max_clients:
-            for index in range(self.max_clients):
-                if not self.clients[index].used:
-                    return index
-        for index in range(self.max_clients):
-            if self.clients[index].used and self.clients[index].inflight == 0:
-                if idle < 0 or self.clients[index].last_seen < self.clients[idle].last_seen:
-                    idle = index
-        if idle >= 0:
-            self._remove_client(idle)
-        return idle
+        """A free client index; when all are used, the client idle longest gives up
+        its own; -1 when none is idle."""
+        cdef int32_t index
+        if self.vacant.newest == UINT32_MAX and self.clients_used < <uint32_t>self.max_clients:
+            self.clients_used += 1
+            return self.clients_used - 1
+        if self.vacant.newest == UINT32_MAX:
+            if self.idle.oldest == UINT32_MAX:
+                return -1
+            self._remove_client(self.idle.oldest)
+        index = self.vacant.newest
+        list_remove(&self.idle_links, &self.vacant, index)
+        return index
 
     cdef _remove_client(self, int32_t client):
+        """A client with nothing in flight leaves the tables."""
         ck_ids_remove(&self.client_ids, client)
         self.clients[client].used = False
         self.n_clients -= 1
+        list_remove(&self.idle_links, &self.idle, client)
+        list_push(&self.idle_links, &self.vacant, client)
 
     cdef _heartbeat(self, int32_t engine):
         if self._parse(protocol.HEARTBEAT, -1, HEADER_HEARTBEAT) is None:
@@ -1237,15 +1262,21 @@ cdef class Loop:
         cdef uint32_t slot, n = 0
         if order == NULL:
             raise MemoryError()
-        for slot in range(self.requests.used):
-            request = &self.requests.pool[slot]
-            if request.server_rid < 0:
-                continue
-            if (rank >= 0 and request.rank != rank) or (client >= 0 and request.client != client):
-                continue
-            order[n].server_rid = request.server_rid
-            order[n].slot = slot
-            n += 1
+        if client >= 0:  # its own list
+            slot = self.clients[client].requests.oldest
+            while slot != UINT32_MAX:
+                order[n].server_rid = self.requests.pool[slot].server_rid
+                order[n].slot = slot
+                n += 1
+                slot = self.client_links.newer[slot]
+        else:
+            for slot in range(self.requests.used):
+                request = &self.requests.pool[slot]
+                if request.server_rid < 0 or (rank >= 0 and request.rank != rank):
+                    continue
+                order[n].server_rid = request.server_rid
+                order[n].slot = slot
+                n += 1
         qsort(order, n, sizeof(RequestOrder), compare_server_rids)
         count[0] = n
         return order

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -82,15 +82,14 @@ MSGPACK_BOOLS = (b"\xc2", b"\xc3")  # false, true: a reply batch entry's final f
 
 
 class _Client:
-    __slots__ = ("identity", "coordkit", "batch", "format", "inflight", "last_seen")
+    __slots__ = ("identity", "coordkit", "batch", "format", "requests")
 
     def __init__(self, identity: bytes):
         self.identity = identity
         self.coordkit = False  # may be sent ERROR and STATS_REPLY
         self.batch = False  # granted batches: may send SUBMIT_BATCH, is sent REPLY_BATCH
         self.format = MULTIPART
-        self.inflight = 0
-        self.last_seen = 0  # the message count when it last sent one
+        self.requests: dict[int, _Request] = {}  # in flight, by client rid
 
 
 class _Engine:
@@ -402,7 +401,7 @@ class Fanout:
         return _send_all(sock, [b"".join(head), *(frame for *_, frame in entries)])
 
 
-# -- the request_timeout queue (loop/deadlines.pyx) ------------------------------------
+# -- the request_timeout queue (loop/lists.pyx) ----------------------------------------
 
 
 class Deadlines:
@@ -536,9 +535,10 @@ class Loop:
         self._window = self._window_min = min(options.index_size, INDEX_WINDOW_MIN)
         # The tables.
         self._requests: dict[int, _Request] = {}  # server_rid & mask -> request
-        self._by_client: dict[tuple[bytes, int], _Request] = {}
         self._next_rid = 0
         self._clients: dict[bytes, _Client] = {}
+        # the clients with nothing in flight, the one idle longest first
+        self._idle: OrderedDict[bytes, _Client] = OrderedDict()
         self._engines: list[_Engine] = []
         self._engine_by_identity: dict[bytes, _Engine] = {}
         # engines not gone of each format, counted at each registration: which checks to make
@@ -680,7 +680,7 @@ class Loop:
                 "not_connected", f"dropped {header_name(header)} from a peer that never connected"
             )
         else:
-            client.last_seen = self._messages
+            self._seen(client)
             self._from_client(client, header, frames)
 
     def _from_client(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
@@ -780,7 +780,7 @@ class Loop:
         """A request that parsed: refused (a duplicate id, a full table), or given a
         server id and an engine, and the frames on to it."""
         header = inbound.header
-        if (client.identity, rid) in self._by_client:
+        if rid in client.requests:
             self._refuse(
                 client, rid, ErrorCode.DUPLICATE_REQUEST, header, Counter.DUPLICATE_REQUEST
             )
@@ -789,7 +789,9 @@ class Loop:
             self._refuse(client, rid, ErrorCode.BUSY, header, Counter.BUSY)
             return
         request = self._add(client, rid)
-        client.inflight += 1
+        if not client.requests:
+            del self._idle[client.identity]
+        client.requests[rid] = request
         if self._deadlines is not None or self._latency is not None:
             request.submitted = time.monotonic()
         if self._deadlines is not None:
@@ -996,12 +998,10 @@ class Loop:
         self._next_rid = rid + 1
         request = _Request(rid, client, client_rid)
         self._requests[rid & self._mask] = request
-        self._by_client[(client.identity, client_rid)] = request
         return request
 
     def _remove(self, request: _Request) -> None:
         del self._requests[request.server_rid & self._mask]
-        del self._by_client[(request.client.identity, request.client_rid)]
 
     def _find(self, server_rid: int) -> _Request | None:
         request = self._requests.get(server_rid & self._mask)
@@ -1010,7 +1010,10 @@ class Loop:
     def _forget(self, request: _Request) -> None:
         """Take a request out of every table and count; a draining engine whose
         last request this was is gone."""
-        request.client.inflight -= 1
+        client = request.client
+        del client.requests[request.client_rid]
+        if not client.requests:
+            self._idle[client.identity] = client
         if self._deadlines is not None:
             self._deadlines.remove(request)
         self._remove(request)
@@ -1020,6 +1023,11 @@ class Loop:
         engine = self._engines[request.rank]
         if engine.state == DRAINING and self._router.pending(engine.rank) == 0:
             engine.state = GONE
+
+    def _seen(self, client: _Client) -> None:
+        """A message from ``client``: with nothing in flight, it is the idle one seen last."""
+        if not client.requests:
+            self._idle.move_to_end(client.identity)
 
     def _mark_gone(self, engine: _Engine, reason: str) -> None:
         """Take an engine out of the pool now; its requests are settled after the
@@ -1145,6 +1153,7 @@ class Loop:
             return
         if client is not None:
             self._counters[Counter.DUPLICATE_CONNECT] += 1
+            self._seen(client)
         else:
             if len(self._clients) >= self._options.max_clients and not self._vacant_client():
                 self._counters[Counter.TABLE_FULL] += 1
@@ -1154,10 +1163,9 @@ class Loop:
                     text = error_text(ErrorCode.BUSY, Header.CONNECT)
                     self._send(identity, protocol.ERROR.pack(None, ErrorCode.BUSY, text))
                 return
-            client = self._clients[identity] = _Client(identity)
+            client = self._clients[identity] = self._idle[identity] = _Client(identity)
         client.coordkit = hello.coordkit
         client.batch = hello.batch
-        client.last_seen = self._messages
         client.format = SINGLE_FRAME if self._megatron_core and not hello.coordkit else MULTIPART
         if hello.batch:
             self._send(identity, protocol.CONNECT_ACK_BATCH.pack({BATCH_FEATURE: 1}))
@@ -1165,12 +1173,16 @@ class Loop:
             self._send(identity, protocol.CONNECT_ACK.pack())
 
     def _vacant_client(self) -> bool:
-        """Make room for a client: the idle one seen longest ago gives up its place."""
-        idle = [c for c in self._clients.values() if c.inflight == 0]
-        if not idle:
+        """Make room for a client: the one idle longest gives up its place."""
+        if not self._idle:
             return False
-        del self._clients[min(idle, key=lambda c: c.last_seen).identity]
+        self._remove_client(next(iter(self._idle.values())))
         return True
+
+    def _remove_client(self, client: _Client) -> None:
+        """A client with nothing in flight leaves the tables."""
+        del self._clients[client.identity]
+        del self._idle[client.identity]
 
     def _heartbeat(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         if self._parse(protocol.HEARTBEAT, None, Header.HEARTBEAT, frames) is None:
@@ -1196,7 +1208,7 @@ class Loop:
         message = self._parse(protocol.ABORT_REQUEST, client, Header.ABORT_REQUEST, frames)
         if message is None:
             return
-        request = self._by_client.get((client.identity, message.rid))
+        request = client.requests.get(message.rid)
         if request is None:
             self._refuse(
                 client,
@@ -1321,9 +1333,11 @@ class Loop:
             status = self._route(request, inbound)
         return status
 
-    def _in_order(self, keep: Any) -> list[_Request]:
-        """The requests in flight for which ``keep`` holds, by server id."""
-        return sorted((r for r in self._requests.values() if keep(r)), key=lambda r: r.server_rid)
+    def _in_order(self, keep: Any, among: Iterable[_Request] | None = None) -> list[_Request]:
+        """The requests in flight (of ``among``, else all) for which ``keep`` holds, by
+        server id."""
+        requests = self._requests.values() if among is None else among
+        return sorted((r for r in requests if keep(r)), key=lambda r: r.server_rid)
 
     def _fail_request(self, request: _Request, code: ErrorCode, header: int) -> None:
         """End ``request`` with ERROR(code): its one terminal reply."""
@@ -1361,7 +1375,7 @@ class Loop:
         if self._clients.get(client.identity) is not client:
             return
         self._counters[Counter.CLIENT_GONE] += 1
-        for request in self._in_order(lambda r: r.client is client):
+        for request in self._in_order(lambda r: True, client.requests.values()):
             if self._find(request.server_rid) is not request:
                 continue
             rank = request.rank
@@ -1369,7 +1383,7 @@ class Loop:
             if request.flags & ABORTED or rank < 0 or self._engines[rank].state == GONE:
                 continue
             self._abort_at_engine(self._engines[rank], request.server_rid)
-        del self._clients[client.identity]
+        self._remove_client(client)
 
     # -- answers and malformed input ------------------------------------------------------
 

@@ -36,6 +36,7 @@ from tests.support.peers import (
     SET_GENERATION_EPOCH,
     SHUTDOWN,
     STATS,
+    STATS_REPLY,
     SUBMIT,
     SUBMIT_KV,
     RawClient,
@@ -356,6 +357,31 @@ def test_client_table_is_bounded(make_cluster):
         assert stats["clients"] == 2 and stats["counters"]["table_full"] == 1
 
 
+def test_the_client_idle_longest_gives_up_its_place(make_cluster):
+    # Idle since: its last message, or its last request's end, whichever came later.
+    with make_cluster(n_engines=1, max_clients=2) as c:
+        early = c.client(coordkit=True)
+        early.send(m([SUBMIT, 0, {}]), b"p")
+        meta, _ = c.engines[0].recv()
+        late = c.client(coordkit=True)  # idle from here
+        c.engines[0].send(m([REPLY, [[um(meta)[1], False]]]), b"done")
+        assert early.recv() == [m([REPLY, 0]), b"done"]  # idle from here: after late
+        c.client()  # takes late's place, not early's
+        late.send(m([SUBMIT, 1, {}]), b"p")
+        wait_for(lambda: c.coord.stats()["counters"]["not_connected"] == 1)
+        round_trip(c, early, 2)
+        # A message from an idle client makes it the one seen last: now early is older.
+        third = c.client(coordkit=True)  # takes the place of the one made above
+        early.send(m([STATS]))
+        assert um(early.recv()[0])[0] == STATS_REPLY
+        third.send(m([STATS]))
+        assert um(third.recv()[0])[0] == STATS_REPLY
+        c.client()  # early was seen before third: early goes
+        early.send(m([SUBMIT, 3, {}]), b"p")
+        wait_for(lambda: c.coord.stats()["counters"]["not_connected"] == 2)
+        round_trip(c, third, 0)
+
+
 # -- vanished peers ------------------------------------------------------------------
 
 
@@ -381,6 +407,40 @@ def test_vanished_client_leaves_no_state(make_cluster):
         assert stats["inflight"] == 0 and stats["clients"] == 1
         assert stats["engines"][0]["pending"] == 0
         round_trip(c, other, 0)
+
+
+def test_vanished_clients_among_many_leave_only_their_own_requests(make_cluster):
+    # Each client's requests are its own list: one that vanishes takes exactly its
+    # requests with it, interleaved as they are with everyone else's in the tables.
+    with make_cluster(n_engines=1) as c:
+        clients = [c.client(coordkit=True) for _ in range(60)]
+        owner: dict[int, tuple[int, int]] = {}  # server rid -> (client index, client rid)
+        for rid in range(3):
+            for index, client in enumerate(clients):
+                client.send(m([SUBMIT, rid, {}]), b"p")
+                owner[um(c.engines[0].recv()[0])[1]] = (index, rid)
+        leavers = set(range(0, 60, 7))
+        for index in sorted(leavers):
+            clients[index].close()
+            c.peers.remove(clients[index])
+        time.sleep(0.2)  # let libzmq notice the closed pipes
+        # A reply to each leaver's last request finds it gone: its others are aborted.
+        last = {index: server_rid for server_rid, (index, _) in sorted(owner.items())}
+        for index in sorted(leavers):
+            c.engines[0].send(m([REPLY, [[last[index], False]]]), b"nobody home")
+        aborted = sorted(um(c.engines[0].recv()[0])[1] for _ in range(2 * len(leavers)))
+        assert aborted == sorted(
+            server_rid
+            for server_rid, (index, _) in owner.items()
+            if index in leavers and server_rid != last[index]
+        )
+        wait_for(lambda: c.coord.stats()["clients"] == 60 - len(leavers))
+        assert c.coord.stats()["inflight"] == 3 * (60 - len(leavers))
+        for server_rid, (index, rid) in owner.items():  # the others' are all still there
+            if index not in leavers:
+                c.engines[0].send(m([REPLY, [[server_rid, False]]]), b"r")
+                assert clients[index].recv() == [m([REPLY, rid]), b"r"]
+        wait_for(lambda: c.coord.stats()["inflight"] == 0)
 
 
 def test_unreachable_engine_is_failed_and_its_requests_rerouted(make_cluster):
