@@ -69,7 +69,7 @@ cdef class Router:
     def __cinit__(
         self,
         policy,
-        max_ranks=1024,
+        max_ranks=4096,
         *,
         seed=0,
         rank_cap=0,

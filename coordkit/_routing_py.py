@@ -77,7 +77,7 @@ class Router:
     def __init__(
         self,
         policy: str,
-        max_ranks: int = 1024,
+        max_ranks: int = 4096,
         *,
         seed: int = 0,
         rank_cap: int = 0,
