@@ -7,6 +7,8 @@ import random
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordkit import protocol
 from tests.support.routing_reference import ScanningRouter
@@ -700,3 +702,78 @@ def test_prefix_chain_longer_than_the_c_scratch(c_impl, py_impl):
         rank = same_choice(routers, long_chain if step % 2 else frame(*range(1, 200)), 0.0, 0, step)
         assert rank >= 0
     same_state(routers, 3, 0.0, [1, 4000, 4299])
+
+
+# -- generated traces: hypothesis shrinks a failing one to its few events ---------------
+
+FLEET = 400
+CHAINS = [[(7919 * c + 104729 * d) & U64 for d in range(1, 6)] for c in range(1, 13)]
+EVENT = st.one_of(
+    st.tuples(st.just("join"), st.lists(st.integers(0, FLEET - 1), min_size=1, max_size=120)),
+    st.tuples(st.just("leave"), st.integers(0, 1 << 16), st.booleans()),  # dies, or drains
+    st.tuples(
+        st.just("choose"),
+        st.integers(-1, len(CHAINS) - 1),  # -1: no hashes
+        st.integers(1, 5),
+        st.sampled_from((0, 1, 17, 4000, 1 << 20)),
+    ),
+    st.tuples(st.just("release"), st.integers(0, 1 << 16)),
+    st.tuples(st.just("time"), st.floats(-3, 60)),
+)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=150, deadline=None)
+@given(rank_cap=st.sampled_from((0, 1, 3)), events=st.lists(EVENT, max_size=150))
+def test_generated_fleet_traces_against_the_scan(c_impl, py_impl, policy, rank_cap, events):
+    # Ranks joining in waves, leaving to die (their requests settled at once) or to
+    # drain (out of the pool, their requests released later), choices and releases
+    # interleaved: the same decisions and state as the contract's scans, every event.
+    kwargs = dict(
+        max_ranks=FLEET,
+        seed=3,
+        rank_cap=rank_cap,
+        prefix_prefill_weight=2.0,
+        prefix_decode_tokens=16,
+        prefix_ttl=50.0,
+        prefix_max_entries=40,
+    )
+    routers = [
+        ScanningRouter(policy, **kwargs),
+        py_impl.Router(policy, **kwargs),
+        c_impl.Router(policy, **kwargs),
+    ]
+    held: list[tuple[int, int]] = []  # (rank, charge) of the requests in flight
+    accepting: list[int] = []
+    now = 0.0
+    for step, event in enumerate(events):
+        kind = event[0]
+        if kind == "join":
+            for rank in event[1]:
+                if rank not in accepting:
+                    accepting.append(rank)
+                for router in routers:
+                    router.add_rank(rank)
+        elif kind == "leave" and accepting:
+            rank = accepting.pop(event[1] % len(accepting))
+            for router in routers:
+                router.remove_rank(rank)
+            if event[2]:  # dies: the loop releases each of its requests now
+                for r, work in [h for h in held if h[0] == rank]:
+                    held.remove((r, work))
+                    for router in routers:
+                        router.release(r, work)
+        elif kind == "choose":
+            _, chain, depth, tokens = event
+            hashes = None if chain < 0 else frame(*CHAINS[chain][:depth])
+            rank = same_choice(routers, hashes, now, tokens, step)
+            if rank >= 0:
+                assert rank in accepting
+                held.append((rank, routers[0].charged))
+        elif kind == "release" and held:
+            rank, work = held.pop(event[1] % len(held))
+            for router in routers:
+                router.release(rank, work)
+        elif kind == "time":
+            now += event[1]
+    same_state(routers, FLEET, now, [h for chain in CHAINS for h in chain])
