@@ -102,6 +102,7 @@ cdef enum:
     BLOCK_HASH_SIZE = 8
     MAX_PARTS = 65536
     COPY_BELOW = 8192
+    SHARED_SMALL_MAX = 2048
     INDEX_WINDOW_MIN = 4096
     HEADER_SLOTS = 128
     ERROR_SLOTS = 32
@@ -201,6 +202,7 @@ cdef inline dict generated_constants():
         "BLOCK_HASH_SIZE": 8,
         "MAX_PARTS": 65536,
         "COPY_BELOW": 8192,
+        "SHARED_SMALL_MAX": 2048,
         "INDEX_WINDOW_MIN": 4096,
         "HEADER_SLOTS": 128,
         "ERROR_SLOTS": 32,

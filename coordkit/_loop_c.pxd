@@ -90,6 +90,7 @@ cdef class Loop:
         int max_clients
         int max_engines
         bint keep_prompts
+        uint32_t small_shared  # kept prompts below COPY_BELOW shared, not copied
         bint has_detokenizer
         # The megatron-core dialect: peers that are not coordkit's speak single frames.
         bint megatron_core

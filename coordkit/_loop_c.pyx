@@ -249,7 +249,7 @@ cdef class Loop:
         if self.requests.pool != NULL:
             for slot in range(self.requests.used):
                 if self.requests.pool[slot].server_rid >= 0:
-                    release_kept(self.requests.pool[slot].kept)
+                    release_kept(self.requests.pool[slot].kept, &self.small_shared)
         ck_requests_free(&self.requests)
         if self.buffers != NULL:
             ck_buffer_pool_close(self.buffers)
@@ -595,7 +595,8 @@ cdef class Loop:
             inbound.meta = &meta
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         if header == HEADER_SUBMIT_REQUEST and self.keep_prompts:
-            request.kept = keep(inbound.meta, inbound.payload, inbound.single)
+            request.kept = keep(inbound.meta, inbound.payload, inbound.single,
+                                &self.small_shared)
         carriers(inbound, self.n_single_engines > 0)
         status = self._route(slot, inbound)
         while status == ROUTE_ENGINE_GONE:
@@ -869,7 +870,7 @@ cdef class Loop:
             list_push(&self.idle_links, &self.idle, request.client)
         if self.request_timeout:
             list_remove(&self.deadline_links, &self.deadlines, slot)
-        release_kept(request.kept)
+        release_kept(request.kept, &self.small_shared)
         ck_requests_remove(&self.requests, slot)
         if rank < 0:
             return

@@ -37,6 +37,7 @@ from ._shared import (
     HEADER_SLOTS,
     INDEX_WINDOW_MIN,
     LATENCY_BUCKETS,
+    SHARED_SMALL_MAX,
     Counter,
     EngineState,
     Options,
@@ -317,21 +318,29 @@ def send_reply(
 
 class Kept:
     """What re-sends a request whose engine died: its metadata (the server id in it
-    already) and its prompt, or (``single``, no metadata) the whole frame it came in."""
+    already) and its prompt, or (``single``, no metadata) the whole frame it came in;
+    ``small``: a prompt below COPY_BELOW shared, not copied."""
 
-    __slots__ = ("meta", "prompt", "single")
+    __slots__ = ("meta", "prompt", "single", "small")
 
-    def __init__(self, meta: bytes | None, prompt: zmq.Frame | bytes, single: bool):
+    def __init__(self, meta: bytes | None, prompt: zmq.Frame | bytes, single: bool, small: bool):
         self.meta = meta
         self.prompt = prompt
         self.single = single
+        self.small = small
 
 
-def keep(meta: bytes | None, prompt: zmq.Frame, single: bool) -> Kept:
-    """What re-sends a request. A prompt below COPY_BELOW bytes is copied: sharing a
-    small frame would pin the whole receive buffer libzmq decoded it from (pyzmq's
-    copy-below-a-threshold rule). A larger one has a buffer of its own: shared."""
-    return Kept(meta, prompt.bytes if len(prompt) < COPY_BELOW else prompt, single)
+def keep(meta: bytes | None, prompt: zmq.Frame, single: bool, small_shared: int) -> Kept:
+    """What re-sends a request. A prompt of COPY_BELOW bytes or more has a buffer of
+    its own: shared. A smaller one is shared too while the loop shares fewer than
+    SHARED_SMALL_MAX (``small_shared``): sharing a small frame pins the whole receive
+    buffer libzmq decoded it from, so past that bound it is copied (pyzmq's
+    copy-below-a-threshold rule)."""
+    if len(prompt) >= COPY_BELOW:
+        return Kept(meta, prompt, single, False)
+    if small_shared < SHARED_SMALL_MAX:
+        return Kept(meta, prompt, single, True)
+    return Kept(meta, prompt.bytes, single, False)
 
 
 def kept_prompt(kept: Kept) -> memoryview:
@@ -531,6 +540,7 @@ class Loop:
         self._options = options
         self._log = RateLimitedLog()
         self._stopping = False
+        self._small_shared = 0  # kept prompts below COPY_BELOW shared, not copied
         self._mask = options.index_size - 1
         self._window = self._window_min = min(options.index_size, INDEX_WINDOW_MIN)
         # The tables.
@@ -801,7 +811,8 @@ class Loop:
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         if header == Header.SUBMIT_REQUEST and self._options.keep_prompts:
             meta = None if inbound.single else inbound.meta
-            request.kept = keep(meta, inbound.payload[0], inbound.single)
+            request.kept = keep(meta, inbound.payload[0], inbound.single, self._small_shared)
+            self._small_shared += request.kept.small
         carriers(inbound, self._n_single_engines > 0)
         status = self._route(request, inbound)
         while status == RouteStatus.ENGINE_GONE:
@@ -1017,6 +1028,8 @@ class Loop:
         if self._deadlines is not None:
             self._deadlines.remove(request)
         self._remove(request)
+        if request.kept is not None:
+            self._small_shared -= request.kept.small
         if request.rank < 0:
             return
         self._router.release(request.rank, request.work)

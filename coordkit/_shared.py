@@ -47,8 +47,12 @@ ERROR_SLOTS = 32
 LATENCY_BUCKETS = tuple(0.0001 * 2.0**k for k in range(22))
 
 #: A kept prompt below this many bytes is copied: sharing it would pin the whole
-#: receive buffer libzmq decoded it from (pyzmq's copy-below-a-threshold rule).
+#: receive buffer libzmq decoded it from (pyzmq's copy-below-a-threshold rule)...
 COPY_BELOW = 8192
+#: ...once a loop shares this many such prompts: each may pin one receive buffer
+#: (8 KiB of data and libzmq's message counters, about 18 KiB: 36 MiB at most), and
+#: below it a small prompt is kept for the cost of a refcount, not a copy.
+SHARED_SMALL_MAX = 2048
 
 
 class Counter(IntEnum):
@@ -167,6 +171,7 @@ def cython_constants() -> dict[str, int]:
         BLOCK_HASH_SIZE=protocol.BLOCK_HASH_SIZE,
         MAX_PARTS=protocol.MAX_PARTS,
         COPY_BELOW=COPY_BELOW,
+        SHARED_SMALL_MAX=SHARED_SMALL_MAX,
         INDEX_WINDOW_MIN=INDEX_WINDOW_MIN,
         HEADER_SLOTS=HEADER_SLOTS,
         ERROR_SLOTS=ERROR_SLOTS,

@@ -20,6 +20,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from coordkit._shared import COPY_BELOW, SHARED_SMALL_MAX
 from coordkit.protocol import ErrorCode
 from tests.support.cluster import Cluster
 from tests.support.peers import (
@@ -466,7 +467,7 @@ def test_unreachable_engine_is_failed_and_its_requests_rerouted(make_cluster):
 
 
 @pytest.mark.parametrize("keep_prompts", [True, False])
-@pytest.mark.parametrize("size", [7, 8191, 8192, 300_000])  # copied below 8 KiB, shared above
+@pytest.mark.parametrize("size", [7, 8191, 8192, 300_000])  # below and above COPY_BELOW
 def test_rerouted_prompt_arrives_intact_unless_not_kept(make_cluster, size, keep_prompts):
     options = {"policy": "round_robin", "keep_prompts": keep_prompts}
     with make_cluster(n_engines=2, **options) as c:
@@ -486,6 +487,36 @@ def test_rerouted_prompt_arrives_intact_unless_not_kept(make_cluster, size, keep
         else:
             expect_error(client, 0, ErrorCode.ENGINE_FAILED)
         assert um(c.engines[1].recv()[0])[1] == 2
+
+
+def test_small_prompts_past_the_shared_bound_are_kept_as_copies(make_cluster):
+    # Below COPY_BELOW a kept prompt is shared while fewer than SHARED_SMALL_MAX of
+    # the loop's are, and copied past that: a dead engine's requests on both sides of
+    # the bound (and some above COPY_BELOW) are re-sent byte for byte, while the
+    # other engine's requests come and go (each ending gives its share back).
+    n = SHARED_SMALL_MAX * 3 // 2  # three in four below COPY_BELOW: past the bound
+    sizes = (34, 1000, COPY_BELOW - 1, COPY_BELOW)
+    with make_cluster(n_engines=2, policy="round_robin") as c:
+        client = c.client(coordkit=True)
+        sent: dict[int, bytes] = {}  # server rid on rank 0 -> its prompt
+        for rid in range(2 * n):
+            prompt = rid.to_bytes(4, "little") * (sizes[rid // 2 % 4] // 4 + 1)
+            client.send(m([SUBMIT, rid, {}]), prompt[: sizes[rid // 2 % 4]])
+            if rid % 2:  # rank 1 answers at once
+                server_rid = um(c.engines[1].recv()[0])[1]
+                c.engines[1].send(m([REPLY, [[server_rid, False]]]), b"r")
+                assert client.recv() == [m([REPLY, rid]), b"r"]
+            else:
+                meta, prompt = c.engines[0].recv()
+                sent[um(meta)[1]] = prompt
+        c.engines[0].close()
+        c.peers.remove(c.engines[0])
+        time.sleep(0.1)
+        client.send(m([SUBMIT, 2 * n, {}]), b"p")  # round robin: rank 0 is found gone
+        resent = dict((um(f[0])[1], f[1]) for f in (c.engines[1].recv() for _ in range(n + 1)))
+        assert resent.pop(max(resent)) == b"p"
+        assert resent == sent
+        assert c.coord.stats()["counters"]["rerouted"] == n
 
 
 def test_heartbeat_timeout_fails_a_silent_engine(make_cluster):
