@@ -183,6 +183,7 @@ cdef class Loop:
     cdef object _parse(self, object spec, int32_t client, int64_t header)
     cdef _broadcast(self, int64_t header)
     cdef _detokenize(self, int part)
+    cdef const uint8_t* _detokenized_kept(self, const uint8_t* body, size_t* size)
     cdef bytes _detokenized(self, const uint8_t* body, size_t size)
 
     # failures

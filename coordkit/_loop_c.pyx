@@ -354,6 +354,9 @@ cdef class Loop:
 
     # -- the hot path (no GIL) -----------------------------------------------------------
 
+    # No Python object lives in a variable of these functions: Cython would take the GIL
+    # at every return to release it (a ``with gil`` block passes its objects inline).
+
     cdef bint _serve_for(self, double timeout) noexcept nogil:
         """Poll and handle messages for up to ``timeout`` seconds; True once the loop must stop."""
         cdef zmq_pollitem_t items[2]
@@ -463,8 +466,8 @@ cdef class Loop:
         cdef bint hashed = n_frames == n_payload + 1  # the optional block-hash frame
         if read != CK_OK:
             with gil:
-                rid = submit.rid if submit.offset else None
-                self._malformed(client, rid, header, ck_strstatus(read).decode())
+                self._malformed(client, submit.rid if submit.offset else None, header,
+                                ck_strstatus(read).decode())
             return
         if (
             submit.length != <uint32_t>(2 + n_payload)
@@ -501,9 +504,8 @@ cdef class Loop:
             read = ck_read_single_submit(frame, size, &single)
         if read != CK_OK:
             with gil:
-                rid = single.rid if single.prompt else None
-                detail = ck_strstatus(read).decode()
-                self._malformed(client, rid, HEADER_SUBMIT_REQUEST, detail)
+                self._malformed(client, single.rid if single.prompt else None,
+                                HEADER_SUBMIT_REQUEST, ck_strstatus(read).decode())
             return
         single_inbound(&inbound, frame, size, &single)
         inbound.payload = &self.message.parts[1]  # kept whole
@@ -807,10 +809,7 @@ cdef class Loop:
             size = entry.size
             if self.has_detokenizer:  # as 0.19's coordinator: every finished request
                 with gil:
-                    detokenized = self._detokenized(body, size)
-                    self.detokenized_bodies.append(detokenized)  # alive until sent
-                    body = <const uint8_t*><const char*>detokenized
-                    size = len(detokenized)
+                    body = self._detokenized_kept(body, &size)
             if self.clients[client].batch:
                 fanout_add(&self.fanout, client, client_rid, <const uint8_t*>MSGPACK_BOOLS + 1, 1,
                            NULL, body, size)
@@ -1180,6 +1179,14 @@ cdef class Loop:
         zmq_msg_close(&self.message.parts[part])
         zmq_msg_init_size(&self.message.parts[part], len(body))
         memcpy(zmq_msg_data(&self.message.parts[part]), <const char*>body, len(body))
+
+    cdef const uint8_t* _detokenized_kept(self, const uint8_t* body, size_t* size):
+        """``body`` detokenized, its new size in ``size``, alive until the replies are
+        sent (in detokenized_bodies)."""
+        cdef bytes detokenized = self._detokenized(body, size[0])
+        self.detokenized_bodies.append(detokenized)
+        size[0] = len(detokenized)
+        return <const uint8_t*><const char*>detokenized
 
     cdef bytes _detokenized(self, const uint8_t* body, size_t size):
         """A reply body with its generated_text; on failure the body as it is."""
