@@ -485,9 +485,9 @@ cdef class Router:
         return self._least_loaded()
 
     cdef int _prefix(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
-        """The contract's winner without pricing every rank (docs/scaling.md): the
-        affine decision over the chain's live entries, or when it cannot settle it,
-        the scan of the first entry's ranks."""
+        """The contract's winner without pricing every rank (docs/design.md, Routing):
+        the affine decision over the chain's live entries, or when it cannot settle
+        it, the scan of the first entry's ranks."""
         cdef Choice best
         cdef int n = self.n_ranks, start, length = 0
         # A request's blocks: its hashes, else its prompt's (new_blocks, capped already).

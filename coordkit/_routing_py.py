@@ -385,9 +385,9 @@ class Router:
         return self._least_loaded(frame, now, size)
 
     def _prefix(self, frame: memoryview, now: float, size: int) -> tuple[int, int]:
-        """The contract's winner without pricing every rank (docs/scaling.md): the
-        affine decision over the chain's live entries, or when it cannot settle it,
-        the scan of the first entry's ranks."""
+        """The contract's winner without pricing every rank (docs/design.md, Routing):
+        the affine decision over the chain's live entries, or when it cannot settle
+        it, the scan of the first entry's ranks."""
         ranking = self._ranking
         assert ranking is not None
         if ranking[1] < 0:
