@@ -30,6 +30,7 @@ requests are settled on a rare path once the message at hand is done
 
 cimport cython
 from libc.errno cimport EINTR
+from libc.math cimport ceil
 from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcpy, memset
@@ -362,7 +363,7 @@ cdef class Loop:
         cdef zmq_pollitem_t items[2]
         cdef zmq_msg_t wake
         cdef double deadline = monotonic() + timeout
-        cdef long wait_ms
+        cdef double left
         items[0].socket = self.sock
         items[0].fd = 0
         items[0].events = ZMQ_POLLIN
@@ -370,10 +371,12 @@ cdef class Loop:
         items[1].fd = 0
         items[1].events = ZMQ_POLLIN
         while not self.stopping:
-            wait_ms = <long>((deadline - monotonic()) * 1000.0)
-            if wait_ms <= 0:
+            # Rounded up: rounded down, the last millisecond before the deadline would
+            # return at once, again and again, handling nothing until it passed.
+            left = deadline - monotonic()
+            if left <= 0:
                 return False
-            if zmq_poll(items, 2, wait_ms) < 0:
+            if zmq_poll(items, 2, <long>ceil(left * 1000.0)) < 0:
                 # EINTR: back to Python, which runs the signal handlers; anything
                 # else means the context was terminated.
                 return zmq_errno() != EINTR

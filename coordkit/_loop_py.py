@@ -21,6 +21,7 @@ requests are settled once the message at hand is done.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -579,10 +580,12 @@ class Loop:
         """Handle messages for up to ``timeout`` seconds; False once the loop must stop."""
         deadline = time.monotonic() + timeout
         while not self._stopping:
-            wait_ms = int((deadline - time.monotonic()) * 1000)
-            if wait_ms <= 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return True
-            ready = dict(self._poller.poll(wait_ms))
+            # Rounded up: rounded down, the last millisecond before the deadline would
+            # return at once, again and again, handling nothing until it passed.
+            ready = dict(self._poller.poll(math.ceil(left * 1000)))
             if self._wake in ready:
                 self._wake.recv()
                 self._stopping = True
