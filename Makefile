@@ -4,7 +4,7 @@ PYTHON ?= python
 # Every Cython source: the package's modules, their included parts, the test-only helpers.
 CYTHON_SOURCES = $(shell find coordkit tests/support -name '*.pyx' -o -name '*.pxd')
 
-.PHONY: build constants debug test lint typecheck bench wheel check clean
+.PHONY: build constants debug test lint typecheck docs bench wheel check clean
 
 build:  ## compile the extensions in place (optimized)
 	$(PYTHON) setup.py build_ext --inplace
@@ -30,6 +30,9 @@ lint:  ## ruff, cython-lint, the generated constants up to date, relative import
 typecheck:
 	$(PYTHON) -m mypy
 
+docs:  ## the documentation site into site/, failing on any broken link or reference (the docs extra)
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict
+
 bench: build  ## the coordinator cost table and the C/Python microbenchmarks
 	coordkit bench
 	$(PYTHON) -m pytest -q bench/ --benchmark-enable
@@ -37,8 +40,8 @@ bench: build  ## the coordinator cost table and the C/Python microbenchmarks
 wheel:
 	$(PYTHON) -m pip wheel --no-deps -w dist .
 
-clean:  ## the build products: build/, dist/, the generated .c, the .so, the annotation html
-	rm -rf build dist
+clean:  ## the build products: build/, dist/, site/, the generated .c, the .so, the annotation html
+	rm -rf build dist site
 	find coordkit tests -name '*.so' -delete -o -name '*.c' -delete -o -name '*.html' -delete
 
 check: lint typecheck test

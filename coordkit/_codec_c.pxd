@@ -23,14 +23,20 @@ ctypedef struct ck_entry:
     bint needs_detokenize
     bint valid  # a well-formed entry; the others were skipped, the batch read on
 
-# Megatron-Core's single-frame SUBMIT `[header, rid, prompt, sampling_params]`.
+# Megatron-Core's single-frame SUBMIT: `[header, rid, prompt, sampling_params]` (0.19's),
+# `[20, rid, prompt, sampling_params, multi_modal_data]` (main's) or
+# `[24, rid, prompt, sampling_params, kv_meta, src_block_ids]` (main's KV submission).
 ctypedef struct ck_single_submit:
     int64_t header
     int64_t rid
+    uint32_t length     # its fields: 4, 5 or 6
     size_t prompt       # offset of the prompt; 0 until the rid was read
-    size_t params       # offset of the sampling params (the prompt ends here); they end at n
+    size_t params       # offset of the sampling params (the prompt ends here); 0 until read whole
+    # offset of its last field after the params (multi_modal_data, src_block_ids), n when
+    # it has 4: the params (and kv_meta) end here
+    size_t extra
 
-# One finished request of a single-frame ENGINE_REPLY `[21, [map, ...]]`.
+# One entry of a single-frame ENGINE_REPLY `[21, [map, ...]]` (or ENGINE_REPLY_PARTIAL).
 ctypedef struct ck_single_entry:
     size_t offset       # the entry's bytes are buf[offset : offset + size]
     size_t size
@@ -52,7 +58,7 @@ cdef enum ck_status:
     CK_TOO_MANY = -5         # more entries (or hashes) than `capacity`
     CK_RID_RANGE = -6        # a request id that does not fit int64
     CK_BAD_LENGTH = -7       # an array with the wrong number of elements
-    CK_BAD_HEADER = -8       # a reply header: not ENGINE_REPLY (or, multipart, _PARTIAL)
+    CK_BAD_HEADER = -8       # a reply header: not ENGINE_REPLY or ENGINE_REPLY_PARTIAL
     CK_RESERVED = -9         # the reserved byte 0xc1
     CK_TOO_DEEP = -10        # containers nested deeper than msgpack unpacks
     CK_NOT_MAP = -11         # ck_read_single_reply, per entry: the entry is not a map
@@ -156,34 +162,38 @@ cdef int ck_read_int(ck_cursor* c, int64_t* value) noexcept nogil
 # (any msgpack, as deep as msgpack unpacks, str contents not checked as UTF-8)
 # and handed back as byte spans of `buf`.
 
-# `[header, rid, ...]`, an array of exactly 4 with int64 header and rid, read
-# as far as the rid: O(1) whatever the prompt. out.prompt is where the prompt
-# and the params start (they run to n), out.params 0: nothing after the rid
-# is read, so nothing there is checked either (0.19's engine decodes the whole
-# frame, and fails on one that does not decode).
+# `[header, rid, ...]`, an array of 4, 5 or 6 (out.length) with int64 header and
+# rid, read as far as the rid: O(1) whatever the prompt. out.prompt is where the
+# fields after the rid start (they run to n), out.params 0: nothing after the rid
+# is read, so nothing there is checked either (Megatron's engine decodes the whole
+# frame, and fails on one that does not decode). Which header takes which length
+# is the caller's to check.
 cdef int ck_read_single_head(const uint8_t* buf, size_t n,
                              ck_single_submit* out) noexcept nogil
 
-# `[header, rid, prompt, sampling_params]`: an array of exactly 4, int64
-# header and rid, the prompt a str or an array, the params a map, ending
-# exactly at n: ck_read_single_head, then the prompt and the params skipped
-# (a walk of the prompt's elements, one table lookup per token id). On an
-# error after the rid was read, out.prompt > 0 and out.rid holds it; before,
-# out.prompt == 0. The header is not checked.
+# `[header, rid, prompt, sampling_params, ...]`: ck_read_single_head, then the
+# prompt (a str or an array) and the params (a map) skipped (a walk of the
+# prompt's elements, one table lookup per token id), then the fields after them
+# (any msgpack: multi_modal_data, or kv_meta and src_block_ids), ending exactly
+# at n. On an error after the rid was read, out.prompt > 0 and out.rid holds it;
+# before, out.prompt == 0. The header is not checked.
 cdef int ck_read_single_submit(const uint8_t* buf, size_t n,
                                ck_single_submit* out) noexcept nogil
 
-# `[21, [entry, ...]]`, each entry a map whose top-level "request_id" (a str
-# key, compared by bytes; the last one wins, as in a decoded map) is its
-# server id. The frame must be valid whole (an array of 2, header 21, an
-# array of entries each skippable, nothing trailing) or the status says why;
+# `[21, [entry, ...]]` (finished requests) or `[22, [entry, ...]]` (Megatron
+# main's partial replies), *header which, each entry a map whose top-level
+# "request_id" (a str key, compared by bytes; the last one wins, as in a
+# decoded map) is its server id. The frame must be valid whole (an array of 2,
+# header 21 or 22, an array of entries each skippable, nothing trailing) or
+# the status says why;
 # then each of the first `capacity` entries gets its span, and a status of
 # its own: CK_OK with its rid, CK_NOT_MAP, CK_NO_REQUEST_ID or
 # CK_BAD_REQUEST_ID (not an int, or a uint64 beyond int64). CK_TOO_MANY comes
 # only for an otherwise valid frame; with it and with CK_OK, *count is the
 # number of entries, so the caller can grow `entries` to *count and read again.
-cdef int ck_read_single_reply(const uint8_t* buf, size_t n, ck_single_entry* entries,
-                              uint32_t capacity, uint32_t* count) noexcept nogil
+cdef int ck_read_single_reply(const uint8_t* buf, size_t n, int64_t* header,
+                              ck_single_entry* entries, uint32_t capacity,
+                              uint32_t* count) noexcept nogil
 
 # buf[0:n] is exactly one msgpack str or array (a prompt): CK_OK, or why not.
 cdef int ck_check_prompt(const uint8_t* buf, size_t n) noexcept nogil

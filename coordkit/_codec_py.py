@@ -372,7 +372,7 @@ def read_reply_batch(frame: Buffer) -> list[tuple[int, bool]]:
     return cast(list[tuple[int, bool]], entries)
 
 
-# -- single frame: Megatron-Core 0.19's single frames, as byte spans --------------------
+# -- single frame: Megatron-Core's single frames (0.19's, main's), as byte spans ------
 
 # "request_id" as a msgpack str, in each of its four forms.
 _REQUEST_ID_KEYS = tuple(
@@ -381,43 +381,52 @@ _REQUEST_ID_KEYS = tuple(
 )
 
 
-def _single_head(data: bytes) -> tuple[msgpack.Unpacker, int, int]:
-    """An unpacker just past the rid of ``[header, rid, ...]``, an array of 4."""
+def _single_head(data: bytes) -> tuple[msgpack.Unpacker, int, int, int]:
+    """An unpacker just past the rid of ``[header, rid, ...]``, an array of 4 to 6."""
     if not data:
         raise ProtocolError(f"{_METADATA}: {_TRUNCATED}")
     unpacker = _unpacker(data)
-    if _array_length(_METADATA, data, unpacker) != 4:
+    length = _array_length(_METADATA, data, unpacker)
+    if not 4 <= length <= 6:
         raise ProtocolError(f"{_METADATA}: array of the wrong length")
     header = _int(_METADATA, _unpack(_METADATA, unpacker.unpack))
     rid = _int(_METADATA, _unpack(_METADATA, unpacker.unpack), "request id out of range")
-    return unpacker, header, rid
+    return unpacker, header, rid, length
 
 
-def read_single_head(frame: Buffer) -> tuple[int, int, int]:
-    """``(header, rid, prompt)`` of a single-frame SUBMIT ``[header, rid, ...]``,
-    read as far as its rid: an array of 4, int64 header and rid. Nothing after
-    the rid is read: ``frame[prompt:]`` is the prompt and the params, unchecked."""
-    unpacker, header, rid = _single_head(_as_bytes(frame))
-    return header, rid, unpacker.tell()
+def read_single_head(frame: Buffer) -> tuple[int, int, int, int]:
+    """``(header, rid, length, prompt)`` of a single-frame SUBMIT ``[header, rid, ...]``,
+    read as far as its rid: an array of 4, 5 or 6 (``length``), int64 header and rid.
+    Nothing after the rid is read: ``frame[prompt:]`` is the rest, unchecked."""
+    unpacker, header, rid, length = _single_head(_as_bytes(frame))
+    return header, rid, length, unpacker.tell()
 
 
-def read_single_submit(frame: Buffer) -> tuple[int, int, int, int]:
-    """``(header, rid, prompt, params)`` of a single-frame SUBMIT
-    ``[header, rid, prompt, sampling_params]``, validated whole.
+def read_single_submit(frame: Buffer) -> tuple[int, int, int, int, int, int]:
+    """``(header, rid, length, prompt, params, extra)`` of a single-frame SUBMIT
+    ``[header, rid, prompt, sampling_params, ...]`` of ``length`` fields (4: 0.19's;
+    5: main's, multi_modal_data last; 6: main's KV submission, kv_meta and
+    src_block_ids last), validated whole.
 
-    ``frame[prompt:params]`` is the prompt (a msgpack str or array) and
-    ``frame[params:]`` the sampling params (a map), both checked for structure
+    ``frame[prompt:params]`` is the prompt (a msgpack str or array),
+    ``frame[params:extra]`` the sampling params (a map; and kv_meta, of 6 fields),
+    ``frame[extra:]`` the last field (nothing, of 4), all checked for structure
     only. A fault after the rid raises ProtocolError with ``rid`` set.
     """
     data = _as_bytes(frame)
-    unpacker, header, rid = _single_head(data)
+    unpacker, header, rid, length = _single_head(data)
     prompt = unpacker.tell()
     _skip_one(_METADATA, data, unpacker, _is_prompt, rid)
     params = unpacker.tell()
     _skip_one(_METADATA, data, unpacker, _is_map, rid)
+    if length == 6:  # kv_meta, then src_block_ids
+        _unpack(_METADATA, unpacker.skip, rid)
+    extra = unpacker.tell()
+    if length > 4:
+        _unpack(_METADATA, unpacker.skip, rid)
     if unpacker.tell() != len(data):
         raise ProtocolError(f"{_METADATA}: trailing bytes", rid)
-    return header, rid, prompt, params
+    return header, rid, length, prompt, params, extra if length > 4 else len(data)
 
 
 def _read_entry(data: bytes, unpacker: msgpack.Unpacker) -> tuple[int | None, str | None]:
@@ -450,8 +459,9 @@ def _read_entry(data: bytes, unpacker: msgpack.Unpacker) -> tuple[int | None, st
     return rid, error
 
 
-def read_single_reply(frame: Buffer) -> list[tuple[int, int, int | None, str | None]]:
-    """The entries of a single-frame ENGINE_REPLY ``[21, [map, ...]]``.
+def read_single_reply(frame: Buffer) -> tuple[int, list[tuple[int, int, int | None, str | None]]]:
+    """``(header, entries)`` of a single-frame ENGINE_REPLY ``[21, [map, ...]]`` or
+    (Megatron main's) ENGINE_REPLY_PARTIAL ``[22, [map, ...]]``.
 
     One ``(start, end, rid, error)`` per entry: ``frame[start:end]`` is its
     bytes, ``rid`` its top-level ``"request_id"``, or None with ``error``
@@ -464,7 +474,8 @@ def read_single_reply(frame: Buffer) -> list[tuple[int, int, int | None, str | N
     unpacker = _unpacker(data)
     if _array_length(_REPLY, data, unpacker) != 2:
         raise ProtocolError(f"{_REPLY}: array of the wrong length")
-    if _int(_REPLY, _unpack(_REPLY, unpacker.unpack)) != Header.ENGINE_REPLY:
+    header = _int(_REPLY, _unpack(_REPLY, unpacker.unpack))
+    if header not in (Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL):
         raise ProtocolError(f"{_REPLY}: not an engine reply header")
     entries = []
     for _ in range(_count(_REPLY, data, unpacker, _is_array)):
@@ -473,7 +484,7 @@ def read_single_reply(frame: Buffer) -> list[tuple[int, int, int | None, str | N
         entries.append((start, unpacker.tell(), rid, error))
     if unpacker.tell() != len(data):
         raise ProtocolError(f"{_REPLY}: trailing bytes")
-    return entries
+    return header, entries
 
 
 def _check_whole(what: str, frame: Buffer, kind: Callable[[int], bool]) -> None:

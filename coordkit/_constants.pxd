@@ -97,6 +97,7 @@ cdef enum:  # coordkit._shared.PeerFormat
     FORMAT_MULTIPART = 0
     FORMAT_SINGLE_FRAME = 1
     FORMAT_BATCHED = 2
+    FORMAT_SINGLE_FRAME_MAIN = 3
 
 cdef enum:
     BLOCK_HASH_SIZE = 8
@@ -199,6 +200,7 @@ cdef inline dict generated_constants():
         "PeerFormat.MULTIPART": 0,
         "PeerFormat.SINGLE_FRAME": 1,
         "PeerFormat.BATCHED": 2,
+        "PeerFormat.SINGLE_FRAME_MAIN": 3,
         "BLOCK_HASH_SIZE": 8,
         "MAX_PARTS": 65536,
         "COPY_BELOW": 8192,

@@ -94,6 +94,7 @@ cdef class Loop:
         bint has_detokenizer
         # The megatron-core dialect: peers that are not coordkit's speak single frames.
         bint megatron_core
+        int single_format  # PeerFormat of an engine that only registered: its Megatron version
         bint computes_hashes  # the prefix policy hashes the prompts of single-frame SUBMITs
         size_t block_size
         double request_timeout  # 0: requests never time out
@@ -116,6 +117,7 @@ cdef class Loop:
         ck_ids engine_ids
         int n_engines
         int n_single_engines  # engines not gone of each format: which checks a SUBMIT needs
+        int n_main_engines
         int n_multipart_engines
         int* gone  # ranks found gone whose requests are not settled yet, oldest first
         int n_gone
@@ -143,7 +145,7 @@ cdef class Loop:
     cdef void _handle(self) noexcept nogil
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil
     cdef void _submit(self, int32_t client, int64_t header) noexcept nogil
-    cdef void _submit_single(self, int32_t client) noexcept nogil
+    cdef void _submit_single(self, int32_t client, int64_t header) noexcept nogil
     cdef void _submit_batch(self, int32_t client) noexcept nogil
     cdef void _accept(self, int32_t client, int64_t rid, Inbound* inbound) noexcept nogil
     cdef int _route(self, uint32_t slot, Inbound* inbound) noexcept nogil
@@ -202,7 +204,9 @@ cdef class Loop:
     cdef bint _send_frames(self, ck_ids* table, int32_t index, list frames)
     cdef _reply_to_sender(self, list frames)
     cdef _count_frames_out(self, list frames)
-    cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header)
-    cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter)
+    cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header,
+                          bint ends=*)
+    cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter,
+                 bint ends=*)
     cdef _malformed(self, int32_t client, object rid, int64_t header, str detail)
     cdef _malformed_batch(self, int32_t client, uint32_t count, str detail)

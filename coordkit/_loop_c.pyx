@@ -97,8 +97,10 @@ from ._shared import (
     RateLimitedLog,
     check_constants,
     detokenize,
+    megatron_failed_reply,
     metrics_map,
     stats_map,
+    unknown_from_engine,
 )
 from .protocol import (
     BATCH_FEATURE,
@@ -121,6 +123,7 @@ GONE_REASONS = ("unreachable", "no heartbeat", "drain timed out")  # by GoneReas
 
 cdef enum:
     MSGPACK_FIXARRAY_2 = 0x92  # the head of a batch entry [rid, ...] of two
+    MSGPACK_NIL = 0xc0  # Megatron main's multi_modal_data of a text request
 
 cdef const char* MSGPACK_BOOLS = b"\xc2\xc3"  # false, true: a reply batch entry's final flag
 
@@ -209,6 +212,9 @@ cdef class Loop:
         self.max_engines = options.max_engines
         self.keep_prompts = options.keep_prompts
         self.megatron_core = options.dialect == "megatron-core"
+        self.single_format = (
+            FORMAT_SINGLE_FRAME_MAIN if options.megatron_version == "main" else FORMAT_SINGLE_FRAME
+        )
         self.computes_hashes = self.megatron_core and router.policy == "prefix"
         self.block_size = options.block_size
         self._detokenizer = options.detokenizer
@@ -443,14 +449,9 @@ cdef class Loop:
             self._from_client(client, header)
 
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil:
-        if header == HEADER_SUBMIT_REQUEST and self.clients[client].format == FORMAT_SINGLE_FRAME:
-            self._submit_single(client)
-        elif header == HEADER_SUBMIT_REQUEST or header == HEADER_SUBMIT_REQUEST_WITH_KV:
-            if self.clients[client].format == FORMAT_SINGLE_FRAME:  # 0.19 has no KV submission
-                with gil:
-                    self._refuse(
-                        client, None, ERROR_UNKNOWN_HEADER, header, COUNTER_UNKNOWN_HEADER
-                    )
+        if header == HEADER_SUBMIT_REQUEST or header == HEADER_SUBMIT_REQUEST_WITH_KV:
+            if single_frame(self.clients[client].format):
+                self._submit_single(client, header)
             else:
                 self._submit(client, header)
         elif header == HEADER_SUBMIT_BATCH:
@@ -487,32 +488,41 @@ cdef class Loop:
         )
         self._accept(client, submit.rid, &inbound)
 
-    cdef void _submit_single(self, int32_t client) noexcept nogil:
-        """A new request in one frame: [20, client_rid, prompt, params] (Megatron-Core 0.19).
+    cdef void _submit_single(self, int32_t client, int64_t header) noexcept nogil:
+        """A new request in one frame (Megatron-Core): [20, client_rid, prompt, params],
+        0.19's, with multi_modal_data last, main's, or main's KV submission [24, ...].
 
-        Read as far as its request id: to a single-frame engine the rest goes as it
-        came. The prompt and the params are found (walking the prompt) only when a
-        multipart engine may take it, or the prefix policy hashes the prompt.
+        Read as far as its request id: to an engine of its own layout the rest goes as
+        it came. The fields are found (walking the prompt) only when another engine may
+        take it (single_walks), or the prefix policy hashes the prompt. A client that
+        sends main's layouts is main's, and is sent main's partial replies.
         """
         cdef Inbound inbound
         cdef ck_single_submit single
         cdef const uint8_t* frame = self._data(1)
         cdef size_t size = self._size(1)
+        cdef bint hashes = self.computes_hashes and header == HEADER_SUBMIT_REQUEST
         cdef int read = ck_read_single_head(frame, size, &single)
-        if read == CK_OK and self.message.n_parts != 2:
+        if read == CK_OK and (
+            self.message.n_parts != 2 or not single_layout(header, single.length)
+        ):
             with gil:
-                self._malformed(client, single.rid, HEADER_SUBMIT_REQUEST, "bad frame layout")
+                self._malformed(client, single.rid, header, "bad frame layout")
             return
-        if read == CK_OK and (self.n_multipart_engines > 0 or self.computes_hashes):
+        if read == CK_OK and single.length > 4:
+            self.clients[client].format = FORMAT_SINGLE_FRAME_MAIN
+        if read == CK_OK and (
+            hashes or single_walks(single.length, self.n_multipart_engines, self.n_single_engines)
+        ):
             read = ck_read_single_submit(frame, size, &single)
         if read != CK_OK:
             with gil:
-                self._malformed(client, single.rid if single.prompt else None,
-                                HEADER_SUBMIT_REQUEST, ck_strstatus(read).decode())
+                self._malformed(client, single.rid if single.prompt else None, header,
+                                ck_strstatus(read).decode())
             return
         single_inbound(&inbound, frame, size, &single)
         inbound.payload = &self.message.parts[1]  # kept whole
-        if self.computes_hashes:
+        if hashes and text_only(&inbound):  # main's: no prefix affinity for multimodal data
             inbound.hashes = message_prompt_hashes(
                 &self.message, inbound.prompt, inbound.prompt_size, self.block_size,
                 &inbound.n_hashes,
@@ -602,7 +612,7 @@ cdef class Loop:
         if header == HEADER_SUBMIT_REQUEST and self.keep_prompts:
             request.kept = keep(inbound.meta, inbound.payload, inbound.single,
                                 &self.small_shared)
-        carriers(inbound, self.n_single_engines > 0)
+        carriers(inbound, self.n_single_engines + self.n_main_engines > 0)
         status = self._route(slot, inbound)
         while status == ROUTE_ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
@@ -626,6 +636,7 @@ cdef class Loop:
                     COUNTER_NO_ENGINES if status == ROUTE_NO_ENGINES else (
                         COUNTER_MALFORMED if status == ROUTE_UNSENDABLE else COUNTER_BUSY
                     ),
+                    True,
                 )
 
     cdef int _route(self, uint32_t slot, Inbound* inbound) noexcept nogil:
@@ -644,8 +655,7 @@ cdef class Loop:
                        inbound.payload, NULL, 0)
         else:
             traffic_count(&self.traffic, SENT, inbound.header, send_request(
-                self.sock, self.buffers, inbound, server_rid,
-                self.engines[rank].format == FORMAT_SINGLE_FRAME,
+                self.sock, self.buffers, inbound, server_rid, self.engines[rank].format
             ))
         return status
 
@@ -658,10 +668,7 @@ cdef class Loop:
                                        monotonic())
         if rank[0] < 0:
             return ROUTE_NO_ENGINES if self.router.n_members == 0 else ROUTE_ALL_BUSY
-        if not (
-            inbound.single_ok if self.engines[rank[0]].format == FORMAT_SINGLE_FRAME
-            else inbound.multi_ok
-        ):
+        if not carries(inbound, self.engines[rank[0]].format):
             self.router.release_c(rank[0], self.router.charged)
             return ROUTE_UNSENDABLE
         if inbound.batched and self.engines[rank[0]].batch:
@@ -707,12 +714,14 @@ cdef class Loop:
         fanout.n = 0
 
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil:
-        if self.engines[engine].format == FORMAT_SINGLE_FRAME and header == HEADER_ENGINE_REPLY:
-            self._forward_single_replies(engine)
-        elif self.engines[engine].format != FORMAT_SINGLE_FRAME and (
-            header == HEADER_ENGINE_REPLY or header == HEADER_ENGINE_REPLY_PARTIAL
+        cdef int format = self.engines[engine].format
+        if header == HEADER_ENGINE_REPLY or (
+            header == HEADER_ENGINE_REPLY_PARTIAL and format != FORMAT_SINGLE_FRAME
         ):
-            self._forward_replies(engine)
+            if single_frame(format):
+                self._forward_single_replies(engine)
+            else:
+                self._forward_replies(engine)
         else:
             with gil:
                 self._from_engine_rarely(engine, header)
@@ -776,30 +785,33 @@ cdef class Loop:
         self._send_batches(HEADER_REPLY_BATCH)
 
     cdef void _forward_single_replies(self, int32_t engine) noexcept nogil:
-        """A 0.19 engine's finished requests, each map to its request's client; those
-        bound for batched clients leave as one REPLY_BATCH per client."""
+        """A Megatron engine's finished requests (or main's partial replies), each map to
+        its request's client; those bound for batched clients leave as one REPLY_BATCH
+        per client."""
         cdef uint32_t count, i
-        cdef int64_t slot, client_rid
+        cdef int64_t header, slot, client_rid
         cdef int32_t client
+        cdef bint final
         cdef double now = 0.0
         cdef ck_single_entry* entry
         cdef const uint8_t* body
         cdef size_t size
         if (
             self.message.n_parts != 2
-            or message_read_single_replies(&self.message, &count) != CK_OK
+            or message_read_single_replies(&self.message, &header, &count) != CK_OK
             or not fanout_reserve(&self.fanout, count, count)
         ):
             with gil:
                 self._malformed(-1, None, HEADER_ENGINE_REPLY, "bad single-frame ENGINE_REPLY")
             return
+        final = header == HEADER_ENGINE_REPLY
         if self.measure_latency:
             now = monotonic()
         for i in range(count):
             entry = &self.message.single_entries[i]
             if entry.status != CK_OK:
                 with gil:
-                    self._reject_entry(engine, None, ERROR_MALFORMED, HEADER_ENGINE_REPLY)
+                    self._reject_entry(engine, None, ERROR_MALFORMED, header)
                 continue
             slot = ck_requests_find(&self.requests, entry.rid)
             if slot < 0 or self.requests.pool[slot].rank != engine:
@@ -807,16 +819,16 @@ cdef class Loop:
                 continue
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
-            self._finish(<uint32_t>slot, True, now)
+            self._finish(<uint32_t>slot, final, now)
             body = self._data(1) + entry.offset
             size = entry.size
-            if self.has_detokenizer:  # as 0.19's coordinator: every finished request
+            if final and self.has_detokenizer:  # as Megatron's coordinator: every final
                 with gil:
                     body = self._detokenized_kept(body, &size)
             if self.clients[client].batch:
-                fanout_add(&self.fanout, client, client_rid, <const uint8_t*>MSGPACK_BOOLS + 1, 1,
-                           NULL, body, size)
-            elif not self._deliver(client, HEADER_ENGINE_REPLY, client_rid, body, size, NULL):
+                fanout_add(&self.fanout, client, client_rid,
+                           <const uint8_t*>MSGPACK_BOOLS + final, 1, NULL, body, size)
+            elif not self._deliver(client, header, client_rid, body, size, NULL):
                 with gil:
                     self._client_gone(client)
         self._send_batches(HEADER_REPLY_BATCH)
@@ -843,12 +855,12 @@ cdef class Loop:
         """One reply to its client in the client's format (reply_carried, send_reply):
         the body as ``message`` itself when given, else a copy of ``body``. False when
         the client is gone."""
-        cdef bint single_frame = self.clients[client].format == FORMAT_SINGLE_FRAME
+        cdef int format = self.clients[client].format
         cdef int carried
         if message != NULL:
             body = <const uint8_t*>zmq_msg_data(message)
             size = zmq_msg_size(message)
-        carried = reply_carried(single_frame, header, body, size)
+        carried = reply_carried(format, header, body, size)
         if carried != CARRIED:
             if carried == NOT_A_MAP:
                 self.counters[COUNTER_MALFORMED_ENTRIES] += 1
@@ -856,7 +868,7 @@ cdef class Loop:
         if self._send_identity(&self.client_ids, client) != 0:
             return False
         traffic_count(&self.traffic, SENT, header, send_reply(
-            self.sock, single_frame, header, client_rid, body, size, message
+            self.sock, self.buffers, format, header, client_rid, body, size, message
         ))
         return True
 
@@ -936,9 +948,9 @@ cdef class Loop:
             self._disconnect(engine)
         else:
             self.counters[COUNTER_UNKNOWN_HEADER] += 1
-            self._log.warn(
-                "unknown_header", f"dropped {header_name(header)} from engine {engine}"
-            )
+            self._log.warn("unknown_header", unknown_from_engine(
+                header, engine, self.engines[engine].format
+            ))
 
     cdef _register(self, int32_t engine):
         """An engine announced itself (one empty frame): a new rank, or one coming
@@ -966,12 +978,14 @@ cdef class Loop:
     cdef _count_formats(self):
         """How many engines not gone speak each format: which checks a SUBMIT needs."""
         cdef int rank
-        self.n_single_engines = self.n_multipart_engines = 0
+        self.n_single_engines = self.n_main_engines = self.n_multipart_engines = 0
         for rank in range(self.n_engines):
             if self.engines[rank].state == ENGINE_GONE:
                 continue
             if self.engines[rank].format == FORMAT_SINGLE_FRAME:
                 self.n_single_engines += 1
+            elif self.engines[rank].format == FORMAT_SINGLE_FRAME_MAIN:
+                self.n_main_engines += 1
             else:
                 self.n_multipart_engines += 1
 
@@ -1007,9 +1021,7 @@ cdef class Loop:
         self.engines[engine].state = ENGINE_ALIVE
         self.engines[engine].coordkit = False
         self.engines[engine].batch = False
-        self.engines[engine].format = (
-            FORMAT_SINGLE_FRAME if self.megatron_core else FORMAT_MULTIPART
-        )
+        self.engines[engine].format = self.single_format if self.megatron_core else FORMAT_MULTIPART
         self.engines[engine].heartbeats = False
         self.router.add_rank(engine)
         self._count_formats()
@@ -1255,8 +1267,8 @@ cdef class Loop:
         cdef zmq_msg_t messages[2]
         cdef int status = ROUTE_ENGINE_GONE
         kept_inbound(<Kept*>self.requests.pool[slot].kept, &inbound, messages,
-                     self.n_multipart_engines > 0)
-        carriers(&inbound, self.n_single_engines > 0)
+                     self.n_multipart_engines, self.n_single_engines)
+        carriers(&inbound, self.n_single_engines + self.n_main_engines > 0)
         while status == ROUTE_ENGINE_GONE:  # that one waits in the queue of gone engines
             status = self._route(slot, &inbound)
         zmq_msg_close(&messages[0])
@@ -1300,7 +1312,7 @@ cdef class Loop:
         self.failed[code] += 1
         if code == ERROR_ENGINE_FAILED:
             self.counters[COUNTER_ENGINE_FAILED] += 1
-        if not self._send_error(client, rid, code, header):
+        if not self._send_error(client, rid, code, header, True):
             self._client_gone(client)
 
     cdef _time_out(self, uint32_t slot):
@@ -1394,19 +1406,29 @@ cdef class Loop:
             header = -1
         traffic_count(&self.traffic, SENT, header, sum(len(frame) for frame in frames))
 
-    cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header):
-        """ERROR to a coordkit client (others cannot parse it); False when it is gone."""
-        if not self.clients[client].coordkit:
+    cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header,
+                          bint ends=False):
+        """ERROR to a coordkit client; to a Megatron main client, when the error ends
+        a request of its (``ends``), the FAILED final it takes (0.19's clients get
+        nothing). False when the client is gone."""
+        cdef bint coordkit = self.clients[client].coordkit
+        if not coordkit and not (ends and self.clients[client].format == FORMAT_SINGLE_FRAME_MAIN):
             return True
         self.counters[COUNTER_ERRORS_SENT] += 1
+        if not coordkit:
+            text = error_text(code, header)
+            self._log.warn("failed_final", f"a Megatron main client's request {rid} failed: {text}")
+            return self._send_frames(&self.client_ids, client, [megatron_failed_reply(rid)])
         error = protocol.ERROR.pack(rid, code, error_text(code, header))
         return self._send_frames(&self.client_ids, client, error)
 
-    cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter):
-        """Count a refused message and answer its client with ERROR(code)."""
+    cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter,
+                 bint ends=False):
+        """Count a refused message and answer its client with ERROR(code); ``ends``:
+        it was a request that parsed (see _send_error)."""
         self.counters[counter] += 1
         self.refused[code] += 1
-        if not self._send_error(client, rid, code, header):
+        if not self._send_error(client, rid, code, header, ends):
             self._client_gone(client)
 
     cdef _malformed(self, int32_t client, object rid, int64_t header, str detail):

@@ -49,8 +49,10 @@ from ._shared import (
     detokenize,
     header_slot,
     latency_bucket,
+    megatron_failed_reply,
     metrics_map,
     stats_map,
+    unknown_from_engine,
 )
 from .protocol import (
     BATCH_FEATURE,
@@ -79,8 +81,10 @@ __all__ = ["Loop"]
 ALIVE, DRAINING, GONE = EngineState.ALIVE, EngineState.DRAINING, EngineState.GONE
 PRODUCED, ABORTED = RequestFlag.PRODUCED, RequestFlag.ABORTED
 SINGLE_FRAME, MULTIPART = PeerFormat.SINGLE_FRAME, PeerFormat.MULTIPART
+SINGLE_FRAME_MAIN = PeerFormat.SINGLE_FRAME_MAIN
 _packer = msgpack.Packer()
 MSGPACK_BOOLS = (b"\xc2", b"\xc3")  # false, true: a reply batch entry's final flag
+MSGPACK_NIL = 0xC0  # Megatron main's multi_modal_data of a text request
 
 
 class _Client:
@@ -166,40 +170,64 @@ def message_bytes(frames: list[zmq.Frame]) -> int:
 # -- multipart and single frame (loop/dialect.pyx) -------------------------------------
 
 
+def single_frame(format: int) -> bool:
+    """Whether a peer of ``format`` speaks Megatron-Core's single frames."""
+    return format == SINGLE_FRAME or format == SINGLE_FRAME_MAIN
+
+
+def single_layout(header: int, length: int) -> bool:
+    """Whether a single-frame SUBMIT has its header's fields: [20, rid, prompt, params]
+    (0.19's), with multi_modal_data last (main's), or [24, rid, prompt, params,
+    kv_meta, src_block_ids] (main's KV submission)."""
+    if header == Header.SUBMIT_REQUEST:
+        return length == 4 or length == 5
+    return length == 6
+
+
+def single_walks(length: int, n_multipart: int, n_single: int) -> bool:
+    """Whether a single frame must be read whole to be carried: to be split for a
+    multipart engine, or (main's five fields) to be cut to four for a 0.19 engine,
+    which it may be only once its multi_modal_data is found nil."""
+    return n_multipart > 0 or (length == 5 and n_single > 0)
+
+
 class Inbound:
     """A request, new or kept, to be put in the format of the engine chosen for it."""
 
     __slots__ = (
         "header",
         "single",
+        "length",
         "meta",
         "payload",
         "prompt",
         "params",
+        "extra",
         "hashes",
         "tokens",
         "batched",
-        "single_ok",
-        "multi_ok",
+        "carriers",
     )
 
     def __init__(self, header: int):
         self.header = header
-        self.single = False  # it came as one frame, [20, rid, prompt, params] (Megatron-Core 0.19)
+        self.single = False  # it came as one frame (Megatron-Core's: 0.19's or main's)
+        self.length = 0  # single frame: its fields, 4, 5 or 6
         self.meta = b""  # multipart: its metadata with the server id
         # The frames it came in after the metadata: multipart its payload frames (the
         # prompt first), single frame the frame itself.
         self.payload: list[Any] = []
         # Its prompt, and what follows the rid in its metadata: the params (and a KV
         # submission's kv_meta). Single frame: the params once found (else None: the
-        # prompt then runs to the frame's end).
+        # prompt then runs to the frame's end), then its last field, extra: main's
+        # multi_modal_data or src_block_ids (empty for 0.19's four fields).
         self.prompt: Buffer = b""
         self.params: Buffer | None = b""
+        self.extra: Buffer = b""
         self.hashes: Buffer | None = None  # its block hashes
         self.tokens = 0
         self.batched = False  # an entry of a SUBMIT_BATCH: a batched engine takes it later
-        self.single_ok = False  # may go to a single-frame engine (carriers)
-        self.multi_ok = False  # may go to a multipart engine
+        self.carriers = 0  # a bit per PeerFormat whose engines can take it (carriers)
 
 
 def multipart_inbound(
@@ -217,37 +245,63 @@ def multipart_inbound(
     return inbound
 
 
-def single_inbound(frame: memoryview, prompt: int, params: int) -> Inbound:
-    """A single-frame request, read as far as its rid (``prompt`` where its prompt
-    starts: it runs to the frame's end), or whole (``params`` where its params start)."""
-    inbound = Inbound(Header.SUBMIT_REQUEST)
+def single_inbound(
+    frame: memoryview, header: int, length: int, prompt: int, params: int, extra: int
+) -> Inbound:
+    """A single-frame request of ``length`` fields, read as far as its rid (``prompt``
+    where the rest starts: it runs to the frame's end, ``params`` 0), or whole
+    (``params`` and ``extra`` where the params and the last field start)."""
+    inbound = Inbound(header)
     inbound.single = True
+    inbound.length = length
     inbound.prompt = frame[prompt:]
     inbound.params = None
     if params:
         inbound.prompt = frame[prompt:params]
-        inbound.params = frame[params:]
+        inbound.params = frame[params:extra]
+        inbound.extra = frame[extra:]
     inbound.tokens = codec.prompt_tokens(inbound.prompt)
     return inbound
 
 
+def text_only(inbound: Inbound) -> bool:
+    """A single-frame SUBMIT_REQUEST without multimodal data: 0.19's four fields, or
+    main's five once read whole with its multi_modal_data nil."""
+    return inbound.header == Header.SUBMIT_REQUEST and (
+        inbound.length == 4 or (len(inbound.extra) == 1 and inbound.extra[0] == MSGPACK_NIL)
+    )
+
+
 def carriers(inbound: Inbound, single_engines: bool) -> None:
-    """Which formats can carry the request, once: a single frame goes to a multipart
-    engine once its params were found (it splits there); a multipart request goes to
-    a single-frame engine (when there is one) as [20, rid, prompt, params], so only
-    a SUBMIT_REQUEST whose prompt is one str or array and whose params are a map."""
+    """Which formats can carry the request, once. A single frame goes to a main engine
+    as it came; to a 0.19 engine as a SUBMIT_REQUEST of four fields (main's nil
+    multi_modal_data dropped); to a multipart engine once its params were found (it
+    splits there), with no multimodal data. A multipart request goes to a
+    single-frame engine (when there is one) as [20, rid, prompt, params], so only a
+    SUBMIT_REQUEST whose prompt is one str or array and whose params are a map."""
     if inbound.single:
-        inbound.single_ok = True
-        inbound.multi_ok = inbound.params is not None
+        inbound.carriers = 1 << SINGLE_FRAME_MAIN
+        if text_only(inbound):
+            inbound.carriers |= 1 << SINGLE_FRAME
+        if inbound.params is not None and (
+            inbound.header == Header.SUBMIT_REQUEST_WITH_KV or text_only(inbound)
+        ):
+            inbound.carriers |= 1 << MULTIPART
         return
     assert inbound.params is not None
-    inbound.multi_ok = True
-    inbound.single_ok = (
+    inbound.carriers = 1 << MULTIPART
+    if (
         single_engines
         and inbound.header == Header.SUBMIT_REQUEST
         and _parses(codec.check_prompt, inbound.prompt)
         and _parses(codec.check_map, inbound.params)
-    )
+    ):
+        inbound.carriers |= 1 << SINGLE_FRAME | 1 << SINGLE_FRAME_MAIN
+
+
+def carries(inbound: Inbound, format: int) -> bool:
+    """Whether an engine of ``format`` can take the request (carriers)."""
+    return bool(inbound.carriers >> format & 1)
 
 
 def rewrite_meta(inbound: Inbound, server_rid: int) -> bytes:
@@ -257,27 +311,38 @@ def rewrite_meta(inbound: Inbound, server_rid: int) -> bytes:
     return codec.write_submit(inbound.header, 2 + len(inbound.payload), server_rid, inbound.params)
 
 
-def send_submit(
-    sock: zmq.Socket, single_frame: bool, rid: int, prompt: Buffer, params: Buffer
-) -> int:
-    """A request from the bytes of its prompt and its params, in an engine's format:
-    ``[20, rid, <prompt>, <params>]``, or ``[20, rid, <params>]`` and the prompt;
-    the bytes sent."""
-    if single_frame:
+def send_single(sock: zmq.Socket, inbound: Inbound, server_rid: int, format: int) -> int:
+    """A single-frame request in an engine's format; the bytes sent. To a main engine
+    the rest behind the new head as it came; to a 0.19 engine its four fields; to a
+    multipart engine split at the field boundaries: ``[header, server_rid, <params>]``,
+    the prompt and (a KV submission) src_block_ids."""
+    params = b"" if inbound.params is None else inbound.params
+    if format == SINGLE_FRAME_MAIN:
+        rest = b"".join((inbound.prompt, params, inbound.extra))
         return _send_all(
-            sock, [codec.write_single_submit(Header.SUBMIT_REQUEST, rid, prompt, params)]
+            sock, [codec.write_submit(inbound.header, inbound.length, server_rid, rest)]
         )
-    return _send_all(sock, [codec.write_submit(Header.SUBMIT_REQUEST, 3, rid, params), prompt])
+    if format == SINGLE_FRAME:
+        rest = b"".join((inbound.prompt, params))
+        return _send_all(sock, [codec.write_submit(inbound.header, 4, server_rid, rest)])
+    kv = inbound.header == Header.SUBMIT_REQUEST_WITH_KV
+    meta = codec.write_submit(inbound.header, 4 if kv else 3, server_rid, params)
+    return _send_all(sock, [meta, inbound.prompt, *([inbound.extra] if kv else [])])
 
 
-def send_request(sock: zmq.Socket, inbound: Inbound, server_rid: int, single_frame: bool) -> int:
-    """A request's frames after its engine's routing id, in the engine's format; the
+def send_request(sock: zmq.Socket, inbound: Inbound, server_rid: int, format: int) -> int:
+    """A request's frames after its engine's routing id, in the engine's ``format``; the
     bytes sent. Multipart to multipart: the metadata and the payload frames as
     themselves. Otherwise the prompt and the params spliced into the engine's format
-    (a single frame behind a new head, or split at the field boundary): a copy."""
-    if single_frame or inbound.single:
-        params = b"" if inbound.params is None else inbound.params
-        return send_submit(sock, single_frame, server_rid, inbound.prompt, params)
+    (a single frame behind a new head, or split at the field boundaries): a copy."""
+    if inbound.single:
+        return send_single(sock, inbound, server_rid, format)
+    if single_frame(format):
+        assert inbound.params is not None
+        frame = codec.write_single_submit(
+            Header.SUBMIT_REQUEST, server_rid, inbound.prompt, inbound.params
+        )
+        return _send_all(sock, [frame])
     return _send_all(sock, [inbound.meta, *inbound.payload])
 
 
@@ -290,26 +355,25 @@ def engine_parses(format: int, header: int) -> bool:
 # Whether a client's format carries a reply (reply_carried).
 CARRIED = 0
 NOT_SENT = 1  # a partial to a 0.19 client, which takes finals only
-NOT_A_MAP = 2  # a final whose body is not a map, to a 0.19 client: counted, dropped
+NOT_A_MAP = 2  # a body that is not a map, to a Megatron client: counted, dropped
 
 
-def reply_carried(single_frame: bool, header: int, body: Any) -> int:
-    """Whether a client of that format takes a reply (CARRIED, NOT_SENT, NOT_A_MAP): a
-    0.19 client takes finals only, each ``[21, client_rid, <map>]``."""
-    if not single_frame:
+def reply_carried(format: int, header: int, body: Any) -> int:
+    """Whether a client of ``format`` takes a reply (CARRIED, NOT_SENT, NOT_A_MAP): a
+    Megatron client takes maps, each ``[header, client_rid, <map>]``; a 0.19 client
+    finals only."""
+    if not single_frame(format):
         return CARRIED
-    if header != Header.ENGINE_REPLY:
+    if header != Header.ENGINE_REPLY and format != SINGLE_FRAME_MAIN:
         return NOT_SENT
     return CARRIED if _parses(codec.check_map, body) else NOT_A_MAP
 
 
-def send_reply(
-    sock: zmq.Socket, single_frame: bool, header: int, client_rid: int, body: Any
-) -> int:
-    """A reply's frames after its client's routing id, in the client's format: one
-    ``[21, client_rid, <map>]``, or ``[header, client_rid]`` and the body; the bytes
-    sent."""
-    if single_frame:
+def send_reply(sock: zmq.Socket, format: int, header: int, client_rid: int, body: Any) -> int:
+    """A reply's frames after its client's routing id, in the client's ``format``: one
+    ``[header, client_rid, <map>]``, or ``[header, client_rid]`` and the body; the
+    bytes sent."""
+    if single_frame(format):
         return _send_all(sock, [codec.write_submit(header, 3, client_rid, body)])
     return _send_all(sock, [codec.write_header_int(header, client_rid), body])
 
@@ -349,19 +413,20 @@ def kept_prompt(kept: Kept) -> memoryview:
     return _view(kept.prompt)
 
 
-def kept_inbound(kept: Kept, whole: bool) -> Inbound:
+def kept_inbound(kept: Kept, n_multipart: int, n_single: int) -> Inbound:
     """A kept request as an Inbound, to be re-sent as a new one is sent: a single frame
-    read again (whole when ``whole``, so that it can split for a multipart engine),
-    or its metadata and its prompt."""
+    read again (whole when the engines of each format, ``n_multipart`` and
+    ``n_single``, say it must be: single_walks), or its metadata and its prompt."""
     data = kept_prompt(kept)
     if kept.single:
-        prompt, params = codec.read_single_head(data)[2], 0
-        if whole:
+        header, _, length, prompt = codec.read_single_head(data)
+        params = extra = 0
+        if single_walks(length, n_multipart, n_single):
             try:
-                params = codec.read_single_submit(data)[3]
+                *_, params, extra = codec.read_single_submit(data)
             except ProtocolError:
                 pass
-        return single_inbound(data, prompt, params)
+        return single_inbound(data, header, length, prompt, params, extra)
     assert kept.meta is not None
     meta = memoryview(kept.meta)
     inbound = multipart_inbound(
@@ -553,13 +618,17 @@ class Loop:
         self._engines: list[_Engine] = []
         self._engine_by_identity: dict[bytes, _Engine] = {}
         # engines not gone of each format, counted at each registration: which checks to make
-        self._n_single_engines = self._n_multipart_engines = 0
+        self._n_single_engines = self._n_main_engines = self._n_multipart_engines = 0
         self._gone: list[tuple[_Engine, str]] = []  # found gone, not settled yet
         self._control_state = ControlState.RUNNING
         # The megatron-core dialect: peers that are not coordkit's speak single frames.
         self._megatron_core = options.dialect == "megatron-core"
         # the prefix policy hashes the prompts of single-frame SUBMITs
         self._computes_hashes = self._megatron_core and router.policy == "prefix"
+        # the format of an engine that only registered: its Megatron version
+        self._single_format = (
+            SINGLE_FRAME_MAIN if options.megatron_version == "main" else SINGLE_FRAME
+        )
         # The counts.
         self._counters = [0] * len(Counter)
         self._messages = 0
@@ -697,11 +766,9 @@ class Loop:
             self._from_client(client, header, frames)
 
     def _from_client(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
-        if header == Header.SUBMIT_REQUEST and client.format == SINGLE_FRAME:
-            self._submit_single(client, frames)
-        elif header == Header.SUBMIT_REQUEST or header == Header.SUBMIT_REQUEST_WITH_KV:
-            if client.format == SINGLE_FRAME:  # 0.19 has no KV submission
-                self._refuse(client, None, ErrorCode.UNKNOWN_HEADER, header, Counter.UNKNOWN_HEADER)
+        if header == Header.SUBMIT_REQUEST or header == Header.SUBMIT_REQUEST_WITH_KV:
+            if single_frame(client.format):
+                self._submit_single(client, header, frames)
             else:
                 self._submit(client, header, frames)
         elif header == Header.SUBMIT_BATCH:
@@ -730,27 +797,32 @@ class Loop:
         inbound = multipart_inbound(header, frames[2 : 2 + n_payload], meta[offset:], hashes)
         self._accept(client, rid, inbound)
 
-    def _submit_single(self, client: _Client, frames: list[zmq.Frame]) -> None:
-        """A new request in one frame: [20, client_rid, prompt, params] (Megatron-Core 0.19).
+    def _submit_single(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
+        """A new request in one frame (Megatron-Core): [20, client_rid, prompt, params],
+        0.19's, with multi_modal_data last, main's, or main's KV submission [24, ...].
 
-        Read as far as its request id: to a single-frame engine the rest goes as it
-        came. The prompt and the params are found (walking the prompt) only when a
-        multipart engine may take it, or the prefix policy hashes the prompt.
+        Read as far as its request id: to an engine of its own layout the rest goes as
+        it came. The fields are found (walking the prompt) only when another engine may
+        take it (single_walks), or the prefix policy hashes the prompt. A client that
+        sends main's layouts is main's, and is sent main's partial replies.
         """
         data = frames[1].buffer
+        hashes = self._computes_hashes and header == Header.SUBMIT_REQUEST
         try:
-            _, rid, prompt = codec.read_single_head(data)
-            params = 0
-            if len(frames) != 2:
+            _, rid, length, prompt = codec.read_single_head(data)
+            params = extra = 0
+            if len(frames) != 2 or not single_layout(header, length):
                 raise ProtocolError("bad frame layout", rid)
-            if self._n_multipart_engines > 0 or self._computes_hashes:
-                _, rid, prompt, params = codec.read_single_submit(data)
+            if length > 4:
+                client.format = SINGLE_FRAME_MAIN
+            if hashes or single_walks(length, self._n_multipart_engines, self._n_single_engines):
+                *_, params, extra = codec.read_single_submit(data)
         except ProtocolError as exc:
-            self._malformed(client, exc.rid, Header.SUBMIT_REQUEST, str(exc), frames)
+            self._malformed(client, exc.rid, header, str(exc), frames)
             return
-        inbound = single_inbound(data, prompt, params)
+        inbound = single_inbound(data, header, length, prompt, params, extra)
         inbound.payload = [frames[1]]  # kept whole
-        if self._computes_hashes:
+        if hashes and text_only(inbound):  # main's: no prefix affinity for multimodal data
             try:
                 inbound.hashes = codec.prompt_hashes(inbound.prompt, self._options.block_size)
             except ProtocolError:  # no token ids (a str prompt): routed by load
@@ -816,7 +888,7 @@ class Loop:
             meta = None if inbound.single else inbound.meta
             request.kept = keep(meta, inbound.payload[0], inbound.single, self._small_shared)
             self._small_shared += request.kept.small
-        carriers(inbound, self._n_single_engines > 0)
+        carriers(inbound, self._n_single_engines + self._n_main_engines > 0)
         status = self._route(request, inbound)
         while status == RouteStatus.ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
@@ -828,7 +900,7 @@ class Loop:
             self._counters[Counter.SUBMITTED] += 1
             return
         self._forget(request)
-        self._refuse(client, rid, _refusal(status), header, _REFUSAL_COUNTERS[status])
+        self._refuse(client, rid, _refusal(status), header, _REFUSAL_COUNTERS[status], True)
 
     def _route(self, request: _Request, inbound: Inbound) -> RouteStatus:
         """Send a request to the engine chosen for it, in its format; an entry of a
@@ -843,8 +915,7 @@ class Loop:
             assert inbound.params is not None
             self._fanout.add(engine, request.server_rid, inbound.params, inbound.payload[0])
         else:
-            single_frame = engine.format == SINGLE_FRAME
-            size = send_request(self._sock, inbound, request.server_rid, single_frame)
+            size = send_request(self._sock, inbound, request.server_rid, engine.format)
             self._traffic.count(SENT, inbound.header, size)
         return status
 
@@ -859,7 +930,7 @@ class Loop:
                 return rank, RouteStatus.NO_ENGINES
             return rank, RouteStatus.ALL_BUSY
         engine = self._engines[rank]
-        if not (inbound.single_ok if engine.format == SINGLE_FRAME else inbound.multi_ok):
+        if not carries(inbound, engine.format):
             self._router.release(rank, self._router.charged)
             return rank, RouteStatus.UNSENDABLE
         if (inbound.batched and engine.batch) or self._send_identity(engine.identity):
@@ -893,12 +964,13 @@ class Loop:
                 self._client_gone(to)
 
     def _from_engine(self, engine: _Engine, header: int, frames: list[zmq.Frame]) -> None:
-        if engine.format == SINGLE_FRAME and header == Header.ENGINE_REPLY:
-            self._forward_single_replies(engine, frames)
-        elif engine.format != SINGLE_FRAME and (
-            header == Header.ENGINE_REPLY or header == Header.ENGINE_REPLY_PARTIAL
+        if header == Header.ENGINE_REPLY or (
+            header == Header.ENGINE_REPLY_PARTIAL and engine.format != SINGLE_FRAME
         ):
-            self._forward_replies(engine, frames)
+            if single_frame(engine.format):
+                self._forward_single_replies(engine, frames)
+            else:
+                self._forward_replies(engine, frames)
         else:
             self._from_engine_rarely(engine, header, frames)
 
@@ -941,33 +1013,35 @@ class Loop:
         self._send_batches(Header.REPLY_BATCH)
 
     def _forward_single_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        """A 0.19 engine's finished requests, each map to its request's client; those
-        bound for batched clients leave as one REPLY_BATCH per client."""
+        """A Megatron engine's finished requests (or main's partial replies), each map to
+        its request's client; those bound for batched clients leave as one REPLY_BATCH
+        per client."""
         data = frames[1].buffer
         try:
             if len(frames) != 2:
                 raise ProtocolError("bad frame layout")
-            entries = codec.read_single_reply(data)
+            header, entries = codec.read_single_reply(data)
         except ProtocolError as exc:
             self._malformed(None, None, Header.ENGINE_REPLY, str(exc), frames)
             return
+        final = header == Header.ENGINE_REPLY
         now = time.monotonic() if self._latency is not None else 0.0
         for start, end, server_rid, error in entries:
             if error is not None:
-                self._reject_entry(engine, None, ErrorCode.MALFORMED, Header.ENGINE_REPLY)
+                self._reject_entry(engine, None, ErrorCode.MALFORMED, header)
                 continue
             assert server_rid is not None  # read whenever there is no error
             request = self._find(server_rid)
             if request is None or request.rank != engine.rank:
                 self._counters[Counter.UNKNOWN_REQUEST] += 1
                 continue
-            self._finish(request, True, now)
+            self._finish(request, final, now)
             body: Buffer = data[start:end]
-            if self._options.detokenizer is not None:  # as 0.19's coordinator: every one
+            if final and self._options.detokenizer is not None:  # as Megatron's: every final
                 body = self._detokenized(body)
             if request.client.batch:
-                self._fanout.add(request.client, request.client_rid, MSGPACK_BOOLS[True], body)
-            elif not self._deliver(request.client, Header.ENGINE_REPLY, request.client_rid, body):
+                self._fanout.add(request.client, request.client_rid, MSGPACK_BOOLS[final], body)
+            elif not self._deliver(request.client, header, request.client_rid, body):
                 self._client_gone(request.client)
         self._send_batches(Header.REPLY_BATCH)
 
@@ -985,15 +1059,14 @@ class Loop:
     def _deliver(self, client: _Client, header: int, client_rid: int, body: Any) -> bool:
         """One reply to its client in the client's format (reply_carried, send_reply);
         False when the client is gone."""
-        single_frame = client.format == SINGLE_FRAME
-        carried = reply_carried(single_frame, header, body)
+        carried = reply_carried(client.format, header, body)
         if carried != CARRIED:
             if carried == NOT_A_MAP:
                 self._counters[Counter.MALFORMED_ENTRIES] += 1
             return True
         if not self._send_identity(client.identity):
             return False
-        size = send_reply(self._sock, single_frame, header, client_rid, body)
+        size = send_reply(self._sock, client.format, header, client_rid, body)
         self._traffic.count(SENT, header, size)
         return True
 
@@ -1092,7 +1165,7 @@ class Loop:
         else:
             self._counters[Counter.UNKNOWN_HEADER] += 1
             self._log.warn(
-                "unknown_header", f"dropped {header_name(header)} from engine {engine.rank}"
+                "unknown_header", unknown_from_engine(header, engine.rank, engine.format)
             )
 
     def _register(self, identity: bytes, engine: _Engine | None) -> None:
@@ -1122,7 +1195,8 @@ class Loop:
         """How many engines not gone speak each format: which checks a SUBMIT needs."""
         live = [engine for engine in self._engines if engine.state != GONE]
         self._n_single_engines = sum(engine.format == SINGLE_FRAME for engine in live)
-        self._n_multipart_engines = len(live) - self._n_single_engines
+        self._n_main_engines = sum(engine.format == SINGLE_FRAME_MAIN for engine in live)
+        self._n_multipart_engines = len(live) - self._n_single_engines - self._n_main_engines
 
     def _new_engine(self, identity: bytes, engine: _Engine | None) -> _Engine | None:
         """Put the sender in the pool: ``engine`` coming back, or a new rank (reusing
@@ -1154,7 +1228,7 @@ class Loop:
         engine.state = ALIVE
         engine.coordkit = False
         engine.batch = False
-        engine.format = SINGLE_FRAME if self._megatron_core else MULTIPART
+        engine.format = self._single_format if self._megatron_core else MULTIPART
         engine.heartbeats = False
         self._router.add_rank(engine.rank)
         self._count_formats()
@@ -1342,8 +1416,8 @@ class Loop:
         """Send a request whose engine died to another, from what it kept, as a new
         request is sent (_route); a RouteStatus."""
         assert request.kept is not None
-        inbound = kept_inbound(request.kept, self._n_multipart_engines > 0)
-        carriers(inbound, self._n_single_engines > 0)
+        inbound = kept_inbound(request.kept, self._n_multipart_engines, self._n_single_engines)
+        carriers(inbound, self._n_single_engines + self._n_main_engines > 0)
         status = RouteStatus.ENGINE_GONE
         while status == RouteStatus.ENGINE_GONE:  # that one waits in the queue of gone engines
             status = self._route(request, inbound)
@@ -1361,7 +1435,7 @@ class Loop:
         self._failed[code] += 1
         if code == ErrorCode.ENGINE_FAILED:
             self._counters[Counter.ENGINE_FAILED] += 1
-        if not self._send_error(request.client, request.client_rid, code, header):
+        if not self._send_error(request.client, request.client_rid, code, header, True):
             self._client_gone(request.client)
 
     def _time_out(self, request: _Request) -> None:
@@ -1414,20 +1488,36 @@ class Loop:
         self._traffic.count(SENT, header, _send_all(self._sock, frames))
         return True
 
-    def _send_error(self, client: _Client, rid: int | None, code: int, header: int) -> bool:
-        """ERROR to a coordkit client (others cannot parse it); False when it is gone."""
-        if not client.coordkit:
+    def _send_error(
+        self, client: _Client, rid: int | None, code: int, header: int, ends: bool = False
+    ) -> bool:
+        """ERROR to a coordkit client; to a Megatron main client, when the error ends
+        a request of its (``ends``), the FAILED final it takes (0.19's clients get
+        nothing). False when the client is gone."""
+        if not client.coordkit and not (ends and client.format == SINGLE_FRAME_MAIN):
             return True
         self._counters[Counter.ERRORS_SENT] += 1
+        if not client.coordkit:
+            assert rid is not None
+            text = error_text(code, header)
+            self._log.warn("failed_final", f"a Megatron main client's request {rid} failed: {text}")
+            return self._send(client.identity, [megatron_failed_reply(rid)])
         return self._send(client.identity, protocol.ERROR.pack(rid, code, error_text(code, header)))
 
     def _refuse(
-        self, client: _Client, rid: int | None, code: int, header: int, counter: Counter
+        self,
+        client: _Client,
+        rid: int | None,
+        code: int,
+        header: int,
+        counter: Counter,
+        ends: bool = False,
     ) -> None:
-        """Count a refused message and answer its client with ERROR(code)."""
+        """Count a refused message and answer its client with ERROR(code); ``ends``:
+        it was a request that parsed (see _send_error)."""
         self._counters[counter] += 1
         self._refused[code] += 1
-        if not self._send_error(client, rid, code, header):
+        if not self._send_error(client, rid, code, header, ends):
             self._client_gone(client)
 
     def _malformed(

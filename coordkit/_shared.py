@@ -30,6 +30,12 @@ Detokenizer = Callable[[list[int]], str]
 #: (releases up to 0.19). coordkit clients and engines always speak multipart.
 DIALECTS = ("multipart", "megatron-core")
 
+#: The Megatron-Core releases whose engines the megatron-core dialect serves
+#: (``Coordinator(megatron_version=...)``): an engine that only registers speaks
+#: 0.19's layouts, or main's (megatron-core 0.20), which add the five-field SUBMIT,
+#: partial replies, ABORT and the KV handoff. Clients are told apart by what they send.
+MEGATRON_VERSIONS = ("0.19", "main")
+
 #: Server ids are drawn from at least this many positions of the request index
 #: (a power of two; see ck_requests in includes/tables.h): with few requests in flight,
 #: the index's working set stays this small.
@@ -119,6 +125,7 @@ class PeerFormat(IntEnum):
     MULTIPART = 0  # metadata frame, then payload frames (Megatron-LM PR #6497, coordkit)
     SINGLE_FRAME = 1  # Megatron-Core 0.19's: one msgpack frame per message
     BATCHED = 2  # multipart, and many requests or replies per message when in hand
+    SINGLE_FRAME_MAIN = 3  # Megatron main's single frames: 0.19's, and partials, aborts, KV
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,7 @@ class Options:
     measure_latency: bool  # keep the latency histograms (Coordinator(metrics_port=...))
     dialect: str
     block_size: int
+    megatron_version: str = "0.19"  # of the single-frame engines (MEGATRON_VERSIONS)
 
     @property
     def index_size(self) -> int:
@@ -212,6 +220,26 @@ def detokenize(detokenizer: Detokenizer, body: Buffer) -> bytes:
     return packb(reply)
 
 
+def megatron_failed_reply(client_rid: int) -> bytes:
+    """ENGINE_REPLY ending a Megatron main client's request that coordkit ended
+    (refused, timed out, its engine lost): a finished request whose status is
+    FAILED, as main's engine sends for a request it cannot take. Main's client
+    resolves its future (or ends its stream) with it; its ``deserialize=True``
+    path rebuilds a DynamicInferenceRequest from it, so it holds fields of that
+    class only. Its FAIL event has no timestamp (the event's own __post_init__
+    stamps one on deserializing), so both loop cores send the same bytes."""
+    failed = {
+        "request_id": client_rid,
+        "status": "FAILED",
+        "sampling_params": None,
+        "inference_parameters": None,
+        "generated_tokens": [],
+        "generated_text": "",
+        "events": [{"timestamp": None, "type": "FAIL", "payload": None}],
+    }
+    return packb([int(protocol.Header.ENGINE_REPLY), client_rid, failed])
+
+
 class RateLimitedLog:
     """At most one warning per kind per interval, with the count of those skipped."""
 
@@ -229,6 +257,18 @@ class RateLimitedLog:
         self._last[kind] = now
         suffix = f" ({skipped} more since the last report)" if skipped else ""
         logger.warning("%s%s", message, suffix)
+
+
+def unknown_from_engine(header: int, rank: int, format: int) -> str:
+    """The log line for a message of ``header`` an engine may not send: a partial reply
+    from an engine taken for 0.19's says which option serves main's."""
+    text = f"dropped {protocol.header_name(header)} from engine {rank}"
+    if header == protocol.Header.ENGINE_REPLY_PARTIAL and format == PeerFormat.SINGLE_FRAME:
+        text += (
+            " (Megatron-Core 0.19 has none: an engine of Megatron main"
+            " needs megatron_version='main')"
+        )
+    return text
 
 
 def identity_text(identity: bytes) -> str:

@@ -21,7 +21,7 @@ import zmq
 
 from ._implementation import load_implementation, selected
 from ._policies import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
-from ._shared import DIALECTS, Detokenizer, Options
+from ._shared import DIALECTS, MEGATRON_VERSIONS, Detokenizer, Options
 from .curve import CurveServer
 from .metrics import MetricsServer
 
@@ -95,7 +95,8 @@ class _Sockets:
 class Coordinator:
     """A data-parallel coordinator bound to ``bind`` (any ZeroMQ endpoint).
 
-    Every option is keyword-only; the README's table says what each means.
+    Every option is keyword-only; the user guide's table (``docs/guide.md``)
+    says what each means.
     ``implementation`` is ``"c"`` or ``"py"`` (default: the one selected at
     import, :data:`coordkit.IMPLEMENTATION`); both behave alike, frame for frame.
     """
@@ -121,6 +122,7 @@ class Coordinator:
         keep_prompts: bool = True,
         request_timeout: float = 0.0,
         dialect: str = "multipart",
+        megatron_version: str = "0.19",
         block_size: int = DEFAULT_BLOCK_SIZE,
         metrics_port: int | None = None,
         curve_secret_key: str | os.PathLike[str] | None = None,
@@ -140,6 +142,13 @@ class Coordinator:
             raise ValueError("max_clients must be in 1..2**24 and max_engines in 1..65536")
         if dialect not in DIALECTS:
             raise ValueError(f"dialect must be one of {', '.join(DIALECTS)}, not {dialect!r}")
+        if megatron_version not in MEGATRON_VERSIONS:
+            raise ValueError(
+                f"megatron_version must be one of {', '.join(MEGATRON_VERSIONS)}, "
+                f"not {megatron_version!r}"
+            )
+        if megatron_version != "0.19" and dialect != "megatron-core":
+            raise ValueError(f"megatron_version={megatron_version!r} needs dialect='megatron-core'")
         if block_size < 1:
             raise ValueError("block_size must be at least 1")
         if (curve_secret_key is None) != (curve_authorized_keys is None):
@@ -161,6 +170,7 @@ class Coordinator:
             measure_latency=metrics_port is not None,
             dialect=dialect,
             block_size=block_size,
+            megatron_version=megatron_version,
         )
         router = impl.Router(
             policy,

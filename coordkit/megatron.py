@@ -1,13 +1,12 @@
-"""Megatron-Core 0.19's data-parallel coordinator, served by coordkit.
+"""Megatron-Core's data-parallel coordinator (0.19's and main's), served by coordkit.
 
-Megatron-Core up to release 0.19 sends every coordinator message as one
-msgpack frame (see the README's "Megatron-Core 0.19 (single-frame) drop-in").
-:func:`entrypoint` has the signature of
-``DataParallelInferenceCoordinator.entrypoint`` at ``core_v0.19.0`` and does
-what it does, with a :class:`coordkit.Coordinator` speaking that dialect
-(``dialect="megatron-core"``) in place of Megatron's own loop. One assignment,
-made in the process that starts the engines and before they start listening,
-swaps it in::
+Megatron-Core sends every coordinator message as one msgpack frame (see
+docs/megatron.md). :func:`entrypoint` has the signature of
+``DataParallelInferenceCoordinator.entrypoint`` at ``core_v0.19.0`` and on main
+(d98e8a6, megatron-core 0.20: the same arguments) and does what it does, with a
+:class:`coordkit.Coordinator` speaking that dialect (``dialect="megatron-core"``)
+in place of Megatron's own loop. One assignment, made in the process that starts
+the engines and before they start listening, swaps it in::
 
     from megatron.core.inference.data_parallel_inference_coordinator import (
         DataParallelInferenceCoordinator,
@@ -21,6 +20,13 @@ coordkit where it spawned its own coordinator; the function is pickled by
 name, so the spawned process imports ``coordkit.megatron`` itself. It can
 also be passed as the target of any process that expects 0.19's entrypoint
 (``multiprocessing.Process(target=coordkit.megatron.entrypoint, kwargs=...)``).
+
+Which release it serves (``megatron_version``, coordkit's one keyword of its own):
+the engines that spawn it are the Megatron installed where it runs, so by default
+it asks that installation: main's ``megatron.core.inference.headers`` has
+ABORT_REQUEST, 0.19's has not. Where ``megatron.core`` is not importable it
+serves 0.19's layouts, which every engine parses. It logs which one it serves,
+and why. ``functools.partial(entrypoint, megatron_version="main")`` names it.
 
 What each argument becomes:
 
@@ -66,6 +72,7 @@ What each argument becomes:
 from __future__ import annotations
 
 import errno
+import importlib
 import socket
 import threading
 import time
@@ -77,7 +84,7 @@ from ._policies import DEFAULT_PREFILL_WEIGHT, MAX_PREFILL_WEIGHT
 from ._shared import logger
 from .coordinator import Coordinator
 
-__all__ = ["entrypoint"]
+__all__ = ["entrypoint", "installed_version"]
 
 
 #: Tokens per block when 0.19 passes no block_size_tokens.
@@ -110,16 +117,23 @@ def entrypoint(
     prefix_caching_routing_alpha: float = 0.5,
     schedule_output_path: str | None = None,
     hostname: str | None = None,
+    *,
+    megatron_version: str | None = None,
 ) -> None:
-    """Run a coordkit coordinator as Megatron-Core 0.19's coordinator process.
+    """Run a coordkit coordinator as Megatron-Core's coordinator process.
 
     The signature of ``DataParallelInferenceCoordinator.entrypoint`` at
-    ``core_v0.19.0``; the module docstring says what each argument becomes.
-    Swap it in with
+    ``core_v0.19.0`` and on main, and ``megatron_version`` ("0.19" or "main"; by
+    default the installed Megatron's); the module docstring says what each
+    argument becomes. Swap it in with
     ``DataParallelInferenceCoordinator.entrypoint = coordkit.megatron.entrypoint``.
     Returns once a client sent SHUTDOWN, or on SIGINT.
     """
     del max_requests, deterministic_mode  # see the module docstring
+    if megatron_version is None:
+        megatron_version, why = installed_version()
+    else:
+        why = "as asked"
     if schedule_output_path:
         logger.warning("coordkit: no schedule is recorded, %s is not written", schedule_output_path)
     policy, prefill_weight = _routing(
@@ -132,6 +146,7 @@ def entrypoint(
         hostname or socket.gethostname(),
         inference_coordinator_port,
         dialect="megatron-core",
+        megatron_version=megatron_version,
         block_size=block_size_tokens or DEFAULT_BLOCK_SIZE,
         policy=policy,
         prefix_prefill_weight=prefill_weight,
@@ -139,7 +154,13 @@ def entrypoint(
     )
     pipe_connection.send(coord.address)
     pipe_connection.close()
-    logger.info("coordkit: waiting for %d engines at %s", data_parallel_size, coord.address)
+    logger.info(
+        "coordkit: serving Megatron-Core %s engines (%s); waiting for %d at %s",
+        megatron_version,
+        why,
+        data_parallel_size,
+        coord.address,
+    )
     served = threading.Event()
     watcher = threading.Thread(
         target=_set_when_registered,
@@ -158,14 +179,28 @@ def entrypoint(
     logger.info("coordkit: coordinator shut down")
 
 
+def installed_version() -> tuple[str, str]:
+    """The Megatron-Core release whose layouts this process's Megatron speaks, and why:
+    "main" when its headers have ABORT_REQUEST (main adds it with the five-field
+    SUBMIT, partial replies and the KV handoff), else "0.19"."""
+    try:
+        headers = importlib.import_module("megatron.core.inference.headers")
+    except ImportError:
+        return "0.19", "megatron.core is not importable here"
+    if hasattr(headers.Headers, "ABORT_REQUEST"):
+        return "main", "the installed megatron.core has ABORT_REQUEST"
+    return "0.19", "the installed megatron.core has no ABORT_REQUEST"
+
+
 def _bind(host: str, port: int | None, **options: Any) -> Coordinator:
     """A coordinator on ``tcp://host:port``, or on another port when none is given
-    or that one cannot be bound, whatever the reason: 0.19's rule."""
+    or that one cannot be bound, whatever the reason: 0.19's rule (a bad option is
+    not a bind's failure: it raises)."""
     if port is not None:
         try:
             return Coordinator(f"tcp://{host}:{port}", **options)
-        except Exception as exc:
-            taken = isinstance(exc, zmq.ZMQError) and exc.errno == errno.EADDRINUSE
+        except zmq.ZMQError as exc:
+            taken = exc.errno == errno.EADDRINUSE
             reason = "is already in use" if taken else f"could not be bound ({exc!r})"
             logger.warning("coordkit: port %s %s, binding to another one", port, reason)
     return Coordinator(f"tcp://{host}:0", **options)

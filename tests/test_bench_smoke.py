@@ -18,10 +18,12 @@ import coordkit
 from coordkit._shared import COPY_BELOW
 from coordkit.protocol import packb, unpackb
 from coordkit.tools import bench
-from coordkit.tools.bench.load import megatron_reply, read_rid
+from coordkit.tools.bench.load import megatron_reply, read_rid, submitter
 from coordkit.tools.bench.workload import (
     EDGE_MARGIN,
     POOLED_FROM,
+    SAMPLING,
+    SUBMIT_FIELDS,
     THRESHOLDS,
     Prompt,
     reply_body,
@@ -69,6 +71,42 @@ def test_quick_run_reports_every_point(tmp_path):
         assert memory[variant]["rss_with"] > memory[variant]["rss_before"] > 0
 
 
+def test_quick_run_in_megatron_mains_layout(tmp_path):
+    """--dialect megatron-core --megatron-version main: main's five-field SUBMITs, c and
+    py serving main's engines, mono decoding all five."""
+    variants = _variants()
+    path = tmp_path / "main.json"
+    argv = ["--quick", "--dialect", "megatron-core", "--megatron-version", "main"]
+    argv += ["--lengths", "16", "2000", "--inflight", "0", "--variants", *variants]
+    assert bench.main([*argv, "--json", str(path)]) == 0
+
+    result = json.loads(path.read_text())
+    assert not result["failures"]
+    assert result["config"]["megatron_version"] == "main"
+    for key in ("16", "2000"):
+        for variant, figures in result["summary"][key].items():
+            assert figures["total_us"] > 0, (key, variant)
+            # the whole five-field SUBMIT: 0.19's frame and the nil multi_modal_data
+            assert figures["frame_bytes"] == Prompt(int(key)).frame_bytes(True) + 1
+
+
+def test_megatron_version_needs_the_dialect(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--megatron-version", "main"])
+    assert "--megatron-version main needs --dialect megatron-core" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("version", "fields"), [("0.19", 4), ("main", 5)])
+def test_the_load_speaks_each_releases_submit(version, fields):
+    assert SUBMIT_FIELDS[version] == fields
+    prompt = Prompt(300)
+    (frame,) = submitter(True, prompt, False, fields)(1234)
+    expected = [20, 1234, prompt.token_ids(), SAMPLING] + [None] * (fields - 4)
+    assert unpackb(frame) == expected  # main's text request: multi_modal_data nil
+    assert len(frame) == prompt.frame_bytes(True, fields) + 2  # a 3-byte rid, not 1
+    assert read_rid(frame) == 1234
+
+
 def test_quick_endpoint_runs_report_every_point(tmp_path):
     path = tmp_path / "endpoints.json"
     assert bench.main(["--quick", "--client", "--end-to-end", "--json", str(path)]) == 0
@@ -97,14 +135,15 @@ def test_quick_endpoint_runs_report_every_point(tmp_path):
 
 
 def test_the_standard_prompts_cross_every_threshold_of_the_loop():
-    for single_frame in (False, True):
-        sizes = [p.frame_bytes(single_frame) for p in bench.standard_prompts(single_frame)]
+    for single_frame, fields in ((False, 4), (True, 4), (True, 5)):
+        prompts = bench.standard_prompts(single_frame, fields)
+        sizes = [p.frame_bytes(single_frame, fields) for p in prompts]
         assert sizes == sorted(sizes)
         for threshold in THRESHOLDS.values():
             margin = EDGE_MARGIN  # just below and just above: within twice the margin
             below = [s for s in sizes if threshold - 2 * margin <= s <= threshold - margin]
             above = [s for s in sizes if threshold + margin <= s <= threshold + 2 * margin]
-            assert below and above, (single_frame, threshold, sizes)
+            assert below and above, (single_frame, fields, threshold, sizes)
     # small ids pack smaller: 2000 of them sit below the copy threshold, random ones above
     assert Prompt(2000, "range").packed_bytes() < COPY_BELOW < Prompt(2000).packed_bytes()
     assert Prompt(2000, "range").token_ids() == list(range(2000))

@@ -20,10 +20,13 @@ from coordkit import Client
 from coordkit.tools import cli
 from coordkit.tools.fake_engine import FakeEngine
 from tests.support.peers import (
+    PARTIAL,
     REPLY,
     SHUTDOWN,
     STATS,
     SUBMIT,
+    MainClient,
+    MainEngine,
     RawClient,
     RawEngine,
     m,
@@ -123,6 +126,49 @@ def test_serve_speaks_megatrons_frames(impl, serve, tmp_path):
         assert server.wait() == 0
     finally:
         ctx.destroy(linger=0)
+
+
+def test_serve_speaks_megatron_mains_frames(impl, serve, tmp_path):
+    """``--dialect megatron-core --megatron-version main``: main's client and engine."""
+    server = serve(
+        "--bind",
+        f"ipc://{tmp_path}/c.sock",
+        "--implementation",
+        impl.name,
+        "--dialect",
+        "megatron-core",
+        "--megatron-version",
+        "main",
+    )
+    address = server.listening().group(1)
+    ctx = zmq.Context()
+    try:
+        engine = MainEngine(ctx, address, b"mp-coord-0").register()
+        client = MainClient(ctx, address).connect()
+        # until the engine is registered a request is dropped: send until one arrives
+        params = {"streaming": True}
+        for rid in range(100):
+            client.submit(rid, [rid], params)  # the prompt names the request
+            if engine.sock.poll(100):
+                break
+        data, frame = engine.recv_parsed(TIMEOUT)
+        rid, server_rid = data[2][0], data[1]
+        # main's five fields, as they came
+        assert frame == b"\x95\x14" + m(server_rid) + m([rid]) + m(params) + m(None)
+        engine.partial({"request_id": server_rid, "new_tokens": [3]})
+        assert client.recv_message(TIMEOUT)[:2] == (PARTIAL, rid)
+        client.signal(SHUTDOWN)
+        assert server.wait() == 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_serve_megatron_version_needs_the_dialect(serve, tmp_path):
+    server = serve("--bind", f"ipc://{tmp_path}/c.sock", "--megatron-version", "main")
+    assert server.wait() == 1
+    assert "".join(server.stderr) == (
+        "coordkit serve: megatron_version='main' needs dialect='megatron-core'\n"
+    )
 
 
 def test_serve_stops_on_shutdown(impl, serve, tmp_path):

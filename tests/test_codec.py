@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from coordkit.protocol import ProtocolError, block_hashes
 from tests.support import codec_extras as py_codec_extras
-from tests.support.peers import PARTIAL, REPLY, REPLY_BATCH, SUBMIT, SUBMIT_BATCH
+from tests.support.peers import PARTIAL, REPLY, REPLY_BATCH, SUBMIT, SUBMIT_BATCH, SUBMIT_KV
 
 SETTINGS = settings(max_examples=300, deadline=None)
 DIFFERENTIAL = settings(SETTINGS, max_examples=1000)
@@ -99,7 +99,9 @@ valid_frames = (
     submits | replies | submit_batches | reply_batches | header_ints | supported.map(packb)
 )
 
-# Megatron-Core's single frames: [20, rid, prompt, params] and [21, [map, ...]].
+# Megatron-Core's single frames: [20, rid, prompt, params] (0.19's), with multi_modal_data
+# last (main's), [24, rid, prompt, params, kv_meta, src_block_ids] (main's), and
+# [21, [map, ...]] (main's [22, [map, ...]] too).
 UINT32_MAX = (1 << 32) - 1
 TOKEN_EDGES = [0, 1, 127, 128, 255, 256, 65535, 65536, 1 << 31, UINT32_MAX - 1, UINT32_MAX]
 tokens = st.lists(st.sampled_from(TOKEN_EDGES) | st.integers(0, UINT32_MAX), max_size=70)
@@ -128,14 +130,17 @@ def reply_entries(draw: st.DrawFn) -> Any:
 
 
 single_submits = st.builds(
-    lambda header, rid, prompt, params: packb([header, rid, prompt, params]),
-    st.sampled_from([SUBMIT]) | int64s,
+    lambda header, rid, prompt, params, more: packb([header, rid, prompt, params, *more]),
+    st.sampled_from([SUBMIT, SUBMIT_KV]) | int64s,
     int64s,
     prompts,
     params_maps,
+    st.lists(anything, max_size=2),  # main's multi_modal_data; kv_meta, src_block_ids
 )
 single_replies = st.builds(
-    lambda entries: packb([REPLY, entries]), st.lists(reply_entries(), max_size=12)
+    lambda header, entries: packb([header, entries]),
+    st.sampled_from([REPLY, PARTIAL]),
+    st.lists(reply_entries(), max_size=12),
 )
 single_frames = single_submits | single_replies | prompts.map(packb) | params_maps.map(packb)
 
@@ -635,12 +640,19 @@ def same(a: Any, b: Any) -> bool:
     return repr(a) == repr(b)
 
 
+def unpacked(data: bytes) -> list[Any]:
+    """Every object of ``data``, in order (msgpack.unpackb takes only one)."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(data)
+    return list(unpacker)
+
+
 def check_single_submit(impl, data: bytes) -> None:
     ok, obj = decoded(data)
     shaped = (
         ok
         and type(obj) is list
-        and len(obj) == 4
+        and 4 <= len(obj) <= 6
         and is_int64(obj[0])
         and is_int64(obj[1])
         and type(obj[2]) in (str, list)
@@ -651,17 +663,22 @@ def check_single_submit(impl, data: bytes) -> None:
             impl.codec.read_single_submit(data)
         return
     try:
-        header, rid, prompt, params = impl.codec.read_single_submit(data)
+        header, rid, length, prompt, params, extra = impl.codec.read_single_submit(data)
     except ProtocolError:
         assert not shaped
         return
-    assert 0 < prompt < params < len(data)
+    assert 0 < prompt < params < extra <= len(data)
+    assert (extra == len(data)) == (length == 4)
     if shaped:
-        assert (header, rid) == (obj[0], obj[1])
+        assert (header, rid, length) == (obj[0], obj[1], len(obj))
         assert same(msgpack.unpackb(data[prompt:params], strict_map_key=False), obj[2])
-        assert same(msgpack.unpackb(data[params:], strict_map_key=False), obj[3])
+        # the params (and kv_meta) up to the last field, then the last field
+        assert same(unpacked(data[params:extra]), obj[3 : max(4, len(obj) - 1)])
+        assert same(unpacked(data[extra:]), obj[4:][-1:])
     else:  # a structural read of what msgpack refuses to decode
-        assert skippable(data[prompt:params]) and skippable(data[params:])
+        assert skippable(data[prompt:params]) and skippable(data[extra:]) == (length > 4)
+        middle = data[params:extra]  # the params, and kv_meta of six fields
+        assert skippable(middle) if length < 6 else not skippable(middle)
 
 
 def expected_entry(entry: Any) -> tuple[int | None, str | None]:
@@ -678,17 +695,22 @@ def expected_entry(entry: Any) -> tuple[int | None, str | None]:
 def check_single_reply(impl, data: bytes) -> None:
     ok, obj = decoded(data)
     shaped = (
-        ok and type(obj) is list and len(obj) == 2 and same(obj[0], REPLY) and type(obj[1]) is list
+        ok
+        and type(obj) is list
+        and len(obj) == 2
+        and (same(obj[0], REPLY) or same(obj[0], PARTIAL))
+        and type(obj[1]) is list
     )
     if not shaped and (ok or not skippable(data)):
         with pytest.raises(ProtocolError):
             impl.codec.read_single_reply(data)
         return
     try:
-        entries = impl.codec.read_single_reply(data)
+        header, entries = impl.codec.read_single_reply(data)
     except ProtocolError:
         assert not shaped
         return
+    assert header in (REPLY, PARTIAL) and (not shaped or header == obj[0])
     # the spans tile the batch, in order, up to the end of the frame
     assert [end for _, end, _, _ in entries[:-1]] == [start for start, _, _, _ in entries[1:]]
     assert not entries or entries[-1][1] == len(data)
@@ -725,10 +747,37 @@ def test_single_submit(impl, header, rid, prompt, params):
     frame = packb([header, rid, prompt, params])
     start = len(packb([header, rid, []])) - 1
     end = start + len(packb(prompt))
-    assert impl.codec.read_single_submit(frame) == (header, rid, start, end)
+    assert impl.codec.read_single_submit(frame) == (header, rid, 4, start, end, len(frame))
     assert frame[start:end] == packb(prompt) and frame[end:] == packb(params)
     # and back: a multipart client's prompt and params, spliced into one frame for 0.19's engine
     assert impl.codec.write_single_submit(header, rid, packb(prompt), packb(params)) == frame
+
+
+@SETTINGS
+@given(
+    rid=int64s,
+    prompt=prompts,
+    params=params_maps,
+    multi_modal_data=anything,
+    kv_meta=anything,
+    blocks=anything,
+)
+def test_single_submit_of_megatron_main(
+    impl, rid, prompt, params, multi_modal_data, kv_meta, blocks
+):
+    start = len(packb([SUBMIT, rid, []])) - 1
+    end = start + len(packb(prompt))
+    # [20, rid, prompt, sampling_params, multi_modal_data]
+    frame = packb([SUBMIT, rid, prompt, params, multi_modal_data])
+    extra = end + len(packb(params))
+    assert impl.codec.read_single_submit(frame) == (SUBMIT, rid, 5, start, end, extra)
+    assert impl.codec.read_single_head(frame) == (SUBMIT, rid, 5, start)
+    assert frame[extra:] == packb(multi_modal_data)
+    # [24, rid, prompt, sampling_params, kv_meta, src_block_ids]: kv_meta stays with the params
+    frame = packb([SUBMIT_KV, rid, prompt, params, kv_meta, blocks])
+    extra = end + len(packb(params)) + len(packb(kv_meta))
+    assert impl.codec.read_single_submit(frame) == (SUBMIT_KV, rid, 6, start, end, extra)
+    assert frame[end:extra] == packb(params) + packb(kv_meta) and frame[extra:] == packb(blocks)
 
 
 @SETTINGS
@@ -742,7 +791,7 @@ def test_single_submit_agrees_with_msgpack(impl, data):
 def test_single_head_is_the_head_of_single_submit(impl, data):
     # what read_single_submit reads first, and all of what read_single_head reads
     try:
-        header, rid, prompt, _ = impl.codec.read_single_submit(data)
+        header, rid, length, prompt, *_ = impl.codec.read_single_submit(data)
     except ProtocolError as exc:
         if exc.rid is None:  # the fault is in the head
             with pytest.raises(ProtocolError):
@@ -750,14 +799,17 @@ def test_single_head_is_the_head_of_single_submit(impl, data):
         else:
             assert impl.codec.read_single_head(data)[1] == exc.rid
     else:
-        assert impl.codec.read_single_head(data) == (header, rid, prompt)
+        assert impl.codec.read_single_head(data) == (header, rid, length, prompt)
 
 
 def test_single_head_reads_nothing_after_the_rid(impl):
     # O(1): a prompt claiming 2**32-1 tokens, or garbage, is not looked at
     for rest in (b"\xdd\xff\xff\xff\xff", b"\xc1\xc1", b""):
-        assert impl.codec.read_single_head(b"\x94\x14\xcd\x01\x00" + rest) == (20, 256, 5)
-    for frame in (b"", b"\x93\x14\x05", b"\x94\x14", b"\x94\x14\xa1x", b"\x94\xc0\x05"):
+        assert impl.codec.read_single_head(b"\x94\x14\xcd\x01\x00" + rest) == (20, 256, 4, 5)
+        assert impl.codec.read_single_head(b"\x95\x14\x05" + rest) == (20, 5, 5, 3)
+        assert impl.codec.read_single_head(b"\x96\x18\x05" + rest) == (24, 5, 6, 3)
+    bad = (b"", b"\x93\x14\x05", b"\x97\x14\x05", b"\x94\x14", b"\x94\x14\xa1x", b"\x94\xc0\x05")
+    for frame in bad:
         with pytest.raises(ProtocolError) as info:
             impl.codec.read_single_head(frame)
         assert info.value.rid is None
@@ -767,7 +819,10 @@ def test_single_submit_structure_only(impl):
     # a str prompt with invalid UTF-8, params holding an ext -1 (timestamp) of a bad length
     prompt, params = b"\xa2\xff\xfe", b"\x81\xa1k\xc7\x03\xffxyz"
     frame = b"\x94\x14\x05" + prompt + params
-    assert impl.codec.read_single_submit(frame) == (20, 5, 3, 6)
+    assert impl.codec.read_single_submit(frame) == (20, 5, 4, 3, 6, len(frame))
+    # and multi_modal_data holding a str with invalid UTF-8: its bytes are not looked at
+    frame = b"\x95\x14\x05" + prompt + params + b"\x81\xa5image\xa1\xff"
+    assert impl.codec.read_single_submit(frame) == (20, 5, 5, 3, 6, 6 + len(params))
 
 
 @pytest.mark.parametrize(
@@ -775,7 +830,7 @@ def test_single_submit_structure_only(impl):
     [
         (b"", None),
         (b"\x14", None),  # not an array
-        (packb([SUBMIT, 7, [1], {}, 1]), None),  # five fields: the length is checked first
+        (packb([SUBMIT, 7, [1], {}, 1, 2, 3]), None),  # seven fields: checked first
         (packb([SUBMIT, 7, {}]), None),  # the multipart layout
         (packb([True, 7, [1], {}]), None),  # header is a bool
         (packb([SUBMIT, "7", [1], {}]), None),  # rid is a str
@@ -795,6 +850,12 @@ def test_single_submit_structure_only(impl):
         (packb([SUBMIT, 7, "pp", {}])[:5], 7),  # truncated prompt
         (b"\x94\x14\x07\xdd\xff\xff\xff\xff\x80", 7),  # prompt claims 2**32-1 tokens
         (b"\x94\x14\x07\x91\xc1\x80", 7),  # reserved byte in the prompt
+        (packb([SUBMIT, 7, "p", {}, None]) + b"\x00", 7),  # five fields, trailing
+        (packb([SUBMIT, 7, "p", {}, {"image": b"x"}])[:-1], 7),  # multi_modal_data cut short
+        (packb([SUBMIT, 7, "p", [1], None]), 7),  # five fields, params not a map
+        (b"\x95\x14\x07\xa1p\x80\xc1", 7),  # a reserved byte as multi_modal_data
+        (packb([SUBMIT_KV, 7, "p", {}, {}, [1]])[:-1], 7),  # src_block_ids cut short
+        (b"\x96\x18\x07\xa1p\x80\x80", 7),  # no src_block_ids
     ],
 )
 def test_single_submit_errors(impl, frame, rid):
@@ -810,7 +871,7 @@ def test_single_submit_errors(impl, frame, rid):
 def test_single_submit_prompt_depth_is_msgpacks(impl, depth, last, ok):
     frame = b"\x94\x14\x05" + b"\x91" * depth + last + b"\x80"
     if ok:
-        assert impl.codec.read_single_submit(frame) == (20, 5, 3, len(frame) - 1)
+        assert impl.codec.read_single_submit(frame) == (20, 5, 4, 3, len(frame) - 1, len(frame))
     else:
         with pytest.raises(ProtocolError) as info:
             impl.codec.read_single_submit(frame)
@@ -818,10 +879,11 @@ def test_single_submit_prompt_depth_is_msgpacks(impl, depth, last, ok):
 
 
 @SETTINGS
-@given(entries=st.lists(reply_entries(), max_size=20))
-def test_single_reply(impl, entries):
-    frame = packb([REPLY, entries])
-    got = impl.codec.read_single_reply(frame)
+@given(header=st.sampled_from([REPLY, PARTIAL]), entries=st.lists(reply_entries(), max_size=20))
+def test_single_reply(impl, header, entries):
+    frame = packb([header, entries])  # finished requests, or main's partial replies
+    read, got = impl.codec.read_single_reply(frame)
+    assert read == header
     start = len(frame) - sum(len(packb(e)) for e in entries)
     for (begin, end, rid, error), entry in zip(got, entries, strict=True):
         assert (begin, end) == (start, start + len(packb(entry)))
@@ -851,7 +913,7 @@ def str_forms(text: bytes) -> list[bytes]:
 def test_single_reply_request_id_in_any_str_form(impl, key):
     entry = b"\x83\xa1a\x01" + key + b"\xcd\x01\x00" + b"\xa1b\x90"
     frame = b"\x92\x15\x91" + entry
-    assert impl.codec.read_single_reply(frame) == [(3, len(frame), 256, None)]
+    assert impl.codec.read_single_reply(frame) == (REPLY, [(3, len(frame), 256, None)])
 
 
 @pytest.mark.parametrize(
@@ -878,7 +940,7 @@ def test_single_reply_request_id_in_any_str_form(impl, key):
 )
 def test_single_reply_entries(impl, entry, rid, error):
     frame = packb([REPLY, [{"request_id": 9}, entry, {"request_id": 10}]])
-    entries = impl.codec.read_single_reply(frame)
+    _, entries = impl.codec.read_single_reply(frame)
     assert [(r, e) for _, _, r, e in entries] == [(9, None), (rid, error), (10, None)]
     assert frame[entries[1][0] : entries[1][1]] == packb(entry)
 
@@ -892,13 +954,13 @@ def test_single_reply_last_request_id_wins(impl, first, last, expected):
     entry = b"\x82\xaarequest_id" + first + b"\xaarequest_id" + last
     frame = b"\x92\x15\x91" + entry
     assert expected_entry(msgpack.unpackb(entry)) == expected
-    assert impl.codec.read_single_reply(frame) == [(3, len(frame), *expected)]
+    assert impl.codec.read_single_reply(frame) == (REPLY, [(3, len(frame), *expected)])
 
 
 def test_single_reply_larger_than_the_local_buffer(impl):
     entries = [{"request_id": i, "generated_tokens": [i] * (i % 7)} for i in range(3000)]
     frame = packb([REPLY, entries])
-    got = impl.codec.read_single_reply(frame)
+    _, got = impl.codec.read_single_reply(frame)
     assert [rid for _, _, rid, _ in got] == list(range(3000))
     assert b"".join(frame[start:end] for start, end, _, _ in got) == packb(entries)[3:]
 
@@ -909,7 +971,7 @@ def test_single_reply_larger_than_the_local_buffer(impl):
         b"",
         packb([REPLY]),
         packb([REPLY, [], 1]),
-        packb([PARTIAL, []]),  # 0.19 has no partial replies
+        packb([PARTIAL, [], 1]),
         packb([SUBMIT, []]),
         packb([True, []]),
         packb([UINT64_MAX, []]),

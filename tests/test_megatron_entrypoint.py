@@ -1,19 +1,24 @@
-"""coordkit.megatron.entrypoint, as Megatron-Core 0.19's engine runs its coordinator:
+"""coordkit.megatron.entrypoint, as Megatron-Core's engine runs its coordinator:
 in a spawned process, with a real Pipe and Event, the peers raw single-frame sockets.
 
-No Megatron here: the peers know only 0.19's frames (tests/support/peers.py),
-and the call is the one 0.19's ``start_listening_to_data_parallel_coordinator``
-makes, keyword for keyword.
+No Megatron here: the peers know only 0.19's and main's frames
+(tests/support/peers.py), and the call is the one
+``start_listening_to_data_parallel_coordinator`` makes, keyword for keyword (0.19
+and main make the same one). Which release it serves is asked of the installed
+``megatron.core``: a stand-in package of the two releases' headers plays it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import multiprocessing
 import socket
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,20 +28,29 @@ import coordkit.megatron
 from coordkit._policies import MAX_PREFILL_WEIGHT
 from coordkit.megatron import entrypoint
 from tests.support.peers import (
+    ABORT,
     CONNECT_ACK,
+    PARTIAL,
+    REPLY,
+    SHUTDOWN,
     STATS,
+    MainClient,
+    MainEngine,
     RawClient,
     SingleFrameClient,
     SingleFrameEngine,
+    finished_request,
     m,
+    main_partial,
     um,
     wait_for,
 )
 
 TIMEOUT = 60.0  # a spawned Python imports coordkit on a shared machine
 
-# The signature of DataParallelInferenceCoordinator.entrypoint at core_v0.19.0
-# (less its cls): names, order and defaults, 0.19's policy enum as its value.
+# The signature of DataParallelInferenceCoordinator.entrypoint at core_v0.19.0 and on
+# main at d98e8a6, the same (less its cls): names, order and defaults, the policy enum
+# as its value.
 MEGATRON_SIGNATURE = [
     ("pipe_connection", inspect.Parameter.empty),
     ("ready_event", inspect.Parameter.empty),
@@ -64,7 +78,9 @@ class Tokenizer:
 class Spawned:
     """The coordinator process, as 0.19's engine starts it, and the parent's ends."""
 
-    def __init__(self, impl: Any, monkeypatch: pytest.MonkeyPatch, **kwargs: Any):
+    def __init__(
+        self, impl: Any, monkeypatch: pytest.MonkeyPatch, target: Any = entrypoint, **kwargs: Any
+    ):
         # the child picks its implementation from the environment it inherits
         if impl.name == "py":
             monkeypatch.setenv("COORDKIT_PUREPYTHON", "1")
@@ -90,7 +106,7 @@ class Spawned:
             "hostname": "127.0.0.1",
             **kwargs,
         }
-        self.process = spawn.Process(target=entrypoint, kwargs=arguments)
+        self.process = spawn.Process(target=target, kwargs=arguments)
         self.process.start()
         child_pipe.close()  # the child's end: ours is closed only by the child now
         self.ctx = zmq.Context()
@@ -144,9 +160,15 @@ def free_port() -> int:
 
 
 def test_signature_is_megatron_cores(impl):
-    parameters = inspect.signature(entrypoint).parameters.values()
+    *parameters, version = inspect.signature(entrypoint).parameters.values()
     assert [(p.name, p.default) for p in parameters] == MEGATRON_SIGNATURE
     assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in parameters)
+    # coordkit's own: keyword-only, after every one Megatron passes
+    assert (version.name, version.default, version.kind) == (
+        "megatron_version",
+        None,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
     # one assignment swaps it in, and a class attribute that is a function is called as one
     holder = type("DataParallelInferenceCoordinator", (), {"entrypoint": classmethod(lambda c: c)})
     holder.entrypoint = coordkit.megatron.entrypoint
@@ -331,3 +353,102 @@ def test_engines_counted_from_stats(impl, make_coordinator):
             ctx.term()
     finally:
         coord.stop()
+
+
+# -- which release: main's ---------------------------------------------------------
+
+
+def stand_in_megatron(root: Path, main: bool) -> Path:
+    """A ``megatron.core.inference.headers`` as the release has it, where it matters:
+    main's Headers has ABORT_REQUEST (and the rest of main's headers), 0.19's has not."""
+    package = root / "megatron" / "core" / "inference"
+    package.mkdir(parents=True)
+    for directory in (root / "megatron", root / "megatron" / "core", package):
+        (directory / "__init__.py").write_text("")
+    names = ["CONNECT = 0", "SUBMIT_REQUEST = 20", "ENGINE_REPLY = 21"]
+    if main:
+        names += ["ENGINE_REPLY_PARTIAL = 22", "ABORT_REQUEST = 23", "RELEASE_KV = 25"]
+    body = "".join(f"    {name}\n" for name in names)
+    (package / "headers.py").write_text(f"class _Headers:\n{body}\n\nHeaders = _Headers()\n")
+    return root
+
+
+def forget_megatron() -> None:
+    for name in [name for name in sys.modules if name.split(".")[0] == "megatron"]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    """``installed(main)``: a stand-in Megatron on sys.path (a spawned child inherits it)."""
+
+    def install(main: bool) -> None:
+        monkeypatch.syspath_prepend(str(stand_in_megatron(tmp_path / f"m{int(main)}", main)))
+        forget_megatron()
+
+    yield install
+    forget_megatron()  # what this test imported, sys.path restored
+
+
+@pytest.mark.parametrize(("main", "version"), [(True, "main"), (False, "0.19")])
+def test_installed_version_is_asked_of_megatron(impl, installed, main, version):
+    installed(main)
+    assert coordkit.megatron.installed_version()[0] == version
+
+
+def test_installed_version_without_megatron(impl, monkeypatch):
+    forget_megatron()
+    monkeypatch.setitem(sys.modules, "megatron", None)  # not importable
+    assert coordkit.megatron.installed_version() == (
+        "0.19",
+        "megatron.core is not importable here",
+    )
+
+
+def serve_main(coordinator: Spawned) -> None:
+    """A main engine and a main client through the spawned coordinator: five fields as
+    they came, a partial, an abort to the engine, the final."""
+    address = coordinator.address()
+    engine = coordinator.peer(MainEngine(coordinator.ctx, address, b"mp-coord-0")).register()
+    assert coordinator.ready.wait(TIMEOUT)
+    client = coordinator.peer(MainClient(coordinator.ctx, address)).connect()
+    sent = client.submit(3, [1, 2], {"streaming": True})
+    _, frame = engine.recv_parsed(TIMEOUT)
+    assert frame == b"\x95\x14\x00" + sent[3:]  # main's five fields, as they came
+    engine.partial(main_partial(0, [9]))
+    assert client.recv_message(TIMEOUT) == (PARTIAL, 3, m(main_partial(0, [9])))
+    client.abort(3)
+    assert engine.recv_parsed(TIMEOUT)[1] == m([ABORT, 0])
+    engine.reply(finished_request(0, generated_tokens=[9, 10]))
+    header, rid, body = client.recv_message(TIMEOUT)
+    assert (header, rid, um(body)["generated_text"]) == (REPLY, 3, "9 10")
+    client.signal(SHUTDOWN)
+    coordinator.process.join(TIMEOUT)
+    assert coordinator.process.exitcode == 0
+
+
+def test_serves_main_when_megatron_is_mains(impl, spawned, installed):
+    installed(True)  # the child asks the Megatron it inherits
+    serve_main(spawned(data_parallel_size=1))
+
+
+def test_serves_main_when_asked(impl, spawned):
+    target = functools.partial(entrypoint, megatron_version="main")
+    serve_main(spawned(target=target, data_parallel_size=1))
+
+
+def test_serves_019_when_megatron_is_019s(impl, spawned, installed):
+    installed(False)
+    coordinator = spawned(data_parallel_size=1)
+    address = coordinator.address()
+    engine = coordinator.peer(SingleFrameEngine(coordinator.ctx, address, b"mp-coord-0"))
+    engine.register()
+    assert coordinator.ready.wait(TIMEOUT)
+    client = coordinator.peer(MainClient(coordinator.ctx, address)).connect()
+    client.submit(3, [1, 2], {})
+    assert engine.recv_frame(TIMEOUT) == m([20, 0, [1, 2], {}])  # four fields for 0.19's
+    client.abort(3)
+    engine.assert_silent(0.3)  # 0.19's engine would raise on ABORT
+    client.signal(SHUTDOWN)
+    coordinator.process.join(TIMEOUT)
+    assert coordinator.process.exitcode == 0

@@ -31,7 +31,7 @@ from tests.support.peers import (
 )
 from tests.support.processes import coordkit_command, python_env
 
-#: The metric names the README's table lists.
+#: The metric names the table of docs/deploying.md lists.
 METRIC_NAMES = [
     "coordkit_requests_total",
     "coordkit_refused_messages_total",

@@ -1,7 +1,7 @@
 """coordkit vendored into a host stack under another package name, built and run.
 
 The session builds the copy once (``vendored``, tests/support/vendoring.py):
-the coordkit under test in ``src/hoststack/_vendor/coordkit``, the README's
+the coordkit under test in ``src/hoststack/_vendor/coordkit``, the docs'
 host ``setup.py``, ``python setup.py build_ext --inplace``. Then, in child
 Pythons: the copy imports and serves round trips on both implementations with
 no top-level ``coordkit`` anywhere on the path, its tools start engines of
@@ -49,10 +49,10 @@ def child(vendored: vendoring.Vendored, tmp_path: Path, *args: str, isolated: bo
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def test_the_readme_shows_what_the_host_does():
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Building and vendoring") :]
-    section = section[: section.index("\n### ", 1)]
+def test_the_docs_show_what_the_host_does():
+    page = (ROOT / "docs" / "building.md").read_text()
+    section = page[page.index("## Building and vendoring under another name") :]
+    section = section[: section.index("\n## ", 1)]
     blocks = re.findall(r"^( *)```python\n(.*?)^\1```", section, re.M | re.S)
     assert [textwrap.dedent(code) for _, code in blocks] == [vendoring.HOST_SETUP]
     assert f"`python {' '.join(vendoring.BUILD)}`" in section

@@ -1,4 +1,4 @@
-"""Megatron-Core 0.19's single frames (included by _codec_c.pyx).
+"""Megatron-Core's single frames, 0.19's and main's (included by _codec_c.pyx).
 
 Nothing here decodes a prompt or a reply map: they are skipped structurally
 and handed back as byte spans of the frame; and the block hashes of a
@@ -14,7 +14,7 @@ from libc.stdint cimport UINT32_MAX, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp, memset
 
-from ._constants cimport HEADER_ENGINE_REPLY
+from ._constants cimport HEADER_ENGINE_REPLY, HEADER_ENGINE_REPLY_PARTIAL
 from .includes.blake2b cimport (
     ck_blake2b_final,
     ck_blake2b_init,
@@ -56,13 +56,13 @@ cdef int ck_read_single_head(const uint8_t* buf, size_t n,
     cdef ck_cursor c
     c.p = buf
     c.end = buf + n
-    cdef uint32_t length
     out.prompt = 0
     out.params = 0
-    cdef int status = _read_array(&c, &length)
+    out.extra = 0
+    cdef int status = _read_array(&c, &out.length)
     if status != CK_OK:
         return status
-    if length != 4:
+    if not 4 <= out.length <= 6:
         return CK_BAD_LENGTH
     status = _read_int(&c, &out.header)
     if status != CK_OK:
@@ -87,10 +87,19 @@ cdef int ck_read_single_submit(const uint8_t* buf, size_t n,
         return status
     out.params = <size_t>(c.p - buf)
     status = _skip_one(&c, _MAP)
+    if status == CK_OK and out.length == 6:  # kv_meta, then src_block_ids
+        status = _skip(&c, 1)
     if status != CK_OK:
         return status
+    out.extra = <size_t>(c.p - buf)
+    if out.length > 4:
+        status = _skip(&c, 1)
+        if status != CK_OK:
+            return status
     if c.p != c.end:
         return CK_TRAILING
+    if out.length == 4:
+        out.extra = n
     return CK_OK
 
 
@@ -160,13 +169,14 @@ cdef int _read_single_entry(ck_cursor* c, int64_t* rid, int* entry_status) noexc
     return CK_OK
 
 
-cdef int ck_read_single_reply(const uint8_t* buf, size_t n, ck_single_entry* entries,
-                              uint32_t capacity, uint32_t* count) noexcept nogil:
+cdef int ck_read_single_reply(const uint8_t* buf, size_t n, int64_t* header,
+                              ck_single_entry* entries, uint32_t capacity,
+                              uint32_t* count) noexcept nogil:
     cdef ck_cursor c
     c.p = buf
     c.end = buf + n
     cdef uint32_t length, i
-    cdef int64_t header, rid
+    cdef int64_t rid
     cdef int entry_status
     cdef const uint8_t* start
     count[0] = 0
@@ -175,10 +185,10 @@ cdef int ck_read_single_reply(const uint8_t* buf, size_t n, ck_single_entry* ent
         return status
     if length != 2:
         return CK_BAD_LENGTH
-    status = _read_int(&c, &header)
+    status = _read_int(&c, header)
     if status != CK_OK:
         return status
-    if header != HEADER_ENGINE_REPLY:
+    if header[0] != HEADER_ENGINE_REPLY and header[0] != HEADER_ENGINE_REPLY_PARTIAL:
         return CK_BAD_HEADER
     status = _read_array(&c, &length)
     if status != CK_OK:
@@ -293,12 +303,15 @@ cdef int ck_prompt_hashes(const uint8_t* buf, size_t n, size_t block_size, uint8
 
 # -- the Python API ---------------------------------------------------------------
 
-def read_single_submit(frame) -> tuple[int, int, int, int]:
-    """``(header, rid, prompt, params)`` of a single-frame SUBMIT
-    ``[header, rid, prompt, sampling_params]``, validated whole.
+def read_single_submit(frame) -> tuple[int, int, int, int, int, int]:
+    """``(header, rid, length, prompt, params, extra)`` of a single-frame SUBMIT
+    ``[header, rid, prompt, sampling_params, ...]`` of ``length`` fields (4: 0.19's;
+    5: main's, multi_modal_data last; 6: main's KV submission, kv_meta and
+    src_block_ids last), validated whole.
 
-    ``frame[prompt:params]`` is the prompt (a msgpack str or array) and
-    ``frame[params:]`` the sampling params (a map), both checked for structure
+    ``frame[prompt:params]`` is the prompt (a msgpack str or array),
+    ``frame[params:extra]`` the sampling params (a map; and kv_meta, of 6 fields),
+    ``frame[extra:]`` the last field (nothing, of 4), all checked for structure
     only. A fault after the rid raises ProtocolError with ``rid`` set.
     """
     cdef Py_buffer view
@@ -308,13 +321,13 @@ def read_single_submit(frame) -> tuple[int, int, int, int]:
     PyBuffer_Release(&view)
     if status != CK_OK:
         raise _error("malformed metadata frame", status, s.rid if s.prompt else None)
-    return s.header, s.rid, s.prompt, s.params
+    return s.header, s.rid, s.length, s.prompt, s.params, s.extra
 
 
-def read_single_head(frame) -> tuple[int, int, int]:
-    """``(header, rid, prompt)`` of a single-frame SUBMIT ``[header, rid, ...]``,
-    read as far as its rid: an array of 4, int64 header and rid. Nothing after
-    the rid is read: ``frame[prompt:]`` is the prompt and the params, unchecked."""
+def read_single_head(frame) -> tuple[int, int, int, int]:
+    """``(header, rid, length, prompt)`` of a single-frame SUBMIT ``[header, rid, ...]``,
+    read as far as its rid: an array of 4, 5 or 6 (``length``), int64 header and rid.
+    Nothing after the rid is read: ``frame[prompt:]`` is the rest, unchecked."""
     cdef Py_buffer view
     cdef ck_single_submit s
     _acquire(frame, &view)
@@ -322,11 +335,12 @@ def read_single_head(frame) -> tuple[int, int, int]:
     PyBuffer_Release(&view)
     if status != CK_OK:
         raise _error("malformed metadata frame", status)
-    return s.header, s.rid, s.prompt
+    return s.header, s.rid, s.length, s.prompt
 
 
-def read_single_reply(frame) -> list[tuple[int, int, int | None, str | None]]:
-    """The entries of a single-frame ENGINE_REPLY ``[21, [map, ...]]``.
+def read_single_reply(frame) -> tuple[int, list[tuple[int, int, int | None, str | None]]]:
+    """``(header, entries)`` of a single-frame ENGINE_REPLY ``[21, [map, ...]]`` or
+    (Megatron main's) ENGINE_REPLY_PARTIAL ``[22, [map, ...]]``.
 
     One ``(start, end, rid, error)`` per entry: ``frame[start:end]`` is its
     bytes, ``rid`` its top-level ``"request_id"``, or None with ``error``
@@ -337,20 +351,21 @@ def read_single_reply(frame) -> list[tuple[int, int, int | None, str | None]]:
     cdef ck_single_entry local[_LOCAL_ENTRIES]
     cdef ck_single_entry* entries = local
     cdef uint32_t count, i
+    cdef int64_t header
     _acquire(frame, &view)
     cdef const uint8_t* buf = <const uint8_t*>view.buf
-    cdef int status = ck_read_single_reply(buf, view.len, local, _LOCAL_ENTRIES, &count)
+    cdef int status = ck_read_single_reply(buf, view.len, &header, local, _LOCAL_ENTRIES, &count)
     if status == CK_TOO_MANY:
         entries = <ck_single_entry*>malloc(count * sizeof(ck_single_entry))
         if entries == NULL:
             PyBuffer_Release(&view)
             raise MemoryError()
-        status = ck_read_single_reply(buf, view.len, entries, count, &count)
+        status = ck_read_single_reply(buf, view.len, &header, entries, count, &count)
     PyBuffer_Release(&view)
     try:
         if status != CK_OK:
             raise _error("malformed engine reply", status)
-        return [
+        return header, [
             (
                 entries[i].offset,
                 entries[i].offset + entries[i].size,

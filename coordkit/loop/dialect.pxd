@@ -3,7 +3,8 @@
 cdef struct Inbound:
     # A request, new or kept, to be put in the format of the engine chosen for it.
     int64_t header
-    bint single  # it came as one frame, [20, rid, prompt, params] (Megatron-Core 0.19)
+    bint single  # it came as one frame (Megatron-Core's: 0.19's or main's)
+    uint32_t length  # single frame: its fields, 4, 5 or 6 (ck_single_submit.length)
     zmq_msg_t* meta  # multipart: its metadata with the server id, a new message
     # The messages it came in after the metadata: multipart its payload frames (the
     # prompt first), single frame the frame itself.
@@ -11,20 +12,22 @@ cdef struct Inbound:
     int n_payload
     # Its prompt, and what follows the rid in its metadata: the params (and a KV
     # submission's kv_meta). Single frame: the params once found (else NULL: the
-    # prompt then runs to the frame's end).
+    # prompt then runs to the frame's end), then its last field, extra: main's
+    # multi_modal_data or src_block_ids (extra_size 0 for 0.19's four fields).
     const uint8_t* prompt
     size_t prompt_size
     const uint8_t* params
     size_t params_size
+    const uint8_t* extra
+    size_t extra_size
     const uint8_t* hashes  # its block hashes, n_hashes of them, or NULL
     size_t n_hashes
     uint64_t tokens
     bint batched  # an entry of a SUBMIT_BATCH: a batched engine takes it later
-    bint single_ok  # may go to a single-frame engine (carriers)
-    bint multi_ok  # may go to a multipart engine
+    int carriers  # a bit per PeerFormat whose engines can take it (carriers)
 
 
 cdef enum Carried:  # whether a client's format carries a reply (reply_carried)
     CARRIED
     NOT_SENT  # a partial to a 0.19 client, which takes finals only
-    NOT_A_MAP  # a final whose body is not a map, to a 0.19 client: counted, dropped
+    NOT_A_MAP  # a body that is not a map, to a Megatron client: counted, dropped

@@ -70,11 +70,12 @@ cdef void release_kept(void* kept, uint32_t* small_shared) noexcept nogil:
 
 
 cdef void kept_inbound(Kept* kept, Inbound* inbound, zmq_msg_t* messages,
-                       bint whole) noexcept nogil:
+                       int n_multipart, int n_single) noexcept nogil:
     """A kept request as an Inbound, to be re-sent as a new one is sent: a single frame
-    read again (whole when ``whole``, so that it can split for a multipart engine),
-    or its metadata (the server id in it already) and its prompt as two new messages
-    in ``messages`` (the prompt shared again, or copied). The caller closes both."""
+    read again (whole when the engines of each format, ``n_multipart`` and
+    ``n_single``, say it must be: single_walks), or its metadata (the server id in it
+    already) and its prompt as two new messages in ``messages`` (the prompt shared
+    again, or copied). The caller closes both."""
     cdef ck_single_submit single
     cdef ck_submit submit
     cdef size_t size
@@ -85,7 +86,9 @@ cdef void kept_inbound(Kept* kept, Inbound* inbound, zmq_msg_t* messages,
         zmq_msg_init(&messages[0])
         zmq_msg_init(&messages[1])
         ck_read_single_head(prompt, size, &single)
-        if whole and ck_read_single_submit(prompt, size, &single) != CK_OK:
+        if single_walks(single.length, n_multipart, n_single) and ck_read_single_submit(
+            prompt, size, &single
+        ) != CK_OK:
             single.params = 0
         single_inbound(inbound, prompt, size, &single)
         return

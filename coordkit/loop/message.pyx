@@ -96,10 +96,12 @@ cdef int message_read_replies(Message* self, int64_t* header, uint32_t* count) n
     return status
 
 
-cdef int message_read_single_replies(Message* self, uint32_t* count) noexcept nogil:
-    """Read a single-frame ENGINE_REPLY's entries into ``single_entries``, growing it."""
+cdef int message_read_single_replies(Message* self, int64_t* header,
+                                     uint32_t* count) noexcept nogil:
+    """Read a single-frame ENGINE_REPLY's (or ENGINE_REPLY_PARTIAL's) entries into
+    ``single_entries``, growing it."""
     cdef int status = ck_read_single_reply(
-        message_data(self, 1), message_size(self, 1), self.single_entries,
+        message_data(self, 1), message_size(self, 1), header, self.single_entries,
         capacity32(self.single_entries_capacity), count,
     )
     if status == CK_TOO_MANY and reserve(
@@ -107,7 +109,7 @@ cdef int message_read_single_replies(Message* self, uint32_t* count) noexcept no
         sizeof(ck_single_entry),
     ):
         status = ck_read_single_reply(
-            message_data(self, 1), message_size(self, 1), self.single_entries,
+            message_data(self, 1), message_size(self, 1), header, self.single_entries,
             capacity32(self.single_entries_capacity), count,
         )
     return status

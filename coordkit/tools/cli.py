@@ -35,7 +35,7 @@ from .._policies import (
     DEFAULT_PREFILL_WEIGHT,
     POLICIES,
 )
-from .._shared import DIALECTS
+from .._shared import DIALECTS, MEGATRON_VERSIONS
 from ..client import Client
 from ..curve import keygen
 from .demo import COMPARED_POLICIES, SUFFIX_TOKENS
@@ -91,6 +91,13 @@ def _parser() -> argparse.ArgumentParser:
         "--dialect",
         choices=DIALECTS,
         help="what peers that are not coordkit's speak (default multipart)",
+    )
+    serve.add_argument(
+        "--megatron-version",
+        choices=MEGATRON_VERSIONS,
+        help="megatron-core dialect: the Megatron-Core release of the engines, 0.19's "
+        "layouts or main's (streaming, aborts, KV handoff); clients are told by what "
+        "they send (default 0.19)",
     )
     serve.add_argument(
         "--block-size",
@@ -406,6 +413,7 @@ _SERVE_OPTIONS = (
     "request_timeout",
     "max_message_size",
     "dialect",
+    "megatron_version",
     "block_size",
     "metrics_port",
     "curve_secret_key",

@@ -9,6 +9,8 @@ import zmq
 
 from coordkit import Coordinator
 from tests.support.peers import (
+    MainClient,
+    MainEngine,
     Peer,
     RawClient,
     RawEngine,
@@ -35,7 +37,7 @@ class Cluster:
         self.closed = False
         self.coord = Coordinator(address, implementation=impl.name, **options)
         self.coord.start()
-        self.engines: list[RawEngine | SingleFrameEngine] = []
+        self.engines: list[RawEngine | SingleFrameEngine | MainEngine] = []
         self.peers: list[Peer] = []
         for _ in range(n_engines):
             self.add_engine()
@@ -58,6 +60,11 @@ class Cluster:
         engine = SingleFrameEngine(self.ctx, self.coord.address, identity or self._engine_id())
         return self._registered(engine.register())
 
+    def add_main_engine(self, identity: bytes | None = None) -> MainEngine:
+        """A Megatron main engine rank (one frame per message, main's layouts)."""
+        engine = MainEngine(self.ctx, self.coord.address, identity or self._engine_id())
+        return self._registered(engine.register())
+
     def _engine_id(self) -> bytes:
         return f"engine-{len(self.engines)}".encode()
 
@@ -78,6 +85,12 @@ class Cluster:
     def single_frame_client(self, identity: bytes | None = None) -> SingleFrameClient:
         """A Megatron-Core 0.19 client (one frame per message), connected."""
         client = SingleFrameClient(self.ctx, self.coord.address, identity)
+        self.peers.append(client)
+        return client.connect()
+
+    def main_client(self, identity: bytes | None = None) -> MainClient:
+        """A Megatron main client (one frame per message, main's layouts), connected."""
+        client = MainClient(self.ctx, self.coord.address, identity)
         self.peers.append(client)
         return client.connect()
 

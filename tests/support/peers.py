@@ -7,8 +7,12 @@ speaks the wire format).
 ``RawClient`` and ``RawEngine`` speak the multipart layouts (Megatron-LM's
 PR #6497, and coordkit's own endpoints); ``SingleFrameClient`` and
 ``SingleFrameEngine`` speak Megatron-Core 0.19's, one msgpack frame per
-message. Run as a script, this module is a single-frame engine process
-(``python -m tests.support.peers --help``), for the tests that SIGKILL one.
+message; ``MainClient`` and ``MainEngine`` Megatron main's (d98e8a6,
+megatron-core 0.20), which adds the five-field SUBMIT, partial replies, ABORT
+and the KV handoff. ``parse_019_engine``, ``parse_main_engine`` and
+``parse_main_client`` do to a frame what those peers' receive loops do, and fail
+where they would raise. Run as a script, this module is a single-frame engine
+process (``python -m tests.support.peers --help``), for the tests that SIGKILL one.
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zmq
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 WAIT = 5.0  # seconds any single expected message may take
 
@@ -33,6 +40,7 @@ PARTIAL = 22
 ABORT = 23
 SUBMIT_KV = 24
 RELEASE_KV = 25
+SEND_KV = 26
 PAUSE = 40
 UNPAUSE = 41
 SUSPEND = 42
@@ -170,9 +178,9 @@ class SingleFramePeer(Peer):
 class SingleFrameClient(SingleFramePeer):
     """Megatron-Core 0.19's ``InferenceClient`` on the wire."""
 
-    def connect(self) -> SingleFrameClient:
+    def connect(self) -> Self:
         self.send(m([CONNECT]))
-        assert um(self.recv_frame())[0] == CONNECT_ACK  # all 0.19's client reads of it
+        assert um(self.recv_frame())[0] == CONNECT_ACK  # all Megatron's client reads of it
         return self
 
     def submit(self, rid: int, prompt: Any, sampling_params: Any) -> bytes:
@@ -208,7 +216,7 @@ def reply_parts(frame: bytes) -> tuple[int, bytes]:
 class SingleFrameEngine(SingleFramePeer):
     """A Megatron-Core 0.19 engine rank (its ``mp-coord-N`` socket) on the wire."""
 
-    def register(self) -> SingleFrameEngine:
+    def register(self) -> Self:
         self.send(b"")
         return self
 
@@ -218,8 +226,11 @@ class SingleFrameEngine(SingleFramePeer):
 
     def reply(self, *finished: Any) -> bytes:
         """One ENGINE_REPLY with these finished requests (maps, or their bytes as they are)."""
-        entries = b"".join(_raw(f).data for f in finished)
-        frame = splice(REPLY, Raw(array_header(len(finished)) + entries))
+        return self._send_batch(REPLY, finished)
+
+    def _send_batch(self, header: int, entries: Sequence[Any]) -> bytes:
+        body = b"".join(_raw(entry).data for entry in entries)
+        frame = splice(header, Raw(array_header(len(entries)) + body))
         self.send(frame)
         return frame
 
@@ -252,6 +263,126 @@ def finished_request(server_rid: int, prompt: Any = None, **fields: Any) -> dict
         "status": "COMPLETED",
         **fields,
     }
+
+
+# -- Megatron main (d98e8a6, megatron-core 0.20): 0.19's frames, and ----------------
+#
+#   SUBMIT_REQUEST          client -> coord      m([20, client_rid, prompt, sampling_params,
+#                                                   multi_modal_data]) (None for text)
+#                           coord -> engine      the same with the server id (an engine takes
+#                                                0.19's four fields too)
+#   ENGINE_REPLY_PARTIAL    engine -> coord      m([22, [partial, ...]]), each a map whose
+#                                                "request_id" is the server id
+#                           coord -> client      m([22, client_rid, partial])
+#   ABORT_REQUEST           client -> coord      m([23, client_rid])
+#                           coord -> its engine  m([23, server_rid])
+#   SUBMIT_REQUEST_WITH_KV  client -> coord      m([24, client_rid, prompt, sampling_params,
+#                                                   kv_meta, src_block_ids])
+#                           coord -> engine      the same with the server id
+#   RELEASE_KV              client -> coord -> every engine: m([25, request_id]), unchanged
+#   SEND_KV                 an engine's (26): main's coordinator has no handler for it
+#
+# A main client always sends the five-field SUBMIT; its finals come as 0.19's do,
+# the maps carrying main's fields too ("uid", "disaggregated_params", ...).
+
+#: The headers each release's Headers(value) decodes; any other raises UnknownHeaderError.
+HEADERS_019 = frozenset({0, 1, 20, 21, *range(40, 48), 60, 61, 80})
+HEADERS_MAIN = HEADERS_019 | {22, 23, 24, 25, 26, 81}
+
+
+def parse_019_engine(frame: bytes) -> list[Any]:
+    """What 0.19's engine does to a frame from the coordinator (schedule_requests): the
+    header decoded, a SUBMIT unpacked into exactly three fields; AssertionError where
+    it would raise."""
+    data = um(frame)
+    assert data[0] in HEADERS_019, f"0.19's engine raises UnknownHeaderError on {data[0]}"
+    assert data[0] not in (CONNECT_ACK, REPLY), f"not an engine's: {data!r}"
+    if data[0] == SUBMIT:
+        assert len(data) == 4, f"0.19's engine unpacks three fields, not {len(data) - 1}"
+        assert isinstance(data[2], (str, list)) and isinstance(data[3], dict)
+    return data
+
+
+def parse_main_engine(frame: bytes) -> list[Any]:
+    """What main's engine does to a frame from the coordinator (schedule_requests)."""
+    data = um(frame)
+    assert data[0] in HEADERS_MAIN, f"main's engine raises UnknownHeaderError on {data[0]}"
+    if data[0] == SUBMIT:  # [request_id, prompt, sampling_params(, multi_modal_data)]
+        assert len(data) in (4, 5), f"main's engine unpacks 3 or 4 fields, not {len(data) - 1}"
+        assert isinstance(data[3], dict)
+    elif data[0] == SUBMIT_KV:
+        assert len(data) == 6, f"main's engine unpacks five fields, not {len(data) - 1}"
+    elif data[0] in (ABORT, RELEASE_KV):
+        assert len(data) >= 2 and isinstance(data[1], int)
+    return data
+
+
+def parse_main_client(frame: bytes) -> tuple[int, int, Any]:
+    """What main's client does to a frame (_recv_task): ``(header, client_rid, map)`` of
+    a final ``[21, rid, reply]`` (its latency is set: a map) or a partial ``[22, rid,
+    partial]``."""
+    data = um(frame)
+    assert data[0] in HEADERS_MAIN, f"main's client raises UnknownHeaderError on {data[0]}"
+    assert data[0] in (REPLY, PARTIAL), f"main's client has no use for {data!r}"
+    header, rid, body = data  # request_id, reply = data[1:]
+    assert isinstance(body, dict), "main's client sets reply['latency']: a map"
+    return header, rid, body
+
+
+class MainClient(SingleFrameClient):
+    """Megatron main's ``InferenceClient`` on the wire: 0.19's, and main's layouts."""
+
+    def submit(  # main's client sends five fields, always
+        self, rid: int, prompt: Any, sampling_params: Any, multi_modal_data: Any = None
+    ) -> bytes:
+        """add_request (add_request_streaming sets "streaming" in the params): the frame
+        sent. Bytes given for a field go in as they are."""
+        frame = splice(SUBMIT, rid, _raw(prompt), _raw(sampling_params), _raw(multi_modal_data))
+        self.send(frame)
+        return frame
+
+    def submit_with_kv(
+        self, rid: int, prompt: Any, sampling_params: Any, kv_meta: Any, src_block_ids: Any
+    ) -> bytes:
+        """add_request_with_kv_handoff: the frame sent."""
+        parts = (prompt, sampling_params, kv_meta, src_block_ids)
+        frame = splice(SUBMIT_KV, rid, *(_raw(part) for part in parts))
+        self.send(frame)
+        return frame
+
+    def abort(self, rid: int) -> None:
+        self.send(m([ABORT, rid]))
+
+    def release_handoff(self, request_id: int) -> None:
+        self.send(m([RELEASE_KV, request_id]))
+
+    def recv_message(self, timeout: float = WAIT) -> tuple[int, int, bytes]:
+        """The next message: ``(header, client_rid, body bytes as they came)``, which main's
+        client must parse."""
+        frame = self.recv_frame(timeout)
+        header, rid, _ = parse_main_client(frame)
+        head = array_header(3) + m(header) + m(rid)
+        assert frame.startswith(head)
+        return header, rid, frame[len(head) :]
+
+
+class MainEngine(SingleFrameEngine):
+    """A Megatron main engine rank (its ``mp-coord-N`` socket) on the wire: 0.19's, and
+    main's partial replies."""
+
+    def recv_parsed(self, timeout: float = WAIT) -> tuple[list[Any], bytes]:
+        """The next message, parsed as main's engine parses it, and its frame."""
+        frame = self.recv_frame(timeout)
+        return parse_main_engine(frame), frame
+
+    def partial(self, *partials: Any) -> bytes:
+        """One ENGINE_REPLY_PARTIAL with these partials (maps, or their bytes)."""
+        return self._send_batch(PARTIAL, partials)
+
+
+def main_partial(server_rid: int, new_tokens: list[int]) -> dict[str, Any]:
+    """A partial reply as main's engine builds one (_try_send_streaming_partials)."""
+    return {"request_id": server_rid, "new_tokens": new_tokens}
 
 
 def _raw(value: Any) -> Raw:

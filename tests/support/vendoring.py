@@ -1,8 +1,8 @@
-"""coordkit vendored into a host package under another name, as the README says to do it.
+"""coordkit vendored into a host package under another name, as docs/building.md says to do it.
 
 :func:`build` copies the coordkit under test into a host tree,
 ``src/hoststack/_vendor/coordkit``, writes the host's ``setup.py`` (``HOST_SETUP``,
-the README's "Building and vendoring" snippet, word for word) and builds it
+the snippet of docs/building.md, word for word) and builds it
 with ``python setup.py build_ext --inplace`` in a child Python (extension.run),
 once per test session.
 
@@ -35,7 +35,7 @@ from typing import Any
 PACKAGE = "hoststack._vendor.coordkit"
 PATH = "src/hoststack/_vendor/coordkit"
 
-#: The host's setup.py: the README's, word for word (test_vendoring holds them together).
+#: The host's setup.py: docs/building.md's, word for word (test_vendoring holds them together).
 HOST_SETUP = """\
 import runpy
 

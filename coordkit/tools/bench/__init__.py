@@ -12,8 +12,10 @@ process (``RANKS`` engine ranks) as lean raw-pyzmq load generators:
   message per request, unpacked and repacked whole by a Python loop
   (:class:`.servers._Mono`).
 
-``--dialect megatron-core`` makes every variant's load speak 0.19's single
-frames (``c``, ``py`` serving them with ``dialect="megatron-core"``).
+``--dialect megatron-core`` makes every variant's load speak Megatron-Core's
+single frames (``c``, ``py`` serving them with ``dialect="megatron-core"``):
+0.19's, or with ``--megatron-version main`` main's (the five-field SUBMIT, c and
+py with ``megatron_version="main"``, mono decoding and re-encoding all five).
 
 The prompts cross every size threshold of the loop: besides random token ids
 of 16 to 32 000 tokens, small ids (``list(range(n))``, which pack smaller)
@@ -68,6 +70,7 @@ from .session import Failure, Session
 from .workload import (
     IMPLEMENTATIONS,
     LENGTHS,
+    SUBMIT_FIELDS,
     VARIANTS,
     Prompt,
     parse_prompt,
@@ -261,6 +264,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "0.19's single frame per message (mono speaks it in either) (default multipart)",
     )
     parser.add_argument(
+        "--megatron-version",
+        choices=tuple(SUBMIT_FIELDS),
+        default="0.19",
+        help="megatron-core: the release whose layouts the load speaks, main's five-field "
+        "SUBMIT or 0.19's four (default 0.19)",
+    )
+    parser.add_argument(
         "--inflight",
         type=int,
         metavar="N",
@@ -358,10 +368,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     quick = args.quick
     args.cost = not (args.client or args.end_to_end or args.latency or args.scale)
     given_lengths, given_variants = args.lengths, args.variants
+    if args.megatron_version != "0.19" and args.dialect != "megatron-core":
+        parser.error(f"--megatron-version {args.megatron_version} needs --dialect megatron-core")
     if given_lengths is None:
         single_frame = args.dialect == "megatron-core"
+        fields = SUBMIT_FIELDS[args.megatron_version]
         args.lengths = (
-            standard_prompts(single_frame) if args.cost else [Prompt(n) for n in LATENCY_LENGTHS]
+            standard_prompts(single_frame, fields)
+            if args.cost
+            else [Prompt(n) for n in LATENCY_LENGTHS]
         )
     args.scale_lengths = given_lengths or [Prompt(16)]
     args.variants = given_variants or list(VARIANTS)
@@ -431,7 +446,7 @@ def _measure_cpu(
                         sessions.pop(variant).close()
                         continue
                     run.update(variant=variant, repetition=repetition)
-                    run.update(prompt.describe(session.single_frame))
+                    run.update(prompt.describe(session.single_frame, session.fields))
                     runs.append(run)
                     print(
                         f"[{repetition + 1}/{args.repeat}] {prompt.key:>10} tokens {variant:>5}: "

@@ -103,6 +103,7 @@ def open_loop_child(
     address: str,
     prefix: bool,
     index: int,
+    fields: int,
 ) -> None:
     """One sender: Poisson arrivals at the rate it is given, every time recorded."""
     context = zmq.Context()
@@ -113,7 +114,7 @@ def open_loop_child(
         for _, prompt, rate, seconds in commands(conn):
             # the same arrivals for every variant (and direct) at a rate
             schedule = _poisson(random.Random(f"{index}/{rate}/{seconds}"), rate, seconds)
-            submit = submitter(single_frame, prompt, prefix)
+            submit = submitter(single_frame, prompt, prefix, fields)
             conn.send(("prepared",))
             start = conn.recv()[1]  # ("go", start): the same for every sender
             before = _cpu()
@@ -217,6 +218,7 @@ class OpenLoop(Session):
                     self.address,
                     self.prefix,
                     index,
+                    self.fields,
                 )
                 for index in range(args.latency_clients)
             ]
@@ -491,7 +493,7 @@ def _sweep_variant(
 def _measure(session: OpenLoop, prompt: Prompt, k: int, args: argparse.Namespace) -> dict[str, Any]:
     rate = rate_at(k)
     point = session.point(prompt, rate, seconds_at(rate, args))
-    point.update(variant=session.variant, **prompt.describe(session.single_frame))
+    point.update(variant=session.variant, **prompt.describe(session.single_frame, session.fields))
     return point
 
 

@@ -112,13 +112,17 @@ def read_rid(metadata: bytes | memoryview) -> int:
     return int.from_bytes(metadata[3 : 3 + size], "big")
 
 
-def submitter(single_frame: bool, prompt: Prompt, prefix: bool) -> Callable[[int], list[Any]]:
-    """The frames of request ``rid``: everything but the id is built once."""
+def submitter(
+    single_frame: bool, prompt: Prompt, prefix: bool, fields: int = 4
+) -> Callable[[int], list[Any]]:
+    """The frames of request ``rid``: everything but the id is built once. Single frames
+    have ``fields`` (SUBMIT_FIELDS): Megatron-Core 0.19's [20, rid, prompt,
+    sampling_params], or main's with a nil multi_modal_data after them."""
     tokens = prompt.token_ids()
     sampling = packb(SAMPLING)
-    if single_frame:  # Megatron-Core 0.19's [20, rid, prompt, sampling_params]
-        whole = packb(tokens) + sampling
-        return lambda rid: [_array_head(4, SUBMIT) + packb(rid) + whole]
+    if single_frame:
+        whole = packb(tokens) + sampling + packb(None) * (fields - 4)
+        return lambda rid: [_array_head(fields, SUBMIT) + packb(rid) + whole]
     payload = [zmq.Frame(packb(tokens))]  # sent as a reference each time, not copied
     if prefix:
         payload.append(zmq.Frame(block_hashes(tokens, BLOCK_SIZE)))
@@ -204,6 +208,7 @@ def client_child(
     prefix: bool,
     held: Any,
     clients: int,
+    fields: int,
 ) -> None:
     raise_fd_limit()
     context = zmq.Context()
@@ -212,7 +217,7 @@ def client_child(
         conn.send(("ready",))
         rid = 0  # never reused: a coordinator would refuse a duplicate in flight
         for mode, prompt, n, warmup, window in commands(conn):
-            submit = submitter(single_frame, prompt, prefix)
+            submit = submitter(single_frame, prompt, prefix, fields)
             _round_trips(sock, routes, submit, rid, warmup, window)
             rid += warmup
             conn.send(("warm",))

@@ -68,13 +68,20 @@ def _prompt_label(point: dict[str, Any]) -> str:
     return f"{point['tokens']:>6} {point['ids']:<6} {point['frame_bytes']:>7}"
 
 
+def dialect(args: argparse.Namespace) -> str:
+    """What the load speaks, for a table's title."""
+    if args.dialect == "megatron-core":
+        return f"megatron-core dialect, Megatron {args.megatron_version}'s layouts"
+    return f"{args.dialect} dialect"
+
+
 def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, Any]]]) -> None:
     if not summary:
         return
     transport = "tcp://127.0.0.1" if args.transport == "tcp" else "ipc://"
     print(
         f"\ncoordinator CPU per request, median of {args.repeat} "
-        f"({transport}, {args.dialect} dialect, policy {args.policy}, {RANKS} engine ranks, "
+        f"({transport}, {dialect(args)}, policy {args.policy}, {RANKS} engine ranks, "
         f"window {args.window})"
     )
     edges = ", ".join(f"{name} at {size} B" for name, size in THRESHOLDS.items())
@@ -183,7 +190,7 @@ def print_latency(args: argparse.Namespace, result: dict[str, Any]) -> None:
     transport = "tcp://127.0.0.1" if args.transport == "tcp" else "ipc://"
     print(
         f"\nlatency under open-loop load (Poisson arrivals from {args.latency_clients} "
-        f"sender process(es), {transport}, {args.dialect} dialect, policy {args.policy}, "
+        f"sender process(es), {transport}, {dialect(args)}, policy {args.policy}, "
         f"{RANKS} engine ranks answering at once, {args.latency_seconds:g} s a point)"
     )
     print("(added: the variant's percentile minus direct's, the clients connected to the engine)")
@@ -307,6 +314,7 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         "variants": list(args.variants),
         "policy": args.policy,
         "dialect": args.dialect,
+        "megatron_version": args.megatron_version,
         "window": args.window,
         "ranks": RANKS,
         "reply_batch_max": BATCH,

@@ -170,8 +170,9 @@ class _Mono:
 
     Megatron-Core 0.19's coordinator, in the layouts of its single-frame
     dialect: clients send ``[20, rid, prompt_tokens, sampling_params]`` as one
-    msgpack message; engines reply ``[21, [finished_request, ...]]``, each a
-    map whose ``"request_id"`` is the server id; a client gets
+    msgpack message (main's: and its ``multi_modal_data``, decoded and re-encoded
+    too, as main's coordinator does); engines reply ``[21, [finished_request,
+    ...]]``, each a map whose ``"request_id"`` is the server id; a client gets
     ``[21, rid, finished_request]``. Ids are translated, engines taken round
     robin.
     """
@@ -204,10 +205,10 @@ class _Mono:
                     continue
                 decoded = unpackb(message)
                 if decoded[0] == SUBMIT:
-                    _, rid, prompt, sampling = decoded
+                    _, rid, *fields = decoded  # prompt, sampling params (, multi_modal_data)
                     requests[next_rid] = (identity, rid)
                     rank = ranks[next_rid % len(ranks)]
-                    sock.send_multipart([rank, packb([SUBMIT, next_rid, prompt, sampling])])
+                    sock.send_multipart([rank, packb([SUBMIT, next_rid, *fields])])
                     next_rid += 1
                 elif decoded[0] == REPLY:
                     for reply in decoded[1]:

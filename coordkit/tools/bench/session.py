@@ -23,7 +23,15 @@ from typing import Any
 
 from .load import client_child, engine_child
 from .servers import coordinator_child
-from .workload import DIRECT, IMPLEMENTATIONS, MEMORY_PROMPT_TOKENS, RANKS, TIMEOUT, Prompt
+from .workload import (
+    DIRECT,
+    IMPLEMENTATIONS,
+    MEMORY_PROMPT_TOKENS,
+    RANKS,
+    SUBMIT_FIELDS,
+    TIMEOUT,
+    Prompt,
+)
 
 _STOP_TIMEOUT = 10.0  # seconds the coordinator gets to exit before it is terminated
 _GRACE = 2.0  # the same for a load generator, and for any process after SIGTERM
@@ -165,6 +173,7 @@ class Session(Processes):
         if single_frame is None:
             single_frame = variant == "mono" or args.dialect == "megatron-core"
         self.single_frame = single_frame
+        self.fields = SUBMIT_FIELDS[args.megatron_version]  # of its single-frame SUBMITs
         self.prefix = args.policy == "prefix" and variant in IMPLEMENTATIONS
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         if ranks + clients + _SPARE_FDS > hard:
@@ -186,6 +195,7 @@ class Session(Processes):
                     self.prefix,
                     self.held,
                     clients,
+                    self.fields,
                 )
                 self._receive(self.client)
         except BaseException:
@@ -227,6 +237,7 @@ class Session(Processes):
         options = dict(coordinator_options or {})
         if args.dialect == "megatron-core" and self.variant in IMPLEMENTATIONS:
             options["dialect"] = args.dialect
+            options["megatron_version"] = args.megatron_version
         if self.variant == "c-metrics":  # served on a free port, the latency histograms kept
             options["metrics_port"] = 0
         self.coordinator = self._start(

@@ -51,6 +51,11 @@ THRESHOLDS = {"copy": COPY_BELOW, "pool": POOLED_FROM}
 EDGE_MARGIN = 16
 RANGE_LENGTHS = (16, 2000)  # list(range(n)) prompts of the cost table: small ids pack smaller
 
+#: Fields of a single-frame SUBMIT by the Megatron-Core release the load speaks
+#: (--megatron-version): 0.19's ``[20, rid, prompt, sampling_params]``, and main's
+#: with its ``multi_modal_data`` after them (nil: a text request).
+SUBMIT_FIELDS = {"0.19": 4, "main": 5}
+
 TIMEOUT = 60.0  # seconds without progress before a point is declared failed
 # Plain ints: the loops compare them per message.
 CONNECT, CONNECT_ACK = int(Header.CONNECT), int(Header.CONNECT_ACK)
@@ -83,21 +88,22 @@ class Prompt:
     def packed_bytes(self) -> int:
         return len(packb(self.token_ids()))
 
-    def frame_bytes(self, single_frame: bool) -> int:
-        """The bytes of the frame that carries it: the prompt's own frame, or (Megatron-Core
-        0.19's single frame) the whole ``[20, rid, prompt, sampling_params]`` with a 1-byte rid."""
+    def frame_bytes(self, single_frame: bool, fields: int = 4) -> int:
+        """The bytes of the frame that carries it: the prompt's own frame, or (Megatron-Core's
+        single frame) the whole ``[20, rid, prompt, sampling_params]`` with a 1-byte rid,
+        and main's nil multi_modal_data after them (``fields`` 5)."""
         if not single_frame:
             return self.packed_bytes()
-        return 3 + self.packed_bytes() + len(packb(SAMPLING))
+        return 3 + self.packed_bytes() + len(packb(SAMPLING)) + fields - 4
 
-    def describe(self, single_frame: bool = False) -> dict[str, int | str]:
+    def describe(self, single_frame: bool = False, fields: int = 4) -> dict[str, int | str]:
         """What a JSON record says of it."""
         return {
             "prompt": self.key,
             "tokens": self.tokens,
             "ids": self.ids,
             "prompt_bytes": self.packed_bytes(),
-            "frame_bytes": self.frame_bytes(single_frame),
+            "frame_bytes": self.frame_bytes(single_frame, fields),
         }
 
 
@@ -109,35 +115,35 @@ def parse_prompt(spec: str) -> Prompt:
     return Prompt(int(tokens), ids or "random")
 
 
-def edge_prompts(single_frame: bool) -> list[Prompt]:
+def edge_prompts(single_frame: bool, fields: int = 4) -> list[Prompt]:
     """Random-id prompts whose frame sits just below and just above each of THRESHOLDS."""
     edges = []
     for threshold in THRESHOLDS.values():
-        below = _fewest(single_frame, threshold - EDGE_MARGIN + 1) - 1
-        edges += [Prompt(below), Prompt(_fewest(single_frame, threshold + EDGE_MARGIN))]
+        below = _fewest(single_frame, fields, threshold - EDGE_MARGIN + 1) - 1
+        edges += [Prompt(below), Prompt(_fewest(single_frame, fields, threshold + EDGE_MARGIN))]
     return edges
 
 
-def _fewest(single_frame: bool, size: int) -> int:
+def _fewest(single_frame: bool, fields: int, size: int) -> int:
     """The fewest random token ids whose frame has at least ``size`` bytes (a bisection:
     a prefix of more ids never packs smaller)."""
     low, high = 1, 1
-    while Prompt(high).frame_bytes(single_frame) < size:
+    while Prompt(high).frame_bytes(single_frame, fields) < size:
         low, high = high, high * 2
     while low < high:
         middle = (low + high) // 2
-        if Prompt(middle).frame_bytes(single_frame) < size:
+        if Prompt(middle).frame_bytes(single_frame, fields) < size:
             low = middle + 1
         else:
             high = middle
     return high
 
 
-def standard_prompts(single_frame: bool) -> list[Prompt]:
+def standard_prompts(single_frame: bool, fields: int = 4) -> list[Prompt]:
     """The cost table's prompts, by frame size: LENGTHS, RANGE_LENGTHS and every edge."""
     prompts = {Prompt(n) for n in LENGTHS} | {Prompt(n, "range") for n in RANGE_LENGTHS}
-    prompts.update(edge_prompts(single_frame))
-    return sorted(prompts, key=lambda p: (p.frame_bytes(single_frame), p.key))
+    prompts.update(edge_prompts(single_frame, fields))
+    return sorted(prompts, key=lambda p: (p.frame_bytes(single_frame, fields), p.key))
 
 
 def requests_at(args: argparse.Namespace, tokens: int) -> int:
