@@ -36,7 +36,6 @@ from cpython.list cimport PyList_CheckExact, PyList_New, PyList_SET_ITEM
 from cpython.object cimport PyObject, PyObject_Call
 from cpython.memoryview cimport PyMemoryView_FromMemory
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF
-from cpython.sequence cimport PySequence_Fast_GET_ITEM
 from cpython.tuple cimport PyTuple_CheckExact
 from cpython.unicode cimport PyUnicode_AsUTF8String, PyUnicode_Check
 from libc.errno cimport EAGAIN
@@ -57,7 +56,6 @@ from ._codec_c cimport (
     ck_write_array,
     ck_write_batch_head,
     ck_write_int,
-    ck_write_uint,
 )
 from ._constants cimport *
 from .includes.bytebuf cimport Buf, buf_put, buf_reserve
@@ -92,6 +90,7 @@ import msgpack
 import zmq
 
 from . import protocol
+from ._checks import BYTES_LIKE, pack_params, token_ids
 from ._shared import check_constants, logger
 from .protocol import ProtocolError, packb, unpackb
 
@@ -100,19 +99,19 @@ check_constants(generated_constants())
 
 cdef extern from *:
     """
-    /* Item i of a list or tuple into *v when it is a plain int that fits int64 (1), or
-       a plain int beyond (2); 0 for anything else. A borrowed look, no reference taken. */
-    static inline int ck_sequence_int(PyObject *seq, Py_ssize_t i, long long *v)
+    /* 1 when item i of a list or tuple is a plain int in [0, 2**32), a token id, put
+       in *v; 0 for anything else. A borrowed look, no reference taken. */
+    static inline int ck_token(PyObject *seq, Py_ssize_t i, long long *v)
     {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
         int overflow;
         if (!PyLong_CheckExact(item))
             return 0;
         *v = PyLong_AsLongLongAndOverflow(item, &overflow);
-        return overflow ? 2 : 1;
+        return !overflow && (unsigned long long)*v <= 0xffffffffULL;
     }
     """
-    int ck_sequence_int(object seq, Py_ssize_t i, long long* v) noexcept
+    int ck_token(object seq, Py_ssize_t i, long long* v) noexcept
 
 __all__ = [
     "ClientCore",
@@ -138,8 +137,6 @@ MAX_BATCH_BYTES = _MAX_BATCH_BYTES
 #: Messages the reader takes in one callback before it lets other callbacks run.
 MAX_DRAIN = _MAX_DRAIN
 
-BYTES_LIKE = (bytes, bytearray, memoryview, zmq.Frame)
-
 cdef bytes EMPTY_PARAMS = packb({})
 cdef object _set_result = asyncio.Future.set_result
 cdef object _future_done = asyncio.Future.done
@@ -150,28 +147,19 @@ cdef object _unpackb = msgpack.unpackb
 # -- packing prompts -----------------------------------------------------------------------
 
 cdef int pack_sequence(Buf* b, object seq) except -1:
-    """A list or tuple of plain ints into ``b``, as msgpack.packb packs it; 0 (nothing
-    written) when an item is not a plain int in range, for msgpack itself to handle."""
+    """A list or tuple of token ids into ``b``, as msgpack.packb packs it; 0 (nothing
+    written) at the first item that is not a plain int in [0, 2**32), for the check
+    in _checks to convert or to name."""
     cdef Py_ssize_t i, n = len(seq)
     cdef long long v
-    cdef unsigned long long u
-    cdef int kind
     cdef uint8_t* out
     buf_reserve(b, CK_ARRAY_MAX + <size_t>n * CK_INT_MAX)
     out = b.data + b.len
     out += ck_write_array(out, <uint32_t>n)
     for i in range(n):
-        kind = ck_sequence_int(seq, i, &v)
-        if kind == 1:
-            out += ck_write_int(out, v)
-        elif kind == 0:  # a bool packs as a bool; anything else is msgpack's
+        if not ck_token(seq, i, &v):
             return 0
-        else:
-            try:
-                u = <object>PySequence_Fast_GET_ITEM(seq, i)  # a uint64 has a form of its own
-            except OverflowError:
-                return 0  # msgpack says what it thinks of it
-            out += ck_write_uint(out, u)
+        out += ck_write_int(out, v)
     b.len = out - b.data
     return 1
 
@@ -246,7 +234,7 @@ cdef int pack_buffer(Buf* b, object obj) except -1:
                     i64 = i32
                 else:
                     memcpy(&i64, p, 8)
-                out += ck_write_int(out, i64)
+                u64 = <uint64_t>i64  # a negative one is beyond any u32 now
             else:
                 if view.itemsize == 1:
                     memcpy(&u8, p, 1)
@@ -259,27 +247,27 @@ cdef int pack_buffer(Buf* b, object obj) except -1:
                     u64 = u32
                 else:
                     memcpy(&u64, p, 8)
-                out += ck_write_uint(out, u64)
+            if u64 > 0xffffffffULL:  # not a token id: _checks names it
+                return 0
+            out += ck_write_int(out, <int64_t>u64)
         b.len = out - b.data
         return 1
     finally:
         PyBuffer_Release(&view)
 
 
-cdef int pack_tokens_into(Buf* b, object tokens) except -1:
-    """Token ids into ``b`` as msgpack.packb of them as plain ints (see pack_tokens)."""
+cdef int pack_tokens_into(Buf* b, object tokens, Py_ssize_t prompt_index) except -1:
+    """Token ids into ``b`` as msgpack.packb of them as plain ints (see pack_tokens);
+    ``prompt_index`` is the prompt's place in a submit_many call (-1: none)."""
     if PyList_CheckExact(tokens) or PyTuple_CheckExact(tokens):
         if pack_sequence(b, tokens):
             return 0
-    else:
-        if PyObject_CheckBuffer(tokens) and pack_buffer(b, tokens):
-            return 0
-        tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
-        if (PyList_CheckExact(tokens) or PyTuple_CheckExact(tokens)) and pack_sequence(b, tokens):
-            return 0
-    packed = packb(tokens)  # what the fast paths left: msgpack packs it, or raises
-    buf_reserve(b, len(packed))
-    buf_put(b, PyBytes_AS_STRING(packed), PyBytes_GET_SIZE(packed))
+    elif PyObject_CheckBuffer(tokens) and pack_buffer(b, tokens):
+        return 0
+    # What the fast paths left: converted to plain ints, or refused naming the token.
+    tokens = token_ids(tokens, None if prompt_index < 0 else prompt_index)
+    if not pack_sequence(b, tokens):
+        raise AssertionError("token_ids() gave what pack_sequence does not take")
     return 0
 
 
@@ -315,7 +303,7 @@ cdef inline bint is_bytes_like(object prompt):
     return isinstance(prompt, BYTES_LIKE)
 
 
-cdef int prompt_msg(zmq_msg_t* msg, Buf* scratch, object prompt) except -1:
+cdef int prompt_msg(zmq_msg_t* msg, Buf* scratch, object prompt, Py_ssize_t prompt_index) except -1:
     """The prompt's frame into ``msg`` (initialised by this call, also on error)."""
     if not PyList_CheckExact(prompt) and is_bytes_like(prompt):
         return ck_msg_from_object(msg, prompt, COPY_BELOW)
@@ -324,7 +312,7 @@ cdef int prompt_msg(zmq_msg_t* msg, Buf* scratch, object prompt) except -1:
         if PyUnicode_Check(prompt):
             pack_str(scratch, prompt)
         else:
-            pack_tokens_into(scratch, prompt)
+            pack_tokens_into(scratch, prompt, prompt_index)
     except BaseException:
         zmq_msg_init(msg)
         raise
@@ -335,26 +323,29 @@ cdef int prompt_msg(zmq_msg_t* msg, Buf* scratch, object prompt) except -1:
     return 0
 
 
-def pack_tokens(tokens) -> bytes:
+def pack_tokens(tokens, prompt_index=None) -> bytes:
     """``msgpack.packb`` of the token ids as plain ints.
 
-    A list or tuple of ints is packed in C; an object exporting a 1-d buffer of
-    native integers (``array.array``, numpy arrays, strided or not) is packed
-    from its buffer; anything else goes through ``tolist()`` or ``list()``
-    first. The bytes are those of the twin's ``pack_tokens``.
+    A list or tuple of token ids (ints in [0, 2**32)) is packed in C; an object
+    exporting a 1-d buffer of native integers (``array.array``, numpy arrays,
+    strided or not) is packed from its buffer; anything else goes through the
+    check of ``_checks.token_ids``, which raises TypeError or ValueError naming
+    the first bad token. The bytes and the errors are those of the twin's
+    ``pack_tokens``.
     """
     cdef Buf b
     b.data = NULL
     b.len = b.cap = 0
     try:
-        pack_tokens_into(&b, tokens)
+        pack_tokens_into(&b, tokens, -1 if prompt_index is None else prompt_index)
         return PyBytes_FromStringAndSize(<char*>b.data, b.len)
     finally:
         free(b.data)
 
 
-def encode_prompt(prompt) -> object:
-    """A prompt's frame: bytes-like as it is, a str or token ids msgpack-packed."""
+def encode_prompt(prompt, prompt_index=None) -> object:
+    """A prompt's frame: bytes-like as it is, a str or token ids msgpack-packed;
+    TypeError or ValueError, before anything is sent, for anything else."""
     cdef Buf b
     if is_bytes_like(prompt):
         return prompt
@@ -364,7 +355,7 @@ def encode_prompt(prompt) -> object:
         if PyUnicode_Check(prompt):
             pack_str(&b, prompt)
         else:
-            pack_tokens_into(&b, prompt)
+            pack_tokens_into(&b, prompt, -1 if prompt_index is None else prompt_index)
         return PyBytes_FromStringAndSize(<char*>b.data, b.len)
     finally:
         free(b.data)
@@ -378,16 +369,16 @@ cdef object hashes_of(object prompt, object block_size):
     return protocol.block_hashes(prompt, block_size)
 
 
-cdef object _SAMPLING = protocol.SUBMIT_REQUEST.metadata_fields[1]
-
-
 cdef inline bytes params_of(object sampling_params):
-    """The params packed, checked as the message spec checks them."""
+    """The params packed: a dict here, anything else by the check in _checks."""
     if sampling_params is None:
         return EMPTY_PARAMS
-    if type(sampling_params) is not dict:
-        _SAMPLING.check("SUBMIT_REQUEST", sampling_params)
-    return packb(sampling_params)
+    if type(sampling_params) is dict:
+        try:
+            return packb(sampling_params)
+        except Exception:
+            pass  # pack_params says what is wrong with them
+    return pack_params(sampling_params)
 
 
 cdef inline void close_msgs(zmq_msg_t* msgs, Py_ssize_t n) noexcept:
@@ -651,16 +642,16 @@ cdef class ClientCore:
         cdef zmq_msg_t msgs[2]
         cdef Py_ssize_t n = 1
         self._check_open()
-        hashes = hashes_of(prompt, block_size) if block_size is not None else block_hashes
         params = params_of(sampling_params)
-        prompt_msg(&msgs[0], &self.scratch, prompt)
-        if hashes is not None:
-            try:
+        prompt_msg(&msgs[0], &self.scratch, prompt, -1)
+        try:
+            hashes = hashes_of(prompt, block_size) if block_size is not None else block_hashes
+            if hashes is not None:
                 ck_msg_from_object(&msgs[1], hashes, COPY_BELOW)
-            except BaseException:
-                zmq_msg_close(&msgs[0])
-                raise
-            n = 2
+                n = 2
+        except BaseException:
+            zmq_msg_close(&msgs[0])
+            raise
         if streaming:
             target = self._stream_type(self.next_rid, raw)
         else:
@@ -684,9 +675,9 @@ cdef class ClientCore:
                 raise MemoryError()
             for i in range(n):
                 prompt = prompts[i]
-                hashes = hashes_of(prompt, block_size)
-                prompt_msg(&msgs[2 * i], &self.scratch, prompt)
+                prompt_msg(&msgs[2 * i], &self.scratch, prompt, i)
                 made = 2 * i + 1
+                hashes = hashes_of(prompt, block_size)
                 hashed[i] = hashes is not None
                 if hashed[i]:
                     ck_msg_from_object(&msgs[2 * i + 1], hashes, COPY_BELOW)

@@ -33,6 +33,7 @@ import msgpack
 import zmq
 
 from . import _codec_py, protocol
+from ._checks import BYTES_LIKE, pack_params, token_ids
 from ._shared import logger
 from .protocol import Header, ProtocolError, block_hashes, packb, unpackb
 
@@ -54,10 +55,6 @@ MAX_BATCH_BYTES = 4 << 20
 #: Messages the reader takes in one callback before it lets other callbacks run.
 MAX_DRAIN = 4096
 
-#: Prompts sent as they are: raw bytes, not token ids.
-BYTES_LIKE = (bytes, bytearray, memoryview, zmq.Frame)
-
-_EMPTY_PARAMS = packb({})
 _HEADER_SUBMIT = packb(Header.SUBMIT_REQUEST)
 _HEADER_BATCH = packb(Header.SUBMIT_BATCH)
 # pack and pack_array_header run in C without releasing the GIL: one shared Packer is safe.
@@ -68,24 +65,24 @@ _set_result = asyncio.Future.set_result
 _future_done = asyncio.Future.done
 
 
-def pack_tokens(tokens: Any) -> bytes:
+def pack_tokens(tokens: Any, prompt_index: int | None = None) -> bytes:
     """``msgpack.packb`` of the token ids as plain ints.
 
-    A list or tuple is packed as it is; anything else is first turned into a
-    list with ``tolist()`` (numpy arrays, ``array.array``) or ``list()``.
+    A list, a tuple, anything with ``tolist()`` (numpy arrays, ``array.array``)
+    or any other sequence, of ints in ``[0, 2**32)``; anything else raises
+    TypeError or ValueError naming the first bad token (see ``_checks.token_ids``).
     """
-    if not isinstance(tokens, (list, tuple)):
-        tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
-    return packb(tokens)
+    return packb(token_ids(tokens, prompt_index))
 
 
-def encode_prompt(prompt: Any) -> Any:
-    """A prompt's frame: bytes-like as it is, a str or token ids msgpack-packed."""
+def encode_prompt(prompt: Any, prompt_index: int | None = None) -> Any:
+    """A prompt's frame: bytes-like as it is, a str or token ids msgpack-packed;
+    TypeError or ValueError, before anything is sent, for anything else."""
     if isinstance(prompt, BYTES_LIKE):
         return prompt
     if isinstance(prompt, str):
         return packb(prompt)
-    return pack_tokens(prompt)
+    return pack_tokens(prompt, prompt_index)
 
 
 def submit_frames(rid: int, params: bytes, frame: Any, hashes: bytes | None) -> list[Any]:
@@ -113,17 +110,6 @@ def _hashes(prompt: Any, block_size: int | None) -> bytes | None:
     if isinstance(prompt, (str, *BYTES_LIKE)):
         raise ValueError("block hashes need a prompt of token ids")
     return block_hashes(prompt, block_size)
-
-
-_SAMPLING = protocol.SUBMIT_REQUEST.metadata_fields[1]
-
-
-def _params(sampling_params: Any) -> bytes:
-    """The params packed, checked as the message spec checks them."""
-    if sampling_params is None:
-        return _EMPTY_PARAMS
-    _SAMPLING.check("SUBMIT_REQUEST", sampling_params)
-    return packb(sampling_params)
 
 
 def _length(frame: Any) -> int:
@@ -218,11 +204,12 @@ class ClientCore:
     ) -> Any:
         """One request, answered to a future, or to a stream when ``streaming``."""
         self._check_open()
+        params = pack_params(sampling_params)
         frame = encode_prompt(prompt)
         hashes = _hashes(prompt, block_size) if block_size is not None else block_hashes
         make = self._stream_type if streaming else self._future
         target = make(self.next_rid, raw)
-        self._request(target, _params(sampling_params), frame, hashes)
+        self._request(target, params, frame, hashes)
         return target
 
     def submit_many(
@@ -230,8 +217,8 @@ class ClientCore:
     ) -> list[Any]:
         """One future per prompt; everything is encoded before anything is sent."""
         self._check_open()
-        params = _params(sampling_params)
-        encoded = [(encode_prompt(p), _hashes(p, block_size)) for p in prompts]
+        params = pack_params(sampling_params)
+        encoded = [(encode_prompt(p, i), _hashes(p, block_size)) for i, p in enumerate(prompts)]
         futures = []
         self.flush()  # what this iteration coalesced so far goes first
         for frame, hashes in encoded:

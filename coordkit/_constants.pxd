@@ -29,6 +29,7 @@ cdef enum:  # coordkit.protocol.Header
     HEADER_ENGINE_HELLO = 94
     HEADER_SUBMIT_BATCH = 95
     HEADER_REPLY_BATCH = 96
+    HEADER_ENGINE_ACK = 97
 
 cdef enum:  # coordkit.protocol.ErrorCode
     ERROR_MALFORMED = 1
@@ -76,6 +77,7 @@ cdef enum:  # coordkit._shared.Counter
     COUNTER_MALFORMED_ENTRIES = 24
     COUNTER_TIMED_OUT = 25
     COUNTER_AUTH_REFUSED = 26
+    COUNTER_CLIENTS_DEPARTED = 27
 
 cdef enum:  # coordkit._shared.EngineState
     ENGINE_ALIVE = 0
@@ -108,7 +110,7 @@ cdef enum:
     HEADER_SLOTS = 128
     ERROR_SLOTS = 32
     N_LATENCY_BUCKETS = 22
-    N_COUNTERS = 27
+    N_COUNTERS = 28
     WEIGHT_SCALE = 256
     MAX_BLOCKS = 8388608
     SPARSE_RANKS = 16
@@ -146,6 +148,7 @@ cdef inline dict generated_constants():
         "Header.ENGINE_HELLO": 94,
         "Header.SUBMIT_BATCH": 95,
         "Header.REPLY_BATCH": 96,
+        "Header.ENGINE_ACK": 97,
         "ErrorCode.MALFORMED": 1,
         "ErrorCode.UNKNOWN_HEADER": 2,
         "ErrorCode.NOT_CONNECTED": 3,
@@ -187,6 +190,7 @@ cdef inline dict generated_constants():
         "Counter.MALFORMED_ENTRIES": 24,
         "Counter.TIMED_OUT": 25,
         "Counter.AUTH_REFUSED": 26,
+        "Counter.CLIENTS_DEPARTED": 27,
         "EngineState.ALIVE": 0,
         "EngineState.DRAINING": 1,
         "EngineState.GONE": 2,
@@ -209,7 +213,7 @@ cdef inline dict generated_constants():
         "HEADER_SLOTS": 128,
         "ERROR_SLOTS": 32,
         "N_LATENCY_BUCKETS": 22,
-        "N_COUNTERS": 27,
+        "N_COUNTERS": 28,
         "WEIGHT_SCALE": 256,
         "MAX_BLOCKS": 8388608,
         "SPARSE_RANKS": 16,

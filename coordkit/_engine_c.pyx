@@ -20,7 +20,8 @@ the next request with the same bytes (in a batch, most of them) gets a copy
 of the map instead of a decoding.
 
 The rare messages (SUBMIT_REQUEST_WITH_KV, the control signals, an ERROR
-from the coordinator) are parsed with the message specs, as the twin does.
+or an ENGINE_ACK from the coordinator) are parsed with the message specs, as
+the twin does.
 """
 
 cimport cython
@@ -221,12 +222,14 @@ cdef class EngineCore:
     """What arrives, as events, and the replies of a step, as one message each.
 
     ``socket`` is the engine's registered DEALER. ``pending`` counts the
-    requests received and not yet answered with a final reply.
+    requests received and not yet answered with a final reply. ``on_ack``
+    takes the map of each ENGINE_ACK.
     """
 
     cdef readonly object socket
     cdef public long long pending
     cdef void* sock
+    cdef object _on_ack
 
     # The last sampling params decoded, when they are a map of scalars: the
     # requests of a batch (and of a run of submissions) mostly share theirs, so
@@ -254,8 +257,9 @@ cdef class EngineCore:
         self.meta.data = NULL
         self.meta.len = self.meta.cap = 0
 
-    def __init__(self, socket):
+    def __init__(self, socket, on_ack):
         self.socket = socket
+        self._on_ack = on_ack
         self.sock = <void*><size_t>socket.underlying
         self.parts_capacity = FIRST_PARTS
         self.parts = <zmq_msg_t*>malloc(FIRST_PARTS * sizeof(zmq_msg_t))
@@ -409,6 +413,8 @@ cdef class EngineCore:
             events.append(Control(Header(header), getattr(message, "epoch", None)))
         elif header == HEADER_ERROR:
             refused(protocol.ERROR.parse(frames))
+        elif header == HEADER_ENGINE_ACK:
+            self._on_ack(protocol.ENGINE_ACK.parse(frames).granted)
         else:
             raise ProtocolError(f"unexpected header {header!r}")
 

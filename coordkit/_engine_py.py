@@ -11,7 +11,9 @@ frames on the wire:
   ``[95, [[rid, sampling_params], ...]]`` with one prompt frame per entry is
   one Request per entry, in order; ABORT, RELEASE_KV and the control signals
   are one event each. An ERROR from the coordinator (a reply entry it could
-  not deliver) is logged. A message that does not parse is logged and dropped.
+  not deliver) is logged; an ENGINE_ACK (the coordinator took the engine's
+  ENGINE_HELLO) goes to ``on_ack`` with what it granted. A message that does
+  not parse is logged and dropped.
 * :meth:`EngineCore.reply` sends ``[21, [[rid, needs_detokenize], ...]]`` and
   one body per entry, :meth:`EngineCore.reply_partial` ``[22, [rid, ...]]``
   likewise; a body that is not bytes-like is msgpack-packed.
@@ -19,7 +21,7 @@ frames on the wire:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import zmq
@@ -44,14 +46,16 @@ class EngineCore:
     """What arrives, as events, and the replies of a step, as one message each.
 
     ``socket`` is the engine's registered DEALER. ``pending`` counts the
-    requests received and not yet answered with a final reply.
+    requests received and not yet answered with a final reply. ``on_ack``
+    takes the map of each ENGINE_ACK.
     """
 
     implementation = "py"
 
-    def __init__(self, socket: zmq.Socket):
+    def __init__(self, socket: zmq.Socket, on_ack: Callable[[dict[Any, Any]], None]):
         self.socket = socket
         self.pending = 0
+        self._on_ack = on_ack
 
     def poll(self, wait_ms: int) -> list[Any]:
         """Wait up to ``wait_ms`` for a message (0: do not wait), then take what is queued."""
@@ -101,6 +105,8 @@ class EngineCore:
             events.append(Control(Header(header), getattr(message, "epoch", None)))
         elif header == Header.ERROR:
             refused(protocol.ERROR.parse(frames))
+        elif header == Header.ENGINE_ACK:
+            self._on_ack(protocol.ENGINE_ACK.parse(frames).granted)
         else:
             raise ProtocolError(f"unexpected header {header!r}")
 

@@ -42,6 +42,7 @@ cdef struct Client:
     int format  # PeerFormat
     int64_t inflight
     Ends requests  # its requests in flight: slots, through Loop.client_links
+    int fd  # the connection its CONNECT came on (ZMQ_SRCFD; -1: inproc)
 
 
 cdef struct Engine:
@@ -77,10 +78,16 @@ include "loop/traffic.pxd"
 
 cdef class Loop:
     cdef:
-        object _log, _detokenizer, _router_socket, _wake_socket
+        object _log, _detokenizer, _router_socket, _wake_socket, _monitor_socket
         Router router
         void* sock  # the ROUTER's raw libzmq handle
         void* wake  # the inproc PAIR that stop() writes to
+        void* monitor  # the ROUTER's socket monitor: connections opened, ended, refused
+        dict connections  # the connections open, by fd, and the client index on each (-1)
+        # Clients whose connection ended, (routing id, fd): dropped once what they sent
+        # before it ended is handled.
+        list ended
+        Py_ssize_t n_ended  # len(ended), read without the GIL
         ck_buffer_pool* buffers  # large outgoing single frames, reused
         bint stopping  # SHUTDOWN arrived, or stop() woke us
 
@@ -174,6 +181,10 @@ cdef class Loop:
     cdef _connect(self, int32_t client)
     cdef int32_t _vacant_client(self) except -2
     cdef _remove_client(self, int32_t client)
+    cdef _connection_events(self)
+    cdef _end(self, int32_t client, int fd)
+    cdef _drop_ended(self)
+    cdef _goodbye(self, int32_t client)
     cdef _heartbeat(self, int32_t engine)
     cdef _disconnect(self, int32_t engine)
     cdef _abort(self, int32_t client)
@@ -196,7 +207,7 @@ cdef class Loop:
     cdef _fail_request(self, uint32_t slot, int code, int64_t header)
     cdef _time_out(self, uint32_t slot)
     cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header)
-    cdef _client_gone(self, int32_t client)
+    cdef _client_gone(self, int32_t client, bint unreachable=*)
 
     # answers and malformed input
     cdef list _frames(self)

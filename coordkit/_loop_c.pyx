@@ -72,11 +72,13 @@ from .includes.libzmq cimport (
     ZMQ_DONTWAIT,
     ZMQ_POLLIN,
     ZMQ_SNDMORE,
+    ZMQ_SRCFD,
     bind_libzmq,
     zmq_errno,
     zmq_msg_close,
     zmq_msg_copy,
     zmq_msg_data,
+    zmq_msg_get,
     zmq_msg_init,
     zmq_msg_init_size,
     zmq_msg_more,
@@ -91,14 +93,18 @@ from ._routing_c cimport Router
 from .includes.bytebuf cimport reserve
 from .includes.sysdep cimport DEBUG
 
+import zmq
+
 from . import protocol
 from ._shared import (
     LATENCY_BUCKETS,
+    REFUSAL_EVENTS,
     RateLimitedLog,
     check_constants,
     detokenize,
     megatron_failed_reply,
     metrics_map,
+    monitor_events,
     stats_map,
     unknown_from_engine,
 )
@@ -198,13 +204,19 @@ cdef class Loop:
     def __cinit__(self):
         self.detokenized_bodies = []  # the C fields start zeroed: NULL, empty
 
-    def __init__(self, options, Router router not None, router_socket, wake_socket):
+    def __init__(
+        self, options, Router router not None, router_socket, wake_socket, monitor_socket
+    ):
         self.router = router
         # Held so that the raw handles below stay valid as long as this core.
         self._router_socket = router_socket
         self._wake_socket = wake_socket
+        self._monitor_socket = monitor_socket
         self.sock = <void*><size_t>router_socket.underlying
         self.wake = <void*><size_t>wake_socket.underlying
+        self.monitor = <void*><size_t>monitor_socket.underlying
+        self.connections = {}
+        self.ended = []
         self.max_inflight = options.max_inflight
         self.heartbeat_timeout = options.heartbeat_timeout
         self.drain_timeout = options.drain_timeout
@@ -345,10 +357,6 @@ cdef class Loop:
             result["debug"] = {"polls": self.debug_polls}
         return result
 
-    def count_auth_refused(self) -> None:
-        """A peer refused at the CURVE handshake (from the thread that watches for them)."""
-        self.counters[COUNTER_AUTH_REFUSED] += 1
-
     def metrics(self) -> dict:
         """Traffic by header and direction, outcomes by error code, latencies."""
         return metrics_map(
@@ -366,28 +374,32 @@ cdef class Loop:
 
     cdef bint _serve_for(self, double timeout) noexcept nogil:
         """Poll and handle messages for up to ``timeout`` seconds; True once the loop must stop."""
-        cdef zmq_pollitem_t items[2]
+        cdef zmq_pollitem_t items[3]
         cdef zmq_msg_t wake
         cdef double deadline = monotonic() + timeout
         cdef double left
+        cdef int i
         items[0].socket = self.sock
-        items[0].fd = 0
-        items[0].events = ZMQ_POLLIN
         items[1].socket = self.wake
-        items[1].fd = 0
-        items[1].events = ZMQ_POLLIN
+        items[2].socket = self.monitor
+        for i in range(3):
+            items[i].fd = 0
+            items[i].events = ZMQ_POLLIN
         while not self.stopping:
             # Rounded up: rounded down, the last millisecond before the deadline would
             # return at once, again and again, handling nothing until it passed.
             left = deadline - monotonic()
             if left <= 0:
                 return False
-            if zmq_poll(items, 2, <long>ceil(left * 1000.0)) < 0:
+            if zmq_poll(items, 3, <long>ceil(left * 1000.0)) < 0:
                 # EINTR: back to Python, which runs the signal handlers; anything
                 # else means the context was terminated.
                 return zmq_errno() != EINTR
             if DEBUG:
                 self.debug_polls += 1
+            if items[2].revents & ZMQ_POLLIN:
+                with gil:
+                    self._connection_events()
             if items[1].revents & ZMQ_POLLIN:
                 zmq_msg_init(&wake)
                 zmq_msg_recv(&wake, self.wake, ZMQ_DONTWAIT)
@@ -395,6 +407,10 @@ cdef class Loop:
                 self.stopping = True
             elif items[0].revents & ZMQ_POLLIN:
                 self._drain()
+            while self.n_ended and not self.stopping:
+                self._drain()  # what they sent before their connections ended goes first
+                with gil:
+                    self._drop_ended()
         return True
 
     cdef void _drain(self) noexcept nogil:
@@ -936,6 +952,8 @@ cdef class Loop:
             self._shutdown_signal(client)
         elif header == HEADER_STATS:
             self._stats_request(client)
+        elif header == HEADER_DISCONNECT:
+            self._goodbye(client)
         else:
             self._refuse(client, None, ERROR_UNKNOWN_HEADER, header, COUNTER_UNKNOWN_HEADER)
 
@@ -974,6 +992,8 @@ cdef class Loop:
             self.engines[engine].batch = hello.batch
             self.engines[engine].format = FORMAT_MULTIPART
             self._count_formats()
+            if hello.ack:  # it is in the pool: say so, and what it was granted
+                self._reply_to_sender(protocol.engine_ack(hello))
 
     cdef _count_formats(self):
         """How many engines not gone speak each format: which checks a SUBMIT needs."""
@@ -1040,6 +1060,9 @@ cdef class Loop:
             index = client
             self._seen(client)
         else:
+            # What the monitor said first: a connection that ended on this CONNECT's fd
+            # before this one opened is not to be taken for this one's end.
+            self._connection_events()
             index = self._vacant_client()
             if index < 0:
                 self.counters[COUNTER_TABLE_FULL] += 1
@@ -1053,6 +1076,7 @@ cdef class Loop:
             self.clients[index].inflight = 0
             ends_init(&self.clients[index].requests)
             list_push(&self.idle_links, &self.idle, index)
+            self.clients[index].fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
             ck_ids_insert(&self.client_ids, index, self._data(0), self._size(0))
             self.n_clients += 1
         self.clients[index].coordkit = hello.coordkit
@@ -1064,6 +1088,12 @@ cdef class Loop:
             self._reply_to_sender(protocol.CONNECT_ACK_BATCH.pack({BATCH_FEATURE: 1}))
         else:
             self._reply_to_sender(protocol.CONNECT_ACK.pack())
+        fd = self.clients[index].fd
+        if fd >= 0:
+            if fd in self.connections:
+                self.connections[fd] = index
+            else:  # the monitor said its connection ended already
+                self._end(index, fd)
 
     cdef int32_t _vacant_client(self) except -2:
         """A free client index; when all are used, the client idle longest gives up
@@ -1087,6 +1117,50 @@ cdef class Loop:
         self.n_clients -= 1
         list_remove(&self.idle_links, &self.idle, client)
         list_push(&self.idle_links, &self.vacant, client)
+        fd = self.clients[client].fd
+        if self.connections.get(fd, -1) == client:
+            self.connections[fd] = -1
+
+    cdef _connection_events(self):
+        """The ROUTER's monitor: connections opened and ended (a client whose connection
+        ended has left: nothing can reach its routing id again), handshakes refused."""
+        cdef int32_t client
+        for event, value in monitor_events(self._monitor_socket):
+            if event == zmq.EVENT_ACCEPTED:
+                self.connections[value] = -1
+            elif event == zmq.EVENT_DISCONNECTED:
+                client = self.connections.pop(value, -1)
+                if client >= 0:
+                    self._end(client, value)
+            elif event & REFUSAL_EVENTS:
+                self.counters[COUNTER_AUTH_REFUSED] += 1
+
+    cdef _end(self, int32_t client, int fd):
+        """The client's connection ended: drop it once what it sent before is handled."""
+        cdef size_t n
+        cdef const uint8_t* identity = ck_ids_get(&self.client_ids, client, &n)
+        self.ended.append((identity[:n], fd))
+        self.n_ended = len(self.ended)
+
+    cdef _drop_ended(self):
+        """Forget the clients whose connection ended (those still known by that routing
+        id on that connection), and abort their requests."""
+        cdef int32_t client
+        cdef bytes identity
+        ended, self.ended = self.ended, []
+        self.n_ended = 0
+        for identity, fd in ended:
+            client = ck_ids_find(&self.client_ids, <const uint8_t*><const char*>identity,
+                                 len(identity))
+            if client >= 0 and self.clients[client].fd == fd:
+                self._client_gone(client, False)
+        if self.n_gone:
+            self._settle()
+
+    cdef _goodbye(self, int32_t client):
+        """DISCONNECT from a client: it closes; forget it and abort what it left."""
+        if self._parse(protocol.DISCONNECT, client, HEADER_DISCONNECT) is not None:
+            self._client_gone(client, False)
 
     cdef _heartbeat(self, int32_t engine):
         if self._parse(protocol.HEARTBEAT, -1, HEADER_HEARTBEAT) is None:
@@ -1337,9 +1411,10 @@ cdef class Loop:
             if not self._send_frames(&self.engine_ids, engine, error):
                 self._mark_gone(engine, GONE_UNREACHABLE)
 
-    cdef _client_gone(self, int32_t client):
-        """A client that cannot be reached: its requests are aborted at their
-        engines and forgotten, and so is the client."""
+    cdef _client_gone(self, int32_t client, bint unreachable=True):
+        """A client that cannot be reached, or that left (DISCONNECT, or its connection
+        ended): its requests are aborted at their engines and forgotten, and so is the
+        client."""
         cdef uint32_t i, n, slot
         cdef RequestOrder* order
         cdef ck_request* request
@@ -1347,7 +1422,9 @@ cdef class Loop:
         cdef bint aborted
         if not self.clients[client].used:
             return
-        self.counters[COUNTER_CLIENT_GONE] += 1
+        self.counters[COUNTER_CLIENTS_DEPARTED] += 1
+        if unreachable:
+            self.counters[COUNTER_CLIENT_GONE] += 1
         order = self._in_order(-1, client, &n)
         try:
             for i in range(n):

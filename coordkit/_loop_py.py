@@ -38,6 +38,7 @@ from ._shared import (
     HEADER_SLOTS,
     INDEX_WINDOW_MIN,
     LATENCY_BUCKETS,
+    REFUSAL_EVENTS,
     SHARED_SMALL_MAX,
     Counter,
     EngineState,
@@ -51,6 +52,7 @@ from ._shared import (
     latency_bucket,
     megatron_failed_reply,
     metrics_map,
+    monitor_events,
     stats_map,
     unknown_from_engine,
 )
@@ -88,7 +90,7 @@ MSGPACK_NIL = 0xC0  # Megatron main's multi_modal_data of a text request
 
 
 class _Client:
-    __slots__ = ("identity", "coordkit", "batch", "format", "requests")
+    __slots__ = ("identity", "coordkit", "batch", "format", "requests", "fd")
 
     def __init__(self, identity: bytes):
         self.identity = identity
@@ -96,6 +98,7 @@ class _Client:
         self.batch = False  # granted batches: may send SUBMIT_BATCH, is sent REPLY_BATCH
         self.format = MULTIPART
         self.requests: dict[int, _Request] = {}  # in flight, by client rid
+        self.fd = -1  # the connection its CONNECT came on (ZMQ_SRCFD; -1: inproc)
 
 
 class _Engine:
@@ -598,11 +601,17 @@ class Loop:
     implementation = "py"
 
     def __init__(
-        self, options: Options, router: Router, router_socket: zmq.Socket, wake_socket: zmq.Socket
+        self,
+        options: Options,
+        router: Router,
+        router_socket: zmq.Socket,
+        wake_socket: zmq.Socket,
+        monitor_socket: zmq.Socket,
     ):
         self._router = router
         self._sock = router_socket
         self._wake = wake_socket
+        self._monitor = monitor_socket
         self._options = options
         self._log = RateLimitedLog()
         self._stopping = False
@@ -615,6 +624,11 @@ class Loop:
         self._clients: dict[bytes, _Client] = {}
         # the clients with nothing in flight, the one idle longest first
         self._idle: OrderedDict[bytes, _Client] = OrderedDict()
+        # The connections open, by fd (the monitor's ACCEPTED), and the client on each.
+        self._connections: dict[int, _Client | None] = {}
+        # Clients whose connection ended, (routing id, fd): dropped once what they sent
+        # before it ended is handled.
+        self._ended: list[tuple[bytes, int]] = []
         self._engines: list[_Engine] = []
         self._engine_by_identity: dict[bytes, _Engine] = {}
         # engines not gone of each format, counted at each registration: which checks to make
@@ -642,6 +656,7 @@ class Loop:
         self._poller = zmq.Poller()
         self._poller.register(router_socket, zmq.POLLIN)
         self._poller.register(wake_socket, zmq.POLLIN)
+        self._poller.register(monitor_socket, zmq.POLLIN)
 
     # -- what the Coordinator calls ------------------------------------------------------
 
@@ -655,11 +670,16 @@ class Loop:
             # Rounded up: rounded down, the last millisecond before the deadline would
             # return at once, again and again, handling nothing until it passed.
             ready = dict(self._poller.poll(math.ceil(left * 1000)))
+            if self._monitor in ready:
+                self._connection_events()
             if self._wake in ready:
                 self._wake.recv()
                 self._stopping = True
             elif self._sock in ready:
                 self._drain()
+            while self._ended and not self._stopping:
+                self._drain()  # what they sent before their connections ended goes first
+                self._drop_ended()
         return False
 
     def expire(self, now: float) -> None:
@@ -703,10 +723,6 @@ class Loop:
                 for e in list(self._engines)
             ],
         )
-
-    def count_auth_refused(self) -> None:
-        """A peer refused at the CURVE handshake (from the thread that watches for them)."""
-        self._counters[Counter.AUTH_REFUSED] += 1
 
     def metrics(self) -> dict[str, Any]:
         """Traffic by header and direction, outcomes by error code, latencies."""
@@ -1152,6 +1168,8 @@ class Loop:
             self._shutdown_signal(client, frames)
         elif header == Header.STATS:
             self._stats_request(client, frames)
+        elif header == Header.DISCONNECT:
+            self._goodbye(client, frames)
         else:
             self._refuse(client, None, ErrorCode.UNKNOWN_HEADER, header, Counter.UNKNOWN_HEADER)
 
@@ -1190,6 +1208,8 @@ class Loop:
             engine.batch = hello.batch
             engine.format = MULTIPART
             self._count_formats()
+            if hello.ack:  # it is in the pool: say so, and what it was granted
+                self._send(identity, protocol.engine_ack(hello))
 
     def _count_formats(self) -> None:
         """How many engines not gone speak each format: which checks a SUBMIT needs."""
@@ -1245,6 +1265,9 @@ class Loop:
             self._counters[Counter.DUPLICATE_CONNECT] += 1
             self._seen(client)
         else:
+            # What the monitor said first: a connection that ended on this CONNECT's fd
+            # before this one opened is not to be taken for this one's end.
+            self._connection_events()
             if len(self._clients) >= self._options.max_clients and not self._vacant_client():
                 self._counters[Counter.TABLE_FULL] += 1
                 self._refused[ErrorCode.BUSY] += 1
@@ -1254,6 +1277,7 @@ class Loop:
                     self._send(identity, protocol.ERROR.pack(None, ErrorCode.BUSY, text))
                 return
             client = self._clients[identity] = self._idle[identity] = _Client(identity)
+            client.fd = frames[1].get(zmq.SRCFD)
         client.coordkit = hello.coordkit
         client.batch = hello.batch
         client.format = SINGLE_FRAME if self._megatron_core and not hello.coordkit else MULTIPART
@@ -1261,6 +1285,11 @@ class Loop:
             self._send(identity, protocol.CONNECT_ACK_BATCH.pack({BATCH_FEATURE: 1}))
         else:
             self._send(identity, protocol.CONNECT_ACK.pack())
+        if client.fd >= 0:
+            if client.fd in self._connections:
+                self._connections[client.fd] = client
+            else:  # the monitor said its connection ended already
+                self._ended.append((client.identity, client.fd))
 
     def _vacant_client(self) -> bool:
         """Make room for a client: the one idle longest gives up its place."""
@@ -1273,6 +1302,37 @@ class Loop:
         """A client with nothing in flight leaves the tables."""
         del self._clients[client.identity]
         del self._idle[client.identity]
+        if self._connections.get(client.fd) is client:
+            self._connections[client.fd] = None
+
+    def _connection_events(self) -> None:
+        """The ROUTER's monitor: connections opened and ended (a client whose connection
+        ended has left: nothing can reach its routing id again), handshakes refused."""
+        for event, value in monitor_events(self._monitor):
+            if event == zmq.EVENT_ACCEPTED:
+                self._connections[value] = None
+            elif event == zmq.EVENT_DISCONNECTED:
+                client = self._connections.pop(value, None)
+                if client is not None:
+                    self._ended.append((client.identity, value))
+            elif event & REFUSAL_EVENTS:
+                self._counters[Counter.AUTH_REFUSED] += 1
+
+    def _drop_ended(self) -> None:
+        """Forget the clients whose connection ended (those still known by that routing
+        id on that connection), and abort their requests."""
+        ended, self._ended = self._ended, []
+        for identity, fd in ended:
+            client = self._clients.get(identity)
+            if client is not None and client.fd == fd:
+                self._client_gone(client, unreachable=False)
+        if self._gone:
+            self._settle()
+
+    def _goodbye(self, client: _Client, frames: list[zmq.Frame]) -> None:
+        """DISCONNECT from a client: it closes; forget it and abort what it left."""
+        if self._parse(protocol.DISCONNECT, client, Header.DISCONNECT, frames) is not None:
+            self._client_gone(client, unreachable=False)
 
     def _heartbeat(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         if self._parse(protocol.HEARTBEAT, None, Header.HEARTBEAT, frames) is None:
@@ -1459,12 +1519,15 @@ class Loop:
             if not self._send(engine.identity, error):
                 self._mark_gone(engine, "unreachable")
 
-    def _client_gone(self, client: _Client) -> None:
-        """A client that cannot be reached: its requests are aborted at their
-        engines and forgotten, and so is the client."""
+    def _client_gone(self, client: _Client, unreachable: bool = True) -> None:
+        """A client that cannot be reached, or that left (DISCONNECT, or its connection
+        ended): its requests are aborted at their engines and forgotten, and so is the
+        client."""
         if self._clients.get(client.identity) is not client:
             return
-        self._counters[Counter.CLIENT_GONE] += 1
+        self._counters[Counter.CLIENTS_DEPARTED] += 1
+        if unreachable:
+            self._counters[Counter.CLIENT_GONE] += 1
         for request in self._in_order(lambda r: True, client.requests.values()):
             if self._find(request.server_rid) is not request:
                 continue

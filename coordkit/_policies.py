@@ -121,7 +121,7 @@ POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix")
 MAX_RANKS_LIMIT = 1 << 16
 MAX_PREFIX_ENTRIES_LIMIT = (1 << 31) - 1
 
-#: The prefix policy's defaults (the README's Routing section says why these).
+#: The prefix policy's defaults (docs/routing.md says why these).
 DEFAULT_PREFILL_WEIGHT = 32.0
 DEFAULT_DECODE_TOKENS = 512
 DEFAULT_BLOCK_SIZE = 16

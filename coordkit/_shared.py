@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
 from . import _policies, protocol
 from .protocol import Buffer, ControlState, packb, unpackb
 
@@ -51,6 +54,16 @@ ERROR_SLOTS = 32
 #: Upper bounds (seconds) of the latency histograms' buckets, log-spaced from
 #: 100 µs to about 3.5 minutes; a last bucket takes the rest (+Inf).
 LATENCY_BUCKETS = tuple(0.0001 * 2.0**k for k in range(22))
+
+#: What the loop reads from its ROUTER's socket monitor: the connections accepted and
+#: ended (by fd: a client whose CONNECT came on a connection that ended has left), and
+#: the handshakes refused (CURVE: no key or the wrong mechanism, a key not admitted).
+CONNECTION_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+REFUSAL_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 #: A kept prompt below this many bytes is copied: sharing it would pin the whole
 #: receive buffer libzmq decoded it from (pyzmq's copy-below-a-threshold rule)...
@@ -90,7 +103,8 @@ class Counter(IntEnum):
     DETOKENIZE_ERRORS = 23
     MALFORMED_ENTRIES = 24  # entries of an engine's batch skipped, the rest delivered
     TIMED_OUT = 25
-    AUTH_REFUSED = 26  # peers refused at the CURVE handshake (counted off the loop)
+    AUTH_REFUSED = 26  # peers refused at the CURVE handshake
+    CLIENTS_DEPARTED = 27  # clients that left: said DISCONNECT, their connection ended, or gone
 
 
 class EngineState(IntEnum):
@@ -207,6 +221,18 @@ def check_constants(generated: dict[str, int]) -> None:
             "coordkit: the compiled constants differ from the Python ones "
             f"({', '.join(stale)}): run make constants and rebuild"
         )
+
+
+def monitor_events(monitor: zmq.Socket) -> list[tuple[int, int]]:
+    """(event, value) of each event waiting on a socket monitor, in order, without blocking."""
+    events: list[tuple[int, int]] = []
+    while True:
+        try:
+            frames = monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return events
+        event = parse_monitor_message(frames)
+        events.append((int(event["event"]), int(event["value"])))
 
 
 def detokenize(detokenizer: Detokenizer, body: Buffer) -> bytes:

@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 import zmq
 
 from . import protocol
+from ._checks import check_address, streaming_params
 from ._implementation import load_implementation, selected
 from ._liveness import DEFAULT_COORDINATOR_TIMEOUT, ConnectionWatch, prepare
 from .curve import KeySource, ServerKey
 from .protocol import (
     BATCH_FEATURE,
     COORDKIT_HELLO,
-    STREAM_KEY,
     ErrorCode,
     Header,
     ProtocolError,
@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 Prompt = str | bytes | bytearray | memoryview | zmq.Frame | Sequence[int] | Any
 
 _CLOSE_LINGER_MS = 1000  # lets a last message (SHUTDOWN, ABORT) leave after close()
+_SEND_RETRY = 0.01  # seconds between tries of a CONNECT that libzmq has no pipe for yet
 
 
 class CoordinatorError(Exception):
@@ -227,6 +228,8 @@ class Client:
         The CONNECT asks for batched messages unless ``batch`` is False; they
         are used only when the coordinator grants them. ``implementation``
         (``"c"`` or ``"py"``) picks the core; by default the one chosen at import.
+        ``address`` is ``tcp://HOST:PORT``, ``ipc:///path`` or ``inproc://name``
+        (ValueError otherwise, before anything is opened).
         Raises :class:`ConnectionError` if no CONNECT_ACK comes within
         ``timeout`` seconds (also what a CURVE coordinator that refuses the
         key looks like), or at once if the coordinator refuses the client.
@@ -241,6 +244,7 @@ class Client:
         pair (its ``.key_secret`` file, or ``(public, secret)`` z85 bytes, as
         ``zmq.auth.load_certificate`` returns them); both or neither.
         """
+        check_address(address)
         if implementation is not None:
             load_implementation(implementation)  # an unknown or unbuilt one fails here
         socket = zmq.Socket(context or zmq.Context.instance(), zmq.DEALER)
@@ -300,13 +304,16 @@ class Client:
         """Send one request; the future resolves to its final reply body.
 
         ``prompt`` is a ``str`` (sent msgpack-packed), token ids (msgpack-packed,
-        as Megatron's engines expect: a sequence of ints, or an ``array.array``
-        or numpy array of an integer type, packed from its buffer) or a
-        bytes-like object (``bytes``, ``bytearray``, ``memoryview``,
-        ``zmq.Frame``), sent as it is: do not modify it until the reply came.
-        ``block_size`` adds the prefix-routing block hashes (token-id prompts
-        only), or ``block_hashes`` sends a block-hash frame as given. The body
-        is msgpack-decoded unless ``raw``, which gives bytes.
+        as Megatron's engines expect: a sequence of ints in ``[0, 2**32)``, or an
+        ``array.array`` or numpy array of an integer type, packed from its
+        buffer) or a bytes-like object (``bytes``, ``bytearray``,
+        ``memoryview``, ``zmq.Frame``), sent as it is: do not modify it until
+        the reply came. ``sampling_params`` is a map (a ``dict``) or None.
+        Anything else raises TypeError, or ValueError for a token id out of
+        range, naming what was given (a token by its index and value), and
+        nothing is sent. ``block_size`` adds the prefix-routing block hashes
+        (token-id prompts only), or ``block_hashes`` sends a block-hash frame
+        as given. The body is msgpack-decoded unless ``raw``, which gives bytes.
         Partial replies are not delivered here; use :meth:`stream` for them.
         An ERROR for the request fails the future with :class:`CoordinatorError`.
 
@@ -332,9 +339,10 @@ class Client:
 
         Every prompt is as for :meth:`submit` and they share ``sampling_params``
         (packed once). All are encoded before any is sent: a bad prompt raises
-        and nothing is sent. With batches granted they leave as one
-        SUBMIT_BATCH (several for a very large call), otherwise as one
-        SUBMIT_REQUEST each, at once. Their ids are consecutive.
+        (its error names its index in ``prompts``) and nothing is sent. With
+        batches granted they leave as one SUBMIT_BATCH (several for a very
+        large call), otherwise as one SUBMIT_REQUEST each, at once. Their ids
+        are consecutive.
         """
         if not self._connected:
             self._raise_not_connected()
@@ -359,7 +367,7 @@ class Client:
         """
         if not self._connected:
             self._raise_not_connected()
-        params = {**(sampling_params or {}), STREAM_KEY: True}
+        params = streaming_params(sampling_params)
         stream: Stream = self._core.stream(prompt, params, block_size, raw, block_hashes)
         return stream
 
@@ -422,11 +430,15 @@ class Client:
     # -- lifecycle -----------------------------------------------------------------
 
     async def close(self) -> None:
-        """Close the socket; pending requests fail with ConnectionError."""
+        """Close the socket; pending requests fail with ConnectionError.
+
+        The coordinator is told (DISCONNECT ``[60]``): it forgets the client at
+        once and aborts its requests at their engines.
+        """
         if self._closed:
             return
         self._closed = True
-        self._connected = False
+        acknowledged, self._connected = self._connected, False
         self._loop.remove_reader(self._fd)
         if self._rejoining is not None:
             self._rejoining.cancel()
@@ -436,6 +448,11 @@ class Client:
         exc = ConnectionError("coordkit client closed with the request pending")
         self._core.close(exc)
         self._fail_stats(exc)
+        if acknowledged:
+            # Past the core (closed: its requests are dropped); a full pipe or a failed socket
+            # is no reason to wait: the coordinator then learns it from the connection's end.
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.send_multipart(protocol.DISCONNECT.pack(), zmq.NOBLOCK)
         self._socket.close(linger=_CLOSE_LINGER_MS)
 
     async def __aenter__(self) -> Self:
@@ -472,6 +489,8 @@ class Client:
     def _on_connection_event(self) -> None:
         """The monitor's reader: the connection ended, or a new one was made."""
         assert self._watch is not None
+        if self._closed:  # a call scheduled before close() closed the watch
+            return
         for event in self._watch.events():
             if event == zmq.EVENT_DISCONNECTED:
                 self._lost()
@@ -552,7 +571,16 @@ class Client:
 async def _handshake(socket: zmq.Socket, batch: bool) -> bool:
     """Send CONNECT, wait for CONNECT_ACK; whether batches were granted."""
     hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1} if batch else COORDKIT_HELLO
-    socket.send_multipart(protocol.CONNECT_COORDKIT.pack(hello))  # queued: nothing is full yet
+    connect = protocol.CONNECT_COORDKIT.pack(hello)
+    while True:
+        try:
+            socket.send_multipart(connect, zmq.NOBLOCK)
+            break
+        except zmq.Again:
+            # No pipe to queue it on: libzmq drops a connection's pipe when a CURVE
+            # handshake is refused. A blocking send would stall the event loop for good;
+            # the caller's timeout bounds this wait.
+            await asyncio.sleep(_SEND_RETRY)
     frames = await _receive(socket)
     try:
         features = protocol.CONNECT_ACK_BATCH.parse(frames).features

@@ -11,17 +11,29 @@ as pyzmq layers ``zmq.Socket`` over its Cython backend.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import os
+import socket
+import stat
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from ._checks import check_address
 from ._implementation import load_implementation, selected
 from ._policies import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
-from ._shared import DIALECTS, MEGATRON_VERSIONS, Detokenizer, Options
+from ._shared import (
+    CONNECTION_EVENTS,
+    DIALECTS,
+    MEGATRON_VERSIONS,
+    REFUSAL_EVENTS,
+    Detokenizer,
+    Options,
+)
 from .curve import CurveServer
 from .metrics import MetricsServer
 
@@ -36,8 +48,68 @@ TIMER_INTERVAL = 0.05
 _wake_ids = itertools.count()
 
 
+#: Options that are gone, and what replaced them: the hint their error gives.
+REMOVED_OPTIONS = {
+    "prefix_alpha": (
+        "prefix_prefill_weight",
+        "32·α/(1−α) for the old α: the same ratio of affinity to load",
+    ),
+}
+
+
+def _removed(options: dict[str, Any]) -> TypeError:
+    """The error for keyword arguments Coordinator() does not take: a removed one named
+    with its replacement, any other as Python names an unexpected one."""
+    name = next(iter(options))
+    if name in REMOVED_OPTIONS:
+        replacement, how = REMOVED_OPTIONS[name]
+        return TypeError(f"coordkit: {name} is gone: use {replacement} ({how})")
+    return TypeError(f"Coordinator() got an unexpected keyword argument {name!r}")
+
+
+def _ipc_file(address: str) -> str | None:
+    """The socket file an ``ipc://`` address binds (None: another transport, an
+    abstract name, or libzmq's ``*``)."""
+    if not address.startswith("ipc://"):
+        return None
+    path = address[len("ipc://") :]
+    return None if path.startswith("@") or path == "*" else os.path.abspath(path)
+
+
+def _refuse_if_answered(address: str, path: str) -> None:
+    """ZMQError(EADDRINUSE) when something accepts connections on the socket file:
+    libzmq's bind would replace the file and leave whoever serves it unreachable.
+    A file nobody serves (ECONNREFUSED: its coordinator was killed) is replaced;
+    one that is not a socket at all (libzmq would delete it) is refused (EEXIST)."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise zmq.ZMQError(
+                errno.EEXIST, f"coordkit: cannot bind {address}: {path} is not a socket file"
+            )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (BlockingIOError, TimeoutError):
+        pass  # a listener whose backlog is full: it is there all the same
+    except OSError:
+        return  # no file, or nobody behind it
+    finally:
+        probe.close()
+    raise zmq.ZMQError(
+        errno.EADDRINUSE,
+        f"coordkit: {address} is in use: a coordinator (or another program) answers there; "
+        "stop it, or bind another path",
+    )
+
+
 class _Sockets:
-    """The coordinator's ROUTER, and the inproc pair through which stop() wakes its loop."""
+    """The coordinator's ROUTER, its socket monitor (read by the loop: connections that
+    end, handshakes refused), and the inproc pair through which stop() wakes its loop.
+
+    An ``ipc://`` path already served is refused; the socket file bound is removed
+    on close, unless another coordinator bound the path since.
+    """
 
     LINGER_MS = 500  # lets the final ERRORs of a shutdown reach their clients
 
@@ -59,11 +131,25 @@ class _Sockets:
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_size)
         self.router.setsockopt(zmq.LINGER, self.LINGER_MS)
         self.curve = curve
+        self.monitor: zmq.Socket | None = None
+        self._bound_file: tuple[str, int, int] | None = None  # path, device, inode
         try:
             if curve is not None:
                 curve.secure(self.router)
-            self.router.bind(bind)
-        except zmq.ZMQError:
+            self.monitor = self._watch(CONNECTION_EVENTS | (REFUSAL_EVENTS if curve else 0))
+            path = _ipc_file(bind)
+            if path is not None:
+                _refuse_if_answered(bind, path)
+            try:
+                self.router.bind(bind)
+            except zmq.ZMQError as exc:
+                reason = zmq.strerror(exc.errno) if exc.errno else exc.strerror  # no addr=...
+                text = f"coordkit: cannot bind {bind}: {reason}"
+                raise zmq.ZMQError(exc.errno, text) from None
+            if path is not None:
+                info = os.stat(path)
+                self._bound_file = (path, info.st_dev, info.st_ino)
+        except BaseException:
             self.close()
             raise
         self.address: str = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -75,6 +161,15 @@ class _Sockets:
         self._wake_send = self.context.socket(zmq.PAIR)
         self._wake_send.connect(wake)
 
+    def _watch(self, events: int) -> zmq.Socket:
+        """The ROUTER's monitor, set before it binds so that every connection is seen."""
+        address = f"inproc://{__name__}-monitor-{next(_wake_ids)}"
+        self.router.monitor(address, events)
+        monitor = self.context.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.RCVHWM, 0)  # a full pipe would stall libzmq's I/O thread
+        monitor.connect(address)
+        return monitor
+
     def wake(self) -> None:
         """Ask the loop to stop; safe from any thread, a no-op once closed."""
         with self._lock:
@@ -84,12 +179,28 @@ class _Sockets:
     def close(self) -> None:
         with self._lock:
             self.closed = True
+            # The file first: libzmq closes the listener a little after close(), and a
+            # coordinator started meanwhile must not find this one answering there.
+            self._remove_bound_file()
+            if self.monitor is not None:
+                self.router.disable_monitor()
+                self.monitor.close(linger=0)
             if self.curve is not None:
-                self.curve.close(self.router)
+                self.curve.close()
             self.router.close()
             if hasattr(self, "wake_recv"):  # bound, not failed before
                 self.wake_recv.close()
                 self._wake_send.close(linger=0)
+
+    def _remove_bound_file(self) -> None:
+        if self._bound_file is None:
+            return
+        path, device, inode = self._bound_file
+        self._bound_file = None
+        with contextlib.suppress(FileNotFoundError):
+            info = os.stat(path)
+            if (info.st_dev, info.st_ino) == (device, inode):  # not another's since
+                os.unlink(path)
 
 
 class Coordinator:
@@ -99,6 +210,13 @@ class Coordinator:
     says what each means.
     ``implementation`` is ``"c"`` or ``"py"`` (default: the one selected at
     import, :data:`coordkit.IMPLEMENTATION`); both behave alike, frame for frame.
+
+    ``bind`` is ``tcp://HOST:PORT``, ``ipc:///path`` or ``inproc://name``
+    (ValueError otherwise). An ``ipc://`` path where something already
+    answers is refused (``zmq.ZMQError``, errno ``EADDRINUSE``, as a tcp port
+    in use is); a socket file left by a coordinator that was killed is
+    replaced, and the file is removed when the coordinator closes. A removed
+    option (``prefix_alpha``) raises TypeError naming its replacement.
     """
 
     def __init__(
@@ -129,7 +247,11 @@ class Coordinator:
         curve_authorized_keys: str | os.PathLike[str] | None = None,
         context: zmq.Context | None = None,
         implementation: str | None = None,
+        **removed: Any,
     ):
+        if removed:
+            raise _removed(removed)
+        check_address(bind)
         if not 1 <= max_inflight <= 1 << 30:
             raise ValueError("max_inflight must be between 1 and 2**30")
         if max_inflight_per_engine < 0:
@@ -186,16 +308,18 @@ class Coordinator:
         context = context or zmq.Context.instance()
         curve = None
         if curve_secret_key is not None and curve_authorized_keys is not None:
-            curve = CurveServer(
-                context, curve_secret_key, curve_authorized_keys, self._auth_refused
-            )
+            curve = CurveServer(context, curve_secret_key, curve_authorized_keys)
         self._sockets = _Sockets(bind, max_message_size, context, curve)
         #: The bound endpoint (a tcp port asked for as 0 or * is resolved).
         self.address = self._sockets.address
         #: Whether peers must authenticate with CURVE (and traffic is encrypted).
         self.curve = curve is not None
         self._loop = impl.loop.Loop(
-            self.options, router, self._sockets.router, self._sockets.wake_recv
+            self.options,
+            router,
+            self._sockets.router,
+            self._sockets.wake_recv,
+            self._sockets.monitor,
         )
         self._metrics: MetricsServer | None = None
         if metrics_port is not None:
@@ -254,12 +378,6 @@ class Coordinator:
     def metrics_port(self) -> int | None:
         """The port its Prometheus metrics are served on (None: not served)."""
         return None if self._metrics is None else self._metrics.port
-
-    def _auth_refused(self) -> None:
-        # Only the CURVE monitor thread calls this; the loop itself never writes the count.
-        loop = getattr(self, "_loop", None)  # a refusal may come before the loop is built
-        if loop is not None:
-            loop.count_auth_refused()
 
     def __enter__(self) -> Self:
         self.start()

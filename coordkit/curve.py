@@ -4,7 +4,8 @@ A coordinator given a secret key and a directory of authorized public keys
 (``coordkit serve --curve-secret-key FILE --curve-authorized-keys DIR``) makes
 its ROUTER a CURVE server, and a ZAP handler on its context admits only those
 keys: a peer without a key, or with another key, is refused during the
-handshake, before any of its messages reaches the loop, and counted.
+handshake, before any of its messages reaches the loop (which counts it from
+its ROUTER's socket monitor).
 ``coordkit keygen DIR NAME`` writes a key pair (``NAME.key`` is the public
 half to hand out, ``NAME.key_secret`` the pair to keep).
 
@@ -16,14 +17,11 @@ public key: its ``.key`` file or its z85 text) and ``curve_keys`` (their own
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils.monitor import recv_monitor_message
 
 __all__ = ["KeySource", "ServerKey", "keygen", "secure_client", "CurveServer"]
 
@@ -31,14 +29,6 @@ __all__ = ["KeySource", "ServerKey", "keygen", "secure_client", "CurveServer"]
 KeySource = str | os.PathLike[str] | tuple[bytes, bytes]
 #: The coordinator's public key: its ``.key`` file, or the z85 text.
 ServerKey = str | os.PathLike[str] | bytes
-
-#: The handshake failures that mean "refused": no key or the wrong mechanism
-#: (protocol), a key the ZAP handler did not admit (auth).
-_REFUSALS = (
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
 
 
 def keygen(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
@@ -74,8 +64,7 @@ def secure_client(socket: zmq.Socket, server_key: ServerKey, keys: KeySource) ->
 class CurveServer:
     """A ROUTER made a CURVE server admitting the keys found in ``authorized``.
 
-    Call :meth:`secure` before the socket binds; ``on_refused`` runs (on a
-    thread of this object's) once per peer refused at the handshake.
+    Call :meth:`secure` before the socket binds, :meth:`close` before it closes.
     """
 
     def __init__(
@@ -83,7 +72,6 @@ class CurveServer:
         context: zmq.Context,
         secret_key: str | os.PathLike[str],
         authorized: str | os.PathLike[str],
-        on_refused: Callable[[], None],
     ):
         self._keys = _pair(secret_key)
         if not Path(authorized).is_dir():
@@ -91,36 +79,11 @@ class CurveServer:
         self._authenticator = ThreadAuthenticator(context)
         self._authenticator.start()
         self._authenticator.configure_curve(domain="*", location=os.fspath(authorized))
-        self._on_refused = on_refused
-        self._monitor: zmq.Socket | None = None
-        self._thread: threading.Thread | None = None
 
     def secure(self, router: zmq.Socket) -> None:
         router.curve_server = True
         router.curve_publickey, router.curve_secretkey = self._keys
-        self._monitor = router.get_monitor_socket(_REFUSALS)
-        self._thread = threading.Thread(
-            target=self._count_refusals, name="coordkit-curve", daemon=True
-        )
-        self._thread.start()
 
-    def _count_refusals(self) -> None:
-        assert self._monitor is not None
-        while True:
-            try:
-                event = recv_monitor_message(self._monitor)["event"]
-            except zmq.ZMQError:  # closed under us
-                return
-            if event == zmq.EVENT_MONITOR_STOPPED:
-                return
-            self._on_refused()
-
-    def close(self, router: zmq.Socket) -> None:
-        """Before ``router`` closes: stop counting, then the ZAP handler."""
-        if self._monitor is not None:
-            router.disable_monitor()
-            if self._thread is not None:
-                self._thread.join(5)
-            self._monitor.close(linger=0)
-            self._monitor = None
+    def close(self) -> None:
+        """Stop the ZAP handler."""
         self._authenticator.stop()

@@ -18,12 +18,18 @@ Under it runs a *core* -- the Cython one (:mod:`coordkit._engine_c`), which
 receives, parses and builds the replies in C, or its pure-Python twin
 (:mod:`coordkit._engine_py`), chosen as the coordinator's is; both hand out
 the same events and put the same frames on the wire. After registering, an
-Engine says what it is with ENGINE_HELLO: ``[94, {"coordkit": 1, "batch": 1}]``,
-asking for batches, or ``[94, {"coordkit": 1}]`` with ``batch=False``. A
+Engine says what it is with ENGINE_HELLO: ``[94, {"coordkit": 1, "ack": 1,
+"batch": 1}]``, asking for batches, or ``[94, {"coordkit": 1, "ack": 1}]``
+with ``batch=False``. A
 coordinator that grants batches may then send its SUBMITs as
 ENGINE_SUBMIT_BATCH messages, which poll() hands out as one Request per
 entry. Replies are batched either way. An ERROR the coordinator sends back
 (a reply entry it could not deliver) is logged.
+
+``"ack": 1`` says that the engine reads ENGINE_ACK, with which coordkit's
+coordinator answers it, ``[97, {"batch": 1}]`` (what it granted):
+:attr:`Engine.registered` says whether the current connection was
+acknowledged, and :meth:`Engine.wait_registered` waits for it.
 """
 
 from __future__ import annotations
@@ -37,11 +43,12 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from . import protocol
+from ._checks import check_address
 from ._events import Abort, Control, Event, ReleaseKV, Request
 from ._implementation import load_implementation, selected
 from ._liveness import DEFAULT_COORDINATOR_TIMEOUT, ConnectionWatch, prepare
 from .curve import KeySource, ServerKey
-from .protocol import BATCH_FEATURE, COORDKIT_HELLO
+from .protocol import ACK_FEATURE, BATCH_FEATURE, COORDKIT_HELLO
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -53,6 +60,8 @@ log = logging.getLogger(__name__)
 _CLOSE_LINGER_MS = 1000  # lets the last replies and DISCONNECT leave on close()
 #: How often poll() reads the connection's events: bounds how late a re-registration is.
 _WATCH_INTERVAL = 0.1
+#: Seconds after a registration without an ENGINE_ACK before poll() logs a warning.
+REGISTRATION_WARNING = 5.0
 
 
 #: A reply entry: (server_rid, body) or (server_rid, body, needs_detokenize).
@@ -71,11 +80,22 @@ class Engine:
     ``batch`` is False; ``implementation`` (``"c"`` or ``"py"``) picks the
     core, by default the one chosen at import.
 
+    ``registered`` is whether a coordinator acknowledged the engine: coordkit's
+    answers each ENGINE_HELLO with ENGINE_ACK once the engine is in its pool
+    (``granted`` is what it granted, e.g. ``{"batch": 1}``). It is False until
+    then, False again from a lost connection until the new registration is
+    acknowledged, and always False against a coordinator that does not send
+    ENGINE_ACK (Megatron's). :meth:`poll` logs a warning, naming the address,
+    when no acknowledgement came within ``REGISTRATION_WARNING`` seconds of
+    a registration; :meth:`wait_registered` waits for one.
+
     ``hello=False`` sends no ENGINE_HELLO: the engine registers as a
     Megatron engine does (the empty frame only), for a coordinator other
     than coordkit's that speaks the multipart layout and may not survive a
     header it does not know (Megatron-Core 0.19's own coordinator raises on
-    one). It then gets no batches and no ERRORs. Not for coordkit's
+    one). It then gets no batches, no ERRORs and no ENGINE_ACK: it cannot
+    know that it was registered, ``registered`` stays False and
+    :meth:`wait_registered` raises. Not for coordkit's
     coordinator in the megatron-core dialect, which would take the engine
     for a 0.19 one and send it single frames.
 
@@ -106,6 +126,7 @@ class Engine:
         curve_keys: KeySource | None = None,
         hello: bool = True,
     ):
+        check_address(address)
         impl = load_implementation(implementation) if implementation else selected()
         if identity is None:
             identity = f"engine-{rank}"
@@ -135,9 +156,13 @@ class Engine:
         self._watch = ConnectionWatch(self._socket)  # before connect(): no event missed
         self._next_watch = time.monotonic() + _WATCH_INTERVAL
         self.connected = True  # the registration below is queued for the first connection
+        self._registered = False
+        #: What the coordinator granted in its last ENGINE_ACK (``{"batch": 1}``), or {}.
+        self.granted: dict[Any, Any] = {}
+        self._held: list[Event] = []  # received by wait_registered(), for the next poll()
         self._socket.connect(address)
         self._register()
-        self._core = impl.engine.EngineCore(self._socket)
+        self._core = impl.engine.EngineCore(self._socket, self._acknowledged)
 
     @property
     def implementation(self) -> str:
@@ -153,6 +178,12 @@ class Engine:
     def pending(self, value: int) -> None:
         self._core.pending = value
 
+    @property
+    def registered(self) -> bool:
+        """Whether a coordinator acknowledged this engine on the current connection
+        (ENGINE_ACK; see :class:`Engine`)."""
+        return self._registered
+
     def poll(self, timeout: float = 0.0) -> list[Event]:
         """Wait up to ``timeout`` seconds for messages and return their events.
 
@@ -160,7 +191,35 @@ class Engine:
         (a step's worth: at most 4096 messages); an empty list on timeout.
         Sends a HEARTBEAT whenever one is due.
         """
+        if self._held:
+            events, self._held = self._held, []
+            return events
+        return self._poll(timeout)
+
+    def wait_registered(self, timeout: float = 10.0) -> bool:
+        """Poll until a coordinator acknowledged the engine; whether one did within
+        ``timeout`` seconds (True at once when it already is).
+
+        What arrives meanwhile (a request may come before the acknowledgement)
+        is kept and handed out by the next :meth:`poll`. RuntimeError with
+        ``hello=False``, which no coordinator acknowledges.
+        """
+        if not self.hello:
+            raise RuntimeError(
+                "coordkit: an Engine with hello=False is never acknowledged: "
+                "nothing can tell that it was registered"
+            )
         deadline = time.monotonic() + timeout
+        while not self._registered:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._held += self._poll(left)
+        return True
+
+    def _poll(self, timeout: float) -> list[Event]:
+        deadline = time.monotonic() + timeout
+        registered = self._registered
         while True:
             now = time.monotonic()
             if now >= self._next_heartbeat:
@@ -169,7 +228,7 @@ class Engine:
                 self._check_connection(now)
             wait = min(deadline, self._next_heartbeat, self._next_watch) - now
             events: list[Event] = self._core.poll(math.ceil(max(wait, 0.0) * 1000))
-            if events or time.monotonic() >= deadline:
+            if events or self._registered != registered or time.monotonic() >= deadline:
                 return events
 
     def reply(self, finished: Iterable[ReplyEntry]) -> None:
@@ -202,18 +261,38 @@ class Engine:
 
     def _register(self) -> None:
         self._socket.send(b"")  # registration
+        self._warn_at = time.monotonic() + REGISTRATION_WARNING
         if not self.hello:
             return
-        # A coordkit engine: multipart in every dialect; batches when it asks.
-        hello = {**COORDKIT_HELLO, BATCH_FEATURE: 1} if self.batch else COORDKIT_HELLO
+        # A coordkit engine: multipart in every dialect; read ENGINE_ACK; batches when it asks.
+        hello = {**COORDKIT_HELLO, ACK_FEATURE: 1}
+        if self.batch:
+            hello[BATCH_FEATURE] = 1
         self._socket.send_multipart(protocol.ENGINE_HELLO.pack(hello))
 
+    def _acknowledged(self, granted: dict[Any, Any]) -> None:
+        """An ENGINE_ACK (from the engine core)."""
+        if not self.connected:
+            return  # from a connection that ended since: not this registration's
+        if not self._registered:
+            log.info(
+                "coordkit engine %s: registered at %s (granted %s)",
+                self.rank,
+                self.address,
+                granted or "nothing more",
+            )
+        self._registered = True
+        self.granted = granted
+
     def _check_connection(self, now: float) -> None:
-        """The connection ended: note it; a new one: register on it."""
+        """The connection ended: note it; a new one: register on it; no acknowledgement
+        for a while: say so, once per registration."""
         self._next_watch = now + _WATCH_INTERVAL
         for event in self._watch.events():
             if event == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
+                self._registered = False
+                self._warn_at = now + REGISTRATION_WARNING
                 log.warning(
                     "coordkit engine %s: lost the coordinator at %s", self.rank, self.address
                 )
@@ -222,7 +301,16 @@ class Engine:
                 # What was sent meanwhile went out first: the same coordinator takes it,
                 # a restarted one drops it (from a peer not registered: not_connected).
                 self._register()
-                log.info("coordkit engine %s: registered again at %s", self.rank, self.address)
+                log.info("coordkit engine %s: registering again at %s", self.rank, self.address)
+        if self.hello and not self._registered and now >= self._warn_at:
+            self._warn_at = math.inf
+            log.warning(
+                "coordkit engine %s: not registered at %s after %g s: is a coordkit "
+                "coordinator running there?",
+                self.rank,
+                self.address,
+                REGISTRATION_WARNING,
+            )
 
     def _send_heartbeat(self, now: float) -> None:
         self._socket.send_multipart(protocol.HEARTBEAT.pack(self.pending, self.capacity))

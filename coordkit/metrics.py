@@ -6,7 +6,7 @@ calls :class:`CoordinatorCollector`, which reads the loop's own counters and
 tables (``stats()`` and ``metrics()``) and turns them into metric families,
 so the loop pays per request only for the counters it keeps anyway (and, with
 metrics on, one clock read per submission and per reply batch for the two
-latency histograms). The names are documented in the README's metrics table.
+latency histograms). The names are documented in docs/deploying.md ("Metrics").
 """
 
 from __future__ import annotations

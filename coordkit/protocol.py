@@ -45,8 +45,10 @@ __all__ = [
     "header_name",
     "parse_connect",
     "parse_engine_hello",
+    "engine_ack",
     "Hello",
     "BATCH_FEATURE",
+    "ACK_FEATURE",
     "block_hashes",
     "packb",
     "unpackb",
@@ -64,6 +66,12 @@ COORDKIT_HELLO = {"coordkit": 1}
 #: (SUBMIT_BATCH, REPLY_BATCH); a coordinator that grants it to a client says
 #: so in its CONNECT_ACK.
 BATCH_FEATURE = "batch"
+
+#: The key of an ENGINE_HELLO map by which a coordkit engine says it reads
+#: ENGINE_ACK: only such an engine is sent one (an engine of coordkit 0.1,
+#: which does not, would log it as an unknown header; Megatron's engines send
+#: no ENGINE_HELLO at all).
+ACK_FEATURE = "ack"
 
 #: Bytes per entry of the optional block-hash frame (little-endian u64).
 BLOCK_HASH_SIZE = 8
@@ -107,6 +115,7 @@ class Header(IntEnum):
     ENGINE_HELLO = 94
     SUBMIT_BATCH = 95
     REPLY_BATCH = 96
+    ENGINE_ACK = 97
 
 
 #: Control signals a client sends and the coordinator broadcasts to engines.
@@ -478,6 +487,7 @@ class Hello(NamedTuple):
 
     coordkit: bool  # a coordkit peer: may be sent ERROR and STATS_REPLY
     batch: bool  # asks for SUBMIT_BATCH / REPLY_BATCH
+    ack: bool = False  # an engine that reads ENGINE_ACK
 
 
 _rid = Field("rid", int)
@@ -531,8 +541,11 @@ HEARTBEAT = MessageSpec(
 )
 STATS = MessageSpec("STATS", Header.STATS)
 STATS_REPLY = MessageSpec("STATS_REPLY", Header.STATS_REPLY, [], ["stats"])
-#: A coordkit engine's registration: ``[94, {"coordkit": 1, "batch": 1}]``.
+#: A coordkit engine's registration: ``[94, {"coordkit": 1, "ack": 1, "batch": 1}]``.
 ENGINE_HELLO = MessageSpec("ENGINE_HELLO", Header.ENGINE_HELLO, [Field("hello", dict)])
+#: coordkit's coordinator's answer to each ENGINE_HELLO it took: the engine is in the
+#: pool, and ``granted`` says what it was granted (``{"batch": 1}``, or ``{}``).
+ENGINE_ACK = MessageSpec("ENGINE_ACK", Header.ENGINE_ACK, [Field("granted", dict)])
 SUBMIT_BATCH = SubmitBatchSpec()
 #: SUBMIT_BATCH as the coordinator sends it to an engine that asked for batches.
 ENGINE_SUBMIT_BATCH = BatchedMessageSpec(
@@ -559,9 +572,13 @@ SINGLE_CLIENT_REPLY = MessageSpec(
 
 
 def _hello(hello: dict[Any, Any]) -> Hello:
-    version, batch = hello.get("coordkit"), hello.get(BATCH_FEATURE)
+    version, batch, ack = (hello.get(key) for key in ("coordkit", BATCH_FEATURE, ACK_FEATURE))
     coordkit = type(version) is int and version >= 1
-    return Hello(coordkit, coordkit and type(batch) is int and batch >= 1)
+    return Hello(
+        coordkit,
+        coordkit and type(batch) is int and batch >= 1,
+        coordkit and type(ack) is int and ack >= 1,
+    )
 
 
 def parse_connect(frames: Sequence[Frame]) -> Hello:
@@ -579,6 +596,11 @@ def parse_connect(frames: Sequence[Frame]) -> Hello:
 def parse_engine_hello(frames: Sequence[Frame]) -> Hello:
     """What an ENGINE_HELLO says; ProtocolError when it is not one."""
     return _hello(ENGINE_HELLO.parse(frames).hello)
+
+
+def engine_ack(hello: Hello) -> list[bytes]:
+    """The ENGINE_ACK answering the hello of an engine that reads it: what it was granted."""
+    return ENGINE_ACK.pack({BATCH_FEATURE: 1} if hello.batch else {})
 
 
 #: The bare control signals (all but SET_GENERATION_EPOCH, which carries an epoch).

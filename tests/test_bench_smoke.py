@@ -8,8 +8,12 @@ only that every variant and prompt length produced positive figures.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,7 @@ from coordkit.tools.bench.workload import (
     reply_body,
 )
 from tests.support.implementations import REQUIRE_EXTENSION
+from tests.support.processes import ROOT
 
 
 def _variants() -> list[str]:
@@ -198,3 +203,45 @@ def test_a_quick_scale_run_reports_every_point(tmp_path):
         # every rank answers in full batches (short ones only at the end of a load); the floor
         # echoes each request
         assert row["reply_batch"] == 1.0 if variant == "floor" else row["reply_batch"] > 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_run_with_the_bench_extra_alone(tmp_path):
+    """``coordkit bench --quick`` in a fresh virtualenv holding the runtime dependencies
+    and the ``bench`` extra's, nothing else: the variant that needs the ``metrics``
+    extra is skipped with one line saying why, the rest run. This checkout is imported
+    as it is (PYTHONPATH): its in-place build stands for what ``pip install`` builds."""
+    requirements = [  # as declared: the runtime's, and the bench extra's
+        requirement.split(";")[0]
+        for requirement in importlib.metadata.requires("coordkit") or []
+        if ";" not in requirement or requirement.endswith('extra == "bench"')
+    ]
+    assert any(r.startswith("matplotlib") for r in requirements), requirements
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    python = str(venv / "bin" / "python")
+    install = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*install, *requirements], check=True, timeout=600)
+    env = {key: value for key, value in os.environ.items() if key != "VIRTUAL_ENV"}
+    env["PYTHONPATH"] = str(ROOT)
+    probe = [python, "-c", "import prometheus_client"]
+    assert subprocess.run(probe, env=env, capture_output=True).returncode == 1  # not there
+
+    path = tmp_path / "cost.json"
+    result = subprocess.run(
+        [python, "-m", "coordkit", "bench", "--quick", "--json", str(path)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    skipped = "coordkit bench: skipping c-metrics: it needs prometheus_client "
+    skipped += "(pip install 'coordkit[metrics]')\n"
+    assert result.stderr.count(skipped) == 1
+    summary = json.loads(path.read_text())["summary"]
+    for point in summary.values():
+        assert "c-metrics" not in point and {"floor", "py"} <= set(point)

@@ -165,7 +165,7 @@ def test_serve_speaks_megatron_mains_frames(impl, serve, tmp_path):
 
 def test_serve_megatron_version_needs_the_dialect(serve, tmp_path):
     server = serve("--bind", f"ipc://{tmp_path}/c.sock", "--megatron-version", "main")
-    assert server.wait() == 1
+    assert server.wait() == 2
     assert "".join(server.stderr) == (
         "coordkit serve: megatron_version='main' needs dialect='megatron-core'\n"
     )
@@ -241,8 +241,11 @@ def test_serve_options(impl, serve, tmp_path):
 
 def test_serve_rejects_a_bad_address(serve):
     server = serve("--bind", "nonsense://x", "--implementation", "py")
-    assert server.wait() == 1
-    assert "coordkit serve:" in "".join(server.stderr)
+    assert server.wait() == 2
+    assert server.stderr == [
+        "coordkit serve: bad address 'nonsense://x' (unknown transport 'nonsense'): "
+        "expected tcp://HOST:PORT, ipc:///path or inproc://name\n"
+    ]
 
 
 def test_serve_requires_the_chosen_implementation(serve):
@@ -253,8 +256,9 @@ def test_serve_requires_the_chosen_implementation(serve):
     else:
         pytest.skip("the C implementation is available here")
     server = serve("--bind", "tcp://127.0.0.1:0", "--implementation", "c")
-    assert server.wait() == 1
-    assert "the 'c' implementation is not available" in "".join(server.stderr)
+    assert server.wait() == 2
+    assert len(server.stderr) == 1
+    assert server.stderr[0].startswith("coordkit serve: the 'c' implementation is not available")
 
 
 async def fetch_stats(address: str) -> dict:
@@ -285,8 +289,9 @@ def test_stats_command_without_coordinator(tmp_path):
         text=True,
         timeout=TIMEOUT,
     )
-    assert result.returncode == 1
-    assert "no coordinator answered" in result.stderr
+    assert result.returncode == 2
+    address = f"ipc://{tmp_path}/none.sock"
+    assert result.stderr == f"coordkit stats: no coordinator answered at {address} within 0.3 s\n"
 
 
 def test_bench_is_delegated(monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import asyncio
 import itertools
+import types
 
 import pytest
 from hypothesis import given, settings
@@ -20,6 +21,7 @@ from coordkit import CoordinatorError, ErrorCode, ProtocolError
 from coordkit.protocol import block_hashes
 from tests.support.peers import (
     ABORT,
+    DISCONNECT,
     ERROR,
     PARTIAL,
     PAUSE,
@@ -229,6 +231,7 @@ def test_close_fails_what_was_coalesced(tmp_path, impl):
             await client.close()  # before the flush: the request never leaves
             with pytest.raises(ConnectionError):
                 await future
+            assert await script.recv() == [packb([DISCONNECT])]  # only the goodbye
             await script.silent()
             with pytest.raises(ConnectionError):
                 client.submit_many([[1]])
@@ -239,16 +242,26 @@ def test_close_fails_what_was_coalesced(tmp_path, impl):
 
 
 def test_sampling_params_are_checked(tmp_path, impl):
+    """A map or None, in every call; anything else raises before anything is sent."""
+    refused = [
+        (True, TypeError, "coordkit: sampling_params must be a map (a dict) or None, not bool"),
+        ([0.5], TypeError, "coordkit: sampling_params must be a map (a dict) or None, not list"),
+        ("x", TypeError, "coordkit: sampling_params must be a map (a dict) or None, not str"),
+        ({"n": 2**64}, ValueError, "coordkit: sampling_params cannot be packed: "),
+        ({"f": object()}, TypeError, "coordkit: sampling_params cannot be packed: "),
+    ]
+
     async def body():
         async with scripted(tmp_path, impl, grant=True) as (script, client):
-            for params in (True, 2**64):  # as the message spec checks them
-                with pytest.raises(ProtocolError, match="sampling_params"):
-                    client.submit([1], params)
-                with pytest.raises(ProtocolError, match="sampling_params"):
-                    client.submit_many([[1]], params)
-            client.submit([1], [0.5, "any msgpack"])
-            frames = await script.recv()
-            assert frames == [packb([SUBMIT, 0, [0.5, "any msgpack"]]), packb([1])]
+            for params, error, text in refused:
+                for call in (client.submit, client.stream, client.submit_many):
+                    prompt = [[1]] if call == client.submit_many else [1]
+                    with pytest.raises(error) as caught:
+                        call(prompt, params)
+                    assert str(caught.value).startswith(text)
+            await script.silent()
+            client.submit([1], types.MappingProxyType({"top_k": 2}))  # any Mapping
+            assert await script.recv() == [packb([SUBMIT, 0, {"top_k": 2}]), packb([1])]
 
     run(body())
 

@@ -61,7 +61,11 @@ def registered(router, impl, engine_cls=Engine, **kwargs):
     engine = engine_cls(address, implementation=impl.name, **kwargs)
     assert engine.implementation == impl.name
     assert socket.recv_multipart() == [engine.identity, b""]
-    hello = {"coordkit": 1, "batch": 1} if kwargs.get("batch", True) else {"coordkit": 1}
+    hello = (
+        {"coordkit": 1, "ack": 1, "batch": 1}
+        if kwargs.get("batch", True)
+        else {"coordkit": 1, "ack": 1}
+    )
     assert socket.recv_multipart() == [engine.identity, packb([ENGINE_HELLO, hello])]
     return engine
 
@@ -373,7 +377,7 @@ def test_engine_process(router):
     options += ["--prefix-block-size", "1", "--cache-blocks", "1"]
     with engine_processes(address, [2], *options, stderr=subprocess.PIPE, text=True) as [process]:
         assert socket.recv_multipart() == [b"engine-2", b""]
-        hello = packb([ENGINE_HELLO, {"coordkit": 1, "batch": 1}])
+        hello = packb([ENGINE_HELLO, {"coordkit": 1, "ack": 1, "batch": 1}])
         assert socket.recv_multipart() == [b"engine-2", hello]
         for rid in (1, 2):
             socket.send_multipart([b"engine-2", packb([SUBMIT, rid, {}]), packb([1, 2])])

@@ -51,7 +51,11 @@ def connected(router, impl, **kwargs) -> Engine:
     socket, address = router
     engine = Engine(address, implementation=impl.name, **kwargs)
     assert socket.recv_multipart() == [engine.identity, b""]
-    hello = {"coordkit": 1, "batch": 1} if kwargs.get("batch", True) else {"coordkit": 1}
+    hello = (
+        {"coordkit": 1, "ack": 1, "batch": 1}
+        if kwargs.get("batch", True)
+        else {"coordkit": 1, "ack": 1}
+    )
     assert socket.recv_multipart() == [engine.identity, packb([ENGINE_HELLO, hello])]
     return engine
 
@@ -72,7 +76,7 @@ def batch(entries, prompts) -> list[bytes]:
 
 def test_without_batch_the_hello_asks_for_none(router, impl):
     socket, _ = router
-    with connected(router, impl, batch=False) as engine:  # [94, {"coordkit": 1}]
+    with connected(router, impl, batch=False) as engine:  # [94, {"coordkit": 1, "ack": 1}]
         socket.send_multipart([engine.identity, packb([PAUSE])])
         assert until(engine, 1) == [Control(Header.PAUSE)]
 

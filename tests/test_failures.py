@@ -393,20 +393,19 @@ def test_vanished_client_leaves_no_state(make_cluster):
         for rid in range(3):
             leaver.send(m([SUBMIT, rid, {}]), b"p")
         server_rids = [um(c.engines[0].recv()[0])[1] for _ in range(3)]
-        leaver.close()
+        leaver.close()  # without a word: its connection's end is its departure
         c.peers.remove(leaver)
-        time.sleep(0.1)  # let libzmq notice the closed pipe
-        c.engines[0].send(m([REPLY, [[server_rids[0], False]]]), b"nobody home")
-        # The coordinator aborts the client's other requests at their engine...
-        aborts = [c.engines[0].recv() for _ in range(2)]
-        assert sorted(um(a[0])[1] for a in aborts) == server_rids[1:]
+        # The coordinator aborts the client's requests at their engine...
+        aborts = [c.engines[0].recv() for _ in range(3)]
+        assert sorted(um(a[0])[1] for a in aborts) == server_rids
         assert all(um(a[0])[0] == ABORT for a in aborts)
         # ...and forgets it: nothing left in flight, the engine's late finals are dropped.
-        c.engines[0].send(m([REPLY, [[rid, False] for rid in server_rids[1:]]]), b"a", b"b")
-        wait_for(lambda: c.coord.stats()["counters"]["unknown_request"] == 2)
+        c.engines[0].send(m([REPLY, [[rid, False] for rid in server_rids]]), b"a", b"b", b"c")
+        wait_for(lambda: c.coord.stats()["counters"]["unknown_request"] == 3)
         stats = c.coord.stats()
         assert stats["inflight"] == 0 and stats["clients"] == 1
         assert stats["engines"][0]["pending"] == 0
+        assert stats["counters"]["clients_departed"] == 1
         round_trip(c, other, 0)
 
 
@@ -424,16 +423,11 @@ def test_vanished_clients_among_many_leave_only_their_own_requests(make_cluster)
         for index in sorted(leavers):
             clients[index].close()
             c.peers.remove(clients[index])
-        time.sleep(0.2)  # let libzmq notice the closed pipes
-        # A reply to each leaver's last request finds it gone: its others are aborted.
-        last = {index: server_rid for server_rid, (index, _) in sorted(owner.items())}
-        for index in sorted(leavers):
-            c.engines[0].send(m([REPLY, [[last[index], False]]]), b"nobody home")
-        aborted = sorted(um(c.engines[0].recv()[0])[1] for _ in range(2 * len(leavers)))
+        # Each leaver's connection ends: it is dropped with its requests, each aborted
+        # at the engine, and nobody else's.
+        aborted = sorted(um(c.engines[0].recv()[0])[1] for _ in range(3 * len(leavers)))
         assert aborted == sorted(
-            server_rid
-            for server_rid, (index, _) in owner.items()
-            if index in leavers and server_rid != last[index]
+            server_rid for server_rid, (index, _) in owner.items() if index in leavers
         )
         wait_for(lambda: c.coord.stats()["clients"] == 60 - len(leavers))
         assert c.coord.stats()["inflight"] == 3 * (60 - len(leavers))

@@ -22,7 +22,7 @@ from tests.support.processes import engine_processes
 
 TIMEOUT_MS = 5000
 FAST = 1e6  # speedup: the model's seconds become microseconds of waiting
-HELLO = packb([ENGINE_HELLO, {"coordkit": 1, "batch": 1}])
+HELLO = packb([ENGINE_HELLO, {"coordkit": 1, "ack": 1, "batch": 1}])
 
 
 @pytest.fixture

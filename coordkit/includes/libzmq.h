@@ -34,6 +34,7 @@ typedef void(zmq_free_fn)(void *data, void *hint);
 #define ZMQ_POLLIN 1
 #define ZMQ_POLLOUT 2
 #define ZMQ_EVENTS 15
+#define ZMQ_SRCFD 2 /* a message property: the fd of the connection it came on (-1: none) */
 #define ZMQ_HAUSNUMERO 156384712
 #define CK_ETERM (ZMQ_HAUSNUMERO + 53)
 
@@ -49,6 +50,7 @@ typedef struct {
     void *(*msg_data)(zmq_msg_t *);
     size_t (*msg_size)(const zmq_msg_t *);
     int (*msg_more)(const zmq_msg_t *);
+    int (*msg_get)(const zmq_msg_t *, int);
     int (*poll)(zmq_pollitem_t *, int, long);
     int (*errno_)(void);
     const char *(*strerror)(int);
@@ -86,6 +88,7 @@ static int ck_zmq_bind(const char *path, char *err, size_t errlen)
     CK_SYM(msg_data, "zmq_msg_data")
     CK_SYM(msg_size, "zmq_msg_size")
     CK_SYM(msg_more, "zmq_msg_more")
+    CK_SYM(msg_get, "zmq_msg_get")
     CK_SYM(poll, "zmq_poll")
     CK_SYM(errno_, "zmq_errno")
     CK_SYM(strerror, "zmq_strerror")
@@ -119,6 +122,7 @@ static inline int ck_msg_move(zmq_msg_t *d, zmq_msg_t *s) { return ck_zmq.msg_mo
 static inline void *ck_msg_data(zmq_msg_t *m) { return ck_zmq.msg_data(m); }
 static inline size_t ck_msg_size(const zmq_msg_t *m) { return ck_zmq.msg_size(m); }
 static inline int ck_msg_more(const zmq_msg_t *m) { return ck_zmq.msg_more(m); }
+static inline int ck_msg_get(const zmq_msg_t *m, int property) { return ck_zmq.msg_get(m, property); }
 static inline int ck_poll(zmq_pollitem_t *items, int n, long timeout) { return ck_zmq.poll(items, n, timeout); }
 static inline int ck_errno(void) { return ck_zmq.errno_(); }
 static inline const char *ck_strerror(int e) { return ck_zmq.strerror(e); }

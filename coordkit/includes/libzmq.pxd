@@ -24,6 +24,7 @@ cdef extern from "includes/libzmq.h" nogil:
         ZMQ_POLLIN
         ZMQ_POLLOUT
         ZMQ_EVENTS
+        ZMQ_SRCFD
         CK_ETERM
 
     int ck_zmq_bind(const char* path, char* err, size_t errlen)
@@ -41,6 +42,7 @@ cdef extern from "includes/libzmq.h" nogil:
     void* zmq_msg_data "ck_msg_data"(zmq_msg_t* msg)
     size_t zmq_msg_size "ck_msg_size"(const zmq_msg_t* msg)
     int zmq_msg_more "ck_msg_more"(const zmq_msg_t* msg)
+    int zmq_msg_get "ck_msg_get"(const zmq_msg_t* msg, int property)
     int zmq_poll "ck_poll"(zmq_pollitem_t* items, int nitems, long timeout)
     int zmq_errno "ck_errno"()
     const char* zmq_strerror "ck_strerror"(int errnum)

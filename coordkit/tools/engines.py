@@ -39,7 +39,7 @@ def _spawn(address: str, rank: int, options: Sequence[str]) -> subprocess.Popen[
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), env.get("PYTHONPATH")]))
     env["COORDKIT_PUREPYTHON"] = "1"  # an engine runs no coordinator: skip loading the extension
     command = [sys.executable, "-m", PACKAGE, "fake-engine", "--address", address]
-    command += ["--rank", str(rank), *options]
+    command += ["--rank", str(rank), "--quiet", *options]  # the tool's output is its own
     # Its own session: Ctrl-C reaches only the tool, which then stops the engines itself.
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, start_new_session=True)
 

@@ -14,8 +14,10 @@ steps that grow with the running batch (see :data:`H100`).
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import struct
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -26,6 +28,7 @@ from typing import Any, NamedTuple, TypeGuard
 import zmq
 
 from .._liveness import DEFAULT_COORDINATOR_TIMEOUT
+from .._shared import logger
 from ..curve import KeySource, ServerKey
 from ..engine import Abort, Control, Engine, Event, Request
 from ..protocol import BLOCK_HASH_SIZE, Header, block_hashes, unpackb
@@ -68,7 +71,7 @@ class CostModel(NamedTuple):
 #: No cost: steps of ``latency`` seconds (0 by default), prefill free. The default.
 NO_COST = CostModel(0.0, 0.0, 0.0, 8192, 64)
 #: An H100-class engine, from public specs and back-of-envelope arithmetic
-#: (README, "FakeEngine's cost model"): a ~70B model in BF16 on four H100s,
+#: (docs/routing.md, "FakeEngine's cost model"): a ~70B model in BF16 on four H100s,
 #: tensor parallel. Prefill is compute-bound: 2 * 70e9 FLOP a token against
 #: 4 * 989 TFLOPS at ~40% utilisation is ~1e4 tokens/s. A decode step reads
 #: the 140 GB of weights once (4 * 3.35 TB/s: ~10 ms, ~20 ms with the
@@ -414,7 +417,16 @@ def _positive(value: object) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``coordkit fake-engine``: run one FakeEngine rank until STOP, SIGTERM or SIGINT."""
+    """``coordkit fake-engine``: run one FakeEngine rank until STOP, SIGTERM or SIGINT.
+
+    The engine's log goes to stderr, one line each: registered (acknowledged by
+    the coordinator), not registered after a few seconds, the coordinator lost;
+    warnings only with ``--quiet``.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -53,23 +53,26 @@ share.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..._policies import POLICIES
 from ..._shared import DIALECTS
+from ..options import Parser
 from . import endpoints, latency, report, scale
 from .latency import LATENCY_LENGTHS, LATENCY_VARIANTS
 from .session import Failure, Session
 from .workload import (
     IMPLEMENTATIONS,
     LENGTHS,
+    REQUIRES,
     SUBMIT_FIELDS,
     VARIANTS,
     Prompt,
@@ -165,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="coordkit bench",
         description="Coordinator CPU time per request (user and sys of its own process) "
         "and memory per request in flight, for floor, c, py and mono side by side; "
@@ -379,7 +382,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             else [Prompt(n) for n in LATENCY_LENGTHS]
         )
     args.scale_lengths = given_lengths or [Prompt(16)]
-    args.variants = given_variants or list(VARIANTS)
+    args.variants = _installed(given_variants or list(VARIANTS), given_variants, parser.error)
     args.latency_variants = given_variants or list(LATENCY_VARIANTS)
     args.scale_variants = [v for v in given_variants or ("floor", "c") if v in scale.SCALE_VARIANTS]
     if args.window is None:
@@ -417,6 +420,27 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         except ImportError:
             parser.error("--plot needs matplotlib: pip install 'coordkit[bench]'")
     return args
+
+
+def _installed(
+    variants: list[str], asked: list[str] | None, error: Callable[[str], object]
+) -> list[str]:
+    """The variants whose optional dependency is installed; each other one is skipped
+    with a line saying why, or refused (``error``) when asked for by name."""
+    kept = []
+    for variant in variants:
+        module, extra = REQUIRES.get(variant, ("", ""))
+        if module:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                why = f"it needs {module} (pip install 'coordkit[{extra}]')"
+                if asked:
+                    error(f"--variants {variant}: {why}")
+                print(f"coordkit bench: skipping {variant}: {why}", file=sys.stderr, flush=True)
+                continue
+        kept.append(variant)
+    return kept
 
 
 def _measure_cpu(

@@ -16,6 +16,8 @@ from ..._shared import COPY_BELOW
 from ...protocol import Header, packb
 
 VARIANTS = ("floor", "c", "c-metrics", "py", "mono")
+#: The variants that need an optional dependency: its module, and the extra installing it.
+REQUIRES = {"c-metrics": ("prometheus_client", "metrics")}
 #: The coordkit variants, and the implementation each runs on.
 IMPLEMENTATIONS = {"c": "c", "c-metrics": "c", "py": "py"}
 #: No coordinator: the clients on the engine itself (--latency's baselines; ``-sf``:
