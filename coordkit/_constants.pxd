@@ -117,6 +117,7 @@ cdef enum:
     BLOCK_HASH_SIZE = 8
     MAX_PARTS = 65536
     COPY_BELOW = 8192
+    SHARED_SMALL_MAX = 2048
     INDEX_WINDOW_MIN = 4096
     HEADER_SLOTS = 128
     ERROR_SLOTS = 32
@@ -124,6 +125,8 @@ cdef enum:
     N_COUNTERS = 31
     WEIGHT_SCALE = 256
     MAX_BLOCKS = 8388608
+    SPARSE_RANKS = 16
+    WALK_MAX = 16
     POLICY_ROUND_ROBIN = 0
     POLICY_LEAST_LOADED = 1
     POLICY_POWER_OF_TWO = 2
@@ -229,6 +232,7 @@ cdef inline dict generated_constants():
         "BLOCK_HASH_SIZE": 8,
         "MAX_PARTS": 65536,
         "COPY_BELOW": 8192,
+        "SHARED_SMALL_MAX": 2048,
         "INDEX_WINDOW_MIN": 4096,
         "HEADER_SLOTS": 128,
         "ERROR_SLOTS": 32,
@@ -236,6 +240,8 @@ cdef inline dict generated_constants():
         "N_COUNTERS": 31,
         "WEIGHT_SCALE": 256,
         "MAX_BLOCKS": 8388608,
+        "SPARSE_RANKS": 16,
+        "WALK_MAX": 16,
         "POLICY_ROUND_ROBIN": 0,
         "POLICY_LEAST_LOADED": 1,
         "POLICY_POWER_OF_TWO": 2,

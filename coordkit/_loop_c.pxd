@@ -33,6 +33,9 @@ from .includes.tables cimport (
 )
 
 
+include "loop/lists.pxd"
+
+
 cdef struct Client:
     bint used
     bint coordkit  # said {"coordkit": 1} in CONNECT: may be sent ERROR and STATS_REPLY
@@ -42,7 +45,7 @@ cdef struct Client:
     bint rejoined  # sent REJOIN: its requests not listed are not awaited
     int format  # PeerFormat
     int64_t inflight
-    uint64_t last_seen  # the message count when it last sent one
+    Ends requests  # its requests in flight: slots, through Loop.client_links
     int fd  # the connection its CONNECT came on (ZMQ_SRCFD; -1: inproc)
 
 
@@ -81,7 +84,6 @@ include "loop/message.pxd"
 include "loop/dialect.pxd"
 include "loop/kept.pxd"
 include "loop/fanout.pxd"
-include "loop/deadlines.pxd"
 include "loop/latency.pxd"
 include "loop/traffic.pxd"
 
@@ -107,6 +109,7 @@ cdef class Loop:
         int max_clients
         int max_engines
         bint keep_prompts
+        uint32_t small_shared  # kept prompts below COPY_BELOW shared, not copied
         bint has_detokenizer
         # The megatron-core dialect: peers that are not coordkit's speak single frames.
         bint megatron_core
@@ -134,6 +137,11 @@ cdef class Loop:
         Client* clients
         ck_ids client_ids
         int n_clients
+        uint32_t clients_used  # client indices ever used: above them, calloc's untouched zeros
+        Links client_links  # by request slot: each client's requests
+        Links idle_links  # by client index: the idle list, or the vacant list
+        Ends idle  # the clients with nothing in flight, the one idle longest first
+        Ends vacant  # the unused client indices below clients_used
         Engine* engines
         ck_ids engine_ids
         int n_engines
@@ -152,7 +160,8 @@ cdef class Loop:
         uint64_t debug_polls  # DEBUG builds: loop wake-ups, against the messages handled
         Traffic traffic
         Latency latency  # measure_latency
-        Deadlines deadlines  # request_timeout
+        Links deadline_links  # by request slot: the request_timeout queue
+        Ends deadlines  # the requests in submission order (with a request_timeout)
 
         # The message at hand, and its entries bound for peers that take batches.
         Message message
@@ -179,6 +188,7 @@ cdef class Loop:
                        const uint8_t* body, size_t size, zmq_msg_t* message) noexcept nogil
     cdef void _admit(self, uint32_t slot, int32_t client) noexcept nogil
     cdef void _forget(self, uint32_t slot) noexcept nogil
+    cdef void _seen(self, int32_t client) noexcept nogil
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil
     cdef int _send_identity(self, ck_ids* table, int32_t index) noexcept nogil
     cdef const uint8_t* _data(self, int part) noexcept nogil
@@ -209,6 +219,7 @@ cdef class Loop:
     cdef object _parse(self, object spec, int32_t client, int64_t header)
     cdef _broadcast(self, int64_t header)
     cdef _detokenize(self, int part)
+    cdef const uint8_t* _detokenized_kept(self, const uint8_t* body, size_t* size)
     cdef bytes _detokenized(self, const uint8_t* body, size_t size)
 
     # the rebuild after a coordinator's loss

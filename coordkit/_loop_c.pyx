@@ -11,7 +11,8 @@ The loop's concepts are small structs with inline functions, each in loop/
 (its struct in the .pxd, its functions in the .pyx), included here into one
 extension: the message at hand (message), multipart and single frame
 (dialect), the kept-prompt store (kept), the batch fan-out of both directions
-(fanout), the request_timeout queue (deadlines), the latency histograms
+(fanout), lists through indices (lists: the request_timeout queue, each
+client's requests, the idle clients), the latency histograms
 (latency) and the traffic counters (traffic). The Loop keeps the tables and
 the handlers.
 
@@ -29,7 +30,7 @@ requests are settled on a rare path once the message at hand is done
 
 cimport cython
 from libc.errno cimport EINTR
-from libc.math cimport INFINITY
+from libc.math cimport INFINITY, ceil
 from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcpy, memset
@@ -177,7 +178,7 @@ include "loop/message.pyx"
 include "loop/dialect.pyx"
 include "loop/kept.pyx"
 include "loop/fanout.pyx"
-include "loop/deadlines.pyx"
+include "loop/lists.pyx"
 include "loop/latency.pyx"
 include "loop/traffic.pyx"
 
@@ -247,8 +248,11 @@ cdef class Loop:
             self.submitted = <double*>malloc(options.max_inflight * sizeof(double))
             if self.submitted == NULL:
                 raise MemoryError()
-        if self.request_timeout and not deadlines_init(&self.deadlines, options.max_inflight):
+        ends_init(&self.deadlines)
+        if self.request_timeout and not links_init(&self.deadline_links, options.max_inflight):
             raise MemoryError()
+        ends_init(&self.idle)
+        ends_init(&self.vacant)
         self.clients = <Client*>calloc(self.max_clients, sizeof(Client))
         self.engines = <Engine*>calloc(self.max_engines, sizeof(Engine))
         self.gone = <int*>malloc(self.max_engines * sizeof(int))
@@ -263,6 +267,8 @@ cdef class Loop:
             ) != 0
             or ck_ids_init(&self.client_ids, self.max_clients) != 0
             or ck_ids_init(&self.engine_ids, self.max_engines) != 0
+            or not links_init(&self.client_links, options.max_inflight)
+            or not links_init(&self.idle_links, self.max_clients)
         ):
             raise MemoryError()
 
@@ -271,7 +277,7 @@ cdef class Loop:
         if self.requests.pool != NULL:
             for slot in range(self.requests.used):
                 if self.requests.pool[slot].server_rid >= 0:
-                    release_kept(self.requests.pool[slot].kept)
+                    release_kept(self.requests.pool[slot].kept, &self.small_shared)
         ck_requests_free(&self.requests)
         if self.buffers != NULL:
             ck_buffer_pool_close(self.buffers)
@@ -282,7 +288,9 @@ cdef class Loop:
         free(self.gone)
         free(self.work)
         free(self.submitted)
-        deadlines_free(&self.deadlines)
+        links_free(&self.deadline_links)
+        links_free(&self.client_links)
+        links_free(&self.idle_links)
         message_free(&self.message)
         fanout_free(&self.fanout)
 
@@ -377,12 +385,15 @@ cdef class Loop:
 
     # -- the hot path (no GIL) -----------------------------------------------------------
 
+    # No Python object lives in a variable of these functions: Cython would take the GIL
+    # at every return to release it (a ``with gil`` block passes its objects inline).
+
     cdef bint _serve_for(self, double timeout) noexcept nogil:
         """Poll and handle messages for up to ``timeout`` seconds; True once the loop must stop."""
         cdef zmq_pollitem_t items[3]
         cdef zmq_msg_t wake
         cdef double deadline = monotonic() + timeout
-        cdef long wait_ms
+        cdef double left
         cdef int i
         items[0].socket = self.sock
         items[1].socket = self.wake
@@ -391,10 +402,12 @@ cdef class Loop:
             items[i].fd = 0
             items[i].events = ZMQ_POLLIN
         while not self.stopping:
-            wait_ms = <long>((deadline - monotonic()) * 1000.0)
-            if wait_ms <= 0:
+            # Rounded up: rounded down, the last millisecond before the deadline would
+            # return at once, again and again, handling nothing until it passed.
+            left = deadline - monotonic()
+            if left <= 0:
                 return False
-            if zmq_poll(items, 3, wait_ms) < 0:
+            if zmq_poll(items, 3, <long>ceil(left * 1000.0)) < 0:
                 # EINTR: back to Python, which runs the signal handlers; anything
                 # else means the context was terminated.
                 return zmq_errno() != EINTR
@@ -473,7 +486,7 @@ cdef class Loop:
                     f"dropped {header_name(header)} from a peer that never connected",
                 )
         else:
-            self.clients[client].last_seen = self.messages
+            self._seen(client)
             self._from_client(client, header)
 
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil:
@@ -498,8 +511,8 @@ cdef class Loop:
         cdef bint hashed = n_frames == n_payload + 1  # the optional block-hash frame
         if read != CK_OK:
             with gil:
-                rid = submit.rid if submit.offset else None
-                self._malformed(client, rid, header, ck_strstatus(read).decode())
+                self._malformed(client, submit.rid if submit.offset else None, header,
+                                ck_strstatus(read).decode())
             return
         if (
             submit.length != <uint32_t>(2 + n_payload)
@@ -545,8 +558,8 @@ cdef class Loop:
             read = ck_read_single_submit(frame, size, &single)
         if read != CK_OK:
             with gil:
-                rid = single.rid if single.prompt else None
-                self._malformed(client, rid, header, ck_strstatus(read).decode())
+                self._malformed(client, single.rid if single.prompt else None, header,
+                                ck_strstatus(read).decode())
             return
         single_inbound(&inbound, frame, size, &single)
         inbound.payload = &self.message.parts[1]  # kept whole
@@ -634,7 +647,8 @@ cdef class Loop:
         if header != HEADER_SUBMIT_REQUEST:
             request.flags |= FLAG_PINNED
         elif self.keep_prompts and not self.clients[client].rebuild:
-            request.kept = keep(inbound.meta, inbound.payload, inbound.single)
+            request.kept = keep(inbound.meta, inbound.payload, inbound.single,
+                                &self.small_shared)
         carriers(inbound, self.n_single_engines + self.n_main_engines > 0)
         status = self._route(slot, inbound)
         while status == ROUTE_ENGINE_GONE:
@@ -863,10 +877,7 @@ cdef class Loop:
             size = entry.size
             if final and self.has_detokenizer:  # as Megatron's coordinator: every final
                 with gil:
-                    detokenized = self._detokenized(body, size)
-                    self.detokenized_bodies.append(detokenized)  # alive until sent
-                    body = <const uint8_t*><const char*>detokenized
-                    size = len(detokenized)
+                    body = self._detokenized_kept(body, &size)
             if self.clients[client].batch:
                 fanout_add(&self.fanout, client, client_rid,
                            <const uint8_t*>MSGPACK_BOOLS + final, 1, NULL, body, size)
@@ -915,28 +926,41 @@ cdef class Loop:
         return True
 
     cdef void _admit(self, uint32_t slot, int32_t client) noexcept nogil:
-        """A request that joins the tables: counted at its client, timed."""
+        """A request that joins the tables: counted at its client, listed, timed."""
+        if self.clients[client].inflight == 0:
+            list_remove(&self.idle_links, &self.idle, client)
         self.clients[client].inflight += 1
+        list_push(&self.client_links, &self.clients[client].requests, slot)
         if self.submitted != NULL:
             self.submitted[slot] = monotonic()
         if self.request_timeout:
-            deadlines_push(&self.deadlines, slot)
+            list_push(&self.deadline_links, &self.deadlines, slot)
 
     cdef void _forget(self, uint32_t slot) noexcept nogil:
         """Take the request at ``slot`` out of every table and count; a draining
         engine whose last request this was is gone."""
         cdef ck_request* request = &self.requests.pool[slot]
+        cdef Client* client = &self.clients[request.client]
         cdef int rank = request.rank
-        self.clients[request.client].inflight -= 1
+        list_remove(&self.client_links, &client.requests, slot)
+        client.inflight -= 1
+        if client.inflight == 0:
+            list_push(&self.idle_links, &self.idle, request.client)
         if self.request_timeout:
-            deadlines_remove(&self.deadlines, slot)
-        release_kept(request.kept)
+            list_remove(&self.deadline_links, &self.deadlines, slot)
+        release_kept(request.kept, &self.small_shared)
         ck_requests_remove(&self.requests, slot)
         if rank < 0:
             return
         self.router.release_c(rank, self.work[slot])
         if self.engines[rank].state == ENGINE_DRAINING and self.router.pending_count[rank] == 0:
             self.engines[rank].state = ENGINE_GONE
+
+    cdef inline void _seen(self, int32_t client) noexcept nogil:
+        """A message from ``client``: with nothing in flight, it is the idle one seen last."""
+        if self.clients[client].inflight == 0:
+            list_remove(&self.idle_links, &self.idle, client)
+            list_push(&self.idle_links, &self.idle, client)
 
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil:
         """Take ``rank`` out of the pool now; its requests are settled after the
@@ -1100,6 +1124,7 @@ cdef class Loop:
                 self._connection_events()  # as for a new client: what the monitor said first
                 self.clients[client].fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
             index = client
+            self._seen(client)
         else:
             # What the monitor said first: a connection that ended on this CONNECT's fd
             # before this one opened is not to be taken for this one's end.
@@ -1115,6 +1140,8 @@ cdef class Loop:
                 return
             self.clients[index].used = True
             self.clients[index].inflight = 0
+            ends_init(&self.clients[index].requests)
+            list_push(&self.idle_links, &self.idle, index)
             self.clients[index].fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
             ck_ids_insert(&self.client_ids, index, self._data(0), self._size(0))
             self.n_clients += 1
@@ -1123,7 +1150,6 @@ cdef class Loop:
         self.clients[index].rebuild = hello.rebuild
         self.clients[index].present = True
         self.clients[index].rejoined = False  # until its REJOIN, the requests adopted wait
-        self.clients[index].last_seen = self.messages
         self.clients[index].format = (
             FORMAT_SINGLE_FRAME if self.megatron_core and not hello.coordkit else FORMAT_MULTIPART
         )
@@ -1142,25 +1168,27 @@ cdef class Loop:
                 self._end(index, fd)
 
     cdef int32_t _vacant_client(self) except -2:
-        """A free client index; when all are used, the idle client seen longest ago
-        gives up its own; -1 when none is idle."""
-        cdef int32_t index, idle = -1
-        if self.n_clients < self.max_clients:
-            for index in range(self.max_clients):
-                if not self.clients[index].used:
-                    return index
-        for index in range(self.max_clients):
-            if self.clients[index].used and self.clients[index].inflight == 0:
-                if idle < 0 or self.clients[index].last_seen < self.clients[idle].last_seen:
-                    idle = index
-        if idle >= 0:
-            self._remove_client(idle)
-        return idle
+        """A free client index; when all are used, the client idle longest gives up
+        its own; -1 when none is idle."""
+        cdef int32_t index
+        if self.vacant.newest == UINT32_MAX and self.clients_used < <uint32_t>self.max_clients:
+            self.clients_used += 1
+            return self.clients_used - 1
+        if self.vacant.newest == UINT32_MAX:
+            if self.idle.oldest == UINT32_MAX:
+                return -1
+            self._remove_client(self.idle.oldest)
+        index = self.vacant.newest
+        list_remove(&self.idle_links, &self.vacant, index)
+        return index
 
     cdef _remove_client(self, int32_t client):
+        """A client with nothing in flight leaves the tables."""
         ck_ids_remove(&self.client_ids, client)
         self.clients[client].used = False
         self.n_clients -= 1
+        list_remove(&self.idle_links, &self.idle, client)
+        list_push(&self.idle_links, &self.vacant, client)
         fd = self.clients[client].fd
         if self.connections.get(fd, -1) == client:
             self.connections[fd] = -1
@@ -1313,6 +1341,14 @@ cdef class Loop:
         zmq_msg_init_size(&self.message.parts[part], len(body))
         memcpy(zmq_msg_data(&self.message.parts[part]), <const char*>body, len(body))
 
+    cdef const uint8_t* _detokenized_kept(self, const uint8_t* body, size_t* size):
+        """``body`` detokenized, its new size in ``size``, alive until the replies are
+        sent (in detokenized_bodies)."""
+        cdef bytes detokenized = self._detokenized(body, size[0])
+        self.detokenized_bodies.append(detokenized)
+        size[0] = len(detokenized)
+        return <const uint8_t*><const char*>detokenized
+
     cdef bytes _detokenized(self, const uint8_t* body, size_t size):
         """A reply body with its generated_text; on failure the body as it is."""
         cdef bytes original = (<const char*>body)[:size]
@@ -1403,6 +1439,8 @@ cdef class Loop:
             return -1
         memset(&self.clients[client], 0, sizeof(Client))
         self.clients[client].used = True
+        ends_init(&self.clients[client].requests)
+        list_push(&self.idle_links, &self.idle, client)  # idle until its first adoption
         self.clients[client].coordkit = self.clients[client].rebuild = True  # only theirs travel
         self.clients[client].format = FORMAT_MULTIPART
         self.clients[client].fd = -1  # no connection yet: its CONNECT says which
@@ -1683,15 +1721,21 @@ cdef class Loop:
         cdef uint32_t slot, n = 0
         if order == NULL:
             raise MemoryError()
-        for slot in range(self.requests.used):
-            request = &self.requests.pool[slot]
-            if request.server_rid < 0:
-                continue
-            if (rank >= 0 and request.rank != rank) or (client >= 0 and request.client != client):
-                continue
-            order[n].server_rid = request.server_rid
-            order[n].slot = slot
-            n += 1
+        if client >= 0:  # its own list
+            slot = self.clients[client].requests.oldest
+            while slot != UINT32_MAX:
+                order[n].server_rid = self.requests.pool[slot].server_rid
+                order[n].slot = slot
+                n += 1
+                slot = self.client_links.newer[slot]
+        else:
+            for slot in range(self.requests.used):
+                request = &self.requests.pool[slot]
+                if request.server_rid < 0 or (rank >= 0 and request.rank != rank):
+                    continue
+                order[n].server_rid = request.server_rid
+                order[n].slot = slot
+                n += 1
         qsort(order, n, sizeof(RequestOrder), compare_server_rids)
         count[0] = n
         return order

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -39,6 +39,7 @@ from ._shared import (
     INDEX_WINDOW_MIN,
     LATENCY_BUCKETS,
     REFUSAL_EVENTS,
+    SHARED_SMALL_MAX,
     Counter,
     EngineState,
     Options,
@@ -100,8 +101,7 @@ class _Client:
         "present",
         "rejoined",
         "format",
-        "inflight",
-        "last_seen",
+        "requests",
         "fd",
     )
 
@@ -113,8 +113,7 @@ class _Client:
         self.present = True  # sent CONNECT (False: known only from an engine's report)
         self.rejoined = False  # sent REJOIN: its requests not listed are not awaited
         self.format = MULTIPART
-        self.inflight = 0
-        self.last_seen = 0  # the message count when it last sent one
+        self.requests: dict[int, _Request] = {}  # in flight, by client rid
         self.fd = -1  # the connection its CONNECT came on (ZMQ_SRCFD; -1: inproc)
 
 
@@ -431,21 +430,29 @@ def send_reply(sock: zmq.Socket, format: int, header: int, client_rid: int, body
 
 class Kept:
     """What re-sends a request whose engine died: its metadata (the server id in it
-    already) and its prompt, or (``single``, no metadata) the whole frame it came in."""
+    already) and its prompt, or (``single``, no metadata) the whole frame it came in;
+    ``small``: a prompt below COPY_BELOW shared, not copied."""
 
-    __slots__ = ("meta", "prompt", "single")
+    __slots__ = ("meta", "prompt", "single", "small")
 
-    def __init__(self, meta: bytes | None, prompt: zmq.Frame | bytes, single: bool):
+    def __init__(self, meta: bytes | None, prompt: zmq.Frame | bytes, single: bool, small: bool):
         self.meta = meta
         self.prompt = prompt
         self.single = single
+        self.small = small
 
 
-def keep(meta: bytes | None, prompt: zmq.Frame, single: bool) -> Kept:
-    """What re-sends a request. A prompt below COPY_BELOW bytes is copied: sharing a
-    small frame would pin the whole receive buffer libzmq decoded it from (pyzmq's
-    copy-below-a-threshold rule). A larger one has a buffer of its own: shared."""
-    return Kept(meta, prompt.bytes if len(prompt) < COPY_BELOW else prompt, single)
+def keep(meta: bytes | None, prompt: zmq.Frame, single: bool, small_shared: int) -> Kept:
+    """What re-sends a request. A prompt of COPY_BELOW bytes or more has a buffer of
+    its own: shared. A smaller one is shared too while the loop shares fewer than
+    SHARED_SMALL_MAX (``small_shared``): sharing a small frame pins the whole receive
+    buffer libzmq decoded it from, so past that bound it is copied (pyzmq's
+    copy-below-a-threshold rule)."""
+    if len(prompt) >= COPY_BELOW:
+        return Kept(meta, prompt, single, False)
+    if small_shared < SHARED_SMALL_MAX:
+        return Kept(meta, prompt, single, True)
+    return Kept(meta, prompt.bytes, single, False)
 
 
 def kept_prompt(kept: Kept) -> memoryview:
@@ -517,7 +524,7 @@ class Fanout:
         return _send_all(sock, [b"".join(head), *(f for *_, frames in entries for f in frames)])
 
 
-# -- the request_timeout queue (loop/deadlines.pyx) ------------------------------------
+# -- the request_timeout queue (loop/lists.pyx) ----------------------------------------
 
 
 class Deadlines:
@@ -653,15 +660,17 @@ class Loop:
         self._options = options
         self._log = RateLimitedLog()
         self._stopping = False
+        self._small_shared = 0  # kept prompts below COPY_BELOW shared, not copied
         self._mask = options.index_size - 1
         self._window = self._window_min = min(options.index_size, INDEX_WINDOW_MIN)
         # The tables.
         self._requests: dict[int, _Request] = {}  # server_rid & mask -> request
         # adopted requests whose position was held, by server id (ck_requests' side table)
         self._adopted: dict[int, _Request] = {}
-        self._by_client: dict[tuple[bytes, int], _Request] = {}
         self._next_rid = options.first_server_id
         self._clients: dict[bytes, _Client] = {}
+        # the clients with nothing in flight, the one idle longest first
+        self._idle: OrderedDict[bytes, _Client] = OrderedDict()
         # The connections open, by fd (the monitor's ACCEPTED), and the client on each.
         self._connections: dict[int, _Client | None] = {}
         # Clients whose connection ended, (routing id, fd): dropped once what they sent
@@ -717,10 +726,12 @@ class Loop:
         """
         until = time.monotonic() + timeout
         while not self._stopping:
-            wait_ms = int((until - time.monotonic()) * 1000)
-            if wait_ms <= 0:
+            left = until - time.monotonic()
+            if left <= 0:
                 return True
-            ready = dict(self._poller.poll(wait_ms))
+            # Rounded up: rounded down, the last millisecond before the deadline would
+            # return at once, again and again, handling nothing until it passed.
+            ready = dict(self._poller.poll(math.ceil(left * 1000)))
             if time.monotonic() >= deadline:
                 self._stopping = True
                 break
@@ -841,7 +852,7 @@ class Loop:
                 "not_connected", f"dropped {header_name(header)} from a peer that never connected"
             )
         else:
-            client.last_seen = self._messages
+            self._seen(client)
             self._from_client(client, header, frames)
 
     def _from_client(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
@@ -944,7 +955,7 @@ class Loop:
         """A request that parsed: refused (a duplicate id, a full table), or given a
         server id and an engine, and the frames on to it."""
         header = inbound.header
-        if (client.identity, rid) in self._by_client:
+        if rid in client.requests:
             self._refuse(
                 client, rid, ErrorCode.DUPLICATE_REQUEST, header, Counter.DUPLICATE_REQUEST
             )
@@ -962,7 +973,8 @@ class Loop:
             request.flags |= PINNED
         elif self._options.keep_prompts and not client.rebuild:
             meta = None if inbound.single else inbound.meta
-            request.kept = keep(meta, inbound.payload[0], inbound.single)
+            request.kept = keep(meta, inbound.payload[0], inbound.single, self._small_shared)
+            self._small_shared += request.kept.small
         carriers(inbound, self._n_single_engines + self._n_main_engines > 0)
         status = self._route(request, inbound)
         while status == RouteStatus.ENGINE_GONE:
@@ -1156,8 +1168,11 @@ class Loop:
         return True
 
     def _admit(self, request: _Request) -> None:
-        """A request that joins the tables: counted at its client, timed."""
-        request.client.inflight += 1
+        """A request that joins the tables: listed at its client, timed."""
+        client = request.client
+        if not client.requests:
+            del self._idle[client.identity]
+        client.requests[request.client_rid] = request
         if self._deadlines is not None or self._latency is not None:
             request.submitted = time.monotonic()
         if self._deadlines is not None:
@@ -1182,7 +1197,6 @@ class Loop:
         self._next_rid = rid + 1
         request = _Request(rid, client, client_rid)
         self._requests[rid & self._mask] = request
-        self._by_client[(client.identity, client_rid)] = request
         return request
 
     def _adopt(self, client: _Client, client_rid: int, server_rid: int) -> _Request:
@@ -1194,7 +1208,6 @@ class Loop:
             self._adopted[server_rid] = request
         else:
             self._requests[server_rid & self._mask] = request
-        self._by_client[(client.identity, client_rid)] = request
         self._next_rid = max(self._next_rid, server_rid + 1)
         return request
 
@@ -1204,7 +1217,6 @@ class Loop:
             del self._requests[position]
         else:
             del self._adopted[request.server_rid]
-        del self._by_client[(request.client.identity, request.client_rid)]
 
     def _find(self, server_rid: int) -> _Request | None:
         request = self._requests.get(server_rid & self._mask)
@@ -1215,16 +1227,26 @@ class Loop:
     def _forget(self, request: _Request) -> None:
         """Take a request out of every table and count; a draining engine whose
         last request this was is gone."""
-        request.client.inflight -= 1
+        client = request.client
+        del client.requests[request.client_rid]
+        if not client.requests:
+            self._idle[client.identity] = client
         if self._deadlines is not None:
             self._deadlines.remove(request)
         self._remove(request)
+        if request.kept is not None:
+            self._small_shared -= request.kept.small
         if request.rank < 0:
             return
         self._router.release(request.rank, request.work)
         engine = self._engines[request.rank]
         if engine.state == DRAINING and self._router.pending(engine.rank) == 0:
             engine.state = GONE
+
+    def _seen(self, client: _Client) -> None:
+        """A message from ``client``: with nothing in flight, it is the idle one seen last."""
+        if not client.requests:
+            self._idle.move_to_end(client.identity)
 
     def _mark_gone(self, engine: _Engine, reason: str) -> None:
         """Take an engine out of the pool now; its requests are settled after the
@@ -1371,6 +1393,7 @@ class Loop:
             else:  # known from an engine's report only: this is its connection
                 self._connection_events()  # as for a new client: what the monitor said first
                 client.fd = frames[1].get(zmq.SRCFD)
+            self._seen(client)
         else:
             # What the monitor said first: a connection that ended on this CONNECT's fd
             # before this one opened is not to be taken for this one's end.
@@ -1383,14 +1406,13 @@ class Loop:
                     text = error_text(ErrorCode.BUSY, Header.CONNECT)
                     self._send(identity, protocol.ERROR.pack(None, ErrorCode.BUSY, text))
                 return
-            client = self._clients[identity] = _Client(identity)
+            client = self._clients[identity] = self._idle[identity] = _Client(identity)
             client.fd = frames[1].get(zmq.SRCFD)
         client.coordkit = hello.coordkit
         client.batch = hello.batch
         client.rebuild = hello.rebuild
         client.present = True
         client.rejoined = False  # until its REJOIN, the requests adopted for it wait
-        client.last_seen = self._messages
         client.format = SINGLE_FRAME if self._megatron_core and not hello.coordkit else MULTIPART
         features: dict[str, int] = {BATCH_FEATURE: 1} if hello.batch else {}
         if hello.rebuild:
@@ -1406,15 +1428,16 @@ class Loop:
                 self._ended.append((client.identity, client.fd))
 
     def _vacant_client(self) -> bool:
-        """Make room for a client: the idle one seen longest ago gives up its place."""
-        idle = [c for c in self._clients.values() if c.inflight == 0]
-        if not idle:
+        """Make room for a client: the one idle longest gives up its place."""
+        if not self._idle:
             return False
-        self._remove_client(min(idle, key=lambda c: c.last_seen))
+        self._remove_client(next(iter(self._idle.values())))
         return True
 
     def _remove_client(self, client: _Client) -> None:
+        """A client with nothing in flight leaves the tables."""
         del self._clients[client.identity]
+        del self._idle[client.identity]
         if self._connections.get(client.fd) is client:
             self._connections[client.fd] = None
 
@@ -1471,7 +1494,7 @@ class Loop:
         message = self._parse(protocol.ABORT_REQUEST, client, Header.ABORT_REQUEST, frames)
         if message is None:
             return
-        request = self._by_client.get((client.identity, message.rid))
+        request = client.requests.get(message.rid)
         if request is None:
             self._refuse(
                 client,
@@ -1606,7 +1629,7 @@ class Loop:
         if (
             not self._rebuilding
             or self._live >= self._options.max_inflight
-            or (identity, client_rid) in self._by_client
+            or (client is not None and client_rid in client.requests)
             or (unwanted and (identity, client_rid) not in self._awaiting)
         ):
             return None
@@ -1616,7 +1639,7 @@ class Loop:
             return None
         if len(self._clients) >= self._options.max_clients and not self._vacant_client():
             return None
-        client = self._clients[identity] = _Client(identity)
+        client = self._clients[identity] = self._idle[identity] = _Client(identity)
         client.coordkit = client.rebuild = True  # only a rebuild client's id travels
         client.present = False
         return client
@@ -1638,7 +1661,7 @@ class Loop:
         replays: dict[_Engine, list[list[int]]] = defaultdict(list)
         resend: dict[_Client, list[int]] = defaultdict(list)
         for rid, partials in entries:
-            request = self._by_client.get((client.identity, rid))
+            request = client.requests.get(rid)
             if request is not None:
                 request.flags &= ~ORPHAN
                 self._replay(request, partials, replays)
@@ -1739,8 +1762,8 @@ class Loop:
         self._forget(request)
         if rank >= 0 and self._engines[rank].state != GONE:
             self._abort_at_engine(self._engines[rank], request.server_rid)
-        if not client.present and client.inflight == 0:
-            self._clients.pop(client.identity, None)
+        if not client.present and not client.requests and client.identity in self._clients:
+            self._remove_client(client)
 
     def _end_rebuild(self) -> None:
         """The window's end: the requests clients wait for that no engine claimed are
@@ -1828,10 +1851,12 @@ class Loop:
             status = self._route(request, inbound)
         return status
 
-    def _in_order(self, keep: Any) -> list[_Request]:
-        """The requests in flight for which ``keep`` holds, by server id."""
-        requests = [*self._requests.values(), *self._adopted.values()]
-        return sorted((r for r in requests if keep(r)), key=lambda r: r.server_rid)
+    def _in_order(self, keep: Any, among: Iterable[_Request] | None = None) -> list[_Request]:
+        """The requests in flight (of ``among``, else all) for which ``keep`` holds, by
+        server id."""
+        if among is None:
+            among = [*self._requests.values(), *self._adopted.values()]
+        return sorted((r for r in among if keep(r)), key=lambda r: r.server_rid)
 
     def _fail_request(self, request: _Request, code: ErrorCode, header: int) -> None:
         """End ``request`` with ERROR(code): its one terminal reply."""
@@ -1872,7 +1897,7 @@ class Loop:
         self._counters[Counter.CLIENTS_DEPARTED] += 1
         if unreachable:
             self._counters[Counter.CLIENT_GONE] += 1
-        for request in self._in_order(lambda r: r.client is client):
+        for request in self._in_order(lambda r: True, client.requests.values()):
             if self._find(request.server_rid) is not request:
                 continue
             rank = request.rank

@@ -119,6 +119,8 @@ __all__ = [
     "MAX_RANKS_LIMIT",
     "MAX_PREFIX_ENTRIES_LIMIT",
     "U64_MASK",
+    "SPARSE_RANKS",
+    "WALK_MAX",
     "check_args",
 ]
 
@@ -140,6 +142,13 @@ MAX_BLOCKS = 1 << 23
 MAX_PREFILL_WEIGHT = 65536.0
 
 U64_MASK = (1 << 64) - 1  # the rng state and seeds are uint64
+
+#: How both routers find prefix's winner without pricing every rank (docs/scaling.md):
+#: an entry of at most SPARSE_RANKS ranks is read rank by rank, and the walk down the
+#: ranking hides at most WALK_MAX ranks before it gives way to the full scan. Neither
+#: changes a decision, only what it costs.
+SPARSE_RANKS = 16
+WALK_MAX = 16
 
 
 def check_args(

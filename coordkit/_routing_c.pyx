@@ -14,8 +14,8 @@ allocates nothing and needs neither the GIL nor a Python object (see
 cimport cython
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdint cimport INT64_MAX, int64_t, uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport calloc, free
-from libc.string cimport memcpy, memset
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memmove, memset
 
 from ._constants cimport (
     BLOCK_HASH_SIZE,
@@ -24,6 +24,8 @@ from ._constants cimport (
     POLICY_POWER_OF_TWO,
     POLICY_PREFIX,
     POLICY_ROUND_ROBIN,
+    SPARSE_RANKS,
+    WALK_MAX,
     WEIGHT_SCALE,
     generated_constants,
 )
@@ -50,6 +52,9 @@ check_constants(generated_constants())
 
 __all__ = ["Router"]
 
+cdef enum:
+    CHAIN_MAX = 4096  # live entries of a chain the affine decision holds; longer: the scan
+
 
 cdef int _check_rank(Router self, int rank) except -1:
     if not 0 <= rank < self.max_ranks:
@@ -64,7 +69,7 @@ cdef class Router:
     def __cinit__(
         self,
         policy,
-        max_ranks=1024,
+        max_ranks=4096,
         *,
         seed=0,
         rank_cap=0,
@@ -74,6 +79,7 @@ cdef class Router:
         double prefix_ttl=600.0,
         prefix_max_entries=1_000_000,
     ):
+        cdef int leaves
         self.weight, self.decode_blocks = check_args(
             policy,
             max_ranks,
@@ -101,20 +107,38 @@ cdef class Router:
                 or self.work_units == NULL or self.members == NULL
                 or self.member_pos == NULL):
             raise MemoryError()
+        self.by_work = self.policy_id == POLICY_PREFIX
+        self.by_pending = self.policy_id != POLICY_ROUND_ROBIN
+        # power_of_two draws accepting ranks, all eligible without a cap: no fallback.
+        if self.policy_id != POLICY_POWER_OF_TWO or rank_cap:
+            leaves = 1
+            while leaves < self.max_ranks:
+                leaves <<= 1
+            self.ranking = <int*>malloc(2 * leaves * sizeof(int))
+            if self.ranking == NULL:
+                raise MemoryError()
+            self._build(1)
         if self.policy_id != POLICY_PREFIX:
             return
-        # The pools can be large (1M entries x 1024 ranks = 128 MB of masks),
-        # but calloc maps fresh zero pages and the pool fills from its start,
-        # so memory grows with the entries actually used.
+        # The pools can be large (1M entries x 4096 ranks = 512 MB of masks), but
+        # calloc maps fresh zero pages, the pool fills from its start and an
+        # entry's mask is as wide as the ranks added so far (_widen): memory
+        # grows with the entries actually used, times the fleet actually seen.
         self.max_entries = prefix_max_entries
-        self.stride = (self.max_ranks + 63) >> 6
+        self.max_stride = (self.max_ranks + 63) >> 6
+        self.stride = self.group = 1
         self.entries = <ck_prefix_entry*>calloc(self.max_entries, sizeof(ck_prefix_entry))
-        self.masks = <uint64_t*>calloc(self.max_entries * self.stride, sizeof(uint64_t))
-        self.running = <uint64_t*>calloc(self.stride, sizeof(uint64_t))
-        self.matched = <uint64_t*>calloc(self.stride, sizeof(uint64_t))
+        self.masks = <uint64_t*>calloc(self.max_entries * self.max_stride, sizeof(uint64_t))
+        self.eligible = <uint64_t*>calloc(self.max_stride, sizeof(uint64_t))
+        self.running = <uint64_t*>calloc(self.max_stride, sizeof(uint64_t))
+        self.matched = <uint64_t*>calloc(self.max_stride, sizeof(uint64_t))
+        self.matched_words = <int*>calloc(self.max_stride, sizeof(int))
         self.depth = <int*>calloc(self.max_ranks, sizeof(int))
-        if (self.entries == NULL or self.masks == NULL or self.running == NULL
-                or self.matched == NULL or self.depth == NULL
+        self.chain = <uint32_t*>malloc(CHAIN_MAX * sizeof(uint32_t))
+        self.hidden = <int*>malloc(WALK_MAX * sizeof(int))
+        if (self.entries == NULL or self.masks == NULL or self.eligible == NULL
+                or self.running == NULL or self.matched == NULL or self.matched_words == NULL
+                or self.depth == NULL or self.chain == NULL or self.hidden == NULL
                 or ck_prefix_init(&self.table, self.entries, self.max_entries) != 0):
             raise MemoryError()
 
@@ -124,12 +148,17 @@ cdef class Router:
         free(self.work_units)
         free(self.members)
         free(self.member_pos)
+        free(self.ranking)
+        free(self.eligible)
         free(self.entries)
         free(self.masks)
         free(self.table.cells)
         free(self.running)
         free(self.matched)
+        free(self.matched_words)
         free(self.depth)
+        free(self.chain)
+        free(self.hidden)
 
     # -- Python API -------------------------------------------------------
 
@@ -156,6 +185,8 @@ cdef class Router:
     # choose charged to its rank (0 if it returned -1).
 
     def add_rank(self, int rank) -> None:
+        cdef int leaves
+        cdef size_t stride
         _check_rank(self, rank)
         if self.is_accepting[rank]:
             return
@@ -165,6 +196,17 @@ cdef class Router:
         self.n_members += 1
         if rank >= self.n_ranks:
             self.n_ranks = rank + 1
+        if self.ranking != NULL and rank >= self.leaves:
+            leaves = self.leaves
+            while leaves <= rank:
+                leaves <<= 1
+            self._build(leaves)
+        if self.entries != NULL and <size_t>rank >> 6 >= self.stride:
+            stride = self.stride
+            while stride << 6 <= <size_t>rank:
+                stride <<= 1
+            self._widen(min(stride, self.max_stride))
+        self._update(rank)
 
     def remove_rank(self, int rank) -> None:
         _check_rank(self, rank)
@@ -176,7 +218,7 @@ cdef class Router:
         cdef uint32_t e, newer
         cdef uint64_t* mask
         cdef uint64_t bit = (<uint64_t>1) << (rank & 63)
-        cdef size_t w
+        cdef size_t word = rank >> 6, group = word // self.group, w
         cdef bint empty
         if not self.is_accepting[rank]:
             return
@@ -186,19 +228,25 @@ cdef class Router:
         pos = self.member_pos[rank]
         self.members[pos] = last
         self.member_pos[last] = pos
+        self._update(rank)
         # Walk oldest to newest: deleting an entry leaves the others' order alone.
         e = self.lru_oldest
         while e != CK_NIL:
             newer = self.entries[e].newer
             mask = self.masks + e * self.stride
-            if mask[rank >> 6] & bit:
-                mask[rank >> 6] ^= bit
-                empty = True
-                for w in range(self.stride):
-                    if mask[w]:
-                        empty = False
-                        break
-                if empty:
+            if mask[word] & bit:
+                mask[word] ^= bit
+                self.entries[e].count -= 1
+                if not mask[word]:
+                    empty = True
+                    for w in range(group * self.group,
+                                   min((group + 1) * self.group, self.stride)):
+                        if mask[w]:
+                            empty = False
+                            break
+                    if empty:
+                        self.entries[e].summary ^= (<uint64_t>1) << group
+                if not self.entries[e].count:
                     self._delete(e)
             e = newer
 
@@ -282,7 +330,8 @@ cdef class Router:
         if e == CK_NIL or now - self.entries[e].last_used > self.prefix_ttl:
             return []
         mask = self.masks + e * self.stride
-        return [r for r in range(self.max_ranks) if mask[r >> 6] >> (r & 63) & 1]
+        return [r for r in range(min(self.max_ranks, <int>self.stride << 6))
+                if mask[r >> 6] >> (r & 63) & 1]
 
     # -- C API ------------------------------------------------------------
 
@@ -310,6 +359,7 @@ cdef class Router:
         self.charged = self.new_blocks + self.decode_blocks
         self.pending_count[rank] += 1
         self.work_units[rank] += self.charged
+        self._update(rank)
         return rank
 
     cdef void release_c(self, int rank, int64_t work) noexcept nogil:
@@ -320,41 +370,109 @@ cdef class Router:
                 self.work_units[rank] -= work
             else:
                 self.work_units[rank] = 0
+            self._update(rank)
 
     cdef bint accepting_c(self, int rank) noexcept nogil:
         return 0 <= rank < self.max_ranks and self.is_accepting[rank]
 
-    # -- policies ---------------------------------------------------------
+    # -- the ranking: the eligible ranks in the policy's order, as they change ----
 
     cdef inline bint _eligible(self, int rank) noexcept nogil:
         return self.is_accepting[rank] and self.pending_count[rank] < self.pending_limit
 
+    cdef void _update(self, int rank) noexcept nogil:
+        """``rank``'s eligibility, pending count or work changed: mend its path to the root.
+
+        O(log n_ranks), and it stops where a node's first rank stays another one.
+        """
+        cdef bint ok
+        if rank >= self.n_ranks:
+            return  # never added: never eligible
+        ok = self._eligible(rank)
+        if self.eligible != NULL:
+            if ok:
+                self.eligible[rank >> 6] |= (<uint64_t>1) << (rank & 63)
+            else:
+                self.eligible[rank >> 6] &= ~((<uint64_t>1) << (rank & 63))
+        if self.ranking != NULL:
+            self._set_leaf(rank, ok)
+
+    cdef void _set_leaf(self, int rank, bint ok) noexcept nogil:
+        """``rank`` in the ranking (``ok``) or out of it, and the nodes above it mended."""
+        cdef int node = self.leaves + rank, first
+        if not self.by_pending and (self.ranking[node] >= 0) == ok:
+            return  # round_robin orders by rank alone: only eligibility moves it
+        self.ranking[node] = rank if ok else -1
+        node >>= 1
+        while node:
+            first = self._first(self.ranking[2 * node], self.ranking[2 * node + 1])
+            if first == self.ranking[node] and first != rank:
+                return  # the same rank, its key unchanged: so is every node above
+            self.ranking[node] = first
+            node >>= 1
+
+    cdef void _build(self, int leaves) noexcept nogil:
+        """The ranking over ``leaves`` leaves, from scratch (when n_ranks outgrows it)."""
+        cdef int r, node
+        self.leaves = leaves
+        for r in range(leaves):
+            self.ranking[leaves + r] = r if r < self.n_ranks and self._eligible(r) else -1
+        for node in range(leaves - 1, 0, -1):
+            self.ranking[node] = self._first(self.ranking[2 * node], self.ranking[2 * node + 1])
+
+    cdef inline bint _ahead(self, int a, int b) noexcept nogil:
+        """``a``'s key is below ``b``'s: (work, pending) for prefix, pending for
+        least_loaded and power_of_two, none for round_robin."""
+        if self.by_work and self.work_units[a] != self.work_units[b]:
+            return self.work_units[a] < self.work_units[b]
+        return self.by_pending and self.pending_count[a] < self.pending_count[b]
+
+    cdef inline int _first(self, int a, int b) noexcept nogil:
+        """The first of two ranks (-1: none) by key, then rank."""
+        if a < 0:
+            return b
+        if b < 0 or self._ahead(a, b):
+            return a
+        if self._ahead(b, a):
+            return b
+        return a if a < b else b
+
+    cdef int _first_from(self, int start) noexcept nogil:
+        """The eligible rank of the least key, the first from ``start`` in the rotating
+        order (start, start + 1, ..., n_ranks - 1, 0, ...) among equals; -1 if none.
+
+        The root holds the least key's lowest rank: the answer unless it is below
+        start, when the first of [start, leaves) wins if its key is the same.
+        """
+        cdef int* ranking = self.ranking
+        cdef int first = ranking[1], rest = -1
+        cdef int lo = start + self.leaves, hi = 2 * self.leaves
+        if first < 0 or first >= start:
+            return first
+        while lo < hi:  # the nodes that cover [start, leaves) exactly
+            if lo & 1:
+                rest = self._first(rest, ranking[lo])
+                lo += 1
+            lo >>= 1
+            hi >>= 1
+        if rest >= 0 and not self._ahead(first, rest):
+            return rest
+        return first
+
+    # -- policies ---------------------------------------------------------
+
     cdef int _round_robin(self) noexcept nogil:
-        cdef int n = self.n_ranks, k, r
-        for k in range(n):
-            r = (self.cursor + k) % n
-            if self._eligible(r):
-                self.cursor = (r + 1) % n
-                return r
-        return -1
+        cdef int r = self._first_from(self.cursor)
+        if r >= 0:
+            self.cursor = (r + 1) % self.n_ranks
+        return r
 
     cdef int _least_loaded(self) noexcept nogil:
-        cdef int n = self.n_ranks, start, r, best = -1
-        cdef const uint8_t* accepting = self.is_accepting
-        cdef const int64_t* pending = self.pending_count
-        # Eligible and strictly below the best so far: one compare does both.
-        cdef int64_t limit = self.pending_limit
+        cdef int n = self.n_ranks, start, best
         if n == 0:
             return -1
         start = self.cursor % n
-        for r in range(start, n):
-            if accepting[r] and pending[r] < limit:
-                best = r
-                limit = pending[r]
-        for r in range(start):
-            if accepting[r] and pending[r] < limit:
-                best = r
-                limit = pending[r]
+        best = self._first_from(start)
         if best >= 0:
             self.cursor = (start + 1) % n
         return best
@@ -392,95 +510,151 @@ cdef class Router:
         return self._least_loaded()
 
     cdef int _prefix(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
-        cdef int n = self.n_ranks, start, r, w, pos, best_pos = 0, rank = -1, c
-        cdef int64_t size = <int64_t>n_hashes  # a request with hashes: its blocks
-        cdef const uint8_t* accepting = self.is_accepting
-        cdef const int64_t* pending = self.pending_count
-        cdef const int64_t* work = self.work_units
-        cdef int64_t limit = self.pending_limit, least = 0, p, q, new
-        cdef int64_t cost, best_cost = 0, best_new = 0, least_work = 0, c_pending = 0
-        cdef int64_t depth = 0  # the chosen rank's matched blocks
-        cdef uint64_t word, bits, eligible = 0
-        cdef bint c_matched
-        if n == 0:
-            return -1
+        """The contract's winner without pricing every rank (docs/design.md, Routing):
+        the affine decision over the chain's live entries, or when it cannot settle
+        it, the scan of the first entry's ranks."""
+        cdef Choice best
+        cdef int n = self.n_ranks, start, length = 0
+        # A request's blocks: its hashes, else its prompt's (new_blocks, capped already).
+        cdef int64_t size = <int64_t>n_hashes if n_hashes else self.new_blocks
+        if self.ranking[1] < 0:
+            return -1  # none eligible
         start = self.cursor % n
-        # The eligible ranks: the candidates to match, as masks built in a register.
-        for w in range((n + 63) >> 6):
-            word = 0
-            for r in range(w << 6, min(n, (w + 1) << 6)):
-                if accepting[r] and pending[r] < limit:
-                    word |= (<uint64_t>1) << (r & 63)
-            self.running[w] = word
-            eligible |= word
-        if not eligible:
-            return -1
         self.cursor = (start + 1) % n
-        if n_hashes and self._match(hashes, n_hashes, now) > 0:
-            # The best of the (few) matched ranks, on the reference's full key.
-            for w in range((n + 63) >> 6):
+        best.rank = -1
+        if n_hashes:
+            length = self._chain_of(hashes, n_hashes, now)
+        if length == 0:  # no match: the least work, then the fewest pending
+            self._consider(&best, self._first_from(start), 0, start, size)
+        elif length < 0 or not self._affine(start, length, size, &best):
+            best.rank = -1
+            self._scan(hashes, n_hashes, now, start, size, &best)
+        self.new_blocks = best.new
+        if n_hashes:
+            self._count_prefix(n_hashes, best.depth)
+            self._record(hashes, n_hashes, best.rank, now)
+        return best.rank
+
+    cdef void _consider(self, Choice* best, int rank, int64_t depth, int start,
+                        int64_t size) noexcept nogil:
+        """``rank``, which has ``depth`` blocks, in place of ``best`` if its key is lower:
+        (cost, pending, place in the rotating order)."""
+        cdef int64_t new = min(size - depth, <int64_t>MAX_BLOCKS)
+        cdef int64_t cost = self.weight * new + WEIGHT_SCALE * self.work_units[rank]
+        cdef int64_t p = self.pending_count[rank]
+        cdef int pos = rank - start if rank >= start else rank - start + self.n_ranks
+        if (best.rank < 0 or cost < best.cost or (cost == best.cost and (
+                p < best.pending or (p == best.pending and pos < best.pos)))):
+            best.rank = rank
+            best.pos = pos
+            best.cost = cost
+            best.pending = p
+            best.new = new
+            best.depth = depth
+
+    cdef int _chain_of(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
+        """The live entries leading the request's chain, into ``chain``: how many, or
+        -1 when more than CHAIN_MAX."""
+        cdef size_t i
+        cdef uint32_t e
+        for i in range(n_hashes):
+            e = ck_prefix_find(&self.table, ck_load_le64(hashes + 8 * i))
+            if e == CK_NIL or now - self.entries[e].last_used > self.prefix_ttl:
+                return <int>i
+            if i == CHAIN_MAX:
+                return -1
+            self.chain[i] = e
+        return <int>n_hashes
+
+    cdef inline int _depth_along(self, int rank, int d, int length) noexcept nogil:
+        """The depth of ``rank`` in the chain's first ``length`` entries, the first
+        ``d`` of which list it."""
+        cdef size_t word = rank >> 6
+        cdef uint64_t bit = (<uint64_t>1) << (rank & 63)
+        while d < length and self.masks[self.chain[d] * self.stride + word] & bit:
+            d += 1
+        return d
+
+    cdef bint _affine(self, int start, int length, int64_t size, Choice* best) noexcept nogil:
+        """The winner from the chain's ``length`` live entries and the ranking alone;
+        False when the walk hid WALK_MAX ranks without settling it.
+
+        Entry k is the first that lists at most SPARSE_RANKS ranks (k = length if
+        none): every rank deeper than k is one of them, each priced. The others
+        are found walking the ranking, best (work, pending) first: a rank can only
+        win if it is deeper than every rank before it (one before it at least as
+        deep costs no more, and wins a tie), so the walk prices those, and it ends
+        at a rank of depth k or more (none after can win), at one whose work
+        alone prices it above the best so far, or with the ranking.
+        """
+        cdef int k = 0, w, end, r, g, d, deepest = -1, n_hidden = 0, i
+        cdef uint64_t groups, bits
+        cdef uint64_t* mask
+        cdef int64_t floor
+        cdef bint settled = False
+        while k < length and self.entries[self.chain[k]].count > SPARSE_RANKS:
+            k += 1
+        if k < length:
+            mask = self.masks + self.chain[k] * self.stride
+            groups = self.entries[self.chain[k]].summary
+            while groups:
+                w = ck_ctz64(groups) * self.group
+                groups &= groups - 1
+                end = min(w + self.group, <int>self.stride)
+                while w < end:
+                    bits = mask[w] & self.eligible[w]
+                    while bits:
+                        r = (w << 6) + ck_ctz64(bits)
+                        bits &= bits - 1
+                        if self._depth_along(r, 0, k) == k:
+                            self._consider(best, r, self._depth_along(r, k + 1, length), start,
+                                           size)
+                    w += 1
+        # Every rank the walk has not priced yet has depth <= k: new blocks >= this.
+        floor = self.weight * min(size - k, <int64_t>MAX_BLOCKS)
+        while True:
+            g = self._first_from(start)
+            if g < 0 or (best.rank >= 0
+                         and best.cost < floor + WEIGHT_SCALE * self.work_units[g]):
+                settled = True
+                break
+            d = self._depth_along(g, 0, length)
+            if d > deepest:
+                self._consider(best, g, d, start, size)
+                deepest = d
+            if d >= k:
+                settled = True
+                break
+            if n_hidden == WALK_MAX:
+                break
+            self._set_leaf(g, False)  # the next one, until put back below
+            self.hidden[n_hidden] = g
+            n_hidden += 1
+        for i in range(n_hidden):
+            self._set_leaf(self.hidden[i], True)
+        return settled
+
+    cdef void _scan(self, const uint8_t* hashes, size_t n_hashes, double now, int start,
+                    int64_t size, Choice* best) noexcept nogil:
+        """Every rank of the chain's first entry priced, then the least-worked one:
+        the unmatched ranks all have the same new blocks, so that one beats or
+        ties-and-wins each of them."""
+        cdef int k, w, r, c
+        cdef uint64_t bits
+        if self._match(hashes, n_hashes, now) > 0:
+            for k in range(self.n_matched_words):
+                w = self.matched_words[k]
                 bits = self.matched[w]
                 while bits:
                     r = (w << 6) + ck_ctz64(bits)
                     bits &= bits - 1
-                    new = min(size - self.depth[r], <int64_t>MAX_BLOCKS)
-                    cost = self.weight * new + WEIGHT_SCALE * work[r]
-                    p = pending[r]
-                    pos = r - start if r >= start else r - start + n
-                    if (rank < 0 or cost < best_cost or (cost == best_cost and (
-                            p < least or (p == least and pos < best_pos)))):
-                        rank = r
-                        best_cost = cost
-                        best_new = new
-                        least = p
-                        best_pos = pos
-            # An unmatched rank costs at least weight * new_blocks (its work is >= 0):
-            # strictly below that, no other rank can win, nor tie.
-            if best_cost < self.weight * self.new_blocks:
-                self.new_blocks = best_new
-                self._count_prefix(n_hashes, self.depth[rank])
-                self._record(hashes, n_hashes, rank, now)
-                return rank
-        # Otherwise the winner is the best matched rank or the first eligible rank in
-        # the rotating order with the least work, then the fewest pending: all the
-        # unmatched ranks have the same new blocks, so that one beats or ties-and-wins
-        # each of them. (_match narrowed running: eligibility is read again.)
-        c = -1
-        for r in range(start, n):
-            p = pending[r]
-            if accepting[r] and p < limit:
-                q = work[r]
-                if c < 0 or q < least_work or (q == least_work and p < c_pending):
-                    c = r
-                    least_work = q
-                    c_pending = p
-        for r in range(start):
-            p = pending[r]
-            if accepting[r] and p < limit:
-                q = work[r]
-                if c < 0 or q < least_work or (q == least_work and p < c_pending):
-                    c = r
-                    least_work = q
-                    c_pending = p
-        new = self.new_blocks
-        c_matched = rank >= 0 and self.matched[c >> 6] >> (c & 63) & 1
-        if rank >= 0:  # the best matched rank, until c beats it
-            depth = self.depth[rank]
-        if c_matched:
-            new = min(size - self.depth[c], <int64_t>MAX_BLOCKS)
-        cost = self.weight * new + WEIGHT_SCALE * least_work
-        pos = c - start if c >= start else c - start + n
-        if (rank < 0 or cost < best_cost
-                or (cost == best_cost and (c_pending < least
-                                           or (c_pending == least and pos < best_pos)))):
-            rank = c
-            best_new = new
-            depth = self.depth[c] if c_matched else 0
-        self.new_blocks = best_new
-        if n_hashes:
-            self._count_prefix(n_hashes, depth)
-            self._record(hashes, n_hashes, rank, now)
-        return rank
+                    self._consider(best, r, self.depth[r], start, size)
+        c = self._first_from(start)
+        self._consider(best, c, self.depth[c] if self.matched[c >> 6] >> (c & 63) & 1 else 0,
+                       start, size)
+        for k in range(self.n_matched_words):  # the scratch is all zero between decisions
+            self.matched[self.matched_words[k]] = 0
+        self.n_matched_words = 0
 
     cdef void _count_prefix(self, size_t n_hashes, int64_t matched) noexcept nogil:
         self.prefix_decisions += 1
@@ -488,39 +662,58 @@ cdef class Router:
         self.prefix_matched_blocks += <uint64_t>matched
 
     cdef int _match(self, const uint8_t* hashes, size_t n_hashes, double now) noexcept nogil:
-        """Narrow ``running`` along the chain and return the deepest match.
+        """Narrow the candidates along the chain and return the deepest match.
 
-        When that is > 0, ``matched`` holds the ranks of the first entry and
-        ``depth`` their depths; the other candidates have depth 0. The
-        candidates only shrink, so a rank's depth is the step it drops out at,
-        and only the (few) ranks of the first entry need a depth written.
+        When that is > 0, ``matched`` holds the eligible ranks of the first entry
+        (in the words listed by ``matched_words``) and ``depth`` their depths; the
+        other candidates have depth 0. The candidates only shrink, so a rank's depth
+        is the step it drops out at, and only the words of the first entry's ranks
+        are ever read: its summary finds them, whatever the number of ranks.
         """
-        cdef size_t nw = (self.n_ranks + 63) >> 6, w, i
         cdef uint64_t* running = self.running
         cdef uint64_t* mask
-        cdef uint64_t kept, dropped, alive
+        cdef uint64_t kept, dropped, alive, groups
         cdef uint32_t e
-        cdef int d = 0
+        cdef size_t i
+        cdef int d = 0, k, w, end, n_words = 0
         for i in range(n_hashes):
             e = ck_prefix_find(&self.table, ck_load_le64(hashes + 8 * i))
             if e == CK_NIL or now - self.entries[e].last_used > self.prefix_ttl:
                 break
             mask = self.masks + e * self.stride
-            alive = 0
-            for w in range(nw):
-                kept = running[w] & mask[w]
-                dropped = running[w] ^ kept
-                running[w] = kept
-                alive |= kept
-                while dropped and i:
-                    self.depth[(w << 6) + ck_ctz64(dropped)] = d
-                    dropped &= dropped - 1
-            if not alive:
-                return d
             if i == 0:
-                memcpy(self.matched, running, nw * sizeof(uint64_t))
+                groups = self.entries[e].summary
+                while groups:
+                    w = ck_ctz64(groups) * self.group
+                    groups &= groups - 1
+                    end = min(w + self.group, <int>self.stride)
+                    while w < end:
+                        kept = self.eligible[w] & mask[w]
+                        if kept:
+                            running[w] = kept
+                            self.matched[w] = kept
+                            self.matched_words[n_words] = w
+                            n_words += 1
+                        w += 1
+                self.n_matched_words = n_words
+                if not n_words:
+                    return 0
+            else:
+                alive = 0
+                for k in range(n_words):
+                    w = self.matched_words[k]
+                    kept = running[w] & mask[w]
+                    dropped = running[w] ^ kept
+                    running[w] = kept
+                    alive |= kept
+                    while dropped:
+                        self.depth[(w << 6) + ck_ctz64(dropped)] = d
+                        dropped &= dropped - 1
+                if not alive:
+                    return d
             d += 1
-        for w in range(nw):
+        for k in range(n_words):
+            w = self.matched_words[k]
             kept = running[w]
             while kept:
                 self.depth[(w << 6) + ck_ctz64(kept)] = d
@@ -531,6 +724,7 @@ cdef class Router:
                       double now) noexcept nogil:
         cdef size_t i, word = rank >> 6
         cdef uint64_t bit = (<uint64_t>1) << (rank & 63)
+        cdef uint64_t group_bit = (<uint64_t>1) << (word // self.group)
         cdef uint64_t h
         cdef uint32_t e
         while (self.lru_oldest != CK_NIL
@@ -546,8 +740,13 @@ cdef class Router:
             else:
                 if now - self.entries[e].last_used > self.prefix_ttl:
                     memset(self.masks + e * self.stride, 0, self.stride * sizeof(uint64_t))
+                    self.entries[e].summary = 0
+                    self.entries[e].count = 0
                 self._unlink(e)
+            if not self.masks[e * self.stride + word] & bit:
+                self.entries[e].count += 1
             self.masks[e * self.stride + word] |= bit
+            self.entries[e].summary |= group_bit
             self.entries[e].last_used = now
             self._append(e)
 
@@ -563,6 +762,8 @@ cdef class Router:
             e = self.n_used
             self.n_used += 1
         self.entries[e].hash = h
+        self.entries[e].summary = 0
+        self.entries[e].count = 0
         memset(self.masks + e * self.stride, 0, self.stride * sizeof(uint64_t))
         ck_prefix_insert(&self.table, e)
         self.n_entries += 1
@@ -594,3 +795,29 @@ cdef class Router:
         else:
             self.lru_oldest = e
         self.lru_newest = e
+
+    cdef void _widen(self, size_t stride) noexcept nogil:
+        """Masks of ``stride`` words, for a rank beyond the present ones: each entry's
+        mask moves to its wider place, the last first so that none is overwritten
+        before it moved. When that changes the summary's grouping, every live
+        entry's summary is recomputed."""
+        cdef uint32_t e = self.n_used
+        cdef size_t old = self.stride, w
+        cdef int group = <int>((stride + 63) >> 6)
+        cdef uint64_t* mask
+        while e > 0:
+            e -= 1
+            memmove(self.masks + e * stride, self.masks + e * old, old * sizeof(uint64_t))
+            memset(self.masks + e * stride + old, 0, (stride - old) * sizeof(uint64_t))
+        self.stride = stride
+        if group == self.group:
+            return
+        self.group = group
+        e = self.lru_oldest
+        while e != CK_NIL:
+            mask = self.masks + e * stride
+            self.entries[e].summary = 0
+            for w in range(stride):
+                if mask[w]:
+                    self.entries[e].summary |= (<uint64_t>1) << (w // group)
+            e = self.entries[e].newer

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 from ._policies import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DECODE_TOKENS,
     DEFAULT_PREFILL_WEIGHT,
     MAX_BLOCKS,
+    SPARSE_RANKS,
     U64_MASK,
+    WALK_MAX,
     WEIGHT_SCALE,
     check_args,
 )
@@ -24,6 +28,9 @@ from .protocol import BLOCK_HASH_SIZE
 __all__ = ["Router"]
 
 Buffer = bytes | bytearray | memoryview
+#: A prefix decision's best rank so far: its key (cost, pending, place in the rotating
+#: order), the rank, the blocks it would prefill and the blocks it has.
+Choice = tuple[tuple[int, int, int], int, int, int]
 
 
 def _hash_frame(block_hashes: Buffer | None) -> memoryview:
@@ -61,12 +68,16 @@ class Router:
         "_member_pos",
         "_rng",
         "_table",
+        "_key",
+        "_leaves",
+        "_ranking",
+        "_eligible_mask",
     )
 
     def __init__(
         self,
         policy: str,
-        max_ranks: int = 1024,
+        max_ranks: int = 4096,
         *,
         seed: int = 0,
         rank_cap: int = 0,
@@ -110,6 +121,23 @@ class Router:
         self._rng = seed
         # hash -> [rank bitmask, last_used], oldest first
         self._table: OrderedDict[int, list] = OrderedDict()
+        # The eligible ranks in the policy's order, kept as they change (see _update):
+        # a tree over ``_leaves`` ranks (a power of two >= n_ranks), node i over the
+        # leaves below it, holding the first of them by (key, rank), -1 when none is
+        # eligible; leaf r is node leaves + r, the root node 1. power_of_two draws
+        # accepting ranks, all eligible without a cap: it never asks.
+        pending, work = self._pending, self._work
+        self._key: Callable[[int], Any] = {
+            "round_robin": lambda r: 0,
+            "least_loaded": pending.__getitem__,
+            "power_of_two": pending.__getitem__,
+            "prefix": lambda r: (work[r], pending[r]),
+        }[policy]
+        self._leaves = 1
+        self._ranking: list[int] | None = None
+        if policy != "power_of_two" or rank_cap:
+            self._ranking = [-1, -1]
+        self._eligible_mask = 0  # prefix: the eligible ranks as bits
 
     @property
     def policy(self) -> str:
@@ -149,6 +177,12 @@ class Router:
         self._members.append(rank)
         if rank >= self._n_ranks:
             self._n_ranks = rank + 1
+        if self._ranking is not None and rank >= self._leaves:
+            leaves = self._leaves
+            while leaves <= rank:
+                leaves <<= 1
+            self._build(leaves)
+        self._update(rank)
 
     def remove_rank(self, rank: int) -> None:
         self._check_rank(rank)
@@ -161,6 +195,7 @@ class Router:
             pos = self._member_pos[rank]
             members[pos] = last
             self._member_pos[last] = pos
+        self._update(rank)
         bit = 1 << rank
         table = self._table
         for h, entry in list(table.items()):
@@ -189,6 +224,7 @@ class Router:
         if self._pending[rank] > 0:
             self._pending[rank] -= 1
         self._work[rank] = max(self._work[rank] - work, 0)
+        self._update(rank)
 
     def hold(self, rank: int) -> None:
         """A request already at ``rank`` (taken over after a coordinator's loss): one
@@ -228,6 +264,7 @@ class Router:
         self._charged = min(new, MAX_BLOCKS) + self._decode_blocks
         self._pending[rank] += 1
         self._work[rank] += self._charged
+        self._update(rank)
         return rank
 
     def prefix_ranks(self, hash: int, now: float) -> list[int]:
@@ -238,33 +275,99 @@ class Router:
         mask = entry[0]
         return [r for r in range(mask.bit_length()) if mask >> r & 1]
 
-    # -- policies: each returns (rank, the request's new blocks there) ------
+    # -- the ranking: the eligible ranks in the policy's order, as they change --
 
     def _eligible(self, rank: int) -> bool:
         return self._accepting[rank] and (
             self._rank_cap == 0 or self._pending[rank] < self._rank_cap
         )
 
-    def _round_robin(self, frame: memoryview, now: float, size: int) -> tuple[int, int]:
+    def _update(self, rank: int) -> None:
+        """``rank``'s eligibility, pending count or work changed: mend its path to the root.
+
+        O(log n_ranks), and it stops where a node's first rank stays another one.
+        """
+        if rank >= self._n_ranks:
+            return  # never added: never eligible
+        ok = self._eligible(rank)
+        if self._policy == "prefix" and ok != bool(self._eligible_mask >> rank & 1):
+            self._eligible_mask ^= 1 << rank
+        if self._ranking is not None:
+            self._set_leaf(rank, ok)
+
+    def _set_leaf(self, rank: int, ok: bool) -> None:
+        """``rank`` in the ranking (``ok``) or out of it, and the nodes above it mended."""
+        ranking = self._ranking
+        assert ranking is not None
+        node = self._leaves + rank
+        if self._policy == "round_robin" and (ranking[node] >= 0) == ok:
+            return  # round_robin orders by rank alone: only eligibility moves it
+        ranking[node] = rank if ok else -1
+        node >>= 1
+        while node:
+            first = self._first(ranking[2 * node], ranking[2 * node + 1])
+            if first == ranking[node] and first != rank:
+                return  # the same rank, its key unchanged: so is every node above
+            ranking[node] = first
+            node >>= 1
+
+    def _build(self, leaves: int) -> None:
+        """The ranking over ``leaves`` leaves, from scratch (when n_ranks outgrows it)."""
         n = self._n_ranks
-        for k in range(n):
-            r = (self._cursor + k) % n
-            if self._eligible(r):
-                self._cursor = (r + 1) % n
-                return r, size
-        return -1, 0
+        ranking = [-1] * leaves + [r if r < n and self._eligible(r) else -1 for r in range(leaves)]
+        for node in range(leaves - 1, 0, -1):
+            ranking[node] = self._first(ranking[2 * node], ranking[2 * node + 1])
+        self._leaves, self._ranking = leaves, ranking
+
+    def _first(self, a: int, b: int) -> int:
+        """The first of two ranks (-1: none) by key, then rank."""
+        if a < 0:
+            return b
+        if b < 0:
+            return a
+        key_a, key_b = self._key(a), self._key(b)
+        if key_a != key_b:
+            return a if key_a < key_b else b
+        return a if a < b else b
+
+    def _first_from(self, start: int) -> int:
+        """The eligible rank of the least key, the first from ``start`` in the rotating
+        order (start, start + 1, ..., n_ranks - 1, 0, ...) among equals; -1 if none.
+
+        The root holds the least key's lowest rank: the answer unless it is below
+        start, when the first of [start, leaves) wins if its key is the same.
+        """
+        ranking = self._ranking
+        assert ranking is not None
+        first = ranking[1]
+        if first < 0 or first >= start:
+            return first
+        rest = -1
+        lo, hi = start + self._leaves, 2 * self._leaves
+        while lo < hi:  # the nodes that cover [start, leaves) exactly
+            if lo & 1:
+                rest = self._first(rest, ranking[lo])
+                lo += 1
+            lo >>= 1
+            hi >>= 1
+        if rest >= 0 and self._key(rest) == self._key(first):
+            return rest
+        return first
+
+    # -- policies: each returns (rank, the request's new blocks there) ------
+
+    def _round_robin(self, frame: memoryview, now: float, size: int) -> tuple[int, int]:
+        r = self._first_from(self._cursor)
+        if r >= 0:
+            self._cursor = (r + 1) % self._n_ranks
+        return r, size
 
     def _least_loaded(self, frame: memoryview, now: float, size: int) -> tuple[int, int]:
         n = self._n_ranks
         if n == 0:
             return -1, 0
         start = self._cursor % n
-        pending = self._pending
-        best = -1
-        for k in range(n):
-            r = (start + k) % n
-            if self._eligible(r) and (best < 0 or pending[r] < pending[best]):
-                best = r
+        best = self._first_from(start)
         if best >= 0:
             self._cursor = (start + 1) % n
         return best, size
@@ -299,60 +402,151 @@ class Router:
         return self._least_loaded(frame, now, size)
 
     def _prefix(self, frame: memoryview, now: float, size: int) -> tuple[int, int]:
+        """The contract's winner without pricing every rank (docs/design.md, Routing):
+        the affine decision over the chain's live entries, or when it cannot settle
+        it, the scan of the first entry's ranks."""
+        ranking = self._ranking
+        assert ranking is not None
+        if ranking[1] < 0:
+            return -1, 0  # none eligible
         n = self._n_ranks
-        if n == 0:
-            return -1, 0
         start = self._cursor % n
-        order = [r for r in (*range(start, n), *range(start)) if self._eligible(r)]
-        if not order:
-            return -1, 0
+        self._cursor = (start + 1) % n
         m = len(frame) // BLOCK_HASH_SIZE
         hashes = struct.unpack(f"<{m}Q", frame)
-        depth = self._depths(hashes, order, now) if m else None
-        pending, work, weight = self._pending, self._work, self._weight
-        rank, best_new, best_key = -1, 0, (0, 0)
-        for r in order:  # the rotating order: the first of equal keys wins
-            new = min(size - (depth[r] if depth is not None else 0), MAX_BLOCKS)
-            key = (weight * new + WEIGHT_SCALE * work[r], pending[r])
-            if rank < 0 or key < best_key:
-                rank, best_new, best_key = r, new, key
-        self._cursor = (start + 1) % n
+        chain = self._chain(hashes, now)
+        if not chain:  # no match: the least work, then the fewest pending
+            best = self._consider(None, self._first_from(start), 0, start, size)
+        else:
+            best = self._affine(chain, start, size) or self._scan(hashes, now, start, size)
+        _, rank, new, depth = best
         if m:
             counts = self._prefix_counts
             counts[0] += 1
             counts[1] += m
-            counts[2] += depth[rank] if depth is not None else 0
+            counts[2] += depth
             self._record(hashes, rank, now)
-        return rank, best_new
+        return rank, new
 
-    def _depths(self, hashes: tuple[int, ...], eligible: list[int], now: float) -> list[int] | None:
-        """Matched depth per rank (indexed by rank), or None when nothing matched.
+    def _consider(
+        self, best: Choice | None, rank: int, depth: int, start: int, size: int
+    ) -> Choice:
+        """``rank``, which has ``depth`` blocks, in place of ``best`` if its key is lower:
+        (cost, pending, place in the rotating order)."""
+        new = min(size - depth, MAX_BLOCKS)
+        key = (
+            self._weight * new + WEIGHT_SCALE * self._work[rank],
+            self._pending[rank],
+            (rank - start) % self._n_ranks,
+        )
+        if best is None or key < best[0]:
+            return key, rank, new, depth
+        return best
 
-        The running mask of candidates only shrinks along the chain, so a rank's
-        depth is the step at which it drops out.
-        """
+    def _chain(self, hashes: tuple[int, ...], now: float) -> list[int]:
+        """The rank masks of the live entries leading the request's chain."""
         table, ttl = self._table, self._ttl
-        running = 0
-        for r in eligible:
-            running |= 1 << r
-        depth = [0] * self._n_ranks
-        d = 0
+        chain = []
         for h in hashes:
             entry = table.get(h)
             if entry is None or now - entry[1] > ttl:
                 break
-            kept = running & entry[0]
-            dropped = running ^ kept
+            chain.append(entry[0])
+        return chain
+
+    @staticmethod
+    def _depth_along(chain: list[int], rank: int, d: int, length: int) -> int:
+        """The depth of ``rank`` in the chain's first ``length`` entries, the first
+        ``d`` of which list it."""
+        while d < length and chain[d] >> rank & 1:
+            d += 1
+        return d
+
+    def _affine(self, chain: list[int], start: int, size: int) -> Choice | None:
+        """The winner from the chain's live entries and the ranking alone; None when
+        the walk hid WALK_MAX ranks without settling it.
+
+        Entry k is the first that lists at most SPARSE_RANKS ranks (k = len(chain)
+        if none): every rank deeper than k is one of them, each priced. The others
+        are found walking the ranking, best (work, pending) first: a rank can only
+        win if it is deeper than every rank before it (one before it at least as
+        deep costs no more, and wins a tie), so the walk prices those, and it ends
+        at a rank of depth k or more (none after can win), at one whose work
+        alone prices it above the best so far, or with the ranking.
+        """
+        length = len(chain)
+        k = next((i for i, mask in enumerate(chain) if mask.bit_count() <= SPARSE_RANKS), length)
+        best: Choice | None = None
+        if k < length:
+            bits = chain[k] & self._eligible_mask
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                r = low.bit_length() - 1
+                if self._depth_along(chain, r, 0, k) == k:
+                    depth = self._depth_along(chain, r, k + 1, length)
+                    best = self._consider(best, r, depth, start, size)
+        # Every rank the walk has not priced yet has depth <= k: new blocks >= this.
+        floor = self._weight * min(size - k, MAX_BLOCKS)
+        hidden: list[int] = []
+        settled = False
+        deepest = -1
+        while True:
+            g = self._first_from(start)
+            if g < 0 or (best is not None and best[0][0] < floor + WEIGHT_SCALE * self._work[g]):
+                settled = True
+                break
+            d = self._depth_along(chain, g, 0, length)
+            if d > deepest:
+                best = self._consider(best, g, d, start, size)
+                deepest = d
+            if d >= k:
+                settled = True
+                break
+            if len(hidden) == WALK_MAX:
+                break
+            self._set_leaf(g, False)  # the next one, until put back below
+            hidden.append(g)
+        for g in hidden:
+            self._set_leaf(g, True)
+        return best if settled else None
+
+    def _scan(self, hashes: tuple[int, ...], now: float, start: int, size: int) -> Choice:
+        """Every rank of the chain's first entry priced, then the least-worked one:
+        the unmatched ranks all have the same new blocks, so that one beats or
+        ties-and-wins each of them."""
+        depth = self._depths(hashes, now)
+        best = None
+        for r, d in depth.items():
+            best = self._consider(best, r, d, start, size)
+        c = self._first_from(start)
+        return self._consider(best, c, depth.get(c, 0), start, size)
+
+    def _depths(self, hashes: tuple[int, ...], now: float) -> dict[int, int]:
+        """The eligible ranks of the first hash's live entry, with their matched depth;
+        every other rank has depth 0.
+
+        The candidates only shrink along the chain, so a rank's depth is the step
+        at which it drops out.
+        """
+        table, ttl = self._table, self._ttl
+        depth: dict[int, int] = {}
+        running = 0
+        for d, h in enumerate(hashes):
+            entry = table.get(h)
+            if entry is None or now - entry[1] > ttl:
+                break
+            kept = running & entry[0] if d else self._eligible_mask & entry[0]
+            dropped = running ^ kept if d else 0
+            running = kept
             while dropped:
                 low = dropped & -dropped
                 depth[low.bit_length() - 1] = d
                 dropped ^= low
-            running = kept
             if not running:
                 break
-            d += 1
-        if d == 0:
-            return None
+        else:
+            d = len(hashes)
         while running:
             low = running & -running
             depth[low.bit_length() - 1] = d

@@ -72,8 +72,12 @@ REFUSAL_EVENTS = (
 )
 
 #: A kept prompt below this many bytes is copied: sharing it would pin the whole
-#: receive buffer libzmq decoded it from (pyzmq's copy-below-a-threshold rule).
+#: receive buffer libzmq decoded it from (pyzmq's copy-below-a-threshold rule)...
 COPY_BELOW = 8192
+#: ...once a loop shares this many such prompts: each may pin one receive buffer
+#: (8 KiB of data and libzmq's message counters, about 18 KiB: 36 MiB at most), and
+#: below it a small prompt is kept for the cost of a refcount, not a copy.
+SHARED_SMALL_MAX = 2048
 
 
 class Counter(IntEnum):
@@ -204,6 +208,7 @@ def cython_constants() -> dict[str, int]:
         BLOCK_HASH_SIZE=protocol.BLOCK_HASH_SIZE,
         MAX_PARTS=protocol.MAX_PARTS,
         COPY_BELOW=COPY_BELOW,
+        SHARED_SMALL_MAX=SHARED_SMALL_MAX,
         INDEX_WINDOW_MIN=INDEX_WINDOW_MIN,
         HEADER_SLOTS=HEADER_SLOTS,
         ERROR_SLOTS=ERROR_SLOTS,
@@ -211,6 +216,8 @@ def cython_constants() -> dict[str, int]:
         N_COUNTERS=len(Counter),
         WEIGHT_SCALE=_policies.WEIGHT_SCALE,
         MAX_BLOCKS=_policies.MAX_BLOCKS,
+        SPARSE_RANKS=_policies.SPARSE_RANKS,
+        WALK_MAX=_policies.WALK_MAX,
     )
     # a router's policy, by its index in POLICIES: POLICY_ROUND_ROBIN = 0, ...
     values.update({f"POLICY_{name.upper()}": i for i, name in enumerate(_policies.POLICIES)})

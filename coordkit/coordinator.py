@@ -255,7 +255,7 @@ class Coordinator:
         prefix_ttl: float = 600.0,
         prefix_max_entries: int = 1_000_000,
         max_clients: int = 65536,
-        max_engines: int = 1024,
+        max_engines: int = 4096,
         keep_prompts: bool = True,
         request_timeout: float = 0.0,
         dialect: str = "multipart",

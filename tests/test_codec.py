@@ -1321,7 +1321,7 @@ FIXED_FORMS = [
 def test_skip_runs_of_fixed_size_objects(impl, form):
     run = form * 40
     frame = b"\x94\x14\x05\xdc\x00\x28" + run + b"\x80"
-    assert impl.codec.read_single_submit(frame) == (20, 5, 3, len(frame) - 1)
+    assert impl.codec.read_single_submit(frame) == (20, 5, 4, 3, len(frame) - 1, len(frame))
     assert impl.codec.read_submit(b"\x93\x14\x05\xdc\x00\x28" + run) == (20, 3, 5, 3)
     for cut in range(1, len(form)):
         with pytest.raises(ProtocolError) as info:

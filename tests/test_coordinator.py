@@ -348,6 +348,25 @@ def test_stop_from_another_thread(make_coordinator):
         coord.serve_forever()
 
 
+def test_a_wait_shorter_than_a_millisecond_still_handles_messages(make_coordinator):
+    # serve() waits until its deadline, rounded up to the millisecond: rounded down,
+    # the last millisecond before a timer returned at once without polling, and
+    # serve_forever spun through it handling nothing.
+    ctx = zmq.Context()
+    coord = make_coordinator()
+    client = RawClient(ctx, coord.address)
+    client.send(m([CONNECT]))
+    try:
+        for _ in range(5000):  # a bounded wait for the CONNECT to arrive
+            assert coord._loop.serve(0.0005)
+            if client.sock.poll(0):
+                break
+        assert client.recv() == [m([CONNECT_ACK])]
+    finally:
+        client.close()
+        ctx.term()
+
+
 def test_a_taken_address_raises_the_bind_error(make_coordinator, impl):
     first = make_coordinator(transport="tcp")
     try:

@@ -20,6 +20,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from coordkit._shared import COPY_BELOW, SHARED_SMALL_MAX
 from coordkit.protocol import ErrorCode
 from tests.support.cluster import Cluster
 from tests.support.peers import (
@@ -36,6 +37,7 @@ from tests.support.peers import (
     SET_GENERATION_EPOCH,
     SHUTDOWN,
     STATS,
+    STATS_REPLY,
     SUBMIT,
     SUBMIT_KV,
     RawClient,
@@ -356,6 +358,31 @@ def test_client_table_is_bounded(make_cluster):
         assert stats["clients"] == 2 and stats["counters"]["table_full"] == 1
 
 
+def test_the_client_idle_longest_gives_up_its_place(make_cluster):
+    # Idle since: its last message, or its last request's end, whichever came later.
+    with make_cluster(n_engines=1, max_clients=2) as c:
+        early = c.client(coordkit=True)
+        early.send(m([SUBMIT, 0, {}]), b"p")
+        meta, _ = c.engines[0].recv()
+        late = c.client(coordkit=True)  # idle from here
+        c.engines[0].send(m([REPLY, [[um(meta)[1], False]]]), b"done")
+        assert early.recv() == [m([REPLY, 0]), b"done"]  # idle from here: after late
+        c.client()  # takes late's place, not early's
+        late.send(m([SUBMIT, 1, {}]), b"p")
+        wait_for(lambda: c.coord.stats()["counters"]["not_connected"] == 1)
+        round_trip(c, early, 2)
+        # A message from an idle client makes it the one seen last: now early is older.
+        third = c.client(coordkit=True)  # takes the place of the one made above
+        early.send(m([STATS]))
+        assert um(early.recv()[0])[0] == STATS_REPLY
+        third.send(m([STATS]))
+        assert um(third.recv()[0])[0] == STATS_REPLY
+        c.client()  # early was seen before third: early goes
+        early.send(m([SUBMIT, 3, {}]), b"p")
+        wait_for(lambda: c.coord.stats()["counters"]["not_connected"] == 2)
+        round_trip(c, third, 0)
+
+
 # -- vanished peers ------------------------------------------------------------------
 
 
@@ -382,6 +409,35 @@ def test_vanished_client_leaves_no_state(make_cluster):
         round_trip(c, other, 0)
 
 
+def test_vanished_clients_among_many_leave_only_their_own_requests(make_cluster):
+    # Each client's requests are its own list: one that vanishes takes exactly its
+    # requests with it, interleaved as they are with everyone else's in the tables.
+    with make_cluster(n_engines=1) as c:
+        clients = [c.client(coordkit=True) for _ in range(60)]
+        owner: dict[int, tuple[int, int]] = {}  # server rid -> (client index, client rid)
+        for rid in range(3):
+            for index, client in enumerate(clients):
+                client.send(m([SUBMIT, rid, {}]), b"p")
+                owner[um(c.engines[0].recv()[0])[1]] = (index, rid)
+        leavers = set(range(0, 60, 7))
+        for index in sorted(leavers):
+            clients[index].close()
+            c.peers.remove(clients[index])
+        # Each leaver's connection ends: it is dropped with its requests, each aborted
+        # at the engine, and nobody else's.
+        aborted = sorted(um(c.engines[0].recv()[0])[1] for _ in range(3 * len(leavers)))
+        assert aborted == sorted(
+            server_rid for server_rid, (index, _) in owner.items() if index in leavers
+        )
+        wait_for(lambda: c.coord.stats()["clients"] == 60 - len(leavers))
+        assert c.coord.stats()["inflight"] == 3 * (60 - len(leavers))
+        for server_rid, (index, rid) in owner.items():  # the others' are all still there
+            if index not in leavers:
+                c.engines[0].send(m([REPLY, [[server_rid, False]]]), b"r")
+                assert clients[index].recv() == [m([REPLY, rid]), b"r"]
+        wait_for(lambda: c.coord.stats()["inflight"] == 0)
+
+
 def test_unreachable_engine_is_failed_and_its_requests_rerouted(make_cluster):
     with make_cluster(n_engines=2, policy="round_robin") as c:
         client = c.client(coordkit=True)
@@ -405,7 +461,7 @@ def test_unreachable_engine_is_failed_and_its_requests_rerouted(make_cluster):
 
 
 @pytest.mark.parametrize("keep_prompts", [True, False])
-@pytest.mark.parametrize("size", [7, 8191, 8192, 300_000])  # copied below 8 KiB, shared above
+@pytest.mark.parametrize("size", [7, 8191, 8192, 300_000])  # below and above COPY_BELOW
 def test_rerouted_prompt_arrives_intact_unless_not_kept(make_cluster, size, keep_prompts):
     options = {"policy": "round_robin", "keep_prompts": keep_prompts}
     with make_cluster(n_engines=2, **options) as c:
@@ -425,6 +481,36 @@ def test_rerouted_prompt_arrives_intact_unless_not_kept(make_cluster, size, keep
         else:
             expect_error(client, 0, ErrorCode.ENGINE_FAILED)
         assert um(c.engines[1].recv()[0])[1] == 2
+
+
+def test_small_prompts_past_the_shared_bound_are_kept_as_copies(make_cluster):
+    # Below COPY_BELOW a kept prompt is shared while fewer than SHARED_SMALL_MAX of
+    # the loop's are, and copied past that: a dead engine's requests on both sides of
+    # the bound (and some above COPY_BELOW) are re-sent byte for byte, while the
+    # other engine's requests come and go (each ending gives its share back).
+    n = SHARED_SMALL_MAX * 3 // 2  # three in four below COPY_BELOW: past the bound
+    sizes = (34, 1000, COPY_BELOW - 1, COPY_BELOW)
+    with make_cluster(n_engines=2, policy="round_robin") as c:
+        client = c.client(coordkit=True)
+        sent: dict[int, bytes] = {}  # server rid on rank 0 -> its prompt
+        for rid in range(2 * n):
+            prompt = rid.to_bytes(4, "little") * (sizes[rid // 2 % 4] // 4 + 1)
+            client.send(m([SUBMIT, rid, {}]), prompt[: sizes[rid // 2 % 4]])
+            if rid % 2:  # rank 1 answers at once
+                server_rid = um(c.engines[1].recv()[0])[1]
+                c.engines[1].send(m([REPLY, [[server_rid, False]]]), b"r")
+                assert client.recv() == [m([REPLY, rid]), b"r"]
+            else:
+                meta, prompt = c.engines[0].recv()
+                sent[um(meta)[1]] = prompt
+        c.engines[0].close()
+        c.peers.remove(c.engines[0])
+        time.sleep(0.1)
+        client.send(m([SUBMIT, 2 * n, {}]), b"p")  # round robin: rank 0 is found gone
+        resent = dict((um(f[0])[1], f[1]) for f in (c.engines[1].recv() for _ in range(n + 1)))
+        assert resent.pop(max(resent)) == b"p"
+        assert resent == sent
+        assert c.coord.stats()["counters"]["rerouted"] == n
 
 
 def test_heartbeat_timeout_fails_a_silent_engine(make_cluster):

@@ -7,8 +7,11 @@ import random
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordkit import protocol
+from tests.support.routing_reference import ScanningRouter
 
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix")
 U64 = (1 << 64) - 1
@@ -446,10 +449,35 @@ def test_block_hashes_are_chained():
         protocol.block_hashes(base, 0)
 
 
-# -- differential: the same trace through both routers ---------------------------
+# -- differential: the same trace through both routers and the scanning reference -----
 
 
-def run_trace(c_router, py_router, seed: int, max_ranks: int, steps: int) -> None:
+def same_choice(routers, hashes, now: float, tokens: int, step: int) -> int:
+    """``choose`` on every router: the same rank, charge and prefix counts; the rank."""
+    reference, *others = routers
+    rank = reference.choose(hashes, now, tokens)
+    for router in others:
+        where = f"step {step}, {type(router).__module__}"
+        assert router.choose(hashes, now, tokens) == rank, where
+        assert router.charged == reference.charged, where
+        assert router.prefix_counts == reference.prefix_counts, where
+    return rank
+
+
+def same_state(routers, max_ranks: int, now: float, pool: list[int]) -> None:
+    reference, *others = routers
+    for method in ("pending", "work", "accepting"):
+        expected = [getattr(reference, method)(r) for r in range(max_ranks)]
+        for router in others:
+            assert [getattr(router, method)(r) for r in range(max_ranks)] == expected, method
+    for router in others:
+        assert router.n_accepting == reference.n_accepting
+        assert router.prefix_len == reference.prefix_len
+        for h in pool:
+            assert router.prefix_ranks(h, now) == reference.prefix_ranks(h, now)
+
+
+def run_trace(routers, seed: int, max_ranks: int, steps: int) -> None:
     rng = random.Random(seed)
     shared = [[rng.getrandbits(64) for _ in range(rng.randint(1, 6))] for _ in range(6)]
     tails = [rng.getrandbits(64) for _ in range(12)]
@@ -457,18 +485,18 @@ def run_trace(c_router, py_router, seed: int, max_ranks: int, steps: int) -> Non
     outstanding: list[tuple[int, int]] = []  # (rank, charged)
     now = 0.0
     for rank in rng.sample(range(max_ranks), max(1, max_ranks // 2)):
-        c_router.add_rank(rank)
-        py_router.add_rank(rank)
+        for router in routers:
+            router.add_rank(rank)
     for step in range(steps):
         x = rng.random()
         if x < 0.04:
             rank = rng.randrange(max_ranks)
-            c_router.add_rank(rank)
-            py_router.add_rank(rank)
+            for router in routers:
+                router.add_rank(rank)
         elif x < 0.07:
             rank = rng.randrange(max_ranks)
-            c_router.remove_rank(rank)
-            py_router.remove_rank(rank)
+            for router in routers:
+                router.remove_rank(rank)
         elif x < 0.55:
             y = rng.random()
             if y < 0.2:
@@ -476,34 +504,27 @@ def run_trace(c_router, py_router, seed: int, max_ranks: int, steps: int) -> Non
             else:
                 hashes = frame(*rng.choice(shared), *rng.sample(tails, rng.randint(0, 3)))
             tokens = rng.choice((0, rng.randrange(1, 40), rng.randrange(1 << 20)))
-            rank = py_router.choose(hashes, now, tokens)
-            assert c_router.choose(hashes, now, tokens) == rank, f"step {step}"
-            assert c_router.charged == py_router.charged, f"step {step}"
-            assert c_router.prefix_counts == py_router.prefix_counts, f"step {step}"
+            rank = same_choice(routers, hashes, now, tokens, step)
             if rank >= 0:
-                outstanding.append((rank, py_router.charged))
+                outstanding.append((rank, routers[0].charged))
         elif x < 0.9:
             if outstanding:
                 rank, work = outstanding.pop(rng.randrange(len(outstanding)))
                 if rng.random() < 0.05:  # a wrong amount: work stops at 0
                     work = rng.randrange(1 << 30)
-                c_router.release(rank, work)
-                py_router.release(rank, work)
+                for router in routers:
+                    router.release(rank, work)
         else:
             # Mostly forward, sometimes far (expiry), sometimes a little back.
             now += rng.choice((rng.uniform(0, 5), rng.uniform(0, 60), -rng.uniform(0, 3)))
         if step % 50 == 0:
-            assert c_router.prefix_len == py_router.prefix_len
-            assert [c_router.work(r) for r in range(max_ranks)] == [
-                py_router.work(r) for r in range(max_ranks)
-            ]
-    for method in ("pending", "work"):
-        c_values = [getattr(c_router, method)(r) for r in range(max_ranks)]
-        assert c_values == [getattr(py_router, method)(r) for r in range(max_ranks)], method
-    assert c_router.n_accepting == py_router.n_accepting
-    assert c_router.prefix_len == py_router.prefix_len
-    for h in pool:
-        assert c_router.prefix_ranks(h, now) == py_router.prefix_ranks(h, now)
+            reference, *others = routers
+            for router in others:
+                assert router.prefix_len == reference.prefix_len
+                assert [router.work(r) for r in range(max_ranks)] == [
+                    reference.work(r) for r in range(max_ranks)
+                ]
+    same_state(routers, max_ranks, now, pool)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -526,6 +547,233 @@ def test_differential_trace(
         prefix_ttl=40.0,
         prefix_max_entries=24,
     )
-    c_router = c_impl.Router(policy, **kwargs)
-    py_router = py_impl.Router(policy, **kwargs)
-    run_trace(c_router, py_router, seed, max_ranks, steps=3000)
+    routers = [ScanningRouter(policy, **kwargs), py_impl.Router(policy, **kwargs)]
+    run_trace([*routers, c_impl.Router(policy, **kwargs)], seed, max_ranks, steps=3000)
+
+
+def run_fleet(routers, seed: int, max_ranks: int, steps: int, n_prefixes: int = 40) -> None:
+    """A fleet of hundreds of ranks, growing from a few: joining and leaving in
+    waves, draining (out of the pool, its requests still to release), dying (its
+    requests released at once), under a load that keeps most ranks at few pending
+    requests (ties everywhere). Few prefixes make entries that list many ranks."""
+    rng = random.Random(seed)
+    prefixes = [[rng.getrandbits(64) for _ in range(rng.randint(1, 8))] for _ in range(n_prefixes)]
+    held: dict[int, list[int]] = {}  # rank -> the charges of its requests in flight
+    accepting: set[int] = set()
+    frontier = 16  # ranks join below it; it moves up as the fleet grows
+    now = 0.0
+
+    def join(rank: int) -> None:
+        accepting.add(rank)
+        for router in routers:
+            router.add_rank(rank)
+
+    def leave(rank: int, dies: bool) -> None:
+        accepting.discard(rank)
+        for router in routers:
+            router.remove_rank(rank)
+        if dies:  # the loop settles a dead rank's requests: each released
+            for work in held.pop(rank, []):
+                for router in routers:
+                    router.release(rank, work)
+
+    for rank in range(0, frontier, 2):
+        join(rank)
+    for step in range(steps):
+        x = rng.random()
+        if x < 0.01:  # a wave joins (a rank may come back)
+            frontier = min(max_ranks, frontier + rng.randint(16, max_ranks // 4))
+            for rank in rng.sample(range(frontier), rng.randint(1, min(frontier, 200))):
+                join(rank)
+        elif x < 0.02 and accepting:  # a wave leaves
+            for rank in rng.sample(sorted(accepting), min(len(accepting), rng.randint(10, 80))):
+                leave(rank, dies=rng.random() < 0.5)
+        elif x < 0.05 and accepting:
+            leave(rng.choice(sorted(accepting)), dies=rng.random() < 0.3)
+        elif x < 0.07:
+            join(rng.randrange(frontier))
+        elif x < 0.6:
+            y = rng.random()
+            if y < 0.3:
+                hashes = None
+            else:
+                chain = rng.choice(prefixes)
+                hashes = frame(*chain[: rng.randint(1, len(chain))], rng.getrandbits(64))
+            rank = same_choice(routers, hashes, now, rng.randrange(1, 4000), step)
+            if rank >= 0:
+                held.setdefault(rank, []).append(routers[0].charged)
+        elif x < 0.98:
+            ranks = [r for r, works in held.items() if works]
+            if ranks:
+                rank = rng.choice(ranks)
+                works = held[rank]
+                work = works.pop(rng.randrange(len(works)))
+                for router in routers:
+                    router.release(rank, work)
+        else:
+            now += rng.uniform(0, 30)
+        if step % 500 == 0:
+            same_state(routers, max_ranks, now, [])
+    same_state(routers, max_ranks, now, [h for chain in prefixes for h in chain])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(("max_ranks", "rank_cap"), [(300, 0), (700, 2), (4096, 0)])
+@pytest.mark.parametrize("seed", [11, 12])
+def test_fleet_structures_against_the_scan(c_impl, py_impl, policy, max_ranks, rank_cap, seed):
+    # The ranking tree, the eligible masks and the prefix summaries of both routers
+    # against the contract's scans, with hundreds of ranks coming and going.
+    kwargs = dict(
+        max_ranks=max_ranks,
+        seed=seed,
+        rank_cap=rank_cap,
+        prefix_prefill_weight=2.0,
+        prefix_decode_tokens=32,
+        prefix_ttl=100.0,
+        prefix_max_entries=200,
+    )
+    routers = [ScanningRouter(policy, **kwargs), py_impl.Router(policy, **kwargs)]
+    steps = 1500 if max_ranks > 1000 else 3000
+    run_fleet([*routers, c_impl.Router(policy, **kwargs)], seed, max_ranks, steps)
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.3, 1.0, 8.0])
+@pytest.mark.parametrize("rank_cap", [0, 3])
+def test_prefix_entries_of_many_ranks_against_the_scan(c_impl, py_impl, weight, rank_cap):
+    # Three prefixes over hundreds of ranks: their entries list dozens of ranks or all
+    # of them, so prefix decides by walking the ranking (and, when that cannot settle
+    # it, by the scan) as often as from a sparse entry.
+    kwargs = dict(
+        max_ranks=500,
+        seed=3,
+        rank_cap=rank_cap,
+        prefix_prefill_weight=weight,
+        prefix_decode_tokens=16,
+        prefix_ttl=100.0,
+        prefix_max_entries=500,
+    )
+    routers = [ScanningRouter("prefix", **kwargs), py_impl.Router("prefix", **kwargs)]
+    run_fleet([*routers, c_impl.Router("prefix", **kwargs)], 21, 500, 3000, n_prefixes=3)
+
+
+def test_prefix_masks_widen_as_the_fleet_grows(c_impl, py_impl):
+    # The C router's masks are as wide as the ranks added so far: each new highest
+    # rank past a multiple of 64 moves every entry's mask (and past 4096 ranks,
+    # regroups the summaries), and what the entries say must not change.
+    kwargs = dict(max_ranks=9000, prefix_prefill_weight=4.0, prefix_decode_tokens=0)
+    routers = [
+        ScanningRouter("prefix", **kwargs),
+        py_impl.Router("prefix", **kwargs),
+        c_impl.Router("prefix", **kwargs),
+    ]
+    rng = random.Random(5)
+    chains = [[rng.getrandbits(64) for _ in range(4)] for _ in range(30)]
+    held: list[tuple[int, int]] = []
+    step = 0
+    for ranks in ([0, 1, 2], [63, 64], [200], [1000, 1001], [4095, 4096], [8999], [5000]):
+        for rank in ranks:
+            for router in routers:
+                router.add_rank(rank)
+        for _ in range(150):
+            step += 1
+            chain = rng.choice(chains)
+            rank = same_choice(routers, frame(*chain[: rng.randint(1, 4)]), 0.0, 64, step)
+            held.append((rank, routers[0].charged))
+            if rng.random() < 0.6:
+                rank, work = held.pop(rng.randrange(len(held)))
+                for router in routers:
+                    router.release(rank, work)
+        same_state(routers, 9000, 0.0, [h for chain in chains for h in chain])
+    for rank in (64, 4096, 0):
+        for router in routers:
+            router.remove_rank(rank)
+        same_state(routers, 9000, 0.0, [h for chain in chains for h in chain])
+
+
+def test_prefix_chain_longer_than_the_c_scratch(c_impl, py_impl):
+    # The C router holds up to 4096 live entries of a chain for its affine decision;
+    # a longer match is decided by the scan, to the same rank.
+    routers = [ScanningRouter("prefix"), py_impl.Router("prefix"), c_impl.Router("prefix")]
+    for router in routers:
+        for rank in range(3):
+            router.add_rank(rank)
+    long_chain = frame(*range(1, 4300))
+    for step in range(6):
+        rank = same_choice(routers, long_chain if step % 2 else frame(*range(1, 200)), 0.0, 0, step)
+        assert rank >= 0
+    same_state(routers, 3, 0.0, [1, 4000, 4299])
+
+
+# -- generated traces: hypothesis shrinks a failing one to its few events ---------------
+
+FLEET = 400
+CHAINS = [[(7919 * c + 104729 * d) & U64 for d in range(1, 6)] for c in range(1, 13)]
+EVENT = st.one_of(
+    st.tuples(st.just("join"), st.lists(st.integers(0, FLEET - 1), min_size=1, max_size=120)),
+    st.tuples(st.just("leave"), st.integers(0, 1 << 16), st.booleans()),  # dies, or drains
+    st.tuples(
+        st.just("choose"),
+        st.integers(-1, len(CHAINS) - 1),  # -1: no hashes
+        st.integers(1, 5),
+        st.sampled_from((0, 1, 17, 4000, 1 << 20)),
+    ),
+    st.tuples(st.just("release"), st.integers(0, 1 << 16)),
+    st.tuples(st.just("time"), st.floats(-3, 60)),
+)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=150, deadline=None)
+@given(rank_cap=st.sampled_from((0, 1, 3)), events=st.lists(EVENT, max_size=150))
+def test_generated_fleet_traces_against_the_scan(c_impl, py_impl, policy, rank_cap, events):
+    # Ranks joining in waves, leaving to die (their requests settled at once) or to
+    # drain (out of the pool, their requests released later), choices and releases
+    # interleaved: the same decisions and state as the contract's scans, every event.
+    kwargs = dict(
+        max_ranks=FLEET,
+        seed=3,
+        rank_cap=rank_cap,
+        prefix_prefill_weight=2.0,
+        prefix_decode_tokens=16,
+        prefix_ttl=50.0,
+        prefix_max_entries=40,
+    )
+    routers = [
+        ScanningRouter(policy, **kwargs),
+        py_impl.Router(policy, **kwargs),
+        c_impl.Router(policy, **kwargs),
+    ]
+    held: list[tuple[int, int]] = []  # (rank, charge) of the requests in flight
+    accepting: list[int] = []
+    now = 0.0
+    for step, event in enumerate(events):
+        kind = event[0]
+        if kind == "join":
+            for rank in event[1]:
+                if rank not in accepting:
+                    accepting.append(rank)
+                for router in routers:
+                    router.add_rank(rank)
+        elif kind == "leave" and accepting:
+            rank = accepting.pop(event[1] % len(accepting))
+            for router in routers:
+                router.remove_rank(rank)
+            if event[2]:  # dies: the loop releases each of its requests now
+                for r, work in [h for h in held if h[0] == rank]:
+                    held.remove((r, work))
+                    for router in routers:
+                        router.release(r, work)
+        elif kind == "choose":
+            _, chain, depth, tokens = event
+            hashes = None if chain < 0 else frame(*CHAINS[chain][:depth])
+            rank = same_choice(routers, hashes, now, tokens, step)
+            if rank >= 0:
+                assert rank in accepting
+                held.append((rank, routers[0].charged))
+        elif kind == "release" and held:
+            rank, work = held.pop(event[1] % len(held))
+            for router in routers:
+                router.release(rank, work)
+        elif kind == "time":
+            now += event[1]
+    same_state(routers, FLEET, now, [h for chain in CHAINS for h in chain])

@@ -394,6 +394,8 @@ typedef struct {
     double last_used;
     uint32_t older; /* LRU neighbours, CK_NIL at the ends; older links the free list */
     uint32_t newer;
+    uint64_t summary; /* bit b: a rank in the b-th group of its mask's words (the router's) */
+    uint32_t count;   /* the ranks in its mask */
 } ck_prefix_entry;
 
 typedef struct {

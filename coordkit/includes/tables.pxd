@@ -55,6 +55,8 @@ cdef extern from "includes/tables.h" nogil:
         double last_used
         uint32_t older  # LRU neighbours, CK_NIL at the ends; older links the free list
         uint32_t newer
+        uint64_t summary  # bit b: a rank in the b-th group of its mask's words
+        uint32_t count  # the ranks in its mask
 
     ctypedef struct ck_prefix:
         uint32_t* cells

@@ -8,3 +8,4 @@ cdef struct Kept:
     uint32_t meta_size
     uint32_t prompt_size
     bint single
+    bint small  # shared below COPY_BELOW: one of the loop's small_shared

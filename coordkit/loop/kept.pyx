@@ -2,22 +2,29 @@
 # request whose engine died before it produced anything. Included by _loop_c.pyx.
 
 
-cdef Kept* keep(zmq_msg_t* meta, zmq_msg_t* prompt, bint single) noexcept nogil:
+cdef Kept* keep(zmq_msg_t* meta, zmq_msg_t* prompt, bint single,
+                uint32_t* small_shared) noexcept nogil:
     """What re-sends a request, or NULL when memory is short (it is then not kept).
 
-    A prompt below COPY_BELOW bytes is copied: a refcounted copy of a small
-    frame would pin the whole receive buffer libzmq decoded it from (pyzmq's
-    copy-below-a-threshold rule). A larger one has a buffer of its own: shared.
+    A prompt of COPY_BELOW bytes or more has a buffer of its own: shared by
+    refcount. A smaller one is shared too while fewer than SHARED_SMALL_MAX of
+    the loop's are (``small_shared`` counts them): a refcounted copy of a small
+    frame pins the whole receive buffer libzmq decoded it from, so past that
+    bound it is copied (pyzmq's copy-below-a-threshold rule), which costs a
+    malloc, a memcpy and the pages they touch on every request.
     """
     cdef size_t meta_size = 0 if meta == NULL else zmq_msg_size(meta)
     cdef size_t prompt_size = zmq_msg_size(prompt)
-    cdef bint shared = prompt_size >= COPY_BELOW
+    cdef bint small = prompt_size < COPY_BELOW
+    cdef bint shared = not small or small_shared[0] < SHARED_SMALL_MAX
+    cdef uint8_t* data
     cdef Kept* kept = <Kept*>malloc(
         sizeof(Kept) + meta_size + (sizeof(zmq_msg_t) if shared else prompt_size)
     )
-    cdef uint8_t* data
     if kept == NULL:
         return NULL
+    kept.small = small and shared
+    small_shared[0] += kept.small
     kept.meta_size = meta_size
     kept.single = single
     data = <uint8_t*>(kept + 1)
@@ -55,9 +62,10 @@ cdef inline const uint8_t* kept_prompt(Kept* kept, size_t* size) noexcept nogil:
     return <uint8_t*>(kept + 1) + kept.meta_size
 
 
-cdef void release_kept(void* kept) noexcept nogil:
+cdef void release_kept(void* kept, uint32_t* small_shared) noexcept nogil:
     if kept != NULL and kept_shared(<Kept*>kept) != NULL:
         zmq_msg_close(kept_shared(<Kept*>kept))
+        small_shared[0] -= (<Kept*>kept).small
     free(kept)
 
 

@@ -41,8 +41,9 @@ SAMPLING = {
 }
 
 #: Sizes (bytes of the frame that carries a prompt to the loop) where the
-#: loop's handling changes: below COPY_BELOW a kept prompt is copied inline
-#: into its record, from it shared; from POOLED_FROM a forwarded prompt's
+#: loop's handling changes: below COPY_BELOW a kept prompt shares libzmq's
+#: receive buffer (shared while fewer than SHARED_SMALL_MAX are, then copied),
+#: from it a buffer of its own; from POOLED_FROM a forwarded prompt's
 #: frame comes from the loop's buffer pool (``includes/framepool.h``: ``ck_buffer_msg``
 #: pools sizes from half of ``1 << CK_BUFFER_MIN_SHIFT``), below it from malloc.
 POOLED_FROM = 1 << 15
