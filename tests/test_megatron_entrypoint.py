@@ -413,13 +413,14 @@ def serve_main(coordinator: Spawned) -> None:
     assert coordinator.ready.wait(TIMEOUT)
     client = coordinator.peer(MainClient(coordinator.ctx, address)).connect()
     sent = client.submit(3, [1, 2], {"streaming": True})
-    _, frame = engine.recv_parsed(TIMEOUT)
-    assert frame == b"\x95\x14\x00" + sent[3:]  # main's five fields, as they came
-    engine.partial(main_partial(0, [9]))
-    assert client.recv_message(TIMEOUT) == (PARTIAL, 3, m(main_partial(0, [9])))
+    parsed, frame = engine.recv_parsed(TIMEOUT)
+    server_rid = parsed[1]  # drawn from the coordinator's clock (docs/failover.md)
+    assert frame == b"\x95\x14" + m(server_rid) + sent[3:]  # main's five fields, as they came
+    engine.partial(main_partial(server_rid, [9]))
+    assert client.recv_message(TIMEOUT) == (PARTIAL, 3, m(main_partial(server_rid, [9])))
     client.abort(3)
-    assert engine.recv_parsed(TIMEOUT)[1] == m([ABORT, 0])
-    engine.reply(finished_request(0, generated_tokens=[9, 10]))
+    assert engine.recv_parsed(TIMEOUT)[1] == m([ABORT, server_rid])
+    engine.reply(finished_request(server_rid, generated_tokens=[9, 10]))
     header, rid, body = client.recv_message(TIMEOUT)
     assert (header, rid, um(body)["generated_text"]) == (REPLY, 3, "9 10")
     client.signal(SHUTDOWN)
@@ -446,7 +447,8 @@ def test_serves_019_when_megatron_is_019s(impl, spawned, installed):
     assert coordinator.ready.wait(TIMEOUT)
     client = coordinator.peer(MainClient(coordinator.ctx, address)).connect()
     client.submit(3, [1, 2], {})
-    assert engine.recv_frame(TIMEOUT) == m([20, 0, [1, 2], {}])  # four fields for 0.19's
+    header, server_rid, *rest = um(engine.recv_frame(TIMEOUT))
+    assert (header, rest) == (20, [[1, 2], {}])  # four fields for 0.19's
     client.abort(3)
     engine.assert_silent(0.3)  # 0.19's engine would raise on ABORT
     client.signal(SHUTDOWN)
