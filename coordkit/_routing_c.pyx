@@ -62,6 +62,14 @@ cdef int _check_rank(Router self, int rank) except -1:
     return 0
 
 
+cdef int _check_hash_frame(Py_buffer* frame) except -1:
+    if frame.len % BLOCK_HASH_SIZE:
+        raise ValueError(
+            f"the block-hash frame is {frame.len} bytes, not a multiple of {BLOCK_HASH_SIZE}"
+        )
+    return 0
+
+
 @cython.final
 cdef class Router:
     """Picks a rank per request; the rules are coordkit._policies'."""
@@ -284,11 +292,7 @@ cdef class Router:
         _check_rank(self, rank)
         PyObject_GetBuffer(block_hashes, &frame, PyBUF_SIMPLE)
         try:
-            if frame.len % BLOCK_HASH_SIZE:
-                raise ValueError(
-                    f"the block-hash frame is {frame.len} bytes, "
-                    f"not a multiple of {BLOCK_HASH_SIZE}"
-                )
+            _check_hash_frame(&frame)
             if self.policy_id == POLICY_PREFIX and frame.len:
                 self._record(<const uint8_t*>frame.buf, <size_t>frame.len >> 3, rank, now)
         finally:
@@ -307,11 +311,7 @@ cdef class Router:
             return self.choose_c(NULL, 0, tokens, now)
         PyObject_GetBuffer(block_hashes, &frame, PyBUF_SIMPLE)
         try:
-            if frame.len % BLOCK_HASH_SIZE:
-                raise ValueError(
-                    f"the block-hash frame is {frame.len} bytes, "
-                    f"not a multiple of {BLOCK_HASH_SIZE}"
-                )
+            _check_hash_frame(&frame)
             rank = self.choose_c(
                 <const uint8_t*>frame.buf, <size_t>frame.len >> 3, tokens, now
             )
