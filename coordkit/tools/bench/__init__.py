@@ -40,12 +40,14 @@ its requests per second and every process's CPU per request.
 ``--latency`` (:mod:`.latency`) measures the latency each variant adds under
 open-loop Poisson load, up to its saturation and past it; ``--scale``
 (:mod:`.scale`) the cost per request against the number of engines and of
-clients.
+clients; ``--failover`` (:mod:`.failover`) what a coordinator's SIGKILL costs
+the requests in flight, with a restart at the same address or a standby
+taking over through an etcd lease.
 
 Here: the options, the points in order and the results. :mod:`.session`
 starts and drives a variant's processes, :mod:`.servers` is the coordinator
 child, :mod:`.load` the client and engine children, :mod:`.endpoints`,
-:mod:`.latency` and :mod:`.scale` the other modes, :mod:`.report` the
+:mod:`.latency`, :mod:`.scale` and :mod:`.failover` the other modes, :mod:`.report` the
 summaries, tables, JSON records and plots; :mod:`.workload` holds what they
 share.
 """
@@ -65,8 +67,9 @@ from typing import Any
 
 from ..._policies import POLICIES
 from ..._shared import DIALECTS
+from ...election import DEFAULT_TTL
 from ..options import Parser
-from . import endpoints, latency, report, scale
+from . import endpoints, failover, latency, report, scale
 from .latency import LATENCY_LENGTHS, LATENCY_VARIANTS
 from .session import Failure, Session
 from .workload import (
@@ -101,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     end_to_end_runs: list[dict[str, Any]] = []
     latency_result: dict[str, Any] = {}
     scale_runs: list[dict[str, Any]] = []
+    failover_runs: list[dict[str, Any]] = []
     failures: dict[str, str] = {}
     interrupted = False
     with tempfile.TemporaryDirectory(prefix="coordkit-bench-") as directory:
@@ -116,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 latency.measure_latency(args, directory, latency_result, failures)
             if args.scale:
                 scale.measure_scale(args, directory, scale_runs, failures)
+            if args.failover:
+                failover.measure_failover(args, directory, failover_runs, failures)
         except KeyboardInterrupt:
             interrupted = True
             print("coordkit bench: interrupted; reporting what was measured", file=sys.stderr)
@@ -132,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.print_latency(args, latency_result)
     scale_rows = scale.summarize(scale_runs)
     report.print_scale(args, scale_rows)
+    failover_rows = failover.summarize(failover_runs)
+    report.print_failover(args, failover_rows)
     for variant, reason in failures.items():
         print(f"FAILED {variant}: {reason}")
     if args.json:
@@ -157,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["latency"] = latency_result
         if args.scale:
             result["scale"] = {"runs": scale_runs, "summary": scale_rows}
+        if args.failover:
+            result["failover"] = {"runs": failover_runs, "summary": failover_rows}
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
         if args.latency:
@@ -172,7 +182,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="coordkit bench",
         description="Coordinator CPU time per request (user and sys of its own process) "
         "and memory per request in flight, for floor, c, py and mono side by side; "
-        "with --client, --end-to-end, --latency or --scale, those measures instead "
+        "with --client, --end-to-end, --latency, --scale or --failover, those measures instead "
         "(any of them in one run).",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run (under a minute)")
@@ -200,6 +210,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="coordinator CPU per request against the engine count and the client count, "
         "per policy and for the floor",
+    )
+    modes.add_argument(
+        "--failover",
+        action="store_true",
+        help="the coordinator SIGKILLed with requests in flight, restarted or taken over by "
+        "a standby: time from the kill to the first reply after it, the added p99 of the "
+        "requests that crossed it, and every request's completion",
     )
     parser.add_argument(
         "--clients",
@@ -367,9 +384,51 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="requests in flight at every point, at least 2 × 8 per rank of the largest "
         f"engine count (default {scale.INFLIGHT}, --quick 1024)",
     )
+    takeover = parser.add_argument_group("--failover")
+    takeover.add_argument(
+        "--failover-modes",
+        nargs="+",
+        choices=failover.MODES,
+        help="restart: a new coordinator at the same address after --restart-delay; "
+        "standby: two --ha candidates on an etcd server the bench starts, the leader killed "
+        "(pip install 'coordkit[ha]') (default: both)",
+    )
+    takeover.add_argument(
+        "--failover-rate",
+        type=float,
+        metavar="R",
+        help="requests/s the client submits, steadily (default 300, --quick 100)",
+    )
+    takeover.add_argument(
+        "--failover-generate",
+        type=float,
+        metavar="S",
+        help="seconds an engine generates for each request; in flight: rate × S "
+        "(default 1, --quick 0.5)",
+    )
+    takeover.add_argument(
+        "--kill-after",
+        type=float,
+        metavar="S",
+        help="seconds of load before the kill, and of load past the takeover "
+        "(default 3, --quick 1.5)",
+    )
+    takeover.add_argument(
+        "--restart-delay",
+        type=float,
+        metavar="S",
+        default=0.5,
+        help="restart: seconds from the kill to the new coordinator's start (default 0.5)",
+    )
+    takeover.add_argument(
+        "--ha-ttl",
+        type=int,
+        metavar="S",
+        help=f"standby: the lease's TTL in whole seconds (default {DEFAULT_TTL}, --quick 1)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
-    args.cost = not (args.client or args.end_to_end or args.latency or args.scale)
+    args.cost = not (args.client or args.end_to_end or args.latency or args.scale or args.failover)
     given_lengths, given_variants = args.lengths, args.variants
     if args.megatron_version != "0.19" and args.dialect != "megatron-core":
         parser.error(f"--megatron-version {args.megatron_version} needs --dialect megatron-core")
@@ -385,6 +444,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args.variants = _installed(given_variants or list(VARIANTS), given_variants, parser.error)
     args.latency_variants = given_variants or list(LATENCY_VARIANTS)
     args.scale_variants = [v for v in given_variants or ("floor", "c") if v in scale.SCALE_VARIANTS]
+    args.failover_variants = [
+        v for v in given_variants or failover.VARIANTS if v in failover.VARIANTS
+    ]
     if args.window is None:
         args.window = 4096 if args.end_to_end and not quick else 512
     full_requests = 200_000 if args.end_to_end else 40_000 if args.client else 60_000
@@ -397,6 +459,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         ("scale_engines", list(scale.ENGINE_COUNTS), [2, 64]),
         ("scale_clients", list(scale.CLIENT_COUNTS), [1, 100]),
         ("scale_inflight", scale.INFLIGHT, 1024),
+        ("failover_rate", 300.0, 100.0),
+        ("failover_generate", 1.0, 0.5),
+        ("kill_after", 3.0, 1.5),
+        ("ha_ttl", DEFAULT_TTL, 1),
     ):
         if getattr(args, name) is None:
             setattr(args, name, smoke if quick else full)
@@ -414,12 +480,32 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             parser.error("--sweep-from must be in (0, 1]")
     if args.scale:
         scale.check(args, parser.error)
+    if args.failover:
+        _check_failover(args, parser.error)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib: pip install 'coordkit[bench]'")
     return args
+
+
+def _check_failover(args: argparse.Namespace, error: Callable[[str], object]) -> None:
+    """The failover options, and the standby's etcd (skipped unless asked for by name)."""
+    if not args.failover_variants:
+        error(f"--failover runs {' and '.join(failover.VARIANTS)}: none of them in --variants")
+    if min(args.failover_rate, args.failover_generate, args.kill_after, args.ha_ttl) <= 0:
+        error("--failover-rate, --failover-generate, --kill-after and --ha-ttl must be positive")
+    if args.restart_delay < 0:
+        error("--restart-delay must not be negative")
+    asked = args.failover_modes
+    args.failover_modes = list(asked or failover.MODES)
+    missing = failover.ha_missing() if "standby" in args.failover_modes else None
+    if missing and asked:
+        error(missing)
+    if missing:
+        print(f"coordkit bench: skipping the standby: {missing}", file=sys.stderr, flush=True)
+        args.failover_modes.remove("standby")
 
 
 def _installed(

@@ -15,7 +15,7 @@ import msgpack
 import zmq
 
 from ... import IMPLEMENTATION, __version__
-from . import latency
+from . import failover, latency
 from .workload import (
     BATCH,
     BLOCK_SIZE,
@@ -284,6 +284,38 @@ def print_scale(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print("(×first: to the variant's own at the axis's first count)")
 
 
+def print_failover(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    transport = "tcp://127.0.0.1" if args.transport == "tcp" else "ipc://"
+    print(
+        f"\nthe coordinator SIGKILLed {args.kill_after:g} s into a steady "
+        f"{args.failover_rate:g} requests/s ({args.failover_generate:g} s at the engine each, "
+        f"1 in {failover.STREAM_EVERY} streaming; {failover.ENGINES} engine processes, "
+        f"{transport}), median of {args.repeat}"
+    )
+    print(
+        f"{'mode':<8} {'impl':<4} {'kill→reply':>10} {'kill→serve':>10} {'p99 before':>10} "
+        f"{'p99 across':>10} {'added p99':>10} {'crossed':>7} {'lost':>5} {'failed':>6} "
+        f"{'wrong':>5} {'twice':>5}  pause"
+    )
+    for r in rows:
+        pause = (
+            f"TTL {r['ttl_s']:g} s" if "ttl_s" in r else f"restart after {r['restart_delay_s']:g} s"
+        )
+        print(
+            f"{r['mode']:<8} {r['variant']:<4} {r['kill_to_first_reply_s']:9.3f}s "
+            f"{r['kill_to_serving_s']:9.3f}s {r['p99_before_s']:9.3f}s {r['p99_crossed_s']:9.3f}s "
+            f"{r['added_p99_s']:+9.3f}s {r['crossed']:7.0f} {r['lost']:5d} {r['failed']:6d} "
+            f"{r['wrong']:5d} {r['started_twice']:5d}  {pause}"
+        )
+    print(
+        "(kill→reply: to the first reply after the new coordinator listened; added p99: of "
+        "the requests in flight at the kill, over those answered before it; lost, failed, "
+        "wrong, started twice: summed over the runs, each must be 0)"
+    )
+
+
 def environment(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -354,6 +386,22 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
             "requests": args.scale_requests,
             "lengths": [p.key for p in args.scale_lengths],
             "reply_batch": BATCH,
+        },
+        "failover": args.failover
+        and {
+            "modes": list(args.failover_modes),
+            "variants": list(args.failover_variants),
+            "rate": args.failover_rate,
+            "generate_s": args.failover_generate,
+            "kill_after_s": args.kill_after,
+            "restart_delay_s": args.restart_delay,
+            "ttl_s": args.ha_ttl,
+            "engines": failover.ENGINES,
+            "stream_every": failover.STREAM_EVERY,
+            "partial_every_s": failover.PARTIAL_EVERY,
+            "prompt_tokens": failover.PROMPT_TOKENS,
+            "coordinator_timeout_s": failover.COORDINATOR_TIMEOUT,
+            "failover_timeout_s": failover.FAILOVER_TIMEOUT,
         },
     }
 
