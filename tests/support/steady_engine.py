@@ -2,25 +2,23 @@
 
 ``python -m tests.support.steady_engine ADDRESS RANK IMPL LOG`` runs a
 :class:`coordkit.Engine` that generates for every request (its prompt's first
-token is its number ``n``) for 1.5 + (n % 7) / 4 seconds; a streaming request
-gets a partial ``{"n": n, "i": i}`` every 0.25 s, and every request ends with
-``{"n": n, "partials": count}``. Each request it starts is written to LOG
-(``n``, one a line, flushed at once), so that a test sees one started twice.
+token is its number ``n``) for 1.5 + (n % 7) / 4 seconds, as the bench's
+failover engines do (:func:`coordkit.tools.bench.failover.generate_steadily`:
+a streaming request gets a partial ``{"n": n, "i": i}`` every 0.25 s, and every
+request ends with ``{"n": n, "partials": count}``). Each request it starts is
+written to LOG (``n``, one a line, flushed at once), so that a test sees one
+started twice.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 
-from coordkit.engine import Abort, Engine, Request
-from coordkit.protocol import STREAM_KEY
-
-PARTIAL_EVERY = 0.25
+from coordkit.engine import Engine
+from coordkit.tools.bench.failover import generate_steadily
 
 
 def main(address: str, rank: int, implementation: str, log_path: str) -> None:
-    active: dict[int, list] = {}  # server rid -> [n, end, streaming, partials, next partial]
     with (
         open(log_path, "a", buffering=1) as log,
         Engine(
@@ -31,28 +29,12 @@ def main(address: str, rank: int, implementation: str, log_path: str) -> None:
             coordinator_timeout=1.0,
         ) as engine,
     ):
-        while True:
-            now = time.monotonic()
-            for event in engine.poll(0.02):
-                if isinstance(event, Request):
-                    n = event.prompt_tokens()[0]
-                    log.write(f"{n}\n")
-                    streaming = bool((event.sampling_params or {}).get(STREAM_KEY))
-                    end = now + 1.5 + (n % 7) / 4
-                    active[event.server_rid] = [n, end, streaming, 0, now + PARTIAL_EVERY]
-                elif isinstance(event, Abort) and event.server_rid in active:
-                    active[event.server_rid][1] = now
-            partials, finals = [], []
-            for rid, state in list(active.items()):
-                n, end, streaming, count, next_partial = state
-                if now >= end:
-                    finals.append((rid, {"n": n, "partials": count}))
-                    del active[rid]
-                elif streaming and now >= next_partial:
-                    partials.append((rid, {"n": n, "i": count}))
-                    state[3], state[4] = count + 1, next_partial + PARTIAL_EVERY
-            engine.reply_partial(partials)
-            engine.reply(finals)
+        generate_steadily(
+            engine,
+            lambda n: 1.5 + (n % 7) / 4,
+            lambda numbers: log.write("".join(f"{n}\n" for n in numbers)),
+            lambda: True,
+        )
 
 
 if __name__ == "__main__":

@@ -51,14 +51,17 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..etcd_server import EtcdServer, EtcdUnavailable, etcd_server
 from .session import Failure, Processes
 from .workload import TIMEOUT
+
+if TYPE_CHECKING:
+    from ...engine import Engine
 
 MODES = ("restart", "standby")
 VARIANTS = ("c", "py")
@@ -95,12 +98,18 @@ def engine_child(
     conn: Connection, address: str, rank: int, implementation: str, generate: float
 ) -> None:
     """An engine rank that generates for ``generate`` seconds per request; it counts the
-    requests it starts (by the number in their prompt's first token)."""
-    from ...engine import Abort, Engine, Request
-    from ...protocol import STREAM_KEY
+    requests it starts (by their number), and says how often each started when asked."""
+    from ...engine import Engine
 
     started: collections.Counter[int] = collections.Counter()
-    active: dict[int, list[Any]] = {}  # server rid -> [n, end, streaming, partials, next one]
+
+    def running() -> bool:
+        if conn.poll():
+            if conn.recv()[0] == "stop":
+                return False
+            conn.send(("started", dict(started)))
+        return True
+
     with Engine(
         address,
         rank=rank,
@@ -109,35 +118,50 @@ def engine_child(
         coordinator_timeout=COORDINATOR_TIMEOUT,
     ) as engine:
         conn.send(("ready",))
-        while True:
-            if conn.poll():
-                command = conn.recv()
-                if command[0] == "stop":
-                    return
-                conn.send(("started", dict(started)))
-            now = time.monotonic()
-            for event in engine.poll(0.01):
-                if isinstance(event, Request):
-                    n = event.prompt_tokens()[0]
-                    started[n] += 1
-                    streaming = bool((event.sampling_params or {}).get(STREAM_KEY))
-                    first_partial = now + PARTIAL_EVERY
-                    active[event.server_rid] = [n, now + generate, streaming, 0, first_partial]
-                elif isinstance(event, Abort) and event.server_rid in active:
-                    active[event.server_rid][1] = now
-            partials, finals = [], []
-            for rid, state in list(active.items()):
-                n, end, streaming, count, next_partial = state
-                if now >= end:
-                    finals.append((rid, {"n": n, "partials": count}))
-                    del active[rid]
-                elif streaming and now >= next_partial:
-                    partials.append((rid, {"n": n, "i": count}))
-                    state[3], state[4] = count + 1, next_partial + PARTIAL_EVERY
-            if partials:
-                engine.reply_partial(partials)
-            if finals:
-                engine.reply(finals)
+        generate_steadily(engine, lambda n: generate, started.update, running)
+
+
+def generate_steadily(
+    engine: Engine,
+    duration: Callable[[int], float],
+    started: Callable[[list[int]], object],
+    running: Callable[[], bool],
+) -> None:
+    """Serve ``engine`` while ``running()``: every request (its prompt's first token is
+    its number ``n``) generates for ``duration(n)`` seconds, a streaming one with a
+    partial ``{"n": n, "i": i}`` every ``PARTIAL_EVERY`` s, and ends with ``{"n": n,
+    "partials": count}``; ``started`` is given the numbers of each poll's new requests."""
+    from ...engine import Abort, Request
+    from ...protocol import STREAM_KEY
+
+    active: dict[int, list[Any]] = {}  # server rid -> [n, end, streaming, partials, next one]
+    while running():
+        now = time.monotonic()
+        new = []
+        for event in engine.poll(0.01):
+            if isinstance(event, Request):
+                n = event.prompt_tokens()[0]
+                new.append(n)
+                streaming = bool((event.sampling_params or {}).get(STREAM_KEY))
+                first_partial = now + PARTIAL_EVERY
+                active[event.server_rid] = [n, now + duration(n), streaming, 0, first_partial]
+            elif isinstance(event, Abort) and event.server_rid in active:
+                active[event.server_rid][1] = now
+        if new:
+            started(new)
+        partials, finals = [], []
+        for rid, state in list(active.items()):
+            n, end, streaming, count, next_partial = state
+            if now >= end:
+                finals.append((rid, {"n": n, "partials": count}))
+                del active[rid]
+            elif streaming and now >= next_partial:
+                partials.append((rid, {"n": n, "i": count}))
+                state[3], state[4] = count + 1, next_partial + PARTIAL_EVERY
+        if partials:
+            engine.reply_partial(partials)
+        if finals:
+            engine.reply(finals)
 
 
 # -- the client ---------------------------------------------------------------------------
@@ -154,7 +178,8 @@ def client_child(
 async def _client(
     conn: Connection, address: str, implementation: str, rate: float, seconds: float
 ) -> None:
-    from ...client import Client
+    from ...client import Client, CoordinatorError
+    from ...protocol import ErrorCode
 
     client = await Client.connect(
         address,
@@ -170,7 +195,8 @@ async def _client(
         sent, answered = array("d", [math.nan]) * n, array("d", [math.nan]) * n
         status = bytearray(n)
         arrivals = array("d")
-        errors: list[str] = []
+        errors: list[str] = []  # the first few, in full
+        kinds: collections.Counter[str] = collections.Counter()  # every failure's kind
         tail = list(range(1, PROMPT_TOKENS))
 
         async def one(i: int) -> None:
@@ -193,6 +219,11 @@ async def _client(
             except Exception as exc:  # what it raised is the figure
                 answered[i] = time.monotonic()
                 status[i] = FAILED
+                kind = type(exc).__name__
+                if isinstance(exc, CoordinatorError):
+                    with contextlib.suppress(ValueError):  # a code of a newer coordinator
+                        kind = ErrorCode(exc.code).name
+                kinds[kind] += 1
                 if len(errors) < 5:
                     errors.append(f"request {i}: {type(exc).__name__}: {exc}")
 
@@ -208,7 +239,7 @@ async def _client(
         for task in pending:
             task.cancel()
         report = (sent.tobytes(), answered.tobytes(), bytes(status), arrivals.tobytes())
-        conn.send(("done", *report, errors))
+        conn.send(("done", *report, errors, dict(kinds)))
         conn.recv()  # ("stop",)
 
 
@@ -310,11 +341,12 @@ def run_once(
         else:
             assert etcd is not None
             name = etcd.endpoint(f"coordkit-bench/{label}")
-            addresses = [_address(args, directory, f"{label}-{side}") for side in "ab"]
             ha = ("--ha", name, "--ha-ttl", str(args.ha_ttl))
-            served = [Served(a, variant, logs / f"{label}-{a[-1]}.log", *ha) for a in addresses]
+            for side in "ab":
+                address = _address(args, directory, f"{label}-{side}")
+                served.append(Served(address, variant, logs / f"{label}-{side}.log", *ha))
             _first_to_listen(served)
-            peers = ",".join(addresses)
+            peers = ",".join(s.bind for s in served)
             pause = args.ha_ttl
         engines = [
             processes._start(
@@ -341,7 +373,7 @@ def run_once(
         else:
             successor = next(s for s in served if s is not leader)
         serving = successor.listening_after(killed)
-        _, *report, errors = processes._receive(client, timeout=None)
+        _, *report, errors, kinds = processes._receive(client, timeout=None)
         started: collections.Counter[int] = collections.Counter()
         for engine in engines:
             started.update(processes._call(engine, ("started",))[1])
@@ -355,6 +387,7 @@ def run_once(
         variant=variant,
         started_twice=sum(count > 1 for count in started.values()),
         errors=errors,
+        failed_by=kinds,
         rate=args.failover_rate,
         generate_s=args.failover_generate,
         seconds=seconds,
@@ -486,6 +519,10 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"mode": mode, "variant": variant, "repetitions": len(group)}
         row.update({key: statistics.median(r[key] for r in group) for key in _MEDIANS})
         row.update({key: sum(r[key] for r in group) for key in _SUMS})
+        failed_by: collections.Counter[str] = collections.Counter()
+        for r in group:
+            failed_by.update(r["failed_by"])
+        row["failed_by"] = dict(failed_by)
         for key in ("restart_delay_s", "ttl_s"):
             if key in group[0]:
                 row[key] = group[0][key]

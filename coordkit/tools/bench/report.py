@@ -309,6 +309,10 @@ def print_failover(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None
             f"{r['added_p99_s']:+9.3f}s {r['crossed']:7.0f} {r['lost']:5d} {r['failed']:6d} "
             f"{r['wrong']:5d} {r['started_twice']:5d}  {pause}"
         )
+    for r in rows:
+        if r["failed_by"]:
+            kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(r["failed_by"].items()))
+            print(f"FAILED requests, {r['mode']} {r['variant']}: {kinds}")
     print(
         "(kill→reply: to the first reply after the new coordinator listened; added p99: of "
         "the requests in flight at the kill, over those answered before it; lost, failed, "
