@@ -386,6 +386,7 @@ def run_once(
         mode=mode,
         variant=variant,
         started_twice=sum(count > 1 for count in started.values()),
+        started_twice_first=sorted(n for n, count in started.items() if count > 1)[:10],
         errors=errors,
         failed_by=kinds,
         rate=args.failover_rate,
