@@ -54,3 +54,14 @@ def test_bad_failover_options_get_one_line(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--failover", "--variants", "floor"])
     assert "--failover runs c and py" in capsys.readouterr().err
+
+
+def test_the_standby_without_etcd_gets_one_line(capsys, monkeypatch):
+    """Asked for by name, refused in one line; by default, skipped with one."""
+    monkeypatch.setattr(failover, "ha_missing", lambda: failover.MISSING_HA)
+    with pytest.raises(SystemExit):
+        bench.main(["--failover", "--failover-modes", "standby"])
+    assert f"coordkit bench: {failover.MISSING_HA}" in capsys.readouterr().err
+    args = bench._parse(["--failover"])
+    assert args.failover_modes == ["restart"]
+    assert f"skipping the standby: {failover.MISSING_HA}" in capsys.readouterr().err
