@@ -154,8 +154,13 @@ class Candidates:
     def move(self, socket: zmq.Socket, discard: bool = False) -> None:
         """Leave the current coordinator for the next one (after the last: the first);
         ``discard`` drops what the one left sent that was not read yet (a refused one's)."""
+        # What is queued for it is dropped (the rebuild sends it again), or it would keep
+        # the context's term() waiting for a coordinator that may never come back.
+        linger = socket.getsockopt(zmq.LINGER)
+        socket.setsockopt(zmq.LINGER, 0)
         with contextlib.suppress(zmq.ZMQError):  # ENOENT: libzmq dropped it already
             socket.disconnect(self.current)
+        socket.setsockopt(zmq.LINGER, linger)
         if discard:
             with contextlib.suppress(zmq.Again):
                 while True:

@@ -793,9 +793,12 @@ async def _attempt(
         await asyncio.wait({handshake, ended}, timeout=ack_timeout, return_when="FIRST_COMPLETED")
     finally:
         lasted = not ended.done()
+        answered = handshake.done()
         ended.cancel()
         handshake.cancel()  # nothing when it is done
-    if not handshake.done() or handshake.cancelled():
+        # Their readers are gone before another is added on the same FD.
+        await asyncio.gather(ended, handshake, return_exceptions=True)
+    if not answered:
         return None
     exc = handshake.exception()
     if isinstance(exc, ConnectionError | ProtocolError):
@@ -809,13 +812,14 @@ async def _attempt(
 async def _watched(watch: ConnectionWatch, event: int) -> None:
     """Until ``watch`` reports ``event`` (the others reported meanwhile are dropped)."""
     loop = asyncio.get_running_loop()
+    fd = watch.fd  # read once: a close() meanwhile closes the watch
     while event not in watch.events():
         readable: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(watch.fd, _wake, readable)
+        loop.add_reader(fd, _wake, readable)
         try:
             await readable
         finally:
-            loop.remove_reader(watch.fd)
+            loop.remove_reader(fd)
 
 
 async def _handshake(

@@ -386,6 +386,7 @@ class Engine:
         admitted it; a refused one's is dropped, and the next coordinator is tried."""
         if self._refused is not None:
             log.warning("coordkit engine %s: not following it: %s", self.rank, self._refused)
+            self._unadmitted += events
             self._move(time.monotonic(), discard=True)
             return []
         if not self._registered:
@@ -400,6 +401,8 @@ class Engine:
         self.connected = False
         self._registered = False
         self._refused = None
+        # Not handed out: not pending either.
+        self.pending -= sum(isinstance(event, Request) for event in self._unadmitted)
         self._unadmitted = []
         self._candidates.move(self._socket, discard)
         self._give_up_at = now + CANDIDATE_WINDOW
