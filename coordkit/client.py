@@ -531,6 +531,8 @@ class Client:
         self._loop.remove_reader(self._fd)
         if self._rejoining is not None:
             self._rejoining.cancel()
+            # Its readers go before the FDs they watch close (and their numbers are reused).
+            await asyncio.gather(self._rejoining, return_exceptions=True)
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None

@@ -374,17 +374,21 @@ class Coordinator:
         self._started = True
         term = self._term
         next_timer = time.monotonic() + TIMER_INTERVAL
+        deadline = math.inf
         try:
             while self._loop.serve(
                 max(next_timer - time.monotonic(), 0.001),
-                math.inf if term is None else term.deadline,
+                deadline := math.inf if term is None else term.deadline,
             ):
                 now = time.monotonic()
                 if now >= next_timer:
                     self._loop.expire(now)
                     next_timer = now + TIMER_INTERVAL
         finally:
-            self._close(handover=term is not None and not term.valid())
+            # Past the deadline the loop was given, the term ended for it, even if a
+            # keepalive answered meanwhile renewed it: what is in flight is handed over.
+            ended = term is not None and (time.monotonic() >= deadline or not term.valid())
+            self._close(handover=ended)
 
     def start(self) -> None:
         """Run :meth:`serve_forever` on a background thread named ``coordkit``."""

@@ -598,8 +598,8 @@ def _serve(args: argparse.Namespace) -> int:
                 break
             print(f"coordkit: elected, epoch {term.epoch}", file=sys.stderr, flush=True)
             code = _serve_term(args, impl, options, term, stopped)
+            term.resign()  # a loop that stopped at a deadline renewed meanwhile: let go
             if code or stopped.is_set():
-                term.resign()
                 return code
             print(
                 f"coordkit: the term of epoch {term.epoch} ended; standing again",
