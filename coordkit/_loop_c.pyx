@@ -380,9 +380,6 @@ cdef class Loop:
             items[i].events = ZMQ_POLLIN
         while not self.stopping:
             now = monotonic()
-            if now >= self.next_tick:
-                self.next_tick = now + TICK_SECONDS
-                self._tick(now)
             if now >= deadline:
                 return False
             # Rounded up: rounded down, the last millisecond before the deadline would
@@ -393,9 +390,13 @@ cdef class Loop:
                 return zmq_errno() != EINTR
             if DEBUG:
                 self.debug_polls += 1
-            if monotonic() >= self.deadline:  # its term is over (a freeze, say): serve nobody
+            now = monotonic()
+            if now >= self.deadline:  # its term is over (a freeze, say): serve nobody
                 self.stopping = True
                 break
+            if now >= self.next_tick:
+                self.next_tick = now + TICK_SECONDS
+                self._tick(now)
             if items[2].revents & ZMQ_POLLIN:
                 with gil:
                     self._connection_events()

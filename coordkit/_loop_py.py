@@ -730,17 +730,18 @@ class Loop:
         until = time.monotonic() + timeout
         while not self._stopping:
             now = time.monotonic()
-            if now >= self._next_tick:
-                self._next_tick = now + TICK
-                self._tick(now)
             if now >= until:
                 return True
             # Rounded up: rounded down, the last millisecond before the deadline would
             # return at once, again and again, handling nothing until it passed.
             ready = dict(self._poller.poll(math.ceil((min(until, self._next_tick) - now) * 1000)))
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 self._stopping = True
                 break
+            if now >= self._next_tick:
+                self._next_tick = now + TICK
+                self._tick(now)
             if self._monitor in ready:
                 self._connection_events()
             if self._wake in ready:

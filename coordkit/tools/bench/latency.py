@@ -519,14 +519,15 @@ def seconds_at(rate: float, args: argparse.Namespace) -> float:
 
 def _progress(point: dict[str, Any]) -> None:
     added = f" (+{point['added_p99_us']:.0f})" if "added_p99_us" in point else ""
+    cost = ""
     if "coordinator_cpu_us" in point:
-        added += f", coordinator {point['coordinator_cpu_us']:.1f} µs/request"
+        cost = f", coordinator CPU {point['coordinator_cpu_us']:.1f} µs/request"
     kept = "" if point["generator_kept_up"] else ", the senders fell behind"
     print(
         f"latency {point['prompt']:>6} tokens {point['variant']:>6} "
         f"{point['offered']:8.0f}/s offered: {point['send_rate']:8.0f} sent "
         f"{point['achieved']:8.0f} answered/s, p50 {point['p50_us']:8.0f} "
-        f"p99 {point['p99_us']:8.0f}{added} µs, sends late p99 "
+        f"p99 {point['p99_us']:8.0f}{added} µs{cost}, sends late p99 "
         f"{point['lag_p99_us']:.0f} µs{kept}",
         file=sys.stderr,
     )
