@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any, cast
 
 import zmq
@@ -37,10 +37,12 @@ from .curve import KeySource, ServerKey, secure_client
 from .protocol import EPOCH_KEY
 
 __all__ = [
+    "ACK_WINDOW",
     "CANDIDATE_WINDOW",
     "DEFAULT_COORDINATOR_TIMEOUT",
     "Candidates",
     "ConnectionWatch",
+    "Following",
     "prepare",
 ]
 
@@ -50,6 +52,9 @@ DEFAULT_COORDINATOR_TIMEOUT = 5.0
 #: before it tries the next: a serving coordinator's handshake takes milliseconds; a
 #: standby has not bound its address, and a frozen leader's host accepts but never greets.
 CANDIDATE_WINDOW = 0.5
+#: Seconds a candidate connected to has to acknowledge the CONNECT or ENGINE_HELLO
+#: before the next is tried (a serving coordinator answers in milliseconds).
+ACK_WINDOW = 2.0
 
 _TTL_MAX_MS = 6_553_500  # the largest ZMQ_HEARTBEAT_TTL libzmq accepts
 _WATCHED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -96,11 +101,15 @@ class ConnectionWatch:
         """The monitor's FD, edge-triggered as every ZeroMQ FD: read with :meth:`events`."""
         return cast(int, self._monitor.getsockopt(zmq.FD))
 
-    def events(self) -> list[int]:
-        """The events reported since the last call, in order (never blocks)."""
+    def events(self, others: Container[str] = ()) -> list[int]:
+        """The events reported since the last call, in order (never blocks), but
+        those of the endpoints in ``others`` (addresses left: libzmq may report
+        one late)."""
         found = []
         while cast(int, self._monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            found.append(recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"])
+            event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            if event["endpoint"].decode() not in others:
+                found.append(event["event"])
         return found
 
     def close(self) -> None:
@@ -136,6 +145,11 @@ class Candidates:
         """The address followed (or tried) now."""
         return self.addresses[self.index]
 
+    @property
+    def others(self) -> tuple[str, ...]:
+        """The addresses but the current one (libzmq reports them as given)."""
+        return self.addresses[: self.index] + self.addresses[self.index + 1 :]
+
     def admit(self, features: Mapping[Any, Any]) -> str | None:
         """Whether to follow the coordinator that answered with ``features`` (a
         CONNECT_ACK's or ENGINE_ACK's map): None, and its epoch the highest seen,
@@ -167,3 +181,19 @@ class Candidates:
                     socket.recv_multipart(zmq.NOBLOCK, copy=False)
         self.index = (self.index + 1) % len(self.addresses)
         socket.connect(self.current)
+
+
+class Following:
+    """What a client and an engine say of the coordinators they follow (their ``_candidates``)."""
+
+    _candidates: Candidates
+
+    @property
+    def address(self) -> str:
+        """The coordinator's address (of several: the one followed or tried now)."""
+        return self._candidates.current
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Every coordinator address it was given."""
+        return self._candidates.addresses

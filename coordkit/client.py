@@ -34,10 +34,12 @@ from . import protocol
 from ._checks import streaming_params
 from ._implementation import load_implementation, selected
 from ._liveness import (
+    ACK_WINDOW,
     CANDIDATE_WINDOW,
     DEFAULT_COORDINATOR_TIMEOUT,
     Candidates,
     ConnectionWatch,
+    Following,
     prepare,
 )
 from .curve import KeySource, ServerKey
@@ -156,7 +158,7 @@ class Stream:
         return value
 
 
-class Client:
+class Client(Following):
     """A connection to a coordinator; create it with :meth:`connect`.
 
     ERRORs that concern no pending request (a control signal the coordinator's
@@ -267,9 +269,9 @@ class Client:
         commas (``"tcp://a:5555,tcp://b:5555"``: the standbys of one ``--ha``
         NAME). The client then follows one coordinator at a time
         (:attr:`address` is the one followed): the first, in turn, that
-        connects within 0.5 s and acknowledges it with an epoch no older than
-        the highest it has seen; when the connection ends it looks again among
-        all of them. This needs the rebuild (the epoch comes with it):
+        connects within 0.5 s and acknowledges it (within 2 s, or ``timeout``
+        if shorter) with an epoch no older than the highest it has seen; when
+        the connection ends it looks again among all of them. This needs the rebuild (the epoch comes with it):
         ValueError with ``failover_timeout=0``.
         Raises :class:`ConnectionError` if no CONNECT_ACK comes within
         ``timeout`` seconds (also what a CURVE coordinator that refuses the
@@ -338,16 +340,6 @@ class Client:
             failover_timeout=failover_timeout,
             candidates=candidates,
         )
-
-    @property
-    def address(self) -> str:
-        """The coordinator's address (of several: the one followed or tried now)."""
-        return self._candidates.current
-
-    @property
-    def addresses(self) -> tuple[str, ...]:
-        """Every coordinator address it was given."""
-        return self._candidates.addresses
 
     @property
     def coordinator_epoch(self) -> int | None:
@@ -607,7 +599,7 @@ class Client:
         assert self._watch is not None
         if self._closed:  # a call scheduled before close() closed the watch
             return
-        for event in self._watch.events():
+        for event in self._watch.events(self._candidates.others):
             if event == zmq.EVENT_DISCONNECTED:
                 self._lost()
                 if self._candidates.several and self._rejoining is None:  # look at once
@@ -783,16 +775,22 @@ async def _attempt(
     ack_timeout: float,
 ) -> tuple[bool, bool] | None:
     """The current candidate's CONNECT_ACK, if it connects within CANDIDATE_WINDOW and
-    acknowledges the client within ``ack_timeout``, its connection lasting, with an
-    epoch no older than any seen; None otherwise."""
+    acknowledges the client within ACK_WINDOW (or ``ack_timeout``, if shorter), its
+    connection lasting, with an epoch no older than any seen; None otherwise."""
+    others = candidates.others
     try:
-        await asyncio.wait_for(_watched(watch, zmq.EVENT_HANDSHAKE_SUCCEEDED), CANDIDATE_WINDOW)
+        connected = _watched(watch, zmq.EVENT_HANDSHAKE_SUCCEEDED, others)
+        await asyncio.wait_for(connected, CANDIDATE_WINDOW)
     except asyncio.TimeoutError:
         return None
     handshake = asyncio.ensure_future(_handshake(socket, batch, True, candidates))
-    ended = asyncio.ensure_future(_watched(watch, zmq.EVENT_DISCONNECTED))
+    ended = asyncio.ensure_future(_watched(watch, zmq.EVENT_DISCONNECTED, others))
     try:
-        await asyncio.wait({handshake, ended}, timeout=ack_timeout, return_when="FIRST_COMPLETED")
+        await asyncio.wait(
+            {handshake, ended},
+            timeout=min(ack_timeout, ACK_WINDOW),
+            return_when="FIRST_COMPLETED",
+        )
     finally:
         lasted = not ended.done()
         answered = handshake.done()
@@ -811,17 +809,12 @@ async def _attempt(
     return handshake.result() if lasted else None
 
 
-async def _watched(watch: ConnectionWatch, event: int) -> None:
-    """Until ``watch`` reports ``event`` (the others reported meanwhile are dropped)."""
-    loop = asyncio.get_running_loop()
+async def _watched(watch: ConnectionWatch, event: int, others: tuple[str, ...]) -> None:
+    """Until ``watch`` reports ``event`` of an endpoint not in ``others`` (the events
+    reported meanwhile are dropped)."""
     fd = watch.fd  # read once: a close() meanwhile closes the watch
-    while event not in watch.events():
-        readable: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, _wake, readable)
-        try:
-            await readable
-        finally:
-            loop.remove_reader(fd)
+    while event not in watch.events(others):
+        await _readable(fd)
 
 
 async def _handshake(
@@ -865,16 +858,21 @@ async def _handshake(
 
 async def _receive(socket: zmq.Socket) -> list[bytes]:
     """The next message, awaited on the socket's FD (edge-triggered: check EVENTS first)."""
-    loop = asyncio.get_running_loop()
     fd = cast(int, socket.getsockopt(zmq.FD))
     while not cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-        readable: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, _wake, readable)
-        try:
-            await readable
-        finally:
-            loop.remove_reader(fd)
+        await _readable(fd)
     return socket.recv_multipart(zmq.NOBLOCK)
+
+
+async def _readable(fd: int) -> None:
+    """Until a ZeroMQ FD signals (edge-triggered: the caller checks what is there first)."""
+    loop = asyncio.get_running_loop()
+    readable: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, _wake, readable)
+    try:
+        await readable
+    finally:
+        loop.remove_reader(fd)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -391,8 +391,7 @@ class Coordinator:
         deadline = math.inf
         try:
             while self._loop.serve(
-                _serve_slice(term, main),
-                deadline := math.inf if term is None else term.deadline,
+                _serve_slice(term, main), deadline := math.inf if term is None else term.deadline
             ):
                 pass
         finally:

@@ -47,10 +47,12 @@ from ._events import Abort, Control, Event, ReleaseKV, Request
 from ._held import Held
 from ._implementation import load_implementation, selected
 from ._liveness import (
+    ACK_WINDOW,
     CANDIDATE_WINDOW,
     DEFAULT_COORDINATOR_TIMEOUT,
     Candidates,
     ConnectionWatch,
+    Following,
     prepare,
 )
 from .curve import KeySource, ServerKey
@@ -75,7 +77,7 @@ REGISTRATION_WARNING = 5.0
 ReplyEntry = tuple[int, Any] | tuple[int, Any, bool]
 
 
-class Engine:
+class Engine(Following):
     """One engine rank's connection to the coordinator (a DEALER with an identity).
 
     ``pending`` counts requests received and not yet answered with a final
@@ -125,9 +127,9 @@ class Engine:
     (``"tcp://a:5555,tcp://b:5555"``: the standbys of one ``--ha`` NAME); it
     then follows one at a time (``address`` is the one followed now), and
     moves to the next when the connection ends, when none is made within
-    0.5 s, or when one is not acknowledged within ``REGISTRATION_WARNING``
-    seconds. It follows only a coordinator whose ENGINE_ACK announces an
-    epoch no older than the highest it has seen (:attr:`coordinator_epoch`),
+    0.5 s, or when one is not acknowledged within 2 s. It follows only a
+    coordinator whose ENGINE_ACK announces an epoch no older than the highest
+    it has seen (:attr:`coordinator_epoch`),
     and hands out nothing a coordinator sent before that ENGINE_ACK admitted
     it: so it never acts for a stale leader. This needs the rebuild (the
     epoch comes with it): ValueError with ``rebuild=False`` or ``hello=False``.
@@ -202,16 +204,6 @@ class Engine:
     def implementation(self) -> str:
         """``"c"`` or ``"py"``: the core this engine runs on."""
         return str(self._core.implementation)
-
-    @property
-    def address(self) -> str:
-        """The coordinator's address (of several: the one followed or tried now)."""
-        return self._candidates.current
-
-    @property
-    def addresses(self) -> tuple[str, ...]:
-        """Every coordinator address it was given."""
-        return self._candidates.addresses
 
     @property
     def coordinator_epoch(self) -> int | None:
@@ -350,7 +342,7 @@ class Engine:
         for a while: say so, once per registration."""
         self._next_watch = now + _WATCH_INTERVAL
         several = self._candidates.several
-        for event in self._watch.events():
+        for event in self._watch.events(self._candidates.others):
             if event == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
                 self._registered = False
@@ -362,7 +354,7 @@ class Engine:
                     self._move(now)
                     break  # the rest was the connection left's
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and several and not self._registered:
-                self._give_up_at = now + REGISTRATION_WARNING  # connected: now its ENGINE_ACK
+                self._give_up_at = now + ACK_WINDOW  # connected: now its ENGINE_ACK
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.connected:
                 self.connected = True
                 # What was sent meanwhile went out first: the same coordinator takes it,
