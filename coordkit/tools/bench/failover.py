@@ -247,7 +247,8 @@ async def _client(
 
 
 class Served:
-    """A ``coordkit serve`` process, its stderr read as it comes: when it said it listens."""
+    """A ``coordkit serve`` process, its stderr read as it comes: when it said it listens,
+    and whether it serves now (from its "listening" line to its term's end, if ``--ha``)."""
 
     def __init__(self, bind: str, implementation: str, log: Path, *ha: str):
         command = [sys.executable, "-m", _PACKAGE, "serve", "--bind", bind]
@@ -255,7 +256,8 @@ class Served:
         self.bind = bind
         self.log = log
         self.listening: list[float] = []  # time.monotonic() of each "listening" line
-        self.killed: float | None = None
+        self.serving = False
+        self.said: collections.deque[str] = collections.deque(maxlen=3)  # its last lines
         self._changed = threading.Condition()
         self.process = subprocess.Popen(
             command, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=_child_env()
@@ -269,10 +271,14 @@ class Served:
                 at = time.monotonic()
                 log.write(line)
                 log.flush()
+                self.said.append(line.decode(errors="replace").strip())
                 if line.startswith(b"coordkit listening on "):
                     with self._changed:
                         self.listening.append(at)
+                        self.serving = True
                         self._changed.notify_all()
+                elif line.startswith(b"coordkit: the term of epoch "):  # "... ended"
+                    self.serving = False
 
     def listening_after(self, moment: float, timeout: float = TIMEOUT) -> float:
         """When it first said it listens after ``moment``, waited for up to ``timeout``."""
@@ -285,15 +291,19 @@ class Served:
         if not later:
             code = self.process.poll()
             why = f"exited with code {code}" if code is not None else f"not within {timeout:.0f} s"
-            raise Failure(f"the coordinator at {self.bind} did not listen ({why}; see {self.log})")
+            what = f"the coordinator at {self.bind} did not listen ({why})"
+            raise Failure(what + self.last_words())
         return later[0]
+
+    def last_words(self) -> str:
+        return f": {' | '.join(self.said)}" if self.said else ""
 
     def kill(self) -> float:
         """SIGKILL it; when the signal was sent."""
-        self.killed = time.monotonic()
+        killed = time.monotonic()
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()
-        return self.killed
+        return killed
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -345,7 +355,7 @@ def run_once(
             for side in "ab":
                 address = _address(args, directory, f"{label}-{side}")
                 served.append(Served(address, variant, logs / f"{label}-{side}.log", *ha))
-            _first_to_listen(served)
+            _leader(served)
             peers = ",".join(s.bind for s in served)
             pause = args.ha_ttl
         engines = [
@@ -364,7 +374,8 @@ def run_once(
         start = time.monotonic() + _LEAD
         client.conn.send(("go", start))
         processes._wait(lambda: time.monotonic() >= start + args.kill_after, "the kill")
-        leader = next(s for s in served if s.listening and s.process.poll() is None)
+        leader = _leader(served)  # under load, a term may have ended since the first
+        handovers = sum(len(s.listening) for s in served) - 1
         killed = leader.kill()
         if mode == "restart":
             time.sleep(args.restart_delay)
@@ -394,20 +405,23 @@ def run_once(
         seconds=seconds,
     )
     run["restart_delay_s" if mode == "restart" else "ttl_s"] = pause
+    if mode == "standby":
+        run["handovers_before_kill"] = handovers  # terms lost before the kill (a loaded host)
     return run
 
 
-def _first_to_listen(candidates: list[Served]) -> Served:
-    """The candidate that won the first term."""
+def _leader(candidates: list[Served]) -> Served:
+    """The one candidate serving, waited for."""
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline:
-        for candidate in candidates:
-            if candidate.listening:
-                return candidate
-            if candidate.process.poll() is not None:
-                candidate.listening_after(0.0, 0)  # says why
+        serving = [c for c in candidates if c.serving and c.process.poll() is None]
+        if len(serving) == 1:
+            return serving[0]
+        for c in candidates:
+            if c.process.poll() is not None:
+                raise Failure(f"the coordinator at {c.bind} exited{c.last_words()}")
         time.sleep(0.01)
-    raise Failure(f"no candidate won the lease within {TIMEOUT:.0f} s")
+    raise Failure(f"no single coordinator served for {TIMEOUT:.0f} s")
 
 
 def _figures(start: float, killed: float, serving: float, *report: bytes) -> dict[str, Any]:
