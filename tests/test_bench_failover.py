@@ -46,7 +46,7 @@ def test_a_standby_takeover_loses_nothing(tmp_path, impl):
     if failover.ha_missing():
         unavailable(failover.MISSING_HA)
     row = run_quick(tmp_path, impl, "standby")
-    assert row["ttl_s"] == 1  # --quick's
+    assert row["ttl_s"] == 2  # --quick's
 
 
 def test_bad_failover_options_get_one_line(capsys):

@@ -424,7 +424,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--ha-ttl",
         type=int,
         metavar="S",
-        help=f"standby: the lease's TTL in whole seconds (default {DEFAULT_TTL}, --quick 1)",
+        help=f"standby: the lease's TTL in whole seconds (default {DEFAULT_TTL}, --quick 2: 1 loses terms to slow keepalives on a loaded host)",
     )
     args = parser.parse_args(argv)
     quick = args.quick
@@ -462,7 +462,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         ("failover_rate", 300.0, 100.0),
         ("failover_generate", 1.0, 0.5),
         ("kill_after", 3.0, 1.5),
-        ("ha_ttl", DEFAULT_TTL, 1),
+        ("ha_ttl", DEFAULT_TTL, 2),
     ):
         if getattr(args, name) is None:
             setattr(args, name, smoke if quick else full)
