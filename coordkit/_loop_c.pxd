@@ -128,6 +128,7 @@ cdef class Loop:
         bint forwards_hashes  # the prefix policy learns from what rebuild engines report
         uint32_t drained  # messages handled in this wake-up: the deadline is read every 256
         double deadline  # the term's, for this serve() call
+        double next_tick  # when the timers run next (time.monotonic())
 
         # The tables.
         ck_requests requests
@@ -170,6 +171,8 @@ cdef class Loop:
 
     # the hot path (no GIL)
     cdef bint _serve_for(self, double timeout) noexcept nogil
+    cdef void _tick(self, double now) noexcept nogil
+    cdef bint _oldest_submitted_before(self, double deadline) noexcept nogil
     cdef void _drain(self) noexcept nogil
     cdef void _handle(self) noexcept nogil
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil
@@ -234,7 +237,7 @@ cdef class Loop:
     cdef _unheld(self, uint32_t slot, dict resend)
     cdef _drop_orphan(self, uint32_t slot)
     cdef _end_rebuild(self)
-    cdef _acknowledge(self)
+    cdef void _acknowledge(self) noexcept nogil
 
     # failures
     cdef _settle(self)

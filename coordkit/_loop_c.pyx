@@ -99,6 +99,7 @@ from . import protocol
 from ._shared import (
     LATENCY_BUCKETS,
     REFUSAL_EVENTS,
+    TICK,
     RateLimitedLog,
     check_constants,
     detokenize,
@@ -128,6 +129,7 @@ __all__ = ["Loop"]
 
 
 GONE_REASONS = ("unreachable", "no heartbeat", "drain timed out")  # by GoneReason
+cdef double TICK_SECONDS = TICK
 
 cdef enum:
     MSGPACK_FIXARRAY_2 = 0x92  # the head of a batch entry [rid, ...] of two
@@ -297,7 +299,8 @@ cdef class Loop:
     # -- what the Coordinator calls ------------------------------------------------------
 
     def serve(self, double timeout, double deadline=INFINITY) -> bool:
-        """Handle messages for up to ``timeout`` seconds, without the GIL.
+        """Handle messages and run the timers (every ``TICK``) for up to ``timeout``
+        seconds, without the GIL (taken only for what a timer finds due).
 
         False once the loop must stop (a SHUTDOWN arrived, ``stop()`` woke it, or
         ``deadline``, its term's ``time.monotonic()``, passed: read after each
@@ -309,33 +312,6 @@ cdef class Loop:
         with nogil:
             stop = self._serve_for(timeout)
         return not stop
-
-    def expire(self, double now) -> None:
-        """Declare gone the engines whose drain or heartbeat timed out, end the
-        requests in flight longer than request_timeout, and settle what that left."""
-        cdef int rank
-        cdef double deadline = now - self.request_timeout
-        for rank in range(self.n_engines):
-            if self.engines[rank].state == ENGINE_GONE:
-                continue
-            if self.engines[rank].state == ENGINE_DRAINING:
-                if now >= self.engines[rank].drain_deadline:
-                    self._mark_gone(rank, GONE_DRAIN_TIMED_OUT)
-            elif (
-                self.heartbeat_timeout
-                and self.engines[rank].heartbeats
-                and now - self.engines[rank].last_heartbeat > self.heartbeat_timeout
-            ):
-                self._mark_gone(rank, GONE_NO_HEARTBEAT)
-        # The oldest first: only the requests that are due are touched.
-        while self.request_timeout and self.deadlines.oldest != UINT32_MAX and (
-            self.submitted[self.deadlines.oldest] < deadline
-        ):
-            self._time_out(self.deadlines.oldest)
-        if self.rebuilding and now >= self.rebuild_until:
-            self._end_rebuild()
-        self._acknowledge()
-        self._settle()
 
     def shutdown(self) -> None:
         """End every request still in flight with ERROR(SHUTTING_DOWN): its terminal reply."""
@@ -389,11 +365,12 @@ cdef class Loop:
     # at every return to release it (a ``with gil`` block passes its objects inline).
 
     cdef bint _serve_for(self, double timeout) noexcept nogil:
-        """Poll and handle messages for up to ``timeout`` seconds; True once the loop must stop."""
+        """Poll and handle messages, and run the timers when due, for up to ``timeout``
+        seconds; True once the loop must stop."""
         cdef zmq_pollitem_t items[3]
         cdef zmq_msg_t wake
-        cdef double deadline = monotonic() + timeout
-        cdef double left
+        cdef double now = monotonic()
+        cdef double deadline = now + timeout
         cdef int i
         items[0].socket = self.sock
         items[1].socket = self.wake
@@ -402,20 +379,24 @@ cdef class Loop:
             items[i].fd = 0
             items[i].events = ZMQ_POLLIN
         while not self.stopping:
+            now = monotonic()
+            if now >= deadline:
+                return False
             # Rounded up: rounded down, the last millisecond before the deadline would
             # return at once, again and again, handling nothing until it passed.
-            left = deadline - monotonic()
-            if left <= 0:
-                return False
-            if zmq_poll(items, 3, <long>ceil(left * 1000.0)) < 0:
+            if zmq_poll(items, 3, <long>ceil((min(deadline, self.next_tick) - now) * 1000.0)) < 0:
                 # EINTR: back to Python, which runs the signal handlers; anything
                 # else means the context was terminated.
                 return zmq_errno() != EINTR
             if DEBUG:
                 self.debug_polls += 1
-            if monotonic() >= self.deadline:  # its term is over (a freeze, say): serve nobody
+            now = monotonic()
+            if now >= self.deadline:  # its term is over (a freeze, say): serve nobody
                 self.stopping = True
                 break
+            if now >= self.next_tick:
+                self.next_tick = now + TICK_SECONDS
+                self._tick(now)
             if items[2].revents & ZMQ_POLLIN:
                 with gil:
                     self._connection_events()
@@ -431,6 +412,43 @@ cdef class Loop:
                 with gil:
                     self._drop_ended()
         return True
+
+    cdef void _tick(self, double now) noexcept nogil:
+        """The timers: engines whose drain or heartbeat timed out declared gone, the
+        requests in flight longer than request_timeout ended, the rebuild window
+        closed, HANDLED to rebuild engines, and what that left settled. The GIL is
+        taken only for what is due."""
+        cdef int rank
+        cdef double deadline = now - self.request_timeout
+        for rank in range(self.n_engines):
+            if self.engines[rank].state == ENGINE_GONE:
+                continue
+            if self.engines[rank].state == ENGINE_DRAINING:
+                if now >= self.engines[rank].drain_deadline:
+                    self._mark_gone(rank, GONE_DRAIN_TIMED_OUT)
+            elif (
+                self.heartbeat_timeout
+                and self.engines[rank].heartbeats
+                and now - self.engines[rank].last_heartbeat > self.heartbeat_timeout
+            ):
+                self._mark_gone(rank, GONE_NO_HEARTBEAT)
+        # The oldest first: only the requests that are due are touched.
+        if self.request_timeout and self._oldest_submitted_before(deadline):
+            with gil:
+                while self._oldest_submitted_before(deadline):
+                    self._time_out(self.deadlines.oldest)
+        if self.rebuilding and now >= self.rebuild_until:
+            with gil:
+                self._end_rebuild()
+        self._acknowledge()
+        if self.n_gone:
+            with gil:
+                self._settle()
+
+    cdef inline bint _oldest_submitted_before(self, double deadline) noexcept nogil:
+        return self.deadlines.oldest != UINT32_MAX and (
+            self.submitted[self.deadlines.oldest] < deadline
+        )
 
     cdef void _drain(self) noexcept nogil:
         """Handle every message waiting, one at a time; the term's deadline is read
@@ -1623,10 +1641,12 @@ cdef class Loop:
         finally:
             free(order)
 
-    cdef _acknowledge(self):
+    cdef void _acknowledge(self) noexcept nogil:
         """HANDLED to each rebuild engine (after the window): the number of its last
         reply message handled by the previous tick, so at least a tick ago, by when
         the replies in it have left this process in all but a stall."""
+        cdef uint8_t handled[CK_HEADER_INT_MAX]
+        cdef size_t n
         cdef int rank
         cdef Engine* engine
         for rank in range(self.n_engines):
@@ -1636,9 +1656,14 @@ cdef class Loop:
                 and engine.mark > engine.acked
             ):
                 engine.acked = engine.mark
-                handled = protocol.HANDLED.pack(engine.base + <int64_t>engine.acked - 1)
-                if not self._send_frames(&self.engine_ids, rank, handled):
+                n = ck_write_header_int(
+                    handled, HEADER_HANDLED, engine.base + <int64_t>engine.acked - 1
+                )
+                if self._send_identity(&self.engine_ids, rank) != 0:
                     self._mark_gone(rank, GONE_UNREACHABLE)
+                else:
+                    send_bytes(self.sock, handled, n, 0)
+                    traffic_count(&self.traffic, SENT, HEADER_HANDLED, n)
             engine.mark = engine.handled
 
     # -- failures ------------------------------------------------------------------------
