@@ -456,3 +456,9 @@ def test_held_reports_the_block_hashes_it_was_sent_lately(router, impl):
     assert engine.poll(0.2) == []
     assert ack() == [5, 6, 7, 8]
     engine.close()
+
+
+def test_held_hashes_below_zero_is_refused(router, impl):
+    _, address = router
+    with pytest.raises(ValueError, match="held_hashes must be at least 0, not -1"):
+        Engine(address, implementation=impl.name, held_hashes=-1)
