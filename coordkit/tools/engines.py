@@ -65,7 +65,11 @@ class CoordinatorProcess:
         self.log = log
         self.process = self._start()
         self.failovers = 0
-        self.wait_listening()
+        try:
+            self.wait_listening()
+        except BaseException:
+            self.stop()
+            raise
 
     def _start(self) -> subprocess.Popen[bytes]:
         with open(self.log, "ab") as stderr:
