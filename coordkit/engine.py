@@ -44,7 +44,7 @@ import zmq
 
 from . import protocol
 from ._events import Abort, Control, Event, ReleaseKV, Request
-from ._held import Held
+from ._held import DEFAULT_HELD_HASHES, Held
 from ._implementation import load_implementation, selected
 from ._liveness import (
     ACK_WINDOW,
@@ -133,6 +133,10 @@ class Engine(Following):
     and hands out nothing a coordinator sent before that ENGINE_ACK admitted
     it: so it never acts for a stale leader. This needs the rebuild (the
     epoch comes with it): ValueError with ``rebuild=False`` or ``hello=False``.
+
+    It also keeps the block hashes of the last ``held_hashes`` it was sent
+    (the prefix policy forwards each request's), and reports them in HELD, so
+    that a new coordinator's prefix policy knows what this rank caches.
     """
 
     def __init__(
@@ -151,6 +155,7 @@ class Engine(Following):
         curve_keys: KeySource | None = None,
         hello: bool = True,
         rebuild: bool = True,
+        held_hashes: int = DEFAULT_HELD_HASHES,
     ):
         self._candidates = Candidates(address)
         if self._candidates.several and not (rebuild and hello):
@@ -158,6 +163,8 @@ class Engine(Following):
                 "coordkit: an Engine given several coordinator addresses needs the rebuild "
                 "(rebuild=True, hello=True): the epoch that chooses among them comes with it"
             )
+        if held_hashes < 0:
+            raise ValueError(f"held_hashes must be at least 0, not {held_hashes}")
         impl = load_implementation(implementation) if implementation else selected()
         if identity is None:
             identity = f"engine-{rank}"
@@ -190,7 +197,7 @@ class Engine(Following):
         #: What the coordinator granted in its last ENGINE_ACK (``{"batch": 1}``), or {}.
         self.granted: dict[Any, Any] = {}
         self._held: list[Event] = []  # received by wait_registered(), for the next poll()
-        self._rebuild = Held(self._socket) if rebuild and hello else None
+        self._rebuild = Held(self._socket, held_hashes) if rebuild and hello else None
         # Several addresses: what came from a coordinator not (yet) admitted, the reason
         # its ENGINE_ACK was refused, when to give up on it.
         self._unadmitted: list[Event] = []

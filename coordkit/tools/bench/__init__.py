@@ -424,7 +424,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--ha-ttl",
         type=int,
         metavar="S",
-        help=f"standby: the lease's TTL in whole seconds (default {DEFAULT_TTL}, --quick 2: 1 loses terms to slow keepalives on a loaded host)",
+        help=f"standby: the lease's TTL in whole seconds (default {DEFAULT_TTL}, --quick 2: "
+        "1 loses terms to slow keepalives on a loaded host)",
     )
     args = parser.parse_args(argv)
     quick = args.quick
