@@ -5,7 +5,9 @@ Addresses (every endpoint and the coordinator), prompts and sampling params
 raise the same exception with the same message, and every entry point the
 same one for the same mistake:
 
-* an address is ``tcp://HOST:PORT``, ``ipc:///path`` or ``inproc://name``;
+* an address is ``tcp://HOST:PORT``, ``ipc:///path`` or ``inproc://name``; a
+  client's or an engine's may be several, split by commas (the coordinators it
+  may follow);
 * a prompt is a ``str``, a bytes-like object (sent as it is) or token ids: a
   sequence (a list, a tuple, a ``range``...) or an integer buffer (numpy,
   ``array.array``, anything with ``tolist()``) of ints in ``[0, 2**32)``;
@@ -32,6 +34,7 @@ __all__ = [
     "BYTES_LIKE",
     "TOKEN_LIMIT",
     "check_address",
+    "check_addresses",
     "check_params",
     "pack_params",
     "prompt_error",
@@ -95,6 +98,18 @@ def check_address(address: object) -> str:
     else:
         problem = f"unknown transport {transport!r}"
     raise ValueError(f"coordkit: bad address {address!r} ({problem}): expected {ADDRESS_FORMS}")
+
+
+def check_addresses(address: object) -> tuple[str, ...]:
+    """The coordinator addresses an endpoint may follow: ``address`` split at its commas
+    (spaces around each are dropped), each checked as :func:`check_address` does."""
+    if not isinstance(address, str) or "," not in address:
+        return (check_address(address),)
+    parts = tuple(part.strip() for part in address.split(","))
+    if "" in parts or len(set(parts)) < len(parts):
+        problem = "an empty address" if "" in parts else "an address twice"
+        raise ValueError(f"coordkit: bad address list {address!r} ({problem})")
+    return tuple(check_address(part) for part in parts)
 
 
 # -- prompts --------------------------------------------------------------------------

@@ -25,15 +25,23 @@ import os
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import zmq
 
 from . import protocol
-from ._checks import check_address, streaming_params
+from ._checks import streaming_params
 from ._implementation import load_implementation, selected
-from ._liveness import DEFAULT_COORDINATOR_TIMEOUT, ConnectionWatch, prepare
+from ._liveness import (
+    ACK_WINDOW,
+    CANDIDATE_WINDOW,
+    DEFAULT_COORDINATOR_TIMEOUT,
+    Candidates,
+    ConnectionWatch,
+    Following,
+    prepare,
+)
 from .curve import KeySource, ServerKey
 from .protocol import (
     BATCH_FEATURE,
@@ -150,7 +158,7 @@ class Stream:
         return value
 
 
-class Client:
+class Client(Following):
     """A connection to a coordinator; create it with :meth:`connect`.
 
     ERRORs that concern no pending request (a control signal the coordinator's
@@ -190,9 +198,10 @@ class Client:
         handshake_timeout: float = 10.0,
         rebuild: bool = False,
         failover_timeout: float = 0.0,
+        candidates: Candidates | None = None,
     ):
         impl = load_implementation(implementation) if implementation else selected()
-        self.address = address
+        self._candidates = candidates or Candidates(address)
         self._connected = True
         self.errors: deque[CoordinatorError] = deque(maxlen=100)
         self._on_error = on_error
@@ -256,7 +265,14 @@ class Client:
         are used only when the coordinator grants them. ``implementation``
         (``"c"`` or ``"py"``) picks the core; by default the one chosen at import.
         ``address`` is ``tcp://HOST:PORT``, ``ipc:///path`` or ``inproc://name``
-        (ValueError otherwise, before anything is opened).
+        (ValueError otherwise, before anything is opened), or several split by
+        commas (``"tcp://a:5555,tcp://b:5555"``: the standbys of one ``--ha``
+        NAME). The client then follows one coordinator at a time
+        (:attr:`address` is the one followed): the first, in turn, that
+        connects within 0.5 s and acknowledges it (within 2 s, or ``timeout``
+        if shorter) with an epoch no older than the highest it has seen; when
+        the connection ends it looks again among all of them. This needs the
+        rebuild (the epoch comes with it): ValueError with ``failover_timeout=0``.
         Raises :class:`ConnectionError` if no CONNECT_ACK comes within
         ``timeout`` seconds (also what a CURVE coordinator that refuses the
         key looks like), or at once if the coordinator refuses the client.
@@ -276,9 +292,14 @@ class Client:
         loss fails what is pending at once. With it, every request keeps a
         reference to its prompt until it ends: do not modify a prompt meanwhile.
         """
-        check_address(address)
+        candidates = Candidates(address)
         if not failover_timeout >= 0:
             raise ValueError(f"failover_timeout must be >= 0 seconds, got {failover_timeout!r}")
+        if candidates.several and failover_timeout == 0:
+            raise ValueError(
+                "coordkit: a client given several coordinator addresses needs "
+                "failover_timeout > 0: the epoch that chooses among them comes with the rebuild"
+            )
         if implementation is not None:
             load_implementation(implementation)  # an unknown or unbuilt one fails here
         socket = zmq.Socket(context or zmq.Context.instance(), zmq.DEALER)
@@ -291,10 +312,12 @@ class Client:
                 # coordinator hands out again, in another order.
                 socket.setsockopt(zmq.IDENTITY, b"c" + os.urandom(7))
             watch = ConnectionWatch(socket)  # before connect(): the first events count too
-            socket.connect(address)
-            granted, rebuild = await asyncio.wait_for(
-                _handshake(socket, batch, failover_timeout > 0), timeout
-            )
+            socket.connect(candidates.current)
+            if candidates.several:
+                handshake = _choose(socket, watch, candidates, batch, timeout)
+            else:
+                handshake = _handshake(socket, batch, failover_timeout > 0)
+            granted, rebuild = await asyncio.wait_for(handshake, timeout)
         except BaseException as exc:
             if watch is not None:
                 watch.close()
@@ -315,7 +338,13 @@ class Client:
             handshake_timeout=timeout,
             rebuild=rebuild,
             failover_timeout=failover_timeout,
+            candidates=candidates,
         )
+
+    @property
+    def coordinator_epoch(self) -> int | None:
+        """Of several addresses: the highest epoch a coordinator it followed announced."""
+        return self._candidates.epoch
 
     @property
     def connected(self) -> bool:
@@ -494,6 +523,8 @@ class Client:
         self._loop.remove_reader(self._fd)
         if self._rejoining is not None:
             self._rejoining.cancel()
+            # Its readers go before the FDs they watch close (and their numbers are reused).
+            await asyncio.gather(self._rejoining, return_exceptions=True)
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
@@ -568,9 +599,12 @@ class Client:
         assert self._watch is not None
         if self._closed:  # a call scheduled before close() closed the watch
             return
-        for event in self._watch.events():
+        for event in self._watch.events(self._candidates.others):
             if event == zmq.EVENT_DISCONNECTED:
                 self._lost()
+                if self._candidates.several and self._rejoining is None:  # look at once
+                    self._rejoining = self._loop.create_task(self._rejoin())
+                    return  # it reads the watch until it follows a coordinator
             elif not self._connected and self._rejoining is None:  # a new handshake
                 self._rejoining = self._loop.create_task(self._rejoin())
 
@@ -620,10 +654,7 @@ class Client:
         try:
             while True:
                 try:
-                    granted, rebuild = await asyncio.wait_for(
-                        _handshake(self._socket, self._ask_batch, self._failover_timeout > 0),
-                        self._handshake_timeout,
-                    )
+                    granted, rebuild = await self._reconnect()
                     break
                 except (asyncio.TimeoutError, ConnectionError, ProtocolError) as exc:
                     log.warning("coordkit client: reconnecting to %s: %r", self.address, exc)
@@ -646,6 +677,30 @@ class Client:
         self._up.set()
         self._loop.call_soon(self._core.on_readable)
         log.info("coordkit client: connected again to %s", self.address)
+
+    def _reconnect(self) -> Awaitable[tuple[bool, bool]]:
+        """The handshake on the new connection; of several addresses, a new choice."""
+        if self._candidates.several:
+            return self._follow()
+        return asyncio.wait_for(
+            _handshake(self._socket, self._ask_batch, self._failover_timeout > 0),
+            self._handshake_timeout,
+        )
+
+    async def _follow(self) -> tuple[bool, bool]:
+        """Several addresses, the connection ended: from the next address on, the first
+        coordinator that admits the client (the watch is read there meanwhile)."""
+        watch = cast(ConnectionWatch, self._watch)
+        self._loop.remove_reader(watch.fd)
+        try:
+            self._candidates.move(self._socket)
+            return await _choose(
+                self._socket, watch, self._candidates, self._ask_batch, self._handshake_timeout
+            )
+        finally:
+            if not self._closed:
+                self._loop.add_reader(watch.fd, self._on_connection_event)
+                self._loop.call_soon(self._on_connection_event)  # what came after the choice
 
     def _rejoined(self, rebuild: bool) -> None:
         """After a ride through: REJOIN with every pending request (those sent before
@@ -696,8 +751,77 @@ class Client:
                 log.exception("coordkit client: on_error callback failed")
 
 
-async def _handshake(socket: zmq.Socket, batch: bool, rebuild: bool) -> tuple[bool, bool]:
-    """Send CONNECT, wait for CONNECT_ACK; whether batches, and the rebuild, were granted."""
+async def _choose(
+    socket: zmq.Socket,
+    watch: ConnectionWatch,
+    candidates: Candidates,
+    batch: bool,
+    ack_timeout: float,
+) -> tuple[bool, bool]:
+    """Several addresses: from the current one on, in turn, the first coordinator that
+    admits the client (see :func:`_attempt`); what the others sent is dropped."""
+    while True:
+        granted = await _attempt(socket, watch, candidates, batch, ack_timeout)
+        if granted is not None:
+            return granted
+        candidates.move(socket, discard=True)
+
+
+async def _attempt(
+    socket: zmq.Socket,
+    watch: ConnectionWatch,
+    candidates: Candidates,
+    batch: bool,
+    ack_timeout: float,
+) -> tuple[bool, bool] | None:
+    """The current candidate's CONNECT_ACK, if it connects within CANDIDATE_WINDOW and
+    acknowledges the client within ACK_WINDOW (or ``ack_timeout``, if shorter), its
+    connection lasting, with an epoch no older than any seen; None otherwise."""
+    others = candidates.others
+    try:
+        connected = _watched(watch, zmq.EVENT_HANDSHAKE_SUCCEEDED, others)
+        await asyncio.wait_for(connected, CANDIDATE_WINDOW)
+    except asyncio.TimeoutError:
+        return None
+    handshake = asyncio.ensure_future(_handshake(socket, batch, True, candidates))
+    ended = asyncio.ensure_future(_watched(watch, zmq.EVENT_DISCONNECTED, others))
+    try:
+        await asyncio.wait(
+            {handshake, ended},
+            timeout=min(ack_timeout, ACK_WINDOW),
+            return_when="FIRST_COMPLETED",
+        )
+    finally:
+        lasted = not ended.done()
+        answered = handshake.done()
+        ended.cancel()
+        handshake.cancel()  # nothing when it is done
+        # Their readers are gone before another is added on the same FD.
+        await asyncio.gather(ended, handshake, return_exceptions=True)
+    if not answered:
+        return None
+    exc = handshake.exception()
+    if isinstance(exc, ConnectionError | ProtocolError):
+        log.warning("coordkit client: %s", exc)
+        return None
+    if exc is not None:
+        raise exc
+    return handshake.result() if lasted else None
+
+
+async def _watched(watch: ConnectionWatch, event: int, others: tuple[str, ...]) -> None:
+    """Until ``watch`` reports ``event`` of an endpoint not in ``others`` (the events
+    reported meanwhile are dropped)."""
+    fd = watch.fd  # read once: a close() meanwhile closes the watch
+    while event not in watch.events(others):
+        await _readable(fd)
+
+
+async def _handshake(
+    socket: zmq.Socket, batch: bool, rebuild: bool, candidates: Candidates | None = None
+) -> tuple[bool, bool]:
+    """Send CONNECT, wait for CONNECT_ACK; whether batches, and the rebuild, were granted.
+    With ``candidates``, ConnectionError for a coordinator they do not admit."""
     hello = dict(COORDKIT_HELLO)
     if batch:
         hello[BATCH_FEATURE] = 1
@@ -717,33 +841,38 @@ async def _handshake(socket: zmq.Socket, batch: bool, rebuild: bool) -> tuple[bo
     try:
         features = protocol.CONNECT_ACK_BATCH.parse(frames).features
     except ProtocolError:
-        pass
-    else:
-        granted = rebuild and features.get(REBUILD_FEATURE) == 1 and EPOCH_KEY in features
-        return batch and features.get(BATCH_FEATURE) == 1, granted
-    try:
-        protocol.CONNECT_ACK.parse(frames)
-    except ProtocolError:
-        error = protocol.ERROR.parse(frames)  # a full client table answers ERROR(BUSY)
-        refusal = CoordinatorError(error.code, error.message)
-        raise ConnectionError(
-            f"coordkit: the coordinator refused the connection: {refusal}"
-        ) from None
-    return False, False
+        try:
+            protocol.CONNECT_ACK.parse(frames)
+        except ProtocolError:
+            error = protocol.ERROR.parse(frames)  # a full client table answers ERROR(BUSY)
+            refusal = CoordinatorError(error.code, error.message)
+            raise ConnectionError(
+                f"coordkit: the coordinator refused the connection: {refusal}"
+            ) from None
+        features = {}
+    if candidates is not None and (stale := candidates.admit(features)) is not None:
+        raise ConnectionError(f"coordkit: not following it: {stale}")
+    granted = rebuild and features.get(REBUILD_FEATURE) == 1 and EPOCH_KEY in features
+    return batch and features.get(BATCH_FEATURE) == 1, granted
 
 
 async def _receive(socket: zmq.Socket) -> list[bytes]:
     """The next message, awaited on the socket's FD (edge-triggered: check EVENTS first)."""
-    loop = asyncio.get_running_loop()
     fd = cast(int, socket.getsockopt(zmq.FD))
     while not cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-        readable: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, _wake, readable)
-        try:
-            await readable
-        finally:
-            loop.remove_reader(fd)
+        await _readable(fd)
     return socket.recv_multipart(zmq.NOBLOCK)
+
+
+async def _readable(fd: int) -> None:
+    """Until a ZeroMQ FD signals (edge-triggered: the caller checks what is there first)."""
+    loop = asyncio.get_running_loop()
+    readable: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, _wake, readable)
+    try:
+        await readable
+    finally:
+        loop.remove_reader(fd)
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -388,13 +388,17 @@ class Coordinator:
         # thread, for the signal handlers. (A return waits for the GIL: in a busy
         # process, up to the interpreter's switch interval.)
         main = threading.current_thread() is threading.main_thread()
+        deadline = math.inf
         try:
             while self._loop.serve(
-                _serve_slice(term, main), math.inf if term is None else term.deadline
+                _serve_slice(term, main), deadline := math.inf if term is None else term.deadline
             ):
                 pass
         finally:
-            self._close(handover=term is not None and not term.valid())
+            # Past the deadline the loop was given, the term ended for it, even if a
+            # keepalive answered meanwhile renewed it: what is in flight is handed over.
+            ended = term is not None and (time.monotonic() >= deadline or not term.valid())
+            self._close(handover=ended)
 
     def start(self) -> None:
         """Run :meth:`serve_forever` on a background thread named ``coordkit``."""

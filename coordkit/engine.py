@@ -43,11 +43,18 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from . import protocol
-from ._checks import check_address
 from ._events import Abort, Control, Event, ReleaseKV, Request
 from ._held import DEFAULT_HELD_HASHES, Held
 from ._implementation import load_implementation, selected
-from ._liveness import DEFAULT_COORDINATOR_TIMEOUT, ConnectionWatch, prepare
+from ._liveness import (
+    ACK_WINDOW,
+    CANDIDATE_WINDOW,
+    DEFAULT_COORDINATOR_TIMEOUT,
+    Candidates,
+    ConnectionWatch,
+    Following,
+    prepare,
+)
 from .curve import KeySource, ServerKey
 from .protocol import ACK_FEATURE, BASE_KEY, BATCH_FEATURE, COORDKIT_HELLO, REBUILD_FEATURE
 
@@ -70,7 +77,7 @@ REGISTRATION_WARNING = 5.0
 ReplyEntry = tuple[int, Any] | tuple[int, Any, bool]
 
 
-class Engine:
+class Engine(Following):
     """One engine rank's connection to the coordinator (a DEALER with an identity).
 
     ``pending`` counts requests received and not yet answered with a final
@@ -118,6 +125,17 @@ class Engine:
     It also keeps the block hashes of the last ``held_hashes`` it was sent
     (the prefix policy forwards each request's), and reports them in HELD, so
     that a new coordinator's prefix policy knows what this rank caches.
+
+    ``address`` may name several coordinators, split by commas
+    (``"tcp://a:5555,tcp://b:5555"``: the standbys of one ``--ha`` NAME); it
+    then follows one at a time (``address`` is the one followed now), and
+    moves to the next when the connection ends, when none is made within
+    0.5 s, or when one is not acknowledged within 2 s. It follows only a
+    coordinator whose ENGINE_ACK announces an epoch no older than the highest
+    it has seen (:attr:`coordinator_epoch`),
+    and hands out nothing a coordinator sent before that ENGINE_ACK admitted
+    it: so it never acts for a stale leader. This needs the rebuild (the
+    epoch comes with it): ValueError with ``rebuild=False`` or ``hello=False``.
     """
 
     def __init__(
@@ -138,13 +156,17 @@ class Engine:
         rebuild: bool = True,
         held_hashes: int = DEFAULT_HELD_HASHES,
     ):
-        check_address(address)
+        self._candidates = Candidates(address)
+        if self._candidates.several and not (rebuild and hello):
+            raise ValueError(
+                "coordkit: an Engine given several coordinator addresses needs the rebuild "
+                "(rebuild=True, hello=True): the epoch that chooses among them comes with it"
+            )
         if held_hashes < 0:
             raise ValueError(f"held_hashes must be at least 0, not {held_hashes}")
         impl = load_implementation(implementation) if implementation else selected()
         if identity is None:
             identity = f"engine-{rank}"
-        self.address = address
         self.rank = rank
         self.identity = identity.encode() if isinstance(identity, str) else identity
         self.heartbeat_interval = heartbeat_interval
@@ -175,7 +197,12 @@ class Engine:
         self.granted: dict[Any, Any] = {}
         self._held: list[Event] = []  # received by wait_registered(), for the next poll()
         self._rebuild = Held(self._socket, held_hashes) if rebuild and hello else None
-        self._socket.connect(address)
+        # Several addresses: what came from a coordinator not (yet) admitted, the reason
+        # its ENGINE_ACK was refused, when to give up on it.
+        self._unadmitted: list[Event] = []
+        self._refused: str | None = None
+        self._give_up_at = time.monotonic() + CANDIDATE_WINDOW
+        self._socket.connect(self._candidates.current)
         self._register()
         self._core = impl.engine.EngineCore(self._socket, self._acknowledged, self._rebuild)
 
@@ -248,6 +275,8 @@ class Engine:
                 self._check_connection(now)
             wait = min(deadline, self._next_heartbeat, self._next_watch) - now
             events: list[Event] = self._core.poll(math.ceil(max(wait, 0.0) * 1000))
+            if self._candidates.several:
+                events = self._screened(events)
             if events or self._registered != registered or time.monotonic() >= deadline:
                 return events
 
@@ -298,6 +327,10 @@ class Engine:
         """An ENGINE_ACK (from the engine core)."""
         if not self.connected:
             return  # from a connection that ended since: not this registration's
+        if self._candidates.several and not self._registered:
+            self._refused = self._candidates.admit(granted)
+            if self._refused is not None:
+                return  # poll() moves on (not from within the core's drain)
         if not self._registered:
             log.info(
                 "coordkit engine %s: registered at %s (granted %s)",
@@ -314,7 +347,8 @@ class Engine:
         """The connection ended: note it; a new one: register on it; no acknowledgement
         for a while: say so, once per registration."""
         self._next_watch = now + _WATCH_INTERVAL
-        for event in self._watch.events():
+        several = self._candidates.several
+        for event in self._watch.events(self._candidates.others):
             if event == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
                 self._registered = False
@@ -322,12 +356,19 @@ class Engine:
                 log.warning(
                     "coordkit engine %s: lost the coordinator at %s", self.rank, self.address
                 )
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.connected:
+                if several:
+                    self._move(now)
+                    break  # the rest was the connection left's
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and several and not self._registered:
+                self._give_up_at = now + ACK_WINDOW  # connected: now its ENGINE_ACK
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.connected:
                 self.connected = True
                 # What was sent meanwhile went out first: the same coordinator takes it,
                 # a restarted one drops it (from a peer not registered: not_connected).
                 self._register()
                 log.info("coordkit engine %s: registering again at %s", self.rank, self.address)
+        if several and not self._registered and now >= self._give_up_at:
+            self._move(now)
         if self.hello and not self._registered and now >= self._warn_at:
             self._warn_at = math.inf
             log.warning(
@@ -337,6 +378,32 @@ class Engine:
                 self.address,
                 REGISTRATION_WARNING,
             )
+
+    def _screened(self, events: list[Event]) -> list[Event]:
+        """Several addresses: what a coordinator sent is handed out once its ENGINE_ACK
+        admitted it; a refused one's is dropped, and the next coordinator is tried."""
+        if self._refused is not None:
+            log.warning("coordkit engine %s: not following it: %s", self.rank, self._refused)
+            self._unadmitted += events
+            self._move(time.monotonic(), discard=True)
+            return []
+        if not self._registered:
+            self._unadmitted += events
+            return []
+        if self._unadmitted:
+            events, self._unadmitted = self._unadmitted + events, []
+        return events
+
+    def _move(self, now: float, discard: bool = False) -> None:
+        """To the next coordinator address; it registers once connected (see poll())."""
+        self.connected = False
+        self._registered = False
+        self._refused = None
+        # Not handed out: not pending either.
+        self.pending -= sum(isinstance(event, Request) for event in self._unadmitted)
+        self._unadmitted = []
+        self._candidates.move(self._socket, discard)
+        self._give_up_at = now + CANDIDATE_WINDOW
 
     def _send_heartbeat(self, now: float) -> None:
         self._socket.send_multipart(protocol.HEARTBEAT.pack(self.pending, self.capacity))

@@ -13,51 +13,20 @@ against a coordinator of the same implementation.
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from coordkit import Client
-from tests.support.processes import ROOT, free_tcp_address, python_env, serve
+from tests.support.processes import free_tcp_address, serve
 from tests.support.scripted import run
+from tests.support.steady_engine import check_outcome, collect, started, steady_engines
 
 REQUESTS = 300
 STREAMS = 60
 #: Bounds, generous for a loaded 2-core machine; none is asserted as a timing.
 SETTLE = 60.0
-
-
-@contextlib.contextmanager
-def steady_engines(address: str, impl_name: str, logs: list[Path]) -> Iterator[None]:
-    command = [sys.executable, "-m", "tests.support.steady_engine", address]
-    processes = [
-        subprocess.Popen([*command, str(rank), impl_name, str(log)], env=python_env(), cwd=ROOT)
-        for rank, log in enumerate(logs)
-    ]
-    try:
-        yield
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait()
-
-
-async def collect(stream) -> list:
-    return [part async for part in stream]
-
-
-def started(logs: list[Path]) -> collections.Counter:
-    """How many times each request number was started, over every engine."""
-    return collections.Counter(
-        int(line) for log in logs if log.exists() for line in log.read_text().split()
-    )
 
 
 def test_a_restart_at_the_same_address_loses_nothing(tmp_path, impl):
@@ -101,14 +70,8 @@ def test_a_restart_at_the_same_address_loses_nothing(tmp_path, impl):
         return finals, parts, stats
 
     finals, parts, stats = run(body(), timeout=4 * SETTLE)
-    assert [final["n"] for final in finals] == list(range(REQUESTS))
-    for n, got in zip(range(REQUESTS, REQUESTS + STREAMS), parts, strict=True):
-        *partials, final = got
-        assert final == {"n": n, "partials": len(partials)}, (n, got)
-        assert partials == [{"n": n, "i": i} for i in range(len(partials))], (n, got)
-    counts = started(logs)
-    assert sorted(counts) == list(range(REQUESTS + STREAMS))
-    assert max(counts.values()) == 1, [n for n, c in counts.items() if c > 1]
+    assert len(parts) == STREAMS
+    check_outcome(logs, finals, parts, REQUESTS)
     # The second coordinator took the requests over from the engines.
     assert stats["counters"]["adopted"] > 0 and stats["inflight"] == 0
 

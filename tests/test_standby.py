@@ -9,37 +9,17 @@ stands again. Raw clients ask each address in turn. Both implementations.
 
 from __future__ import annotations
 
-import contextlib
 import signal
-import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import zmq
 
 from tests.support.etcd import EtcdServer
 from tests.support.peers import CONNECT, CONNECT_ACK, RawClient, m, um, wait_for
-from tests.support.processes import coordkit_command, free_tcp_address, python_env
+from tests.support.processes import free_tcp_address, ha_candidate
 
 TTL = 1
 TAKEOVER = 30.0  # seconds allowed for a lease to expire and the standby to serve
-
-
-@contextlib.contextmanager
-def candidate(address: str, name: str, impl_name: str, log: Path) -> Iterator[subprocess.Popen]:
-    command = coordkit_command(
-        "serve", "--bind", address, "--implementation", impl_name,
-        "--ha", name, "--ha-ttl", str(TTL),
-    )  # fmt: skip
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(command, env=python_env(), stderr=stderr)
-    try:
-        yield process
-    finally:
-        process.send_signal(signal.SIGCONT)
-        process.kill()
-        process.wait()
 
 
 def epoch_at(address: str, timeout: float = 5.0) -> int | None:
@@ -64,8 +44,8 @@ def test_a_standby_takes_over_and_a_frozen_leader_serves_nobody(tmp_path, impl, 
     addresses = [free_tcp_address(), free_tcp_address()]
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     with (
-        candidate(addresses[0], name, impl.name, logs[0]) as first,
-        candidate(addresses[1], name, impl.name, logs[1]) as second,
+        ha_candidate(addresses[0], impl.name, logs[0], name, TTL) as first,
+        ha_candidate(addresses[1], impl.name, logs[1], name, TTL) as second,
     ):
         wait_for(lambda: any("listening" in log.read_text() for log in logs), TAKEOVER)
         time.sleep(0.5)  # the other one, were it serving too, would have said so by now

@@ -58,6 +58,13 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 
+#: The --address of a command that connects to a coordinator as a client or an engine.
+_COORDINATOR_ADDRESS_HELP = (
+    f"the coordinator's: {ADDRESS_FORMS}; or several, split by commas (the --ha "
+    "candidates of one NAME: it follows the one that serves)"
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:  # bench parses its own options
@@ -360,7 +367,7 @@ def _parser() -> argparse.ArgumentParser:
     stats = commands.add_parser("stats", help="print a coordinator's stats as JSON")
     stats.set_defaults(command=_stats)
     stats.add_argument(
-        "--address", required=True, metavar="ADDRESS", help=f"the coordinator's: {ADDRESS_FORMS}"
+        "--address", required=True, metavar="ADDRESS", help=_COORDINATOR_ADDRESS_HELP
     )
     stats.add_argument(
         "--timeout",
@@ -391,9 +398,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a fake coordkit engine rank.",
     )
     fake.set_defaults(command=run_fake_engine)
-    fake.add_argument(
-        "--address", required=True, metavar="ADDRESS", help=f"the coordinator's: {ADDRESS_FORMS}"
-    )
+    fake.add_argument("--address", required=True, metavar="ADDRESS", help=_COORDINATOR_ADDRESS_HELP)
     fake.add_argument(
         "--rank", type=int, default=0, metavar="N", help="its rank (identity engine-N)"
     )
@@ -629,8 +634,8 @@ def _serve(args: argparse.Namespace) -> int:
                 break
             print(f"coordkit: elected, epoch {term.epoch}", file=sys.stderr, flush=True)
             code = _serve_term(args, impl, options, term, stopped)
+            term.resign()  # a loop that stopped at a deadline renewed meanwhile: let go
             if code or stopped.is_set():
-                term.resign()
                 return code
             print(
                 f"coordkit: the term of epoch {term.epoch} ended; standing again",

@@ -100,3 +100,23 @@ def serve(address: str, impl_name: str, log: Path, *options: str) -> Iterator[su
             process.send_signal(signal.SIGCONT)  # a stopped process cannot die until resumed
             process.kill()
         process.wait()
+
+
+@contextlib.contextmanager
+def ha_candidate(
+    address: str, impl_name: str, log: Path, name: str, ttl: float = 1
+) -> Iterator[subprocess.Popen]:
+    """``coordkit serve --ha NAME`` at ``address`` (stderr in ``log``), killed at exit:
+    it serves once elected (its log then says "listening")."""
+    command = coordkit_command(
+        "serve", "--bind", address, "--implementation", impl_name,
+        "--ha", name, "--ha-ttl", f"{ttl:g}",
+    )  # fmt: skip
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, env=python_env(), stderr=stderr)
+    try:
+        yield process
+    finally:
+        process.send_signal(signal.SIGCONT)
+        process.kill()
+        process.wait()
