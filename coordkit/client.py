@@ -271,8 +271,8 @@ class Client(Following):
         (:attr:`address` is the one followed): the first, in turn, that
         connects within 0.5 s and acknowledges it (within 2 s, or ``timeout``
         if shorter) with an epoch no older than the highest it has seen; when
-        the connection ends it looks again among all of them. This needs the rebuild (the epoch comes with it):
-        ValueError with ``failover_timeout=0``.
+        the connection ends it looks again among all of them. This needs the
+        rebuild (the epoch comes with it): ValueError with ``failover_timeout=0``.
         Raises :class:`ConnectionError` if no CONNECT_ACK comes within
         ``timeout`` seconds (also what a CURVE coordinator that refuses the
         key looks like), or at once if the coordinator refuses the client.

@@ -122,6 +122,9 @@ class Engine(Following):
     sent it and the replies the coordinator has not acknowledged (HANDLED), and
     on each registration reports what it holds (HELD) and sends again what is
     asked (REPLAY); its requests are then never run twice (docs/failover.md).
+    It also keeps the block hashes of the last ``held_hashes`` it was sent
+    (the prefix policy forwards each request's), and reports them in HELD, so
+    that a new coordinator's prefix policy knows what this rank caches.
 
     ``address`` may name several coordinators, split by commas
     (``"tcp://a:5555,tcp://b:5555"``: the standbys of one ``--ha`` NAME); it
@@ -133,10 +136,6 @@ class Engine(Following):
     and hands out nothing a coordinator sent before that ENGINE_ACK admitted
     it: so it never acts for a stale leader. This needs the rebuild (the
     epoch comes with it): ValueError with ``rebuild=False`` or ``hello=False``.
-
-    It also keeps the block hashes of the last ``held_hashes`` it was sent
-    (the prefix policy forwards each request's), and reports them in HELD, so
-    that a new coordinator's prefix policy knows what this rank caches.
     """
 
     def __init__(
