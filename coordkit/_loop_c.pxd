@@ -47,6 +47,7 @@ cdef struct Client:
     int64_t inflight
     Ends requests  # its requests in flight: slots, through Loop.client_links
     int fd  # the connection its CONNECT came on (ZMQ_SRCFD; -1: inproc)
+    double hold  # a rebuild client: seconds its requests are kept once it is gone
 
 
 cdef struct Engine:
@@ -125,6 +126,10 @@ cdef class Loop:
         double rebuild_until
         bint rebuilding
         dict awaiting  # REJOIN entries no engine claimed yet: (client, rid) -> partials got
+        set aborting  # REJOIN entries aborted before an engine claimed them: (client, rid)
+        # Rebuild clients whose connection ended, by routing id: until when their requests
+        # wait for their REJOIN (meanwhile no HANDLED goes out: a replay may need it all).
+        dict away
         bint forwards_hashes  # the prefix policy learns from what rebuild engines report
         uint32_t drained  # messages handled in this wake-up: the deadline is read every 256
         double deadline  # the term's, for this serve() call
@@ -206,8 +211,10 @@ cdef class Loop:
     cdef _remove_client(self, int32_t client)
     cdef _connection_events(self)
     cdef _end(self, int32_t client, int fd)
+    cdef bytes _identity(self, int32_t client)
     cdef _drop_ended(self)
     cdef _goodbye(self, int32_t client)
+    cdef _returned(self, int32_t client)
     cdef _heartbeat(self, int32_t engine)
     cdef _disconnect(self, int32_t engine)
     cdef _abort(self, int32_t client)
@@ -234,6 +241,7 @@ cdef class Loop:
     cdef _unheld(self, uint32_t slot, dict resend)
     cdef _drop_orphan(self, uint32_t slot)
     cdef _end_rebuild(self)
+    cdef _end_holds(self, double now)
     cdef _acknowledge(self)
 
     # failures
@@ -245,7 +253,9 @@ cdef class Loop:
     cdef _fail_request(self, uint32_t slot, int code, int64_t header)
     cdef _time_out(self, uint32_t slot)
     cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header)
-    cdef _client_gone(self, int32_t client, bint unreachable=*)
+    cdef _client_gone(self, int32_t client, bint unreachable=*, bint closed=*)
+    cdef _go_away(self, int32_t client)
+    cdef _drop_client(self, int32_t client)
 
     # answers and malformed input
     cdef list _frames(self)

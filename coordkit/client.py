@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 import weakref
@@ -39,6 +40,7 @@ from .protocol import (
     BATCH_FEATURE,
     COORDKIT_HELLO,
     EPOCH_KEY,
+    HOLD_KEY,
     REBUILD_FEATURE,
     ErrorCode,
     Header,
@@ -293,7 +295,7 @@ class Client:
             watch = ConnectionWatch(socket)  # before connect(): the first events count too
             socket.connect(address)
             granted, rebuild = await asyncio.wait_for(
-                _handshake(socket, batch, failover_timeout > 0), timeout
+                _handshake(socket, batch, failover_timeout), timeout
             )
         except BaseException as exc:
             if watch is not None:
@@ -429,6 +431,9 @@ class Client:
         The engine still sends a final reply, which resolves the request as usual.
         """
         rid = request if isinstance(request, int) else request.request_id
+        target = self._core.get(rid)
+        if target is not None:
+            target._kept = ()  # an aborted request is never sent again (RESEND)
         self._core.abort(rid)
 
     # -- control -----------------------------------------------------------------
@@ -531,7 +536,13 @@ class Client:
 
     async def _send(self, frames: list[Any]) -> None:
         if not self._connected and self._expiry is not None:
-            await self._up.wait()  # a coordinator back, or the ride's end
+            # Riding through: the core keeps it, in order with the ABORTs, for the
+            # coordinator that accepts the REJOIN; the call returns once one did.
+            self._core.send(frames)
+            await self._up.wait()
+            if not self._connected:  # the ride's end: what was kept was dropped
+                self._raise_not_connected()
+            return
         if not self._connected:
             self._raise_not_connected()
         self._core.send(frames)
@@ -545,7 +556,7 @@ class Client:
         """RESEND: the coordinator asks for these requests again (no engine holds them)."""
         for rid in rids:
             target = self._core.get(rid)
-            if target is None:
+            if target is None or not target._kept:  # ended, or aborted: not sent again
                 continue
             try:
                 self._core.resend(rid, *target._kept)
@@ -621,7 +632,7 @@ class Client:
             while True:
                 try:
                     granted, rebuild = await asyncio.wait_for(
-                        _handshake(self._socket, self._ask_batch, self._failover_timeout > 0),
+                        _handshake(self._socket, self._ask_batch, self._failover_timeout),
                         self._handshake_timeout,
                     )
                     break
@@ -635,32 +646,33 @@ class Client:
         self._rejoining = None
         self._core.batch = granted
         self._core.flush()  # submitted meanwhile: dropped (held), named in the REJOIN
-        self._core.held = False
         self._connected = True
-        riding = self._expiry is not None
-        if riding:
-            cast(asyncio.TimerHandle, self._expiry).cancel()
+        rejoin = None
+        if self._expiry is not None:  # riding through
+            self._expiry.cancel()
             self._expiry = None
-            self._rejoined(rebuild)
+            rejoin = self._rejoined(rebuild)
+        # The REJOIN first, then the ABORTs and control messages issued meanwhile.
+        self._core.release(rejoin)
         self._rebuild = rebuild
         self._up.set()
         self._loop.call_soon(self._core.on_readable)
         log.info("coordkit client: connected again to %s", self.address)
 
-    def _rejoined(self, rebuild: bool) -> None:
-        """After a ride through: REJOIN with every pending request (those sent before
-        and those submitted meanwhile alike); the coordinator finds each at its engine,
-        or asks for it again (RESEND) once the engines had time to report -- by when
-        they are back to run it. A coordinator without the rebuild fails them all."""
+    def _rejoined(self, rebuild: bool) -> list[Any] | None:
+        """After a ride through: the REJOIN with every pending request (those sent before
+        and those submitted meanwhile alike), None when none is; the coordinator finds
+        each at its engine, or asks for it again (RESEND) once the engines had time to
+        report -- by when they are back to run it. A coordinator without the rebuild
+        fails them all."""
         if not rebuild:
             exc = ConnectionError(f"coordkit: the coordinator at {self.address} cannot rebuild")
             self._core.fail_all(exc)
-            return
+            return None
         entries = [
             [target.request_id, getattr(target, "partials", 0)] for target in self._core.targets()
         ]
-        if entries:
-            self._core.send(protocol.REJOIN.pack(entries))
+        return protocol.REJOIN.pack(entries) if entries else None
 
     # -- what the core hands up -----------------------------------------------------------
 
@@ -696,13 +708,18 @@ class Client:
                 log.exception("coordkit client: on_error callback failed")
 
 
-async def _handshake(socket: zmq.Socket, batch: bool, rebuild: bool) -> tuple[bool, bool]:
-    """Send CONNECT, wait for CONNECT_ACK; whether batches, and the rebuild, were granted."""
+async def _handshake(socket: zmq.Socket, batch: bool, failover: float) -> tuple[bool, bool]:
+    """Send CONNECT (asking for the rebuild when ``failover``, the client's
+    failover_timeout, is > 0: the coordinator keeps its requests that long once its
+    connection ends), wait for CONNECT_ACK; whether batches, and the rebuild, were
+    granted."""
+    rebuild = failover > 0
     hello = dict(COORDKIT_HELLO)
     if batch:
         hello[BATCH_FEATURE] = 1
     if rebuild:
         hello[REBUILD_FEATURE] = 1
+        hello[HOLD_KEY] = math.ceil(failover * 1000)
     connect = protocol.CONNECT_COORDKIT.pack(hello)
     while True:
         try:
