@@ -214,6 +214,7 @@ cdef class Loop:
     cdef bytes _identity(self, int32_t client)
     cdef _drop_ended(self)
     cdef _goodbye(self, int32_t client)
+    cdef int _n_away(self)
     cdef _returned(self, int32_t client)
     cdef _heartbeat(self, int32_t engine)
     cdef _disconnect(self, int32_t engine)

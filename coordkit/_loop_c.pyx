@@ -368,7 +368,7 @@ cdef class Loop:
             epoch=self.epoch,
             messages=self.messages,
             inflight=self.requests.live,
-            clients=self.n_clients - len(self.away),
+            clients=self.n_clients - self._n_away(),
             control_state=self.control_state,
             counters=[self.counters[i] for i in range(N_COUNTERS)],
             engines=engines,
@@ -1877,6 +1877,13 @@ cdef class Loop:
                     self._abort_at_engine(rank, order[i].server_rid)
         finally:
             free(order)
+
+    cdef int _n_away(self):
+        """The clients away and not back yet (stats: they are not connected)."""
+        cdef int n = 0
+        for identity in self.away:
+            n += not self.clients[ck_ids_find(&self.client_ids, identity, len(identity))].present
+        return n
 
     cdef _returned(self, int32_t client):
         """A client not connected (away, or known from an engine's report) sent CONNECT:

@@ -793,7 +793,7 @@ class Loop:
             epoch=self._epoch,
             messages=self._messages,
             inflight=self._live,
-            clients=len(self._clients) - len(self._away),
+            clients=len(self._clients) - sum(not self._clients[i].present for i in self._away),
             control_state=self._control_state,
             counters=list(self._counters),
             engines=[

@@ -19,6 +19,7 @@ from tests.support.peers import (
     ABORT,
     CONNECT,
     CONNECT_ACK,
+    DISCONNECT,
     ENGINE_ACK,
     ERROR,
     HANDLED,
@@ -42,11 +43,16 @@ from tests.support.peers import (
 ENGINE_FAILED = 5
 
 
-def rebuild_client(c: Cluster, identity: bytes, batch: bool = False) -> RawClient:
-    """A client that asks for the rebuild; its CONNECT_ACK carries the epoch."""
+def rebuild_client(
+    c: Cluster, identity: bytes, batch: bool = False, hold_ms: int | None = None
+) -> RawClient:
+    """A client that asks for the rebuild (its requests kept ``hold_ms`` once it is
+    gone); its CONNECT_ACK carries the epoch."""
     client = RawClient(c.ctx, c.coord.address, identity)
     c.peers.append(client)
     hello = {"coordkit": 1, "rebuild": 1, **({"batch": 1} if batch else {})}
+    if hold_ms is not None:
+        hello["hold_ms"] = hold_ms
     client.send(m([CONNECT, hello]))
     features = {**({"batch": 1} if batch else {}), "rebuild": 1, "epoch": c.coord.epoch}
     assert client.recv() == [m([CONNECT_ACK, features])]
@@ -251,6 +257,96 @@ def test_a_conflicting_report_is_aborted(make_cluster):
         # The same client and id already in flight: the engine must not run its copy.
         engine.send(m([HELD, [[sid + 1000, 1, b"ck", 0, False]]]), b"")
         assert engine.recv() == [m([ABORT, sid + 1000])]
+
+
+def blip(c: Cluster, client: RawClient, hold_ms: int = 30_000) -> RawClient:
+    """Close ``client``'s connection and, once the coordinator saw it end, connect again
+    under the same routing id: a new connection, as after a network blip."""
+    identity = client.sock.getsockopt(zmq.IDENTITY)
+    departed = c.coord.stats()["counters"]["clients_departed"]
+    client.close()
+    c.peers.remove(client)
+    counted(c, "clients_departed", departed + 1)
+    return rebuild_client(c, identity, hold_ms=hold_ms)
+
+
+def test_a_blip_keeps_a_rebuild_clients_requests_for_its_rejoin(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck", hold_ms=30_000)
+        client.send(m([SUBMIT, 1, {}]), b"p")
+        client.send(m([SUBMIT, 2, {}]), b"p")
+        sids = [um(engine.recv()[0])[1] for _ in range(2)]
+        departed = c.coord.stats()["counters"]["clients_departed"]
+        client.close()
+        c.peers.remove(client)
+        stats = counted(c, "clients_departed", departed + 1)
+        # Away, not gone: nothing aborted, nothing counted as connected.
+        assert stats["inflight"] == 2 and stats["clients"] == 0
+        # What the engine sends meanwhile waits at the engine (it is dropped here).
+        messages = stats["messages"]
+        engine.send(m([PARTIAL, [sids[0]]]), b"p0")
+        engine.send(m([REPLY, [[sids[1], False]]]), b"f1")
+        wait_for(lambda: c.coord.stats()["messages"] >= messages + 2)
+        client = rebuild_client(c, b"ck", hold_ms=30_000)
+        assert counted(c, "clients_returned", 1)["clients"] == 1
+        client.send(m([REJOIN, [[1, 0], [2, 0]]]))
+        assert engine.recv() == [m([REPLAY, [[sids[0], 0], [sids[1], 0]]])]
+        engine.send(m([REPLAYED, [[sids[0], 0, 1, False], [sids[1], 0, 1, True]]]), b"p0", b"f1")
+        assert client.recv() == [m([REPLAYED, [[1, 0, False], [2, 0, True]]]), b"p0", b"f1"]
+        engine.send(m([REPLY, [[sids[0], False]]]), b"f0")
+        assert client.recv() == [m([REPLY, 1]), b"f0"]
+        # No ABORT (nothing runs twice); the acknowledgements are on again.
+        assert {um(message[0])[0] for message in engine.recv_all(0.3)} <= {HANDLED}
+        assert c.coord.stats()["inflight"] == 0
+
+
+def test_past_its_hold_a_gone_clients_requests_are_aborted(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck", hold_ms=300)
+        for rid in range(3):
+            client.send(m([SUBMIT, rid, {}]), b"p")
+        sids = sorted(um(engine.recv()[0])[1] for _ in range(3))
+        client.close()
+        c.peers.remove(client)
+        aborts = [um(engine.recv()[0]) for _ in range(3)]
+        assert sorted(aborts) == [[ABORT, sid] for sid in sids]
+        stats = c.coord.stats()
+        assert stats["inflight"] == 0 and stats["clients"] == 0
+        assert stats["engines"][0]["pending"] == 0
+        assert stats["counters"]["clients_departed"] == 1
+
+
+def test_a_client_that_closes_is_not_kept(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck", hold_ms=30_000)
+        client.send(m([SUBMIT, 1, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        client.send(m([DISCONNECT]))
+        assert engine.recv() == [m([ABORT, sid])]
+        assert c.coord.stats()["inflight"] == 0
+
+
+def test_an_abort_before_any_engine_claimed_the_request(make_cluster):
+    with make_cluster(rebuild_window=1.5) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck")
+        client.send(m([REJOIN, [[1, 0], [2, 0]]]))
+        client.send(m([ABORT, 1]))
+        client.send(m([ABORT, 2]))
+        counted(c, "aborts", 2)
+        # The engine reports 1: it is replayed, and aborted there, not run on.
+        engine.send(m([HELD, [[5, 1, b"ck", 0, False]]]), b"")
+        assert engine.recv_all(0.5) == [[m([ABORT, 5])], [m([REPLAY, [[5, 0]]])]]
+        engine.send(m([REPLAYED, [[5, 0, 1, True]]]), b"f")
+        assert client.recv() == [m([REPLAYED, [[1, 0, True]]]), b"f"]
+        # Nobody claims 2: at the window's end it ends, and is never asked for again.
+        error = um(client.recv(5.0)[0])
+        assert error[:3] == [ERROR, 2, 7]  # UNKNOWN_REQUEST: the abort found it nowhere
+        client.assert_silent(0.5)
+        assert c.coord.stats()["inflight"] == 0
 
 
 def test_a_term_deadline_stops_the_loop_before_it_handles_anything(impl, tmp_path):
