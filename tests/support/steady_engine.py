@@ -4,8 +4,9 @@
 :class:`coordkit.Engine` that generates for every request (its prompt's first
 token is its number ``n``) for 1.5 + (n % 7) / 4 seconds; a streaming request
 gets a partial ``{"n": n, "i": i}`` every 0.25 s, and every request ends with
-``{"n": n, "partials": count}``. Each request it starts is written to LOG
-(``n``, one a line, flushed at once), so that a test sees one started twice.
+``{"n": n, "partials": count}``, an aborted one at once. Each request it starts
+is written to LOG (``n``, one a line, flushed at once), so that a test sees one
+started twice, and each abort it gets for a request it runs (``abort n``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main(address: str, rank: int, implementation: str, log_path: str) -> None:
                     end = now + 1.5 + (n % 7) / 4
                     active[event.server_rid] = [n, end, streaming, 0, now + PARTIAL_EVERY]
                 elif isinstance(event, Abort) and event.server_rid in active:
+                    log.write(f"abort {active[event.server_rid][0]}\n")
                     active[event.server_rid][1] = now
             partials, finals = [], []
             for rid, state in list(active.items()):
