@@ -408,3 +408,61 @@ def _conversation(impl, address: str) -> dict:
         log["counters"] = stats["counters"]
         log["inflight"] = stats["inflight"]
     return log
+
+
+@pytest.mark.c_extension
+def test_a_blip_conversation_is_the_same_in_both_loops(c_impl, py_impl, tmp_path):
+    logs = [_blip_conversation(impl, f"ipc://{tmp_path}/{impl.name}.sock") for impl in (c_impl, py_impl)]
+    assert logs[0] == logs[1]
+    frames = {name: [um(f[0])[0] for f in got] for name, got in logs[0]["peers"].items()}
+    assert {REPLAY, ABORT} <= {um(f[0])[0] for f in logs[0]["rejoined"]}
+    assert ABORT in frames["e1"]
+    assert {REPLAYED, RESEND, REPLY} <= set(frames["ck"])
+    assert logs[0]["counters"]["clients_returned"] == 1 and logs[0]["inflight"] == 0
+
+
+def _blip_conversation(impl, address: str) -> dict:
+    """A rebuild client blips with requests at a rebuild engine and at a plain one,
+    REJOINs, aborts one; another never comes back."""
+    log: dict[str, list] = {"peers": {}}
+    with Cluster(impl, address, rebuild_window=0.0) as c:
+        handled = 0
+
+        def send(peer, *frames):  # one message at a time, each handled before the next
+            nonlocal handled
+            peer.send(*frames)
+            handled += 1
+            wait_for(lambda: c.coord.stats()["messages"] >= handled)
+
+        e0 = rebuild_engine(c, b"e0")
+        e1 = c.add_engine(b"e1")
+        ck = rebuild_client(c, b"ck", hold_ms=30_000)
+        gone = rebuild_client(c, b"cg", hold_ms=200)
+        handled = c.coord.stats()["messages"]
+        for rid in range(1, 5):
+            send(ck, m([SUBMIT, rid, {}]), m([rid]))
+        send(gone, m([SUBMIT, 1, {}]), b"g")
+        log["routed"] = [e0.recv_all(0.3), e1.recv_all(0.3)]
+        at_e0 = [(um(f[0])[1], um(f[2])[0]) for f in log["routed"][0] if um(f[2])[1] == b"ck"]
+        ours = [sid for sid, _ in at_e0]
+        send(e0, m([PARTIAL, [ours[0]]]), b"p0")
+        log["peers"]["before"] = ck.recv_all(0.3)
+        ck = blip(c, ck)
+        handled = c.coord.stats()["messages"]
+        send(e0, m([PARTIAL, [ours[0]]]), b"p1")  # held back: the REJOIN replays it
+        send(ck, m([REJOIN, [[1, 1], [2, 0], [3, 0], [4, 0], [9, 0]]]))
+        send(ck, m([ABORT, at_e0[-1][1]]))  # one its engine holds: aborted there
+        send(ck, m([ABORT, 2]))  # at the plain engine: aborted at the blip, unknown now
+        log["rejoined"] = e0.recv_all(0.3)
+        replay = next(um(f[0])[1] for f in log["rejoined"] if um(f[0])[0] == REPLAY)
+        send(e0, m([REPLAYED, [[sid, 1, 1, False] for sid, _ in replay]]), *[b"p1"] * len(replay))
+        gone.close()
+        c.peers.remove(gone)
+        wait_for(lambda: c.coord.stats()["inflight"] == len(ours))  # its hold ended
+        send(e0, m([REPLY, [[sid, False] for sid in ours]]), *[b"f"] * len(ours))
+        for name, peer in (("e0", e0), ("e1", e1), ("ck", ck)):
+            log["peers"][name] = peer.recv_all(0.3)
+        stats = c.coord.stats()
+        log["counters"] = stats["counters"]
+        log["inflight"] = stats["inflight"]
+    return log
