@@ -436,7 +436,7 @@ cdef class ClientCore:
     cdef object __weakref__  # the client's future classes refer to their core weakly
     cdef public bint batch  # set again when a reconnection is acknowledged
     cdef public bint closed
-    cdef public bint held  # no coordinator for now: submissions dropped, the rest kept (see the twin)
+    cdef public bint held  # no coordinator for now: submissions dropped, the rest kept
     cdef readonly int64_t next_rid
     cdef Table pending
     cdef dict overflow  # pending requests whose cell was held (see Table)

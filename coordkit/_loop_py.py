@@ -1803,7 +1803,10 @@ class Loop:
                 continue
             if (identity, rid) in aborting:  # aborted before anyone ran it: not sent again
                 self._refuse(
-                    client, rid, ErrorCode.UNKNOWN_REQUEST, Header.ABORT_REQUEST,
+                    client,
+                    rid,
+                    ErrorCode.UNKNOWN_REQUEST,
+                    Header.ABORT_REQUEST,
                     Counter.UNKNOWN_REQUEST,
                 )
             else:

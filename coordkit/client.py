@@ -168,7 +168,10 @@ class Client:
     (``failover_timeout`` > 0, the default), the client rides through it:
     pending requests stay pending, new ones and control calls wait, and once a
     coordinator acknowledges it again the client REJOINs with the requests it
-    waits for and sends again those no engine holds (docs/failover.md). Past
+    waits for and sends again those no engine holds (docs/failover.md); an
+    ABORT or control call issued meanwhile goes out after the REJOIN, in order.
+    The same coordinator keeps the client's requests for ``failover_timeout``
+    once its connection ends, so a blip costs no work done twice. Past
     ``failover_timeout`` seconds without one, what is pending fails with
     :class:`ConnectionError`, as it does at once with ``failover_timeout=0``:
     every pending request fails with

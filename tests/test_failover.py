@@ -207,8 +207,9 @@ def test_a_blip_costs_no_double_work(tmp_path, impl):
 
     async def body():
         nonlocal proxy
-        with serve(address, impl.name, tmp_path / "coord.log"), steady_engines(
-            address, impl.name, logs
+        with (
+            serve(address, impl.name, tmp_path / "coord.log"),
+            steady_engines(address, impl.name, logs),
         ):
             proxy = Proxy(address)
             client = await Client.connect(
@@ -250,8 +251,9 @@ def test_past_the_hold_a_clients_requests_are_aborted(tmp_path, impl):
 
     async def body():
         nonlocal proxy
-        with serve(address, impl.name, tmp_path / "coord.log"), steady_engines(
-            address, impl.name, logs
+        with (
+            serve(address, impl.name, tmp_path / "coord.log"),
+            steady_engines(address, impl.name, logs),
         ):
             proxy = Proxy(address)
             client = await Client.connect(
@@ -293,8 +295,9 @@ def test_an_abort_while_no_coordinator_serves_reaches_the_engine(tmp_path, impl)
     logs = [tmp_path / "engine.log"]
 
     async def body():
-        with serve(address, impl.name, tmp_path / "first.log") as first, steady_engines(
-            address, impl.name, logs
+        with (
+            serve(address, impl.name, tmp_path / "first.log") as first,
+            steady_engines(address, impl.name, logs),
         ):
             client = await Client.connect(
                 address, implementation=impl.name, coordinator_timeout=1.0

@@ -412,7 +412,9 @@ def _conversation(impl, address: str) -> dict:
 
 @pytest.mark.c_extension
 def test_a_blip_conversation_is_the_same_in_both_loops(c_impl, py_impl, tmp_path):
-    logs = [_blip_conversation(impl, f"ipc://{tmp_path}/{impl.name}.sock") for impl in (c_impl, py_impl)]
+    logs = [
+        _blip_conversation(impl, f"ipc://{tmp_path}/{impl.name}.sock") for impl in (c_impl, py_impl)
+    ]
     assert logs[0] == logs[1]
     frames = {name: [um(f[0])[0] for f in got] for name, got in logs[0]["peers"].items()}
     assert {REPLAY, ABORT} <= {um(f[0])[0] for f in logs[0]["rejoined"]}
