@@ -198,20 +198,28 @@ async def all_started(logs: list[Path], count: int) -> None:
         await asyncio.sleep(0.05)
 
 
+@contextlib.contextmanager
+def behind_a_proxy(tmp_path: Path, impl_name: str, logs: list[Path]) -> Iterator[Proxy]:
+    """A coordinator and one steady engine at a free address, and a Proxy to it."""
+    address = free_tcp_address()
+    with (
+        serve(address, impl_name, tmp_path / "coord.log"),
+        steady_engines(address, impl_name, logs),
+    ):
+        proxy = Proxy(address)
+        try:
+            yield proxy
+        finally:
+            proxy.close()
+
+
 def test_a_blip_costs_no_double_work(tmp_path, impl):
     """The client's connection (through a proxy) is cut while its requests run: the
     coordinator keeps them for its REJOIN, so none is aborted or started again."""
-    address = free_tcp_address()
     logs = [tmp_path / "engine.log"]
-    proxy = None
 
     async def body():
-        nonlocal proxy
-        with (
-            serve(address, impl.name, tmp_path / "coord.log"),
-            steady_engines(address, impl.name, logs),
-        ):
-            proxy = Proxy(address)
+        with behind_a_proxy(tmp_path, impl.name, logs) as proxy:
             client = await Client.connect(
                 proxy.address, implementation=impl.name, coordinator_timeout=1.0
             )
@@ -226,11 +234,7 @@ def test_a_blip_costs_no_double_work(tmp_path, impl):
                 stats = await client.stats()
         return finals, parts, stats
 
-    try:
-        finals, parts, stats = run(body(), timeout=4 * SETTLE)
-    finally:
-        if proxy is not None:
-            proxy.close()
+    finals, parts, stats = run(body(), timeout=4 * SETTLE)
     assert [final["n"] for final in finals] == list(range(30))
     for n, got in zip((30, 31), parts, strict=True):
         *partials, final = got
@@ -245,24 +249,17 @@ def test_a_blip_costs_no_double_work(tmp_path, impl):
 def test_past_the_hold_a_clients_requests_are_aborted(tmp_path, impl):
     """The client never comes back: past its failover_timeout the coordinator aborts
     its requests at the engine, and its tables are empty."""
-    address = free_tcp_address()
     logs = [tmp_path / "engine.log"]
-    proxy = None
 
     async def body():
-        nonlocal proxy
-        with (
-            serve(address, impl.name, tmp_path / "coord.log"),
-            steady_engines(address, impl.name, logs),
-        ):
-            proxy = Proxy(address)
+        with behind_a_proxy(tmp_path, impl.name, logs) as proxy:
             client = await Client.connect(
                 proxy.address,
                 implementation=impl.name,
                 coordinator_timeout=1.0,
                 failover_timeout=1.0,
             )
-            watcher = await Client.connect(address, implementation=impl.name)
+            watcher = await Client.connect(proxy.upstream, implementation=impl.name)
             async with client, watcher:
                 await client.wait_for_engines(1, timeout=30)
                 futures = [client.submit([n, 1]) for n in range(3)]
@@ -277,11 +274,7 @@ def test_past_the_hold_a_clients_requests_are_aborted(tmp_path, impl):
                     await asyncio.sleep(0.05)
                 return await watcher.stats()
 
-    try:
-        stats = run(body(), timeout=4 * SETTLE)
-    finally:
-        if proxy is not None:
-            proxy.close()
+    stats = run(body(), timeout=4 * SETTLE)
     assert aborted(logs) == {0: 1, 1: 1, 2: 1}
     assert stats["inflight"] == 0 and stats["clients"] == 1  # the watcher only
     assert stats["engines"][0]["pending"] == 0

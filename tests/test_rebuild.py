@@ -373,22 +373,31 @@ def test_the_rebuild_conversation_is_the_same_in_both_loops(c_impl, py_impl, tmp
     assert logs[0]["counters"]["adopted"] == 3 and logs[0]["counters"]["resent"] >= 2
 
 
+class Steps:
+    """Sends one message at a time, each handled by the coordinator before the next."""
+
+    def __init__(self, c: Cluster):
+        self.c = c
+        self.recount()
+
+    def recount(self) -> None:
+        """After messages sent otherwise: count from what the coordinator handled."""
+        self.handled = self.c.coord.stats()["messages"]
+
+    def send(self, peer, *frames: bytes) -> None:
+        peer.send(*frames)
+        self.handled += 1
+        wait_for(lambda: self.c.coord.stats()["messages"] >= self.handled)
+
+
 def _conversation(impl, address: str) -> dict:
     log: dict[str, list] = {}
     with Cluster(impl, address, rebuild_window=0.5, policy="prefix", prefix_ttl=3600) as c:
-        handled = c.coord.stats()["messages"]
-
-        def send(peer, *frames):  # one message at a time, each handled before the next
-            nonlocal handled
-            peer.send(*frames)
-            handled += 1
-            wait_for(lambda: c.coord.stats()["messages"] >= handled)
-
         e0 = rebuild_engine(c, b"e0")
         e1 = c.add_engine(b"e1")
         ck = rebuild_client(c, b"ck")
         mg = c.client(identity=b"mg")
-        handled = c.coord.stats()["messages"]
+        send = Steps(c).send
         held = [[900, 1, b"ck", 1, False], [901, 2, b"ck", 0, True], [902, 1, b"zz", 0, False]]
         send(e0, m([HELD, held]), (7).to_bytes(8, "little"))
         send(ck, m([REJOIN, [[1, 1], [2, 0], [3, 0]]]))
@@ -428,19 +437,12 @@ def _blip_conversation(impl, address: str) -> dict:
     REJOINs, aborts one; another never comes back."""
     log: dict[str, list] = {"peers": {}}
     with Cluster(impl, address, rebuild_window=0.0) as c:
-        handled = 0
-
-        def send(peer, *frames):  # one message at a time, each handled before the next
-            nonlocal handled
-            peer.send(*frames)
-            handled += 1
-            wait_for(lambda: c.coord.stats()["messages"] >= handled)
-
         e0 = rebuild_engine(c, b"e0")
         e1 = c.add_engine(b"e1")
         ck = rebuild_client(c, b"ck", hold_ms=30_000)
         gone = rebuild_client(c, b"cg", hold_ms=200)
-        handled = c.coord.stats()["messages"]
+        steps = Steps(c)
+        send = steps.send
         for rid in range(1, 5):
             send(ck, m([SUBMIT, rid, {}]), m([rid]))
         send(gone, m([SUBMIT, 1, {}]), b"g")
@@ -450,7 +452,7 @@ def _blip_conversation(impl, address: str) -> dict:
         send(e0, m([PARTIAL, [ours[0]]]), b"p0")
         log["peers"]["before"] = ck.recv_all(0.3)
         ck = blip(c, ck)
-        handled = c.coord.stats()["messages"]
+        steps.recount()
         send(e0, m([PARTIAL, [ours[0]]]), b"p1")  # held back: the REJOIN replays it
         send(ck, m([REJOIN, [[1, 1], [2, 0], [3, 0], [4, 0], [9, 0]]]))
         send(ck, m([ABORT, at_e0[-1][1]]))  # one its engine holds: aborted there

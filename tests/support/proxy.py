@@ -21,6 +21,7 @@ CHUNK = 1 << 16
 
 class Proxy:
     def __init__(self, upstream: str):
+        self.upstream = upstream
         host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
         self._upstream = (host, int(port))
         self.address = free_tcp_address()
