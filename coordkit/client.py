@@ -559,7 +559,12 @@ class Client:
         """RESEND: the coordinator asks for these requests again (no engine holds them)."""
         for rid in rids:
             target = self._core.get(rid)
-            if target is None or not target._kept:  # ended, or aborted: not sent again
+            if target is None:
+                continue
+            if not target._kept:  # aborted: it must not run, and no engine holds it
+                self._core.pop(rid)
+                text = f"request {rid} was aborted before any engine ran it"
+                _fail(target, CoordinatorError(ErrorCode.UNKNOWN_REQUEST, text, rid))
                 continue
             try:
                 self._core.resend(rid, *target._kept)
