@@ -187,6 +187,7 @@ cdef class Loop:
     cdef void _send_batches(self, int64_t header) noexcept nogil
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil
     cdef void _forward_replies(self, int32_t engine) noexcept nogil
+    cdef void _sent_finals(self, int32_t engine, uint32_t count, double now) noexcept nogil
     cdef void _forward_single_replies(self, int32_t engine) noexcept nogil
     cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil
     cdef bint _deliver(self, int32_t client, int64_t header, int64_t client_rid,

@@ -783,9 +783,12 @@ cdef class Loop:
 
     cdef void _forward_replies(self, int32_t engine) noexcept nogil:
         """Each entry of an engine's batch to its request's client, the body as itself;
-        those bound for batched clients leave as one REPLY_BATCH per client."""
+        those bound for batched clients leave as one REPLY_BATCH per client. A final to
+        a client with a hold is forgotten only once sent: one whose client is found
+        gone by its send waits, with the client's other requests, for its REJOIN."""
         cdef int64_t header, slot, client_rid
         cdef uint32_t count, i
+        cdef uint32_t deferred = 0  # finals to clients with a hold (_sent_finals)
         cdef int32_t client
         cdef bint final
         cdef double now = 0.0
@@ -826,7 +829,10 @@ cdef class Loop:
                 continue  # the engine's REPLAYED brings it again, in its place
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
-            self._finish(<uint32_t>slot, final, now)
+            if final and self.clients[client].hold > 0:
+                deferred += 1
+            else:
+                self._finish(<uint32_t>slot, final, now)
             if entries[i].needs_detokenize and self.has_detokenizer:
                 with gil:
                     self._detokenize(2 + i)
@@ -840,6 +846,28 @@ cdef class Loop:
                 with gil:
                     self._client_gone(client)
         self._send_batches(HEADER_REPLY_BATCH)
+        if deferred:
+            self._sent_finals(engine, count, now)
+
+    cdef void _sent_finals(self, int32_t engine, uint32_t count, double now) noexcept nogil:
+        """The finals to clients with a hold, sent: forgotten now, but those whose client
+        went away meanwhile (REPLAYING since: its REJOIN replays them)."""
+        cdef uint32_t i
+        cdef int64_t slot
+        cdef ck_request* request
+        for i in range(count):
+            if not self.message.entries[i].valid:
+                continue
+            slot = ck_requests_find(&self.requests, self.message.entries[i].rid)
+            if slot < 0:
+                continue
+            request = &self.requests.pool[slot]
+            if (
+                request.rank == engine
+                and self.clients[request.client].hold > 0
+                and not request.flags & FLAG_REPLAYING
+            ):
+                self._finish(<uint32_t>slot, True, now)
 
     cdef void _forward_single_replies(self, int32_t engine) noexcept nogil:
         """A Megatron engine's finished requests (or main's partial replies), each map to

@@ -185,6 +185,15 @@ def _view(frame: zmq.Frame | Buffer) -> memoryview:
     return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
 
 
+def _source_fd(frame: zmq.Frame) -> int:
+    """The fd of the connection a message came on (ZMQ_SRCFD); -1 for inproc, which has
+    none (where zmq_msg_get returns -1, pyzmq raises)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:
+        return -1
+
+
 def _parses(check: Callable[[Buffer], object], frame: Buffer) -> bool:
     try:
         check(frame)
@@ -1080,7 +1089,9 @@ class Loop:
 
     def _forward_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         """Each entry of an engine's batch to its request's client, the body as itself;
-        those bound for batched clients leave as one REPLY_BATCH per client."""
+        those bound for batched clients leave as one REPLY_BATCH per client. A final to
+        a client with a hold is forgotten only once sent: one whose client is found
+        gone by its send waits, with the client's other requests, for its REJOIN."""
         try:
             header, entries = codec.read_reply(frames[1].buffer)
         except ProtocolError as exc:
@@ -1093,6 +1104,7 @@ class Loop:
             return
         final = header == Header.ENGINE_REPLY
         now = time.monotonic() if self._latency is not None else 0.0
+        deferred = 0  # finals to clients with a hold, forgotten once sent (_sent_finals)
         for entry, body in zip(entries, bodies, strict=True):
             if entry is None:
                 self._reject_entry(engine, None, ErrorCode.MALFORMED, header)
@@ -1108,7 +1120,10 @@ class Loop:
                 continue
             if request.flags & REPLAYING:
                 continue  # the engine's REPLAYED brings it again, in its place
-            self._finish(request, final, now)
+            if final and request.client.hold > 0:
+                deferred += 1
+            else:
+                self._finish(request, final, now)
             out: Any = body
             if needs_detokenize and self._options.detokenizer is not None:
                 out = self._detokenized(body.buffer)
@@ -1117,6 +1132,21 @@ class Loop:
             elif not self._deliver(request.client, header, request.client_rid, out):
                 self._client_gone(request.client)
         self._send_batches(Header.REPLY_BATCH)
+        if deferred:
+            self._sent_finals(engine, entries, now)
+
+    def _sent_finals(self, engine: _Engine, entries: list[Any], now: float) -> None:
+        """The finals to clients with a hold, sent: forgotten now, but those whose client
+        went away meanwhile (REPLAYING since: its REJOIN replays them)."""
+        for entry in entries:
+            request = None if entry is None else self._find(entry[0])
+            if (
+                request is not None
+                and request.rank == engine.rank
+                and request.client.hold > 0
+                and not request.flags & REPLAYING
+            ):
+                self._finish(request, True, now)
 
     def _forward_single_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         """A Megatron engine's finished requests (or main's partial replies), each map to
@@ -1397,7 +1427,7 @@ class Loop:
             self._malformed(None, None, Header.CONNECT, str(exc), frames)
             return
         if client is not None:
-            fd = frames[1].get(zmq.SRCFD)
+            fd = _source_fd(frames[1])
             if client.present and client.hold > 0 and fd != client.fd:
                 self._go_away(client)  # it reconnected before its old connection's end was seen
             if client.present:
@@ -1420,7 +1450,7 @@ class Loop:
                     self._send(identity, protocol.ERROR.pack(None, ErrorCode.BUSY, text))
                 return
             client = self._clients[identity] = self._idle[identity] = _Client(identity)
-            client.fd = frames[1].get(zmq.SRCFD)
+            client.fd = _source_fd(frames[1])
         client.coordkit = hello.coordkit
         client.batch = hello.batch
         client.rebuild = hello.rebuild

@@ -228,7 +228,9 @@ def test_a_blip_costs_no_double_work(tmp_path, impl):
                 futures = client.submit_many([[n, 1] for n in range(30)])
                 streams = [asyncio.ensure_future(collect(client.stream([n, 3]))) for n in (30, 31)]
                 await all_started(logs, 32)
-                proxy.cut()  # before any final: the engines take 1.5 s at least
+                # Amid the finals (they end 1.5 s to 3 s in): some are on their way.
+                await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+                proxy.cut()
                 finals = await asyncio.wait_for(asyncio.gather(*futures), SETTLE)
                 parts = await asyncio.wait_for(asyncio.gather(*streams), SETTLE)
                 stats = await client.stats()

@@ -301,6 +301,27 @@ def test_a_blip_keeps_a_rebuild_clients_requests_for_its_rejoin(make_cluster):
         assert c.coord.stats()["inflight"] == 0
 
 
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_final_whose_send_finds_the_client_gone_waits_for_it(impl, batch):
+    # inproc: no connection's end is seen, the send to the client fails (EHOSTUNREACH).
+    with Cluster(impl, f"inproc://gone-{impl.name}-{batch}", rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck", batch, hold_ms=30_000)
+        client.send(m([SUBMIT, 1, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        client.close()
+        c.peers.remove(client)
+        time.sleep(0.5)  # for the coordinator's socket to drop the client's inproc pipe
+        engine.send(m([REPLY, [[sid, False]]]), b"f")
+        counted(c, "client_gone", 1)
+        client = rebuild_client(c, b"ck", batch, hold_ms=30_000)
+        client.send(m([REJOIN, [[1, 0]]]))
+        assert engine.recv() == [m([REPLAY, [[sid, 0]]])]  # not sent back: it ran once
+        engine.send(m([REPLAYED, [[sid, 0, 1, True]]]), b"f")
+        assert client.recv() == [m([REPLAYED, [[1, 0, True]]]), b"f"]
+        assert c.coord.stats()["inflight"] == 0
+
+
 def test_past_its_hold_a_gone_clients_requests_are_aborted(make_cluster):
     with make_cluster(rebuild_window=0.0) as c:
         engine = rebuild_engine(c, b"e0")
