@@ -301,6 +301,28 @@ def test_a_blip_keeps_a_rebuild_clients_requests_for_its_rejoin(make_cluster):
         assert c.coord.stats()["inflight"] == 0
 
 
+def test_a_client_back_before_its_old_connection_ended_is_kept(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        old = rebuild_client(c, b"ck", hold_ms=30_000)
+        old.send(m([SUBMIT, 1, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        # A new connection under the same routing id while the old one still lives
+        # (the coordinator's socket hands the id over): it is the client, back.
+        client = rebuild_client(c, b"ck", hold_ms=30_000)
+        assert counted(c, "clients_returned", 1)["counters"]["duplicate_connect"] == 0
+        departed = c.coord.stats()["counters"]["clients_departed"]
+        old.close()  # the old connection's end drops nothing
+        c.peers.remove(old)
+        client.send(m([REJOIN, [[1, 0]]]))
+        assert engine.recv() == [m([REPLAY, [[sid, 0]]])]
+        engine.send(m([REPLAYED, [[sid, 0, 1, True]]]), b"f")
+        assert client.recv() == [m([REPLAYED, [[1, 0, True]]]), b"f"]
+        stats = c.coord.stats()
+        assert stats["counters"]["clients_departed"] == departed and stats["clients"] == 1
+        assert stats["inflight"] == 0
+
+
 @pytest.mark.parametrize("batch", [False, True])
 def test_a_final_whose_send_finds_the_client_gone_waits_for_it(impl, batch):
     # inproc: no connection's end is seen, the send to the client fails (EHOSTUNREACH).
