@@ -300,7 +300,7 @@ class ClientCore:
         waiting in the outbox too: the REJOIN names them) and every other message is
         kept, in order, for the coordinator that accepts the client again."""
         self.held = True
-        self._later.extend(frames for frames in self._outbox if not protocol.submission(frames))
+        self._later.extend(frames for frames in self._outbox if not protocol.rejoin_covers(frames))
         self._outbox.clear()
 
     def release(self, first: list[Any] | None) -> None:

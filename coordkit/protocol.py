@@ -53,7 +53,7 @@ __all__ = [
     "EPOCH_KEY",
     "HOLD_KEY",
     "MAX_HOLD_MS",
-    "submission",
+    "rejoin_covers",
     "Trailer",
     "pack_trailer",
     "parse_trailer",
@@ -259,13 +259,19 @@ def unpackb(data: Frame) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-_SUBMISSIONS = (Header.SUBMIT_REQUEST, Header.SUBMIT_REQUEST_WITH_KV, Header.SUBMIT_BATCH)
+_REJOINED = (
+    Header.SUBMIT_REQUEST,
+    Header.SUBMIT_REQUEST_WITH_KV,
+    Header.SUBMIT_BATCH,
+    Header.REJOIN,
+)
 
 
-def submission(frames: Sequence[Frame]) -> bool:
-    """Whether a coordkit client's message submits requests (those a REJOIN names: a
-    client riding through drops them, and keeps every other message to send later)."""
-    return bool(unpackb(frames[0])[0] in _SUBMISSIONS)
+def rejoin_covers(frames: Sequence[Frame]) -> bool:
+    """Whether the next REJOIN covers a coordkit client's message: a submission (the
+    REJOIN names its requests) or an older REJOIN. A client riding through drops those,
+    and keeps every other message to send after the REJOIN."""
+    return bool(unpackb(frames[0])[0] in _REJOINED)
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> bytes:
