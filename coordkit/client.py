@@ -432,6 +432,9 @@ class Client:
         """Abort a request (its future, stream or id); a no-op if it already ended.
 
         The engine still sends a final reply, which resolves the request as usual.
+        While no coordinator is reachable the abort waits, and goes out once one
+        accepted the client again; a request no engine held by then is never run:
+        it fails with :class:`CoordinatorError` (``UNKNOWN_REQUEST``).
         """
         rid = request if isinstance(request, int) else request.request_id
         target = self._core.get(rid)
