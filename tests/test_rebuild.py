@@ -365,6 +365,18 @@ def test_past_its_hold_a_gone_clients_requests_are_aborted(make_cluster):
         assert stats["counters"]["clients_departed"] == 1
 
 
+def test_back_but_not_rejoined_by_the_holds_end_its_requests_are_aborted(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck", hold_ms=300)
+        client.send(m([SUBMIT, 1, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        client = blip(c, client, hold_ms=300)  # back, and no REJOIN: it does not want them
+        assert engine.recv() == [m([ABORT, sid])]
+        assert c.coord.stats()["clients"] == 1
+        wait_for(lambda: c.coord.stats()["inflight"] == 0)
+
+
 def test_a_client_that_closes_is_not_kept(make_cluster):
     with make_cluster(rebuild_window=0.0) as c:
         engine = rebuild_engine(c, b"e0")
