@@ -128,7 +128,8 @@ cdef class Loop:
         dict awaiting  # REJOIN entries no engine claimed yet: (client, rid) -> partials got
         set aborting  # REJOIN entries aborted before an engine claimed them: (client, rid)
         # Rebuild clients whose connection ended, by routing id: until when their requests
-        # wait for their REJOIN (meanwhile no HANDLED goes out: a replay may need it all).
+        # wait for their REJOIN (meanwhile their engines get no HANDLED: a replay may
+        # need all they kept).
         dict away
         bint forwards_hashes  # the prefix policy learns from what rebuild engines report
         uint32_t drained  # messages handled in this wake-up: the deadline is read every 256

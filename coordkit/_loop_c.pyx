@@ -1149,12 +1149,14 @@ cdef class Loop:
         except ProtocolError as exc:
             self._malformed(-1, None, HEADER_CONNECT, str(exc))
             return
+        fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
+        if client >= 0 and self.clients[client].present and self.clients[client].hold > 0 and (
+            fd != self.clients[client].fd
+        ):
+            self._go_away(client)  # it reconnected before its old connection's end was seen
+            # -1: it had nothing in flight, forgotten
+            client = ck_ids_find(&self.client_ids, self._data(0), self._size(0))
         if client >= 0:
-            fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
-            if self.clients[client].present and self.clients[client].hold > 0 and (
-                fd != self.clients[client].fd
-            ):
-                self._go_away(client)  # it reconnected before its old connection's end was seen
             if self.clients[client].present:
                 self.counters[COUNTER_DUPLICATE_CONNECT] += 1
             else:  # known from an engine's report only, or away: this is its connection
@@ -1180,7 +1182,7 @@ cdef class Loop:
             self.clients[index].inflight = 0
             ends_init(&self.clients[index].requests)
             list_push(&self.idle_links, &self.idle, index)
-            self.clients[index].fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
+            self.clients[index].fd = fd
             ck_ids_insert(&self.client_ids, index, self._data(0), self._size(0))
             self.n_clients += 1
         self.clients[index].coordkit = hello.coordkit
@@ -1708,14 +1710,22 @@ cdef class Loop:
     cdef _acknowledge(self):
         """HANDLED to each rebuild engine (after the window): the number of its last
         reply message handled by the previous tick, so at least a tick ago, by when
-        the replies in it have left this process in all but a stall."""
+        the replies in it have left this process in all but a stall. An engine that
+        holds requests of a client away is not: a REJOIN may want all it kept."""
         cdef int rank
         cdef Engine* engine
+        cdef uint32_t slot
+        holding = set()
+        for identity in self.away:
+            slot = self.clients[ck_ids_find(&self.client_ids, identity, len(identity))].requests.oldest
+            while slot != UINT32_MAX:
+                holding.add(self.requests.pool[slot].rank)
+                slot = self.client_links.newer[slot]
         for rank in range(self.n_engines):
             engine = &self.engines[rank]
             if (
                 engine.rebuild and engine.state != ENGINE_GONE and not self.rebuilding
-                and not self.away and engine.mark > engine.acked
+                and rank not in holding and engine.mark > engine.acked
             ):
                 engine.acked = engine.mark
                 handled = protocol.HANDLED.pack(engine.base + <int64_t>engine.acked - 1)
@@ -1874,9 +1884,10 @@ cdef class Loop:
         """A rebuild client's connection ended: for its hold (its failover_timeout, from
         its CONNECT) its requests at rebuild engines wait for its REJOIN, as adopted ones
         do (ORPHAN), their replies dropped meanwhile (REPLAYING: the engine keeps them,
-        and no HANDLED goes out while a client is away); the REJOIN replays what it
-        lacks. Those at other engines cannot be replayed: aborted now (the REJOIN then
-        has them sent again, or failed, as after a coordinator's loss)."""
+        and is sent no HANDLED meanwhile); the REJOIN replays what it lacks. Those at
+        other engines cannot be replayed: aborted now (the REJOIN then has them sent
+        again, or failed, as after a coordinator's loss). A client left with nothing in
+        flight is not kept: it is forgotten as any other."""
         cdef uint32_t i, n, slot
         cdef RequestOrder* order
         cdef ck_request* request
@@ -1905,6 +1916,8 @@ cdef class Loop:
                     self._abort_at_engine(rank, order[i].server_rid)
         finally:
             free(order)
+        if self.clients[client].inflight == 0:
+            self._remove_client(client)
 
     cdef int _n_away(self):
         """The clients away and not back yet (stats: they are not connected)."""

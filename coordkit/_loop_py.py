@@ -708,7 +708,8 @@ class Loop:
         # REJOIN entries aborted before an engine claimed them: (client identity, rid)
         self._aborting: set[tuple[bytes, int]] = set()
         # Rebuild clients whose connection ended, by identity: until when their requests
-        # wait for their REJOIN (meanwhile no HANDLED goes out: a replay may need it all).
+        # wait for their REJOIN (meanwhile their engines get no HANDLED: a replay may
+        # need all they kept).
         self._away: dict[bytes, float] = {}
         # the prefix policy learns from the hashes a rebuild engine reports: it is sent them
         self._forwards_hashes = router.policy == "prefix"
@@ -1426,10 +1427,11 @@ class Loop:
         except ProtocolError as exc:
             self._malformed(None, None, Header.CONNECT, str(exc), frames)
             return
+        fd = _source_fd(frames[1])
+        if client is not None and client.present and client.hold > 0 and fd != client.fd:
+            self._go_away(client)  # it reconnected before its old connection's end was seen
+            client = self._clients.get(identity)  # None: it had nothing in flight, forgotten
         if client is not None:
-            fd = _source_fd(frames[1])
-            if client.present and client.hold > 0 and fd != client.fd:
-                self._go_away(client)  # it reconnected before its old connection's end was seen
             if client.present:
                 self._counters[Counter.DUPLICATE_CONNECT] += 1
             else:  # known from an engine's report only, or away: this is its connection
@@ -1450,7 +1452,7 @@ class Loop:
                     self._send(identity, protocol.ERROR.pack(None, ErrorCode.BUSY, text))
                 return
             client = self._clients[identity] = self._idle[identity] = _Client(identity)
-            client.fd = _source_fd(frames[1])
+            client.fd = fd
         client.coordkit = hello.coordkit
         client.batch = hello.batch
         client.rebuild = hello.rebuild
@@ -1852,13 +1854,15 @@ class Loop:
     def _acknowledge(self) -> None:
         """HANDLED to each rebuild engine (after the window): the number of its last
         reply message handled by the previous tick, so at least a tick ago, by when
-        the replies in it have left this process in all but a stall."""
+        the replies in it have left this process in all but a stall. An engine that
+        holds requests of a client away is not: a REJOIN may want all it kept."""
+        holding = {r.rank for i in self._away for r in self._clients[i].requests.values()}
         for engine in self._engines:
             if (
                 engine.rebuild
                 and engine.state != GONE
                 and not self._rebuilding
-                and not self._away
+                and engine.rank not in holding
                 and engine.mark > engine.acked
             ):
                 engine.acked = engine.mark
@@ -1976,9 +1980,10 @@ class Loop:
         """A rebuild client's connection ended: for its hold (its failover_timeout, from
         its CONNECT) its requests at rebuild engines wait for its REJOIN, as adopted ones
         do (ORPHAN), their replies dropped meanwhile (REPLAYING: the engine keeps them,
-        and no HANDLED goes out while a client is away); the REJOIN replays what it
-        lacks. Those at other engines cannot be replayed: aborted now (the REJOIN then
-        has them sent again, or failed, as after a coordinator's loss)."""
+        and is sent no HANDLED meanwhile); the REJOIN replays what it lacks. Those at
+        other engines cannot be replayed: aborted now (the REJOIN then has them sent
+        again, or failed, as after a coordinator's loss). A client left with nothing in
+        flight is not kept: it is forgotten as any other."""
         client.present = client.rejoined = False
         if self._connections.get(client.fd) is client:
             self._connections[client.fd] = None
@@ -1992,6 +1997,8 @@ class Loop:
             self._forget(request)
             if not request.flags & ABORTED and rank >= 0 and self._engines[rank].state != GONE:
                 self._abort_at_engine(self._engines[rank], request.server_rid)
+        if not client.requests:
+            self._remove_client(client)
 
     def _returned(self, client: _Client) -> None:
         """A client not connected (away, or known from an engine's report) sent CONNECT:

@@ -326,6 +326,20 @@ def test_a_client_back_before_its_old_connection_ended_is_kept(make_cluster):
         assert stats["inflight"] == 0
 
 
+def test_an_idle_client_back_on_a_new_connection_is_served(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        old = rebuild_client(c, b"ck", hold_ms=30_000)
+        client = rebuild_client(c, b"ck", hold_ms=30_000)  # nothing in flight: nothing kept
+        old.close()
+        c.peers.remove(old)
+        client.send(m([SUBMIT, 1, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        engine.send(m([REPLY, [[sid, False]]]), b"f")
+        assert client.recv() == [m([REPLY, 1]), b"f"]
+        assert c.coord.stats()["clients"] == 1
+
+
 @pytest.mark.parametrize("batch", [False, True])
 def test_a_final_whose_send_finds_the_client_gone_waits_for_it(impl, batch):
     # inproc: no connection's end is seen, the send to the client fails (EHOSTUNREACH).
