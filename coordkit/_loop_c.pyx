@@ -1715,9 +1715,11 @@ cdef class Loop:
         cdef int rank
         cdef Engine* engine
         cdef uint32_t slot
+        cdef int32_t client
         holding = set()
         for identity in self.away:
-            slot = self.clients[ck_ids_find(&self.client_ids, identity, len(identity))].requests.oldest
+            client = ck_ids_find(&self.client_ids, identity, len(identity))
+            slot = self.clients[client].requests.oldest
             while slot != UINT32_MAX:
                 holding.add(self.requests.pool[slot].rank)
                 slot = self.client_links.newer[slot]
