@@ -83,7 +83,7 @@ from . import protocol
 from ._events import Abort, Control, ReleaseKV, Request, log, refused
 from ._held import trailed
 from ._shared import check_constants
-from .protocol import Header, ProtocolError, packb, parse_trailer
+from .protocol import Header, ProtocolError, packb
 
 bind_libzmq()
 check_constants(generated_constants())
@@ -340,7 +340,7 @@ cdef class EngineCore:
             if status != CK_OK:
                 raise ProtocolError(f"ENGINE_SUBMIT_BATCH: {ck_strstatus(status).decode()}")
             if held is not None:
-                layout = trailed(self.n_parts, self._bytes_of)
+                layout = trailed("ENGINE_SUBMIT_BATCH", self.n_parts, self._bytes_of)
             if count != <uint32_t>(self.n_parts - 1 if layout is None else len(layout)):
                 raise ProtocolError(
                     f"ENGINE_SUBMIT_BATCH: {count} entries but {self.n_parts - 1} payload frames"
@@ -361,7 +361,7 @@ cdef class EngineCore:
                     frame_of(&self.parts[1 + i if layout is None else layout[i][0]]),
                 ))
                 if layout is not None:
-                    held.track(self.entries[i].rid, layout[i][1])
+                    held.track(self.entries[i].rid, layout[i][1], layout[i][2])
             self.pending += count
         elif header == HEADER_SUBMIT_REQUEST:
             status = ck_read_submit(data, size, &submit)
@@ -371,14 +371,16 @@ cdef class EngineCore:
                 raise ProtocolError("SUBMIT_REQUEST: bad layout")
             if held is not None and self.n_parts < 3:
                 raise ProtocolError("SUBMIT_REQUEST: no trailer")
+            if held is not None:
+                layout = trailed("SUBMIT_REQUEST", self.n_parts, self._bytes_of)
             sampling_params = self._params(
                 data + submit.offset, size - submit.offset, "SUBMIT_REQUEST"
             )
             PyList_Append(events, new_request(
                 submit.rid, sampling_params, frame_of(&self.parts[1])
             ))
-            if held is not None:
-                held.track(submit.rid, parse_trailer(self._bytes_of(2)))
+            if layout is not None:
+                held.track(submit.rid, layout[0][1], layout[0][2])
             self.pending += 1
         elif header == HEADER_ABORT_REQUEST or header == HEADER_RELEASE_KV:
             status = ck_read_header_int(data, size, &header, &rid)
@@ -436,7 +438,7 @@ cdef class EngineCore:
             raise ProtocolError(f"unexpected header {header!r}")
 
     def _bytes_of(self, Py_ssize_t i):
-        """Frame ``i`` of the message being parsed, as bytes (a trailer)."""
+        """Frame ``i`` of the message being parsed, as bytes (a trailer, block hashes)."""
         return PyBytes_FromStringAndSize(
             <char*>zmq_msg_data(&self.parts[i]), zmq_msg_size(&self.parts[i])
         )

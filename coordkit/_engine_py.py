@@ -29,7 +29,7 @@ import zmq
 from . import _codec_py, protocol
 from ._events import Abort, Control, ReleaseKV, Request, log, refused
 from ._held import Held, trailed
-from .protocol import Header, ProtocolError, packb, parse_trailer
+from .protocol import Header, ProtocolError, packb
 
 __all__ = ["EngineCore", "MAX_DRAIN"]
 
@@ -86,23 +86,27 @@ class EngineCore:
         header = _codec_py.read_header(frames[0].buffer)[0]  # as the C twin reads it
         held = self.held if self.held is not None and self.held.granted else None
         if header == Header.SUBMIT_BATCH:
-            layout = None if held is None else trailed(len(frames), lambda i: frames[i].buffer)
+            layout = None if held is None else self._trailed("ENGINE_SUBMIT_BATCH", frames)
             if layout is not None:
-                frames = [frames[0], *(frames[at] for at, _ in layout)]
+                frames = [frames[0], *(frames[at] for at, _, _ in layout)]
             entries, prompts = protocol.ENGINE_SUBMIT_BATCH.parse(frames)
             for (rid, sampling_params), prompt in zip(entries, prompts, strict=True):
                 events.append(Request(rid, sampling_params, cast(zmq.Frame, prompt)))
             if held is not None and layout is not None:
-                for (rid, _), (_, trailer) in zip(entries, layout, strict=True):
-                    held.track(rid, trailer)
+                for (rid, _), (_, trailer, hashes) in zip(entries, layout, strict=True):
+                    held.track(rid, trailer, hashes)
             self.pending += len(entries)
         elif header == Header.SUBMIT_REQUEST:
+            if held is not None and len(frames) > 4:
+                raise ProtocolError("SUBMIT_REQUEST: bad layout")
             if held is not None and len(frames) < 3:
                 raise ProtocolError("SUBMIT_REQUEST: no trailer")
+            layout = None if held is None else self._trailed("SUBMIT_REQUEST", frames)
             submit = protocol.SUBMIT_REQUEST.parse(frames[:2] if held is not None else frames)
             events.append(Request(submit.rid, submit.sampling_params, submit.prompt))
-            if held is not None:
-                held.track(submit.rid, parse_trailer(frames[2].buffer))
+            if held is not None and layout is not None:
+                _, trailer, hashes = layout[0]
+                held.track(submit.rid, trailer, hashes)
             self.pending += 1
         elif header == Header.SUBMIT_REQUEST_WITH_KV:
             submit = protocol.SUBMIT_REQUEST_WITH_KV.parse(frames)
@@ -132,6 +136,10 @@ class EngineCore:
             self._on_ack(protocol.ENGINE_ACK.parse(frames).granted)
         elif self.held is None or not self.held.on_message(header, frames):
             raise ProtocolError(f"unexpected header {header!r}")
+
+    @staticmethod
+    def _trailed(name: str, frames: list[zmq.Frame]) -> list[Any]:
+        return trailed(name, len(frames), lambda i: frames[i].buffer)
 
     def reply(self, finished: Iterable[Any]) -> None:
         """Send the final replies of one step as ONE batched ENGINE_REPLY."""

@@ -8,7 +8,9 @@ and whether the final was, and the bodies of the replies no HANDLED covers
 yet; and it answers the coordinator's rebuild messages:
 
 * ENGINE_ACK (the rebuild granted; the Engine passes its map on): HELD, what
-  it holds;
+  it holds, and the block hashes of the requests it was sent lately (a bounded
+  window, :data:`DEFAULT_HELD_HASHES`): a new coordinator's prefix policy learns
+  them for this rank, so that affinity outlives the coordinator;
 * REPLAY: REPLAYED, the bodies kept from the partial asked for on;
 * HANDLED: the bodies of reply messages up to that number are dropped, and a
   request whose final is among them is forgotten.
@@ -27,25 +29,46 @@ from typing import Any
 import zmq
 
 from . import protocol
-from .protocol import EPOCH_KEY, REBUILD_FEATURE, Header, ProtocolError, Trailer, parse_trailer
+from .protocol import (
+    BLOCK_HASH_SIZE,
+    EPOCH_KEY,
+    REBUILD_FEATURE,
+    Header,
+    ProtocolError,
+    Trailer,
+    parse_trailer,
+)
 
-__all__ = ["Held", "trailed"]
+__all__ = ["DEFAULT_HELD_HASHES", "Held", "trailed"]
+
+#: The block hashes a rebuild engine keeps of the requests it was sent lately, to
+#: report in HELD (8 bytes each on the wire: 256 KiB at most).
+DEFAULT_HELD_HASHES = 32768
+
+#: Where a request's prompt is, its trailer, and its block-hash frame (or None).
+Trailed = tuple[int, Trailer, Any]
 
 
-def trailed(n_frames: int, frame: Callable[[int], Any]) -> list[tuple[int, Trailer]]:
-    """A batch to a rebuild engine, ``n_frames`` frames (``frame(i)`` the i-th's bytes):
-    where each entry's prompt is and its trailer. After each prompt comes its
-    trailer, then the block hashes when the trailer says so."""
+def trailed(name: str, n_frames: int, frame: Callable[[int], Any]) -> list[Trailed]:
+    """A message ``name`` to a rebuild engine, ``n_frames`` frames (``frame(i)`` the
+    i-th's bytes): where each entry's prompt is, its trailer and its block hashes.
+    After each prompt comes its trailer, then the block hashes when the trailer
+    says so."""
     layout = []
     at = 1
     while at < n_frames:
         if at + 1 >= n_frames:
-            raise ProtocolError("ENGINE_SUBMIT_BATCH: a prompt without its trailer")
+            raise ProtocolError(f"{name}: a prompt without its trailer")
         trailer = parse_trailer(frame(at + 1))
-        layout.append((at, trailer))
+        hashes = None
+        if trailer.hashed and at + 2 < n_frames:
+            hashes = frame(at + 2)
+            if len(hashes) % BLOCK_HASH_SIZE:
+                raise ProtocolError(f"{name}: the block-hash frame is not whole hashes")
+        layout.append((at, trailer, hashes))
         at += 3 if trailer.hashed else 2
     if at != n_frames:
-        raise ProtocolError("ENGINE_SUBMIT_BATCH: a trailer's block hashes are missing")
+        raise ProtocolError(f"{name}: a trailer's block hashes are missing")
     return layout
 
 
@@ -67,18 +90,48 @@ class _Kept:
 class Held:
     """The requests a rebuild engine holds and the replies it has not seen handled."""
 
-    def __init__(self, socket: zmq.Socket):
+    def __init__(self, socket: zmq.Socket, hashes: int = DEFAULT_HELD_HASHES):
         self.socket = socket
         self.granted = False  # the coordinator said rebuild in its ENGINE_ACK
         self.epoch: int | None = None
         self.next_number = 1  # of the next reply message
         self.requests: dict[int, _Kept] = {}
         self._messages: deque[tuple[int, list[int]]] = deque()  # (number, held rids in it)
+        # The block-hash frames of the latest requests, oldest first, as they came (one
+        # append per request; repeats are dropped only when reported), at most
+        # ``_max_hashes`` hashes in all.
+        self._max_hashes = hashes
+        self._hash_frames: deque[bytes] = deque()
+        self._n_hashes = 0
 
-    def track(self, server_rid: int, trailer: Trailer) -> None:
-        """A request came with its trailer: hold it when a rebuild client sent it."""
+    def track(self, server_rid: int, trailer: Trailer, hashes: Any = None) -> None:
+        """A request came with its trailer (and its block hashes, when the trailer
+        says so): hold it when a rebuild client sent it; keep its hashes."""
         if trailer.client_id is not None:
             self.requests[server_rid] = _Kept(trailer.client_rid, trailer.client_id)
+        if hashes is not None and len(hashes):
+            self._keep_hashes(hashes)
+
+    def _keep_hashes(self, hashes: Any) -> None:
+        limit = self._max_hashes * BLOCK_HASH_SIZE
+        frame = bytes(hashes[:limit])  # the chain's head is what a match needs
+        if not frame:
+            return
+        frames = self._hash_frames
+        frames.append(frame)
+        self._n_hashes += len(frame) // BLOCK_HASH_SIZE
+        while self._n_hashes > self._max_hashes:
+            self._n_hashes -= len(frames.popleft()) // BLOCK_HASH_SIZE
+
+    def recent_hashes(self) -> bytes:
+        """HELD's block-hash frame: each hash kept once, in the order of its latest
+        request (oldest first, as the prefix policy learns them)."""
+        size = BLOCK_HASH_SIZE
+        latest: dict[bytes, None] = {}
+        for frame in reversed(self._hash_frames):
+            for at in range(len(frame) - size, -1, -size):
+                latest.setdefault(frame[at : at + size])
+        return b"".join(reversed(latest))
 
     def sent(self, final: bool, entries: Sequence[tuple[int, Any]]) -> None:
         """A reply message went out with these (server rid, body) entries."""
@@ -115,7 +168,7 @@ class Held:
                 [rid, k.client_rid, k.client_id, k.partials, k.final]
                 for rid, k in self.requests.items()
             ]
-            self.socket.send_multipart(protocol.HELD.pack(entries, b""))
+            self.socket.send_multipart(protocol.HELD.pack(entries, self.recent_hashes()))
 
     def on_message(self, header: int, frames: Sequence[Any]) -> bool:
         """HANDLED or REPLAY; False for any other header."""

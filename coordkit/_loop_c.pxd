@@ -67,6 +67,7 @@ cdef struct Engine:
     uint64_t handled  # reply messages received since its registration
     uint64_t mark  # handled at the last tick
     uint64_t acked  # handled as of the last HANDLED sent
+    bint holding  # holds requests of a client away: sent no HANDLED (_mark_holding)
 
 
 cdef enum GoneReason:
@@ -131,9 +132,12 @@ cdef class Loop:
         # wait for their REJOIN (meanwhile their engines get no HANDLED: a replay may
         # need all they kept).
         dict away
+        Py_ssize_t n_away  # len(away), read without the GIL
+        int n_holding  # engines holding requests of clients away (_mark_holding)
         bint forwards_hashes  # the prefix policy learns from what rebuild engines report
         uint32_t drained  # messages handled in this wake-up: the deadline is read every 256
         double deadline  # the term's, for this serve() call
+        double next_tick  # when the timers run next (time.monotonic())
 
         # The tables.
         ck_requests requests
@@ -176,6 +180,8 @@ cdef class Loop:
 
     # the hot path (no GIL)
     cdef bint _serve_for(self, double timeout) noexcept nogil
+    cdef void _tick(self, double now) noexcept nogil
+    cdef bint _oldest_submitted_before(self, double deadline) noexcept nogil
     cdef void _drain(self) noexcept nogil
     cdef void _handle(self) noexcept nogil
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil
@@ -245,7 +251,8 @@ cdef class Loop:
     cdef _drop_orphan(self, uint32_t slot)
     cdef _end_rebuild(self)
     cdef _end_holds(self, double now)
-    cdef _acknowledge(self)
+    cdef void _acknowledge(self) noexcept nogil
+    cdef _mark_holding(self)
 
     # failures
     cdef _settle(self)

@@ -99,6 +99,7 @@ from . import protocol
 from ._shared import (
     LATENCY_BUCKETS,
     REFUSAL_EVENTS,
+    TICK,
     RateLimitedLog,
     check_constants,
     detokenize,
@@ -128,6 +129,7 @@ __all__ = ["Loop"]
 
 
 GONE_REASONS = ("unreachable", "no heartbeat", "drain timed out")  # by GoneReason
+cdef double TICK_SECONDS = TICK
 
 cdef enum:
     MSGPACK_FIXARRAY_2 = 0x92  # the head of a batch entry [rid, ...] of two
@@ -299,7 +301,8 @@ cdef class Loop:
     # -- what the Coordinator calls ------------------------------------------------------
 
     def serve(self, double timeout, double deadline=INFINITY) -> bool:
-        """Handle messages for up to ``timeout`` seconds, without the GIL.
+        """Handle messages and run the timers (every ``TICK``) for up to ``timeout``
+        seconds, without the GIL (taken only for what a timer finds due).
 
         False once the loop must stop (a SHUTDOWN arrived, ``stop()`` woke it, or
         ``deadline``, its term's ``time.monotonic()``, passed: read after each
@@ -311,35 +314,6 @@ cdef class Loop:
         with nogil:
             stop = self._serve_for(timeout)
         return not stop
-
-    def expire(self, double now) -> None:
-        """Declare gone the engines whose drain or heartbeat timed out, end the
-        requests in flight longer than request_timeout, and settle what that left."""
-        cdef int rank
-        cdef double deadline = now - self.request_timeout
-        for rank in range(self.n_engines):
-            if self.engines[rank].state == ENGINE_GONE:
-                continue
-            if self.engines[rank].state == ENGINE_DRAINING:
-                if now >= self.engines[rank].drain_deadline:
-                    self._mark_gone(rank, GONE_DRAIN_TIMED_OUT)
-            elif (
-                self.heartbeat_timeout
-                and self.engines[rank].heartbeats
-                and now - self.engines[rank].last_heartbeat > self.heartbeat_timeout
-            ):
-                self._mark_gone(rank, GONE_NO_HEARTBEAT)
-        # The oldest first: only the requests that are due are touched.
-        while self.request_timeout and self.deadlines.oldest != UINT32_MAX and (
-            self.submitted[self.deadlines.oldest] < deadline
-        ):
-            self._time_out(self.deadlines.oldest)
-        if self.rebuilding and now >= self.rebuild_until:
-            self._end_rebuild()
-        if self.away:
-            self._end_holds(now)
-        self._acknowledge()
-        self._settle()
 
     def shutdown(self) -> None:
         """End every request still in flight with ERROR(SHUTTING_DOWN): its terminal reply."""
@@ -393,11 +367,12 @@ cdef class Loop:
     # at every return to release it (a ``with gil`` block passes its objects inline).
 
     cdef bint _serve_for(self, double timeout) noexcept nogil:
-        """Poll and handle messages for up to ``timeout`` seconds; True once the loop must stop."""
+        """Poll and handle messages, and run the timers when due, for up to ``timeout``
+        seconds; True once the loop must stop."""
         cdef zmq_pollitem_t items[3]
         cdef zmq_msg_t wake
-        cdef double deadline = monotonic() + timeout
-        cdef double left
+        cdef double now = monotonic()
+        cdef double deadline = now + timeout
         cdef int i
         items[0].socket = self.sock
         items[1].socket = self.wake
@@ -406,20 +381,24 @@ cdef class Loop:
             items[i].fd = 0
             items[i].events = ZMQ_POLLIN
         while not self.stopping:
+            now = monotonic()
+            if now >= deadline:
+                return False
             # Rounded up: rounded down, the last millisecond before the deadline would
             # return at once, again and again, handling nothing until it passed.
-            left = deadline - monotonic()
-            if left <= 0:
-                return False
-            if zmq_poll(items, 3, <long>ceil(left * 1000.0)) < 0:
+            if zmq_poll(items, 3, <long>ceil((min(deadline, self.next_tick) - now) * 1000.0)) < 0:
                 # EINTR: back to Python, which runs the signal handlers; anything
                 # else means the context was terminated.
                 return zmq_errno() != EINTR
             if DEBUG:
                 self.debug_polls += 1
-            if monotonic() >= self.deadline:  # its term is over (a freeze, say): serve nobody
+            now = monotonic()
+            if now >= self.deadline:  # its term is over (a freeze, say): serve nobody
                 self.stopping = True
                 break
+            if now >= self.next_tick:
+                self.next_tick = now + TICK_SECONDS
+                self._tick(now)
             if items[2].revents & ZMQ_POLLIN:
                 with gil:
                     self._connection_events()
@@ -435,6 +414,47 @@ cdef class Loop:
                 with gil:
                     self._drop_ended()
         return True
+
+    cdef void _tick(self, double now) noexcept nogil:
+        """The timers: engines whose drain or heartbeat timed out declared gone, the
+        requests in flight longer than request_timeout ended, the rebuild window
+        closed, HANDLED to rebuild engines, and what that left settled. The GIL is
+        taken only for what is due."""
+        cdef int rank
+        cdef double deadline = now - self.request_timeout
+        for rank in range(self.n_engines):
+            if self.engines[rank].state == ENGINE_GONE:
+                continue
+            if self.engines[rank].state == ENGINE_DRAINING:
+                if now >= self.engines[rank].drain_deadline:
+                    self._mark_gone(rank, GONE_DRAIN_TIMED_OUT)
+            elif (
+                self.heartbeat_timeout
+                and self.engines[rank].heartbeats
+                and now - self.engines[rank].last_heartbeat > self.heartbeat_timeout
+            ):
+                self._mark_gone(rank, GONE_NO_HEARTBEAT)
+        # The oldest first: only the requests that are due are touched.
+        if self.request_timeout and self._oldest_submitted_before(deadline):
+            with gil:
+                while self._oldest_submitted_before(deadline):
+                    self._time_out(self.deadlines.oldest)
+        if self.rebuilding and now >= self.rebuild_until:
+            with gil:
+                self._end_rebuild()
+        if self.n_away or self.n_holding:
+            with gil:
+                self._end_holds(now)
+                self._mark_holding()
+        self._acknowledge()
+        if self.n_gone:
+            with gil:
+                self._settle()
+
+    cdef inline bint _oldest_submitted_before(self, double deadline) noexcept nogil:
+        return self.deadlines.oldest != UINT32_MAX and (
+            self.submitted[self.deadlines.oldest] < deadline
+        )
 
     cdef void _drain(self) noexcept nogil:
         """Handle every message waiting, one at a time; the term's deadline is read
@@ -1226,6 +1246,7 @@ cdef class Loop:
     cdef _remove_client(self, int32_t client):
         """A client with nothing in flight leaves the tables."""
         self.away.pop(self._identity(client), None)
+        self.n_away = len(self.away)
         ck_ids_remove(&self.client_ids, client)
         self.clients[client].used = False
         self.n_clients -= 1
@@ -1521,6 +1542,7 @@ cdef class Loop:
         self.clients[client].rejoined = True
         identity = self._frame_bytes(0)
         self.away.pop(identity, None)  # back from a blip: its requests carry on
+        self.n_away = len(self.away)
         replays = {}
         resend = {}
         for rid, partials in entries:
@@ -1684,6 +1706,7 @@ cdef class Loop:
             if now < until:
                 continue
             del self.away[identity]
+            self.n_away = len(self.away)
             client = ck_ids_find(&self.client_ids, identity, len(identity))
             if not self.clients[client].present:
                 self._drop_client(client)
@@ -1707,33 +1730,50 @@ cdef class Loop:
         finally:
             free(order)
 
-    cdef _acknowledge(self):
+    cdef void _acknowledge(self) noexcept nogil:
         """HANDLED to each rebuild engine (after the window): the number of its last
         reply message handled by the previous tick, so at least a tick ago, by when
         the replies in it have left this process in all but a stall. An engine that
-        holds requests of a client away is not: a REJOIN may want all it kept."""
+        holds requests of a client away is not (``holding``): a REJOIN may want all it
+        kept."""
+        cdef uint8_t handled[CK_HEADER_INT_MAX]
+        cdef size_t n
         cdef int rank
         cdef Engine* engine
-        cdef uint32_t slot
-        cdef int32_t client
-        holding = set()
-        for identity in self.away:
-            client = ck_ids_find(&self.client_ids, identity, len(identity))
-            slot = self.clients[client].requests.oldest
-            while slot != UINT32_MAX:
-                holding.add(self.requests.pool[slot].rank)
-                slot = self.client_links.newer[slot]
         for rank in range(self.n_engines):
             engine = &self.engines[rank]
             if (
                 engine.rebuild and engine.state != ENGINE_GONE and not self.rebuilding
-                and rank not in holding and engine.mark > engine.acked
+                and not engine.holding and engine.mark > engine.acked
             ):
                 engine.acked = engine.mark
-                handled = protocol.HANDLED.pack(engine.base + <int64_t>engine.acked - 1)
-                if not self._send_frames(&self.engine_ids, rank, handled):
+                n = ck_write_header_int(
+                    handled, HEADER_HANDLED, engine.base + <int64_t>engine.acked - 1
+                )
+                if self._send_identity(&self.engine_ids, rank) != 0:
                     self._mark_gone(rank, GONE_UNREACHABLE)
+                else:
+                    send_bytes(self.sock, handled, n, 0)
+                    traffic_count(&self.traffic, SENT, HEADER_HANDLED, n)
             engine.mark = engine.handled
+
+    cdef _mark_holding(self):
+        """Which engines hold requests of clients away (Engine.holding, n_holding)."""
+        cdef int rank
+        cdef int32_t client
+        cdef uint32_t slot
+        for rank in range(self.n_engines):
+            self.engines[rank].holding = False
+        for identity in self.away:
+            client = ck_ids_find(&self.client_ids, identity, len(identity))
+            slot = self.clients[client].requests.oldest
+            while slot != UINT32_MAX:
+                if self.requests.pool[slot].rank >= 0:
+                    self.engines[self.requests.pool[slot].rank].holding = True
+                slot = self.client_links.newer[slot]
+        self.n_holding = 0
+        for rank in range(self.n_engines):
+            self.n_holding += self.engines[rank].holding
 
     # -- failures ------------------------------------------------------------------------
 
@@ -1901,6 +1941,7 @@ cdef class Loop:
             self.connections[fd] = -1
         self.clients[client].fd = -1
         self.away[self._identity(client)] = monotonic() + self.clients[client].hold
+        self.n_away = len(self.away)
         order = self._in_order(-1, client, &n)
         try:
             for i in range(n):
@@ -1936,6 +1977,7 @@ cdef class Loop:
             self.counters[COUNTER_CLIENTS_RETURNED] += 1
             if self.clients[client].inflight == 0:
                 del self.away[identity]
+                self.n_away = len(self.away)
 
     cdef _drop_client(self, int32_t client):
         """Abort a client's requests at their engines, and forget them and it."""

@@ -40,6 +40,7 @@ from ._shared import (
     LATENCY_BUCKETS,
     REFUSAL_EVENTS,
     SHARED_SMALL_MAX,
+    TICK,
     Counter,
     EngineState,
     Options,
@@ -721,6 +722,7 @@ class Loop:
         self._counters = [0] * len(Counter)
         self._messages = 0
         self._drained = 0  # messages received in wake-ups: the deadline is read every 256
+        self._next_tick = 0.0  # when the timers run next (time.monotonic())
         self._failed = [0] * ERROR_SLOTS  # accepted requests ended with ERROR(code)
         self._refused = [0] * ERROR_SLOTS  # messages refused with ERROR(code)
         self._traffic = Traffic()
@@ -736,22 +738,27 @@ class Loop:
     # -- what the Coordinator calls ------------------------------------------------------
 
     def serve(self, timeout: float, deadline: float = math.inf) -> bool:
-        """Handle messages for up to ``timeout`` seconds; False once the loop must stop.
+        """Handle messages and run the timers (every ``TICK``) for up to ``timeout``
+        seconds; False once the loop must stop.
 
         ``deadline`` (a ``time.monotonic()``) is its term's: read after each wake-up,
         before anything is handled; past it, the loop stops.
         """
         until = time.monotonic() + timeout
         while not self._stopping:
-            left = until - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= until:
                 return True
             # Rounded up: rounded down, the last millisecond before the deadline would
             # return at once, again and again, handling nothing until it passed.
-            ready = dict(self._poller.poll(math.ceil(left * 1000)))
-            if time.monotonic() >= deadline:
+            ready = dict(self._poller.poll(math.ceil((min(until, self._next_tick) - now) * 1000)))
+            now = time.monotonic()
+            if now >= deadline:
                 self._stopping = True
                 break
+            if now >= self._next_tick:
+                self._next_tick = now + TICK
+                self._tick(now)
             if self._monitor in ready:
                 self._connection_events()
             if self._wake in ready:
@@ -764,9 +771,10 @@ class Loop:
                 self._drop_ended()
         return False
 
-    def expire(self, now: float) -> None:
-        """Declare gone the engines whose drain or heartbeat timed out, end the
-        requests in flight longer than request_timeout, and settle what that left."""
+    def _tick(self, now: float) -> None:
+        """The timers: engines whose drain or heartbeat timed out declared gone, the
+        requests in flight longer than request_timeout ended, the rebuild window
+        closed, HANDLED to rebuild engines, and what that left settled."""
         timeout = self._options.heartbeat_timeout
         for engine in self._engines:
             if engine.state == GONE:

@@ -55,6 +55,10 @@ ERROR_SLOTS = 32
 #: 100 µs to about 3.5 minutes; a last bucket takes the rest (+Inf).
 LATENCY_BUCKETS = tuple(0.0001 * 2.0**k for k in range(22))
 
+#: Seconds between the loop's timer runs (heartbeats, drains, request deadlines, the
+#: rebuild window, HANDLED): inside serve(), which never returns to Python for them.
+TICK = 0.05
+
 #: Seconds a coordinator waits, from its start, for engines to report what they hold
 #: before it tells rebuild clients to re-send what none claimed: the endpoints'
 #: default coordinator_timeout, so that peers that noticed a frozen leader only by

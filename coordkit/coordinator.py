@@ -46,8 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Coordinator"]
 
-#: Seconds between checks of heartbeats and drains when nothing else wakes the loop.
-TIMER_INTERVAL = 0.05
+#: Seconds the main thread's loop serves before returning to Python, where its
+#: signal handlers run (a signal that interrupts its poll returns at once).
+SIGNALS_EVERY = 1.0
 
 _wake_ids = itertools.count()
 
@@ -110,6 +111,14 @@ def _refuse_if_answered(address: str, path: str) -> None:
         f"coordkit: {address} is in use: a coordinator (or another program) answers there; "
         "stop it, or bind another path",
     )
+
+
+def _serve_slice(term: Term | None, main: bool) -> float:
+    """How long one serve() call lasts (see serve_forever)."""
+    slice_ = SIGNALS_EVERY if main else math.inf
+    if term is not None:
+        slice_ = min(slice_, max((term.deadline - time.monotonic()) / 2, 0.001))
+    return slice_
 
 
 class _Sockets:
@@ -373,16 +382,17 @@ class Coordinator:
             raise RuntimeError("coordinator is closed")
         self._started = True
         term = self._term
-        next_timer = time.monotonic() + TIMER_INTERVAL
+        # The timers run inside serve(), without the GIL: under load the loop leaves
+        # it only to read a term's renewed deadline (at half the time left, so that a
+        # renewal is seen well before the deadline it replaced) or, on the main
+        # thread, for the signal handlers. (A return waits for the GIL: in a busy
+        # process, up to the interpreter's switch interval.)
+        main = threading.current_thread() is threading.main_thread()
         try:
             while self._loop.serve(
-                max(next_timer - time.monotonic(), 0.001),
-                math.inf if term is None else term.deadline,
+                _serve_slice(term, main), math.inf if term is None else term.deadline
             ):
-                now = time.monotonic()
-                if now >= next_timer:
-                    self._loop.expire(now)
-                    next_timer = now + TIMER_INTERVAL
+                pass
         finally:
             self._close(handover=term is not None and not term.valid())
 

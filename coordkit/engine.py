@@ -45,7 +45,7 @@ import zmq
 from . import protocol
 from ._checks import check_address
 from ._events import Abort, Control, Event, ReleaseKV, Request
-from ._held import Held
+from ._held import DEFAULT_HELD_HASHES, Held
 from ._implementation import load_implementation, selected
 from ._liveness import DEFAULT_COORDINATOR_TIMEOUT, ConnectionWatch, prepare
 from .curve import KeySource, ServerKey
@@ -115,6 +115,9 @@ class Engine:
     sent it and the replies the coordinator has not acknowledged (HANDLED), and
     on each registration reports what it holds (HELD) and sends again what is
     asked (REPLAY); its requests are then never run twice (docs/failover.md).
+    It also keeps the block hashes of the last ``held_hashes`` it was sent
+    (the prefix policy forwards each request's), and reports them in HELD, so
+    that a new coordinator's prefix policy knows what this rank caches.
     """
 
     def __init__(
@@ -133,8 +136,11 @@ class Engine:
         curve_keys: KeySource | None = None,
         hello: bool = True,
         rebuild: bool = True,
+        held_hashes: int = DEFAULT_HELD_HASHES,
     ):
         check_address(address)
+        if held_hashes < 0:
+            raise ValueError(f"held_hashes must be at least 0, not {held_hashes}")
         impl = load_implementation(implementation) if implementation else selected()
         if identity is None:
             identity = f"engine-{rank}"
@@ -168,7 +174,7 @@ class Engine:
         #: What the coordinator granted in its last ENGINE_ACK (``{"batch": 1}``), or {}.
         self.granted: dict[Any, Any] = {}
         self._held: list[Event] = []  # received by wait_registered(), for the next poll()
-        self._rebuild = Held(self._socket) if rebuild and hello else None
+        self._rebuild = Held(self._socket, held_hashes) if rebuild and hello else None
         self._socket.connect(address)
         self._register()
         self._core = impl.engine.EngineCore(self._socket, self._acknowledged, self._rebuild)

@@ -536,8 +536,8 @@ class HeldSpec:
     client_rid, client_id, partials, final], ...]]`` -- the requests it holds that a
     rebuild client sent, how many partials it sent for each, whether it sent the
     final -- then one frame: the block hashes of the requests routed to it lately
-    (little-endian u64s, oldest first; empty when none), so that the prefix policy's
-    table outlives the coordinator."""
+    (little-endian u64s, each once, oldest first by its latest request; empty when
+    none), so that the prefix policy's table outlives the coordinator."""
 
     name = "HELD"
     header = Header.HELD

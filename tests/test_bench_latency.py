@@ -162,6 +162,9 @@ def test_a_tiny_latency_run_reports_every_point(tmp_path):
             assert len(same) == 1
             assert p["added_p99_us"] == pytest.approx(p["p99_us"] - same[0]["p99_us"])
             assert isinstance(p["direct_choked"], bool) and isinstance(p["direct_kept_up"], bool)
+            assert p["coordinator_cpu_us"] > 0 and p["coordinator_switches"] >= 0
+        else:
+            assert "coordinator_cpu_us" not in p
     summary = result["latency"]["summary"]
     assert sorted(summary) == sorted(f"{v}/16" for v in variants)
     for row in summary.values():

@@ -338,6 +338,29 @@ def loop_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == "coordkit"]
 
 
+def test_a_background_loop_returns_to_python_only_to_stop(make_coordinator):
+    # Its timers run inside serve(): on a thread that is not the main one (no signal
+    # handlers to run) and with no term, serve_forever makes one call, however many
+    # ticks pass (a return to Python waits for the GIL).
+    coord = make_coordinator(request_timeout=0.1)
+    loop, calls = coord._loop, []
+
+    class Counting:
+        def serve(self, *args: float) -> bool:
+            calls.append(args)
+            return bool(loop.serve(*args))
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(loop, name)
+
+    coord._loop = Counting()
+    coord.start()
+    wait_for(lambda: calls)
+    threading.Event().wait(0.3)  # ticks go by
+    coord.stop()
+    assert len(calls) == 1
+
+
 def test_stop_from_another_thread(make_coordinator):
     coord = make_coordinator()
     coord.start()

@@ -23,8 +23,10 @@ from tests.support.cluster import bind_address
 from tests.support.peers import (
     ABORT,
     DISCONNECT,
+    ENGINE_ACK,
     ENGINE_HELLO,
     HEARTBEAT,
+    HELD,
     PARTIAL,
     PAUSE,
     REBUILD_HELLO,
@@ -34,6 +36,7 @@ from tests.support.peers import (
     SET_GENERATION_EPOCH,
     STOP,
     SUBMIT,
+    SUBMIT_BATCH,
     SUBMIT_KV,
     SUSPEND,
     UNPAUSE,
@@ -394,3 +397,68 @@ def test_engine_process(router):
         assert process.wait(TIMEOUT_MS / 1000) == 0
         assert socket.recv_multipart() == [b"engine-2", packb([DISCONNECT])]
         assert "found in sys.modules" not in process.stderr.read()  # no runpy double import
+
+
+def test_held_reports_the_block_hashes_it_was_sent_lately(router, impl):
+    """HELD's block-hash frame: each hash the engine was sent lately, once, in the
+    order of its latest request, at most ``held_hashes`` of them in all."""
+    socket, _ = router
+    engine = registered(router, impl, held_hashes=6)
+
+    def ack() -> list[bytes]:
+        socket.send_multipart([engine.identity, packb([ENGINE_ACK, {"rebuild": 1, "epoch": 1}])])
+        deadline = time.monotonic() + TIMEOUT_MS / 1000
+        while not socket.poll(0):
+            assert time.monotonic() < deadline
+            engine.poll(0.05)
+        meta, hashes = socket.recv_multipart()[1:]
+        assert unpackb(meta)[0] == HELD
+        return [int.from_bytes(hashes[i : i + 8], "little") for i in range(0, len(hashes), 8)]
+
+    def frame(*ids: int) -> bytes:
+        return b"".join(i.to_bytes(8, "little") for i in ids)
+
+    def trailer(rid: int, hashed: bool) -> bytes:
+        return packb([rid, b"ck", hashed])
+
+    assert ack() == []  # nothing sent yet: the frame is empty
+    prompt = packb([1, 2])
+    socket.send_multipart(
+        [engine.identity, packb([SUBMIT, 1, {}]), prompt, trailer(1, True), frame(1, 2, 3)]
+    )
+    batch = packb([SUBMIT_BATCH, [[2, {}], [3, {}], [4, {}]]])
+    socket.send_multipart(
+        [
+            engine.identity,
+            batch,
+            prompt,
+            trailer(2, True),
+            frame(1, 2, 4),
+            prompt,
+            trailer(3, False),
+            prompt,
+            trailer(4, True),
+            frame(5),
+        ]
+    )
+    assert len(collect(engine, 4)) == 4
+    assert ack() == [1, 2, 4, 5]  # 7 hashes: request 1's went; 1 and 2 as of request 2
+    socket.send_multipart(
+        [engine.identity, packb([SUBMIT, 5, {}]), prompt, trailer(5, True), frame(6, 7, 8)]
+    )
+    collect(engine, 1)
+    assert ack() == [5, 6, 7, 8]  # at most 6 hashes kept: request 2's went too
+    # A trailer that says hashed without them, or hashes that are not whole: dropped.
+    socket.send_multipart([engine.identity, packb([SUBMIT, 6, {}]), prompt, trailer(6, True)])
+    socket.send_multipart(
+        [engine.identity, packb([SUBMIT, 7, {}]), prompt, trailer(7, True), b"123"]
+    )
+    assert engine.poll(0.2) == []
+    assert ack() == [5, 6, 7, 8]
+    engine.close()
+
+
+def test_held_hashes_below_zero_is_refused(router, impl):
+    _, address = router
+    with pytest.raises(ValueError, match="held_hashes must be at least 0, not -1"):
+        Engine(address, implementation=impl.name, held_hashes=-1)

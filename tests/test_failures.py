@@ -266,6 +266,35 @@ def test_requests_time_out_oldest_first_and_only_when_due(make_cluster):
         assert [a[0] for a in aborts] == [ABORT, ABORT]
 
 
+def test_the_timers_run_inside_one_serve_call(make_coordinator):
+    # serve() runs the timers itself (here a request's deadline): the loop need not
+    # return to Python for them, where it would wait for the GIL (in a busy process,
+    # up to the interpreter's switch interval, handling nothing meanwhile).
+    ctx = zmq.Context()
+    coord = make_coordinator(request_timeout=0.2)
+    engine = RawEngine(ctx, coord.address, b"engine-0").register()
+    client = RawClient(ctx, coord.address)
+    returned: list[bool] = []
+    serving = threading.Thread(target=lambda: returned.append(coord._loop.serve(60.0)))
+    serving.start()
+    try:
+        client.connect(coordkit=True)
+        wait_for(lambda: len(coord.stats()["engines"]) == 1)
+        client.send(m([SUBMIT, 0, {}]), b"forgotten")
+        server_rid = um(engine.recv()[0])[1]
+        expect_error(client, 0, ErrorCode.TIMED_OUT)
+        assert engine.recv() == [m([ABORT, server_rid])]
+        assert returned == []  # all in the one call
+    finally:
+        coord._sockets.wake()
+        serving.join(10.0)
+        client.close()
+        engine.close()
+        coord.stop()
+        ctx.term()
+    assert returned == [False]  # stopped by the wake-up, not by its time
+
+
 def test_reply_from_unregistered_sender_is_dropped(cluster):
     client = cluster.client()
     client.send(m([SUBMIT, 0, {}]), b"p")

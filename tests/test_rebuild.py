@@ -422,6 +422,23 @@ def test_an_abort_before_any_engine_claimed_the_request(make_cluster):
         assert c.coord.stats()["inflight"] == 0
 
 
+def test_an_engines_reported_hashes_steer_the_prefix_policy(make_cluster):
+    """HELD's block-hash frame: the prefix policy learns it for the reporting rank."""
+    with make_cluster(policy="prefix", prefix_ttl=3600) as c:
+        e0, e1 = rebuild_engine(c, b"e0"), rebuild_engine(c, b"e1")
+        client = rebuild_client(c, b"ck")
+        shared = b"".join(h.to_bytes(8, "little") for h in (5, 6, 7))
+        messages = c.coord.stats()["messages"]
+        e1.send(m([HELD, []]), shared[:16])  # e1 served prompts of blocks 5 and 6
+        wait_for(lambda: c.coord.stats()["messages"] > messages)
+        for rid in (1, 2):  # without the report, the first would go to e0
+            client.send(m([SUBMIT, rid, {}]), m([rid] * 48), shared)
+            meta, _, tail, hashes = e1.recv()
+            assert um(meta)[0] == SUBMIT and tail == trailer(rid, b"ck", True)
+            assert hashes == shared
+        e0.assert_silent()
+
+
 def test_a_term_deadline_stops_the_loop_before_it_handles_anything(impl, tmp_path):
     coord = Coordinator(f"ipc://{tmp_path}/c.sock", implementation=impl.name)
     client = RawClient(zmq.Context.instance(), coord.address)

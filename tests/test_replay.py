@@ -142,3 +142,39 @@ def test_replay_of_a_missing_or_empty_trace_fails(capsys, tmp_path):
     assert main(["replay", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 1
     assert main(["replay", str(write_trace(tmp_path / "e.jsonl", [])), "--no-progress"]) == 1
     assert "the trace is empty" in capsys.readouterr().err
+
+
+def test_replay_with_a_failover_keeps_the_affinity(impl, capsys, tmp_path):
+    """--failover-at: the coordinator SIGKILLed and started again halfway. The engines'
+    HELD reports give the new one the prefix table: the hit rate is the same as
+    without the failover; with the reports off (--held-hashes 0) it drops."""
+    # 4 prefixes of 8 blocks on 2 engines: the first half, 0 1 2 3 twice, puts 0 and 2
+    # on one engine, 1 and 3 on the other. The second half comes 100 s of trace later
+    # (the restart's time), as 0 2 1 3: a table started afresh splits 0 and 2 (and 1
+    # and 3), and two of the four prefixes are prefilled again.
+    order = [0, 1, 2, 3] * 2 + [0, 2, 1, 3] * 2
+    records = [
+        {
+            "timestamp": 4000 * i + (100_000 if i >= 8 else 0),
+            "input_length": 9 * 16,
+            "output_length": 2,
+            "hash_ids": [*range(100 * p, 100 * p + 8), 1000 + i],
+        }
+        for i, p in enumerate(order)
+    ]
+    trace = str(write_trace(tmp_path / "halves.jsonl", records))
+    options = ["--block-size", "16", "--engines", "2", "--speedup", "40"]
+    options += ["--implementation", impl.name, "--failover-at", "0.5"]
+    table, report = replay(capsys, trace, *options)
+    assert re.search(r"^  policy\s+prefix\s+prefix \+ failover\s*$", table, re.M)
+    assert re.search(r"^  coordinator\s+kept\s+SIGKILLed before request 9, restarted", table, re.M)
+    kept, failover = report["results"]["prefix"], report["results"]["prefix + failover"]
+    assert report["options"]["failover_at"] == 0.5
+    assert failover["failover_before_request"] == 8 and kept["failover_before_request"] is None
+    assert kept["completed"] == 16 and failover["completed"] >= 15  # one may find no engine
+    # One engine per prefix: each prefix's first request misses its 8 blocks, and every
+    # request its own block.
+    assert kept["hit_rate"] == pytest.approx(12 * 8 / (16 * 9))
+    assert failover["hit_rate"] >= kept["hit_rate"] - 0.05
+    _, unreported = replay(capsys, trace, *options, "--held-hashes", "0")
+    assert unreported["results"]["prefix + failover"]["hit_rate"] < failover["hit_rate"] - 0.05

@@ -425,6 +425,25 @@ def test_hash_frame_not_a_multiple_of_8(impl, policy, size):
     assert router.work(0) == router.work(1) == 0
 
 
+def test_prefix_learns_an_engines_report(impl):
+    """``learn``: an engine's report (HELD, after a coordinator's loss) records its
+    hashes for that rank as a decision would: the next request that shares them
+    goes there. Other policies take it and learn nothing."""
+    router = make(impl, "prefix", range(4), max_ranks=4)
+    router.learn(2, frame(5, 6, 7, 8), 1.0)
+    assert router.prefix_ranks(6, 1.0) == [2] and router.prefix_len == 4
+    assert once(router, frame(5, 6, 7, 9), 1.0) == 2
+    router.learn(1, b"", 1.0)  # nothing cached: nothing learned
+    assert router.prefix_len == 5
+    with pytest.raises(ValueError, match="multiple of 8"):
+        router.learn(1, b"\0" * 9, 1.0)
+    with pytest.raises(ValueError, match="out of range"):
+        router.learn(4, frame(1), 1.0)
+    plain = make(impl, "least_loaded", range(2))
+    plain.learn(1, frame(5, 6), 1.0)
+    assert plain.prefix_len == 0
+
+
 # -- block hashes ----------------------------------------------------------------
 
 
@@ -549,6 +568,35 @@ def test_differential_trace(
     )
     routers = [ScanningRouter(policy, **kwargs), py_impl.Router(policy, **kwargs)]
     run_trace([*routers, c_impl.Router(policy, **kwargs)], seed, max_ranks, steps=3000)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_learned_reports_against_the_scan(c_impl, py_impl, seed):
+    """Reports learned between decisions (a restarted coordinator's first seconds):
+    the same choices and table in both routers and the reference."""
+    kwargs = dict(max_ranks=16, seed=seed, prefix_ttl=40.0, prefix_max_entries=48)
+    routers = [ScanningRouter("prefix", **kwargs), py_impl.Router("prefix", **kwargs)]
+    routers.append(c_impl.Router("prefix", **kwargs))
+    rng = random.Random(seed)
+    shared = [[rng.getrandbits(64) for _ in range(rng.randint(1, 6))] for _ in range(8)]
+    pool = [h for prefix in shared for h in prefix]
+    for rank in range(0, 16, 2):
+        for router in routers:
+            router.add_rank(rank)
+    now = 0.0
+    for step in range(600):
+        hashes = frame(*rng.choice(shared), *rng.choice(shared)[: rng.randint(0, 3)])
+        if rng.random() < 0.3:
+            rank = rng.randrange(0, 16, 2)
+            for router in routers:
+                router.learn(rank, hashes, now)
+        else:
+            rank = same_choice(routers, hashes, now, 0, step)
+            if rng.random() < 0.7:
+                for router in routers:
+                    router.release(rank, routers[0].charged)
+        now += rng.uniform(0, 1)
+    same_state(routers, 16, now, pool)
 
 
 def run_fleet(routers, seed: int, max_ranks: int, steps: int, n_prefixes: int = 40) -> None:

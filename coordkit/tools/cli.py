@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import IMPLEMENTATION, Coordinator, Implementation, __version__, load_implementation
 from .._checks import ADDRESS_FORMS
+from .._held import DEFAULT_HELD_HASHES
 from .._liveness import DEFAULT_COORDINATOR_TIMEOUT
 from .._policies import POLICIES
 from .._shared import DIALECTS, MEGATRON_VERSIONS
@@ -333,6 +334,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_prefix_model(replay)
     replay.add_argument(
+        "--failover-at",
+        type=_fraction,
+        metavar="FRACTION",
+        help="run each policy a second time, its coordinator a process SIGKILLed and started "
+        "again once FRACTION of the requests went out (default: no failover)",
+    )
+    replay.add_argument(
+        "--held-hashes",
+        type=_non_negative_int,
+        metavar="N",
+        help="block hashes each engine reports to a new coordinator (default: the engine's, "
+        f"{DEFAULT_HELD_HASHES}; 0: none)",
+    )
+    replay.add_argument(
         "--json", metavar="PATH", help="write every figure and TTFT as JSON (default: not written)"
     )
     replay.add_argument(
@@ -437,6 +452,13 @@ def _parser() -> argparse.ArgumentParser:
         help="prefix cache capacity in blocks",
     )
     fake.add_argument(
+        "--held-hashes",
+        type=_non_negative_int,
+        default=DEFAULT_HELD_HASHES,
+        metavar="N",
+        help="block hashes of the latest requests reported to a new coordinator (0: none)",
+    )
+    fake.add_argument(
         "--prefix-block-size",
         type=int,
         default=DEFAULT_PREFIX_BLOCK_SIZE,
@@ -523,6 +545,20 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, not {text}")
     return value
 
 

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, TypeGuard
 
 import zmq
 
+from .._held import DEFAULT_HELD_HASHES
 from .._liveness import DEFAULT_COORDINATOR_TIMEOUT
 from .._shared import logger
 from ..curve import KeySource, ServerKey
@@ -156,8 +157,8 @@ class FakeEngine(Engine):
     (default 1; None turns them off), advertising ``max_batch`` as capacity.
     Like every Engine it asks for batched SUBMITs (ENGINE_HELLO) unless
     ``batch`` is False, and takes them as they come; ``implementation`` picks
-    the Engine's core; ``coordinator_timeout``, ``curve_server_key`` and
-    ``curve_keys`` are the Engine's.
+    the Engine's core; ``coordinator_timeout``, ``curve_server_key``,
+    ``curve_keys`` and ``held_hashes`` are the Engine's.
     """
 
     def __init__(
@@ -181,6 +182,7 @@ class FakeEngine(Engine):
         coordinator_timeout: float | None = DEFAULT_COORDINATOR_TIMEOUT,
         curve_server_key: ServerKey | None = None,
         curve_keys: KeySource | None = None,
+        held_hashes: int = DEFAULT_HELD_HASHES,
     ):
         # latency and max_batch, when given, override the cost model's.
         cost = cost._replace(
@@ -207,6 +209,7 @@ class FakeEngine(Engine):
             coordinator_timeout=coordinator_timeout,
             curve_server_key=curve_server_key,
             curve_keys=curve_keys,
+            held_hashes=held_hashes,
         )
         self.cost = cost
         self.speedup = speedup
@@ -451,6 +454,7 @@ def run(args: argparse.Namespace) -> int:
         coordinator_timeout=args.coordinator_timeout or None,
         curve_server_key=args.curve_server_key,
         curve_keys=args.curve_keys,
+        held_hashes=args.held_hashes,
     ) as engine:
         engine.run(stop)
     return 0

@@ -17,6 +17,13 @@ fake engine, the same ids, its output length and ``max_partials: 1`` in the
 sampling params. The first reply (its one partial, or the final of a
 one-token answer) gives the time to first token; the final gives the latency.
 Times are reported in trace time: measured times multiplied by the speedup.
+
+``--failover-at FRACTION`` runs each policy twice: as above, then with the
+coordinator a ``coordkit serve`` process that is SIGKILLed once that fraction
+of the requests went out, and a new one started at the same address at once.
+The engines and the client ride through it (docs/failover.md); the prefix
+policy's table comes back from the engines' HELD reports, and the two runs'
+prefix-cache hit rates say what the failover cost the affinity.
 :mod:`coordkit.tools.cli` parses the options.
 """
 
@@ -34,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +51,7 @@ import msgpack
 from .. import Coordinator, Implementation, __version__
 from .._policies import POLICIES
 from ..client import Client, CoordinatorError
-from .engines import fake_engine_processes
+from .engines import CoordinatorProcess, fake_engine_processes
 
 __all__ = ["TraceRequest", "load_trace", "run", "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_BLOCKS"]
 
@@ -96,6 +103,7 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
 @dataclass
 class _Results:
     policy: str
+    failover: int | None = None  # the request before which the coordinator was killed
     ttft: list[float] = field(default_factory=list)  # trace seconds, completed requests
     latency: list[float] = field(default_factory=list)
     ranks: Counter[int] = field(default_factory=Counter)
@@ -106,6 +114,10 @@ class _Results:
     lag: float = 0.0  # the latest a request went out after its time, trace seconds
     wall: float = 0.0
     interrupted: bool = False
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.failover is None else f"{self.policy} + failover"
 
 
 class _Progress:
@@ -156,12 +168,16 @@ def run(impl: Implementation, args: argparse.Namespace) -> int:
         print("coordkit replay: the trace is empty", file=sys.stderr)
         return 1
     policies = POLICIES if args.compare_policies else (args.policy,)
-    progress = _Progress(len(trace) * len(policies), not args.no_progress)
+    failovers: list[int | None] = [None]
+    if args.failover_at is not None:
+        failovers.append(min(max(round(args.failover_at * len(trace)), 1), len(trace) - 1))
+    plan = [(policy, failover) for policy in policies for failover in failovers]
+    progress = _Progress(len(trace) * len(plan), not args.no_progress)
     runs: list[_Results] = []
     try:
-        for policy in policies:
-            progress.describe(f"coordkit replay {policy}")
-            results = _Results(policy)
+        for policy, failover in plan:
+            results = _Results(policy, failover)
+            progress.describe(f"coordkit replay {results.label}")
             runs.append(results)
             try:
                 _run_cluster(impl, policy, trace, args, results, progress)
@@ -196,20 +212,31 @@ def _run_cluster(
         for name in ("prefix_prefill_weight", "prefix_decode_tokens")
         if (value := getattr(args, name)) is not None
     }
+    prefix_ttl = PREFIX_TTL / args.speedup  # in trace time, as the rest
     with tempfile.TemporaryDirectory(prefix="coordkit-replay-") as tmp:
         address = f"ipc://{tmp}/coordinator.sock"
-        coord = Coordinator(
-            address,
-            implementation=impl.name,
-            policy=policy,
-            block_size=args.block_size,
-            prefix_ttl=PREFIX_TTL / args.speedup,  # in trace time, as the rest
-            **router,
-        )
-        coord.start()
+        coord: Coordinator | CoordinatorProcess
+        fail_over = None
+        if results.failover is None:
+            coord = Coordinator(
+                address,
+                implementation=impl.name,
+                policy=policy,
+                block_size=args.block_size,
+                prefix_ttl=prefix_ttl,
+                **router,
+            )
+            coord.start()
+        else:  # a process, to be SIGKILLed: the same options on its command line
+            options = ["--implementation", impl.name, "--policy", policy]
+            options += ["--block-size", str(args.block_size), "--prefix-ttl", str(prefix_ttl)]
+            for name, value in router.items():
+                options += ["--" + name.replace("_", "-"), str(value)]
+            coord = CoordinatorProcess(address, options, Path(tmp) / "coordinator.log")
+            fail_over = coord.fail_over
         try:
             with fake_engine_processes(address, args.engines, _engine_options(args)) as engines:
-                asyncio.run(_replay(address, trace, args, results, engines, progress))
+                asyncio.run(_replay(address, trace, args, results, engines, progress, fail_over))
         except KeyboardInterrupt:
             results.interrupted = True
         finally:
@@ -220,6 +247,8 @@ def _engine_options(args: argparse.Namespace) -> list[str]:
     options = ["--cost-model", args.cost_model, "--speedup", str(args.speedup)]
     options += ["--prefix-block-size", str(args.block_size)]
     options += ["--cache-blocks", str(args.cache_blocks), "--heartbeat", "1"]
+    if args.held_hashes is not None:
+        options += ["--held-hashes", str(args.held_hashes)]
     if args.engine_batch is not None:
         options += ["--batch", str(args.engine_batch)]
     return options
@@ -237,6 +266,7 @@ async def _replay(
     results: _Results,
     engines: list[subprocess.Popen[bytes]],
     progress: _Progress,
+    fail_over: Callable[[], None] | None,
 ) -> None:
     speedup = args.speedup
     cap = args.max_output_tokens
@@ -284,7 +314,9 @@ async def _replay(
         tasks = []
         t0 = trace[0].timestamp
         start = loop.time()
-        for request in trace:
+        for index, request in enumerate(trace):
+            if index == results.failover and fail_over is not None:
+                fail_over()  # the client and the engines ride through it
             delay = start + (request.timestamp - t0) / speedup - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -353,7 +385,7 @@ def _table(
         m = _metrics(results, args)
         errors = ", ".join(f"{n} {code}" for code, n in m["errors"].items()) or "none"
         rows = {
-            "policy": results.policy,
+            "policy": results.label,
             "completed": f"{m['completed']} of {len(trace)}"
             + (" (interrupted)" if m["interrupted"] else ""),
             "errors": errors,
@@ -371,6 +403,12 @@ def _table(
             zip(m["requests_per_engine"], m["busy_per_engine"], strict=True)
         ):
             rows[f"engine {rank}"] = f"{count} req, {busy:.0f} s busy"
+        if args.failover_at is not None:
+            rows["coordinator"] = (
+                "kept"
+                if results.failover is None
+                else f"SIGKILLed before request {results.failover + 1}, restarted"
+            )
         rows["client lag (max)"] = _seconds(m["client_lag"])
         columns.append(rows)
     name_width = max(len(name) for name in columns[0]) + 2
@@ -404,6 +442,8 @@ def _report(
             "max_output_tokens": args.max_output_tokens,
             "prefix_prefill_weight": args.prefix_prefill_weight,
             "prefix_decode_tokens": args.prefix_decode_tokens,
+            "failover_at": args.failover_at,
+            "held_hashes": args.held_hashes,
             "implementation": implementation,
         },
         "environment": {
@@ -414,7 +454,12 @@ def _report(
             "coordkit": __version__,  # of the copy that ran: a vendored one has no metadata
         },
         "results": {
-            results.policy: {**_metrics(results, args), "ttft": results.ttft} for results in runs
+            results.label: {
+                **_metrics(results, args),
+                "failover_before_request": results.failover,
+                "ttft": results.ttft,
+            }
+            for results in runs
         },
     }
 
@@ -441,7 +486,7 @@ def _plot(runs: list[_Results], path: str, args: argparse.Namespace) -> None:
         if not ttft:
             continue
         fractions = [(i + 1) / len(ttft) for i in range(len(ttft))]
-        axes.step(ttft, fractions, where="post", label=results.policy)
+        axes.step(ttft, fractions, where="post", label=results.label)
     axes.set_xscale("log")
     axes.set_xlabel("time to first token (trace seconds, log scale)")
     axes.set_ylabel("fraction of requests")

@@ -233,6 +233,8 @@ class OpenLoop(Session):
             sender.conn.send(("point", prompt, rate / len(self.senders), seconds))
         for sender in self.senders:
             self._receive(sender)
+        served = self.variant not in DIRECT
+        before = self._call(self.coordinator, ("sample",))[1] if served else None
         start = time.perf_counter() + _LEAD
         for sender in self.senders:
             sender.conn.send(("go", start))
@@ -243,8 +245,16 @@ class OpenLoop(Session):
             cpu += used
         point = _statistics(records, rate, seconds)
         point["senders"] = len(self.senders)
+        n = max(sum(len(r[0]) for r in records), 1)
         # the senders' own CPU (every thread): what the generator needs at this rate
-        point["sender_cpu_us"] = cpu / max(sum(len(r[0]) for r in records), 1) * 1e6
+        point["sender_cpu_us"] = cpu / n * 1e6
+        if before is not None:
+            # the coordinator's (every thread, libzmq's I/O thread included) and its
+            # context switches, per request: on a shared machine, steadier than latency
+            after = self._call(self.coordinator, ("sample",))[1]
+            used = after["user"] + after["sys"] - before["user"] - before["sys"]
+            point["coordinator_cpu_us"] = used / n * 1e6
+            point["coordinator_switches"] = (after["switches"] - before["switches"]) / n
         return point
 
 
@@ -509,12 +519,15 @@ def seconds_at(rate: float, args: argparse.Namespace) -> float:
 
 def _progress(point: dict[str, Any]) -> None:
     added = f" (+{point['added_p99_us']:.0f})" if "added_p99_us" in point else ""
+    cost = ""
+    if "coordinator_cpu_us" in point:
+        cost = f", coordinator CPU {point['coordinator_cpu_us']:.1f} µs/request"
     kept = "" if point["generator_kept_up"] else ", the senders fell behind"
     print(
         f"latency {point['prompt']:>6} tokens {point['variant']:>6} "
         f"{point['offered']:8.0f}/s offered: {point['send_rate']:8.0f} sent "
         f"{point['achieved']:8.0f} answered/s, p50 {point['p50_us']:8.0f} "
-        f"p99 {point['p99_us']:8.0f}{added} µs, sends late p99 "
+        f"p99 {point['p99_us']:8.0f}{added} µs{cost}, sends late p99 "
         f"{point['lag_p99_us']:.0f} µs{kept}",
         file=sys.stderr,
     )
