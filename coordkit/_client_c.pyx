@@ -436,13 +436,14 @@ cdef class ClientCore:
     cdef object __weakref__  # the client's future classes refer to their core weakly
     cdef public bint batch  # set again when a reconnection is acknowledged
     cdef public bint closed
-    cdef public bint held  # no coordinator for now: sends are dropped (see the twin)
+    cdef public bint held  # no coordinator for now: submissions dropped, the rest kept
     cdef readonly int64_t next_rid
     cdef Table pending
     cdef dict overflow  # pending requests whose cell was held (see Table)
     cdef object _future_type, _raw_type, _rid_slot, _stream_type
     cdef dict _on_loop  # a future's keyword arguments
     cdef object _on_error, _on_stats, _on_failure, _on_resend, _outbox
+    cdef object _later  # while held: the messages other than submissions, for release()
     cdef object _flush_callback, _check_callback, _readable_callback
     cdef void* sock
     cdef bint flush_scheduled, check_scheduled
@@ -508,6 +509,7 @@ cdef class ClientCore:
         self._on_failure = on_failure
         self._on_resend = on_resend
         self._outbox = deque()
+        self._later = deque()
         self._flush_callback = self.flush
         self._check_callback = self._check
         self._readable_callback = self.on_readable
@@ -836,10 +838,23 @@ cdef class ClientCore:
         self._send_parts(self.frames, n)
 
     def hold(self):
-        """No coordinator for now: drop what waits to be sent, and all sends until
-        ``held`` is False again (the client REJOINs, then sends again what it must)."""
+        """No coordinator for now: until release(), submissions are dropped (those
+        waiting in the outbox too: the REJOIN names them) and every other message is
+        kept, in order, for the coordinator that accepts the client again."""
         self.held = True
+        self._later.extend(frames for frames in self._outbox if not protocol.rejoin_covers(frames))
         self._outbox.clear()
+
+    def release(self, first):
+        """A coordinator accepted the client again: ``first`` (its REJOIN), then what
+        was kept while held, in the order it was issued."""
+        self.held = False
+        later = list(self._later)
+        self._later.clear()
+        if first is not None:
+            self.send(first)
+        for frames in later:
+            self.send(frames)
 
     def abort(self, int64_t rid):
         """Send ABORT for a pending request; False (nothing sent) when it is not pending."""
@@ -858,6 +873,9 @@ cdef class ClientCore:
         """Send one message after the coalesced submissions (control, ABORT, STATS)."""
         self._check_open()
         self.flush()
+        if self.held:
+            self._later.append(frames)
+            return
         self._send_frames(frames)
 
     cdef int _send_parts(self, zmq_msg_t* parts, Py_ssize_t n) except -1:
@@ -1128,9 +1146,11 @@ cdef class ClientCore:
 
     def fail_all(self, exc):
         """Fail every pending request with ``exc``; drop what was not sent yet (the
-        coalesced requests, the outbox), lest it reach a coordinator that never knew them."""
+        coalesced requests, the outbox, what was held), lest it reach a coordinator that
+        never knew them."""
         cdef Py_ssize_t i
         self._outbox.clear()
+        self._later.clear()
         for i in range(1, self.n_frames):
             zmq_msg_close(&self.frames[i])
         self.n_frames = 1

@@ -146,9 +146,11 @@ class ClientCore:
         self.batch = batch
         self.pending: dict[int, Any] = {}
         self.closed = False
-        # No coordinator for now (a rebuild client riding through its loss): what
-        # would be sent is dropped; the client REJOINs and re-sends it later.
+        # No coordinator for now (a rebuild client riding through its loss): the
+        # submissions are dropped (the client REJOINs and re-sends them later), every
+        # other message (ABORT, control, STATS) waits in ``_later`` for release().
         self.held = False
+        self._later: deque[list[Any]] = deque()
         self.next_rid = 0
         self._future_types = future_types  # decoded, raw
         self._stream_type: Any = stream_type
@@ -294,10 +296,22 @@ class ClientCore:
             self._send_message(submit_batch_frames(requests))
 
     def hold(self) -> None:
-        """No coordinator for now: drop what waits to be sent, and all sends until
-        ``held`` is False again (the client REJOINs, then sends again what it must)."""
+        """No coordinator for now: until release(), submissions are dropped (those
+        waiting in the outbox too: the REJOIN names them) and every other message is
+        kept, in order, for the coordinator that accepts the client again."""
         self.held = True
+        self._later.extend(frames for frames in self._outbox if not protocol.rejoin_covers(frames))
         self._outbox.clear()
+
+    def release(self, first: list[Any] | None) -> None:
+        """A coordinator accepted the client again: ``first`` (its REJOIN), then what
+        was kept while held, in the order it was issued."""
+        self.held = False
+        later, self._later = self._later, deque()
+        if first is not None:
+            self.send(first)
+        for frames in later:
+            self.send(frames)
 
     def abort(self, rid: int) -> bool:
         """Send ABORT for a pending request; False (nothing sent) when it is not pending."""
@@ -316,6 +330,9 @@ class ClientCore:
         """Send one message after the coalesced submissions (control, ABORT, STATS)."""
         self._check_open()
         self.flush()
+        if self.held:
+            self._later.append(frames)
+            return
         self._send_message(frames)
 
     def _send_message(self, frames: list[Any]) -> None:
@@ -473,8 +490,10 @@ class ClientCore:
 
     def fail_all(self, exc: BaseException) -> None:
         """Fail every pending request with ``exc``; drop what was not sent yet (the
-        coalesced requests, the outbox), lest it reach a coordinator that never knew them."""
+        coalesced requests, the outbox, what was held), lest it reach a coordinator that
+        never knew them."""
         self._outbox.clear()
+        self._later.clear()
         self._open, self._open_bytes = [], 0
         pending, self.pending = self.pending, {}
         for target in pending.values():

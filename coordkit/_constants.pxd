@@ -87,6 +87,7 @@ cdef enum:  # coordkit._shared.Counter
     COUNTER_ADOPTED = 28
     COUNTER_RESENT = 29
     COUNTER_REPLAYED = 30
+    COUNTER_CLIENTS_RETURNED = 31
 
 cdef enum:  # coordkit._shared.EngineState
     ENGINE_ALIVE = 0
@@ -122,7 +123,7 @@ cdef enum:
     HEADER_SLOTS = 128
     ERROR_SLOTS = 32
     N_LATENCY_BUCKETS = 22
-    N_COUNTERS = 31
+    N_COUNTERS = 32
     WEIGHT_SCALE = 256
     MAX_BLOCKS = 8388608
     SPARSE_RANKS = 16
@@ -212,6 +213,7 @@ cdef inline dict generated_constants():
         "Counter.ADOPTED": 28,
         "Counter.RESENT": 29,
         "Counter.REPLAYED": 30,
+        "Counter.CLIENTS_RETURNED": 31,
         "EngineState.ALIVE": 0,
         "EngineState.DRAINING": 1,
         "EngineState.GONE": 2,
@@ -237,7 +239,7 @@ cdef inline dict generated_constants():
         "HEADER_SLOTS": 128,
         "ERROR_SLOTS": 32,
         "N_LATENCY_BUCKETS": 22,
-        "N_COUNTERS": 31,
+        "N_COUNTERS": 32,
         "WEIGHT_SCALE": 256,
         "MAX_BLOCKS": 8388608,
         "SPARSE_RANKS": 16,

@@ -47,6 +47,7 @@ cdef struct Client:
     int64_t inflight
     Ends requests  # its requests in flight: slots, through Loop.client_links
     int fd  # the connection its CONNECT came on (ZMQ_SRCFD; -1: inproc)
+    double hold  # a rebuild client: seconds its requests are kept once it is gone
 
 
 cdef struct Engine:
@@ -66,6 +67,7 @@ cdef struct Engine:
     uint64_t handled  # reply messages received since its registration
     uint64_t mark  # handled at the last tick
     uint64_t acked  # handled as of the last HANDLED sent
+    bint holding  # holds requests of a client away: sent no HANDLED (_mark_holding)
 
 
 cdef enum GoneReason:
@@ -125,6 +127,13 @@ cdef class Loop:
         double rebuild_until
         bint rebuilding
         dict awaiting  # REJOIN entries no engine claimed yet: (client, rid) -> partials got
+        set aborting  # REJOIN entries aborted before an engine claimed them: (client, rid)
+        # Rebuild clients whose connection ended, by routing id: until when their requests
+        # wait for their REJOIN (meanwhile their engines get no HANDLED: a replay may
+        # need all they kept).
+        dict away
+        Py_ssize_t n_away  # len(away), read without the GIL
+        int n_holding  # engines holding requests of clients away (_mark_holding)
         bint forwards_hashes  # the prefix policy learns from what rebuild engines report
         uint32_t drained  # messages handled in this wake-up: the deadline is read every 256
         double deadline  # the term's, for this serve() call
@@ -185,6 +194,7 @@ cdef class Loop:
     cdef void _send_batches(self, int64_t header) noexcept nogil
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil
     cdef void _forward_replies(self, int32_t engine) noexcept nogil
+    cdef void _sent_finals(self, int32_t engine, uint32_t count, double now) noexcept nogil
     cdef void _forward_single_replies(self, int32_t engine) noexcept nogil
     cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil
     cdef bint _deliver(self, int32_t client, int64_t header, int64_t client_rid,
@@ -209,8 +219,11 @@ cdef class Loop:
     cdef _remove_client(self, int32_t client)
     cdef _connection_events(self)
     cdef _end(self, int32_t client, int fd)
+    cdef bytes _identity(self, int32_t client)
     cdef _drop_ended(self)
     cdef _goodbye(self, int32_t client)
+    cdef int _n_away(self)
+    cdef _returned(self, int32_t client)
     cdef _heartbeat(self, int32_t engine)
     cdef _disconnect(self, int32_t engine)
     cdef _abort(self, int32_t client)
@@ -237,7 +250,9 @@ cdef class Loop:
     cdef _unheld(self, uint32_t slot, dict resend)
     cdef _drop_orphan(self, uint32_t slot)
     cdef _end_rebuild(self)
+    cdef _end_holds(self, double now)
     cdef void _acknowledge(self) noexcept nogil
+    cdef _mark_holding(self)
 
     # failures
     cdef _settle(self)
@@ -248,7 +263,9 @@ cdef class Loop:
     cdef _fail_request(self, uint32_t slot, int code, int64_t header)
     cdef _time_out(self, uint32_t slot)
     cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header)
-    cdef _client_gone(self, int32_t client, bint unreachable=*)
+    cdef _client_gone(self, int32_t client, bint unreachable=*, bint closed=*)
+    cdef _go_away(self, int32_t client)
+    cdef _drop_client(self, int32_t client)
 
     # answers and malformed input
     cdef list _frames(self)

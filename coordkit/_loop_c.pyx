@@ -208,6 +208,8 @@ cdef class Loop:
     def __cinit__(self):
         self.detokenized_bodies = []  # the C fields start zeroed: NULL, empty
         self.awaiting = {}
+        self.aborting = set()
+        self.away = {}
         self.deadline = INFINITY
 
     def __init__(
@@ -340,7 +342,7 @@ cdef class Loop:
             epoch=self.epoch,
             messages=self.messages,
             inflight=self.requests.live,
-            clients=self.n_clients,
+            clients=self.n_clients - self._n_away(),
             control_state=self.control_state,
             counters=[self.counters[i] for i in range(N_COUNTERS)],
             engines=engines,
@@ -440,6 +442,10 @@ cdef class Loop:
         if self.rebuilding and now >= self.rebuild_until:
             with gil:
                 self._end_rebuild()
+        if self.n_away or self.n_holding:
+            with gil:
+                self._end_holds(now)
+                self._mark_holding()
         self._acknowledge()
         if self.n_gone:
             with gil:
@@ -797,9 +803,12 @@ cdef class Loop:
 
     cdef void _forward_replies(self, int32_t engine) noexcept nogil:
         """Each entry of an engine's batch to its request's client, the body as itself;
-        those bound for batched clients leave as one REPLY_BATCH per client."""
+        those bound for batched clients leave as one REPLY_BATCH per client. A final to
+        a client with a hold is forgotten only once sent: one whose client is found
+        gone by its send waits, with the client's other requests, for its REJOIN."""
         cdef int64_t header, slot, client_rid
         cdef uint32_t count, i
+        cdef uint32_t deferred = 0  # finals to clients with a hold (_sent_finals)
         cdef int32_t client
         cdef bint final
         cdef double now = 0.0
@@ -840,7 +849,10 @@ cdef class Loop:
                 continue  # the engine's REPLAYED brings it again, in its place
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
-            self._finish(<uint32_t>slot, final, now)
+            if final and self.clients[client].hold > 0:
+                deferred += 1
+            else:
+                self._finish(<uint32_t>slot, final, now)
             if entries[i].needs_detokenize and self.has_detokenizer:
                 with gil:
                     self._detokenize(2 + i)
@@ -854,6 +866,28 @@ cdef class Loop:
                 with gil:
                     self._client_gone(client)
         self._send_batches(HEADER_REPLY_BATCH)
+        if deferred:
+            self._sent_finals(engine, count, now)
+
+    cdef void _sent_finals(self, int32_t engine, uint32_t count, double now) noexcept nogil:
+        """The finals to clients with a hold, sent: forgotten now, but those whose client
+        went away meanwhile (REPLAYING since: its REJOIN replays them)."""
+        cdef uint32_t i
+        cdef int64_t slot
+        cdef ck_request* request
+        for i in range(count):
+            if not self.message.entries[i].valid:
+                continue
+            slot = ck_requests_find(&self.requests, self.message.entries[i].rid)
+            if slot < 0:
+                continue
+            request = &self.requests.pool[slot]
+            if (
+                request.rank == engine
+                and self.clients[request.client].hold > 0
+                and not request.flags & FLAG_REPLAYING
+            ):
+                self._finish(<uint32_t>slot, True, now)
 
     cdef void _forward_single_replies(self, int32_t engine) noexcept nogil:
         """A Megatron engine's finished requests (or main's partial replies), each map to
@@ -1135,12 +1169,20 @@ cdef class Loop:
         except ProtocolError as exc:
             self._malformed(-1, None, HEADER_CONNECT, str(exc))
             return
+        fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
+        if client >= 0 and self.clients[client].present and self.clients[client].hold > 0 and (
+            fd != self.clients[client].fd
+        ):
+            self._go_away(client)  # it reconnected before its old connection's end was seen
+            # -1: it had nothing in flight, forgotten
+            client = ck_ids_find(&self.client_ids, self._data(0), self._size(0))
         if client >= 0:
             if self.clients[client].present:
                 self.counters[COUNTER_DUPLICATE_CONNECT] += 1
-            else:  # known from an engine's report only: this is its connection
+            else:  # known from an engine's report only, or away: this is its connection
                 self._connection_events()  # as for a new client: what the monitor said first
-                self.clients[client].fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
+                self.clients[client].fd = fd
+                self._returned(client)
             index = client
             self._seen(client)
         else:
@@ -1160,12 +1202,13 @@ cdef class Loop:
             self.clients[index].inflight = 0
             ends_init(&self.clients[index].requests)
             list_push(&self.idle_links, &self.idle, index)
-            self.clients[index].fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
+            self.clients[index].fd = fd
             ck_ids_insert(&self.client_ids, index, self._data(0), self._size(0))
             self.n_clients += 1
         self.clients[index].coordkit = hello.coordkit
         self.clients[index].batch = hello.batch
         self.clients[index].rebuild = hello.rebuild
+        self.clients[index].hold = hello.hold
         self.clients[index].present = True
         self.clients[index].rejoined = False  # until its REJOIN, the requests adopted wait
         self.clients[index].format = (
@@ -1202,6 +1245,8 @@ cdef class Loop:
 
     cdef _remove_client(self, int32_t client):
         """A client with nothing in flight leaves the tables."""
+        self.away.pop(self._identity(client), None)
+        self.n_away = len(self.away)
         ck_ids_remove(&self.client_ids, client)
         self.clients[client].used = False
         self.n_clients -= 1
@@ -1227,10 +1272,14 @@ cdef class Loop:
 
     cdef _end(self, int32_t client, int fd):
         """The client's connection ended: drop it once what it sent before is handled."""
+        self.ended.append((self._identity(client), fd))
+        self.n_ended = len(self.ended)
+
+    cdef bytes _identity(self, int32_t client):
+        """A client's routing id."""
         cdef size_t n
         cdef const uint8_t* identity = ck_ids_get(&self.client_ids, client, &n)
-        self.ended.append((identity[:n], fd))
-        self.n_ended = len(self.ended)
+        return identity[:n]
 
     cdef _drop_ended(self):
         """Forget the clients whose connection ended (those still known by that routing
@@ -1250,7 +1299,7 @@ cdef class Loop:
     cdef _goodbye(self, int32_t client):
         """DISCONNECT from a client: it closes; forget it and abort what it left."""
         if self._parse(protocol.DISCONNECT, client, HEADER_DISCONNECT) is not None:
-            self._client_gone(client, False)
+            self._client_gone(client, False, True)
 
     cdef _heartbeat(self, int32_t engine):
         if self._parse(protocol.HEARTBEAT, -1, HEADER_HEARTBEAT) is None:
@@ -1279,6 +1328,12 @@ cdef class Loop:
         if message is None:
             return
         slot = ck_requests_find_client(&self.requests, client, message.rid)
+        if slot < 0 and (self._identity(client), message.rid) in self.awaiting:
+            # REJOINed, no engine claimed it yet: aborted when one does (_held), else
+            # ended at the window's end, never sent again (_end_rebuild)
+            self.counters[COUNTER_ABORTS] += 1
+            self.aborting.add((self._identity(client), message.rid))
+            return
         if slot < 0:
             self._refuse(
                 client,
@@ -1429,6 +1484,10 @@ cdef class Loop:
             if start is not None:
                 request.flags &= ~FLAG_ORPHAN
                 self._replay(slot, start, replays)
+                if (client_id, client_rid) in self.aborting:  # its client aborted it meanwhile
+                    self.aborting.discard((client_id, client_rid))
+                    request.flags |= FLAG_ABORTED
+                    aborts.append(server_rid)
         for server_rid in aborts:
             if self.engines[engine].state != ENGINE_GONE:
                 self._abort_at_engine(engine, server_rid)
@@ -1482,6 +1541,8 @@ cdef class Loop:
             return
         self.clients[client].rejoined = True
         identity = self._frame_bytes(0)
+        self.away.pop(identity, None)  # back from a blip: its requests carry on
+        self.n_away = len(self.away)
         replays = {}
         resend = {}
         for rid, partials in entries:
@@ -1519,8 +1580,10 @@ cdef class Loop:
         for server_rid, first, count, final in entries:
             parts, at = range(at, at + count), at + count
             slot = ck_requests_find(&self.requests, server_rid)
-            if slot < 0 or self.requests.pool[slot].rank != engine:
-                continue
+            if slot < 0 or self.requests.pool[slot].rank != engine or (
+                not self.clients[self.requests.pool[slot].client].present
+            ):
+                continue  # ended, or its client is away again: its REJOIN asks anew
             self.requests.pool[slot].flags &= ~FLAG_REPLAYING
             if first < 0:
                 self._unheld(<uint32_t>slot, resend)
@@ -1534,8 +1597,6 @@ cdef class Loop:
                 replies[0].append([client_rid, first + j, last])
                 replies[1].append(part)
         for client, (replied, parts) in out.items():
-            if not self.clients[client].present:
-                continue
             if self._send_identity(&self.client_ids, client) != 0:
                 self._client_gone(client)
                 continue
@@ -1593,7 +1654,9 @@ cdef class Loop:
         cdef ck_request* request = &self.requests.pool[slot]
         cdef int32_t client = request.client
         cdef int64_t client_rid = request.client_rid
-        if request.flags & (FLAG_PRODUCED | FLAG_PINNED) or not self.clients[client].rebuild:
+        if request.flags & (FLAG_PRODUCED | FLAG_ABORTED | FLAG_PINNED) or (
+            not self.clients[client].rebuild
+        ):
             self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
             return
         self._forget(slot)
@@ -1618,17 +1681,42 @@ cdef class Loop:
         cdef int32_t client
         self.rebuilding = False
         awaiting, self.awaiting = self.awaiting, {}
+        aborting, self.aborting = self.aborting, set()
         resend = {}
         for (identity, rid), partials in awaiting.items():
             client = ck_ids_find(&self.client_ids, identity, len(identity))
-            if client >= 0:
+            if client < 0:
+                continue
+            if (identity, rid) in aborting:  # aborted before anyone ran it: not sent again
+                self._refuse(
+                    client, rid, ERROR_UNKNOWN_REQUEST, HEADER_ABORT_REQUEST,
+                    COUNTER_UNKNOWN_REQUEST,
+                )
+            else:
                 self._unclaimed(client, rid, partials, resend)
         self._send_resends(resend)
-        self._drop_orphans(-1)
+        self._drop_orphans(-1)  # but those of a client away from a blip: they wait for it
+
+    cdef _end_holds(self, double now):
+        """The clients away past their hold: one that did not come back is dropped with
+        its requests (aborted at their engines); one that came back and did not REJOIN
+        them has its orphans aborted."""
+        cdef int32_t client
+        for identity, until in list(self.away.items()):
+            if now < until:
+                continue
+            del self.away[identity]
+            self.n_away = len(self.away)
+            client = ck_ids_find(&self.client_ids, identity, len(identity))
+            if not self.clients[client].present:
+                self._drop_client(client)
+            else:
+                self._drop_orphans(client)
 
     cdef _drop_orphans(self, int32_t client):
-        """The adopted requests no client waits for (``client``'s, or all with -1), by
-        server id: aborted at their engines and forgotten (_drop_orphan)."""
+        """The adopted requests no client waits for (``client``'s, or with -1 all but
+        those of clients away), by server id: aborted at their engines and forgotten
+        (_drop_orphan)."""
         cdef uint32_t i, n, slot
         cdef RequestOrder* order = self._in_order(-1, client, &n)
         try:
@@ -1636,7 +1724,8 @@ cdef class Loop:
                 slot = order[i].slot
                 if self.requests.pool[slot].server_rid == order[i].server_rid and (
                     self.requests.pool[slot].flags & FLAG_ORPHAN
-                ):
+                ) and (client >= 0 or self._identity(self.requests.pool[slot].client)
+                       not in self.away):
                     self._drop_orphan(slot)
         finally:
             free(order)
@@ -1644,7 +1733,9 @@ cdef class Loop:
     cdef void _acknowledge(self) noexcept nogil:
         """HANDLED to each rebuild engine (after the window): the number of its last
         reply message handled by the previous tick, so at least a tick ago, by when
-        the replies in it have left this process in all but a stall."""
+        the replies in it have left this process in all but a stall. An engine that
+        holds requests of a client away is not (``holding``): a REJOIN may want all it
+        kept."""
         cdef uint8_t handled[CK_HEADER_INT_MAX]
         cdef size_t n
         cdef int rank
@@ -1653,7 +1744,7 @@ cdef class Loop:
             engine = &self.engines[rank]
             if (
                 engine.rebuild and engine.state != ENGINE_GONE and not self.rebuilding
-                and engine.mark > engine.acked
+                and not engine.holding and engine.mark > engine.acked
             ):
                 engine.acked = engine.mark
                 n = ck_write_header_int(
@@ -1665,6 +1756,24 @@ cdef class Loop:
                     send_bytes(self.sock, handled, n, 0)
                     traffic_count(&self.traffic, SENT, HEADER_HANDLED, n)
             engine.mark = engine.handled
+
+    cdef _mark_holding(self):
+        """Which engines hold requests of clients away (Engine.holding, n_holding)."""
+        cdef int rank
+        cdef int32_t client
+        cdef uint32_t slot
+        for rank in range(self.n_engines):
+            self.engines[rank].holding = False
+        for identity in self.away:
+            client = ck_ids_find(&self.client_ids, identity, len(identity))
+            slot = self.clients[client].requests.oldest
+            while slot != UINT32_MAX:
+                if self.requests.pool[slot].rank >= 0:
+                    self.engines[self.requests.pool[slot].rank].holding = True
+                slot = self.client_links.newer[slot]
+        self.n_holding = 0
+        for rank in range(self.n_engines):
+            self.n_holding += self.engines[rank].holding
 
     # -- failures ------------------------------------------------------------------------
 
@@ -1798,20 +1907,85 @@ cdef class Loop:
             if not self._send_frames(&self.engine_ids, engine, error):
                 self._mark_gone(engine, GONE_UNREACHABLE)
 
-    cdef _client_gone(self, int32_t client, bint unreachable=True):
-        """A client that cannot be reached, or that left (DISCONNECT, or its connection
-        ended): its requests are aborted at their engines and forgotten, and so is the
-        client."""
-        cdef uint32_t i, n, slot
-        cdef RequestOrder* order
-        cdef ck_request* request
-        cdef int rank
-        cdef bint aborted
+    cdef _client_gone(self, int32_t client, bint unreachable=True, bint closed=False):
+        """A client that cannot be reached, or that left (DISCONNECT: ``closed``, or its
+        connection ended): its requests are aborted at their engines and forgotten, and
+        so is the client; but a rebuild client with a hold that did not close may come
+        back (a blip): it is only away (_go_away)."""
         if not self.clients[client].used:
             return
         self.counters[COUNTER_CLIENTS_DEPARTED] += 1
         if unreachable:
             self.counters[COUNTER_CLIENT_GONE] += 1
+        if self.clients[client].present and self.clients[client].hold > 0 and not closed:
+            self._go_away(client)
+        else:
+            self._drop_client(client)
+
+    cdef _go_away(self, int32_t client):
+        """A rebuild client's connection ended: for its hold (its failover_timeout, from
+        its CONNECT) its requests at rebuild engines wait for its REJOIN, as adopted ones
+        do (ORPHAN), their replies dropped meanwhile (REPLAYING: the engine keeps them,
+        and is sent no HANDLED meanwhile); the REJOIN replays what it lacks. Those at
+        other engines cannot be replayed: aborted now (the REJOIN then has them sent
+        again, or failed, as after a coordinator's loss). A client left with nothing in
+        flight is not kept: it is forgotten as any other."""
+        cdef uint32_t i, n, slot
+        cdef RequestOrder* order
+        cdef ck_request* request
+        cdef int rank
+        cdef bint aborted
+        self.clients[client].present = self.clients[client].rejoined = False
+        fd = self.clients[client].fd
+        if self.connections.get(fd, -1) == client:
+            self.connections[fd] = -1
+        self.clients[client].fd = -1
+        self.away[self._identity(client)] = monotonic() + self.clients[client].hold
+        self.n_away = len(self.away)
+        order = self._in_order(-1, client, &n)
+        try:
+            for i in range(n):
+                slot = order[i].slot
+                request = &self.requests.pool[slot]
+                rank = request.rank
+                if rank >= 0 and self.engines[rank].rebuild and (
+                    self.engines[rank].state != ENGINE_GONE
+                ):
+                    request.flags |= FLAG_ORPHAN | FLAG_REPLAYING
+                    continue
+                aborted = request.flags & FLAG_ABORTED
+                self._forget(slot)
+                if not aborted and rank >= 0 and self.engines[rank].state != ENGINE_GONE:
+                    self._abort_at_engine(rank, order[i].server_rid)
+        finally:
+            free(order)
+        if self.clients[client].inflight == 0:
+            self._remove_client(client)
+
+    cdef int _n_away(self):
+        """The clients away and not back yet (stats: they are not connected)."""
+        cdef int n = 0
+        for identity in self.away:
+            n += not self.clients[ck_ids_find(&self.client_ids, identity, len(identity))].present
+        return n
+
+    cdef _returned(self, int32_t client):
+        """A client not connected (away, or known from an engine's report) sent CONNECT:
+        one that was away and has nothing in flight awaits no REJOIN."""
+        identity = self._identity(client)
+        if identity in self.away:
+            self.counters[COUNTER_CLIENTS_RETURNED] += 1
+            if self.clients[client].inflight == 0:
+                del self.away[identity]
+                self.n_away = len(self.away)
+
+    cdef _drop_client(self, int32_t client):
+        """Abort a client's requests at their engines, and forget them and it."""
+        cdef uint32_t i, n, slot
+        cdef RequestOrder* order
+        cdef ck_request* request
+        cdef int rank
+        cdef bint aborted
         order = self._in_order(-1, client, &n)
         try:
             for i in range(n):
@@ -1876,8 +2050,10 @@ cdef class Loop:
         a request of its (``ends``), the FAILED final it takes (0.19's clients get
         nothing). False when the client is gone."""
         cdef bint coordkit = self.clients[client].coordkit
-        if not coordkit and not (ends and self.clients[client].format == FORMAT_SINGLE_FRAME_MAIN):
-            return True
+        if not self.clients[client].present or (
+            not coordkit and not (ends and self.clients[client].format == FORMAT_SINGLE_FRAME_MAIN)
+        ):
+            return True  # away, its REJOIN then finds it ended; or it takes no ERROR
         self.counters[COUNTER_ERRORS_SENT] += 1
         if not coordkit:
             text = error_text(code, header)

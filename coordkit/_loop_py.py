@@ -104,6 +104,7 @@ class _Client:
         "format",
         "requests",
         "fd",
+        "hold",
     )
 
     def __init__(self, identity: bytes):
@@ -116,6 +117,7 @@ class _Client:
         self.format = MULTIPART
         self.requests: dict[int, _Request] = {}  # in flight, by client rid
         self.fd = -1  # the connection its CONNECT came on (ZMQ_SRCFD; -1: inproc)
+        self.hold = 0.0  # a rebuild client: seconds its requests are kept once it is gone
 
 
 class _Engine:
@@ -182,6 +184,15 @@ def _send_all(sock: zmq.Socket, frames: list[Any]) -> int:
 def _view(frame: zmq.Frame | Buffer) -> memoryview:
     """A frame's bytes (a zmq.Frame, or bytes kept), without copying them."""
     return frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The fd of the connection a message came on (ZMQ_SRCFD); -1 for inproc, which has
+    none (where zmq_msg_get returns -1, pyzmq raises)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:
+        return -1
 
 
 def _parses(check: Callable[[Buffer], object], frame: Buffer) -> bool:
@@ -695,6 +706,12 @@ class Loop:
         # REJOIN entries no engine claimed yet: (client identity, rid) -> partials got
         self._awaiting: dict[tuple[bytes, int], int] = {}
         self._replay_start: dict[int, int] = {}  # server id -> the start its REPLAY asked
+        # REJOIN entries aborted before an engine claimed them: (client identity, rid)
+        self._aborting: set[tuple[bytes, int]] = set()
+        # Rebuild clients whose connection ended, by identity: until when their requests
+        # wait for their REJOIN (meanwhile their engines get no HANDLED: a replay may
+        # need all they kept).
+        self._away: dict[bytes, float] = {}
         # the prefix policy learns from the hashes a rebuild engine reports: it is sent them
         self._forwards_hashes = router.policy == "prefix"
         # the format of an engine that only registered: its Megatron version
@@ -775,6 +792,8 @@ class Loop:
             self._time_out(oldest)
         if self._rebuilding and now >= self._rebuild_until:
             self._end_rebuild()
+        if self._away:
+            self._end_holds(now)
         self._acknowledge()
         self._settle()
 
@@ -792,7 +811,7 @@ class Loop:
             epoch=self._epoch,
             messages=self._messages,
             inflight=self._live,
-            clients=len(self._clients),
+            clients=len(self._clients) - sum(not self._clients[i].present for i in self._away),
             control_state=self._control_state,
             counters=list(self._counters),
             engines=[
@@ -1079,7 +1098,9 @@ class Loop:
 
     def _forward_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         """Each entry of an engine's batch to its request's client, the body as itself;
-        those bound for batched clients leave as one REPLY_BATCH per client."""
+        those bound for batched clients leave as one REPLY_BATCH per client. A final to
+        a client with a hold is forgotten only once sent: one whose client is found
+        gone by its send waits, with the client's other requests, for its REJOIN."""
         try:
             header, entries = codec.read_reply(frames[1].buffer)
         except ProtocolError as exc:
@@ -1092,6 +1113,7 @@ class Loop:
             return
         final = header == Header.ENGINE_REPLY
         now = time.monotonic() if self._latency is not None else 0.0
+        deferred = 0  # finals to clients with a hold, forgotten once sent (_sent_finals)
         for entry, body in zip(entries, bodies, strict=True):
             if entry is None:
                 self._reject_entry(engine, None, ErrorCode.MALFORMED, header)
@@ -1107,7 +1129,10 @@ class Loop:
                 continue
             if request.flags & REPLAYING:
                 continue  # the engine's REPLAYED brings it again, in its place
-            self._finish(request, final, now)
+            if final and request.client.hold > 0:
+                deferred += 1
+            else:
+                self._finish(request, final, now)
             out: Any = body
             if needs_detokenize and self._options.detokenizer is not None:
                 out = self._detokenized(body.buffer)
@@ -1116,6 +1141,21 @@ class Loop:
             elif not self._deliver(request.client, header, request.client_rid, out):
                 self._client_gone(request.client)
         self._send_batches(Header.REPLY_BATCH)
+        if deferred:
+            self._sent_finals(engine, entries, now)
+
+    def _sent_finals(self, engine: _Engine, entries: list[Any], now: float) -> None:
+        """The finals to clients with a hold, sent: forgotten now, but those whose client
+        went away meanwhile (REPLAYING since: its REJOIN replays them)."""
+        for entry in entries:
+            request = None if entry is None else self._find(entry[0])
+            if (
+                request is not None
+                and request.rank == engine.rank
+                and request.client.hold > 0
+                and not request.flags & REPLAYING
+            ):
+                self._finish(request, True, now)
 
     def _forward_single_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         """A Megatron engine's finished requests (or main's partial replies), each map to
@@ -1395,12 +1435,17 @@ class Loop:
         except ProtocolError as exc:
             self._malformed(None, None, Header.CONNECT, str(exc), frames)
             return
+        fd = _source_fd(frames[1])
+        if client is not None and client.present and client.hold > 0 and fd != client.fd:
+            self._go_away(client)  # it reconnected before its old connection's end was seen
+            client = self._clients.get(identity)  # None: it had nothing in flight, forgotten
         if client is not None:
             if client.present:
                 self._counters[Counter.DUPLICATE_CONNECT] += 1
-            else:  # known from an engine's report only: this is its connection
+            else:  # known from an engine's report only, or away: this is its connection
                 self._connection_events()  # as for a new client: what the monitor said first
-                client.fd = frames[1].get(zmq.SRCFD)
+                client.fd = fd
+                self._returned(client)
             self._seen(client)
         else:
             # What the monitor said first: a connection that ended on this CONNECT's fd
@@ -1415,10 +1460,11 @@ class Loop:
                     self._send(identity, protocol.ERROR.pack(None, ErrorCode.BUSY, text))
                 return
             client = self._clients[identity] = self._idle[identity] = _Client(identity)
-            client.fd = frames[1].get(zmq.SRCFD)
+            client.fd = fd
         client.coordkit = hello.coordkit
         client.batch = hello.batch
         client.rebuild = hello.rebuild
+        client.hold = hello.hold
         client.present = True
         client.rejoined = False  # until its REJOIN, the requests adopted for it wait
         client.format = SINGLE_FRAME if self._megatron_core and not hello.coordkit else MULTIPART
@@ -1446,6 +1492,7 @@ class Loop:
         """A client with nothing in flight leaves the tables."""
         del self._clients[client.identity]
         del self._idle[client.identity]
+        self._away.pop(client.identity, None)
         if self._connections.get(client.fd) is client:
             self._connections[client.fd] = None
 
@@ -1476,7 +1523,7 @@ class Loop:
     def _goodbye(self, client: _Client, frames: list[zmq.Frame]) -> None:
         """DISCONNECT from a client: it closes; forget it and abort what it left."""
         if self._parse(protocol.DISCONNECT, client, Header.DISCONNECT, frames) is not None:
-            self._client_gone(client, unreachable=False)
+            self._client_gone(client, unreachable=False, closed=True)
 
     def _heartbeat(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         if self._parse(protocol.HEARTBEAT, None, Header.HEARTBEAT, frames) is None:
@@ -1503,6 +1550,12 @@ class Loop:
         if message is None:
             return
         request = client.requests.get(message.rid)
+        if request is None and (client.identity, message.rid) in self._awaiting:
+            # REJOINed, no engine claimed it yet: aborted when one does (_held), else
+            # ended at the window's end, never sent again (_end_rebuild)
+            self._counters[Counter.ABORTS] += 1
+            self._aborting.add((client.identity, message.rid))
+            return
         if request is None:
             self._refuse(
                 client,
@@ -1623,6 +1676,10 @@ class Loop:
             if start is not None:
                 request.flags &= ~ORPHAN
                 self._replay(request, start, replays)
+                if (client_id, client_rid) in self._aborting:  # its client aborted it meanwhile
+                    self._aborting.discard((client_id, client_rid))
+                    request.flags |= ABORTED
+                    aborts.append(server_rid)
         for server_rid in aborts:
             if engine.state != GONE:
                 self._abort_at_engine(engine, server_rid)
@@ -1666,6 +1723,7 @@ class Loop:
             self._malformed(client, None, Header.REJOIN, "a negative count of partials", frames)
             return
         client.rejoined = True
+        self._away.pop(client.identity, None)  # back from a blip: its requests carry on
         replays: dict[_Engine, list[list[int]]] = defaultdict(list)
         resend: dict[_Client, list[int]] = defaultdict(list)
         for rid, partials in entries:
@@ -1698,8 +1756,8 @@ class Loop:
         for server_rid, first, count, final in entries:
             bodies, at = frames[at : at + count], at + count
             request = self._find(server_rid)
-            if request is None or request.rank != engine.rank:
-                continue
+            if request is None or request.rank != engine.rank or not request.client.present:
+                continue  # ended, or its client is away again: its REJOIN asks anew
             request.flags &= ~REPLAYING
             if first < 0:
                 self._unheld(request, resend)
@@ -1709,8 +1767,6 @@ class Loop:
                 self._finish(request, last, now)
                 out[request.client].append(([request.client_rid, first + j, last], body))
         for client, replies in out.items():
-            if not client.present:
-                continue
             message = protocol.CLIENT_REPLAYED.pack(*zip(*replies, strict=True))
             if not self._send(client.identity, message):
                 self._client_gone(client)
@@ -1757,7 +1813,7 @@ class Loop:
     def _unheld(self, request: _Request, resend: dict[_Client, list[int]]) -> None:
         """A request its engine says it does not hold (any more): sent back to its
         client when nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
-        if request.flags & (PRODUCED | PINNED) or not request.client.rebuild:
+        if request.flags & (PRODUCED | ABORTED | PINNED) or not request.client.rebuild:
             self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
             return
         self._forget(request)
@@ -1780,24 +1836,41 @@ class Loop:
         self._rebuilding = False
         awaiting, self._awaiting = self._awaiting, {}
         resend: dict[_Client, list[int]] = defaultdict(list)
+        aborting, self._aborting = self._aborting, set()
         for (identity, rid), partials in awaiting.items():
             client = self._clients.get(identity)
-            if client is not None:
+            if client is None:
+                continue
+            if (identity, rid) in aborting:  # aborted before anyone ran it: not sent again
+                self._refuse(
+                    client,
+                    rid,
+                    ErrorCode.UNKNOWN_REQUEST,
+                    Header.ABORT_REQUEST,
+                    Counter.UNKNOWN_REQUEST,
+                )
+            else:
                 self._unclaimed(client, rid, partials, resend)
         self._send_resends(resend)
-        for request in self._in_order(lambda r: r.flags & ORPHAN):
+        # The orphans of a client away from a blip wait for it till its hold ends.
+        for request in self._in_order(
+            lambda r: r.flags & ORPHAN and r.client.identity not in self._away
+        ):
             if self._find(request.server_rid) is request:
                 self._drop_orphan(request)
 
     def _acknowledge(self) -> None:
         """HANDLED to each rebuild engine (after the window): the number of its last
         reply message handled by the previous tick, so at least a tick ago, by when
-        the replies in it have left this process in all but a stall."""
+        the replies in it have left this process in all but a stall. An engine that
+        holds requests of a client away is not: a REJOIN may want all it kept."""
+        holding = {r.rank for i in self._away for r in self._clients[i].requests.values()}
         for engine in self._engines:
             if (
                 engine.rebuild
                 and engine.state != GONE
                 and not self._rebuilding
+                and engine.rank not in holding
                 and engine.mark > engine.acked
             ):
                 engine.acked = engine.mark
@@ -1896,15 +1969,70 @@ class Loop:
             if not self._send(engine.identity, error):
                 self._mark_gone(engine, "unreachable")
 
-    def _client_gone(self, client: _Client, unreachable: bool = True) -> None:
-        """A client that cannot be reached, or that left (DISCONNECT, or its connection
-        ended): its requests are aborted at their engines and forgotten, and so is the
-        client."""
+    def _client_gone(self, client: _Client, unreachable: bool = True, closed: bool = False) -> None:
+        """A client that cannot be reached, or that left (DISCONNECT: ``closed``, or its
+        connection ended): its requests are aborted at their engines and forgotten, and
+        so is the client; but a rebuild client with a hold that did not close may come
+        back (a blip): it is only away (_go_away)."""
         if self._clients.get(client.identity) is not client:
             return
         self._counters[Counter.CLIENTS_DEPARTED] += 1
         if unreachable:
             self._counters[Counter.CLIENT_GONE] += 1
+        if client.present and client.hold > 0 and not closed:
+            self._go_away(client)
+        else:
+            self._drop_client(client)
+
+    def _go_away(self, client: _Client) -> None:
+        """A rebuild client's connection ended: for its hold (its failover_timeout, from
+        its CONNECT) its requests at rebuild engines wait for its REJOIN, as adopted ones
+        do (ORPHAN), their replies dropped meanwhile (REPLAYING: the engine keeps them,
+        and is sent no HANDLED meanwhile); the REJOIN replays what it lacks. Those at
+        other engines cannot be replayed: aborted now (the REJOIN then has them sent
+        again, or failed, as after a coordinator's loss). A client left with nothing in
+        flight is not kept: it is forgotten as any other."""
+        client.present = client.rejoined = False
+        if self._connections.get(client.fd) is client:
+            self._connections[client.fd] = None
+        client.fd = -1
+        self._away[client.identity] = time.monotonic() + client.hold
+        for request in self._in_order(lambda r: True, client.requests.values()):
+            rank = request.rank
+            if rank >= 0 and self._engines[rank].rebuild and self._engines[rank].state != GONE:
+                request.flags |= ORPHAN | REPLAYING
+                continue
+            self._forget(request)
+            if not request.flags & ABORTED and rank >= 0 and self._engines[rank].state != GONE:
+                self._abort_at_engine(self._engines[rank], request.server_rid)
+        if not client.requests:
+            self._remove_client(client)
+
+    def _returned(self, client: _Client) -> None:
+        """A client not connected (away, or known from an engine's report) sent CONNECT:
+        one that was away and has nothing in flight awaits no REJOIN."""
+        if client.identity in self._away:
+            self._counters[Counter.CLIENTS_RETURNED] += 1
+            if not client.requests:
+                del self._away[client.identity]
+
+    def _end_holds(self, now: float) -> None:
+        """The clients away past their hold: one that did not come back is dropped with
+        its requests (aborted at their engines); one that came back and did not REJOIN
+        them has its orphans aborted."""
+        for identity, until in list(self._away.items()):
+            if now < until:
+                continue
+            del self._away[identity]
+            client = self._clients[identity]
+            if not client.present:
+                self._drop_client(client)
+                continue
+            for request in self._in_order(lambda r: r.flags & ORPHAN, client.requests.values()):
+                self._drop_orphan(request)
+
+    def _drop_client(self, client: _Client) -> None:
+        """Abort a client's requests at their engines, and forget them and it."""
         for request in self._in_order(lambda r: True, client.requests.values()):
             if self._find(request.server_rid) is not request:
                 continue
@@ -1934,8 +2062,10 @@ class Loop:
         """ERROR to a coordkit client; to a Megatron main client, when the error ends
         a request of its (``ends``), the FAILED final it takes (0.19's clients get
         nothing). False when the client is gone."""
-        if not client.coordkit and not (ends and client.format == SINGLE_FRAME_MAIN):
-            return True
+        if not client.present or (
+            not client.coordkit and not (ends and client.format == SINGLE_FRAME_MAIN)
+        ):
+            return True  # away, its REJOIN then finds it ended; or it takes no ERROR
         self._counters[Counter.ERRORS_SENT] += 1
         if not client.coordkit:
             assert rid is not None

@@ -118,6 +118,7 @@ class Counter(IntEnum):
     ADOPTED = 28  # requests an engine reported holding, taken over after a coordinator's loss
     RESENT = 29  # requests a rebuild client was told to send again (RESEND)
     REPLAYED = 30  # requests whose replies an engine was asked to send again (REPLAY)
+    CLIENTS_RETURNED = 31  # rebuild clients back within their hold (a blip): nothing aborted
 
 
 class EngineState(IntEnum):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 import weakref
@@ -47,6 +48,7 @@ from .protocol import (
     BATCH_FEATURE,
     COORDKIT_HELLO,
     EPOCH_KEY,
+    HOLD_KEY,
     REBUILD_FEATURE,
     ErrorCode,
     Header,
@@ -174,7 +176,10 @@ class Client(Following):
     (``failover_timeout`` > 0, the default), the client rides through it:
     pending requests stay pending, new ones and control calls wait, and once a
     coordinator acknowledges it again the client REJOINs with the requests it
-    waits for and sends again those no engine holds (docs/failover.md). Past
+    waits for and sends again those no engine holds (docs/failover.md); an
+    ABORT or control call issued meanwhile goes out after the REJOIN, in order.
+    The same coordinator keeps the client's requests for ``failover_timeout``
+    once its connection ends, so a blip costs no work done twice. Past
     ``failover_timeout`` seconds without one, what is pending fails with
     :class:`ConnectionError`, as it does at once with ``failover_timeout=0``:
     every pending request fails with
@@ -314,9 +319,9 @@ class Client(Following):
             watch = ConnectionWatch(socket)  # before connect(): the first events count too
             socket.connect(candidates.current)
             if candidates.several:
-                handshake = _choose(socket, watch, candidates, batch, timeout)
+                handshake = _choose(socket, watch, candidates, batch, failover_timeout, timeout)
             else:
-                handshake = _handshake(socket, batch, failover_timeout > 0)
+                handshake = _handshake(socket, batch, failover_timeout)
             granted, rebuild = await asyncio.wait_for(handshake, timeout)
         except BaseException as exc:
             if watch is not None:
@@ -456,8 +461,14 @@ class Client(Following):
         """Abort a request (its future, stream or id); a no-op if it already ended.
 
         The engine still sends a final reply, which resolves the request as usual.
+        While no coordinator is reachable the abort waits, and goes out once one
+        accepted the client again; a request no engine held by then is never run:
+        it fails with :class:`CoordinatorError` (``UNKNOWN_REQUEST``).
         """
         rid = request if isinstance(request, int) else request.request_id
+        target = self._core.get(rid)
+        if target is not None:
+            target._kept = ()  # an aborted request is never sent again (RESEND)
         self._core.abort(rid)
 
     # -- control -----------------------------------------------------------------
@@ -562,7 +573,13 @@ class Client(Following):
 
     async def _send(self, frames: list[Any]) -> None:
         if not self._connected and self._expiry is not None:
-            await self._up.wait()  # a coordinator back, or the ride's end
+            # Riding through: the core keeps it, in order with the ABORTs, for the
+            # coordinator that accepts the REJOIN; the call returns once one did.
+            self._core.send(frames)
+            await self._up.wait()
+            if not self._connected:  # the ride's end: what was kept was dropped
+                self._raise_not_connected()
+            return
         if not self._connected:
             self._raise_not_connected()
         self._core.send(frames)
@@ -577,6 +594,11 @@ class Client(Following):
         for rid in rids:
             target = self._core.get(rid)
             if target is None:
+                continue
+            if not target._kept:  # aborted: it must not run, and no engine holds it
+                self._core.pop(rid)
+                text = f"request {rid} was aborted before any engine ran it"
+                _fail(target, CoordinatorError(ErrorCode.UNKNOWN_REQUEST, text, rid))
                 continue
             try:
                 self._core.resend(rid, *target._kept)
@@ -666,13 +688,14 @@ class Client(Following):
         self._rejoining = None
         self._core.batch = granted
         self._core.flush()  # submitted meanwhile: dropped (held), named in the REJOIN
-        self._core.held = False
         self._connected = True
-        riding = self._expiry is not None
-        if riding:
-            cast(asyncio.TimerHandle, self._expiry).cancel()
+        rejoin = None
+        if self._expiry is not None:  # riding through
+            self._expiry.cancel()
             self._expiry = None
-            self._rejoined(rebuild)
+            rejoin = self._rejoined(rebuild)
+        # The REJOIN first, then the ABORTs and control messages issued meanwhile.
+        self._core.release(rejoin)
         self._rebuild = rebuild
         self._up.set()
         self._loop.call_soon(self._core.on_readable)
@@ -683,7 +706,7 @@ class Client(Following):
         if self._candidates.several:
             return self._follow()
         return asyncio.wait_for(
-            _handshake(self._socket, self._ask_batch, self._failover_timeout > 0),
+            _handshake(self._socket, self._ask_batch, self._failover_timeout),
             self._handshake_timeout,
         )
 
@@ -695,27 +718,32 @@ class Client(Following):
         try:
             self._candidates.move(self._socket)
             return await _choose(
-                self._socket, watch, self._candidates, self._ask_batch, self._handshake_timeout
+                self._socket,
+                watch,
+                self._candidates,
+                self._ask_batch,
+                self._failover_timeout,
+                self._handshake_timeout,
             )
         finally:
             if not self._closed:
                 self._loop.add_reader(watch.fd, self._on_connection_event)
                 self._loop.call_soon(self._on_connection_event)  # what came after the choice
 
-    def _rejoined(self, rebuild: bool) -> None:
-        """After a ride through: REJOIN with every pending request (those sent before
-        and those submitted meanwhile alike); the coordinator finds each at its engine,
-        or asks for it again (RESEND) once the engines had time to report -- by when
-        they are back to run it. A coordinator without the rebuild fails them all."""
+    def _rejoined(self, rebuild: bool) -> list[Any] | None:
+        """After a ride through: the REJOIN with every pending request (those sent before
+        and those submitted meanwhile alike), None when none is; the coordinator finds
+        each at its engine, or asks for it again (RESEND) once the engines had time to
+        report -- by when they are back to run it. A coordinator without the rebuild
+        fails them all."""
         if not rebuild:
             exc = ConnectionError(f"coordkit: the coordinator at {self.address} cannot rebuild")
             self._core.fail_all(exc)
-            return
+            return None
         entries = [
             [target.request_id, getattr(target, "partials", 0)] for target in self._core.targets()
         ]
-        if entries:
-            self._core.send(protocol.REJOIN.pack(entries))
+        return protocol.REJOIN.pack(entries) if entries else None
 
     # -- what the core hands up -----------------------------------------------------------
 
@@ -756,12 +784,13 @@ async def _choose(
     watch: ConnectionWatch,
     candidates: Candidates,
     batch: bool,
+    failover: float,
     ack_timeout: float,
 ) -> tuple[bool, bool]:
     """Several addresses: from the current one on, in turn, the first coordinator that
     admits the client (see :func:`_attempt`); what the others sent is dropped."""
     while True:
-        granted = await _attempt(socket, watch, candidates, batch, ack_timeout)
+        granted = await _attempt(socket, watch, candidates, batch, failover, ack_timeout)
         if granted is not None:
             return granted
         candidates.move(socket, discard=True)
@@ -772,6 +801,7 @@ async def _attempt(
     watch: ConnectionWatch,
     candidates: Candidates,
     batch: bool,
+    failover: float,
     ack_timeout: float,
 ) -> tuple[bool, bool] | None:
     """The current candidate's CONNECT_ACK, if it connects within CANDIDATE_WINDOW and
@@ -783,7 +813,7 @@ async def _attempt(
         await asyncio.wait_for(connected, CANDIDATE_WINDOW)
     except asyncio.TimeoutError:
         return None
-    handshake = asyncio.ensure_future(_handshake(socket, batch, True, candidates))
+    handshake = asyncio.ensure_future(_handshake(socket, batch, failover, candidates))
     ended = asyncio.ensure_future(_watched(watch, zmq.EVENT_DISCONNECTED, others))
     try:
         await asyncio.wait(
@@ -818,15 +848,19 @@ async def _watched(watch: ConnectionWatch, event: int, others: tuple[str, ...]) 
 
 
 async def _handshake(
-    socket: zmq.Socket, batch: bool, rebuild: bool, candidates: Candidates | None = None
+    socket: zmq.Socket, batch: bool, failover: float, candidates: Candidates | None = None
 ) -> tuple[bool, bool]:
-    """Send CONNECT, wait for CONNECT_ACK; whether batches, and the rebuild, were granted.
-    With ``candidates``, ConnectionError for a coordinator they do not admit."""
+    """Send CONNECT (asking for the rebuild when ``failover``, the client's
+    failover_timeout, is > 0: the coordinator keeps its requests that long once its
+    connection ends), wait for CONNECT_ACK; whether batches, and the rebuild, were
+    granted. With ``candidates``, ConnectionError for a coordinator they do not admit."""
+    rebuild = failover > 0
     hello = dict(COORDKIT_HELLO)
     if batch:
         hello[BATCH_FEATURE] = 1
     if rebuild:
         hello[REBUILD_FEATURE] = 1
+        hello[HOLD_KEY] = math.ceil(failover * 1000)
     connect = protocol.CONNECT_COORDKIT.pack(hello)
     while True:
         try:

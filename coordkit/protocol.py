@@ -51,6 +51,9 @@ __all__ = [
     "ACK_FEATURE",
     "REBUILD_FEATURE",
     "EPOCH_KEY",
+    "HOLD_KEY",
+    "MAX_HOLD_MS",
+    "rejoin_covers",
     "Trailer",
     "pack_trailer",
     "parse_trailer",
@@ -84,6 +87,11 @@ ACK_FEATURE = "ack"
 #: that grants it says so in its answer, with its epoch under EPOCH_KEY.
 REBUILD_FEATURE = "rebuild"
 EPOCH_KEY = "epoch"
+#: The key of a rebuild client's CONNECT map: how long (ms, its failover_timeout) it
+#: rides through a lost connection; the coordinator keeps its requests that long
+#: after the connection ends, at most MAX_HOLD_MS (0 or absent: aborted at once).
+HOLD_KEY = "hold_ms"
+MAX_HOLD_MS = 60_000
 #: The key of a rebuild engine's ENGINE_HELLO map: the number its next reply message
 #: has (see HANDLED).
 BASE_KEY = "base"
@@ -249,6 +257,21 @@ def packb(obj: Any) -> bytes:
 
 def unpackb(data: Frame) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+_REJOINED = (
+    Header.SUBMIT_REQUEST,
+    Header.SUBMIT_REQUEST_WITH_KV,
+    Header.SUBMIT_BATCH,
+    Header.REJOIN,
+)
+
+
+def rejoin_covers(frames: Sequence[Frame]) -> bool:
+    """Whether the next REJOIN covers a coordkit client's message: a submission (the
+    REJOIN names its requests) or an older REJOIN. A client riding through drops those,
+    and keeps every other message to send after the REJOIN."""
+    return bool(unpackb(frames[0])[0] in _REJOINED)
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> bytes:
@@ -633,6 +656,7 @@ class Hello(NamedTuple):
     ack: bool = False  # an engine that reads ENGINE_ACK
     rebuild: bool = False  # takes part in the rebuild after a coordinator's loss
     base: int = 0  # a rebuild engine: the number of its next reply message (HANDLED)
+    hold: float = 0.0  # a rebuild client: seconds its requests are kept once it is gone
 
 
 _rid = Field("rid", int)
@@ -749,12 +773,16 @@ def _hello(hello: dict[Any, Any]) -> Hello:
     if type(base) is not int or not 0 < base <= INT64_MAX:
         base = 0  # no numbering: the engine cannot be told what was handled
     rebuild = coordkit and _feature(hello.get(REBUILD_FEATURE)) and base > 0
+    hold = hello.get(HOLD_KEY, 0)
+    if type(hold) is not int or hold < 0 or not rebuild:
+        hold = 0
     return Hello(
         coordkit,
         coordkit and _feature(hello.get(BATCH_FEATURE)),
         coordkit and _feature(hello.get(ACK_FEATURE)),
         rebuild,
         base if rebuild else 0,
+        min(hold, MAX_HOLD_MS) / 1000,
     )
 
 

@@ -21,16 +21,20 @@ from coordkit.protocol import block_hashes, packb, unpackb
 from coordkit.tools.fake_engine import FakeEngine
 from tests.support.peers import (
     ABORT,
+    CONNECT,
+    CONNECT_ACK,
     ERROR,
     PARTIAL,
     PAUSE,
+    REJOIN,
     REPLY,
+    RESEND,
     STATS,
     STATS_REPLY,
     SUBMIT,
 )
 from tests.support.processes import engine_processes
-from tests.support.scripted import TIMEOUT, run, scripted
+from tests.support.scripted import TIMEOUT, Script, run, scripted
 from tests.support.threads import fake_engines
 
 # -- against a scripted coordinator ---------------------------------------------------------
@@ -128,6 +132,50 @@ def test_abort_cancel_and_close(tmp_path, impl):
             await anext(stream)
         with pytest.raises(ConnectionError):
             client.submit([5])
+
+    run(body())
+
+
+def test_aborts_and_control_while_riding_go_after_the_rejoin(tmp_path, impl):
+    """While no coordinator serves, ABORT and control calls are kept, and go out, in
+    the order issued, right after the REJOIN; a request aborted meanwhile that the
+    coordinator asks for again (RESEND) is not sent again: it ends."""
+    granted = packb([CONNECT_ACK, {"rebuild": 1, "epoch": 1}])
+
+    async def body():
+        script = Script(tmp_path)
+        connecting = asyncio.ensure_future(
+            Client.connect(script.address, implementation=impl.name, batch=False, timeout=TIMEOUT)
+        )
+        await script.recv()  # CONNECT
+        await script.send(granted)
+        client = await connecting
+        async with client:
+            sent = client.submit([1])
+            assert unpackb((await script.recv())[0])[:2] == [SUBMIT, 0]
+            script.close()  # the coordinator is gone
+            while client.connected:
+                await asyncio.sleep(0.01)
+            late = client.submit([2])  # not sent: the REJOIN names it
+            await client.abort(sent)
+            await client.abort(late)
+            paused = asyncio.ensure_future(client.pause())
+            script = Script(tmp_path)  # one comes back at the same address
+            assert unpackb((await script.recv())[0])[0] == CONNECT
+            await script.send(granted)
+            assert await script.recv() == [packb([REJOIN, [[0, 0], [1, 0]]])]
+            assert await script.recv() == [packb([ABORT, 0])]
+            assert await script.recv() == [packb([ABORT, 1])]
+            assert await script.recv() == [packb([PAUSE])]
+            await asyncio.wait_for(paused, TIMEOUT)
+            await script.send(packb([RESEND, [1]]))
+            with pytest.raises(CoordinatorError) as error:
+                await asyncio.wait_for(late, TIMEOUT)
+            assert error.value.code == ErrorCode.UNKNOWN_REQUEST
+            await script.silent()  # not sent again
+            await script.send(packb([REPLY, 0]), packb({"status": "aborted"}))
+            assert await asyncio.wait_for(sent, TIMEOUT) == {"status": "aborted"}
+        script.close()
 
     run(body())
 

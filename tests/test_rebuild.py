@@ -19,6 +19,7 @@ from tests.support.peers import (
     ABORT,
     CONNECT,
     CONNECT_ACK,
+    DISCONNECT,
     ENGINE_ACK,
     ERROR,
     HANDLED,
@@ -42,11 +43,16 @@ from tests.support.peers import (
 ENGINE_FAILED = 5
 
 
-def rebuild_client(c: Cluster, identity: bytes, batch: bool = False) -> RawClient:
-    """A client that asks for the rebuild; its CONNECT_ACK carries the epoch."""
+def rebuild_client(
+    c: Cluster, identity: bytes, batch: bool = False, hold_ms: int | None = None
+) -> RawClient:
+    """A client that asks for the rebuild (its requests kept ``hold_ms`` once it is
+    gone); its CONNECT_ACK carries the epoch."""
     client = RawClient(c.ctx, c.coord.address, identity)
     c.peers.append(client)
     hello = {"coordkit": 1, "rebuild": 1, **({"batch": 1} if batch else {})}
+    if hold_ms is not None:
+        hello["hold_ms"] = hold_ms
     client.send(m([CONNECT, hello]))
     features = {**({"batch": 1} if batch else {}), "rebuild": 1, "epoch": c.coord.epoch}
     assert client.recv() == [m([CONNECT_ACK, features])]
@@ -253,6 +259,169 @@ def test_a_conflicting_report_is_aborted(make_cluster):
         assert engine.recv() == [m([ABORT, sid + 1000])]
 
 
+def blip(c: Cluster, client: RawClient, hold_ms: int = 30_000) -> RawClient:
+    """Close ``client``'s connection and, once the coordinator saw it end, connect again
+    under the same routing id: a new connection, as after a network blip."""
+    identity = client.sock.getsockopt(zmq.IDENTITY)
+    departed = c.coord.stats()["counters"]["clients_departed"]
+    client.close()
+    c.peers.remove(client)
+    counted(c, "clients_departed", departed + 1)
+    return rebuild_client(c, identity, hold_ms=hold_ms)
+
+
+def test_a_blip_keeps_a_rebuild_clients_requests_for_its_rejoin(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck", hold_ms=30_000)
+        client.send(m([SUBMIT, 1, {}]), b"p")
+        client.send(m([SUBMIT, 2, {}]), b"p")
+        sids = [um(engine.recv()[0])[1] for _ in range(2)]
+        departed = c.coord.stats()["counters"]["clients_departed"]
+        client.close()
+        c.peers.remove(client)
+        counted(c, "clients_departed", departed + 1)
+        # Away, not gone: nothing aborted, nothing counted as connected.
+        wait_for(lambda: c.coord.stats()["clients"] == 0)
+        stats = c.coord.stats()
+        assert stats["inflight"] == 2
+        # What the engine sends meanwhile waits at the engine (it is dropped here).
+        messages = stats["messages"]
+        engine.send(m([PARTIAL, [sids[0]]]), b"p0")
+        engine.send(m([REPLY, [[sids[1], False]]]), b"f1")
+        wait_for(lambda: c.coord.stats()["messages"] >= messages + 2)
+        client = rebuild_client(c, b"ck", hold_ms=30_000)
+        counted(c, "clients_returned", 1)
+        wait_for(lambda: c.coord.stats()["clients"] == 1)
+        client.send(m([REJOIN, [[1, 0], [2, 0]]]))
+        assert engine.recv() == [m([REPLAY, [[sids[0], 0], [sids[1], 0]]])]
+        engine.send(m([REPLAYED, [[sids[0], 0, 1, False], [sids[1], 0, 1, True]]]), b"p0", b"f1")
+        assert client.recv() == [m([REPLAYED, [[1, 0, False], [2, 0, True]]]), b"p0", b"f1"]
+        engine.send(m([REPLY, [[sids[0], False]]]), b"f0")
+        assert client.recv() == [m([REPLY, 1]), b"f0"]
+        # No ABORT (nothing runs twice); the acknowledgements are on again.
+        assert {um(message[0])[0] for message in engine.recv_all(0.3)} <= {HANDLED}
+        assert c.coord.stats()["inflight"] == 0
+
+
+def test_a_client_back_before_its_old_connection_ended_is_kept(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        old = rebuild_client(c, b"ck", hold_ms=30_000)
+        old.send(m([SUBMIT, 1, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        # A new connection under the same routing id while the old one still lives
+        # (the coordinator's socket hands the id over): it is the client, back.
+        client = rebuild_client(c, b"ck", hold_ms=30_000)
+        assert counted(c, "clients_returned", 1)["counters"]["duplicate_connect"] == 0
+        departed = c.coord.stats()["counters"]["clients_departed"]
+        old.close()  # the old connection's end drops nothing
+        c.peers.remove(old)
+        client.send(m([REJOIN, [[1, 0]]]))
+        assert engine.recv() == [m([REPLAY, [[sid, 0]]])]
+        engine.send(m([REPLAYED, [[sid, 0, 1, True]]]), b"f")
+        assert client.recv() == [m([REPLAYED, [[1, 0, True]]]), b"f"]
+        stats = c.coord.stats()
+        assert stats["counters"]["clients_departed"] == departed and stats["clients"] == 1
+        assert stats["inflight"] == 0
+
+
+def test_an_idle_client_back_on_a_new_connection_is_served(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        old = rebuild_client(c, b"ck", hold_ms=30_000)
+        client = rebuild_client(c, b"ck", hold_ms=30_000)  # nothing in flight: nothing kept
+        old.close()
+        c.peers.remove(old)
+        client.send(m([SUBMIT, 1, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        engine.send(m([REPLY, [[sid, False]]]), b"f")
+        assert client.recv() == [m([REPLY, 1]), b"f"]
+        assert c.coord.stats()["clients"] == 1
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_final_whose_send_finds_the_client_gone_waits_for_it(impl, batch):
+    # inproc: no connection's end is seen, the send to the client fails (EHOSTUNREACH).
+    with Cluster(impl, f"inproc://gone-{impl.name}-{batch}", rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck", batch, hold_ms=30_000)
+        client.send(m([SUBMIT, 1, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        client.close()
+        c.peers.remove(client)
+        time.sleep(0.5)  # for the coordinator's socket to drop the client's inproc pipe
+        engine.send(m([REPLY, [[sid, False]]]), b"f")
+        counted(c, "client_gone", 1)
+        client = rebuild_client(c, b"ck", batch, hold_ms=30_000)
+        client.send(m([REJOIN, [[1, 0]]]))
+        assert engine.recv() == [m([REPLAY, [[sid, 0]]])]  # not sent back: it ran once
+        engine.send(m([REPLAYED, [[sid, 0, 1, True]]]), b"f")
+        assert client.recv() == [m([REPLAYED, [[1, 0, True]]]), b"f"]
+        assert c.coord.stats()["inflight"] == 0
+
+
+def test_past_its_hold_a_gone_clients_requests_are_aborted(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck", hold_ms=300)
+        for rid in range(3):
+            client.send(m([SUBMIT, rid, {}]), b"p")
+        sids = sorted(um(engine.recv()[0])[1] for _ in range(3))
+        client.close()
+        c.peers.remove(client)
+        aborts = [um(engine.recv()[0]) for _ in range(3)]
+        assert sorted(aborts) == [[ABORT, sid] for sid in sids]
+        # The loop forgets the client once the ABORTs are out (it runs on its thread).
+        wait_for(lambda: c.coord.stats()["clients"] == 0)
+        stats = c.coord.stats()
+        assert stats["inflight"] == 0 and stats["engines"][0]["pending"] == 0
+        assert stats["counters"]["clients_departed"] == 1
+
+
+def test_back_but_not_rejoined_by_the_holds_end_its_requests_are_aborted(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck", hold_ms=300)
+        client.send(m([SUBMIT, 1, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        client = blip(c, client, hold_ms=300)  # back, and no REJOIN: it does not want them
+        assert engine.recv() == [m([ABORT, sid])]
+        assert c.coord.stats()["clients"] == 1
+        wait_for(lambda: c.coord.stats()["inflight"] == 0)
+
+
+def test_a_client_that_closes_is_not_kept(make_cluster):
+    with make_cluster(rebuild_window=0.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck", hold_ms=30_000)
+        client.send(m([SUBMIT, 1, {}]), b"p")
+        sid = um(engine.recv()[0])[1]
+        client.send(m([DISCONNECT]))
+        assert engine.recv() == [m([ABORT, sid])]
+        assert c.coord.stats()["inflight"] == 0
+
+
+def test_an_abort_before_any_engine_claimed_the_request(make_cluster):
+    with make_cluster(rebuild_window=1.5) as c:
+        engine = rebuild_engine(c, b"e0")
+        client = rebuild_client(c, b"ck")
+        client.send(m([REJOIN, [[1, 0], [2, 0]]]))
+        client.send(m([ABORT, 1]))
+        client.send(m([ABORT, 2]))
+        counted(c, "aborts", 2)
+        # The engine reports 1: it is replayed, and aborted there, not run on.
+        engine.send(m([HELD, [[5, 1, b"ck", 0, False]]]), b"")
+        assert engine.recv_all(0.5) == [[m([ABORT, 5])], [m([REPLAY, [[5, 0]]])]]
+        engine.send(m([REPLAYED, [[5, 0, 1, True]]]), b"f")
+        assert client.recv() == [m([REPLAYED, [[1, 0, True]]]), b"f"]
+        # Nobody claims 2: at the window's end it ends, and is never asked for again.
+        error = um(client.recv(5.0)[0])
+        assert error[:3] == [ERROR, 2, 7]  # UNKNOWN_REQUEST: the abort found it nowhere
+        client.assert_silent(0.5)
+        assert c.coord.stats()["inflight"] == 0
+
+
 def test_an_engines_reported_hashes_steer_the_prefix_policy(make_cluster):
     """HELD's block-hash frame: the prefix policy learns it for the reporting rank."""
     with make_cluster(policy="prefix", prefix_ttl=3600) as c:
@@ -294,22 +463,31 @@ def test_the_rebuild_conversation_is_the_same_in_both_loops(c_impl, py_impl, tmp
     assert logs[0]["counters"]["adopted"] == 3 and logs[0]["counters"]["resent"] >= 2
 
 
+class Steps:
+    """Sends one message at a time, each handled by the coordinator before the next."""
+
+    def __init__(self, c: Cluster):
+        self.c = c
+        self.recount()
+
+    def recount(self) -> None:
+        """After messages sent otherwise: count from what the coordinator handled."""
+        self.handled = self.c.coord.stats()["messages"]
+
+    def send(self, peer, *frames: bytes) -> None:
+        peer.send(*frames)
+        self.handled += 1
+        wait_for(lambda: self.c.coord.stats()["messages"] >= self.handled)
+
+
 def _conversation(impl, address: str) -> dict:
     log: dict[str, list] = {}
     with Cluster(impl, address, rebuild_window=0.5, policy="prefix", prefix_ttl=3600) as c:
-        handled = c.coord.stats()["messages"]
-
-        def send(peer, *frames):  # one message at a time, each handled before the next
-            nonlocal handled
-            peer.send(*frames)
-            handled += 1
-            wait_for(lambda: c.coord.stats()["messages"] >= handled)
-
         e0 = rebuild_engine(c, b"e0")
         e1 = c.add_engine(b"e1")
         ck = rebuild_client(c, b"ck")
         mg = c.client(identity=b"mg")
-        handled = c.coord.stats()["messages"]
+        send = Steps(c).send
         held = [[900, 1, b"ck", 1, False], [901, 2, b"ck", 0, True], [902, 1, b"zz", 0, False]]
         send(e0, m([HELD, held]), (7).to_bytes(8, "little"))
         send(ck, m([REJOIN, [[1, 1], [2, 0], [3, 0]]]))
@@ -325,6 +503,59 @@ def _conversation(impl, address: str) -> dict:
             name: peer.recv_all(0.3) for name, peer in (("e0", e0), ("e1", e1), ("ck", ck))
         }
         log["peers"]["mg"] = mg.recv_all(0.3)
+        stats = c.coord.stats()
+        log["counters"] = stats["counters"]
+        log["inflight"] = stats["inflight"]
+    return log
+
+
+@pytest.mark.c_extension
+def test_a_blip_conversation_is_the_same_in_both_loops(c_impl, py_impl, tmp_path):
+    logs = [
+        _blip_conversation(impl, f"ipc://{tmp_path}/{impl.name}.sock") for impl in (c_impl, py_impl)
+    ]
+    assert logs[0] == logs[1]
+    frames = {name: [um(f[0])[0] for f in got] for name, got in logs[0]["peers"].items()}
+    assert {REPLAY, ABORT} <= {um(f[0])[0] for f in logs[0]["rejoined"]}
+    assert ABORT in frames["e1"]
+    assert {REPLAYED, RESEND, REPLY} <= set(frames["ck"])
+    assert logs[0]["counters"]["clients_returned"] == 1 and logs[0]["inflight"] == 0
+
+
+def _blip_conversation(impl, address: str) -> dict:
+    """A rebuild client blips with requests at a rebuild engine and at a plain one,
+    REJOINs, aborts one; another never comes back."""
+    log: dict[str, list] = {"peers": {}}
+    with Cluster(impl, address, rebuild_window=0.0) as c:
+        e0 = rebuild_engine(c, b"e0")
+        e1 = c.add_engine(b"e1")
+        ck = rebuild_client(c, b"ck", hold_ms=30_000)
+        gone = rebuild_client(c, b"cg", hold_ms=200)
+        steps = Steps(c)
+        send = steps.send
+        for rid in range(1, 5):
+            send(ck, m([SUBMIT, rid, {}]), m([rid]))
+        send(gone, m([SUBMIT, 1, {}]), b"g")
+        log["routed"] = [e0.recv_all(0.3), e1.recv_all(0.3)]
+        at_e0 = [(um(f[0])[1], um(f[2])[0]) for f in log["routed"][0] if um(f[2])[1] == b"ck"]
+        ours = [sid for sid, _ in at_e0]
+        send(e0, m([PARTIAL, [ours[0]]]), b"p0")
+        log["peers"]["before"] = ck.recv_all(0.3)
+        ck = blip(c, ck)
+        steps.recount()
+        send(e0, m([PARTIAL, [ours[0]]]), b"p1")  # held back: the REJOIN replays it
+        send(ck, m([REJOIN, [[1, 1], [2, 0], [3, 0], [4, 0], [9, 0]]]))
+        send(ck, m([ABORT, at_e0[-1][1]]))  # one its engine holds: aborted there
+        send(ck, m([ABORT, 2]))  # at the plain engine: aborted at the blip, unknown now
+        log["rejoined"] = e0.recv_all(0.3)
+        replay = next(um(f[0])[1] for f in log["rejoined"] if um(f[0])[0] == REPLAY)
+        send(e0, m([REPLAYED, [[sid, 1, 1, False] for sid, _ in replay]]), *[b"p1"] * len(replay))
+        gone.close()
+        c.peers.remove(gone)
+        wait_for(lambda: c.coord.stats()["inflight"] == len(ours))  # its hold ended
+        send(e0, m([REPLY, [[sid, False] for sid in ours]]), *[b"f"] * len(ours))
+        for name, peer in (("e0", e0), ("e1", e1), ("ck", ck)):
+            log["peers"][name] = peer.recv_all(0.3)
         stats = c.coord.stats()
         log["counters"] = stats["counters"]
         log["inflight"] = stats["inflight"]

@@ -35,6 +35,8 @@ class Cluster:
     def __init__(self, impl: Any, address: str, n_engines: int = 0, **options: Any):
         self.ctx = zmq.Context()
         self.closed = False
+        if address.startswith("inproc://"):  # its peers reach it only in its context
+            options.setdefault("context", self.ctx)
         self.coord = Coordinator(address, implementation=impl.name, **options)
         self.coord.start()
         self.engines: list[RawEngine | SingleFrameEngine | MainEngine] = []

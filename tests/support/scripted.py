@@ -62,8 +62,10 @@ class Script:
             Client.connect(self.address, timeout=TIMEOUT, implementation=impl.name, **kwargs)
         )
         hello = {"coordkit": 1} if kwargs.get("batch") is False else {"coordkit": 1, "batch": 1}
-        if kwargs.get("failover_timeout", 1) > 0:
-            hello["rebuild"] = 1  # not granted here: the client then fails what is pending
+        failover = kwargs.get("failover_timeout", 30.0)
+        if failover > 0:
+            # Not granted here: the client then fails what is pending.
+            hello.update({"rebuild": 1, "hold_ms": round(failover * 1000)})
         assert await self.recv() == [packb([CONNECT, hello])]
         await self.send(packb([CONNECT_ACK, {"batch": 1}]) if grant else packb([CONNECT_ACK]))
         client = await connecting

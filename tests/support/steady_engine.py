@@ -5,10 +5,11 @@
 token is its number ``n``) for 1.5 + (n % 7) / 4 seconds, as the bench's
 failover engines do (:func:`coordkit.tools.bench.failover.generate_steadily`:
 a streaming request gets a partial ``{"n": n, "i": i}`` every 0.25 s, and every
-request ends with ``{"n": n, "partials": count}``). Each request it starts is
-written to LOG (``n``, one a line, flushed at once), so that a test sees one
-started twice. :func:`steady_engines` starts such processes for a test,
-:func:`started` counts what their logs say.
+request ends with ``{"n": n, "partials": count}``, an aborted one at once). Each
+request it starts is written to LOG (``n``, one a line, flushed at once), so that
+a test sees one started twice, and each abort it gets for a request it runs
+(``abort n``). :func:`steady_engines` starts such processes for a test,
+:func:`started` and :func:`aborted` count what their logs say.
 """
 
 from __future__ import annotations
@@ -46,9 +47,18 @@ async def collect(stream) -> list:
 
 def started(logs: list[Path]) -> collections.Counter:
     """How many times each request number was started, over every engine."""
+    return collections.Counter(int(n) for n in _log_lines(logs) if n.isdigit())
+
+
+def aborted(logs: list[Path]) -> collections.Counter:
+    """How many times each request number was aborted at an engine that ran it."""
     return collections.Counter(
-        int(line) for log in logs if log.exists() for line in log.read_text().split()
+        int(line.split()[1]) for line in _log_lines(logs) if line.startswith("abort ")
     )
+
+
+def _log_lines(logs: list[Path]) -> list[str]:
+    return [line for log in logs if log.exists() for line in log.read_text().splitlines()]
 
 
 def check_outcome(
@@ -83,6 +93,7 @@ def main(address: str, rank: int, implementation: str, log_path: str) -> None:
             lambda n: 1.5 + (n % 7) / 4,
             lambda numbers: log.write("".join(f"{n}\n" for n in numbers)),
             lambda: True,
+            lambda n: log.write(f"abort {n}\n"),
         )
 
 

@@ -126,11 +126,13 @@ def generate_steadily(
     duration: Callable[[int], float],
     started: Callable[[list[int]], object],
     running: Callable[[], bool],
+    aborted: Callable[[int], object] = lambda n: None,
 ) -> None:
     """Serve ``engine`` while ``running()``: every request (its prompt's first token is
     its number ``n``) generates for ``duration(n)`` seconds, a streaming one with a
     partial ``{"n": n, "i": i}`` every ``PARTIAL_EVERY`` s, and ends with ``{"n": n,
-    "partials": count}``; ``started`` is given the numbers of each poll's new requests."""
+    "partials": count}`` (an aborted one at once); ``started`` is given the numbers of
+    each poll's new requests, ``aborted`` the number of each one aborted while it ran."""
     from ...engine import Abort, Request
     from ...protocol import STREAM_KEY
 
@@ -146,6 +148,7 @@ def generate_steadily(
                 first_partial = now + PARTIAL_EVERY
                 active[event.server_rid] = [n, now + duration(n), streaming, 0, first_partial]
             elif isinstance(event, Abort) and event.server_rid in active:
+                aborted(active[event.server_rid][0])
                 active[event.server_rid][1] = now
         if new:
             started(new)
