@@ -128,6 +128,10 @@ cdef class Loop:
         bint rebuilding
         dict awaiting  # REJOIN entries no engine claimed yet: (client, rid) -> partials got
         set aborting  # REJOIN entries aborted before an engine claimed them: (client, rid)
+        # Requests of rejoined clients that found no engine yet, by routing id: sent back
+        # (RESEND) once one registers, or at the window's end (_resend_deferred).
+        dict deferred
+        Py_ssize_t n_deferred  # len(deferred), read without the GIL
         # Rebuild clients whose connection ended, by routing id: until when their requests
         # wait for their REJOIN (meanwhile their engines get no HANDLED: a replay may
         # need all they kept).
@@ -250,6 +254,7 @@ cdef class Loop:
     cdef _unheld(self, uint32_t slot, dict resend)
     cdef _drop_orphan(self, uint32_t slot)
     cdef _end_rebuild(self)
+    cdef _resend_deferred(self)
     cdef _end_holds(self, double now)
     cdef void _acknowledge(self) noexcept nogil
     cdef _mark_holding(self)

@@ -209,6 +209,8 @@ cdef class Loop:
         self.detokenized_bodies = []  # the C fields start zeroed: NULL, empty
         self.awaiting = {}
         self.aborting = set()
+        self.deferred = {}
+        self.n_deferred = 0
         self.away = {}
         self.deadline = INFINITY
 
@@ -442,6 +444,9 @@ cdef class Loop:
         if self.rebuilding and now >= self.rebuild_until:
             with gil:
                 self._end_rebuild()
+        if self.n_deferred and (self.router.n_members or not self.rebuilding):
+            with gil:
+                self._resend_deferred()
         if self.n_away or self.n_holding:
             with gil:
                 self._end_holds(now)
@@ -686,6 +691,16 @@ cdef class Loop:
             zmq_msg_close(&meta)
         if status == ROUTE_SENT:
             self.counters[COUNTER_SUBMITTED] += 1
+        elif (
+            status == ROUTE_NO_ENGINES and self.rebuilding and self.clients[client].rejoined
+        ):
+            # Back after a loss, before its engines registered again: sent back once
+            # one has (RESEND), not refused.
+            self._forget(slot)
+            with gil:
+                identity = self._identity(client)
+                self.deferred.setdefault(identity, []).append(rid)
+                self.n_deferred = len(self.deferred)
         elif status != ROUTE_ENGINE_GONE:
             self._forget(slot)
             with gil:
@@ -1673,6 +1688,18 @@ cdef class Loop:
             self._abort_at_engine(rank, server_rid)
         if not self.clients[client].present and self.clients[client].inflight == 0:
             self._remove_client(client)
+
+    cdef _resend_deferred(self):
+        """RESEND of the deferred requests (see _submit), to the clients still here."""
+        cdef int32_t client
+        deferred, self.deferred = self.deferred, {}
+        self.n_deferred = 0
+        resend = {}
+        for identity, rids in deferred.items():
+            client = ck_ids_find(&self.client_ids, identity, len(identity))
+            if client >= 0:
+                resend[client] = rids
+        self._send_resends(resend)
 
     cdef _end_rebuild(self):
         """The window's end: the requests clients wait for that no engine claimed are

@@ -708,6 +708,9 @@ class Loop:
         self._replay_start: dict[int, int] = {}  # server id -> the start its REPLAY asked
         # REJOIN entries aborted before an engine claimed them: (client identity, rid)
         self._aborting: set[tuple[bytes, int]] = set()
+        # Requests of rejoined clients that found no engine yet, by routing id: sent back
+        # (RESEND) once one registers, or at the window's end (_resend_deferred).
+        self._deferred: dict[bytes, list[int]] = defaultdict(list)
         # Rebuild clients whose connection ended, by identity: until when their requests
         # wait for their REJOIN (meanwhile their engines get no HANDLED: a replay may
         # need all they kept).
@@ -792,6 +795,8 @@ class Loop:
             self._time_out(oldest)
         if self._rebuilding and now >= self._rebuild_until:
             self._end_rebuild()
+        if self._deferred and (self._router.n_accepting or not self._rebuilding):
+            self._resend_deferred()
         if self._away:
             self._end_holds(now)
         self._acknowledge()
@@ -1014,6 +1019,11 @@ class Loop:
             self._counters[Counter.SUBMITTED] += 1
             return
         self._forget(request)
+        if status == RouteStatus.NO_ENGINES and self._rebuilding and client.rejoined:
+            # Back after a loss, before its engines registered again: sent back once
+            # one has (RESEND), not refused.
+            self._deferred[client.identity].append(rid)
+            return
         self._refuse(client, rid, _refusal(status), header, _REFUSAL_COUNTERS[status], True)
 
     def _route(self, request: _Request, inbound: Inbound) -> RouteStatus:
@@ -1828,6 +1838,16 @@ class Loop:
             self._abort_at_engine(self._engines[rank], request.server_rid)
         if not client.present and not client.requests and client.identity in self._clients:
             self._remove_client(client)
+
+    def _resend_deferred(self) -> None:
+        """RESEND of the deferred requests (see _accept), to the clients still here."""
+        deferred, self._deferred = self._deferred, defaultdict(list)
+        resend: dict[_Client, list[int]] = {}
+        for identity, rids in deferred.items():
+            client = self._clients.get(identity)
+            if client is not None:
+                resend[client] = rids
+        self._send_resends(resend)
 
     def _end_rebuild(self) -> None:
         """The window's end: the requests clients wait for that no engine claimed are

@@ -26,10 +26,7 @@ def run_quick(tmp_path, impl, mode: str) -> dict:
     (row,) = result["failover"]["summary"]
     assert (row["mode"], row["variant"], row["repetitions"]) == (mode, impl.name, 1)
     assert row["requests"] > 0 and row["crossed"] > 0  # the kill found requests in flight
-    # Reported, not asserted yet (issue 21): "failed", as the new coordinator refuses with
-    # NO_ENGINES what is submitted before the engines register again; "started_twice", as
-    # an engine that comes late to a standby has its requests sent again.
-    for count in ("lost", "wrong"):
+    for count in ("lost", "failed", "wrong", "started_twice"):
         assert row[count] == 0, (count, result["failover"]["runs"][0]["errors"])
     assert row["failed"] == sum(row["failed_by"].values())
     # a reply came after the new coordinator listened, which was after the kill

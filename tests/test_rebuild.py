@@ -41,6 +41,7 @@ from tests.support.peers import (
 )
 
 ENGINE_FAILED = 5
+NO_ENGINES = 6
 
 
 def rebuild_client(
@@ -150,6 +151,40 @@ def test_a_client_that_rejoins_first_waits_for_its_engine(make_cluster):
         engine.send(m([REPLAYED, [[77, 0, 0, False]]]))  # nothing yet: replies flow again
         engine.send(m([REPLY, [[77, False]]]), b"done")
         assert client.recv() == [m([REPLY, 3]), b"done"]
+
+
+def test_a_rejoined_clients_request_before_any_engine_is_sent_back_once_one_is(make_cluster):
+    with make_cluster(rebuild_window=30.0) as c:
+        client = rebuild_client(c, b"ck")
+        client.send(m([REJOIN, [[3, 0]]]))
+        client.send(m([SUBMIT, 4, {}]), m([1, 2]))  # after its REJOIN, before any engine
+        assert client.recv_all(0.3) == []  # not refused: NO_ENGINES would lose it
+        engine = rebuild_engine(c, b"e0")
+        engine.send(m([HELD, []]), b"")
+        assert client.recv(2.0) == [m([RESEND, [4]])]
+        client.send(m([SUBMIT, 4, {}]), m([1, 2]))
+        assert um(engine.recv()[0])[0] == SUBMIT  # runs now, once
+        assert counted(c, "resent", 1)["inflight"] == 1
+
+
+def test_a_deferred_request_is_refused_at_the_windows_end_without_engines(make_cluster):
+    with make_cluster(rebuild_window=0.3) as c:
+        client = rebuild_client(c, b"ck")
+        client.send(m([REJOIN, [[3, 0]]]))
+        client.send(m([SUBMIT, 4, {}]), m([1, 2]))
+        assert [m([RESEND, [4]])] in client.recv_all(1.5)  # with 3, at the window's end
+        client.send(m([SUBMIT, 4, {}]), m([1, 2]))
+        header, rid, code, _ = um(client.recv()[0])
+        assert (header, rid, code) == (ERROR, 4, NO_ENGINES)
+        wait_for(lambda: c.coord.stats()["inflight"] == 0)
+
+
+def test_a_fresh_clients_request_before_any_engine_is_refused_at_once(make_cluster):
+    with make_cluster(rebuild_window=30.0) as c:
+        client = rebuild_client(c, b"ck")  # no REJOIN: nothing tells it engines existed
+        client.send(m([SUBMIT, 4, {}]), m([1, 2]))
+        header, rid, code, _ = um(client.recv()[0])
+        assert (header, rid, code) == (ERROR, 4, NO_ENGINES)
 
 
 def test_what_nobody_claims_is_sent_back_at_the_windows_end(make_cluster):

@@ -142,6 +142,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     _option(
         serve,
+        "rebuild_window",
+        float,
+        "S",
+        "after its start, S seconds for engines to report the requests they hold "
+        "before what no engine claimed is sent again (docs/failover.md)",
+    )
+    _option(
+        serve,
         "max_message_size",
         int,
         "BYTES",
@@ -591,6 +599,7 @@ _SERVE_OPTIONS = (
     "heartbeat_timeout",
     "drain_timeout",
     "request_timeout",
+    "rebuild_window",
     "max_message_size",
     "dialect",
     "megatron_version",
