@@ -447,33 +447,38 @@ def plot(
 
 
 def plot_latency(args: argparse.Namespace, result: dict[str, Any], path: Path) -> None:
-    """The choke curve: p99 latency added to direct's against the offered rate, one
-    curve per variant, a panel per prompt; a cross where a point choked."""
+    """The choke curve: the client-observed p99 latency against the offered rate, one
+    curve per variant and one, dashed, for direct (no coordinator: the transport's own),
+    a panel per prompt; a cross where a point choked. The gap to direct is the latency
+    the coordinator adds (plotted raw: noise makes a difference of two p99s negative)."""
     pyplot = _pyplot()
     prompts = list(dict.fromkeys(p["prompt"] for p in result["points"]))
     figure, panels = pyplot.subplots(
         1, len(prompts), figsize=(6 * len(prompts), 4.5), squeeze=False
     )
     for axes, prompt in zip(panels[0], prompts, strict=True):
-        for variant in args.latency_variants:
+        for variant in ("direct", *args.latency_variants):
             points = sorted(
                 (p for p in result["points"] if (p["variant"], p["prompt"]) == (variant, prompt)),
                 key=lambda p: p["offered"],
             )
             if not points:
                 continue
-            low = result["summary"].get(f"{variant}/{prompt}", {}).get("low_load_p99_us", math.inf)
             rates = [p["offered"] for p in points]
-            added = [p["added_p99_us"] for p in points]
-            (line,) = axes.plot(rates, added, marker="o", markersize=3, label=variant)
-            chokes = [(r, a) for r, a, p in zip(rates, added, points, strict=True)
+            p99 = [p["p99_us"] for p in points]
+            if variant == "direct":
+                axes.plot(rates, p99, "k--", linewidth=1, label="direct (no coordinator)")
+                continue
+            low = result["summary"].get(f"{variant}/{prompt}", {}).get("low_load_p99_us", math.inf)
+            (line,) = axes.plot(rates, p99, marker="o", markersize=3, label=variant)
+            chokes = [(r, v) for r, v, p in zip(rates, p99, points, strict=True)
                       if latency.choked(p, low)]  # fmt: skip
             if chokes:
                 axes.scatter(*zip(*chokes, strict=True), marker="x", s=60, color=line.get_color())
         axes.set_xscale("log")
-        axes.set_yscale("symlog", linthresh=100)
+        axes.set_yscale("log")
         axes.set_xlabel("offered load (requests/s, Poisson)")
-        axes.set_ylabel("p99 latency added to direct's (µs)")
+        axes.set_ylabel("p99 latency, client-observed (µs)")
         axes.set_title(f"{prompt} tokens ({args.transport}, {args.latency_clients} sender(s))")
         axes.grid(True, which="both", alpha=0.3)
         axes.legend()
