@@ -254,6 +254,7 @@ cdef class Loop:
     cdef _unheld(self, uint32_t slot, dict resend)
     cdef _drop_orphan(self, uint32_t slot)
     cdef _end_rebuild(self)
+    cdef _defer(self, int32_t client, int64_t rid)
     cdef _resend_deferred(self)
     cdef _end_holds(self, double now)
     cdef void _acknowledge(self) noexcept nogil

@@ -701,9 +701,7 @@ cdef class Loop:
             # one has (RESEND), not refused.
             self._forget(slot)
             with gil:
-                identity = self._identity(client)
-                self.deferred.setdefault(identity, []).append(rid)
-                self.n_deferred = len(self.deferred)
+                self._defer(client, rid)
         elif status != ROUTE_ENGINE_GONE:
             self._forget(slot)
             with gil:
@@ -1691,6 +1689,11 @@ cdef class Loop:
             self._abort_at_engine(rank, server_rid)
         if not self.clients[client].present and self.clients[client].inflight == 0:
             self._remove_client(client)
+
+    cdef _defer(self, int32_t client, int64_t rid):
+        """Keep a request for RESEND once an engine registered (see _submit)."""
+        self.deferred.setdefault(self._identity(client), []).append(rid)
+        self.n_deferred = len(self.deferred)
 
     cdef _resend_deferred(self):
         """RESEND of the deferred requests (see _submit), to the clients still here."""
