@@ -259,19 +259,20 @@ def unpackb(data: Frame) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-_REJOINED = (
-    Header.SUBMIT_REQUEST,
-    Header.SUBMIT_REQUEST_WITH_KV,
-    Header.SUBMIT_BATCH,
-    Header.REJOIN,
-)
+_SUBMITS_ONE = (Header.SUBMIT_REQUEST, Header.SUBMIT_REQUEST_WITH_KV)
 
 
-def rejoin_covers(frames: Sequence[Frame]) -> bool:
-    """Whether the next REJOIN covers a coordkit client's message: a submission (the
-    REJOIN names its requests) or an older REJOIN. A client riding through drops those,
-    and keeps every other message to send after the REJOIN."""
-    return bool(unpackb(frames[0])[0] in _REJOINED)
+def rejoin_covers(frames: Sequence[Frame]) -> list[int] | None:
+    """What the next REJOIN makes of a coordkit client's message left unsent at a
+    coordinator's loss: the ids of the requests a submission names (sent again, under
+    their ids, after the REJOIN), [] for an older REJOIN (superseded), None for any
+    other message (kept, and sent after the REJOIN)."""
+    message = unpackb(frames[0])
+    if message[0] in _SUBMITS_ONE:
+        return [message[1]]
+    if message[0] == Header.SUBMIT_BATCH:
+        return [entry[0] for entry in message[1]]
+    return [] if message[0] == Header.REJOIN else None
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> bytes:
