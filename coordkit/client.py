@@ -464,7 +464,8 @@ class Client(Following):
         The engine still sends a final reply, which resolves the request as usual.
         While no coordinator is reachable the abort waits, and goes out once one
         accepted the client again; a request no engine held by then is never run:
-        it fails with :class:`CoordinatorError` (``UNKNOWN_REQUEST``).
+        it fails with :class:`CoordinatorError` (``UNKNOWN_REQUEST``), at once when
+        it was submitted meanwhile (it was never sent).
         """
         rid = request if isinstance(request, int) else request.request_id
         target = self._core.get(rid)
@@ -644,7 +645,8 @@ class Client(Following):
             log.warning("%s; failing %d pending requests", exc, self._core.count)
             self._core.fail_all(exc)
             return
-        # Ride through: what coalesced goes now (the REJOIN names it), nothing after.
+        # Ride through: what coalesced goes now (the REJOIN names it); what comes after
+        # is not sent (unsent), but right after the REJOIN.
         self._core.flush()
         self._core.hold()
         self._up.clear()
