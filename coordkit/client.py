@@ -34,7 +34,6 @@ import zmq
 from . import protocol
 from ._checks import streaming_params
 from ._implementation import load_implementation, selected
-from ._shared import never_ran
 from ._liveness import (
     ACK_WINDOW,
     CANDIDATE_WINDOW,
@@ -44,6 +43,7 @@ from ._liveness import (
     Following,
     prepare,
 )
+from ._shared import never_ran
 from .curve import KeySource, ServerKey
 from .protocol import (
     BATCH_FEATURE,

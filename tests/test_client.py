@@ -151,21 +151,25 @@ async def _riding(script: Script, impl, granted: bytes, **kwargs) -> tuple[Clien
 
 def test_aborts_and_control_while_riding_go_after_the_rejoin(tmp_path, impl):
     """While no coordinator serves, ABORT and control calls are kept, and go out, in
-    the order issued, right after the REJOIN; a request submitted and aborted meanwhile
-    was never sent: it ends at once, and nothing of it goes out."""
+    the order issued, right after the REJOIN; a request aborted meanwhile that the
+    coordinator asks for again (RESEND) is not sent again: it ends; one submitted and
+    aborted meanwhile was never sent: it ends at once, and nothing of it goes out."""
     granted = packb([CONNECT_ACK, {"rebuild": 1, "epoch": 1}])
 
     async def body():
         client, script = await _riding(Script(tmp_path), impl, granted, batch=False)
         async with client:
             sent = client.submit([1])
-            assert unpackb((await script.recv())[0])[:2] == [SUBMIT, 0]
+            resent = client.submit([2])
+            for rid in range(2):
+                assert unpackb((await script.recv())[0])[:2] == [SUBMIT, rid]
             script.close()  # the coordinator is gone
             while client.connected:
                 await asyncio.sleep(0.01)
-            late = client.submit([2])  # not sent
+            late = client.submit([3])  # not sent
             await client.abort(sent)
             await client.abort(late)
+            await client.abort(resent)
             with pytest.raises(CoordinatorError) as error:
                 await asyncio.wait_for(late, TIMEOUT)
             assert error.value.code == ErrorCode.UNKNOWN_REQUEST
@@ -173,11 +177,16 @@ def test_aborts_and_control_while_riding_go_after_the_rejoin(tmp_path, impl):
             script = Script(tmp_path)  # one comes back at the same address
             assert unpackb((await script.recv())[0])[0] == CONNECT
             await script.send(granted)
-            assert await script.recv() == [packb([REJOIN, [[0, 0]]])]
+            assert await script.recv() == [packb([REJOIN, [[0, 0], [1, 0]]])]
             assert await script.recv() == [packb([ABORT, 0])]
+            assert await script.recv() == [packb([ABORT, 1])]
             assert await script.recv() == [packb([PAUSE])]
             await asyncio.wait_for(paused, TIMEOUT)
-            await script.silent()  # the aborted one is never sent
+            await script.send(packb([RESEND, [1]]))
+            with pytest.raises(CoordinatorError) as error:
+                await asyncio.wait_for(resent, TIMEOUT)
+            assert error.value.code == ErrorCode.UNKNOWN_REQUEST
+            await script.silent()  # neither is sent again
             await script.send(packb([REPLY, 0]), packb({"status": "aborted"}))
             assert await asyncio.wait_for(sent, TIMEOUT) == {"status": "aborted"}
         script.close()
