@@ -507,12 +507,15 @@ cdef class Loop:
         elif header == HEADER_ENGINE_HELLO and client < 0:
             with gil:
                 self._engine_hello(-1)
-        elif client < 0:
+        elif client < 0 or not self.clients[client].present:
+            # A client known only from an engine's report, or away after a blip: what
+            # its socket queued before it lost us comes ahead of its CONNECT, stale
+            # (its REJOIN names the requests; acting on them could run one twice).
             self.counters[COUNTER_NOT_CONNECTED] += 1
             with gil:
                 self._log.warn(
                     "not_connected",
-                    f"dropped {header_name(header)} from a peer that never connected",
+                    f"dropped {header_name(header)} from a peer that is not connected",
                 )
         else:
             self._seen(client)

@@ -878,10 +878,13 @@ class Loop:
             self._connect(identity, client, frames)
         elif header == Header.ENGINE_HELLO and client is None:
             self._engine_hello(identity, None, frames)
-        elif client is None:
+        elif client is None or not client.present:
+            # A client known only from an engine's report, or away after a blip: what
+            # its socket queued before it lost us comes ahead of its CONNECT, stale
+            # (its REJOIN names the requests; acting on them could run one twice).
             self._counters[Counter.NOT_CONNECTED] += 1
             self._log.warn(
-                "not_connected", f"dropped {header_name(header)} from a peer that never connected"
+                "not_connected", f"dropped {header_name(header)} from a peer that is not connected"
             )
         else:
             self._seen(client)

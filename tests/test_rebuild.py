@@ -141,6 +141,24 @@ def test_an_engines_held_request_is_adopted_and_replayed_to_its_client(make_clus
         assert stats["inflight"] == 0 and stats["counters"]["replayed"] == 1
 
 
+def test_what_an_adopted_client_queued_before_its_connect_is_dropped(make_cluster):
+    with make_cluster(rebuild_window=30.0) as c:
+        engine = rebuild_engine(c, b"e0")
+        engine.send(m([HELD, [[12345, 3, b"ck", 0, False]]]), b"")
+        counted(c, "adopted", 1)
+        # Its socket delivers what it queued for the dead coordinator ahead of its CONNECT.
+        stale = RawClient(c.ctx, c.coord.address, b"ck")
+        c.peers.append(stale)
+        stale.send(m([SUBMIT_BATCH, [[4, {}], [5, {}]]]), b"p4", b"p5")
+        stale.send(m([SUBMIT, 6, {}]), b"p6")
+        assert counted(c, "not_connected", 2)["inflight"] == 1
+        engine.assert_silent()  # nothing ran: the REJOIN names them
+        stale.send(m([CONNECT, {"coordkit": 1, "rebuild": 1}]))
+        assert stale.recv() == [m([CONNECT_ACK, {"rebuild": 1, "epoch": c.coord.epoch}])]
+        stale.send(m([REJOIN, [[3, 0], [6, 0]]]))
+        assert engine.recv() == [m([REPLAY, [[12345, 0]]])]
+
+
 def test_a_client_that_rejoins_first_waits_for_its_engine(make_cluster):
     with make_cluster(rebuild_window=30.0) as c:
         client = rebuild_client(c, b"ck")
