@@ -815,6 +815,19 @@ cdef class ClientCore:
             self.n_frames += 1
         return 0
 
+    cdef list _drop_open(self):
+        """Drop the submissions coalesced so far, unsent; their ids."""
+        cdef Py_ssize_t i
+        entries = msgpack.Unpacker()
+        entries.feed(PyBytes_FromStringAndSize(<char*>self.open_entries.data, self.open_entries.len))
+        for i in range(1, self.n_frames):
+            zmq_msg_close(&self.frames[i])
+        self.n_frames = 1
+        self.n_open = 0
+        self.open_bytes = 0
+        self.open_entries.len = 0
+        return [entry[0] for entry in entries]
+
     def flush(self):
         """Send the submissions coalesced so far: one SUBMIT_BATCH, or a SUBMIT for one."""
         cdef Buf* b = &self.open_entries
@@ -846,11 +859,12 @@ cdef class ClientCore:
         self._send_parts(self.frames, n)
 
     def hold(self):
-        """No coordinator for now: until release(), submissions are not sent (those
-        waiting in the outbox neither): their ids are kept in ``unsent``, and every
-        other message is kept, in order, for the coordinator that accepts the client
-        again."""
+        """No coordinator for now: until release(), submissions are not sent (nor those
+        coalesced or waiting in the outbox): their ids are kept in ``unsent``, and
+        every other message is kept, in order, for the coordinator that accepts the
+        client again."""
         self.held = True
+        self.unsent.update(self._drop_open())
         for frames in self._outbox:
             rids = protocol.rejoin_covers(frames)
             if rids is None:
@@ -907,9 +921,6 @@ cdef class ClientCore:
         cdef Py_ssize_t i
         cdef int err, flags
         ck_pins_sweep()
-        if self.held:
-            close_msgs(parts, n)
-            return 0
         if self._outbox:
             self._queue(parts, n)
             return 0
@@ -946,8 +957,6 @@ cdef class ClientCore:
         return 0
 
     cdef _send_frames(self, list frames):
-        if self.held:
-            return
         if not self._outbox:
             try:
                 self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -1172,16 +1181,10 @@ cdef class ClientCore:
         """Fail every pending request with ``exc``; drop what was not sent yet (the
         coalesced requests, the outbox, what was held), lest it reach a coordinator that
         never knew them."""
-        cdef Py_ssize_t i
         self._outbox.clear()
         self._later.clear()
         self.unsent.clear()
-        for i in range(1, self.n_frames):
-            zmq_msg_close(&self.frames[i])
-        self.n_frames = 1
-        self.n_open = 0
-        self.open_bytes = 0
-        self.open_entries.len = 0
+        self._drop_open()
         for target in self._clear():
             self._fail(target, exc)
 

@@ -302,11 +302,13 @@ class ClientCore:
             self._send_message(submit_batch_frames(requests))
 
     def hold(self) -> None:
-        """No coordinator for now: until release(), submissions are not sent (those
-        waiting in the outbox neither): their ids are kept in ``unsent``, and every
-        other message is kept, in order, for the coordinator that accepts the client
-        again."""
+        """No coordinator for now: until release(), submissions are not sent (nor those
+        coalesced or waiting in the outbox): their ids are kept in ``unsent``, and
+        every other message is kept, in order, for the coordinator that accepts the
+        client again."""
         self.held = True
+        self.unsent.update(rid for rid, *_ in self._open)
+        self._open, self._open_bytes = [], 0
         for frames in self._outbox:
             rids = protocol.rejoin_covers(frames)
             if rids is None:
@@ -357,8 +359,6 @@ class ClientCore:
         self._send_message(frames)
 
     def _send_message(self, frames: list[Any]) -> None:
-        if self.held:
-            return
         if not self._outbox:
             try:
                 self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)

@@ -645,9 +645,8 @@ class Client(Following):
             log.warning("%s; failing %d pending requests", exc, self._core.count)
             self._core.fail_all(exc)
             return
-        # Ride through: what coalesced goes now (the REJOIN names it); what comes after
-        # is not sent (unsent), but right after the REJOIN.
-        self._core.flush()
+        # Ride through: nothing is sent (not even what coalesced) until a coordinator
+        # accepts the REJOIN; what was not sent goes right after it.
         self._core.hold()
         self._up.clear()
         self._expiry = self._loop.call_later(self._failover_timeout, self._expire)
