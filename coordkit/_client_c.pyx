@@ -818,14 +818,15 @@ cdef class ClientCore:
     cdef list _drop_open(self):
         """Drop the submissions coalesced so far, unsent; their ids."""
         cdef Py_ssize_t i
+        cdef Buf* b = &self.open_entries
         entries = msgpack.Unpacker()
-        entries.feed(PyBytes_FromStringAndSize(<char*>self.open_entries.data, self.open_entries.len))
+        entries.feed(PyBytes_FromStringAndSize(<char*>b.data, b.len))
         for i in range(1, self.n_frames):
             zmq_msg_close(&self.frames[i])
         self.n_frames = 1
         self.n_open = 0
         self.open_bytes = 0
-        self.open_entries.len = 0
+        b.len = 0
         return [entry[0] for entry in entries]
 
     def flush(self):
