@@ -866,12 +866,9 @@ cdef class ClientCore:
         client again."""
         self.held = True
         self.unsent.update(self._drop_open())
-        for frames in self._outbox:
-            rids = protocol.rejoin_covers(frames)
-            if rids is None:
-                self._later.append(frames)
-            else:
-                self.unsent.update(rids)
+        kept, rids = protocol.rejoin_covers(self._outbox)
+        self._later.extend(kept)
+        self.unsent.update(rids)
         self._outbox.clear()
 
     def release(self, first):

@@ -309,12 +309,9 @@ class ClientCore:
         self.held = True
         self.unsent.update(rid for rid, *_ in self._open)
         self._open, self._open_bytes = [], 0
-        for frames in self._outbox:
-            rids = protocol.rejoin_covers(frames)
-            if rids is None:
-                self._later.append(frames)
-            else:
-                self.unsent.update(rids)
+        kept, rids = protocol.rejoin_covers(self._outbox)
+        self._later.extend(kept)
+        self.unsent.update(rids)
         self._outbox.clear()
 
     def release(self, first: list[Any] | None) -> None:

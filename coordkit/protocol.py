@@ -20,7 +20,7 @@ import hashlib
 import struct
 import threading
 from collections import namedtuple
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple, cast
 
@@ -262,17 +262,22 @@ def unpackb(data: Frame) -> Any:
 _SUBMITS_ONE = (Header.SUBMIT_REQUEST, Header.SUBMIT_REQUEST_WITH_KV)
 
 
-def rejoin_covers(frames: Sequence[Frame]) -> list[int] | None:
-    """What the next REJOIN makes of a coordkit client's message left unsent at a
-    coordinator's loss: the ids of the requests a submission names (sent again, under
-    their ids, after the REJOIN), [] for an older REJOIN (superseded), None for any
-    other message (kept, and sent after the REJOIN)."""
-    message = unpackb(frames[0])
-    if message[0] in _SUBMITS_ONE:
-        return [message[1]]
-    if message[0] == Header.SUBMIT_BATCH:
-        return [entry[0] for entry in message[1]]
-    return [] if message[0] == Header.REJOIN else None
+def rejoin_covers(messages: Iterable[Sequence[Frame]]) -> tuple[list[Any], list[int]]:
+    """What the next REJOIN makes of a coordkit client's messages left unsent at a
+    coordinator's loss: those it does not cover (kept, and sent after it), and the ids
+    of the requests the submissions name (sent again, under their ids, after it); an
+    older REJOIN is superseded."""
+    kept: list[Any] = []
+    rids: list[int] = []
+    for frames in messages:
+        message = unpackb(frames[0])
+        if message[0] in _SUBMITS_ONE:
+            rids.append(message[1])
+        elif message[0] == Header.SUBMIT_BATCH:
+            rids.extend(entry[0] for entry in message[1])
+        elif message[0] != Header.REJOIN:
+            kept.append(frames)
+    return kept, rids
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> bytes:
