@@ -196,9 +196,10 @@ def test_aborts_and_control_while_riding_go_after_the_rejoin(tmp_path, impl):
 
 @pytest.mark.parametrize("grant", [False, True], ids=["single", "batched"])
 def test_requests_never_sent_while_riding_go_right_after_the_rejoin(tmp_path, impl, grant):
-    """A request submitted while no coordinator serves is at no engine: the REJOIN names
-    only the one sent before the loss, and the others go, as submissions under their
-    ids, right after it (before a control call issued meanwhile)."""
+    """A request submitted while no coordinator serves (or still coalescing when the
+    loss is seen) is at no engine: the REJOIN names only the one sent before the loss,
+    and the others go, as submissions under their ids, right after it (before a
+    control call issued meanwhile)."""
     granted = packb([CONNECT_ACK, {"rebuild": 1, "epoch": 1, **({"batch": 1} if grant else {})}])
 
     async def body():
@@ -207,29 +208,34 @@ def test_requests_never_sent_while_riding_go_right_after_the_rejoin(tmp_path, im
             sent = client.submit([1])
             assert (await script.recv())[1:] == [packb([1])]
             script.close()  # the coordinator is gone
+            coalesced = client.submit([2]) if grant else None
+            if grant:
+                client._lost()  # seen before that submission was flushed
             while client.connected:
                 await asyncio.sleep(0.01)
-            late = client.submit([2])
-            stream = client.stream([3])
+            late = client.submit([2 + grant])
+            stream = client.stream([3 + grant])
             paused = asyncio.ensure_future(client.pause())
             script = Script(tmp_path)  # one comes back at the same address
             assert unpackb((await script.recv())[0])[0] == CONNECT
             await script.send(granted)
             assert await script.recv() == [packb([REJOIN, [[0, 0]]])]
             if grant:
-                batch = [[1, {}, False], [2, {"stream": True}, False]]
-                expected = [packb([SUBMIT_BATCH, batch]), packb([2]), packb([3])]
-                assert await script.recv() == expected
+                batch = [[1, {}, False], [2, {}, False], [3, {"stream": True}, False]]
+                prompts = [packb([2]), packb([3]), packb([4])]
+                assert await script.recv() == [packb([SUBMIT_BATCH, batch]), *prompts]
             else:
                 assert await script.recv() == [packb([SUBMIT, 1, {}]), packb([2])]
                 assert await script.recv() == [packb([SUBMIT, 2, {"stream": True}]), packb([3])]
             assert await script.recv() == [packb([PAUSE])]
             await asyncio.wait_for(paused, TIMEOUT)
-            for rid in range(3):
+            for rid in range(3 + grant):
                 await script.send(packb([REPLY, rid]), packb({"rid": rid}))
             assert await asyncio.wait_for(sent, TIMEOUT) == {"rid": 0}
-            assert await asyncio.wait_for(late, TIMEOUT) == {"rid": 1}
-            assert [part async for part in stream] == [{"rid": 2}]
+            if coalesced is not None:
+                assert await asyncio.wait_for(coalesced, TIMEOUT) == {"rid": 1}
+            assert await asyncio.wait_for(late, TIMEOUT) == {"rid": 1 + grant}
+            assert [part async for part in stream] == [{"rid": 2 + grant}]
         script.close()
 
     run(body())
