@@ -95,6 +95,26 @@ def test_a_choke_the_second_measurement_does_not_confirm_is_noise():
     )
 
 
+def test_a_choke_below_rates_that_kept_up_is_not_the_saturation():
+    measured: list[int] = []
+    system = _system(10_000.0, measured)
+    stalled = latency.grid_at(2000.0)
+
+    def measure(k: int) -> dict[str, float | bool]:
+        point = system(k)
+        if k == stalled:  # a stall of the machine, both times it was measured
+            point.update(p99_us=50_000.0, p50_us=900.0)
+        return point
+
+    points = latency.sweep(measure, _args())
+    points.setdefault(stalled, measure(stalled))
+    found = latency.summarize(points)
+    assert found["saturation"] == max(
+        latency.rate_at(k) for k in points if latency.rate_at(k) < 10_000.0
+    )
+    assert found["isolated_chokes"] == [latency.rate_at(stalled)]
+
+
 def test_a_choke_of_the_senders_is_theirs():
     def measure(k: int) -> dict[str, float | bool]:
         point = _system(10_000.0, [])(k)

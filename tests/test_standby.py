@@ -14,7 +14,7 @@ import time
 
 import zmq
 
-from tests.support.etcd import EtcdServer
+from tests.support.etcd import EtcdServer, etcd_server
 from tests.support.peers import CONNECT, CONNECT_ACK, RawClient, m, um, wait_for
 from tests.support.processes import free_tcp_address, ha_candidate
 
@@ -67,3 +67,25 @@ def test_a_standby_takes_over_and_a_frozen_leader_serves_nobody(tmp_path, impl, 
         assert epoch_at(addresses[lead], 2.0) is None  # the old leader serves nobody
         assert epoch_at(addresses[1 - lead]) == taken_over
         assert standby.poll() is None and leader.poll() is None
+
+
+def test_a_candidate_outlives_an_etcd_outage_and_leads_again(tmp_path, impl):
+    """etcd frozen past the lease: the leader's term ends and campaigning fails, but the
+    candidate stays up (etcd answered once: the endpoint is right) and leads again,
+    with a higher epoch, once etcd is back."""
+    address, log = free_tcp_address(), tmp_path / "a.log"
+    with etcd_server(tmp_path) as server:
+        name = server.endpoint("outage")
+        with ha_candidate(address, impl.name, log, name, TTL) as candidate:
+            wait_for(lambda: "listening" in log.read_text(), TAKEOVER)
+            epoch = epoch_at(address)
+            assert epoch is not None
+            server.process.send_signal(signal.SIGSTOP)
+            try:
+                wait_for(lambda: "not reachable" in log.read_text(), TAKEOVER)
+                time.sleep(3 * TTL)  # campaigning keeps failing meanwhile
+                assert candidate.poll() is None, log.read_text()
+            finally:
+                server.process.send_signal(signal.SIGCONT)
+            wait_for(lambda: (e := epoch_at(address, 1.0)) is not None and e > epoch, TAKEOVER)
+            assert candidate.poll() is None

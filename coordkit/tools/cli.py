@@ -630,14 +630,21 @@ def _serve(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopped.set())
     print(f"coordkit: a candidate for {election.endpoint}", file=sys.stderr, flush=True)
+    reached = False  # etcd answered once: the endpoint is right, a later outage passes
     with election:
         while not stopped.is_set():
             try:
                 term = election.campaign(timeout=0.5)
             except TimeoutError:
+                reached = True
                 continue  # look at the signals, then stand again
             except ConnectionError as exc:
-                raise SystemExit(f"coordkit serve: {exc}") from None
+                if not reached:
+                    raise SystemExit(f"coordkit serve: {exc}") from None
+                print(f"coordkit: {exc}; standing again", file=sys.stderr, flush=True)
+                stopped.wait(election.ttl / 2)
+                continue
+            reached = True
             if stopped.is_set():
                 term.resign()
                 break

@@ -28,7 +28,8 @@ variants share rates and direct is measured once per rate. From
 10× its low-load p99 (the least p99 of its three lowest offered rates:
 noise only ever raises one), or its replies per second below 95% of the
 requests scheduled -- then bisects to one grid step; the highest rate
-before the first choke is its saturation throughput. A point that chokes is
+below the choke that lasts (every higher rate chokes too) is its saturation
+throughput. A point that chokes is
 measured again and the better of the two kept (the other's figures under
 ``discarded``): a stall of a shared machine seldom strikes twice, a queue
 always does. Then the sweep fills in every other grid step from a tenth of
@@ -381,15 +382,20 @@ def measure_into(
 
 
 def summarize(points: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """A variant's saturation: the highest offered rate below its first choke."""
+    """A variant's saturation: the highest offered rate below the choke that lasts (from
+    which every higher rate measured chokes too). A choke below a rate that kept up,
+    confirmed twice all the same, is a stall of the machine, not a queue: listed under
+    ``isolated_chokes``, not taken for the saturation."""
     ordered = sorted(points)
     low_p99 = low_load_p99(points)
-    saturation = chokes_at = None
-    for k in ordered:
-        if choked(points[k], low_p99):
-            chokes_at = k
+    chokes = {k: choked(points[k], low_p99) for k in ordered}
+    chokes_at = None
+    for k in reversed(ordered):
+        if not chokes[k]:
             break
-        saturation = k
+        chokes_at = k
+    below = [k for k in ordered if chokes_at is None or k < chokes_at]
+    saturation = below[-1] if below else None
     choke = points[chokes_at] if chokes_at is not None else None
     reason = None
     if choke is not None:
@@ -402,6 +408,7 @@ def summarize(points: dict[int, dict[str, Any]]) -> dict[str, Any]:
         # a choke the senders did not keep up at is theirs: the saturation is a lower bound
         "generator_limited": bool(choke is not None and not choke["generator_kept_up"]),
         "highest_offered": rate_at(ordered[-1]),
+        "isolated_chokes": [points[k]["offered"] for k in below if chokes[k]],
     }
 
 

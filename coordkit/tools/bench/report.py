@@ -221,9 +221,10 @@ def print_latency(args: argparse.Namespace, result: dict[str, Any]) -> None:
             f"{', '.join(notes)}"
         )
     print(
-        f"\nsaturation: the highest offered rate before the first choke (p99 above "
+        f"\nsaturation: the highest offered rate below the choke that lasts (p99 above "
         f"{latency.CHOKE_P99:g}× the low-load p99, the least of the {latency.LOW_POINTS} lowest "
-        f"rates', or answered/s below {latency.KEPT_UP:.0%} of scheduled)"
+        f"rates', or answered/s below {latency.KEPT_UP:.0%} of scheduled, there and at every "
+        f"higher rate)"
     )
     print(
         f"{'tokens':>6}  {'variant':<9} {'saturation':>10} {'chokes at':>10} {'by':>9} "
@@ -242,6 +243,9 @@ def print_latency(args: argparse.Namespace, result: dict[str, Any]) -> None:
             limit = "the coordinator"
         else:
             limit = f"not reached by {row['highest_offered']:.0f}/s"
+        if row.get("isolated_chokes"):
+            stalls = ", ".join(f"{rate:.0f}" for rate in row["isolated_chokes"])
+            limit += f"; isolated chokes (stalls) at {stalls}/s"
         print(
             f"{prompt:>6}  {variant:<9} {saturation:>10} {chokes:>10} {row['reason'] or '-':>9} "
             f"{row['low_load_p99_us']:8.0f} {ratio:>7}  {limit}"
