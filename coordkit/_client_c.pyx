@@ -91,8 +91,8 @@ import zmq
 
 from . import protocol
 from ._checks import BYTES_LIKE, pack_params, token_ids
-from ._shared import check_constants, logger
-from .protocol import ProtocolError, packb, unpackb
+from ._shared import check_constants, logger, never_ran
+from .protocol import ErrorCode, ProtocolError, packb, unpackb
 
 bind_libzmq()
 check_constants(generated_constants())
@@ -444,6 +444,9 @@ cdef class ClientCore:
     cdef dict _on_loop  # a future's keyword arguments
     cdef object _on_error, _on_stats, _on_failure, _on_resend, _outbox
     cdef object _later  # while held: the messages other than submissions, for release()
+    # The pending requests never handed to libzmq since the loss: at no engine, so
+    # the REJOIN leaves them out and release() sends them again at once.
+    cdef readonly set unsent
     cdef object _flush_callback, _check_callback, _readable_callback
     cdef void* sock
     cdef bint flush_scheduled, check_scheduled
@@ -510,6 +513,7 @@ cdef class ClientCore:
         self._on_resend = on_resend
         self._outbox = deque()
         self._later = deque()
+        self.unsent = set()
         self._flush_callback = self.flush
         self._check_callback = self._check
         self._readable_callback = self.on_readable
@@ -756,6 +760,10 @@ cdef class ClientCore:
         cdef Py_ssize_t i, size = PyBytes_GET_SIZE(params)
         cdef size_t head_size
         cdef uint8_t* out
+        if self.held:
+            self.unsent.add(rid)
+            close_msgs(msgs, n)
+            return 0
         if not self.batch:  # [20, rid, params]
             head[0] = 0x93
             head[1] = HEADER_SUBMIT_REQUEST
@@ -807,6 +815,20 @@ cdef class ClientCore:
             self.n_frames += 1
         return 0
 
+    cdef list _drop_open(self):
+        """Drop the submissions coalesced so far, unsent; their ids."""
+        cdef Py_ssize_t i
+        cdef Buf* b = &self.open_entries
+        entries = msgpack.Unpacker()
+        entries.feed(PyBytes_FromStringAndSize(<char*>b.data, b.len))
+        for i in range(1, self.n_frames):
+            zmq_msg_close(&self.frames[i])
+        self.n_frames = 1
+        self.n_open = 0
+        self.open_bytes = 0
+        b.len = 0
+        return [entry[0] for entry in entries]
+
     def flush(self):
         """Send the submissions coalesced so far: one SUBMIT_BATCH, or a SUBMIT for one."""
         cdef Buf* b = &self.open_entries
@@ -838,21 +860,31 @@ cdef class ClientCore:
         self._send_parts(self.frames, n)
 
     def hold(self):
-        """No coordinator for now: until release(), submissions are dropped (those
-        waiting in the outbox too: the REJOIN names them) and every other message is
-        kept, in order, for the coordinator that accepts the client again."""
+        """No coordinator for now: until release(), submissions are not sent (nor those
+        coalesced or waiting in the outbox): their ids are kept in ``unsent``, and
+        every other message is kept, in order, for the coordinator that accepts the
+        client again."""
         self.held = True
-        self._later.extend(frames for frames in self._outbox if not protocol.rejoin_covers(frames))
+        self.unsent.update(self._drop_open())
+        kept, rids = protocol.rejoin_covers(self._outbox)
+        self._later.extend(kept)
+        self.unsent.update(rids)
         self._outbox.clear()
 
     def release(self, first):
-        """A coordinator accepted the client again: ``first`` (its REJOIN), then what
-        was kept while held, in the order it was issued."""
+        """A coordinator accepted the client again: ``first`` (its REJOIN), the requests
+        never sent since the loss (as on RESEND), then what was kept while held, in the
+        order it was issued."""
         self.held = False
         later = list(self._later)
         self._later.clear()
+        unsent = sorted(self.unsent)
+        self.unsent = set()
         if first is not None:
             self.send(first)
+        if unsent and self._on_resend is not None:
+            self._on_resend(unsent)
+            self.flush()
         for frames in later:
             self.send(frames)
 
@@ -860,6 +892,10 @@ cdef class ClientCore:
         """Send ABORT for a pending request; False (nothing sent) when it is not pending."""
         if self.closed or self._find(rid) == NULL:
             return False
+        if rid in self.unsent:  # never sent: it ends here, there is nothing to abort
+            self.unsent.discard(rid)
+            self._on_error(rid, ErrorCode.UNKNOWN_REQUEST, never_ran(rid))
+            return True
         self.send(protocol.ABORT_REQUEST.pack(rid))
         return True
 
@@ -883,9 +919,6 @@ cdef class ClientCore:
         cdef Py_ssize_t i
         cdef int err, flags
         ck_pins_sweep()
-        if self.held:
-            close_msgs(parts, n)
-            return 0
         if self._outbox:
             self._queue(parts, n)
             return 0
@@ -922,8 +955,6 @@ cdef class ClientCore:
         return 0
 
     cdef _send_frames(self, list frames):
-        if self.held:
-            return
         if not self._outbox:
             try:
                 self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -1148,15 +1179,10 @@ cdef class ClientCore:
         """Fail every pending request with ``exc``; drop what was not sent yet (the
         coalesced requests, the outbox, what was held), lest it reach a coordinator that
         never knew them."""
-        cdef Py_ssize_t i
         self._outbox.clear()
         self._later.clear()
-        for i in range(1, self.n_frames):
-            zmq_msg_close(&self.frames[i])
-        self.n_frames = 1
-        self.n_open = 0
-        self.open_bytes = 0
-        self.open_entries.len = 0
+        self.unsent.clear()
+        self._drop_open()
         for target in self._clear():
             self._fail(target, exc)
 

@@ -34,8 +34,8 @@ import zmq
 
 from . import _codec_py, protocol
 from ._checks import BYTES_LIKE, pack_params, token_ids
-from ._shared import logger
-from .protocol import Header, ProtocolError, block_hashes, packb, unpackb
+from ._shared import logger, never_ran
+from .protocol import ErrorCode, Header, ProtocolError, block_hashes, packb, unpackb
 
 __all__ = [
     "ClientCore",
@@ -147,10 +147,13 @@ class ClientCore:
         self.pending: dict[int, Any] = {}
         self.closed = False
         # No coordinator for now (a rebuild client riding through its loss): the
-        # submissions are dropped (the client REJOINs and re-sends them later), every
-        # other message (ABORT, control, STATS) waits in ``_later`` for release().
+        # submissions are not sent (their ids wait in ``unsent``, sent again at
+        # release()), every other message (ABORT, control, STATS) waits in ``_later``.
         self.held = False
         self._later: deque[list[Any]] = deque()
+        # The pending requests never handed to libzmq since the loss: at no engine,
+        # so the REJOIN leaves them out and release() sends them again at once.
+        self.unsent: set[int] = set()
         self.next_rid = 0
         self._future_types = future_types  # decoded, raw
         self._stream_type: Any = stream_type
@@ -275,6 +278,9 @@ class ClientCore:
     def _send_request(
         self, rid: int, params: bytes, frame: Any, hashes: bytes | None, scheduled: bool
     ) -> None:
+        if self.held:
+            self.unsent.add(rid)
+            return
         if not self.batch:
             self._send_message(submit_frames(rid, params, frame, hashes))
             return
@@ -296,20 +302,30 @@ class ClientCore:
             self._send_message(submit_batch_frames(requests))
 
     def hold(self) -> None:
-        """No coordinator for now: until release(), submissions are dropped (those
-        waiting in the outbox too: the REJOIN names them) and every other message is
-        kept, in order, for the coordinator that accepts the client again."""
+        """No coordinator for now: until release(), submissions are not sent (nor those
+        coalesced or waiting in the outbox): their ids are kept in ``unsent``, and
+        every other message is kept, in order, for the coordinator that accepts the
+        client again."""
         self.held = True
-        self._later.extend(frames for frames in self._outbox if not protocol.rejoin_covers(frames))
+        self.unsent.update(rid for rid, *_ in self._open)
+        self._open, self._open_bytes = [], 0
+        kept, rids = protocol.rejoin_covers(self._outbox)
+        self._later.extend(kept)
+        self.unsent.update(rids)
         self._outbox.clear()
 
     def release(self, first: list[Any] | None) -> None:
-        """A coordinator accepted the client again: ``first`` (its REJOIN), then what
-        was kept while held, in the order it was issued."""
+        """A coordinator accepted the client again: ``first`` (its REJOIN), the requests
+        never sent since the loss (as on RESEND), then what was kept while held, in the
+        order it was issued."""
         self.held = False
         later, self._later = self._later, deque()
+        unsent, self.unsent = sorted(self.unsent), set()
         if first is not None:
             self.send(first)
+        if unsent and self._on_resend is not None:
+            self._on_resend(unsent)
+            self.flush()
         for frames in later:
             self.send(frames)
 
@@ -317,6 +333,10 @@ class ClientCore:
         """Send ABORT for a pending request; False (nothing sent) when it is not pending."""
         if self.closed or rid not in self.pending:
             return False
+        if rid in self.unsent:  # never sent: it ends here, there is nothing to abort
+            self.unsent.discard(rid)
+            self._on_error(rid, ErrorCode.UNKNOWN_REQUEST, never_ran(rid))
+            return True
         self.send(protocol.ABORT_REQUEST.pack(rid))
         return True
 
@@ -336,8 +356,6 @@ class ClientCore:
         self._send_message(frames)
 
     def _send_message(self, frames: list[Any]) -> None:
-        if self.held:
-            return
         if not self._outbox:
             try:
                 self.socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -494,6 +512,7 @@ class ClientCore:
         never knew them."""
         self._outbox.clear()
         self._later.clear()
+        self.unsent.clear()
         self._open, self._open_bytes = [], 0
         pending, self.pending = self.pending, {}
         for target in pending.values():

@@ -317,6 +317,12 @@ def unknown_from_engine(header: int, rank: int, format: int) -> str:
     return text
 
 
+def never_ran(rid: int) -> str:
+    """The UNKNOWN_REQUEST a rebuild client's request ends with when it was aborted
+    before any engine ran it (never sent since a coordinator's loss, or sent back)."""
+    return f"request {rid} was aborted before any engine ran it"
+
+
 def identity_text(identity: bytes) -> str:
     """A ZeroMQ routing id for humans: its text when printable, else hex."""
     try:

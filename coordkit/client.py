@@ -43,6 +43,7 @@ from ._liveness import (
     Following,
     prepare,
 )
+from ._shared import never_ran
 from .curve import KeySource, ServerKey
 from .protocol import (
     BATCH_FEATURE,
@@ -463,7 +464,8 @@ class Client(Following):
         The engine still sends a final reply, which resolves the request as usual.
         While no coordinator is reachable the abort waits, and goes out once one
         accepted the client again; a request no engine held by then is never run:
-        it fails with :class:`CoordinatorError` (``UNKNOWN_REQUEST``).
+        it fails with :class:`CoordinatorError` (``UNKNOWN_REQUEST``), at once when
+        it was submitted meanwhile (it was never sent).
         """
         rid = request if isinstance(request, int) else request.request_id
         target = self._core.get(rid)
@@ -597,8 +599,7 @@ class Client(Following):
                 continue
             if not target._kept:  # aborted: it must not run, and no engine holds it
                 self._core.pop(rid)
-                text = f"request {rid} was aborted before any engine ran it"
-                _fail(target, CoordinatorError(ErrorCode.UNKNOWN_REQUEST, text, rid))
+                _fail(target, CoordinatorError(ErrorCode.UNKNOWN_REQUEST, never_ran(rid), rid))
                 continue
             try:
                 self._core.resend(rid, *target._kept)
@@ -644,8 +645,8 @@ class Client(Following):
             log.warning("%s; failing %d pending requests", exc, self._core.count)
             self._core.fail_all(exc)
             return
-        # Ride through: what coalesced goes now (the REJOIN names it), nothing after.
-        self._core.flush()
+        # Ride through: nothing is sent (not even what coalesced) until a coordinator
+        # accepts the REJOIN; what was not sent goes right after it.
         self._core.hold()
         self._up.clear()
         self._expiry = self._loop.call_later(self._failover_timeout, self._expire)
@@ -687,14 +688,14 @@ class Client(Following):
                 self._loop.add_reader(self._fd, self._core.on_readable)
         self._rejoining = None
         self._core.batch = granted
-        self._core.flush()  # submitted meanwhile: dropped (held), named in the REJOIN
         self._connected = True
         rejoin = None
         if self._expiry is not None:  # riding through
             self._expiry.cancel()
             self._expiry = None
             rejoin = self._rejoined(rebuild)
-        # The REJOIN first, then the ABORTs and control messages issued meanwhile.
+        # The REJOIN first, then the requests never sent (unsent), then the ABORTs and
+        # control messages issued meanwhile.
         self._core.release(rejoin)
         self._rebuild = rebuild
         self._up.set()
@@ -731,19 +732,26 @@ class Client(Following):
                 self._loop.call_soon(self._on_connection_event)  # what came after the choice
 
     def _rejoined(self, rebuild: bool) -> list[Any] | None:
-        """After a ride through: the REJOIN with every pending request (those sent before
-        and those submitted meanwhile alike), None when none is; the coordinator finds
-        each at its engine, or asks for it again (RESEND) once the engines had time to
-        report -- by when they are back to run it. A coordinator without the rebuild
-        fails them all."""
+        """After a ride through: the REJOIN with every pending request handed to libzmq
+        before the loss, None when nothing is pending; the coordinator finds each at its
+        engine, or asks for it again (RESEND) once the engines had time to report. Those
+        never sent since (``unsent``: at no engine) are left out, and sent again right
+        after it; the REJOIN goes even without an entry so that the coordinator defers
+        them, not refuses them, while no engine is back. A coordinator without the
+        rebuild fails them all."""
         if not rebuild:
             exc = ConnectionError(f"coordkit: the coordinator at {self.address} cannot rebuild")
             self._core.fail_all(exc)
             return None
+        if not self._core.count:
+            return None
+        unsent = self._core.unsent
         entries = [
-            [target.request_id, getattr(target, "partials", 0)] for target in self._core.targets()
+            [target.request_id, getattr(target, "partials", 0)]
+            for target in self._core.targets()
+            if target.request_id not in unsent
         ]
-        return protocol.REJOIN.pack(entries) if entries else None
+        return protocol.REJOIN.pack(entries)
 
     # -- what the core hands up -----------------------------------------------------------
 

@@ -20,7 +20,7 @@ import hashlib
 import struct
 import threading
 from collections import namedtuple
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple, cast
 
@@ -259,19 +259,25 @@ def unpackb(data: Frame) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-_REJOINED = (
-    Header.SUBMIT_REQUEST,
-    Header.SUBMIT_REQUEST_WITH_KV,
-    Header.SUBMIT_BATCH,
-    Header.REJOIN,
-)
+_SUBMITS_ONE = (Header.SUBMIT_REQUEST, Header.SUBMIT_REQUEST_WITH_KV)
 
 
-def rejoin_covers(frames: Sequence[Frame]) -> bool:
-    """Whether the next REJOIN covers a coordkit client's message: a submission (the
-    REJOIN names its requests) or an older REJOIN. A client riding through drops those,
-    and keeps every other message to send after the REJOIN."""
-    return bool(unpackb(frames[0])[0] in _REJOINED)
+def rejoin_covers(messages: Iterable[Sequence[Frame]]) -> tuple[list[Any], list[int]]:
+    """What the next REJOIN makes of a coordkit client's messages left unsent at a
+    coordinator's loss: those it does not cover (kept, and sent after it), and the ids
+    of the requests the submissions name (sent again, under their ids, after it); an
+    older REJOIN is superseded."""
+    kept: list[Any] = []
+    rids: list[int] = []
+    for frames in messages:
+        message = unpackb(frames[0])
+        if message[0] in _SUBMITS_ONE:
+            rids.append(message[1])
+        elif message[0] == Header.SUBMIT_BATCH:
+            rids.extend(entry[0] for entry in message[1])
+        elif message[0] != Header.REJOIN:
+            kept.append(frames)
+    return kept, rids
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> bytes:

@@ -32,6 +32,7 @@ from tests.support.peers import (
     STATS,
     STATS_REPLY,
     SUBMIT,
+    SUBMIT_BATCH,
 )
 from tests.support.processes import engine_processes
 from tests.support.scripted import TIMEOUT, Script, run, scripted
@@ -136,29 +137,42 @@ def test_abort_cancel_and_close(tmp_path, impl):
     run(body())
 
 
+async def _riding(script: Script, impl, granted: bytes, **kwargs) -> tuple[Client, Script]:
+    """A rebuild client of ``impl`` connected to ``script``, which then goes away: the
+    client rides through; the script that comes back at the same address."""
+    connecting = asyncio.ensure_future(
+        Client.connect(script.address, implementation=impl.name, timeout=TIMEOUT, **kwargs)
+    )
+    await script.recv()  # CONNECT
+    await script.send(granted)
+    client = await connecting
+    return client, script
+
+
 def test_aborts_and_control_while_riding_go_after_the_rejoin(tmp_path, impl):
     """While no coordinator serves, ABORT and control calls are kept, and go out, in
     the order issued, right after the REJOIN; a request aborted meanwhile that the
-    coordinator asks for again (RESEND) is not sent again: it ends."""
+    coordinator asks for again (RESEND) is not sent again: it ends; one submitted and
+    aborted meanwhile was never sent: it ends at once, and nothing of it goes out."""
     granted = packb([CONNECT_ACK, {"rebuild": 1, "epoch": 1}])
 
     async def body():
-        script = Script(tmp_path)
-        connecting = asyncio.ensure_future(
-            Client.connect(script.address, implementation=impl.name, batch=False, timeout=TIMEOUT)
-        )
-        await script.recv()  # CONNECT
-        await script.send(granted)
-        client = await connecting
+        client, script = await _riding(Script(tmp_path), impl, granted, batch=False)
         async with client:
             sent = client.submit([1])
-            assert unpackb((await script.recv())[0])[:2] == [SUBMIT, 0]
+            resent = client.submit([2])
+            for rid in range(2):
+                assert unpackb((await script.recv())[0])[:2] == [SUBMIT, rid]
             script.close()  # the coordinator is gone
             while client.connected:
                 await asyncio.sleep(0.01)
-            late = client.submit([2])  # not sent: the REJOIN names it
+            late = client.submit([3])  # not sent
             await client.abort(sent)
             await client.abort(late)
+            await client.abort(resent)
+            with pytest.raises(CoordinatorError) as error:
+                await asyncio.wait_for(late, TIMEOUT)
+            assert error.value.code == ErrorCode.UNKNOWN_REQUEST
             paused = asyncio.ensure_future(client.pause())
             script = Script(tmp_path)  # one comes back at the same address
             assert unpackb((await script.recv())[0])[0] == CONNECT
@@ -170,11 +184,58 @@ def test_aborts_and_control_while_riding_go_after_the_rejoin(tmp_path, impl):
             await asyncio.wait_for(paused, TIMEOUT)
             await script.send(packb([RESEND, [1]]))
             with pytest.raises(CoordinatorError) as error:
-                await asyncio.wait_for(late, TIMEOUT)
+                await asyncio.wait_for(resent, TIMEOUT)
             assert error.value.code == ErrorCode.UNKNOWN_REQUEST
-            await script.silent()  # not sent again
+            await script.silent()  # neither is sent again
             await script.send(packb([REPLY, 0]), packb({"status": "aborted"}))
             assert await asyncio.wait_for(sent, TIMEOUT) == {"status": "aborted"}
+        script.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize("grant", [False, True], ids=["single", "batched"])
+def test_requests_never_sent_while_riding_go_right_after_the_rejoin(tmp_path, impl, grant):
+    """A request submitted while no coordinator serves (or still coalescing when the
+    loss is seen) is at no engine: the REJOIN names only the one sent before the loss,
+    and the others go, as submissions under their ids, right after it (before a
+    control call issued meanwhile)."""
+    granted = packb([CONNECT_ACK, {"rebuild": 1, "epoch": 1, **({"batch": 1} if grant else {})}])
+
+    async def body():
+        client, script = await _riding(Script(tmp_path), impl, granted, batch=grant)
+        async with client:
+            sent = client.submit([1])
+            assert (await script.recv())[1:] == [packb([1])]
+            script.close()  # the coordinator is gone
+            coalesced = client.submit([2]) if grant else None
+            if grant:
+                client._lost()  # seen before that submission was flushed
+            while client.connected:
+                await asyncio.sleep(0.01)
+            late = client.submit([2 + grant])
+            stream = client.stream([3 + grant])
+            paused = asyncio.ensure_future(client.pause())
+            script = Script(tmp_path)  # one comes back at the same address
+            assert unpackb((await script.recv())[0])[0] == CONNECT
+            await script.send(granted)
+            assert await script.recv() == [packb([REJOIN, [[0, 0]]])]
+            if grant:
+                batch = [[1, {}, False], [2, {}, False], [3, {"stream": True}, False]]
+                prompts = [packb([2]), packb([3]), packb([4])]
+                assert await script.recv() == [packb([SUBMIT_BATCH, batch]), *prompts]
+            else:
+                assert await script.recv() == [packb([SUBMIT, 1, {}]), packb([2])]
+                assert await script.recv() == [packb([SUBMIT, 2, {"stream": True}]), packb([3])]
+            assert await script.recv() == [packb([PAUSE])]
+            await asyncio.wait_for(paused, TIMEOUT)
+            for rid in range(3 + grant):
+                await script.send(packb([REPLY, rid]), packb({"rid": rid}))
+            assert await asyncio.wait_for(sent, TIMEOUT) == {"rid": 0}
+            if coalesced is not None:
+                assert await asyncio.wait_for(coalesced, TIMEOUT) == {"rid": 1}
+            assert await asyncio.wait_for(late, TIMEOUT) == {"rid": 1 + grant}
+            assert [part async for part in stream] == [{"rid": 2 + grant}]
         script.close()
 
     run(body())
