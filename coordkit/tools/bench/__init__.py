@@ -391,7 +391,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=failover.MODES,
         help="restart: a new coordinator at the same address after --restart-delay; "
         "standby: two --ha candidates on an etcd server the bench starts, the leader killed "
-        "(pip install 'coordkit[ha]') (default: both)",
+        "(pip install 'coordkit[bench]') (default: both)",
     )
     takeover.add_argument(
         "--failover-rate",

