@@ -509,10 +509,19 @@ class Client(Following):
         return await asyncio.wait_for(waiter, timeout)
 
     async def wait_for_engines(self, count: int, timeout: float = 10.0) -> None:
-        """Wait until ``count`` engines are registered and alive (polls :meth:`stats`)."""
+        """Wait until ``count`` engines are registered and alive (polls :meth:`stats`).
+
+        It waits through a failover the client rides through: a poll the lost
+        coordinator never answered is asked again of the next one.
+        """
         deadline = time.monotonic() + timeout
         while True:
-            stats = await self.stats(timeout=max(deadline - time.monotonic(), 0.001))
+            try:
+                stats = await self.stats(timeout=max(deadline - time.monotonic(), 0.001))
+            except ConnectionError:
+                if self._expiry is None:  # not riding through: nothing comes back
+                    raise
+                continue
             alive = sum(engine["state"] == "alive" for engine in stats["engines"])
             if alive >= count:
                 return

@@ -112,6 +112,7 @@ class _Results:
     cached_blocks: int = 0
     prompt_blocks: int = 0
     lag: float = 0.0  # the latest a request went out after its time, trace seconds
+    engines_back: float | None = None  # wall seconds from the SIGKILL to every engine back
     wall: float = 0.0
     interrupted: bool = False
 
@@ -304,6 +305,13 @@ async def _replay(
             results.prompt_blocks += body.get("prompt_blocks", 0)
         progress.update()
 
+    async def engines_back(client: Client, killed: float) -> None:
+        try:
+            await client.wait_for_engines(args.engines, timeout=60.0)
+        except TimeoutError:
+            return  # the table says so
+        results.engines_back = asyncio.get_running_loop().time() - killed
+
     async with await Client.connect(address, timeout=10.0) as client:
         try:
             await client.wait_for_engines(args.engines, timeout=60.0)
@@ -317,6 +325,7 @@ async def _replay(
         for index, request in enumerate(trace):
             if index == results.failover and fail_over is not None:
                 fail_over()  # the client and the engines ride through it
+                tasks.append(asyncio.create_task(engines_back(client, loop.time())))
             delay = start + (request.timestamp - t0) / speedup - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -407,7 +416,12 @@ def _table(
             rows["coordinator"] = (
                 "kept"
                 if results.failover is None
-                else f"SIGKILLed before request {results.failover + 1}, restarted"
+                else f"SIGKILLed before request {results.failover + 1}, restarted; "
+                + (
+                    "not every engine back in 60 s"
+                    if results.engines_back is None
+                    else f"engines back in {results.engines_back:.1f} s"
+                )
             )
         rows["client lag (max)"] = _seconds(m["client_lag"])
         columns.append(rows)
@@ -457,6 +471,7 @@ def _report(
             results.label: {
                 **_metrics(results, args),
                 "failover_before_request": results.failover,
+                "failover_engines_back_s": results.engines_back,
                 "ttft": results.ttft,
             }
             for results in runs
