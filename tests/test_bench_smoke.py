@@ -200,6 +200,10 @@ def test_a_quick_scale_run_reports_every_point(tmp_path):
         assert row["total_us"] > 0 and row["requests_per_s"] > 0, (axis, count, variant)
         assert row["to_first"] > 0 and row["first_count"] == (2 if axis == "engines" else 1)
         assert row["to_floor"] > 0
+        # libzmq's I/O threads' CPU apart
+        assert 0 < row["io_us"] < row["total_us"]
+        assert row["loop_us"] == pytest.approx(row["total_us"] - row["io_us"], rel=0.05)
+        assert row["loop_to_first"] > 0
         # every rank answers in full batches (short ones only at the end of a load); the floor
         # echoes each request
         assert row["reply_batch"] == 1.0 if variant == "floor" else row["reply_batch"] > 4

@@ -276,16 +276,21 @@ def print_scale(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     )
     print(
         f"{'axis':<7} {'count':>6} {'tokens':>6}  {'variant':<16} {'µs/req':>8} {'user':>7} "
-        f"{'sys':>7} {'×floor':>7} {'×first':>7} {'req/s':>8} {'batch':>6}"
+        f"{'sys':>7} {'×floor':>7} {'×first':>7} {'loop':>7} {'I/O':>7} {'loop×first':>10} "
+        f"{'req/s':>8} {'batch':>6}"
     )
     for r in rows:
         to_floor = f"{r['to_floor']:.2f}" if r["to_floor"] and r["variant"] != "floor" else "-"
         print(
             f"{r['axis']:<7} {r['count']:>6} {r['prompt']:>6}  {r['variant']:<16} "
             f"{r['total_us']:8.2f} {r['user_us']:7.2f} {r['sys_us']:7.2f} {to_floor:>7} "
-            f"{r['to_first']:7.2f} {r['requests_per_s']:8.0f} {r['reply_batch']:6.2f}"
+            f"{r['to_first']:7.2f} {r['loop_us']:7.2f} {r['io_us']:7.2f} "
+            f"{r['loop_to_first']:10.2f} {r['requests_per_s']:8.0f} {r['reply_batch']:6.2f}"
         )
-    print("(×first: to the variant's own at the axis's first count)")
+    print(
+        "(×first: to the variant's own at the axis's first count; I/O: libzmq's I/O "
+        "threads, loop: the rest)"
+    )
 
 
 def print_failover(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:

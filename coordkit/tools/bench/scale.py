@@ -24,7 +24,10 @@ where a point needs more than their defaults; every process lifts its
 open-file limit to the hard one, which must allow a descriptor per connection.
 
 Reported per point: µs/request (user + sys), its ratio to the floor's at the
-same point and to the variant's own at the axis's first point.
+same point and to the variant's own at the axis's first point; and that CPU
+split between libzmq's I/O threads (``I/O``: the sockets' reads and writes, the
+transport's share) and the rest (``loop``: the thread that runs the loop, with
+the libzmq calls it makes), with the loop's ratio to its own at the first point.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ ENGINE_COUNTS = (2, 64, 512, 1000)
 CLIENT_COUNTS = (1, 100, 1000, 10_000)
 INFLIGHT = 20_000
 SCALE_VARIANTS = ("floor", "c", "py")
-_FIGURES = ("total_us", "user_us", "sys_us", "requests_per_s", "reply_batch")
+_FIGURES = ("total_us", "user_us", "sys_us", "loop_us", "io_us", "requests_per_s", "reply_batch")
 
 
 def _default(option: str) -> int:
@@ -143,6 +146,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         own = rows[(axis, prompt, first, label)]
         row["to_floor"] = row["total_us"] / floor["total_us"] if floor else None
         row["to_first"] = row["total_us"] / own["total_us"]
+        row["loop_to_first"] = row["loop_us"] / own["loop_us"]
         row["first_count"] = first
     return sorted(rows.values(), key=lambda r: (r["axis"], r["prompt"], r["count"]))
 

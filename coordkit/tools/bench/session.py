@@ -263,11 +263,14 @@ class Session(Processes):
         after = self._call(self.coordinator, ("sample",))[1]
         _, messages1, entries1 = self._call(self.engine, ("stats",))
         user, sys_ = after["user"] - before["user"], after["sys"] - before["sys"]
+        io = after["io"] - before["io"]
         return {
             "requests": n,
             "total_us": (user + sys_) / n * 1e6,
             "user_us": user / n * 1e6,
             "sys_us": sys_ / n * 1e6,
+            "loop_us": (user + sys_ - io) / n * 1e6,  # every thread but libzmq's I/O threads
+            "io_us": io / n * 1e6,
             "requests_per_s": n / wall,
             "wall_s": wall,
             "reply_batch": (entries1 - entries0) / max(messages1 - messages0, 1),
