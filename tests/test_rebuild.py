@@ -70,6 +70,17 @@ def rebuild_engine(c: Cluster, identity: bytes, base: int = 1, **features: int) 
     return engine
 
 
+def one_request(
+    c: Cluster, batch: bool = False, hold_ms: int | None = None
+) -> tuple[RawEngine, RawClient, int]:
+    """A rebuild engine ``e0`` and a rebuild client ``ck`` with its request 1 at the
+    engine: the engine, the client and the request's server id."""
+    engine = rebuild_engine(c, b"e0")
+    client = rebuild_client(c, b"ck", batch, hold_ms)
+    client.send(m([SUBMIT, 1, {}]), b"p")
+    return engine, client, um(engine.recv()[0])[1]
+
+
 def trailer(client_rid: int, client_id: bytes | None, hashed: bool = False) -> bytes:
     return m([client_rid, client_id, hashed])
 
@@ -269,10 +280,7 @@ def test_an_engine_that_dies_sends_a_rebuild_clients_request_back(make_cluster):
 
 def test_a_blip_replays_what_the_engine_kept(make_cluster):
     with make_cluster(rebuild_window=0.0) as c:
-        engine = rebuild_engine(c, b"e0")
-        client = rebuild_client(c, b"ck")
-        client.send(m([SUBMIT, 1, {}]), b"p")
-        sid = um(engine.recv()[0])[1]
+        engine, client, sid = one_request(c)
         # The engine lost its connection and registered again: the same coordinator
         # holds the request, so the engine sends again all it kept; the client drops
         # what it has by the partials' places.
@@ -303,10 +311,7 @@ def test_a_replay_the_engine_cannot_serve(make_cluster):
 
 def test_a_conflicting_report_is_aborted(make_cluster):
     with make_cluster(rebuild_window=30.0) as c:
-        engine = rebuild_engine(c, b"e0")
-        client = rebuild_client(c, b"ck")
-        client.send(m([SUBMIT, 1, {}]), b"p")
-        sid = um(engine.recv()[0])[1]
+        engine, client, sid = one_request(c)
         # The same client and id already in flight: the engine must not run its copy.
         engine.send(m([HELD, [[sid + 1000, 1, b"ck", 0, False]]]), b"")
         assert engine.recv() == [m([ABORT, sid + 1000])]
@@ -359,10 +364,7 @@ def test_a_blip_keeps_a_rebuild_clients_requests_for_its_rejoin(make_cluster):
 
 def test_a_client_back_before_its_old_connection_ended_is_kept(make_cluster):
     with make_cluster(rebuild_window=0.0) as c:
-        engine = rebuild_engine(c, b"e0")
-        old = rebuild_client(c, b"ck", hold_ms=30_000)
-        old.send(m([SUBMIT, 1, {}]), b"p")
-        sid = um(engine.recv()[0])[1]
+        engine, old, sid = one_request(c, hold_ms=30_000)
         # A new connection under the same routing id while the old one still lives
         # (the coordinator's socket hands the id over): it is the client, back.
         client = rebuild_client(c, b"ck", hold_ms=30_000)
@@ -397,10 +399,7 @@ def test_an_idle_client_back_on_a_new_connection_is_served(make_cluster):
 def test_a_final_whose_send_finds_the_client_gone_waits_for_it(impl, batch):
     # inproc: no connection's end is seen, the send to the client fails (EHOSTUNREACH).
     with Cluster(impl, f"inproc://gone-{impl.name}-{batch}", rebuild_window=0.0) as c:
-        engine = rebuild_engine(c, b"e0")
-        client = rebuild_client(c, b"ck", batch, hold_ms=30_000)
-        client.send(m([SUBMIT, 1, {}]), b"p")
-        sid = um(engine.recv()[0])[1]
+        engine, client, sid = one_request(c, batch, hold_ms=30_000)
         client.close()
         c.peers.remove(client)
         time.sleep(0.5)  # for the coordinator's socket to drop the client's inproc pipe
@@ -434,10 +433,7 @@ def test_past_its_hold_a_gone_clients_requests_are_aborted(make_cluster):
 
 def test_back_but_not_rejoined_by_the_holds_end_its_requests_are_aborted(make_cluster):
     with make_cluster(rebuild_window=0.0) as c:
-        engine = rebuild_engine(c, b"e0")
-        client = rebuild_client(c, b"ck", hold_ms=300)
-        client.send(m([SUBMIT, 1, {}]), b"p")
-        sid = um(engine.recv()[0])[1]
+        engine, client, sid = one_request(c, hold_ms=300)
         client = blip(c, client, hold_ms=300)  # back, and no REJOIN: it does not want them
         assert engine.recv() == [m([ABORT, sid])]
         assert c.coord.stats()["clients"] == 1
@@ -446,10 +442,7 @@ def test_back_but_not_rejoined_by_the_holds_end_its_requests_are_aborted(make_cl
 
 def test_a_client_that_closes_is_not_kept(make_cluster):
     with make_cluster(rebuild_window=0.0) as c:
-        engine = rebuild_engine(c, b"e0")
-        client = rebuild_client(c, b"ck", hold_ms=30_000)
-        client.send(m([SUBMIT, 1, {}]), b"p")
-        sid = um(engine.recv()[0])[1]
+        engine, client, sid = one_request(c, hold_ms=30_000)
         client.send(m([DISCONNECT]))
         assert engine.recv() == [m([ABORT, sid])]
         assert c.coord.stats()["inflight"] == 0
