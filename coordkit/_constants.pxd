@@ -88,6 +88,8 @@ cdef enum:  # coordkit._shared.Counter
     COUNTER_RESENT = 29
     COUNTER_REPLAYED = 30
     COUNTER_CLIENTS_RETURNED = 31
+    COUNTER_REFUSED_CLAIMS = 32
+    COUNTER_ENGINE_RESTARTS = 33
 
 cdef enum:  # coordkit._shared.EngineState
     ENGINE_ALIVE = 0
@@ -100,6 +102,7 @@ cdef enum:  # coordkit._shared.RequestFlag
     FLAG_REPLAYING = 4
     FLAG_ORPHAN = 8
     FLAG_PINNED = 16
+    FLAG_ASKED = 32
 
 cdef enum:  # coordkit._shared.RouteStatus
     ROUTE_SENT = 0
@@ -114,16 +117,22 @@ cdef enum:  # coordkit._shared.PeerFormat
     FORMAT_BATCHED = 2
     FORMAT_SINGLE_FRAME_MAIN = 3
 
+cdef enum:  # coordkit._shared.PeerRole
+    ROLE_NONE = 0
+    ROLE_CLIENT = 1
+    ROLE_ENGINE = 2
+
 cdef enum:
     BLOCK_HASH_SIZE = 8
     MAX_PARTS = 65536
     COPY_BELOW = 8192
     SHARED_SMALL_MAX = 2048
+    RETIRED_IDS = 16384
     INDEX_WINDOW_MIN = 4096
     HEADER_SLOTS = 128
     ERROR_SLOTS = 32
     N_LATENCY_BUCKETS = 22
-    N_COUNTERS = 32
+    N_COUNTERS = 34
     WEIGHT_SCALE = 256
     MAX_BLOCKS = 8388608
     SPARSE_RANKS = 16
@@ -214,6 +223,8 @@ cdef inline dict generated_constants():
         "Counter.RESENT": 29,
         "Counter.REPLAYED": 30,
         "Counter.CLIENTS_RETURNED": 31,
+        "Counter.REFUSED_CLAIMS": 32,
+        "Counter.ENGINE_RESTARTS": 33,
         "EngineState.ALIVE": 0,
         "EngineState.DRAINING": 1,
         "EngineState.GONE": 2,
@@ -222,6 +233,7 @@ cdef inline dict generated_constants():
         "RequestFlag.REPLAYING": 4,
         "RequestFlag.ORPHAN": 8,
         "RequestFlag.PINNED": 16,
+        "RequestFlag.ASKED": 32,
         "RouteStatus.SENT": 0,
         "RouteStatus.NO_ENGINES": 1,
         "RouteStatus.ALL_BUSY": 2,
@@ -231,15 +243,19 @@ cdef inline dict generated_constants():
         "PeerFormat.SINGLE_FRAME": 1,
         "PeerFormat.BATCHED": 2,
         "PeerFormat.SINGLE_FRAME_MAIN": 3,
+        "PeerRole.NONE": 0,
+        "PeerRole.CLIENT": 1,
+        "PeerRole.ENGINE": 2,
         "BLOCK_HASH_SIZE": 8,
         "MAX_PARTS": 65536,
         "COPY_BELOW": 8192,
         "SHARED_SMALL_MAX": 2048,
+        "RETIRED_IDS": 16384,
         "INDEX_WINDOW_MIN": 4096,
         "HEADER_SLOTS": 128,
         "ERROR_SLOTS": 32,
         "N_LATENCY_BUCKETS": 22,
-        "N_COUNTERS": 32,
+        "N_COUNTERS": 34,
         "WEIGHT_SCALE": 256,
         "MAX_BLOCKS": 8388608,
         "SPARSE_RANKS": 16,

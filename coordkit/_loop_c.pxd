@@ -42,6 +42,9 @@ cdef struct Client:
     bint batch  # granted batches: may send SUBMIT_BATCH, is sent REPLY_BATCH
     bint rebuild  # keeps its requests: told to RESEND, sent CLIENT_REPLAYED
     bint present  # sent CONNECT (False: known only from an engine's report)
+    # Connected and has sent nothing since: an engine's claim may be its (a rebuild
+    # client REJOINs first); its first other message says it rejoins nothing.
+    bint fresh
     bint rejoined  # sent REJOIN: its requests not listed are not awaited
     int format  # PeerFormat
     int64_t inflight
@@ -68,12 +71,15 @@ cdef struct Engine:
     uint64_t mark  # handled at the last tick
     uint64_t acked  # handled as of the last HANDLED sent
     bint holding  # holds requests of a client away: sent no HANDLED (_mark_holding)
+    int fd  # the connection it registered on (ZMQ_SRCFD; -1: inproc)
+    int64_t session  # a coordkit engine: the token of its process, from its hello
 
 
 cdef enum GoneReason:
     GONE_UNREACHABLE
     GONE_NO_HEARTBEAT
     GONE_DRAIN_TIMED_OUT
+    GONE_RESTARTED
 
 
 cdef struct RequestOrder:  # a request on the rare paths that walk them in server-id order
@@ -88,6 +94,7 @@ include "loop/kept.pxd"
 include "loop/fanout.pxd"
 include "loop/latency.pxd"
 include "loop/traffic.pxd"
+include "loop/roles.pxd"
 
 
 cdef class Loop:
@@ -128,6 +135,11 @@ cdef class Loop:
         bint rebuilding
         dict awaiting  # REJOIN entries no engine claimed yet: (client, rid) -> partials got
         set aborting  # REJOIN entries aborted before an engine claimed them: (client, rid)
+        # What engines' reports adopted in the window, ended or not: a second claim of a
+        # server id, or of a client's request id, is refused (nothing is answered twice).
+        set claimed_ids
+        set claimed_rids
+        int64_t first_server_id  # this life's first server id: it drew those from here on
         # Requests of rejoined clients that found no engine yet, by routing id: sent back
         # (RESEND) once one registers, or at the window's end (_resend_deferred).
         dict deferred
@@ -158,6 +170,7 @@ cdef class Loop:
         Ends vacant  # the unused client indices below clients_used
         Engine* engines
         ck_ids engine_ids
+        Roles roles  # the identities that left the tables, and their role
         int n_engines
         int n_single_engines  # engines not gone of each format: which checks a SUBMIT needs
         int n_main_engines
@@ -217,7 +230,8 @@ cdef class Loop:
     cdef _register(self, int32_t engine)
     cdef _engine_hello(self, int32_t engine)
     cdef _count_formats(self)
-    cdef int32_t _new_engine(self, int32_t engine) except -2
+    cdef _restarted(self, int32_t engine, int fd)
+    cdef int32_t _new_engine(self, int32_t engine, int fd) except -2
     cdef _connect(self, int32_t client)
     cdef int32_t _vacant_client(self) except -2
     cdef _remove_client(self, int32_t client)
@@ -245,6 +259,9 @@ cdef class Loop:
     # the rebuild after a coordinator's loss
     cdef _held(self, int32_t engine)
     cdef int32_t _adoptive_client(self, bytes identity, int64_t client_rid) except -2
+    cdef bint _claimable(self, int64_t server_rid, bytes client_id, int64_t client_rid)
+    cdef _refuse_claims(self, int32_t engine, str kind, Py_ssize_t count)
+    cdef _rejoins_nothing(self, int32_t client)
     cdef _rejoin(self, int32_t client)
     cdef _replayed(self, int32_t engine)
     cdef _replay(self, uint32_t slot, int64_t start, dict replays)

@@ -128,8 +128,13 @@ check_constants(generated_constants())
 __all__ = ["Loop"]
 
 
-GONE_REASONS = ("unreachable", "no heartbeat", "drain timed out")  # by GoneReason
+GONE_REASONS = (  # by GoneReason
+    "unreachable", "no heartbeat", "drain timed out", "a new process registered under its identity"
+)
 cdef double TICK_SECONDS = TICK
+# Server ids are the wall clock in ns at a life's start, and up: an id an engine reports
+# at or past this (the year 2116) is no earlier life's, and would leave no ids to draw.
+cdef int64_t MAX_ADOPTED = 0x4000000000000000  # 2**62
 
 cdef enum:
     MSGPACK_FIXARRAY_2 = 0x92  # the head of a batch entry [rid, ...] of two
@@ -183,6 +188,7 @@ include "loop/fanout.pyx"
 include "loop/lists.pyx"
 include "loop/latency.pyx"
 include "loop/traffic.pyx"
+include "loop/roles.pyx"
 
 
 # -- the rare paths' helpers -----------------------------------------------------------
@@ -209,6 +215,8 @@ cdef class Loop:
         self.detokenized_bodies = []  # the C fields start zeroed: NULL, empty
         self.awaiting = {}
         self.aborting = set()
+        self.claimed_ids = set()
+        self.claimed_rids = set()
         self.deferred = {}
         self.n_deferred = 0
         self.away = {}
@@ -246,6 +254,7 @@ cdef class Loop:
         self.request_timeout = options.request_timeout
         self.measure_latency = options.measure_latency
         self.epoch = options.epoch
+        self.first_server_id = options.first_server_id
         self.rebuild_until = monotonic() + options.rebuild_window
         self.rebuilding = True
         self.forwards_hashes = router.policy == "prefix"
@@ -273,6 +282,7 @@ cdef class Loop:
             ) != 0
             or ck_ids_init(&self.client_ids, self.max_clients) != 0
             or ck_ids_init(&self.engine_ids, self.max_engines) != 0
+            or roles_init(&self.roles, RETIRED_IDS) != 0
             or not links_init(&self.client_links, options.max_inflight)
             or not links_init(&self.idle_links, self.max_clients)
         ):
@@ -289,6 +299,7 @@ cdef class Loop:
             ck_buffer_pool_close(self.buffers)
         ck_ids_free(&self.client_ids)
         ck_ids_free(&self.engine_ids)
+        roles_free(&self.roles)
         free(self.clients)
         free(self.engines)
         free(self.gone)
@@ -519,6 +530,12 @@ cdef class Loop:
                 )
         else:
             self._seen(client)
+            if self.clients[client].fresh and header != HEADER_REJOIN:
+                if self.clients[client].inflight:  # what was adopted for it
+                    with gil:
+                        self._rejoins_nothing(client)
+                else:
+                    self.clients[client].fresh = False
             self._from_client(client, header)
 
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil:
@@ -1094,23 +1111,36 @@ cdef class Loop:
             ))
 
     cdef _register(self, int32_t engine):
-        """An engine announced itself (one empty frame): a new rank, or one coming
-        back after it left or was declared gone."""
-        if engine >= 0 and self.engines[engine].state == ENGINE_ALIVE:
+        """An engine announced itself (one empty frame) on a connection: a new rank, or
+        one coming back after it left or was declared gone. Under an identity alive, it
+        is a repeat on the same connection, or, on another, a new process (Megatron's
+        engines register once, at their start) -- unless a hello named its process: then
+        the hello that follows says which."""
+        cdef int fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
+        if engine < 0 or self.engines[engine].state != ENGINE_ALIVE:
+            self._new_engine(engine, fd)
+        elif fd == self.engines[engine].fd or self.engines[engine].session:
             self.counters[COUNTER_DUPLICATE_REGISTER] += 1
         else:
-            self._new_engine(engine)
+            self._restarted(engine, fd)
 
     cdef _engine_hello(self, int32_t engine):
-        """ENGINE_HELLO: a coordkit engine registers, or says so once registered."""
+        """ENGINE_HELLO: a coordkit engine registers, or says so once registered; a
+        hello naming another process than the one registered under its identity is a
+        new process (the old one's requests are handled as its death)."""
+        cdef int fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
         try:
             hello = parse_engine_hello(self._frames())
         except ProtocolError as exc:
             self._malformed(-1, None, HEADER_ENGINE_HELLO, str(exc))
             return
         if engine < 0 or self.engines[engine].state != ENGINE_ALIVE:
-            engine = self._new_engine(engine)
+            engine = self._new_engine(engine, fd)
+        elif self.engines[engine].session and hello.session != self.engines[engine].session:
+            self._restarted(engine, fd)
         if engine >= 0:
+            self.engines[engine].fd = fd
+            self.engines[engine].session = hello.session
             self.engines[engine].coordkit = hello.coordkit
             self.engines[engine].batch = hello.batch
             self.engines[engine].format = FORMAT_MULTIPART
@@ -1137,14 +1167,26 @@ cdef class Loop:
             else:
                 self.n_multipart_engines += 1
 
-    cdef int32_t _new_engine(self, int32_t engine) except -2:
+    cdef _restarted(self, int32_t engine, int fd):
+        """A new process registered under an engine's identity: the old one's requests
+        are handled as its death (re-sent or failed), and the rank starts anew."""
+        self.counters[COUNTER_ENGINE_RESTARTS] += 1
+        self._mark_gone(engine, GONE_RESTARTED)
+        self._settle()
+        self._new_engine(engine, fd)
+
+    cdef int32_t _new_engine(self, int32_t engine, int fd) except -2:
         """Put the sender in the pool: ``engine`` coming back, or a new rank (reusing
         a gone rank with nothing left in flight once the table is full). Its rank,
-        or -1 when there is no room or the sender is a client."""
+        or -1 when there is no room or the sender is, or was, a client."""
         cdef int32_t rank
         cdef size_t n = self._size(0)
+        cdef const uint8_t* retired
+        cdef size_t retired_n
         if engine < 0:
-            if ck_ids_find(&self.client_ids, self._data(0), n) >= 0:
+            if ck_ids_find(&self.client_ids, self._data(0), n) >= 0 or (
+                roles_of(&self.roles, self._data(0), n) == ROLE_CLIENT
+            ):
                 self._malformed(-1, None, -1, "a client sent an engine registration")
                 return -1
             rank = self.n_engines
@@ -1159,6 +1201,8 @@ cdef class Loop:
                     self.counters[COUNTER_TABLE_FULL] += 1
                     self._log.warn("engines_full", "engine table full: registration dropped")
                     return -1
+                retired = ck_ids_get(&self.engine_ids, rank, &retired_n)
+                roles_remember(&self.roles, retired, retired_n, ROLE_ENGINE)
                 ck_ids_remove(&self.engine_ids, rank)
             else:
                 self.n_engines += 1
@@ -1167,6 +1211,8 @@ cdef class Loop:
             ck_ids_insert(&self.engine_ids, rank, self._data(0), n)
             engine = rank
         self.engines[engine].state = ENGINE_ALIVE
+        self.engines[engine].fd = fd
+        self.engines[engine].session = 0
         self.engines[engine].coordkit = False
         self.engines[engine].batch = False
         self.engines[engine].format = self.single_format if self.megatron_core else FORMAT_MULTIPART
@@ -1186,12 +1232,20 @@ cdef class Loop:
             self._malformed(-1, None, HEADER_CONNECT, str(exc))
             return
         fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
-        if client >= 0 and self.clients[client].present and self.clients[client].hold > 0 and (
-            fd != self.clients[client].fd
-        ):
-            self._go_away(client)  # it reconnected before its old connection's end was seen
-            # -1: it had nothing in flight, forgotten
+        if client >= 0 and self.clients[client].present and fd != self.clients[client].fd:
+            # Its routing id on a new connection (libzmq hands it over: nothing reaches
+            # the old one any more): it reconnected before its old connection's end was
+            # seen, or another process took its name: either way the old one is gone
+            # (away, with a hold: a blip).
+            if self.clients[client].hold > 0:
+                self._go_away(client)
+            else:
+                self._client_gone(client, False)
+            # -1: forgotten (nothing in flight kept)
             client = ck_ids_find(&self.client_ids, self._data(0), self._size(0))
+        if client < 0 and roles_of(&self.roles, self._data(0), self._size(0)) == ROLE_ENGINE:
+            self._malformed(-1, None, HEADER_CONNECT, "an engine sent CONNECT")
+            return
         if client >= 0:
             if self.clients[client].present:
                 self.counters[COUNTER_DUPLICATE_CONNECT] += 1
@@ -1225,7 +1279,7 @@ cdef class Loop:
         self.clients[index].batch = hello.batch
         self.clients[index].rebuild = hello.rebuild
         self.clients[index].hold = hello.hold
-        self.clients[index].present = True
+        self.clients[index].present = self.clients[index].fresh = True
         self.clients[index].rejoined = False  # until its REJOIN, the requests adopted wait
         self.clients[index].format = (
             FORMAT_SINGLE_FRAME if self.megatron_core and not hello.coordkit else FORMAT_MULTIPART
@@ -1260,7 +1314,11 @@ cdef class Loop:
         return index
 
     cdef _remove_client(self, int32_t client):
-        """A client with nothing in flight leaves the tables."""
+        """A client with nothing in flight leaves the tables (its identity stays a
+        client's)."""
+        cdef size_t n
+        cdef const uint8_t* identity = ck_ids_get(&self.client_ids, client, &n)
+        roles_remember(&self.roles, identity, n, ROLE_CLIENT)
         self.away.pop(self._identity(client), None)
         self.n_away = len(self.away)
         ck_ids_remove(&self.client_ids, client)
@@ -1478,14 +1536,14 @@ cdef class Loop:
                     request.rank == engine and request.client_rid == client_rid
                     and identity[:n] == client_id
                 ):
-                    aborts.append(server_rid)
+                    aborts.append(server_rid)  # another's: the first claim stands
                 elif not request.flags & FLAG_ORPHAN:  # an orphan's replay waits for its client
                     self._replay(slot, -1, replays)
                 continue
             client = -1
             if self.engines[engine].state != ENGINE_GONE:
                 client = self._adoptive_client(client_id, client_rid)
-            if client < 0:
+            if client < 0 or not self._claimable(server_rid, client_id, client_rid):
                 aborts.append(server_rid)
                 continue
             slot = ck_requests_adopt(&self.requests, client, client_rid, server_rid)
@@ -1504,10 +1562,34 @@ cdef class Loop:
                     self.aborting.discard((client_id, client_rid))
                     request.flags |= FLAG_ABORTED
                     aborts.append(server_rid)
+        self._refuse_claims(engine, "HELD", len(aborts))
         for server_rid in aborts:
             if self.engines[engine].state != ENGINE_GONE:
                 self._abort_at_engine(engine, server_rid)
         self._send_replays(replays)
+
+    cdef bint _claimable(self, int64_t server_rid, bytes client_id, int64_t client_rid):
+        """Whether an engine's report may be adopted under ``server_rid``: not an id this
+        life drew (those are all known, in flight or ended), nor one past MAX_ADOPTED,
+        and claimed by nobody before in the window (by server id, or by its client's
+        id), even if it has ended since."""
+        if not 0 <= server_rid < MAX_ADOPTED or (
+            self.first_server_id <= server_rid < <int64_t>self.requests.next_rid
+        ):
+            return False
+        if server_rid in self.claimed_ids or (client_id, client_rid) in self.claimed_rids:
+            return False
+        self.claimed_ids.add(server_rid)
+        self.claimed_rids.add((client_id, client_rid))
+        return True
+
+    cdef _refuse_claims(self, int32_t engine, str kind, Py_ssize_t count):
+        """Claims of an engine's report that could not be true: counted and logged; they
+        change nothing of another peer's."""
+        if count:
+            self.counters[COUNTER_REFUSED_CLAIMS] += count
+            what = f"refused {count} {kind} claims from engine {engine}"
+            self._log.warn(f"claims:{engine}", what)
 
     cdef int32_t _adoptive_client(self, bytes identity, int64_t client_rid) except -2:
         """The client an adopted request would be for (made, absent, until it
@@ -1515,7 +1597,11 @@ cdef class Loop:
         rejoined without it or sent it again, or the tables are full."""
         cdef size_t n = len(identity)
         cdef int32_t client = ck_ids_find(&self.client_ids, identity, n)
-        cdef bint unwanted = client >= 0 and self.clients[client].rejoined
+        # A client connected that rejoined (or said it rejoins nothing) waits only for
+        # what it listed; one that never asked for the rebuild waits for nothing.
+        cdef bint unwanted = client >= 0 and self.clients[client].present and not (
+            self.clients[client].rebuild and self.clients[client].fresh
+        )
         if (
             not self.rebuilding
             or self.requests.live >= self.max_inflight
@@ -1525,7 +1611,9 @@ cdef class Loop:
             return -1
         if client >= 0:
             return client
-        if ck_ids_find(&self.engine_ids, identity, n) >= 0:
+        if ck_ids_find(&self.engine_ids, identity, n) >= 0 or (
+            roles_of(&self.roles, identity, n) == ROLE_ENGINE
+        ):
             return -1
         client = self._vacant_client()
         if client < 0:
@@ -1548,6 +1636,9 @@ cdef class Loop:
         (RESEND, or ERROR(ENGINE_FAILED) when it got partials: it cannot start over).
         Its adopted requests it did not list are not awaited: aborted."""
         cdef int64_t slot
+        if not self.clients[client].fresh:  # what it waits for was settled by its first message
+            self._malformed(client, None, HEADER_REJOIN, "not the connection's first")
+            return
         parsed = self._parse(protocol.REJOIN, client, HEADER_REJOIN)
         if parsed is None:
             return
@@ -1555,6 +1646,10 @@ cdef class Loop:
         if any(partials < 0 for _, partials in entries):
             self._malformed(client, None, HEADER_REJOIN, "a negative count of partials")
             return
+        if len(entries) > self.max_inflight:
+            self._malformed(client, None, HEADER_REJOIN, "more entries than max_inflight")
+            return
+        self.clients[client].fresh = False
         self.clients[client].rejoined = True
         identity = self._frame_bytes(0)
         self.away.pop(identity, None)  # back from a blip: its requests carry on
@@ -1592,15 +1687,19 @@ cdef class Loop:
             now = monotonic()
         out = {}  # client -> (its entries, the parts of their bodies)
         resend = {}
+        refused = 0
         at = 2
         for server_rid, first, count, final in entries:
             parts, at = range(at, at + count), at + count
             slot = ck_requests_find(&self.requests, server_rid)
-            if slot < 0 or self.requests.pool[slot].rank != engine or (
-                not self.clients[self.requests.pool[slot].client].present
+            if slot < 0 or self.requests.pool[slot].rank != engine or not (
+                self.requests.pool[slot].flags & FLAG_ASKED
             ):
-                continue  # ended, or its client is away again: its REJOIN asks anew
-            self.requests.pool[slot].flags &= ~FLAG_REPLAYING
+                refused += 1  # not asked of it (or asked and answered already)
+                continue
+            if not self.clients[self.requests.pool[slot].client].present:
+                continue  # its client is away again: its REJOIN asks anew
+            self.requests.pool[slot].flags &= ~(FLAG_REPLAYING | FLAG_ASKED)
             if first < 0:
                 self._unheld(<uint32_t>slot, resend)
                 continue
@@ -1612,6 +1711,7 @@ cdef class Loop:
                 replies = out.setdefault(client, ([], []))
                 replies[0].append([client_rid, first + j, last])
                 replies[1].append(part)
+        self._refuse_claims(engine, "REPLAYED", refused)
         for client, (replied, parts) in out.items():
             if self._send_identity(&self.client_ids, client) != 0:
                 self._client_gone(client)
@@ -1634,7 +1734,7 @@ cdef class Loop:
         if rank < 0:
             return
         if self.engines[rank].rebuild and self.engines[rank].state != ENGINE_GONE:
-            request.flags |= FLAG_REPLAYING
+            request.flags |= FLAG_REPLAYING | FLAG_ASKED
             replays.setdefault(rank, []).append([request.server_rid, start])
 
     cdef _send_replays(self, dict replays):
@@ -1652,6 +1752,13 @@ cdef class Loop:
             self.counters[COUNTER_RESENT] += len(rids)
             if not self._send_frames(&self.client_ids, client, protocol.RESEND.pack(rids)):
                 self._client_gone(client)
+
+    cdef _rejoins_nothing(self, int32_t client):
+        """A connected client's first message is not a REJOIN: it waits for nothing an
+        engine may still report, and what was adopted for it is aborted (before the
+        message is handled: one of its new requests may have the id of one)."""
+        self.clients[client].fresh = False
+        self._drop_orphans(client)
 
     cdef _unclaimed(self, int32_t client, int64_t rid, int64_t partials, dict resend):
         """A request a client waits for that no engine holds: sent back when it got
@@ -1713,6 +1820,8 @@ cdef class Loop:
         aborted, and HANDLED goes out again."""
         cdef int32_t client
         self.rebuilding = False
+        self.claimed_ids.clear()  # no report is adopted any more
+        self.claimed_rids.clear()
         awaiting, self.awaiting = self.awaiting, {}
         aborting, self.aborting = self.aborting, set()
         resend = {}

@@ -39,12 +39,14 @@ from ._shared import (
     INDEX_WINDOW_MIN,
     LATENCY_BUCKETS,
     REFUSAL_EVENTS,
+    RETIRED_IDS,
     SHARED_SMALL_MAX,
     TICK,
     Counter,
     EngineState,
     Options,
     PeerFormat,
+    PeerRole,
     RateLimitedLog,
     RequestFlag,
     RouteStatus,
@@ -86,11 +88,15 @@ __all__ = ["Loop"]
 ALIVE, DRAINING, GONE = EngineState.ALIVE, EngineState.DRAINING, EngineState.GONE
 PRODUCED, ABORTED = RequestFlag.PRODUCED, RequestFlag.ABORTED
 REPLAYING, ORPHAN, PINNED = RequestFlag.REPLAYING, RequestFlag.ORPHAN, RequestFlag.PINNED
+ASKED = RequestFlag.ASKED
 SINGLE_FRAME, MULTIPART = PeerFormat.SINGLE_FRAME, PeerFormat.MULTIPART
 SINGLE_FRAME_MAIN = PeerFormat.SINGLE_FRAME_MAIN
 _packer = msgpack.Packer()
 MSGPACK_BOOLS = (b"\xc2", b"\xc3")  # false, true: a reply batch entry's final flag
 MSGPACK_NIL = 0xC0  # Megatron main's multi_modal_data of a text request
+# Server ids are the wall clock in ns at a life's start, and up: an id an engine reports
+# at or past this (the year 2116) is no earlier life's, and would leave no ids to draw.
+MAX_ADOPTED = 1 << 62
 
 
 class _Client:
@@ -100,6 +106,7 @@ class _Client:
         "batch",
         "rebuild",
         "present",
+        "fresh",
         "rejoined",
         "format",
         "requests",
@@ -113,6 +120,9 @@ class _Client:
         self.batch = False  # granted batches: may send SUBMIT_BATCH, is sent REPLY_BATCH
         self.rebuild = False  # keeps its requests: told to RESEND, sent CLIENT_REPLAYED
         self.present = True  # sent CONNECT (False: known only from an engine's report)
+        # Connected and has sent nothing since: an engine's claim may be its (a rebuild
+        # client REJOINs first); its first other message says it rejoins nothing.
+        self.fresh = True
         self.rejoined = False  # sent REJOIN: its requests not listed are not awaited
         self.format = MULTIPART
         self.requests: dict[int, _Request] = {}  # in flight, by client rid
@@ -136,6 +146,8 @@ class _Engine:
         "handled",
         "mark",
         "acked",
+        "fd",
+        "session",
     )
 
     def __init__(self, rank: int, identity: bytes):
@@ -156,6 +168,8 @@ class _Engine:
         self.handled = 0  # reply messages received since its registration
         self.mark = 0  # handled at the last tick
         self.acked = 0  # handled as of the last HANDLED sent
+        self.fd = -1  # the connection it registered on (ZMQ_SRCFD; -1: inproc)
+        self.session = 0  # a coordkit engine: the token of its process, from its hello
 
 
 class _Request:
@@ -630,6 +644,41 @@ class Traffic:
         ]
 
 
+# -- the roles of the identities retired (loop/roles.pyx) ------------------------------
+
+
+def made_up(identity: bytes) -> bool:
+    """A routing id libzmq made up for a peer that named none: 5 bytes, a zero first.
+    Each is one connection's and never handed out again."""
+    return len(identity) == 5 and identity[0] == 0
+
+
+class Roles:
+    """The routing ids that left the tables, with the PeerRole each had, so that one
+    identity keeps one role for the coordinator's life: a client forgotten (gone, or
+    evicted from a full table) is never taken for an engine's registration, nor an
+    engine's id, once its rank is reused, for a client. Bounded: past ``capacity`` the
+    oldest is forgotten. Ids libzmq made up are not kept (see made_up)."""
+
+    __slots__ = ("capacity", "_roles")
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._roles: OrderedDict[bytes, int] = OrderedDict()
+
+    def remember(self, identity: bytes, role: int) -> None:
+        if made_up(identity):
+            return
+        self._roles[identity] = role
+        self._roles.move_to_end(identity)
+        if len(self._roles) > self.capacity:
+            self._roles.popitem(last=False)
+
+    def of(self, identity: bytes) -> int:
+        """The role ``identity`` had (PeerRole.NONE: none remembered)."""
+        return self._roles.get(identity, PeerRole.NONE)
+
+
 # -- the rare paths' helpers -----------------------------------------------------------
 
 
@@ -690,6 +739,7 @@ class Loop:
         self._ended: list[tuple[bytes, int]] = []
         self._engines: list[_Engine] = []
         self._engine_by_identity: dict[bytes, _Engine] = {}
+        self._roles = Roles(RETIRED_IDS)  # the identities that left the tables, and their role
         # engines not gone of each format, counted at each registration: which checks to make
         self._n_single_engines = self._n_main_engines = self._n_multipart_engines = 0
         self._gone: list[tuple[_Engine, str]] = []  # found gone, not settled yet
@@ -705,9 +755,12 @@ class Loop:
         self._rebuilding = True
         # REJOIN entries no engine claimed yet: (client identity, rid) -> partials got
         self._awaiting: dict[tuple[bytes, int], int] = {}
-        self._replay_start: dict[int, int] = {}  # server id -> the start its REPLAY asked
         # REJOIN entries aborted before an engine claimed them: (client identity, rid)
         self._aborting: set[tuple[bytes, int]] = set()
+        # What engines' reports adopted in the window, ended or not: a second claim of a
+        # server id, or of a client's request id, is refused (nothing is answered twice).
+        self._claimed_ids: set[int] = set()
+        self._claimed_rids: set[tuple[bytes, int]] = set()
         # Requests of rejoined clients that found no engine yet, by routing id: sent back
         # (RESEND) once one registers, or at the window's end (_resend_deferred).
         self._deferred: dict[bytes, list[int]] = defaultdict(list)
@@ -860,7 +913,7 @@ class Loop:
         identity = frames[0].bytes
         engine = self._engine_by_identity.get(identity)
         if len(frames) == 2 and len(frames[1]) == 0:
-            self._register(identity, engine)
+            self._register(identity, engine, _source_fd(frames[1]))
             return
         client = self._clients.get(identity)
         try:
@@ -888,6 +941,8 @@ class Loop:
             )
         else:
             self._seen(client)
+            if client.fresh and header != Header.REJOIN:
+                self._rejoins_nothing(client)
             self._from_client(client, header, frames)
 
     def _from_client(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
@@ -1262,8 +1317,8 @@ class Loop:
 
     def _adopt(self, client: _Client, client_rid: int, server_rid: int) -> _Request:
         """A request an engine holds from an earlier life, under its server id (no
-        request in flight has it): filed by position when that is free, else apart;
-        server ids drawn later are above it (as ck_requests_adopt does)."""
+        request in flight has it: see _claimable): filed by position when that is free,
+        else apart; server ids drawn later are above it (as ck_requests_adopt does)."""
         request = _Request(server_rid, client, client_rid)
         if server_rid & self._mask in self._requests:
             self._adopted[server_rid] = request
@@ -1368,24 +1423,36 @@ class Loop:
                 "unknown_header", unknown_from_engine(header, engine.rank, engine.format)
             )
 
-    def _register(self, identity: bytes, engine: _Engine | None) -> None:
-        """An engine announced itself (one empty frame): a new rank, or one coming
-        back after it left or was declared gone."""
-        if engine is not None and engine.state == ALIVE:
+    def _register(self, identity: bytes, engine: _Engine | None, fd: int) -> None:
+        """An engine announced itself (one empty frame) on connection ``fd``: a new rank,
+        or one coming back after it left or was declared gone. Under an identity alive,
+        it is a repeat on the same connection, or, on another, a new process (Megatron's
+        engines register once, at their start) -- unless a hello named its process: then
+        the hello that follows says which."""
+        if engine is None or engine.state != ALIVE:
+            self._new_engine(identity, engine, fd)
+        elif fd == engine.fd or engine.session:
             self._counters[Counter.DUPLICATE_REGISTER] += 1
         else:
-            self._new_engine(identity, engine)
+            self._restarted(engine, fd)
 
     def _engine_hello(self, identity: bytes, engine: _Engine | None, frames: list[Any]) -> None:
-        """ENGINE_HELLO: a coordkit engine registers, or says so once registered."""
+        """ENGINE_HELLO: a coordkit engine registers, or says so once registered; a
+        hello naming another process than the one registered under its identity is a
+        new process (the old one's requests are handled as its death)."""
         try:
             hello = parse_engine_hello(_buffers(frames))
         except ProtocolError as exc:
             self._malformed(None, None, Header.ENGINE_HELLO, str(exc), frames)
             return
+        fd = _source_fd(frames[1])
         if engine is None or engine.state != ALIVE:
-            engine = self._new_engine(identity, engine)
+            engine = self._new_engine(identity, engine, fd)
+        elif engine.session and hello.session != engine.session:
+            self._restarted(engine, fd)
         if engine is not None:
+            engine.fd = fd
+            engine.session = hello.session
             engine.coordkit = hello.coordkit
             engine.batch = hello.batch
             engine.format = MULTIPART
@@ -1403,12 +1470,20 @@ class Loop:
         self._n_main_engines = sum(engine.format == SINGLE_FRAME_MAIN for engine in live)
         self._n_multipart_engines = len(live) - self._n_single_engines - self._n_main_engines
 
-    def _new_engine(self, identity: bytes, engine: _Engine | None) -> _Engine | None:
+    def _restarted(self, engine: _Engine, fd: int) -> None:
+        """A new process registered under an engine's identity: the old one's requests
+        are handled as its death (re-sent or failed), and the rank starts anew."""
+        self._counters[Counter.ENGINE_RESTARTS] += 1
+        self._mark_gone(engine, "a new process registered under its identity")
+        self._settle()
+        self._new_engine(engine.identity, engine, fd)
+
+    def _new_engine(self, identity: bytes, engine: _Engine | None, fd: int) -> _Engine | None:
         """Put the sender in the pool: ``engine`` coming back, or a new rank (reusing
         a gone rank with nothing left in flight once the table is full); None when
-        there is no room or the sender is a client."""
+        there is no room or the sender is, or was, a client."""
         if engine is None:
-            if identity in self._clients:
+            if identity in self._clients or self._roles.of(identity) == PeerRole.CLIENT:
                 self._malformed(None, None, -1, "a client sent an engine registration", [identity])
                 return None
             rank = len(self._engines)
@@ -1425,12 +1500,16 @@ class Loop:
                     self._counters[Counter.TABLE_FULL] += 1
                     self._log.warn("engines_full", "engine table full: registration dropped")
                     return None
-                del self._engine_by_identity[self._engines[rank].identity]
+                retired = self._engines[rank].identity
+                del self._engine_by_identity[retired]
+                self._roles.remember(retired, PeerRole.ENGINE)
                 self._engines[rank] = _Engine(rank, identity)
             else:
                 self._engines.append(_Engine(rank, identity))
             engine = self._engine_by_identity[identity] = self._engines[rank]
         engine.state = ALIVE
+        engine.fd = fd
+        engine.session = 0
         engine.coordkit = False
         engine.batch = False
         engine.format = self._single_format if self._megatron_core else MULTIPART
@@ -1449,9 +1528,19 @@ class Loop:
             self._malformed(None, None, Header.CONNECT, str(exc), frames)
             return
         fd = _source_fd(frames[1])
-        if client is not None and client.present and client.hold > 0 and fd != client.fd:
-            self._go_away(client)  # it reconnected before its old connection's end was seen
-            client = self._clients.get(identity)  # None: it had nothing in flight, forgotten
+        if client is not None and client.present and fd != client.fd:
+            # Its routing id on a new connection (libzmq hands it over: nothing reaches
+            # the old one any more): it reconnected before its old connection's end was
+            # seen, or another process took its name: either way the old one is gone
+            # (away, with a hold: a blip).
+            if client.hold > 0:
+                self._go_away(client)
+            else:
+                self._client_gone(client, unreachable=False)
+            client = self._clients.get(identity)  # None: forgotten (nothing in flight kept)
+        if client is None and self._roles.of(identity) == PeerRole.ENGINE:
+            self._malformed(None, None, Header.CONNECT, "an engine sent CONNECT", frames)
+            return
         if client is not None:
             if client.present:
                 self._counters[Counter.DUPLICATE_CONNECT] += 1
@@ -1478,7 +1567,7 @@ class Loop:
         client.batch = hello.batch
         client.rebuild = hello.rebuild
         client.hold = hello.hold
-        client.present = True
+        client.present = client.fresh = True
         client.rejoined = False  # until its REJOIN, the requests adopted for it wait
         client.format = SINGLE_FRAME if self._megatron_core and not hello.coordkit else MULTIPART
         features: dict[str, int] = {BATCH_FEATURE: 1} if hello.batch else {}
@@ -1502,7 +1591,9 @@ class Loop:
         return True
 
     def _remove_client(self, client: _Client) -> None:
-        """A client with nothing in flight leaves the tables."""
+        """A client with nothing in flight leaves the tables (its identity stays a
+        client's)."""
+        self._roles.remember(client.identity, PeerRole.CLIENT)
         del self._clients[client.identity]
         del self._idle[client.identity]
         self._away.pop(client.identity, None)
@@ -1671,12 +1762,12 @@ class Loop:
             if request is not None:
                 ours = request.rank == engine.rank and request.client_rid == client_rid
                 if not (ours and request.client.identity == client_id):
-                    aborts.append(server_rid)
+                    aborts.append(server_rid)  # another's: the first claim stands
                 elif not request.flags & ORPHAN:  # an orphan's replay waits for its client
                     self._replay(request, -1, replays)
                 continue
             client = None if engine.state == GONE else self._adoptive_client(client_id, client_rid)
-            if client is None:
+            if client is None or not self._claimable(server_rid, client_id, client_rid):
                 aborts.append(server_rid)
                 continue
             request = self._adopt(client, client_rid, server_rid)
@@ -1693,17 +1784,43 @@ class Loop:
                     self._aborting.discard((client_id, client_rid))
                     request.flags |= ABORTED
                     aborts.append(server_rid)
+        self._refuse_claims(engine, "HELD", len(aborts))
         for server_rid in aborts:
             if engine.state != GONE:
                 self._abort_at_engine(engine, server_rid)
         self._send_replays(replays)
+
+    def _claimable(self, server_rid: int, client_id: bytes, client_rid: int) -> bool:
+        """Whether an engine's report may be adopted under ``server_rid``: not an id this
+        life drew (those are all known, in flight or ended), nor one past MAX_ADOPTED,
+        and claimed by nobody before in the window (by server id, or by its client's
+        id), even if it has ended since."""
+        if not 0 <= server_rid < MAX_ADOPTED or (
+            self._options.first_server_id <= server_rid < self._next_rid
+        ):
+            return False
+        if server_rid in self._claimed_ids or (client_id, client_rid) in self._claimed_rids:
+            return False
+        self._claimed_ids.add(server_rid)
+        self._claimed_rids.add((client_id, client_rid))
+        return True
+
+    def _refuse_claims(self, engine: _Engine, kind: str, count: int) -> None:
+        """Claims of an engine's report that could not be true: counted and logged; they
+        change nothing of another peer's."""
+        if count:
+            self._counters[Counter.REFUSED_CLAIMS] += count
+            what = f"refused {count} {kind} claims from engine {engine.rank}"
+            self._log.warn(f"claims:{engine.rank}", what)
 
     def _adoptive_client(self, identity: bytes, client_rid: int) -> _Client | None:
         """The client an adopted request would be for (made, absent, until it
         connects); None when it must not be adopted: the window is over, the client
         rejoined without it or sent it again, or the tables are full."""
         client = self._clients.get(identity)
-        unwanted = client is not None and client.rejoined
+        # A client connected that rejoined (or said it rejoins nothing) waits only for
+        # what it listed; one that never asked for the rebuild waits for nothing.
+        unwanted = client is not None and client.present and not (client.rebuild and client.fresh)
         if (
             not self._rebuilding
             or self._live >= self._options.max_inflight
@@ -1713,7 +1830,7 @@ class Loop:
             return None
         if client is not None:
             return client
-        if identity in self._engine_by_identity:
+        if identity in self._engine_by_identity or self._roles.of(identity) == PeerRole.ENGINE:
             return None
         if len(self._clients) >= self._options.max_clients and not self._vacant_client():
             return None
@@ -1728,6 +1845,9 @@ class Loop:
         for an engine to claim it while the window lasts, and is sent back after it
         (RESEND, or ERROR(ENGINE_FAILED) when it got partials: it cannot start over).
         Its adopted requests it did not list are not awaited: aborted."""
+        if not client.fresh:  # what it waits for was settled by its first message
+            self._malformed(client, None, Header.REJOIN, "not the connection's first", frames)
+            return
         parsed = self._parse(protocol.REJOIN, client, Header.REJOIN, frames)
         if parsed is None:
             return
@@ -1735,6 +1855,10 @@ class Loop:
         if any(partials < 0 for _, partials in entries):
             self._malformed(client, None, Header.REJOIN, "a negative count of partials", frames)
             return
+        if len(entries) > self._options.max_inflight:
+            self._malformed(client, None, Header.REJOIN, "more entries than max_inflight", frames)
+            return
+        client.fresh = False
         client.rejoined = True
         self._away.pop(client.identity, None)  # back from a blip: its requests carry on
         replays: dict[_Engine, list[list[int]]] = defaultdict(list)
@@ -1766,12 +1890,16 @@ class Loop:
         out: dict[_Client, list[tuple[list[Any], Any]]] = defaultdict(list)
         resend: dict[_Client, list[int]] = defaultdict(list)
         at = 2
+        refused = 0
         for server_rid, first, count, final in entries:
             bodies, at = frames[at : at + count], at + count
             request = self._find(server_rid)
-            if request is None or request.rank != engine.rank or not request.client.present:
-                continue  # ended, or its client is away again: its REJOIN asks anew
-            request.flags &= ~REPLAYING
+            if request is None or request.rank != engine.rank or not request.flags & ASKED:
+                refused += 1  # not asked of it (or asked and answered already)
+                continue
+            if not request.client.present:
+                continue  # its client is away again: its REJOIN asks anew
+            request.flags &= ~(REPLAYING | ASKED)
             if first < 0:
                 self._unheld(request, resend)
                 continue
@@ -1779,6 +1907,7 @@ class Loop:
                 last = final and j == count - 1
                 self._finish(request, last, now)
                 out[request.client].append(([request.client_rid, first + j, last], body))
+        self._refuse_claims(engine, "REPLAYED", refused)
         for client, replies in out.items():
             message = protocol.CLIENT_REPLAYED.pack(*zip(*replies, strict=True))
             if not self._send(client.identity, message):
@@ -1792,7 +1921,7 @@ class Loop:
             return
         engine = self._engines[request.rank]
         if engine.rebuild and engine.state != GONE:
-            request.flags |= REPLAYING
+            request.flags |= REPLAYING | ASKED
             replays[engine].append([request.server_rid, start])
 
     def _send_replays(self, replays: dict[_Engine, list[list[int]]]) -> None:
@@ -1809,6 +1938,15 @@ class Loop:
             self._counters[Counter.RESENT] += len(rids)
             if not self._send(client.identity, protocol.RESEND.pack(rids)):
                 self._client_gone(client)
+
+    def _rejoins_nothing(self, client: _Client) -> None:
+        """A connected client's first message is not a REJOIN: it waits for nothing an
+        engine may still report, and what was adopted for it is aborted (before the
+        message is handled: one of its new requests may have the id of one)."""
+        client.fresh = False
+        if client.requests:
+            for request in self._in_order(lambda r: r.flags & ORPHAN, client.requests.values()):
+                self._drop_orphan(request)
 
     def _unclaimed(
         self, client: _Client, rid: int, partials: int, resend: dict[_Client, list[int]]
@@ -1857,6 +1995,8 @@ class Loop:
         sent back (see _unclaimed), the adopted ones no client came back for are
         aborted, and HANDLED goes out again."""
         self._rebuilding = False
+        self._claimed_ids.clear()  # no report is adopted any more
+        self._claimed_rids.clear()
         awaiting, self._awaiting = self._awaiting, {}
         resend: dict[_Client, list[int]] = defaultdict(list)
         aborting, self._aborting = self._aborting, set()

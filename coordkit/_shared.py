@@ -82,6 +82,9 @@ COPY_BELOW = 8192
 #: (8 KiB of data and libzmq's message counters, about 18 KiB: 36 MiB at most), and
 #: below it a small prompt is kept for the cost of a refcount, not a copy.
 SHARED_SMALL_MAX = 2048
+#: Routing ids the loop remembers the role of once they left its tables (loop/roles):
+#: the oldest is forgotten past this many (4 MiB of ids at most in C).
+RETIRED_IDS = 16384
 
 
 class Counter(IntEnum):
@@ -119,6 +122,8 @@ class Counter(IntEnum):
     RESENT = 29  # requests a rebuild client was told to send again (RESEND)
     REPLAYED = 30  # requests whose replies an engine was asked to send again (REPLAY)
     CLIENTS_RETURNED = 31  # rebuild clients back within their hold (a blip): nothing aborted
+    REFUSED_CLAIMS = 32  # rebuild claims refused: HELD entries not adopted, REPLAYED not asked
+    ENGINE_RESTARTS = 33  # registrations of a new process under an engine's identity
 
 
 class EngineState(IntEnum):
@@ -138,6 +143,16 @@ class RequestFlag(IntEnum):
     REPLAYING = 4  # its engine was asked to REPLAY it: its replies wait for the REPLAYED
     ORPHAN = 8  # adopted from an engine's report: its client has not REJOINed yet
     PINNED = 16  # a KV submission: tied to the engine chosen, never sent again
+    ASKED = 32  # its engine was sent REPLAY for it: the one REPLAYED that may deliver it
+
+
+class PeerRole(IntEnum):
+    """What a routing id is to the coordinator, for its whole life: one identity, one
+    role (a client never becomes an engine, nor an engine a client)."""
+
+    NONE = 0
+    CLIENT = 1
+    ENGINE = 2
 
 
 class RouteStatus(IntEnum):
@@ -201,6 +216,7 @@ CYTHON_ENUMS: tuple[tuple[type[IntEnum], str], ...] = (
     (RequestFlag, "FLAG_"),
     (RouteStatus, "ROUTE_"),
     (PeerFormat, "FORMAT_"),
+    (PeerRole, "ROLE_"),
 )
 
 
@@ -214,6 +230,7 @@ def cython_constants() -> dict[str, int]:
         MAX_PARTS=protocol.MAX_PARTS,
         COPY_BELOW=COPY_BELOW,
         SHARED_SMALL_MAX=SHARED_SMALL_MAX,
+        RETIRED_IDS=RETIRED_IDS,
         INDEX_WINDOW_MIN=INDEX_WINDOW_MIN,
         HEADER_SLOTS=HEADER_SLOTS,
         ERROR_SLOTS=ERROR_SLOTS,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -56,7 +57,14 @@ from ._liveness import (
     prepare,
 )
 from .curve import KeySource, ServerKey
-from .protocol import ACK_FEATURE, BASE_KEY, BATCH_FEATURE, COORDKIT_HELLO, REBUILD_FEATURE
+from .protocol import (
+    ACK_FEATURE,
+    BASE_KEY,
+    BATCH_FEATURE,
+    COORDKIT_HELLO,
+    REBUILD_FEATURE,
+    SESSION_KEY,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -173,6 +181,8 @@ class Engine(Following):
         self.capacity = capacity
         self.batch = batch and hello
         self.hello = hello
+        # Said in every hello: a registration with another token is another process.
+        self._session = secrets.randbits(63) or 1
         self._next_heartbeat = time.monotonic() if heartbeat_interval else math.inf
         # An own context, so close() can wait (up to the linger) for the last replies to leave.
         self._own_context = context is None
@@ -314,7 +324,7 @@ class Engine(Following):
         if not self.hello:
             return
         # A coordkit engine: multipart in every dialect; read ENGINE_ACK; batches when it asks.
-        hello = {**COORDKIT_HELLO, ACK_FEATURE: 1}
+        hello = {**COORDKIT_HELLO, ACK_FEATURE: 1, SESSION_KEY: self._session}
         if self.batch:
             hello[BATCH_FEATURE] = 1
         if self._rebuild is not None:

@@ -96,6 +96,12 @@ MAX_HOLD_MS = 60_000
 #: has (see HANDLED).
 BASE_KEY = "base"
 
+#: The key of a coordkit engine's ENGINE_HELLO map: a token of its process (an int64
+#: above 0, drawn once per Engine), the same in every hello it sends. A registration
+#: under an engine's identity whose hello names another token is another process: the
+#: old one's requests are handled as its death.
+SESSION_KEY = "session"
+
 #: Bytes per entry of the optional block-hash frame (little-endian u64).
 BLOCK_HASH_SIZE = 8
 
@@ -663,6 +669,7 @@ class Hello(NamedTuple):
     rebuild: bool = False  # takes part in the rebuild after a coordinator's loss
     base: int = 0  # a rebuild engine: the number of its next reply message (HANDLED)
     hold: float = 0.0  # a rebuild client: seconds its requests are kept once it is gone
+    session: int = 0  # a coordkit engine: its process's token (0: none said)
 
 
 _rid = Field("rid", int)
@@ -782,6 +789,9 @@ def _hello(hello: dict[Any, Any]) -> Hello:
     hold = hello.get(HOLD_KEY, 0)
     if type(hold) is not int or hold < 0 or not rebuild:
         hold = 0
+    session = hello.get(SESSION_KEY, 0)
+    if type(session) is not int or not 0 < session <= INT64_MAX or not coordkit:
+        session = 0
     return Hello(
         coordkit,
         coordkit and _feature(hello.get(BATCH_FEATURE)),
@@ -789,6 +799,7 @@ def _hello(hello: dict[Any, Any]) -> Hello:
         rebuild,
         base if rebuild else 0,
         min(hold, MAX_HOLD_MS) / 1000,
+        session,
     )
 
 

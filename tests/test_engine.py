@@ -24,7 +24,6 @@ from tests.support.peers import (
     ABORT,
     DISCONNECT,
     ENGINE_ACK,
-    ENGINE_HELLO,
     HEARTBEAT,
     HELD,
     PARTIAL,
@@ -40,6 +39,7 @@ from tests.support.peers import (
     SUBMIT_KV,
     SUSPEND,
     UNPAUSE,
+    engine_hello,
 )
 from tests.support.processes import engine_processes
 
@@ -72,7 +72,8 @@ def registered(router, impl, engine_cls=Engine, **kwargs):
     )
     if kwargs.get("rebuild", True):
         hello.update(REBUILD_HELLO)
-    assert socket.recv_multipart() == [engine.identity, packb([ENGINE_HELLO, hello])]
+    identity, frame = socket.recv_multipart()
+    assert identity == engine.identity and engine_hello(frame) == hello
     return engine
 
 
@@ -383,8 +384,9 @@ def test_engine_process(router):
     options += ["--prefix-block-size", "1", "--cache-blocks", "1"]
     with engine_processes(address, [2], *options, stderr=subprocess.PIPE, text=True) as [process]:
         assert socket.recv_multipart() == [b"engine-2", b""]
-        hello = packb([ENGINE_HELLO, {"coordkit": 1, "ack": 1, "batch": 1, **REBUILD_HELLO}])
-        assert socket.recv_multipart() == [b"engine-2", hello]
+        identity, hello = socket.recv_multipart()
+        assert identity == b"engine-2"
+        assert engine_hello(hello) == {"coordkit": 1, "ack": 1, "batch": 1, **REBUILD_HELLO}
         for rid in (1, 2):
             socket.send_multipart([b"engine-2", packb([SUBMIT, rid, {}]), packb([1, 2])])
             identity, meta, body = socket.recv_multipart()

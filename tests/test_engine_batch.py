@@ -21,7 +21,6 @@ from coordkit.engine import Abort, Control, Engine, ReleaseKV, Request
 from coordkit.protocol import Header, ProtocolError, packb
 from tests.support.peers import (
     ABORT,
-    ENGINE_HELLO,
     ERROR,
     PARTIAL,
     PAUSE,
@@ -32,6 +31,7 @@ from tests.support.peers import (
     SUBMIT_BATCH,
     SUBMIT_KV,
     UNPAUSE,
+    engine_hello,
 )
 
 TIMEOUT = 5.0
@@ -58,7 +58,8 @@ def connected(router, impl, **kwargs) -> Engine:
         else {"coordkit": 1, "ack": 1}
     )
     hello.update(REBUILD_HELLO)
-    assert socket.recv_multipart() == [engine.identity, packb([ENGINE_HELLO, hello])]
+    identity, frame = socket.recv_multipart()
+    assert identity == engine.identity and engine_hello(frame) == hello
     return engine
 
 

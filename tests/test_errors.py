@@ -24,7 +24,7 @@ import coordkit
 from coordkit import Client, Coordinator, Engine
 from coordkit.protocol import Header
 from coordkit.tools import cli
-from tests.support.peers import ENGINE_HELLO, REBUILD_HELLO, m, wait_for
+from tests.support.peers import ENGINE_HELLO, REBUILD_HELLO, engine_hello, m, wait_for
 from tests.support.processes import coordkit_command, fake_engine_command, python_env
 from tests.support.scripted import packb, run, scripted
 
@@ -308,8 +308,9 @@ def test_a_request_before_the_ack_is_kept(impl, tmp_path):
     try:
         with Engine(f"ipc://{tmp_path}/script.sock", implementation=impl.name) as engine:
             assert router.poll(TIMEOUT * 1000) and router.recv_multipart()[1] == b""
-            hello = m([ENGINE_HELLO, {"coordkit": 1, "ack": 1, "batch": 1, **REBUILD_HELLO}])
-            assert router.poll(TIMEOUT * 1000) and router.recv_multipart()[1] == hello
+            hello = {"coordkit": 1, "ack": 1, "batch": 1, **REBUILD_HELLO}
+            assert router.poll(TIMEOUT * 1000)
+            assert engine_hello(router.recv_multipart()[1]) == hello
             identity = engine.identity
             router.send_multipart([identity, m([Header.SUBMIT_REQUEST, 7, {}]), m([1, 2])])
             router.send_multipart([identity, m([Header.ENGINE_ACK, {}])])

@@ -17,12 +17,12 @@ import zmq
 from coordkit.protocol import Header, packb, unpackb
 from coordkit.tools.fake_engine import H100, NO_COST, CostModel, FakeEngine
 from tests.support.cluster import bind_address
-from tests.support.peers import ENGINE_HELLO, REBUILD_HELLO, SUBMIT
+from tests.support.peers import REBUILD_HELLO, SUBMIT, engine_hello
 from tests.support.processes import engine_processes
 
 TIMEOUT_MS = 5000
 FAST = 1e6  # speedup: the model's seconds become microseconds of waiting
-HELLO = packb([ENGINE_HELLO, {"coordkit": 1, "ack": 1, "batch": 1, **REBUILD_HELLO}])
+HELLO = {"coordkit": 1, "ack": 1, "batch": 1, **REBUILD_HELLO}
 
 
 @pytest.fixture
@@ -42,7 +42,8 @@ def engine(router, **kwargs) -> FakeEngine:
     kwargs.setdefault("speedup", FAST)
     fake = FakeEngine(address, heartbeat_interval=None, **kwargs)
     assert socket.recv_multipart() == [fake.identity, b""]
-    assert socket.recv_multipart() == [fake.identity, HELLO]  # it asks for batches
+    identity, hello = socket.recv_multipart()
+    assert identity == fake.identity and engine_hello(hello) == HELLO  # it asks for batches
     return fake
 
 
@@ -168,7 +169,8 @@ def test_engine_process_with_the_h100_model(router):
     options += ["--prefix-block-size", "512", "--batch", "8", "--latency", "0.01"]
     with engine_processes(address, [1], *options, stderr=subprocess.PIPE, text=True):
         assert socket.recv_multipart() == [b"engine-1", b""]
-        assert socket.recv_multipart() == [b"engine-1", HELLO]
+        identity, hello = socket.recv_multipart()
+        assert identity == b"engine-1" and engine_hello(hello) == HELLO
         params = {"block_ids": [7, 8], "output_tokens": 2}
         socket.send_multipart([b"engine-1", packb([SUBMIT, 3, params]), packb([0] * 600)])
         _, meta, body = socket.recv_multipart()

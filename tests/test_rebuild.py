@@ -230,7 +230,9 @@ def test_what_nobody_claims_is_sent_back_at_the_windows_end(make_cluster):
         assert engine.recv(2.0) == [m([ABORT, 50])]  # the orphan is not run on
         wait_for(lambda: c.coord.stats()["inflight"] == 0)
         assert c.coord.stats()["clients"] == 1  # the absent client is forgotten with it
-        # After the window a REJOIN is answered at once.
+        # After the window a REJOIN (the first message after a CONNECT) is answered at once.
+        client.send(m([CONNECT, {"coordkit": 1, "rebuild": 1}]))
+        assert um(client.recv()[0])[0] == CONNECT_ACK
         client.send(m([REJOIN, [[9, 0]]]))
         assert client.recv() == [m([RESEND, [9]])]
         # And a late engine's report is not adopted: aborted.
@@ -544,6 +546,7 @@ def _conversation(impl, address: str) -> dict:
         send(e0, m([PARTIAL, [900]]), b"p2")
         wait_for(lambda: c.coord.stats()["counters"]["resent"] > 0, 5.0)  # the window ended
         send(e0, m([HELD, [[903, 9, b"ck", 0, False]]]), b"")
+        send(ck, m([CONNECT, {"coordkit": 1, "rebuild": 1}]))  # as on a new connection
         send(ck, m([REJOIN, [[10, 0]]]))
         log["peers"] = {
             name: peer.recv_all(0.3) for name, peer in (("e0", e0), ("e1", e1), ("ck", ck))

@@ -34,6 +34,7 @@ cdef extern from "includes/tables.h" nogil:
         ck_request* pool
         uint32_t used
         uint32_t live
+        uint64_t next_rid
 
     int ck_requests_init(
         ck_requests* t, uint32_t capacity, uint64_t index_size, uint64_t window_min,

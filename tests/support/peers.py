@@ -450,3 +450,13 @@ if __name__ == "__main__":
 #: What a coordkit Engine adds to its ENGINE_HELLO by default: it takes part in the
 #: rebuild, its reply messages numbered from 1.
 REBUILD_HELLO = {"rebuild": 1, "base": 1}
+
+
+def engine_hello(frame: bytes) -> dict[str, Any]:
+    """A coordkit Engine's ENGINE_HELLO map, its process's token (``session``, drawn at
+    random) checked and left out, so that the rest compares as it is."""
+    header, hello = um(frame)
+    assert header == ENGINE_HELLO
+    session = hello.pop("session")
+    assert type(session) is int and 0 < session < 1 << 63
+    return hello
