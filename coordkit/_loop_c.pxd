@@ -96,6 +96,9 @@ include "loop/latency.pxd"
 include "loop/traffic.pxd"
 include "loop/roles.pxd"
 
+cdef class Loop
+include "loop/rebuild.pxd"
+
 
 cdef class Loop:
     cdef:
@@ -128,28 +131,9 @@ cdef class Loop:
         double request_timeout  # 0: requests never time out
         bint measure_latency
 
-        # The rebuild: until the window ends, engines report what they hold and clients
-        # what they wait for; meanwhile no HANDLED goes out (a replay may need it all).
-        int64_t epoch
-        double rebuild_until
-        bint rebuilding
-        dict awaiting  # REJOIN entries no engine claimed yet: (client, rid) -> partials got
-        set aborting  # REJOIN entries aborted before an engine claimed them: (client, rid)
-        # What engines' reports adopted in the window, ended or not: a second claim of a
-        # server id, or of a client's request id, is refused (nothing is answered twice).
-        set claimed_ids
-        set claimed_rids
+        int64_t epoch  # what it announces to rebuild peers
         int64_t first_server_id  # this life's first server id: it drew those from here on
-        # Requests of rejoined clients that found no engine yet, by routing id: sent back
-        # (RESEND) once one registers, or at the window's end (_resend_deferred).
-        dict deferred
-        Py_ssize_t n_deferred  # len(deferred), read without the GIL
-        # Rebuild clients whose connection ended, by routing id: until when their requests
-        # wait for their REJOIN (meanwhile their engines get no HANDLED: a replay may
-        # need all they kept).
-        dict away
-        Py_ssize_t n_away  # len(away), read without the GIL
-        int n_holding  # engines holding requests of clients away (_mark_holding)
+        Rebuild rebuild  # the rebuild after a coordinator's loss, and clients' blips
         bint forwards_hashes  # the prefix policy learns from what rebuild engines report
         uint32_t drained  # messages handled in this wake-up: the deadline is read every 256
         double deadline  # the term's, for this serve() call
@@ -240,8 +224,6 @@ cdef class Loop:
     cdef bytes _identity(self, int32_t client)
     cdef _drop_ended(self)
     cdef _goodbye(self, int32_t client)
-    cdef int _n_away(self)
-    cdef _returned(self, int32_t client)
     cdef _heartbeat(self, int32_t engine)
     cdef _disconnect(self, int32_t engine)
     cdef _abort(self, int32_t client)
@@ -256,38 +238,15 @@ cdef class Loop:
     cdef const uint8_t* _detokenized_kept(self, const uint8_t* body, size_t* size)
     cdef bytes _detokenized(self, const uint8_t* body, size_t size)
 
-    # the rebuild after a coordinator's loss
-    cdef _held(self, int32_t engine)
-    cdef int32_t _adoptive_client(self, bytes identity, int64_t client_rid) except -2
-    cdef bint _claimable(self, int64_t server_rid, bytes client_id, int64_t client_rid)
-    cdef _refuse_claims(self, int32_t engine, str kind, Py_ssize_t count)
-    cdef _rejoins_nothing(self, int32_t client)
-    cdef _rejoin(self, int32_t client)
-    cdef _replayed(self, int32_t engine)
-    cdef _replay(self, uint32_t slot, int64_t start, dict replays)
-    cdef _send_replays(self, dict replays)
-    cdef _send_resends(self, dict resend)
-    cdef _unclaimed(self, int32_t client, int64_t rid, int64_t partials, dict resend)
-    cdef _unheld(self, uint32_t slot, dict resend)
-    cdef _drop_orphan(self, uint32_t slot)
-    cdef _end_rebuild(self)
-    cdef _defer(self, int32_t client, int64_t rid)
-    cdef _resend_deferred(self)
-    cdef _end_holds(self, double now)
-    cdef void _acknowledge(self) noexcept nogil
-    cdef _mark_holding(self)
-
     # failures
     cdef _settle(self)
     cdef _settle_engine(self, int rank)
     cdef int _resend(self, uint32_t slot) noexcept nogil
     cdef RequestOrder* _in_order(self, int rank, int32_t client, uint32_t* count) except NULL
-    cdef _drop_orphans(self, int32_t client)
     cdef _fail_request(self, uint32_t slot, int code, int64_t header)
     cdef _time_out(self, uint32_t slot)
     cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header)
     cdef _client_gone(self, int32_t client, bint unreachable=*, bint closed=*)
-    cdef _go_away(self, int32_t client)
     cdef _drop_client(self, int32_t client)
 
     # answers and malformed input

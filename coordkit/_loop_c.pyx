@@ -189,6 +189,7 @@ include "loop/lists.pyx"
 include "loop/latency.pyx"
 include "loop/traffic.pyx"
 include "loop/roles.pyx"
+include "loop/rebuild.pyx"
 
 
 # -- the rare paths' helpers -----------------------------------------------------------
@@ -213,13 +214,6 @@ cdef class Loop:
 
     def __cinit__(self):
         self.detokenized_bodies = []  # the C fields start zeroed: NULL, empty
-        self.awaiting = {}
-        self.aborting = set()
-        self.claimed_ids = set()
-        self.claimed_rids = set()
-        self.deferred = {}
-        self.n_deferred = 0
-        self.away = {}
         self.deadline = INFINITY
 
     def __init__(
@@ -255,8 +249,7 @@ cdef class Loop:
         self.measure_latency = options.measure_latency
         self.epoch = options.epoch
         self.first_server_id = options.first_server_id
-        self.rebuild_until = monotonic() + options.rebuild_window
-        self.rebuilding = True
+        self.rebuild = Rebuild(self, options)
         self.forwards_hashes = router.policy == "prefix"
         latency_init(&self.latency)
         if self.request_timeout or self.measure_latency:
@@ -355,7 +348,7 @@ cdef class Loop:
             epoch=self.epoch,
             messages=self.messages,
             inflight=self.requests.live,
-            clients=self.n_clients - self._n_away(),
+            clients=self.n_clients - self.rebuild.absent(),
             control_state=self.control_state,
             counters=[self.counters[i] for i in range(N_COUNTERS)],
             engines=engines,
@@ -452,17 +445,17 @@ cdef class Loop:
             with gil:
                 while self._oldest_submitted_before(deadline):
                     self._time_out(self.deadlines.oldest)
-        if self.rebuilding and now >= self.rebuild_until:
+        if self.rebuild.rebuilding and now >= self.rebuild.until:
             with gil:
-                self._end_rebuild()
-        if self.n_deferred and (self.router.n_members or not self.rebuilding):
+                self.rebuild.end_window()
+        if self.rebuild.n_deferred and (self.router.n_members or not self.rebuild.rebuilding):
             with gil:
-                self._resend_deferred()
-        if self.n_away or self.n_holding:
+                self.rebuild.resend_deferred()
+        if self.rebuild.n_away or self.rebuild.n_holding:
             with gil:
-                self._end_holds(now)
-                self._mark_holding()
-        self._acknowledge()
+                self.rebuild.end_holds(now)
+                self.rebuild.mark_holding()
+        self.rebuild.acknowledge()
         if self.n_gone:
             with gil:
                 self._settle()
@@ -533,7 +526,7 @@ cdef class Loop:
             if self.clients[client].fresh and header != HEADER_REJOIN:
                 if self.clients[client].inflight:  # what was adopted for it
                     with gil:
-                        self._rejoins_nothing(client)
+                        self.rebuild.rejoins_nothing(client)
                 else:
                     self.clients[client].fresh = False
             self._from_client(client, header)
@@ -712,13 +705,13 @@ cdef class Loop:
         if status == ROUTE_SENT:
             self.counters[COUNTER_SUBMITTED] += 1
         elif (
-            status == ROUTE_NO_ENGINES and self.rebuilding and self.clients[client].rejoined
+            status == ROUTE_NO_ENGINES and self.rebuild.rebuilding and self.clients[client].rejoined
         ):
             # Back after a loss, before its engines registered again: sent back once
             # one has (RESEND), not refused.
             self._forget(slot)
             with gil:
-                self._defer(client, rid)
+                self.rebuild.defer(client, rid)
         elif status != ROUTE_ENGINE_GONE:
             self._forget(slot)
             with gil:
@@ -1086,7 +1079,7 @@ cdef class Loop:
         elif header == HEADER_STATS:
             self._stats_request(client)
         elif header == HEADER_REJOIN and self.clients[client].rebuild:
-            self._rejoin(client)
+            self.rebuild.rejoin(client)
         elif header == HEADER_DISCONNECT:
             self._goodbye(client)
         else:
@@ -1100,10 +1093,10 @@ cdef class Loop:
         elif header == HEADER_DISCONNECT:
             self._disconnect(engine)
         elif header == HEADER_HELD and self.engines[engine].rebuild:
-            self._held(engine)
+            self.rebuild.held(engine)
         elif header == HEADER_REPLAYED and self.engines[engine].rebuild:
             self.engines[engine].handled += 1
-            self._replayed(engine)
+            self.rebuild.replayed(engine)
         else:
             self.counters[COUNTER_UNKNOWN_HEADER] += 1
             self._log.warn("unknown_header", unknown_from_engine(
@@ -1238,7 +1231,7 @@ cdef class Loop:
             # seen, or another process took its name: either way the old one is gone
             # (away, with a hold: a blip).
             if self.clients[client].hold > 0:
-                self._go_away(client)
+                self.rebuild.go_away(client)
             else:
                 self._client_gone(client, False)
             # -1: forgotten (nothing in flight kept)
@@ -1252,7 +1245,7 @@ cdef class Loop:
             else:  # known from an engine's report only, or away: this is its connection
                 self._connection_events()  # as for a new client: what the monitor said first
                 self.clients[client].fd = fd
-                self._returned(client)
+                self.rebuild.returned(client)
             index = client
             self._seen(client)
         else:
@@ -1319,8 +1312,8 @@ cdef class Loop:
         cdef size_t n
         cdef const uint8_t* identity = ck_ids_get(&self.client_ids, client, &n)
         roles_remember(&self.roles, identity, n, ROLE_CLIENT)
-        self.away.pop(self._identity(client), None)
-        self.n_away = len(self.away)
+        self.rebuild.away.pop(self._identity(client), None)
+        self.rebuild.n_away = len(self.rebuild.away)
         ck_ids_remove(&self.client_ids, client)
         self.clients[client].used = False
         self.n_clients -= 1
@@ -1402,11 +1395,11 @@ cdef class Loop:
         if message is None:
             return
         slot = ck_requests_find_client(&self.requests, client, message.rid)
-        if slot < 0 and (self._identity(client), message.rid) in self.awaiting:
+        if slot < 0 and (self._identity(client), message.rid) in self.rebuild.awaiting:
             # REJOINed, no engine claimed it yet: aborted when one does (_held), else
             # ended at the window's end, never sent again (_end_rebuild)
             self.counters[COUNTER_ABORTS] += 1
-            self.aborting.add((self._identity(client), message.rid))
+            self.rebuild.aborting.add((self._identity(client), message.rid))
             return
         if slot < 0:
             self._refuse(
@@ -1508,415 +1501,6 @@ cdef class Loop:
         self.counters[COUNTER_DETOKENIZED] += 1
         return result
 
-    # -- the rebuild after a coordinator's loss (docs/design.md, "Failover") ---------------
-
-    cdef _held(self, int32_t engine):
-        """HELD: what a rebuild engine holds, after its registration. A request this
-        coordinator has at that engine (a blip) is replayed whole; one it does not know
-        is adopted under its server id while the window lasts, for a client that may
-        still REJOIN it; any other is aborted at the engine, which must not run it on."""
-        cdef int64_t slot
-        cdef int32_t client
-        cdef ck_request* request
-        cdef const uint8_t* identity
-        cdef size_t n
-        parsed = self._parse(protocol.HELD, -1, HEADER_HELD)
-        if parsed is None:
-            return
-        entries, hashes = parsed
-        self.router.learn(engine, hashes, monotonic())
-        replays = {}
-        aborts = []
-        for server_rid, client_rid, client_id, partials, _ in entries:
-            slot = ck_requests_find(&self.requests, server_rid)
-            if slot >= 0:
-                request = &self.requests.pool[slot]
-                identity = ck_ids_get(&self.client_ids, request.client, &n)
-                if not (
-                    request.rank == engine and request.client_rid == client_rid
-                    and identity[:n] == client_id
-                ):
-                    aborts.append(server_rid)  # another's: the first claim stands
-                elif not request.flags & FLAG_ORPHAN:  # an orphan's replay waits for its client
-                    self._replay(slot, -1, replays)
-                continue
-            client = -1
-            if self.engines[engine].state != ENGINE_GONE:
-                client = self._adoptive_client(client_id, client_rid)
-            if client < 0 or not self._claimable(server_rid, client_id, client_rid):
-                aborts.append(server_rid)
-                continue
-            slot = ck_requests_adopt(&self.requests, client, client_rid, server_rid)
-            self._admit(slot, client)
-            self.router.hold(engine)
-            request = &self.requests.pool[slot]
-            request.rank = engine
-            self.work[slot] = <uint32_t>self.router.charged
-            request.flags = FLAG_ORPHAN | FLAG_REPLAYING | (FLAG_PRODUCED if partials else 0)
-            self.counters[COUNTER_ADOPTED] += 1
-            start = self.awaiting.pop((client_id, client_rid), None)
-            if start is not None:
-                request.flags &= ~FLAG_ORPHAN
-                self._replay(slot, start, replays)
-                if (client_id, client_rid) in self.aborting:  # its client aborted it meanwhile
-                    self.aborting.discard((client_id, client_rid))
-                    request.flags |= FLAG_ABORTED
-                    aborts.append(server_rid)
-        self._refuse_claims(engine, "HELD", len(aborts))
-        for server_rid in aborts:
-            if self.engines[engine].state != ENGINE_GONE:
-                self._abort_at_engine(engine, server_rid)
-        self._send_replays(replays)
-
-    cdef bint _claimable(self, int64_t server_rid, bytes client_id, int64_t client_rid):
-        """Whether an engine's report may be adopted under ``server_rid``: not an id this
-        life drew (those are all known, in flight or ended), nor one past MAX_ADOPTED,
-        and claimed by nobody before in the window (by server id, or by its client's
-        id), even if it has ended since."""
-        if not 0 <= server_rid < MAX_ADOPTED or (
-            self.first_server_id <= server_rid < <int64_t>self.requests.next_rid
-        ):
-            return False
-        if server_rid in self.claimed_ids or (client_id, client_rid) in self.claimed_rids:
-            return False
-        self.claimed_ids.add(server_rid)
-        self.claimed_rids.add((client_id, client_rid))
-        return True
-
-    cdef _refuse_claims(self, int32_t engine, str kind, Py_ssize_t count):
-        """Claims of an engine's report that could not be true: counted and logged; they
-        change nothing of another peer's."""
-        if count:
-            self.counters[COUNTER_REFUSED_CLAIMS] += count
-            what = f"refused {count} {kind} claims from engine {engine}"
-            self._log.warn(f"claims:{engine}", what)
-
-    cdef int32_t _adoptive_client(self, bytes identity, int64_t client_rid) except -2:
-        """The client an adopted request would be for (made, absent, until it
-        connects); -1 when it must not be adopted: the window is over, the client
-        rejoined without it or sent it again, or the tables are full."""
-        cdef size_t n = len(identity)
-        cdef int32_t client = ck_ids_find(&self.client_ids, identity, n)
-        # A client connected that rejoined (or said it rejoins nothing) waits only for
-        # what it listed; one that never asked for the rebuild waits for nothing.
-        cdef bint unwanted = client >= 0 and self.clients[client].present and not (
-            self.clients[client].rebuild and self.clients[client].fresh
-        )
-        if (
-            not self.rebuilding
-            or self.requests.live >= self.max_inflight
-            or (client >= 0 and ck_requests_find_client(&self.requests, client, client_rid) >= 0)
-            or (unwanted and (identity, client_rid) not in self.awaiting)
-        ):
-            return -1
-        if client >= 0:
-            return client
-        if ck_ids_find(&self.engine_ids, identity, n) >= 0 or (
-            roles_of(&self.roles, identity, n) == ROLE_ENGINE
-        ):
-            return -1
-        client = self._vacant_client()
-        if client < 0:
-            return -1
-        memset(&self.clients[client], 0, sizeof(Client))
-        self.clients[client].used = True
-        ends_init(&self.clients[client].requests)
-        list_push(&self.idle_links, &self.idle, client)  # idle until its first adoption
-        self.clients[client].coordkit = self.clients[client].rebuild = True  # only theirs travel
-        self.clients[client].format = FORMAT_MULTIPART
-        self.clients[client].fd = -1  # no connection yet: its CONNECT says which
-        ck_ids_insert(&self.client_ids, client, identity, n)
-        self.n_clients += 1
-        return client
-
-    cdef _rejoin(self, int32_t client):
-        """REJOIN: the requests a rebuild client still waits for, once acknowledged
-        again. Each one held is replayed from the partials it got; one not held waits
-        for an engine to claim it while the window lasts, and is sent back after it
-        (RESEND, or ERROR(ENGINE_FAILED) when it got partials: it cannot start over).
-        Its adopted requests it did not list are not awaited: aborted."""
-        cdef int64_t slot
-        if not self.clients[client].fresh:  # what it waits for was settled by its first message
-            self._malformed(client, None, HEADER_REJOIN, "not the connection's first")
-            return
-        parsed = self._parse(protocol.REJOIN, client, HEADER_REJOIN)
-        if parsed is None:
-            return
-        entries, _ = parsed
-        if any(partials < 0 for _, partials in entries):
-            self._malformed(client, None, HEADER_REJOIN, "a negative count of partials")
-            return
-        if len(entries) > self.max_inflight:
-            self._malformed(client, None, HEADER_REJOIN, "more entries than max_inflight")
-            return
-        self.clients[client].fresh = False
-        self.clients[client].rejoined = True
-        identity = self._frame_bytes(0)
-        self.away.pop(identity, None)  # back from a blip: its requests carry on
-        self.n_away = len(self.away)
-        replays = {}
-        resend = {}
-        for rid, partials in entries:
-            slot = ck_requests_find_client(&self.requests, client, rid)
-            if slot >= 0:
-                self.requests.pool[slot].flags &= ~FLAG_ORPHAN
-                self._replay(slot, partials, replays)
-            elif self.rebuilding:
-                self.awaiting[(identity, rid)] = partials
-            else:
-                self._unclaimed(client, rid, partials, resend)
-        self._drop_orphans(client)
-        self._send_replays(replays)
-        self._send_resends(resend)
-
-    cdef _replayed(self, int32_t engine):
-        """REPLAYED: what an engine sends again, each reply with its place, on to its
-        client as CLIENT_REPLAYED (which drops what it has); its normal replies flow
-        again. A request the engine does not hold is sent back to its client when
-        nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
-        cdef int64_t slot
-        cdef int32_t client
-        cdef int part
-        cdef double now = 0.0
-        cdef size_t size
-        parsed = self._parse(protocol.REPLAYED, -1, HEADER_REPLAYED)
-        if parsed is None:
-            return
-        entries, _ = parsed
-        if self.measure_latency:
-            now = monotonic()
-        out = {}  # client -> (its entries, the parts of their bodies)
-        resend = {}
-        refused = 0
-        at = 2
-        for server_rid, first, count, final in entries:
-            parts, at = range(at, at + count), at + count
-            slot = ck_requests_find(&self.requests, server_rid)
-            if slot < 0 or self.requests.pool[slot].rank != engine or not (
-                self.requests.pool[slot].flags & FLAG_ASKED
-            ):
-                refused += 1  # not asked of it (or asked and answered already)
-                continue
-            if not self.clients[self.requests.pool[slot].client].present:
-                continue  # its client is away again: its REJOIN asks anew
-            self.requests.pool[slot].flags &= ~(FLAG_REPLAYING | FLAG_ASKED)
-            if first < 0:
-                self._unheld(<uint32_t>slot, resend)
-                continue
-            client = self.requests.pool[slot].client
-            client_rid = self.requests.pool[slot].client_rid
-            for j, part in enumerate(parts):
-                last = final and j == count - 1
-                self._finish(<uint32_t>slot, last, now)
-                replies = out.setdefault(client, ([], []))
-                replies[0].append([client_rid, first + j, last])
-                replies[1].append(part)
-        self._refuse_claims(engine, "REPLAYED", refused)
-        for client, (replied, parts) in out.items():
-            if self._send_identity(&self.client_ids, client) != 0:
-                self._client_gone(client)
-                continue
-            meta = packb([HEADER_REPLAYED, replied])
-            send_bytes(self.sock, <const char*>meta, len(meta), ZMQ_SNDMORE)
-            size = len(meta)
-            for j, part in enumerate(parts):
-                size += self._size(part)
-                send_msg(self.sock, &self.message.parts[part],
-                         ZMQ_SNDMORE if j + 1 < len(parts) else 0)
-            traffic_count(&self.traffic, SENT, HEADER_REPLAYED, size)
-        self._send_resends(resend)
-
-    cdef _replay(self, uint32_t slot, int64_t start, dict replays):
-        """Ask the request's engine (a rebuild engine) to send again what it sent for
-        it from partial ``start`` on (-1: all it keeps); its replies wait till then."""
-        cdef ck_request* request = &self.requests.pool[slot]
-        cdef int rank = request.rank
-        if rank < 0:
-            return
-        if self.engines[rank].rebuild and self.engines[rank].state != ENGINE_GONE:
-            request.flags |= FLAG_REPLAYING | FLAG_ASKED
-            replays.setdefault(rank, []).append([request.server_rid, start])
-
-    cdef _send_replays(self, dict replays):
-        for rank, entries in replays.items():
-            self.counters[COUNTER_REPLAYED] += len(entries)
-            if not self._send_frames(&self.engine_ids, rank, protocol.REPLAY.pack(entries)):
-                self._mark_gone(rank, GONE_UNREACHABLE)
-
-    cdef _send_resends(self, dict resend):
-        """RESEND to each client (one that is connected) of the requests it must send again."""
-        cdef int32_t client
-        for client, rids in resend.items():
-            if not (self.clients[client].used and self.clients[client].present):
-                continue
-            self.counters[COUNTER_RESENT] += len(rids)
-            if not self._send_frames(&self.client_ids, client, protocol.RESEND.pack(rids)):
-                self._client_gone(client)
-
-    cdef _rejoins_nothing(self, int32_t client):
-        """A connected client's first message is not a REJOIN: it waits for nothing an
-        engine may still report, and what was adopted for it is aborted (before the
-        message is handled: one of its new requests may have the id of one)."""
-        self.clients[client].fresh = False
-        self._drop_orphans(client)
-
-    cdef _unclaimed(self, int32_t client, int64_t rid, int64_t partials, dict resend):
-        """A request a client waits for that no engine holds: sent back when it got
-        nothing, else ended (partials went out: it cannot start over)."""
-        if partials == 0:
-            resend.setdefault(client, []).append(rid)
-            return
-        self.failed[ERROR_ENGINE_FAILED] += 1
-        self.counters[COUNTER_ENGINE_FAILED] += 1
-        if not self._send_error(client, rid, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST):
-            self._client_gone(client)
-
-    cdef _unheld(self, uint32_t slot, dict resend):
-        """A request its engine says it does not hold (any more): sent back to its
-        client when nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
-        cdef ck_request* request = &self.requests.pool[slot]
-        cdef int32_t client = request.client
-        cdef int64_t client_rid = request.client_rid
-        if request.flags & (FLAG_PRODUCED | FLAG_ABORTED | FLAG_PINNED) or (
-            not self.clients[client].rebuild
-        ):
-            self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
-            return
-        self._forget(slot)
-        resend.setdefault(client, []).append(client_rid)
-
-    cdef _drop_orphan(self, uint32_t slot):
-        """An adopted request no client waits for: aborted at its engine and forgotten,
-        and its client with it when that never came back and has nothing left."""
-        cdef int rank = self.requests.pool[slot].rank
-        cdef int32_t client = self.requests.pool[slot].client
-        cdef int64_t server_rid = self.requests.pool[slot].server_rid
-        self._forget(slot)
-        if rank >= 0 and self.engines[rank].state != ENGINE_GONE:
-            self._abort_at_engine(rank, server_rid)
-        if not self.clients[client].present and self.clients[client].inflight == 0:
-            self._remove_client(client)
-
-    cdef _defer(self, int32_t client, int64_t rid):
-        """Keep a request for RESEND once an engine registered (see _submit)."""
-        self.deferred.setdefault(self._identity(client), []).append(rid)
-        self.n_deferred = len(self.deferred)
-
-    cdef _resend_deferred(self):
-        """RESEND of the deferred requests (see _submit), to the clients still here."""
-        cdef int32_t client
-        deferred, self.deferred = self.deferred, {}
-        self.n_deferred = 0
-        resend = {}
-        for identity, rids in deferred.items():
-            client = ck_ids_find(&self.client_ids, identity, len(identity))
-            if client >= 0:
-                resend[client] = rids
-        self._send_resends(resend)
-
-    cdef _end_rebuild(self):
-        """The window's end: the requests clients wait for that no engine claimed are
-        sent back (see _unclaimed), the adopted ones no client came back for are
-        aborted, and HANDLED goes out again."""
-        cdef int32_t client
-        self.rebuilding = False
-        self.claimed_ids.clear()  # no report is adopted any more
-        self.claimed_rids.clear()
-        awaiting, self.awaiting = self.awaiting, {}
-        aborting, self.aborting = self.aborting, set()
-        resend = {}
-        for (identity, rid), partials in awaiting.items():
-            client = ck_ids_find(&self.client_ids, identity, len(identity))
-            if client < 0:
-                continue
-            if (identity, rid) in aborting:  # aborted before anyone ran it: not sent again
-                self._refuse(
-                    client, rid, ERROR_UNKNOWN_REQUEST, HEADER_ABORT_REQUEST,
-                    COUNTER_UNKNOWN_REQUEST,
-                )
-            else:
-                self._unclaimed(client, rid, partials, resend)
-        self._send_resends(resend)
-        self._drop_orphans(-1)  # but those of a client away from a blip: they wait for it
-
-    cdef _end_holds(self, double now):
-        """The clients away past their hold: one that did not come back is dropped with
-        its requests (aborted at their engines); one that came back and did not REJOIN
-        them has its orphans aborted."""
-        cdef int32_t client
-        for identity, until in list(self.away.items()):
-            if now < until:
-                continue
-            del self.away[identity]
-            self.n_away = len(self.away)
-            client = ck_ids_find(&self.client_ids, identity, len(identity))
-            if not self.clients[client].present:
-                self._drop_client(client)
-            else:
-                self._drop_orphans(client)
-
-    cdef _drop_orphans(self, int32_t client):
-        """The adopted requests no client waits for (``client``'s, or with -1 all but
-        those of clients away), by server id: aborted at their engines and forgotten
-        (_drop_orphan)."""
-        cdef uint32_t i, n, slot
-        cdef RequestOrder* order = self._in_order(-1, client, &n)
-        try:
-            for i in range(n):
-                slot = order[i].slot
-                if self.requests.pool[slot].server_rid == order[i].server_rid and (
-                    self.requests.pool[slot].flags & FLAG_ORPHAN
-                ) and (client >= 0 or self._identity(self.requests.pool[slot].client)
-                       not in self.away):
-                    self._drop_orphan(slot)
-        finally:
-            free(order)
-
-    cdef void _acknowledge(self) noexcept nogil:
-        """HANDLED to each rebuild engine (after the window): the number of its last
-        reply message handled by the previous tick, so at least a tick ago, by when
-        the replies in it have left this process in all but a stall. An engine that
-        holds requests of a client away is not (``holding``): a REJOIN may want all it
-        kept."""
-        cdef uint8_t handled[CK_HEADER_INT_MAX]
-        cdef size_t n
-        cdef int rank
-        cdef Engine* engine
-        for rank in range(self.n_engines):
-            engine = &self.engines[rank]
-            if (
-                engine.rebuild and engine.state != ENGINE_GONE and not self.rebuilding
-                and not engine.holding and engine.mark > engine.acked
-            ):
-                engine.acked = engine.mark
-                n = ck_write_header_int(
-                    handled, HEADER_HANDLED, engine.base + <int64_t>engine.acked - 1
-                )
-                if self._send_identity(&self.engine_ids, rank) != 0:
-                    self._mark_gone(rank, GONE_UNREACHABLE)
-                else:
-                    send_bytes(self.sock, handled, n, 0)
-                    traffic_count(&self.traffic, SENT, HEADER_HANDLED, n)
-            engine.mark = engine.handled
-
-    cdef _mark_holding(self):
-        """Which engines hold requests of clients away (Engine.holding, n_holding)."""
-        cdef int rank
-        cdef int32_t client
-        cdef uint32_t slot
-        for rank in range(self.n_engines):
-            self.engines[rank].holding = False
-        for identity in self.away:
-            client = ck_ids_find(&self.client_ids, identity, len(identity))
-            slot = self.clients[client].requests.oldest
-            while slot != UINT32_MAX:
-                if self.requests.pool[slot].rank >= 0:
-                    self.engines[self.requests.pool[slot].rank].holding = True
-                slot = self.client_links.newer[slot]
-        self.n_holding = 0
-        for rank in range(self.n_engines):
-            self.n_holding += self.engines[rank].holding
-
     # -- failures ------------------------------------------------------------------------
 
     cdef _settle(self):
@@ -1970,7 +1554,7 @@ cdef class Loop:
                     self._fail_request(slot, refusal(status), HEADER_SUBMIT_REQUEST)
         finally:
             free(order)
-        self._send_resends(resend)
+        self.rebuild.send_resends(resend)
 
     cdef int _resend(self, uint32_t slot) noexcept nogil:
         """Send a request whose engine died to another, from what it kept, as a new
@@ -2060,66 +1644,9 @@ cdef class Loop:
         if unreachable:
             self.counters[COUNTER_CLIENT_GONE] += 1
         if self.clients[client].present and self.clients[client].hold > 0 and not closed:
-            self._go_away(client)
+            self.rebuild.go_away(client)
         else:
             self._drop_client(client)
-
-    cdef _go_away(self, int32_t client):
-        """A rebuild client's connection ended: for its hold (its failover_timeout, from
-        its CONNECT) its requests at rebuild engines wait for its REJOIN, as adopted ones
-        do (ORPHAN), their replies dropped meanwhile (REPLAYING: the engine keeps them,
-        and is sent no HANDLED meanwhile); the REJOIN replays what it lacks. Those at
-        other engines cannot be replayed: aborted now (the REJOIN then has them sent
-        again, or failed, as after a coordinator's loss). A client left with nothing in
-        flight is not kept: it is forgotten as any other."""
-        cdef uint32_t i, n, slot
-        cdef RequestOrder* order
-        cdef ck_request* request
-        cdef int rank
-        cdef bint aborted
-        self.clients[client].present = self.clients[client].rejoined = False
-        fd = self.clients[client].fd
-        if self.connections.get(fd, -1) == client:
-            self.connections[fd] = -1
-        self.clients[client].fd = -1
-        self.away[self._identity(client)] = monotonic() + self.clients[client].hold
-        self.n_away = len(self.away)
-        order = self._in_order(-1, client, &n)
-        try:
-            for i in range(n):
-                slot = order[i].slot
-                request = &self.requests.pool[slot]
-                rank = request.rank
-                if rank >= 0 and self.engines[rank].rebuild and (
-                    self.engines[rank].state != ENGINE_GONE
-                ):
-                    request.flags |= FLAG_ORPHAN | FLAG_REPLAYING
-                    continue
-                aborted = request.flags & FLAG_ABORTED
-                self._forget(slot)
-                if not aborted and rank >= 0 and self.engines[rank].state != ENGINE_GONE:
-                    self._abort_at_engine(rank, order[i].server_rid)
-        finally:
-            free(order)
-        if self.clients[client].inflight == 0:
-            self._remove_client(client)
-
-    cdef int _n_away(self):
-        """The clients away and not back yet (stats: they are not connected)."""
-        cdef int n = 0
-        for identity in self.away:
-            n += not self.clients[ck_ids_find(&self.client_ids, identity, len(identity))].present
-        return n
-
-    cdef _returned(self, int32_t client):
-        """A client not connected (away, or known from an engine's report) sent CONNECT:
-        one that was away and has nothing in flight awaits no REJOIN."""
-        identity = self._identity(client)
-        if identity in self.away:
-            self.counters[COUNTER_CLIENTS_RETURNED] += 1
-            if self.clients[client].inflight == 0:
-                del self.away[identity]
-                self.n_away = len(self.away)
 
     cdef _drop_client(self, int32_t client):
         """Abort a client's requests at their engines, and forget them and it."""

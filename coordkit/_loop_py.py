@@ -679,6 +679,408 @@ class Roles:
         return self._roles.get(identity, PeerRole.NONE)
 
 
+# -- the rebuild after a coordinator's loss (loop/rebuild.pyx) --------------------------
+
+
+class Rebuild:
+    """The rebuild after a coordinator's loss, and the ride-through of a client's blip
+    (docs/design.md, "The rebuild after a coordinator's loss"): what engines report
+    (HELD), what clients wait for (REJOIN), the replays (REPLAY, REPLAYED), what is sent
+    back (RESEND), the acknowledgements (HANDLED) and the clients away. Until the window
+    ends, engines report what they hold and clients what they wait for; meanwhile no
+    HANDLED goes out (a replay may need it all). It works on its loop's tables."""
+
+    def __init__(self, loop: Loop, options: Options):
+        self._loop = loop
+        self.until = time.monotonic() + options.rebuild_window
+        self.rebuilding = True
+        # REJOIN entries no engine claimed yet: (client identity, rid) -> partials got
+        self.awaiting: dict[tuple[bytes, int], int] = {}
+        # REJOIN entries aborted before an engine claimed them: (client identity, rid)
+        self.aborting: set[tuple[bytes, int]] = set()
+        # What engines' reports adopted in the window, ended or not: a second claim of a
+        # server id, or of a client's request id, is refused (nothing is answered twice).
+        self.claimed_ids: set[int] = set()
+        self.claimed_rids: set[tuple[bytes, int]] = set()
+        # Requests of rejoined clients that found no engine yet, by routing id: sent back
+        # (RESEND) once one registers, or at the window's end (resend_deferred).
+        self.deferred: dict[bytes, list[int]] = defaultdict(list)
+        # Rebuild clients whose connection ended, by identity: until when their requests
+        # wait for their REJOIN (meanwhile their engines get no HANDLED: a replay may
+        # need all they kept).
+        self.away: dict[bytes, float] = {}
+
+    def held(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
+        """HELD: what a rebuild engine holds, after its registration. A request this
+        coordinator has at that engine (a blip) is replayed whole; one it does not know
+        is adopted under its server id while the window lasts, for a client that may
+        still REJOIN it; any other is aborted at the engine, which must not run it on."""
+        parsed = self._loop._parse(protocol.HELD, None, Header.HELD, frames)
+        if parsed is None:
+            return
+        entries, hashes = parsed
+        self._loop._router.learn(engine.rank, hashes, time.monotonic())
+        replays: dict[_Engine, list[list[int]]] = defaultdict(list)
+        aborts = []
+        for server_rid, client_rid, client_id, partials, _ in entries:
+            request = self._loop._find(server_rid)
+            if request is not None:
+                ours = request.rank == engine.rank and request.client_rid == client_rid
+                if not (ours and request.client.identity == client_id):
+                    aborts.append(server_rid)  # another's: the first claim stands
+                elif not request.flags & ORPHAN:  # an orphan's replay waits for its client
+                    self._replay(request, -1, replays)
+                continue
+            client = None if engine.state == GONE else self._adoptive_client(client_id, client_rid)
+            if client is None or not self._claimable(server_rid, client_id, client_rid):
+                aborts.append(server_rid)
+                continue
+            request = self._loop._adopt(client, client_rid, server_rid)
+            self._loop._admit(request)
+            self._loop._router.hold(engine.rank)
+            request.rank, request.work = engine.rank, self._loop._router.charged
+            request.flags = ORPHAN | REPLAYING | (PRODUCED if partials else 0)
+            self._loop._counters[Counter.ADOPTED] += 1
+            start = self.awaiting.pop((client_id, client_rid), None)
+            if start is not None:
+                request.flags &= ~ORPHAN
+                self._replay(request, start, replays)
+                if (client_id, client_rid) in self.aborting:  # its client aborted it meanwhile
+                    self.aborting.discard((client_id, client_rid))
+                    request.flags |= ABORTED
+                    aborts.append(server_rid)
+        self._refuse_claims(engine, "HELD", len(aborts))
+        for server_rid in aborts:
+            if engine.state != GONE:
+                self._loop._abort_at_engine(engine, server_rid)
+        self._send_replays(replays)
+
+    def _claimable(self, server_rid: int, client_id: bytes, client_rid: int) -> bool:
+        """Whether an engine's report may be adopted under ``server_rid``: not an id this
+        life drew (those are all known, in flight or ended), nor one past MAX_ADOPTED,
+        and claimed by nobody before in the window (by server id, or by its client's
+        id), even if it has ended since."""
+        if not 0 <= server_rid < MAX_ADOPTED or (
+            self._loop._options.first_server_id <= server_rid < self._loop._next_rid
+        ):
+            return False
+        if server_rid in self.claimed_ids or (client_id, client_rid) in self.claimed_rids:
+            return False
+        self.claimed_ids.add(server_rid)
+        self.claimed_rids.add((client_id, client_rid))
+        return True
+
+    def _refuse_claims(self, engine: _Engine, kind: str, count: int) -> None:
+        """Claims of an engine's report that could not be true: counted and logged; they
+        change nothing of another peer's."""
+        if count:
+            self._loop._counters[Counter.REFUSED_CLAIMS] += count
+            what = f"refused {count} {kind} claims from engine {engine.rank}"
+            self._loop._log.warn(f"claims:{engine.rank}", what)
+
+    def _adoptive_client(self, identity: bytes, client_rid: int) -> _Client | None:
+        """The client an adopted request would be for (made, absent, until it
+        connects); None when it must not be adopted: the window is over, the client
+        rejoined without it or sent it again, or the tables are full."""
+        client = self._loop._clients.get(identity)
+        # A client connected that rejoined (or said it rejoins nothing) waits only for
+        # what it listed; one that never asked for the rebuild waits for nothing.
+        unwanted = client is not None and client.present and not (client.rebuild and client.fresh)
+        if (
+            not self.rebuilding
+            or self._loop._live >= self._loop._options.max_inflight
+            or (client is not None and client_rid in client.requests)
+            or (unwanted and (identity, client_rid) not in self.awaiting)
+        ):
+            return None
+        if client is not None:
+            return client
+        if (
+            identity in self._loop._engine_by_identity
+            or self._loop._roles.of(identity) == PeerRole.ENGINE
+        ):
+            return None
+        if (
+            len(self._loop._clients) >= self._loop._options.max_clients
+            and not self._loop._vacant_client()
+        ):
+            return None
+        client = self._loop._clients[identity] = self._loop._idle[identity] = _Client(identity)
+        client.coordkit = client.rebuild = True  # only a rebuild client's id travels
+        client.present = False
+        return client
+
+    def rejoin(self, client: _Client, frames: list[zmq.Frame]) -> None:
+        """REJOIN: the requests a rebuild client still waits for, once acknowledged
+        again. Each one held is replayed from the partials it got; one not held waits
+        for an engine to claim it while the window lasts, and is sent back after it
+        (RESEND, or ERROR(ENGINE_FAILED) when it got partials: it cannot start over).
+        Its adopted requests it did not list are not awaited: aborted."""
+        if not client.fresh:  # what it waits for was settled by its first message
+            self._loop._malformed(client, None, Header.REJOIN, "not the connection's first", frames)
+            return
+        parsed = self._loop._parse(protocol.REJOIN, client, Header.REJOIN, frames)
+        if parsed is None:
+            return
+        entries, _ = parsed
+        if any(partials < 0 for _, partials in entries):
+            self._loop._malformed(
+                client, None, Header.REJOIN, "a negative count of partials", frames
+            )
+            return
+        if len(entries) > self._loop._options.max_inflight:
+            self._loop._malformed(
+                client, None, Header.REJOIN, "more entries than max_inflight", frames
+            )
+            return
+        client.fresh = False
+        client.rejoined = True
+        self.away.pop(client.identity, None)  # back from a blip: its requests carry on
+        replays: dict[_Engine, list[list[int]]] = defaultdict(list)
+        resend: dict[_Client, list[int]] = defaultdict(list)
+        for rid, partials in entries:
+            request = client.requests.get(rid)
+            if request is not None:
+                request.flags &= ~ORPHAN
+                self._replay(request, partials, replays)
+            elif self.rebuilding:
+                self.awaiting[(client.identity, rid)] = partials
+            else:
+                self._unclaimed(client, rid, partials, resend)
+        for request in self._loop._in_order(lambda r: r.client is client and r.flags & ORPHAN):
+            self._drop_orphan(request)
+        self._send_replays(replays)
+        self.send_resends(resend)
+
+    def replayed(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
+        """REPLAYED: what an engine sends again, each reply with its place, on to its
+        client as CLIENT_REPLAYED (which drops what it has); its normal replies flow
+        again. A request the engine does not hold is sent back to its client when
+        nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
+        parsed = self._loop._parse(protocol.REPLAYED, None, Header.REPLAYED, frames)
+        if parsed is None:
+            return
+        entries, _ = parsed
+        now = time.monotonic() if self._loop._latency is not None else 0.0
+        out: dict[_Client, list[tuple[list[Any], Any]]] = defaultdict(list)
+        resend: dict[_Client, list[int]] = defaultdict(list)
+        at = 2
+        refused = 0
+        for server_rid, first, count, final in entries:
+            bodies, at = frames[at : at + count], at + count
+            request = self._loop._find(server_rid)
+            if request is None or request.rank != engine.rank or not request.flags & ASKED:
+                refused += 1  # not asked of it (or asked and answered already)
+                continue
+            if not request.client.present:
+                continue  # its client is away again: its REJOIN asks anew
+            request.flags &= ~(REPLAYING | ASKED)
+            if first < 0:
+                self._unheld(request, resend)
+                continue
+            for j, body in enumerate(bodies):
+                last = final and j == count - 1
+                self._loop._finish(request, last, now)
+                out[request.client].append(([request.client_rid, first + j, last], body))
+        self._refuse_claims(engine, "REPLAYED", refused)
+        for client, replies in out.items():
+            message = protocol.CLIENT_REPLAYED.pack(*zip(*replies, strict=True))
+            if not self._loop._send(client.identity, message):
+                self._loop._client_gone(client)
+        self.send_resends(resend)
+
+    def _replay(self, request: _Request, start: int, replays: dict[_Engine, Any]) -> None:
+        """Ask the request's engine (a rebuild engine) to send again what it sent for
+        it from partial ``start`` on (-1: all it keeps); its replies wait till then."""
+        if request.rank < 0:
+            return
+        engine = self._loop._engines[request.rank]
+        if engine.rebuild and engine.state != GONE:
+            request.flags |= REPLAYING | ASKED
+            replays[engine].append([request.server_rid, start])
+
+    def _send_replays(self, replays: dict[_Engine, list[list[int]]]) -> None:
+        for engine, entries in replays.items():
+            self._loop._counters[Counter.REPLAYED] += len(entries)
+            if not self._loop._send(engine.identity, protocol.REPLAY.pack(entries)):
+                self._loop._mark_gone(engine, "unreachable")
+
+    def send_resends(self, resend: dict[_Client, list[int]]) -> None:
+        """RESEND to each client (one that is connected) of the requests it must send again."""
+        for client, rids in resend.items():
+            if not client.present or self._loop._clients.get(client.identity) is not client:
+                continue
+            self._loop._counters[Counter.RESENT] += len(rids)
+            if not self._loop._send(client.identity, protocol.RESEND.pack(rids)):
+                self._loop._client_gone(client)
+
+    def rejoins_nothing(self, client: _Client) -> None:
+        """A connected client's first message is not a REJOIN: it waits for nothing an
+        engine may still report, and what was adopted for it is aborted (before the
+        message is handled: one of its new requests may have the id of one)."""
+        client.fresh = False
+        if client.requests:
+            for request in self._loop._in_order(
+                lambda r: r.flags & ORPHAN, client.requests.values()
+            ):
+                self._drop_orphan(request)
+
+    def _unclaimed(
+        self, client: _Client, rid: int, partials: int, resend: dict[_Client, list[int]]
+    ) -> None:
+        """A request a client waits for that no engine holds: sent back when it got
+        nothing, else ended (partials went out: it cannot start over)."""
+        if partials == 0:
+            resend[client].append(rid)
+            return
+        self._loop._failed[ErrorCode.ENGINE_FAILED] += 1
+        self._loop._counters[Counter.ENGINE_FAILED] += 1
+        if not self._loop._send_error(client, rid, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST):
+            self._loop._client_gone(client)
+
+    def _unheld(self, request: _Request, resend: dict[_Client, list[int]]) -> None:
+        """A request its engine says it does not hold (any more): sent back to its
+        client when nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
+        if request.flags & (PRODUCED | ABORTED | PINNED) or not request.client.rebuild:
+            self._loop._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
+            return
+        self._loop._forget(request)
+        resend[request.client].append(request.client_rid)
+
+    def _drop_orphan(self, request: _Request) -> None:
+        """An adopted request no client waits for: aborted at its engine and forgotten,
+        and its client with it when that never came back and has nothing left."""
+        rank, client = request.rank, request.client
+        self._loop._forget(request)
+        if rank >= 0 and self._loop._engines[rank].state != GONE:
+            self._loop._abort_at_engine(self._loop._engines[rank], request.server_rid)
+        if not client.present and not client.requests and client.identity in self._loop._clients:
+            self._loop._remove_client(client)
+
+    def defer(self, client: _Client, rid: int) -> None:
+        """Keep a request for RESEND once an engine registered (see Loop._accept)."""
+        self.deferred[client.identity].append(rid)
+
+    def resend_deferred(self) -> None:
+        """RESEND of the deferred requests (see _accept), to the clients still here."""
+        deferred, self.deferred = self.deferred, defaultdict(list)
+        resend: dict[_Client, list[int]] = {}
+        for identity, rids in deferred.items():
+            client = self._loop._clients.get(identity)
+            if client is not None:
+                resend[client] = rids
+        self.send_resends(resend)
+
+    def end_window(self) -> None:
+        """The window's end: the requests clients wait for that no engine claimed are
+        sent back (see _unclaimed), the adopted ones no client came back for are
+        aborted, and HANDLED goes out again."""
+        self.rebuilding = False
+        self.claimed_ids.clear()  # no report is adopted any more
+        self.claimed_rids.clear()
+        awaiting, self.awaiting = self.awaiting, {}
+        resend: dict[_Client, list[int]] = defaultdict(list)
+        aborting, self.aborting = self.aborting, set()
+        for (identity, rid), partials in awaiting.items():
+            client = self._loop._clients.get(identity)
+            if client is None:
+                continue
+            if (identity, rid) in aborting:  # aborted before anyone ran it: not sent again
+                self._loop._refuse(
+                    client,
+                    rid,
+                    ErrorCode.UNKNOWN_REQUEST,
+                    Header.ABORT_REQUEST,
+                    Counter.UNKNOWN_REQUEST,
+                )
+            else:
+                self._unclaimed(client, rid, partials, resend)
+        self.send_resends(resend)
+        # The orphans of a client away from a blip wait for it till its hold ends.
+        for request in self._loop._in_order(
+            lambda r: r.flags & ORPHAN and r.client.identity not in self.away
+        ):
+            if self._loop._find(request.server_rid) is request:
+                self._drop_orphan(request)
+
+    def acknowledge(self) -> None:
+        """HANDLED to each rebuild engine (after the window): the number of its last
+        reply message handled by the previous tick, so at least a tick ago, by when
+        the replies in it have left this process in all but a stall. An engine that
+        holds requests of a client away is not: a REJOIN may want all it kept."""
+        holding = {r.rank for i in self.away for r in self._loop._clients[i].requests.values()}
+        for engine in self._loop._engines:
+            if (
+                engine.rebuild
+                and engine.state != GONE
+                and not self.rebuilding
+                and engine.rank not in holding
+                and engine.mark > engine.acked
+            ):
+                engine.acked = engine.mark
+                count = engine.base + engine.acked - 1
+                if not self._loop._send(engine.identity, protocol.HANDLED.pack(count)):
+                    self._loop._mark_gone(engine, "unreachable")
+            engine.mark = engine.handled
+
+    def go_away(self, client: _Client) -> None:
+        """A rebuild client's connection ended: for its hold (its failover_timeout, from
+        its CONNECT) its requests at rebuild engines wait for its REJOIN, as adopted ones
+        do (ORPHAN), their replies dropped meanwhile (REPLAYING: the engine keeps them,
+        and is sent no HANDLED meanwhile); the REJOIN replays what it lacks. Those at
+        other engines cannot be replayed: aborted now (the REJOIN then has them sent
+        again, or failed, as after a coordinator's loss). A client left with nothing in
+        flight is not kept: it is forgotten as any other."""
+        client.present = client.rejoined = False
+        if self._loop._connections.get(client.fd) is client:
+            self._loop._connections[client.fd] = None
+        client.fd = -1
+        self.away[client.identity] = time.monotonic() + client.hold
+        for request in self._loop._in_order(lambda r: True, client.requests.values()):
+            rank = request.rank
+            if (
+                rank >= 0
+                and self._loop._engines[rank].rebuild
+                and self._loop._engines[rank].state != GONE
+            ):
+                request.flags |= ORPHAN | REPLAYING
+                continue
+            self._loop._forget(request)
+            if (
+                not request.flags & ABORTED
+                and rank >= 0
+                and self._loop._engines[rank].state != GONE
+            ):
+                self._loop._abort_at_engine(self._loop._engines[rank], request.server_rid)
+        if not client.requests:
+            self._loop._remove_client(client)
+
+    def returned(self, client: _Client) -> None:
+        """A client not connected (away, or known from an engine's report) sent CONNECT:
+        one that was away and has nothing in flight awaits no REJOIN."""
+        if client.identity in self.away:
+            self._loop._counters[Counter.CLIENTS_RETURNED] += 1
+            if not client.requests:
+                del self.away[client.identity]
+
+    def end_holds(self, now: float) -> None:
+        """The clients away past their hold: one that did not come back is dropped with
+        its requests (aborted at their engines); one that came back and did not REJOIN
+        them has its orphans aborted."""
+        for identity, until in list(self.away.items()):
+            if now < until:
+                continue
+            del self.away[identity]
+            client = self._loop._clients[identity]
+            if not client.present:
+                self._loop._drop_client(client)
+                continue
+            for request in self._loop._in_order(
+                lambda r: r.flags & ORPHAN, client.requests.values()
+            ):
+                self._drop_orphan(request)
+
+
 # -- the rare paths' helpers -----------------------------------------------------------
 
 
@@ -748,26 +1150,8 @@ class Loop:
         self._megatron_core = options.dialect == "megatron-core"
         # the prefix policy hashes the prompts of single-frame SUBMITs
         self._computes_hashes = self._megatron_core and router.policy == "prefix"
-        # The rebuild: until the window ends, engines report what they hold and clients
-        # what they wait for; meanwhile no HANDLED goes out (a replay may need it all).
-        self._epoch = options.epoch
-        self._rebuild_until = time.monotonic() + options.rebuild_window
-        self._rebuilding = True
-        # REJOIN entries no engine claimed yet: (client identity, rid) -> partials got
-        self._awaiting: dict[tuple[bytes, int], int] = {}
-        # REJOIN entries aborted before an engine claimed them: (client identity, rid)
-        self._aborting: set[tuple[bytes, int]] = set()
-        # What engines' reports adopted in the window, ended or not: a second claim of a
-        # server id, or of a client's request id, is refused (nothing is answered twice).
-        self._claimed_ids: set[int] = set()
-        self._claimed_rids: set[tuple[bytes, int]] = set()
-        # Requests of rejoined clients that found no engine yet, by routing id: sent back
-        # (RESEND) once one registers, or at the window's end (_resend_deferred).
-        self._deferred: dict[bytes, list[int]] = defaultdict(list)
-        # Rebuild clients whose connection ended, by identity: until when their requests
-        # wait for their REJOIN (meanwhile their engines get no HANDLED: a replay may
-        # need all they kept).
-        self._away: dict[bytes, float] = {}
+        self._epoch = options.epoch  # what it announces to rebuild peers
+        self._rebuild = Rebuild(self, options)
         # the prefix policy learns from the hashes a rebuild engine reports: it is sent them
         self._forwards_hashes = router.policy == "prefix"
         # the format of an engine that only registered: its Megatron version
@@ -846,13 +1230,13 @@ class Loop:
             if oldest.submitted >= deadline:
                 break
             self._time_out(oldest)
-        if self._rebuilding and now >= self._rebuild_until:
-            self._end_rebuild()
-        if self._deferred and (self._router.n_accepting or not self._rebuilding):
-            self._resend_deferred()
-        if self._away:
-            self._end_holds(now)
-        self._acknowledge()
+        if self._rebuild.rebuilding and now >= self._rebuild.until:
+            self._rebuild.end_window()
+        if self._rebuild.deferred and (self._router.n_accepting or not self._rebuild.rebuilding):
+            self._rebuild.resend_deferred()
+        if self._rebuild.away:
+            self._rebuild.end_holds(now)
+        self._rebuild.acknowledge()
         self._settle()
 
     def shutdown(self) -> None:
@@ -869,7 +1253,8 @@ class Loop:
             epoch=self._epoch,
             messages=self._messages,
             inflight=self._live,
-            clients=len(self._clients) - sum(not self._clients[i].present for i in self._away),
+            clients=len(self._clients)
+            - sum(not self._clients[i].present for i in self._rebuild.away),
             control_state=self._control_state,
             counters=list(self._counters),
             engines=[
@@ -942,7 +1327,7 @@ class Loop:
         else:
             self._seen(client)
             if client.fresh and header != Header.REJOIN:
-                self._rejoins_nothing(client)
+                self._rebuild.rejoins_nothing(client)
             self._from_client(client, header, frames)
 
     def _from_client(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
@@ -1077,10 +1462,10 @@ class Loop:
             self._counters[Counter.SUBMITTED] += 1
             return
         self._forget(request)
-        if status == RouteStatus.NO_ENGINES and self._rebuilding and client.rejoined:
+        if status == RouteStatus.NO_ENGINES and self._rebuild.rebuilding and client.rejoined:
             # Back after a loss, before its engines registered again: sent back once
             # one has (RESEND), not refused.
-            self._deferred[client.identity].append(rid)
+            self._rebuild.defer(client, rid)
             return
         self._refuse(client, rid, _refusal(status), header, _REFUSAL_COUNTERS[status], True)
 
@@ -1399,7 +1784,7 @@ class Loop:
         elif header == Header.STATS:
             self._stats_request(client, frames)
         elif header == Header.REJOIN and client.rebuild:
-            self._rejoin(client, frames)
+            self._rebuild.rejoin(client, frames)
         elif header == Header.DISCONNECT:
             self._goodbye(client, frames)
         else:
@@ -1413,10 +1798,10 @@ class Loop:
         elif header == Header.DISCONNECT:
             self._disconnect(engine, frames)
         elif header == Header.HELD and engine.rebuild:
-            self._held(engine, frames)
+            self._rebuild.held(engine, frames)
         elif header == Header.REPLAYED and engine.rebuild:
             engine.handled += 1
-            self._replayed(engine, frames)
+            self._rebuild.replayed(engine, frames)
         else:
             self._counters[Counter.UNKNOWN_HEADER] += 1
             self._log.warn(
@@ -1534,7 +1919,7 @@ class Loop:
             # seen, or another process took its name: either way the old one is gone
             # (away, with a hold: a blip).
             if client.hold > 0:
-                self._go_away(client)
+                self._rebuild.go_away(client)
             else:
                 self._client_gone(client, unreachable=False)
             client = self._clients.get(identity)  # None: forgotten (nothing in flight kept)
@@ -1547,7 +1932,7 @@ class Loop:
             else:  # known from an engine's report only, or away: this is its connection
                 self._connection_events()  # as for a new client: what the monitor said first
                 client.fd = fd
-                self._returned(client)
+                self._rebuild.returned(client)
             self._seen(client)
         else:
             # What the monitor said first: a connection that ended on this CONNECT's fd
@@ -1596,7 +1981,7 @@ class Loop:
         self._roles.remember(client.identity, PeerRole.CLIENT)
         del self._clients[client.identity]
         del self._idle[client.identity]
-        self._away.pop(client.identity, None)
+        self._rebuild.away.pop(client.identity, None)
         if self._connections.get(client.fd) is client:
             self._connections[client.fd] = None
 
@@ -1654,11 +2039,11 @@ class Loop:
         if message is None:
             return
         request = client.requests.get(message.rid)
-        if request is None and (client.identity, message.rid) in self._awaiting:
-            # REJOINed, no engine claimed it yet: aborted when one does (_held), else
-            # ended at the window's end, never sent again (_end_rebuild)
+        if request is None and (client.identity, message.rid) in self._rebuild.awaiting:
+            # REJOINed, no engine claimed it yet: aborted when one does (Rebuild.held), else
+            # ended at the window's end, never sent again (Rebuild.end_window)
             self._counters[Counter.ABORTS] += 1
-            self._aborting.add((client.identity, message.rid))
+            self._rebuild.aborting.add((client.identity, message.rid))
             return
         if request is None:
             self._refuse(
@@ -1743,305 +2128,6 @@ class Loop:
         self._counters[Counter.DETOKENIZED] += 1
         return out
 
-    # -- the rebuild after a coordinator's loss (docs/design.md, "Failover") ---------------
-
-    def _held(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        """HELD: what a rebuild engine holds, after its registration. A request this
-        coordinator has at that engine (a blip) is replayed whole; one it does not know
-        is adopted under its server id while the window lasts, for a client that may
-        still REJOIN it; any other is aborted at the engine, which must not run it on."""
-        parsed = self._parse(protocol.HELD, None, Header.HELD, frames)
-        if parsed is None:
-            return
-        entries, hashes = parsed
-        self._router.learn(engine.rank, hashes, time.monotonic())
-        replays: dict[_Engine, list[list[int]]] = defaultdict(list)
-        aborts = []
-        for server_rid, client_rid, client_id, partials, _ in entries:
-            request = self._find(server_rid)
-            if request is not None:
-                ours = request.rank == engine.rank and request.client_rid == client_rid
-                if not (ours and request.client.identity == client_id):
-                    aborts.append(server_rid)  # another's: the first claim stands
-                elif not request.flags & ORPHAN:  # an orphan's replay waits for its client
-                    self._replay(request, -1, replays)
-                continue
-            client = None if engine.state == GONE else self._adoptive_client(client_id, client_rid)
-            if client is None or not self._claimable(server_rid, client_id, client_rid):
-                aborts.append(server_rid)
-                continue
-            request = self._adopt(client, client_rid, server_rid)
-            self._admit(request)
-            self._router.hold(engine.rank)
-            request.rank, request.work = engine.rank, self._router.charged
-            request.flags = ORPHAN | REPLAYING | (PRODUCED if partials else 0)
-            self._counters[Counter.ADOPTED] += 1
-            start = self._awaiting.pop((client_id, client_rid), None)
-            if start is not None:
-                request.flags &= ~ORPHAN
-                self._replay(request, start, replays)
-                if (client_id, client_rid) in self._aborting:  # its client aborted it meanwhile
-                    self._aborting.discard((client_id, client_rid))
-                    request.flags |= ABORTED
-                    aborts.append(server_rid)
-        self._refuse_claims(engine, "HELD", len(aborts))
-        for server_rid in aborts:
-            if engine.state != GONE:
-                self._abort_at_engine(engine, server_rid)
-        self._send_replays(replays)
-
-    def _claimable(self, server_rid: int, client_id: bytes, client_rid: int) -> bool:
-        """Whether an engine's report may be adopted under ``server_rid``: not an id this
-        life drew (those are all known, in flight or ended), nor one past MAX_ADOPTED,
-        and claimed by nobody before in the window (by server id, or by its client's
-        id), even if it has ended since."""
-        if not 0 <= server_rid < MAX_ADOPTED or (
-            self._options.first_server_id <= server_rid < self._next_rid
-        ):
-            return False
-        if server_rid in self._claimed_ids or (client_id, client_rid) in self._claimed_rids:
-            return False
-        self._claimed_ids.add(server_rid)
-        self._claimed_rids.add((client_id, client_rid))
-        return True
-
-    def _refuse_claims(self, engine: _Engine, kind: str, count: int) -> None:
-        """Claims of an engine's report that could not be true: counted and logged; they
-        change nothing of another peer's."""
-        if count:
-            self._counters[Counter.REFUSED_CLAIMS] += count
-            what = f"refused {count} {kind} claims from engine {engine.rank}"
-            self._log.warn(f"claims:{engine.rank}", what)
-
-    def _adoptive_client(self, identity: bytes, client_rid: int) -> _Client | None:
-        """The client an adopted request would be for (made, absent, until it
-        connects); None when it must not be adopted: the window is over, the client
-        rejoined without it or sent it again, or the tables are full."""
-        client = self._clients.get(identity)
-        # A client connected that rejoined (or said it rejoins nothing) waits only for
-        # what it listed; one that never asked for the rebuild waits for nothing.
-        unwanted = client is not None and client.present and not (client.rebuild and client.fresh)
-        if (
-            not self._rebuilding
-            or self._live >= self._options.max_inflight
-            or (client is not None and client_rid in client.requests)
-            or (unwanted and (identity, client_rid) not in self._awaiting)
-        ):
-            return None
-        if client is not None:
-            return client
-        if identity in self._engine_by_identity or self._roles.of(identity) == PeerRole.ENGINE:
-            return None
-        if len(self._clients) >= self._options.max_clients and not self._vacant_client():
-            return None
-        client = self._clients[identity] = self._idle[identity] = _Client(identity)
-        client.coordkit = client.rebuild = True  # only a rebuild client's id travels
-        client.present = False
-        return client
-
-    def _rejoin(self, client: _Client, frames: list[zmq.Frame]) -> None:
-        """REJOIN: the requests a rebuild client still waits for, once acknowledged
-        again. Each one held is replayed from the partials it got; one not held waits
-        for an engine to claim it while the window lasts, and is sent back after it
-        (RESEND, or ERROR(ENGINE_FAILED) when it got partials: it cannot start over).
-        Its adopted requests it did not list are not awaited: aborted."""
-        if not client.fresh:  # what it waits for was settled by its first message
-            self._malformed(client, None, Header.REJOIN, "not the connection's first", frames)
-            return
-        parsed = self._parse(protocol.REJOIN, client, Header.REJOIN, frames)
-        if parsed is None:
-            return
-        entries, _ = parsed
-        if any(partials < 0 for _, partials in entries):
-            self._malformed(client, None, Header.REJOIN, "a negative count of partials", frames)
-            return
-        if len(entries) > self._options.max_inflight:
-            self._malformed(client, None, Header.REJOIN, "more entries than max_inflight", frames)
-            return
-        client.fresh = False
-        client.rejoined = True
-        self._away.pop(client.identity, None)  # back from a blip: its requests carry on
-        replays: dict[_Engine, list[list[int]]] = defaultdict(list)
-        resend: dict[_Client, list[int]] = defaultdict(list)
-        for rid, partials in entries:
-            request = client.requests.get(rid)
-            if request is not None:
-                request.flags &= ~ORPHAN
-                self._replay(request, partials, replays)
-            elif self._rebuilding:
-                self._awaiting[(client.identity, rid)] = partials
-            else:
-                self._unclaimed(client, rid, partials, resend)
-        for request in self._in_order(lambda r: r.client is client and r.flags & ORPHAN):
-            self._drop_orphan(request)
-        self._send_replays(replays)
-        self._send_resends(resend)
-
-    def _replayed(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        """REPLAYED: what an engine sends again, each reply with its place, on to its
-        client as CLIENT_REPLAYED (which drops what it has); its normal replies flow
-        again. A request the engine does not hold is sent back to its client when
-        nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
-        parsed = self._parse(protocol.REPLAYED, None, Header.REPLAYED, frames)
-        if parsed is None:
-            return
-        entries, _ = parsed
-        now = time.monotonic() if self._latency is not None else 0.0
-        out: dict[_Client, list[tuple[list[Any], Any]]] = defaultdict(list)
-        resend: dict[_Client, list[int]] = defaultdict(list)
-        at = 2
-        refused = 0
-        for server_rid, first, count, final in entries:
-            bodies, at = frames[at : at + count], at + count
-            request = self._find(server_rid)
-            if request is None or request.rank != engine.rank or not request.flags & ASKED:
-                refused += 1  # not asked of it (or asked and answered already)
-                continue
-            if not request.client.present:
-                continue  # its client is away again: its REJOIN asks anew
-            request.flags &= ~(REPLAYING | ASKED)
-            if first < 0:
-                self._unheld(request, resend)
-                continue
-            for j, body in enumerate(bodies):
-                last = final and j == count - 1
-                self._finish(request, last, now)
-                out[request.client].append(([request.client_rid, first + j, last], body))
-        self._refuse_claims(engine, "REPLAYED", refused)
-        for client, replies in out.items():
-            message = protocol.CLIENT_REPLAYED.pack(*zip(*replies, strict=True))
-            if not self._send(client.identity, message):
-                self._client_gone(client)
-        self._send_resends(resend)
-
-    def _replay(self, request: _Request, start: int, replays: dict[_Engine, Any]) -> None:
-        """Ask the request's engine (a rebuild engine) to send again what it sent for
-        it from partial ``start`` on (-1: all it keeps); its replies wait till then."""
-        if request.rank < 0:
-            return
-        engine = self._engines[request.rank]
-        if engine.rebuild and engine.state != GONE:
-            request.flags |= REPLAYING | ASKED
-            replays[engine].append([request.server_rid, start])
-
-    def _send_replays(self, replays: dict[_Engine, list[list[int]]]) -> None:
-        for engine, entries in replays.items():
-            self._counters[Counter.REPLAYED] += len(entries)
-            if not self._send(engine.identity, protocol.REPLAY.pack(entries)):
-                self._mark_gone(engine, "unreachable")
-
-    def _send_resends(self, resend: dict[_Client, list[int]]) -> None:
-        """RESEND to each client (one that is connected) of the requests it must send again."""
-        for client, rids in resend.items():
-            if not client.present or self._clients.get(client.identity) is not client:
-                continue
-            self._counters[Counter.RESENT] += len(rids)
-            if not self._send(client.identity, protocol.RESEND.pack(rids)):
-                self._client_gone(client)
-
-    def _rejoins_nothing(self, client: _Client) -> None:
-        """A connected client's first message is not a REJOIN: it waits for nothing an
-        engine may still report, and what was adopted for it is aborted (before the
-        message is handled: one of its new requests may have the id of one)."""
-        client.fresh = False
-        if client.requests:
-            for request in self._in_order(lambda r: r.flags & ORPHAN, client.requests.values()):
-                self._drop_orphan(request)
-
-    def _unclaimed(
-        self, client: _Client, rid: int, partials: int, resend: dict[_Client, list[int]]
-    ) -> None:
-        """A request a client waits for that no engine holds: sent back when it got
-        nothing, else ended (partials went out: it cannot start over)."""
-        if partials == 0:
-            resend[client].append(rid)
-            return
-        self._failed[ErrorCode.ENGINE_FAILED] += 1
-        self._counters[Counter.ENGINE_FAILED] += 1
-        if not self._send_error(client, rid, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST):
-            self._client_gone(client)
-
-    def _unheld(self, request: _Request, resend: dict[_Client, list[int]]) -> None:
-        """A request its engine says it does not hold (any more): sent back to its
-        client when nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
-        if request.flags & (PRODUCED | ABORTED | PINNED) or not request.client.rebuild:
-            self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
-            return
-        self._forget(request)
-        resend[request.client].append(request.client_rid)
-
-    def _drop_orphan(self, request: _Request) -> None:
-        """An adopted request no client waits for: aborted at its engine and forgotten,
-        and its client with it when that never came back and has nothing left."""
-        rank, client = request.rank, request.client
-        self._forget(request)
-        if rank >= 0 and self._engines[rank].state != GONE:
-            self._abort_at_engine(self._engines[rank], request.server_rid)
-        if not client.present and not client.requests and client.identity in self._clients:
-            self._remove_client(client)
-
-    def _resend_deferred(self) -> None:
-        """RESEND of the deferred requests (see _accept), to the clients still here."""
-        deferred, self._deferred = self._deferred, defaultdict(list)
-        resend: dict[_Client, list[int]] = {}
-        for identity, rids in deferred.items():
-            client = self._clients.get(identity)
-            if client is not None:
-                resend[client] = rids
-        self._send_resends(resend)
-
-    def _end_rebuild(self) -> None:
-        """The window's end: the requests clients wait for that no engine claimed are
-        sent back (see _unclaimed), the adopted ones no client came back for are
-        aborted, and HANDLED goes out again."""
-        self._rebuilding = False
-        self._claimed_ids.clear()  # no report is adopted any more
-        self._claimed_rids.clear()
-        awaiting, self._awaiting = self._awaiting, {}
-        resend: dict[_Client, list[int]] = defaultdict(list)
-        aborting, self._aborting = self._aborting, set()
-        for (identity, rid), partials in awaiting.items():
-            client = self._clients.get(identity)
-            if client is None:
-                continue
-            if (identity, rid) in aborting:  # aborted before anyone ran it: not sent again
-                self._refuse(
-                    client,
-                    rid,
-                    ErrorCode.UNKNOWN_REQUEST,
-                    Header.ABORT_REQUEST,
-                    Counter.UNKNOWN_REQUEST,
-                )
-            else:
-                self._unclaimed(client, rid, partials, resend)
-        self._send_resends(resend)
-        # The orphans of a client away from a blip wait for it till its hold ends.
-        for request in self._in_order(
-            lambda r: r.flags & ORPHAN and r.client.identity not in self._away
-        ):
-            if self._find(request.server_rid) is request:
-                self._drop_orphan(request)
-
-    def _acknowledge(self) -> None:
-        """HANDLED to each rebuild engine (after the window): the number of its last
-        reply message handled by the previous tick, so at least a tick ago, by when
-        the replies in it have left this process in all but a stall. An engine that
-        holds requests of a client away is not: a REJOIN may want all it kept."""
-        holding = {r.rank for i in self._away for r in self._clients[i].requests.values()}
-        for engine in self._engines:
-            if (
-                engine.rebuild
-                and engine.state != GONE
-                and not self._rebuilding
-                and engine.rank not in holding
-                and engine.mark > engine.acked
-            ):
-                engine.acked = engine.mark
-                count = engine.base + engine.acked - 1
-                if not self._send(engine.identity, protocol.HANDLED.pack(count)):
-                    self._mark_gone(engine, "unreachable")
-            engine.mark = engine.handled
-
     # -- failures ------------------------------------------------------------------------
 
     def _settle(self) -> None:
@@ -2082,7 +2168,7 @@ class Loop:
                 self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
             else:
                 self._fail_request(request, _refusal(status), Header.SUBMIT_REQUEST)
-        self._send_resends(resend)
+        self._rebuild.send_resends(resend)
 
     def _resend(self, request: _Request) -> RouteStatus:
         """Send a request whose engine died to another, from what it kept, as a new
@@ -2136,63 +2222,16 @@ class Loop:
         """A client that cannot be reached, or that left (DISCONNECT: ``closed``, or its
         connection ended): its requests are aborted at their engines and forgotten, and
         so is the client; but a rebuild client with a hold that did not close may come
-        back (a blip): it is only away (_go_away)."""
+        back (a blip): it is only away (Rebuild.go_away)."""
         if self._clients.get(client.identity) is not client:
             return
         self._counters[Counter.CLIENTS_DEPARTED] += 1
         if unreachable:
             self._counters[Counter.CLIENT_GONE] += 1
         if client.present and client.hold > 0 and not closed:
-            self._go_away(client)
+            self._rebuild.go_away(client)
         else:
             self._drop_client(client)
-
-    def _go_away(self, client: _Client) -> None:
-        """A rebuild client's connection ended: for its hold (its failover_timeout, from
-        its CONNECT) its requests at rebuild engines wait for its REJOIN, as adopted ones
-        do (ORPHAN), their replies dropped meanwhile (REPLAYING: the engine keeps them,
-        and is sent no HANDLED meanwhile); the REJOIN replays what it lacks. Those at
-        other engines cannot be replayed: aborted now (the REJOIN then has them sent
-        again, or failed, as after a coordinator's loss). A client left with nothing in
-        flight is not kept: it is forgotten as any other."""
-        client.present = client.rejoined = False
-        if self._connections.get(client.fd) is client:
-            self._connections[client.fd] = None
-        client.fd = -1
-        self._away[client.identity] = time.monotonic() + client.hold
-        for request in self._in_order(lambda r: True, client.requests.values()):
-            rank = request.rank
-            if rank >= 0 and self._engines[rank].rebuild and self._engines[rank].state != GONE:
-                request.flags |= ORPHAN | REPLAYING
-                continue
-            self._forget(request)
-            if not request.flags & ABORTED and rank >= 0 and self._engines[rank].state != GONE:
-                self._abort_at_engine(self._engines[rank], request.server_rid)
-        if not client.requests:
-            self._remove_client(client)
-
-    def _returned(self, client: _Client) -> None:
-        """A client not connected (away, or known from an engine's report) sent CONNECT:
-        one that was away and has nothing in flight awaits no REJOIN."""
-        if client.identity in self._away:
-            self._counters[Counter.CLIENTS_RETURNED] += 1
-            if not client.requests:
-                del self._away[client.identity]
-
-    def _end_holds(self, now: float) -> None:
-        """The clients away past their hold: one that did not come back is dropped with
-        its requests (aborted at their engines); one that came back and did not REJOIN
-        them has its orphans aborted."""
-        for identity, until in list(self._away.items()):
-            if now < until:
-                continue
-            del self._away[identity]
-            client = self._clients[identity]
-            if not client.present:
-                self._drop_client(client)
-                continue
-            for request in self._in_order(lambda r: r.flags & ORPHAN, client.requests.values()):
-                self._drop_orphan(request)
 
     def _drop_client(self, client: _Client) -> None:
         """Abort a client's requests at their engines, and forget them and it."""
