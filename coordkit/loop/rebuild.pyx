@@ -116,7 +116,10 @@ cdef class Rebuild:
         if (
             not self.rebuilding
             or self.loop.requests.live >= self.loop.max_inflight
-            or (client >= 0 and ck_requests_find_client(&self.loop.requests, client, client_rid) >= 0)
+            or (
+                client >= 0
+                and ck_requests_find_client(&self.loop.requests, client, client_rid) >= 0
+            )
             or (unwanted and (identity, client_rid) not in self.awaiting)
         ):
             return -1
@@ -133,7 +136,8 @@ cdef class Rebuild:
         self.loop.clients[client].used = True
         ends_init(&self.loop.clients[client].requests)
         list_push(&self.loop.idle_links, &self.loop.idle, client)  # idle until its first adoption
-        self.loop.clients[client].coordkit = self.loop.clients[client].rebuild = True  # only theirs travel
+        # only a rebuild client's id travels
+        self.loop.clients[client].coordkit = self.loop.clients[client].rebuild = True
         self.loop.clients[client].format = FORMAT_MULTIPART
         self.loop.clients[client].fd = -1  # no connection yet: its CONNECT says which
         ck_ids_insert(&self.loop.client_ids, client, identity, n)
@@ -147,7 +151,7 @@ cdef class Rebuild:
         (RESEND, or ERROR(ENGINE_FAILED) when it got partials: it cannot start over).
         Its adopted requests it did not list are not awaited: aborted."""
         cdef int64_t slot
-        if not self.loop.clients[client].fresh:  # what it waits for was settled by its first message
+        if not self.loop.clients[client].fresh:  # its first message settled what it waits for
             self.loop._malformed(client, None, HEADER_REJOIN, "not the connection's first")
             return
         parsed = self.loop._parse(protocol.REJOIN, client, HEADER_REJOIN)
@@ -251,7 +255,8 @@ cdef class Rebuild:
     cdef _send_replays(self, dict replays):
         for rank, entries in replays.items():
             self.loop.counters[COUNTER_REPLAYED] += len(entries)
-            if not self.loop._send_frames(&self.loop.engine_ids, rank, protocol.REPLAY.pack(entries)):
+            replay = protocol.REPLAY.pack(entries)
+            if not self.loop._send_frames(&self.loop.engine_ids, rank, replay):
                 self.loop._mark_gone(rank, GONE_UNREACHABLE)
 
     cdef send_resends(self, dict resend):
@@ -261,7 +266,8 @@ cdef class Rebuild:
             if not (self.loop.clients[client].used and self.loop.clients[client].present):
                 continue
             self.loop.counters[COUNTER_RESENT] += len(rids)
-            if not self.loop._send_frames(&self.loop.client_ids, client, protocol.RESEND.pack(rids)):
+            message = protocol.RESEND.pack(rids)
+            if not self.loop._send_frames(&self.loop.client_ids, client, message):
                 self.loop._client_gone(client)
 
     cdef rejoins_nothing(self, int32_t client):
@@ -471,8 +477,10 @@ cdef class Rebuild:
     cdef int absent(self):
         """The clients away and not back yet (stats: they are not connected)."""
         cdef int n = 0
+        cdef int32_t client
         for identity in self.away:
-            n += not self.loop.clients[ck_ids_find(&self.loop.client_ids, identity, len(identity))].present
+            client = ck_ids_find(&self.loop.client_ids, identity, len(identity))
+            n += not self.loop.clients[client].present
         return n
 
     cdef returned(self, int32_t client):
