@@ -201,6 +201,20 @@ cdef int ck_check_prompt(const uint8_t* buf, size_t n) noexcept nogil
 # buf[0:n] is exactly one msgpack map (sampling params, a reply body): CK_OK, or why not.
 cdef int ck_check_map(const uint8_t* buf, size_t n) noexcept nogil
 
+# What ck_streamed_tokens found in a reply body.
+cdef enum:
+    CK_NO_TOKENS = 0    # neither "new_tokens" nor "generated_tokens"
+    CK_NEW_TOKENS = 1   # "new_tokens": those since the last partial
+    CK_ALL_TOKENS = 2   # "generated_tokens": all so far
+
+# The tokens a reply body carries (exactly one msgpack map, its structure checked
+# whole): its top-level "new_tokens" (*kind CK_NEW_TOKENS), else its "generated_tokens"
+# (CK_ALL_TOKENS), the last of each name winning, into out, *count of them; each an int
+# in [0, 2**32) (CK_BAD_TOKEN otherwise). *kind CK_NO_TOKENS, *count 0 with neither.
+# More than `capacity`: CK_TOO_MANY with *count the number, before any is read.
+cdef int ck_streamed_tokens(const uint8_t* buf, size_t n, int* kind, uint32_t* out,
+                            uint32_t capacity, uint32_t* count) noexcept nogil
+
 # The chained block hashes of a token-id prompt, exactly
 # coordkit.protocol.block_hashes(tokens, block_size): one little-endian u64
 # per full block into out (8 bytes each), *count of them. buf[0:n] must be

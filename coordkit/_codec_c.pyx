@@ -47,6 +47,10 @@ __all__ = [
     "check_prompt",
     "check_map",
     "prompt_hashes",
+    "streamed_tokens",
+    "NO_TOKENS",
+    "NEW_TOKENS",
+    "ALL_TOKENS",
     # writer
     "write_submit",
     "write_header_int",
@@ -57,3 +61,5 @@ include "codec/reader.pyx"
 include "codec/multipart.pyx"
 include "codec/single_frame.pyx"
 include "codec/writer.pyx"
+
+NO_TOKENS, NEW_TOKENS, ALL_TOKENS = CK_NO_TOKENS, CK_NEW_TOKENS, CK_ALL_TOKENS

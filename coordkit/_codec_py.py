@@ -37,6 +37,10 @@ __all__ = [
     "check_prompt",
     "check_map",
     "prompt_hashes",
+    "streamed_tokens",
+    "NO_TOKENS",
+    "NEW_TOKENS",
+    "ALL_TOKENS",
     # writer
     "write_submit",
     "write_header_int",
@@ -374,11 +378,23 @@ def read_reply_batch(frame: Buffer) -> list[tuple[int, bool]]:
 
 # -- single frame: Megatron-Core's single frames (0.19's, main's), as byte spans ------
 
+
 # "request_id" as a msgpack str, in each of its four forms.
-_REQUEST_ID_KEYS = tuple(
-    head + b"request_id"
-    for head in (b"\xaa", b"\xd9\x0a", b"\xda\x00\x0a", b"\xdb\x00\x00\x00\x0a")
-)
+def _str_keys(name: bytes) -> tuple[bytes, ...]:
+    """``name`` (under 32 bytes) as a msgpack str, in each of its four forms."""
+    n = len(name)
+    heads = (bytes([0xA0 | n]), bytes([0xD9, n]), bytes([0xDA, 0, n]), bytes([0xDB, 0, 0, 0, n]))
+    return tuple(head + name for head in heads)
+
+
+_REQUEST_ID_KEYS = _str_keys(b"request_id")
+_NEW_TOKENS_KEYS = _str_keys(b"new_tokens")
+_ALL_TOKENS_KEYS = _str_keys(b"generated_tokens")
+
+#: What streamed_tokens found in a reply body: neither "new_tokens" nor
+#: "generated_tokens", "new_tokens" (those since the last partial), "generated_tokens"
+#: (all so far).
+NO_TOKENS, NEW_TOKENS, ALL_TOKENS = 0, 1, 2
 
 
 def _single_head(data: bytes) -> tuple[msgpack.Unpacker, int, int, int]:
@@ -485,6 +501,45 @@ def read_single_reply(frame: Buffer) -> tuple[int, list[tuple[int, int, int | No
     if unpacker.tell() != len(data):
         raise ProtocolError(f"{_REPLY}: trailing bytes")
     return header, entries
+
+
+def streamed_tokens(body: Buffer) -> tuple[int, list[int]]:
+    """``(kind, tokens)`` of a reply body (exactly one msgpack map): its top-level
+    "new_tokens" (kind NEW_TOKENS), else its "generated_tokens" (ALL_TOKENS), the last
+    of each name winning; ``(NO_TOKENS, [])`` with neither. ProtocolError for a body
+    that is not one map, or tokens that are not ints in [0, 2**32)."""
+    what = "no tokens"
+    data = _as_bytes(body)
+    unpacker = _unpacker(data)
+    found: list[int | None] = [None, None]  # where "new_tokens", "generated_tokens" lie
+    for _ in range(_count(what, data, unpacker, _is_map) // 2):
+        at = unpacker.tell()
+        which = (
+            0
+            if data.startswith(_NEW_TOKENS_KEYS, at)
+            else 1
+            if data.startswith(_ALL_TOKENS_KEYS, at)
+            else None
+        )
+        _unpack(what, unpacker.skip)  # the key
+        if which is not None:
+            found[which] = unpacker.tell()
+        _unpack(what, unpacker.skip)
+    if unpacker.tell() != len(data):
+        raise ProtocolError(f"{what}: trailing bytes")
+    which = 0 if found[0] is not None else 1
+    at = found[which]
+    if at is None:
+        return NO_TOKENS, []
+    unpacker = _unpacker(data[at:])
+    tokens = []
+    for _ in range(_array_length(what, data[at:], unpacker)):
+        at_token = at + unpacker.tell()
+        token = unpacker.unpack() if _is_int(data[at_token]) else None
+        if token is None or not 0 <= token <= _UINT32_MAX:
+            raise ProtocolError(f"{what}: {_BAD_TOKEN}")
+        tokens.append(token)
+    return NEW_TOKENS if which == 0 else ALL_TOKENS, tokens
 
 
 def _check_whole(what: str, frame: Buffer, kind: Callable[[int], bool]) -> None:

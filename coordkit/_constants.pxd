@@ -90,11 +90,15 @@ cdef enum:  # coordkit._shared.Counter
     COUNTER_CLIENTS_RETURNED = 31
     COUNTER_REFUSED_CLAIMS = 32
     COUNTER_ENGINE_RESTARTS = 33
+    COUNTER_MIGRATED = 34
+    COUNTER_ENGINES_BACK = 35
+    COUNTER_QUARANTINES = 36
 
 cdef enum:  # coordkit._shared.EngineState
     ENGINE_ALIVE = 0
     ENGINE_DRAINING = 1
     ENGINE_GONE = 2
+    ENGINE_AWAY = 3
 
 cdef enum:  # coordkit._shared.RequestFlag
     FLAG_PRODUCED = 1
@@ -103,6 +107,8 @@ cdef enum:  # coordkit._shared.RequestFlag
     FLAG_ORPHAN = 8
     FLAG_PINNED = 16
     FLAG_ASKED = 32
+    FLAG_MIGRATED = 64
+    FLAG_UNCONFIRMED = 128
 
 cdef enum:  # coordkit._shared.RouteStatus
     ROUTE_SENT = 0
@@ -122,6 +128,14 @@ cdef enum:  # coordkit._shared.PeerRole
     ROLE_CLIENT = 1
     ROLE_ENGINE = 2
 
+cdef enum:  # coordkit._shared.GoneReason
+    GONE_UNREACHABLE = 0
+    GONE_NO_HEARTBEAT = 1
+    GONE_DRAIN_TIMED_OUT = 2
+    GONE_RESTARTED = 3
+    GONE_DISCONNECTED = 4
+    GONE_GRACE_OVER = 5
+
 cdef enum:
     BLOCK_HASH_SIZE = 8
     MAX_PARTS = 65536
@@ -132,7 +146,7 @@ cdef enum:
     HEADER_SLOTS = 128
     ERROR_SLOTS = 32
     N_LATENCY_BUCKETS = 22
-    N_COUNTERS = 34
+    N_COUNTERS = 37
     WEIGHT_SCALE = 256
     MAX_BLOCKS = 8388608
     SPARSE_RANKS = 16
@@ -225,15 +239,21 @@ cdef inline dict generated_constants():
         "Counter.CLIENTS_RETURNED": 31,
         "Counter.REFUSED_CLAIMS": 32,
         "Counter.ENGINE_RESTARTS": 33,
+        "Counter.MIGRATED": 34,
+        "Counter.ENGINES_BACK": 35,
+        "Counter.QUARANTINES": 36,
         "EngineState.ALIVE": 0,
         "EngineState.DRAINING": 1,
         "EngineState.GONE": 2,
+        "EngineState.AWAY": 3,
         "RequestFlag.PRODUCED": 1,
         "RequestFlag.ABORTED": 2,
         "RequestFlag.REPLAYING": 4,
         "RequestFlag.ORPHAN": 8,
         "RequestFlag.PINNED": 16,
         "RequestFlag.ASKED": 32,
+        "RequestFlag.MIGRATED": 64,
+        "RequestFlag.UNCONFIRMED": 128,
         "RouteStatus.SENT": 0,
         "RouteStatus.NO_ENGINES": 1,
         "RouteStatus.ALL_BUSY": 2,
@@ -246,6 +266,12 @@ cdef inline dict generated_constants():
         "PeerRole.NONE": 0,
         "PeerRole.CLIENT": 1,
         "PeerRole.ENGINE": 2,
+        "GoneReason.UNREACHABLE": 0,
+        "GoneReason.NO_HEARTBEAT": 1,
+        "GoneReason.DRAIN_TIMED_OUT": 2,
+        "GoneReason.RESTARTED": 3,
+        "GoneReason.DISCONNECTED": 4,
+        "GoneReason.GRACE_OVER": 5,
         "BLOCK_HASH_SIZE": 8,
         "MAX_PARTS": 65536,
         "COPY_BELOW": 8192,
@@ -255,7 +281,7 @@ cdef inline dict generated_constants():
         "HEADER_SLOTS": 128,
         "ERROR_SLOTS": 32,
         "N_LATENCY_BUCKETS": 22,
-        "N_COUNTERS": 34,
+        "N_COUNTERS": 37,
         "WEIGHT_SCALE": 256,
         "MAX_BLOCKS": 8388608,
         "SPARSE_RANKS": 16,

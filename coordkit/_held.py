@@ -32,6 +32,7 @@ from . import protocol
 from .protocol import (
     BLOCK_HASH_SIZE,
     EPOCH_KEY,
+    HELD_ALL_KEY,
     REBUILD_FEATURE,
     Header,
     ProtocolError,
@@ -73,13 +74,14 @@ def trailed(name: str, n_frames: int, frame: Callable[[int], Any]) -> list[Trail
 
 
 class _Kept:
-    """One request held for a rebuild client; ``bodies`` are ``[index, number, body,
-    final]``: the partial's place (the final's: the partials before it), the reply
-    message it was last sent in."""
+    """One request held; for a rebuild client's (``client_id``), ``bodies`` are
+    ``[index, number, body, final]``: the partial's place (the final's: the partials
+    before it), the reply message it was last sent in. Another's keeps no bodies: it
+    is only listed in HELD (when asked: HELD_ALL_KEY) until its final goes out."""
 
     __slots__ = ("client_rid", "client_id", "partials", "final", "bodies")
 
-    def __init__(self, client_rid: int, client_id: bytes):
+    def __init__(self, client_rid: int, client_id: bytes | None):
         self.client_rid = client_rid
         self.client_id = client_id
         self.partials = 0
@@ -106,9 +108,8 @@ class Held:
 
     def track(self, server_rid: int, trailer: Trailer, hashes: Any = None) -> None:
         """A request came with its trailer (and its block hashes, when the trailer
-        says so): hold it when a rebuild client sent it; keep its hashes."""
-        if trailer.client_id is not None:
-            self.requests[server_rid] = _Kept(trailer.client_rid, trailer.client_id)
+        says so): hold it; keep its hashes."""
+        self.requests[server_rid] = _Kept(trailer.client_rid, trailer.client_id)
         if hashes is not None and len(hashes):
             self._keep_hashes(hashes)
 
@@ -144,6 +145,12 @@ class Held:
             kept = self.requests.get(rid)
             if kept is None or kept.final:
                 continue
+            if kept.client_id is None:  # nothing to replay: listed until its final
+                if final:
+                    del self.requests[rid]
+                else:
+                    kept.partials += 1
+                continue
             kept.bodies.append([kept.partials, number, body, final])
             if final:
                 kept.final = True
@@ -164,9 +171,11 @@ class Held:
         self.granted = granted.get(REBUILD_FEATURE) == 1
         self.epoch = granted.get(EPOCH_KEY)
         if self.granted:
+            every = granted.get(HELD_ALL_KEY) == 1
             entries = [
                 [rid, k.client_rid, k.client_id, k.partials, k.final]
                 for rid, k in self.requests.items()
+                if every or k.client_id is not None
             ]
             self.socket.send_multipart(protocol.HELD.pack(entries, self.recent_hashes()))
 

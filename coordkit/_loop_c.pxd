@@ -61,7 +61,6 @@ cdef struct Engine:
     bint heartbeats  # has sent a HEARTBEAT: may be timed out
     double last_heartbeat
     double drain_deadline
-    int gone_reason  # why it was found gone, for the log
     # A rebuild engine is sent a trailer with every request, and HANDLED on the
     # timer: the number of its last reply message handled a whole tick ago (its
     # reply messages since its registration are numbered from its base).
@@ -73,13 +72,15 @@ cdef struct Engine:
     bint holding  # holds requests of a client away: sent no HANDLED (_mark_holding)
     int fd  # the connection it registered on (ZMQ_SRCFD; -1: inproc)
     int64_t session  # a coordkit engine: the token of its process, from its hello
-
-
-cdef enum GoneReason:
-    GONE_UNREACHABLE
-    GONE_NO_HEARTBEAT
-    GONE_DRAIN_TIMED_OUT
-    GONE_RESTARTED
+    double away_until  # AWAY: when its grace ends
+    # The breaker: its failures since failures_since (a window), the last one's
+    # GoneReason (-1: none), until when it is quarantined, and how many quarantines in
+    # a row (the next one's backoff doubles).
+    int failures
+    double failures_since
+    int last_failure
+    double quarantined_until
+    int quarantines
 
 
 cdef struct RequestOrder:  # a request on the rare paths that walk them in server-id order
@@ -98,6 +99,7 @@ include "loop/roles.pxd"
 
 cdef class Loop
 include "loop/rebuild.pxd"
+include "loop/faults.pxd"
 
 
 cdef class Loop:
@@ -134,6 +136,8 @@ cdef class Loop:
         int64_t epoch  # what it announces to rebuild peers
         int64_t first_server_id  # this life's first server id: it drew those from here on
         Rebuild rebuild  # the rebuild after a coordinator's loss, and clients' blips
+        Faults faults  # an engine's faults: the grace, the breaker, the migration
+        dict engine_fds  # the connections engines registered on, by fd: their rank
         bint forwards_hashes  # the prefix policy learns from what rebuild engines report
         uint32_t drained  # messages handled in this wake-up: the deadline is read every 256
         double deadline  # the term's, for this serve() call
@@ -177,7 +181,8 @@ cdef class Loop:
         # The message at hand, and its entries bound for peers that take batches.
         Message message
         Fanout fanout
-        list detokenized_bodies  # the bodies Batched.data points into, until sent
+        list held_bodies  # the bodies made on the way Batched.data points into, until sent
+        bint holds_bodies  # held_bodies has some
 
     # the hot path (no GIL)
     cdef bint _serve_for(self, double timeout) noexcept nogil
@@ -215,13 +220,15 @@ cdef class Loop:
     cdef _engine_hello(self, int32_t engine)
     cdef _count_formats(self)
     cdef _restarted(self, int32_t engine, int fd)
+    cdef _watch(self, int rank, int fd)
     cdef int32_t _new_engine(self, int32_t engine, int fd) except -2
     cdef _connect(self, int32_t client)
     cdef int32_t _vacant_client(self) except -2
     cdef _remove_client(self, int32_t client)
     cdef _connection_events(self)
-    cdef _end(self, int32_t client, int fd)
+    cdef _end(self, bytes identity, int fd)
     cdef bytes _identity(self, int32_t client)
+    cdef bytes _engine_identity(self, int rank)
     cdef _drop_ended(self)
     cdef _goodbye(self, int32_t client)
     cdef _heartbeat(self, int32_t engine)
@@ -234,13 +241,14 @@ cdef class Loop:
     cdef _stats_request(self, int32_t client)
     cdef object _parse(self, object spec, int32_t client, int64_t header)
     cdef _broadcast(self, int64_t header)
-    cdef _detokenize(self, int part)
-    cdef const uint8_t* _detokenized_kept(self, const uint8_t* body, size_t* size)
+    cdef _replace(self, int part, bytes body)
+    cdef const uint8_t* _held_body(self, bytes body, size_t* size)
     cdef bytes _detokenized(self, const uint8_t* body, size_t size)
 
     # failures
     cdef _settle(self)
     cdef _settle_engine(self, int rank)
+    cdef _unrun(self, uint32_t slot, dict resend)
     cdef int _resend(self, uint32_t slot) noexcept nogil
     cdef RequestOrder* _in_order(self, int rank, int32_t client, uint32_t* count) except NULL
     cdef _fail_request(self, uint32_t slot, int code, int64_t header)

@@ -33,13 +33,15 @@ from libc.errno cimport EINTR
 from libc.math cimport INFINITY, ceil
 from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t
 from libc.stdlib cimport calloc, free, malloc, qsort
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy, memmove, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from ._codec_c cimport (
     CK_BATCH_HEAD_MAX,
     CK_HEADER_INT_MAX,
     CK_INT_MAX,
+    CK_NEW_TOKENS,
+    CK_NO_TOKENS,
     CK_OK,
     CK_TOO_MANY,
     ck_batch_entry,
@@ -58,6 +60,7 @@ from ._codec_c cimport (
     ck_single_entry,
     ck_single_submit,
     ck_single_submit_size,
+    ck_streamed_tokens,
     ck_strstatus,
     ck_submit,
     ck_submit_size,
@@ -97,15 +100,19 @@ import zmq
 
 from . import protocol
 from ._shared import (
+    BACKOFF_MAX,
+    GONE_REASONS,
     LATENCY_BUCKETS,
     REFUSAL_EVENTS,
     TICK,
     RateLimitedLog,
     check_constants,
+    continued,
     detokenize,
     megatron_failed_reply,
     metrics_map,
     monitor_events,
+    resumed,
     stats_map,
     unknown_from_engine,
 )
@@ -128,9 +135,6 @@ check_constants(generated_constants())
 __all__ = ["Loop"]
 
 
-GONE_REASONS = (  # by GoneReason
-    "unreachable", "no heartbeat", "drain timed out", "a new process registered under its identity"
-)
 cdef double TICK_SECONDS = TICK
 # Server ids are the wall clock in ns at a life's start, and up: an id an engine reports
 # at or past this (the year 2116) is no earlier life's, and would leave no ids to draw.
@@ -190,6 +194,7 @@ include "loop/latency.pyx"
 include "loop/traffic.pyx"
 include "loop/roles.pyx"
 include "loop/rebuild.pyx"
+include "loop/faults.pyx"
 
 
 # -- the rare paths' helpers -----------------------------------------------------------
@@ -213,7 +218,7 @@ cdef class Loop:
     implementation = "c"
 
     def __cinit__(self):
-        self.detokenized_bodies = []  # the C fields start zeroed: NULL, empty
+        self.held_bodies = []  # the C fields start zeroed: NULL, empty
         self.deadline = INFINITY
 
     def __init__(
@@ -250,6 +255,8 @@ cdef class Loop:
         self.epoch = options.epoch
         self.first_server_id = options.first_server_id
         self.rebuild = Rebuild(self, options)
+        self.faults = Faults(self, options)
+        self.engine_fds = {}
         self.forwards_hashes = router.policy == "prefix"
         latency_init(&self.latency)
         if self.request_timeout or self.measure_latency:
@@ -337,11 +344,16 @@ cdef class Loop:
         cdef int rank
         cdef size_t n
         cdef const uint8_t* identity
+        cdef Engine* engine
+        cdef double now = monotonic()
         engines = []
         for rank in range(self.n_engines):
             identity = ck_ids_get(&self.engine_ids, rank, &n)
-            state = self.engines[rank].state
-            engines.append((rank, identity[:n], state, self.router.pending(rank)))
+            engine = &self.engines[rank]
+            engines.append((
+                rank, identity[:n], engine.state, self.router.pending(rank),
+                max(engine.quarantined_until - now, 0.0), engine.failures, engine.last_failure,
+            ))
         result = stats_map(
             implementation=self.implementation,
             policy=self.router.policy,
@@ -440,6 +452,7 @@ cdef class Loop:
                 and now - self.engines[rank].last_heartbeat > self.heartbeat_timeout
             ):
                 self._mark_gone(rank, GONE_NO_HEARTBEAT)
+        self.faults.tick(now)
         # The oldest first: only the requests that are due are touched.
         if self.request_timeout and self._oldest_submitted_before(deadline):
             with gil:
@@ -685,12 +698,15 @@ cdef class Loop:
             rewrite_meta(&meta, inbound, server_rid)
             inbound.meta = &meta
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
-        # A rebuild client keeps what re-sends its requests itself (RESEND).
+        # What is kept re-sends it, or moves it on with what it streamed, when its
+        # engine dies (a rebuild client's too: after the coordinator's loss, it is the
+        # client that sends it again, RESEND).
         if header != HEADER_SUBMIT_REQUEST:
             request.flags |= FLAG_PINNED
-        elif self.keep_prompts and not self.clients[client].rebuild:
+        elif self.keep_prompts:
             request.kept = keep(inbound.meta, inbound.payload, inbound.single,
                                 &self.small_shared)
+            self.faults.keep_streaming(slot)  # it may go on elsewhere from what it streams
         carriers(inbound, self.n_single_engines + self.n_main_engines > 0)
         status = self._route(slot, inbound)
         while status == ROUTE_ENGINE_GONE:
@@ -776,7 +792,7 @@ cdef class Loop:
         if self._send_identity(&self.engine_ids, rank[0]) == 0:
             return ROUTE_SENT
         self.router.release_c(rank[0], self.router.charged)
-        self._mark_gone(rank[0], GONE_UNREACHABLE)
+        self.faults.lost(rank[0], GONE_UNREACHABLE)
         return ROUTE_ENGINE_GONE
 
     cdef void _send_batches(self, int64_t header) noexcept nogil:
@@ -806,7 +822,7 @@ cdef class Loop:
                 traffic_count(&self.traffic, SENT, header,
                               fanout_send(fanout, self.sock, header, i))
             elif to_engines:
-                self._mark_gone(to, GONE_UNREACHABLE)
+                self.faults.lost(to, GONE_UNREACHABLE)
             else:
                 with gil:
                     self._client_gone(to)
@@ -815,6 +831,9 @@ cdef class Loop:
 
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil:
         cdef int format = self.engines[engine].format
+        if self.engines[engine].state == ENGINE_AWAY and header != HEADER_ENGINE_HELLO:
+            with gil:  # back on a new connection
+                self.faults.back(engine, zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD))
         if header == HEADER_ENGINE_REPLY or (
             header == HEADER_ENGINE_REPLY_PARTIAL and format != FORMAT_SINGLE_FRAME
         ):
@@ -873,6 +892,13 @@ cdef class Loop:
                 continue
             if self.requests.pool[slot].flags & FLAG_REPLAYING:
                 continue  # the engine's REPLAYED brings it again, in its place
+            if not final and self.faults.streamed[slot].known:  # it may have to go on
+                self.faults.stream(<uint32_t>slot, self._data(2 + i), self._size(2 + i))
+            if self.requests.pool[slot].flags & FLAG_MIGRATED:  # it continues a stream
+                with gil:
+                    self._replace(2 + i, self.faults.continued(
+                        entries[i].rid, self._data(2 + i), self._size(2 + i)
+                    ))
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
             if final and self.clients[client].hold > 0:
@@ -881,7 +907,7 @@ cdef class Loop:
                 self._finish(<uint32_t>slot, final, now)
             if entries[i].needs_detokenize and self.has_detokenizer:
                 with gil:
-                    self._detokenize(2 + i)
+                    self._replace(2 + i, self._detokenized(self._data(2 + i), self._size(2 + i)))
             if self.clients[client].batch:
                 fanout_add(&self.fanout, client, client_rid,
                            <const uint8_t*>MSGPACK_BOOLS + final, 1,
@@ -950,12 +976,17 @@ cdef class Loop:
                 continue
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
-            self._finish(<uint32_t>slot, final, now)
             body = self._data(1) + entry.offset
             size = entry.size
+            if not final and self.faults.streamed[slot].known:  # it may have to go on
+                self.faults.stream(<uint32_t>slot, body, size)
+            if self.requests.pool[slot].flags & FLAG_MIGRATED:  # it continues a stream
+                with gil:
+                    body = self._held_body(self.faults.continued(entry.rid, body, size), &size)
+            self._finish(<uint32_t>slot, final, now)
             if final and self.has_detokenizer:  # as Megatron's coordinator: every final
                 with gil:
-                    body = self._detokenized_kept(body, &size)
+                    body = self._held_body(self._detokenized(body, size), &size)
             if self.clients[client].batch:
                 fanout_add(&self.fanout, client, client_rid,
                            <const uint8_t*>MSGPACK_BOOLS + final, 1, NULL, body, size)
@@ -963,9 +994,10 @@ cdef class Loop:
                 with gil:
                     self._client_gone(client)
         self._send_batches(HEADER_REPLY_BATCH)
-        if self.has_detokenizer:
+        if self.holds_bodies:
+            self.holds_bodies = False
             with gil:
-                self.detokenized_bodies.clear()
+                self.held_bodies.clear()
 
     cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil:
         """A reply for the request at ``slot`` arrived: timed, counted, and a final
@@ -1026,6 +1058,7 @@ cdef class Loop:
             list_push(&self.idle_links, &self.idle, request.client)
         if self.request_timeout:
             list_remove(&self.deadline_links, &self.deadlines, slot)
+        self.faults.forget(slot)
         release_kept(request.kept, &self.small_shared)
         ck_requests_remove(&self.requests, slot)
         if rank < 0:
@@ -1045,10 +1078,12 @@ cdef class Loop:
         message at hand (see _settle), so a failure never recurses into routing."""
         if self.engines[rank].state == ENGINE_GONE:
             return
+        if self.engines[rank].state != ENGINE_AWAY:  # counted when it went away
+            self.faults.strike(rank, reason, monotonic())
         if self.engines[rank].state == ENGINE_ALIVE:
             self.router.remove_rank_c(rank)
         self.engines[rank].state = ENGINE_GONE
-        self.engines[rank].gone_reason = reason
+        self.engines[rank].last_failure = reason
         self.counters[COUNTER_ENGINE_FAILURES] += 1
         self.gone[self.n_gone] = rank
         self.n_gone += 1
@@ -1110,7 +1145,7 @@ cdef class Loop:
         engines register once, at their start) -- unless a hello named its process: then
         the hello that follows says which."""
         cdef int fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
-        if engine < 0 or self.engines[engine].state != ENGINE_ALIVE:
+        if engine < 0 or self.engines[engine].state in (ENGINE_GONE, ENGINE_DRAINING):
             self._new_engine(engine, fd)
         elif fd == self.engines[engine].fd or self.engines[engine].session:
             self.counters[COUNTER_DUPLICATE_REGISTER] += 1
@@ -1127,12 +1162,13 @@ cdef class Loop:
         except ProtocolError as exc:
             self._malformed(-1, None, HEADER_ENGINE_HELLO, str(exc))
             return
-        if engine < 0 or self.engines[engine].state != ENGINE_ALIVE:
+        if engine < 0 or self.engines[engine].state in (ENGINE_GONE, ENGINE_DRAINING):
             engine = self._new_engine(engine, fd)
         elif self.engines[engine].session and hello.session != self.engines[engine].session:
             self._restarted(engine, fd)
+        elif self.engines[engine].state == ENGINE_AWAY or fd != self.engines[engine].fd:
+            self.faults.back(engine, fd)  # the same process, a new connection
         if engine >= 0:
-            self.engines[engine].fd = fd
             self.engines[engine].session = hello.session
             self.engines[engine].coordkit = hello.coordkit
             self.engines[engine].batch = hello.batch
@@ -1165,8 +1201,8 @@ cdef class Loop:
         are handled as its death (re-sent or failed), and the rank starts anew."""
         self.counters[COUNTER_ENGINE_RESTARTS] += 1
         self._mark_gone(engine, GONE_RESTARTED)
+        self._new_engine(engine, fd)  # first: the new one may take them
         self._settle()
-        self._new_engine(engine, fd)
 
     cdef int32_t _new_engine(self, int32_t engine, int fd) except -2:
         """Put the sender in the pool: ``engine`` coming back, or a new rank (reusing
@@ -1199,12 +1235,13 @@ cdef class Loop:
                 ck_ids_remove(&self.engine_ids, rank)
             else:
                 self.n_engines += 1
-            self.engines[rank].last_heartbeat = 0.0
-            self.engines[rank].drain_deadline = 0.0
+            memset(&self.engines[rank], 0, sizeof(Engine))
+            self.engines[rank].fd = -1
+            self.engines[rank].last_failure = -1
             ck_ids_insert(&self.engine_ids, rank, self._data(0), n)
             engine = rank
         self.engines[engine].state = ENGINE_ALIVE
-        self.engines[engine].fd = fd
+        self._watch(engine, fd)
         self.engines[engine].session = 0
         self.engines[engine].coordkit = False
         self.engines[engine].batch = False
@@ -1212,9 +1249,23 @@ cdef class Loop:
         self.engines[engine].heartbeats = False
         self.engines[engine].rebuild = False
         self.engines[engine].handled = self.engines[engine].mark = self.engines[engine].acked = 0
-        self.router.add_rank(engine)
+        self.faults.admit(engine)
         self._count_formats()
         return engine
+
+    cdef _watch(self, int rank, int fd):
+        """An engine's connection is ``fd`` (-1: inproc, not watched): when it ends, the
+        engine is lost (Faults.lost)."""
+        if self.engine_fds.get(self.engines[rank].fd, -1) == rank:
+            del self.engine_fds[self.engines[rank].fd]
+        self.engines[rank].fd = fd
+        if fd < 0:
+            return
+        self._connection_events()  # what the monitor said first
+        if fd in self.connections:
+            self.engine_fds[fd] = rank
+        else:  # it ended already
+            self._end(self._engine_identity(rank), fd)
 
     cdef _connect(self, int32_t client):
         """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
@@ -1289,7 +1340,7 @@ cdef class Loop:
             if fd in self.connections:
                 self.connections[fd] = index
             else:  # the monitor said its connection ended already
-                self._end(index, fd)
+                self._end(self._identity(index), fd)
 
     cdef int32_t _vacant_client(self) except -2:
         """A free client index; when all are used, the client idle longest gives up
@@ -1327,19 +1378,23 @@ cdef class Loop:
         """The ROUTER's monitor: connections opened and ended (a client whose connection
         ended has left: nothing can reach its routing id again), handshakes refused."""
         cdef int32_t client
+        cdef int rank
         for event, value in monitor_events(self._monitor_socket):
             if event == zmq.EVENT_ACCEPTED:
                 self.connections[value] = -1
             elif event == zmq.EVENT_DISCONNECTED:
                 client = self.connections.pop(value, -1)
+                rank = self.engine_fds.pop(value, -1)
                 if client >= 0:
-                    self._end(client, value)
+                    self._end(self._identity(client), value)
+                elif rank >= 0:
+                    self._end(self._engine_identity(rank), value)
             elif event & REFUSAL_EVENTS:
                 self.counters[COUNTER_AUTH_REFUSED] += 1
 
-    cdef _end(self, int32_t client, int fd):
-        """The client's connection ended: drop it once what it sent before is handled."""
-        self.ended.append((self._identity(client), fd))
+    cdef _end(self, bytes identity, int fd):
+        """A peer's connection ended: dealt with once what it sent before is handled."""
+        self.ended.append((identity, fd))
         self.n_ended = len(self.ended)
 
     cdef bytes _identity(self, int32_t client):
@@ -1348,18 +1403,31 @@ cdef class Loop:
         cdef const uint8_t* identity = ck_ids_get(&self.client_ids, client, &n)
         return identity[:n]
 
+    cdef bytes _engine_identity(self, int rank):
+        """An engine's routing id."""
+        cdef size_t n
+        cdef const uint8_t* identity = ck_ids_get(&self.engine_ids, rank, &n)
+        return identity[:n]
+
     cdef _drop_ended(self):
         """Forget the clients whose connection ended (those still known by that routing
-        id on that connection), and abort their requests."""
-        cdef int32_t client
+        id on that connection), and abort their requests; an engine whose connection
+        ended is lost (Faults.lost: away for the grace, or gone)."""
+        cdef int32_t client, rank
         cdef bytes identity
         ended, self.ended = self.ended, []
         self.n_ended = 0
         for identity, fd in ended:
             client = ck_ids_find(&self.client_ids, <const uint8_t*><const char*>identity,
                                  len(identity))
+            rank = ck_ids_find(&self.engine_ids, <const uint8_t*><const char*>identity,
+                               len(identity))
             if client >= 0 and self.clients[client].fd == fd:
                 self._client_gone(client, False)
+            elif rank >= 0 and self.engines[rank].fd == fd and (
+                self.engines[rank].state != ENGINE_GONE
+            ):
+                self.faults.lost(rank, GONE_DISCONNECTED)
         if self.n_gone:
             self._settle()
 
@@ -1423,7 +1491,7 @@ cdef class Loop:
             return
         abort = protocol.ABORT_REQUEST.pack(server_rid)
         if not self._send_frames(&self.engine_ids, rank, abort):
-            self._mark_gone(rank, GONE_UNREACHABLE)
+            self.faults.lost(rank, GONE_UNREACHABLE)
 
     cdef _release_kv(self, int32_t client):
         if self._parse(protocol.RELEASE_KV, client, HEADER_RELEASE_KV) is not None:
@@ -1469,25 +1537,24 @@ cdef class Loop:
             if not engine_parses(self.engines[rank].format, header):
                 continue  # 0.19 has no KV transfer
             if self._send_identity(&self.engine_ids, rank) != 0:
-                self._mark_gone(rank, GONE_UNREACHABLE)
+                self.faults.lost(rank, GONE_UNREACHABLE)
             else:
                 traffic_count(&self.traffic, SENT, header, self._size(1))
                 send_shared(self.sock, &self.message.parts[1], 0)
 
-    cdef _detokenize(self, int part):
-        """Replace a reply body frame by its detokenized copy."""
-        cdef bytes body = self._detokenized(self._data(part), self._size(part))
+    cdef _replace(self, int part, bytes body):
+        """Replace a reply body frame by ``body`` (detokenized, or continuing a stream)."""
         zmq_msg_close(&self.message.parts[part])
         zmq_msg_init_size(&self.message.parts[part], len(body))
         memcpy(zmq_msg_data(&self.message.parts[part]), <const char*>body, len(body))
 
-    cdef const uint8_t* _detokenized_kept(self, const uint8_t* body, size_t* size):
-        """``body`` detokenized, its new size in ``size``, alive until the replies are
-        sent (in detokenized_bodies)."""
-        cdef bytes detokenized = self._detokenized(body, size[0])
-        self.detokenized_bodies.append(detokenized)
-        size[0] = len(detokenized)
-        return <const uint8_t*><const char*>detokenized
+    cdef const uint8_t* _held_body(self, bytes body, size_t* size):
+        """A reply body made on the way (detokenized, or continuing a stream), its size
+        in ``size``, alive until the replies are sent (in held_bodies)."""
+        self.held_bodies.append(body)
+        self.holds_bodies = True
+        size[0] = len(body)
+        return <const uint8_t*><const char*>body
 
     cdef bytes _detokenized(self, const uint8_t* body, size_t size):
         """A reply body with its generated_text; on failure the body as it is."""
@@ -1516,45 +1583,60 @@ cdef class Loop:
         self.n_gone = 0
 
     cdef _settle_engine(self, int rank):
-        """Each request of a gone engine, by server id: re-sent when it produced
-        nothing and was kept, otherwise ended with ERROR(ENGINE_FAILED)."""
+        """Each request of a gone engine, by server id, lost there (_unrun)."""
         cdef uint32_t i, n, slot
         cdef RequestOrder* order
-        cdef ck_request* request
-        cdef int status
-        cdef int32_t client
-        reason = GONE_REASONS[self.engines[rank].gone_reason]
+        reason = GONE_REASONS[self.engines[rank].last_failure]
         self._log.warn("engine_failed", f"engine {rank} gone ({reason})")
         resend = {}
         order = self._in_order(rank, -1, &n)
         try:
             for i in range(n):
                 slot = order[i].slot
-                request = &self.requests.pool[slot]
-                if request.server_rid != order[i].server_rid or request.rank != rank:
-                    continue  # ended meanwhile: its client went away
-                self.router.release_c(rank, self.work[slot])
-                request.rank = -1
-                client = request.client
-                if request.flags & (FLAG_PRODUCED | FLAG_ABORTED | FLAG_PINNED) or (
-                    request.kept == NULL and not self.clients[client].rebuild
+                if self.requests.pool[slot].server_rid != order[i].server_rid or (
+                    self.requests.pool[slot].rank != rank
                 ):
-                    self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
-                    continue
-                if request.kept == NULL:  # a rebuild client sends it again itself
-                    resend.setdefault(client, []).append(request.client_rid)
-                    self._forget(slot)
-                    continue
-                status = self._resend(slot)
-                if status == ROUTE_SENT:
-                    self.counters[COUNTER_REROUTED] += 1
-                elif status == ROUTE_UNSENDABLE:  # no engine left that speaks its format
-                    self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
-                else:
-                    self._fail_request(slot, refusal(status), HEADER_SUBMIT_REQUEST)
+                    continue  # ended meanwhile: its client went away
+                self._unrun(slot, resend)
         finally:
             free(order)
         self.rebuild.send_resends(resend)
+
+    cdef _unrun(self, uint32_t slot, dict resend):
+        """A request its engine will never answer (it died, or does not hold it): re-sent
+        from what was kept when it produced nothing (a rebuild client's: RESEND), moved on
+        with the tokens it streamed when it did (Faults.migrate), otherwise ended with
+        ERROR(ENGINE_FAILED)."""
+        cdef ck_request* request = &self.requests.pool[slot]
+        cdef int32_t client = request.client
+        cdef int status
+        cdef int counter = COUNTER_REROUTED
+        self.router.release_c(request.rank, self.work[slot])
+        request.rank = -1
+        request.flags &= ~FLAG_UNCONFIRMED
+        if request.flags & (FLAG_ABORTED | FLAG_PINNED) or (
+            request.kept == NULL and not self.clients[client].rebuild
+        ):
+            self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
+            return
+        if request.flags & FLAG_PRODUCED:
+            status = self.faults.migrate(slot)
+            if status < 0:  # it cannot go on elsewhere
+                self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
+                return
+            counter = COUNTER_MIGRATED
+        elif request.kept == NULL:  # a rebuild client sends it again itself
+            resend.setdefault(client, []).append(request.client_rid)
+            self._forget(slot)
+            return
+        else:
+            status = self._resend(slot)
+        if status == ROUTE_SENT:
+            self.counters[counter] += 1
+        elif status == ROUTE_UNSENDABLE:  # no engine left that speaks its format
+            self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
+        else:
+            self._fail_request(slot, refusal(status), HEADER_SUBMIT_REQUEST)
 
     cdef int _resend(self, uint32_t slot) noexcept nogil:
         """Send a request whose engine died to another, from what it kept, as a new
@@ -1631,7 +1713,7 @@ cdef class Loop:
         if self.engines[engine].coordkit:
             error = protocol.ERROR.pack(rid, code, error_text(code, header))
             if not self._send_frames(&self.engine_ids, engine, error):
-                self._mark_gone(engine, GONE_UNREACHABLE)
+                self.faults.lost(engine, GONE_UNREACHABLE)
 
     cdef _client_gone(self, int32_t client, bint unreachable=True, bint closed=False):
         """A client that cannot be reached, or that left (DISCONNECT: ``closed``, or its

@@ -33,8 +33,10 @@ import zmq
 from . import _codec_py as codec
 from . import protocol
 from ._shared import (
+    BACKOFF_MAX,
     COPY_BELOW,
     ERROR_SLOTS,
+    GONE_REASONS,
     HEADER_SLOTS,
     INDEX_WINDOW_MIN,
     LATENCY_BUCKETS,
@@ -44,18 +46,21 @@ from ._shared import (
     TICK,
     Counter,
     EngineState,
+    GoneReason,
     Options,
     PeerFormat,
     PeerRole,
     RateLimitedLog,
     RequestFlag,
     RouteStatus,
+    continued,
     detokenize,
     header_slot,
     latency_bucket,
     megatron_failed_reply,
     metrics_map,
     monitor_events,
+    resumed,
     stats_map,
     unknown_from_engine,
 )
@@ -85,10 +90,15 @@ if TYPE_CHECKING:
 
 __all__ = ["Loop"]
 
-ALIVE, DRAINING, GONE = EngineState.ALIVE, EngineState.DRAINING, EngineState.GONE
+ALIVE, DRAINING, GONE, AWAY = (
+    EngineState.ALIVE,
+    EngineState.DRAINING,
+    EngineState.GONE,
+    EngineState.AWAY,
+)
 PRODUCED, ABORTED = RequestFlag.PRODUCED, RequestFlag.ABORTED
 REPLAYING, ORPHAN, PINNED = RequestFlag.REPLAYING, RequestFlag.ORPHAN, RequestFlag.PINNED
-ASKED = RequestFlag.ASKED
+ASKED, MIGRATED, UNCONFIRMED = RequestFlag.ASKED, RequestFlag.MIGRATED, RequestFlag.UNCONFIRMED
 SINGLE_FRAME, MULTIPART = PeerFormat.SINGLE_FRAME, PeerFormat.MULTIPART
 SINGLE_FRAME_MAIN = PeerFormat.SINGLE_FRAME_MAIN
 _packer = msgpack.Packer()
@@ -148,6 +158,12 @@ class _Engine:
         "acked",
         "fd",
         "session",
+        "away_until",
+        "failures",
+        "failures_since",
+        "last_failure",
+        "quarantined_until",
+        "quarantines",
     )
 
     def __init__(self, rank: int, identity: bytes):
@@ -170,10 +186,29 @@ class _Engine:
         self.acked = 0  # handled as of the last HANDLED sent
         self.fd = -1  # the connection it registered on (ZMQ_SRCFD; -1: inproc)
         self.session = 0  # a coordkit engine: the token of its process, from its hello
+        self.away_until = 0.0  # AWAY: when its grace ends
+        # The breaker: its failures since failures_since (a window), the last one's
+        # GoneReason (-1: none), until when it is quarantined, and how many quarantines
+        # in a row (the next one's backoff doubles).
+        self.failures = 0
+        self.failures_since = 0.0
+        self.last_failure = -1
+        self.quarantined_until = 0.0
+        self.quarantines = 0
 
 
 class _Request:
-    __slots__ = ("server_rid", "client", "client_rid", "rank", "flags", "kept", "work", "submitted")
+    __slots__ = (
+        "server_rid",
+        "client",
+        "client_rid",
+        "rank",
+        "flags",
+        "kept",
+        "work",
+        "submitted",
+        "streamed",
+    )
 
     def __init__(self, server_rid: int, client: _Client, client_rid: int):
         self.server_rid = server_rid
@@ -184,6 +219,9 @@ class _Request:
         self.kept: Kept | None = None  # to re-send it if its engine dies
         self.work = 0  # the work units its rank was charged for it (router.charged)
         self.submitted = 0.0  # with a request_timeout or measure_latency: when it was submitted
+        # With its prompt kept: the tokens its partials streamed at its engine (None: not
+        # known, it cannot go on elsewhere once it streamed: see Faults)
+        self.streamed: list[int] | None = None
 
 
 # -- sending ---------------------------------------------------------------------------
@@ -679,6 +717,148 @@ class Roles:
         return self._roles.get(identity, PeerRole.NONE)
 
 
+# -- an engine's faults (loop/faults.pyx) ---------------------------------------------
+
+
+class Faults:
+    """An engine's faults cost no double work and no stream (docs/failure-model.md).
+
+    The grace: an engine whose connection ends (the monitor says so, or a send finds
+    no peer) takes no new work at once, but what it holds waits for it (AWAY) for
+    ``engine_grace`` seconds; back in time (any message from its identity, or a hello
+    of the same session), its replies are the answers and nothing ran twice; not
+    back, it is gone. The breaker: an engine that fails ``breaker_failures`` times
+    within ``breaker_window`` is quarantined (no work) for a backoff that doubles
+    while it keeps failing. The migration: a request that streamed tokens before its
+    engine died goes on at another, its prompt extended by them (``streamed``, read
+    from its partials) and its budget reduced; its replies then continue the stream.
+    """
+
+    def __init__(self, loop: Loop, options: Options):
+        self._loop = loop
+        self.grace = options.engine_grace
+        self.failures = options.breaker_failures
+        self.window = options.breaker_window
+        self.backoff = options.breaker_backoff
+        # server id -> the tokens it streamed at the engines before its present one
+        self.migrated: dict[int, list[int]] = {}
+
+    # -- the grace -----------------------------------------------------------------------
+
+    def lost(self, engine: _Engine, reason: GoneReason) -> None:
+        """Its connection ended, or a send found no peer: AWAY for the grace, or gone
+        (no grace, or it was not taking work)."""
+        if engine.state != ALIVE or not self.grace:
+            self._loop._mark_gone(engine, reason)
+            return
+        now = time.monotonic()
+        self.strike(engine, reason, now)
+        engine.state = AWAY
+        engine.away_until = now + self.grace
+        self._loop._router.remove_rank(engine.rank)
+
+    def back(self, engine: _Engine, fd: int) -> None:
+        """An engine AWAY (or whose connection changed unseen) heard from again on
+        connection ``fd``: its requests are its own again, and it takes work (unless
+        quarantined). A request may have been lost with the old connection on its way
+        to it: a rebuild engine's HELD says which it holds (UNCONFIRMED until then)."""
+        if engine.state == AWAY:
+            engine.state = ALIVE
+            self._loop._counters[Counter.ENGINES_BACK] += 1
+            self.admit(engine)
+        self._loop._watch(engine, fd)
+        if engine.rebuild:
+            for request in self._loop._in_order(lambda r: r.rank == engine.rank):
+                request.flags |= UNCONFIRMED
+
+    def not_held(self, engine: _Engine) -> None:
+        """After an engine's HELD: its requests it did not list never reached it."""
+        resend: dict[_Client, list[int]] = defaultdict(list)
+        for request in self._loop._in_order(
+            lambda r: r.rank == engine.rank and r.flags & UNCONFIRMED
+        ):
+            self._loop._unrun(request, resend)
+        self._loop._rebuild.send_resends(resend)
+
+    def admit(self, engine: _Engine) -> None:
+        """An engine ALIVE takes work, unless quarantined."""
+        if engine.quarantined_until <= time.monotonic():
+            self._loop._router.add_rank(engine.rank)
+
+    def tick(self, now: float) -> None:
+        """The grace over (gone), and the quarantines over (work again)."""
+        for engine in self._loop._engines:
+            if engine.state == AWAY and now >= engine.away_until:
+                self._loop._mark_gone(engine, GoneReason.GRACE_OVER)
+            if engine.quarantined_until and now >= engine.quarantined_until:
+                engine.quarantined_until = 0.0
+                if engine.state == ALIVE:
+                    self._loop._router.add_rank(engine.rank)
+
+    # -- the breaker ---------------------------------------------------------------------
+
+    def strike(self, engine: _Engine, reason: GoneReason, now: float) -> None:
+        """An engine failed: one more in its window; at ``failures`` it is quarantined,
+        for a backoff doubled from the last one's unless it stayed up a window since."""
+        engine.last_failure = reason
+        if not self.failures:
+            return
+        if now - engine.failures_since > self.window:
+            engine.failures, engine.failures_since = 0, now
+        engine.failures += 1
+        if engine.failures < self.failures:
+            return
+        if now - engine.quarantined_until > self.window:
+            engine.quarantines = 0  # it stayed up since the last one: start over
+        backoff = min(self.backoff * 2**engine.quarantines, BACKOFF_MAX)
+        engine.quarantined_until = now + backoff
+        engine.quarantines += 1
+        engine.failures = 0
+        self._loop._router.remove_rank(engine.rank)
+        self._loop._counters[Counter.QUARANTINES] += 1
+        what = f"engine {engine.rank} quarantined for {backoff:g} s ({GONE_REASONS[reason]})"
+        self._loop._log.warn("quarantine", what)
+
+    # -- the migration -------------------------------------------------------------------
+
+    def streamed(self, request: _Request, body: Buffer) -> None:
+        """A partial of a request whose prompt is kept: the tokens it carries (a partial
+        without them, or a bad one: the request cannot go on elsewhere)."""
+        try:
+            kind, tokens = codec.streamed_tokens(body)
+        except ProtocolError:
+            kind = codec.NO_TOKENS
+        assert request.streamed is not None
+        if kind == codec.NEW_TOKENS:
+            request.streamed += tokens
+        elif kind == codec.ALL_TOKENS:
+            request.streamed = tokens
+        else:
+            request.streamed = None
+
+    def migrate(self, request: _Request) -> RouteStatus | None:
+        """A request that streamed before its engine died, on to another: its prompt
+        extended by the tokens streamed and its budget reduced (see _shared.resumed);
+        None when it cannot go on (tokens not known, its params opt out, a str prompt)."""
+        kept = request.kept
+        if request.streamed is None or kept is None:
+            return None
+        new = resumed(kept.meta, kept_prompt(kept), request.streamed)
+        if new is None:
+            return None
+        self._loop._small_shared -= kept.small
+        request.kept = Kept(*new, kept.single, False)
+        before = self.migrated.get(request.server_rid, [])
+        self.migrated[request.server_rid] = before + request.streamed
+        request.streamed = []
+        request.flags |= MIGRATED
+        return self._loop._resend(request)
+
+    def continued(self, request: _Request, body: Buffer) -> bytes:
+        """A reply of a request that went on at another engine, continuing its stream."""
+        return continued(body, self.migrated[request.server_rid])
+
+
 # -- the rebuild after a coordinator's loss (loop/rebuild.pyx) --------------------------
 
 
@@ -725,11 +905,17 @@ class Rebuild:
         for server_rid, client_rid, client_id, partials, _ in entries:
             request = self._loop._find(server_rid)
             if request is not None:
-                ours = request.rank == engine.rank and request.client_rid == client_rid
-                if not (ours and request.client.identity == client_id):
+                # Its client named, or nil for one that did not ask for the rebuild.
+                named = client_id == (request.client.identity if request.client.rebuild else None)
+                if not (request.rank == engine.rank and request.client_rid == client_rid and named):
                     aborts.append(server_rid)  # another's: the first claim stands
-                elif not request.flags & ORPHAN:  # an orphan's replay waits for its client
-                    self._replay(request, -1, replays)
+                    continue
+                request.flags &= ~UNCONFIRMED
+                if client_id is not None and not request.flags & ORPHAN:
+                    self._replay(request, -1, replays)  # an orphan's waits for its client
+                continue
+            if client_id is None:  # nobody to adopt it for
+                aborts.append(server_rid)
                 continue
             client = None if engine.state == GONE else self._adoptive_client(client_id, client_rid)
             if client is None or not self._claimable(server_rid, client_id, client_rid):
@@ -754,6 +940,7 @@ class Rebuild:
             if engine.state != GONE:
                 self._loop._abort_at_engine(engine, server_rid)
         self._send_replays(replays)
+        self._loop._faults.not_held(engine)
 
     def _claimable(self, server_rid: int, client_id: bytes, client_rid: int) -> bool:
         """Whether an engine's report may be adopted under ``server_rid``: not an id this
@@ -903,7 +1090,7 @@ class Rebuild:
         for engine, entries in replays.items():
             self._loop._counters[Counter.REPLAYED] += len(entries)
             if not self._loop._send(engine.identity, protocol.REPLAY.pack(entries)):
-                self._loop._mark_gone(engine, "unreachable")
+                self._loop._faults.lost(engine, GoneReason.UNREACHABLE)
 
     def send_resends(self, resend: dict[_Client, list[int]]) -> None:
         """RESEND to each client (one that is connected) of the requests it must send again."""
@@ -1020,7 +1207,7 @@ class Rebuild:
                 engine.acked = engine.mark
                 count = engine.base + engine.acked - 1
                 if not self._loop._send(engine.identity, protocol.HANDLED.pack(count)):
-                    self._loop._mark_gone(engine, "unreachable")
+                    self._loop._faults.lost(engine, GoneReason.UNREACHABLE)
             engine.mark = engine.handled
 
     def go_away(self, client: _Client) -> None:
@@ -1144,7 +1331,10 @@ class Loop:
         self._roles = Roles(RETIRED_IDS)  # the identities that left the tables, and their role
         # engines not gone of each format, counted at each registration: which checks to make
         self._n_single_engines = self._n_main_engines = self._n_multipart_engines = 0
-        self._gone: list[tuple[_Engine, str]] = []  # found gone, not settled yet
+        self._gone: list[tuple[_Engine, GoneReason]] = []  # found gone, not settled yet
+        self._faults = Faults(self, options)
+        # The connections engines registered on, by fd: a connection that ends is theirs.
+        self._engine_fds: dict[int, _Engine] = {}
         self._control_state = ControlState.RUNNING
         # The megatron-core dialect: peers that are not coordkit's speak single frames.
         self._megatron_core = options.dialect == "megatron-core"
@@ -1212,18 +1402,21 @@ class Loop:
         return False
 
     def _tick(self, now: float) -> None:
-        """The timers: engines whose drain or heartbeat timed out declared gone, the
-        requests in flight longer than request_timeout ended, the rebuild window
-        closed, HANDLED to rebuild engines, and what that left settled."""
+        """The timers: engines whose drain or heartbeat timed out declared gone (an
+        engine that heartbeats and stops is dead, whatever the grace), the grace and
+        the quarantines that are over, the requests in flight longer than
+        request_timeout ended, the rebuild window closed, HANDLED to rebuild engines,
+        and what that left settled."""
         timeout = self._options.heartbeat_timeout
         for engine in self._engines:
             if engine.state == GONE:
                 continue
             if engine.state == DRAINING:
                 if now >= engine.drain_deadline:
-                    self._mark_gone(engine, "drain timed out")
+                    self._mark_gone(engine, GoneReason.DRAIN_TIMED_OUT)
             elif timeout and engine.heartbeats and now - engine.last_heartbeat > timeout:
-                self._mark_gone(engine, "no heartbeat")
+                self._mark_gone(engine, GoneReason.NO_HEARTBEAT)
+        self._faults.tick(now)
         # The oldest first: only the requests that are due are touched.
         deadline = now - self._options.request_timeout
         while self._deadlines is not None and (oldest := self._deadlines.oldest) is not None:
@@ -1247,6 +1440,7 @@ class Loop:
         self._settle()
 
     def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
         return stats_map(
             implementation=self.implementation,
             policy=self._router.policy,
@@ -1258,7 +1452,15 @@ class Loop:
             control_state=self._control_state,
             counters=list(self._counters),
             engines=[
-                (e.rank, e.identity, e.state, self._router.pending(e.rank))
+                (
+                    e.rank,
+                    e.identity,
+                    e.state,
+                    self._router.pending(e.rank),
+                    max(e.quarantined_until - now, 0.0),
+                    e.failures,
+                    e.last_failure,
+                )
                 for e in list(self._engines)
             ],
         )
@@ -1443,13 +1645,16 @@ class Loop:
         if not inbound.single:
             inbound.meta = rewrite_meta(inbound, request.server_rid)
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
-        # A rebuild client keeps what re-sends its requests itself (RESEND).
+        # What is kept re-sends it, or moves it on with what it streamed, when its
+        # engine dies (a rebuild client's too: after the coordinator's loss, it is the
+        # client that sends it again, RESEND).
         if header != Header.SUBMIT_REQUEST:
             request.flags |= PINNED
-        elif self._options.keep_prompts and not client.rebuild:
+        elif self._options.keep_prompts:
             meta = None if inbound.single else inbound.meta
             request.kept = keep(meta, inbound.payload[0], inbound.single, self._small_shared)
             self._small_shared += request.kept.small
+            request.streamed = []  # it may go on elsewhere from the tokens it streams
         carriers(inbound, self._n_single_engines + self._n_main_engines > 0)
         status = self._route(request, inbound)
         while status == RouteStatus.ENGINE_GONE:
@@ -1510,7 +1715,7 @@ class Loop:
         if (inbound.batched and engine.batch) or self._send_identity(engine.identity):
             return rank, RouteStatus.SENT
         self._router.release(rank, self._router.charged)
-        self._mark_gone(engine, "unreachable")
+        self._faults.lost(engine, GoneReason.UNREACHABLE)
         return rank, RouteStatus.ENGINE_GONE
 
     def _send_batches(self, header: int) -> None:
@@ -1533,11 +1738,13 @@ class Loop:
             elif self._send_identity(to.identity):
                 self._traffic.count(SENT, header, Fanout.send(self._sock, header, entries))
             elif to_engines:
-                self._mark_gone(to, "unreachable")
+                self._faults.lost(to, GoneReason.UNREACHABLE)
             else:
                 self._client_gone(to)
 
     def _from_engine(self, engine: _Engine, header: int, frames: list[zmq.Frame]) -> None:
+        if engine.state == AWAY and header != Header.ENGINE_HELLO:  # back on a new connection
+            self._faults.back(engine, _source_fd(frames[1]))
         if header == Header.ENGINE_REPLY or (
             header == Header.ENGINE_REPLY_PARTIAL and engine.format != SINGLE_FRAME
         ):
@@ -1582,13 +1789,13 @@ class Loop:
                 continue
             if request.flags & REPLAYING:
                 continue  # the engine's REPLAYED brings it again, in its place
+            out: Any = self._continued(request, body.buffer, final) or body
             if final and request.client.hold > 0:
                 deferred += 1
             else:
                 self._finish(request, final, now)
-            out: Any = body
             if needs_detokenize and self._options.detokenizer is not None:
-                out = self._detokenized(body.buffer)
+                out = self._detokenized(out.buffer if isinstance(out, zmq.Frame) else out)
             if request.client.batch:
                 self._fanout.add(request.client, request.client_rid, MSGPACK_BOOLS[final], [out])
             elif not self._deliver(request.client, header, request.client_rid, out):
@@ -1633,8 +1840,8 @@ class Loop:
             if request is None or request.rank != engine.rank:
                 self._counters[Counter.UNKNOWN_REQUEST] += 1
                 continue
+            body: Buffer = self._continued(request, data[start:end], final) or data[start:end]
             self._finish(request, final, now)
-            body: Buffer = data[start:end]
             if final and self._options.detokenizer is not None:  # as Megatron's: every final
                 body = self._detokenized(body)
             if request.client.batch:
@@ -1642,6 +1849,16 @@ class Loop:
             elif not self._deliver(request.client, header, request.client_rid, body):
                 self._client_gone(request.client)
         self._send_batches(Header.REPLY_BATCH)
+
+    def _continued(self, request: _Request, body: Buffer, final: bool) -> bytes | None:
+        """A reply's body, before it is delivered: a partial's tokens kept while the
+        request may have to go on elsewhere (Faults.streamed), and the body of a request
+        that went on at another engine continuing its stream (None: as it came)."""
+        if not final and request.streamed is not None:
+            self._faults.streamed(request, body)
+        if request.flags & MIGRATED:
+            return self._faults.continued(request, body)
+        return None
 
     def _finish(self, request: _Request, final: bool, now: float) -> None:
         """A reply for ``request`` arrived: timed, counted, and a final forgets it."""
@@ -1735,6 +1952,8 @@ class Loop:
         if self._deadlines is not None:
             self._deadlines.remove(request)
         self._remove(request)
+        if request.flags & MIGRATED:
+            del self._faults.migrated[request.server_rid]
         if request.kept is not None:
             self._small_shared -= request.kept.small
         if request.rank < 0:
@@ -1749,11 +1968,13 @@ class Loop:
         if not client.requests:
             self._idle.move_to_end(client.identity)
 
-    def _mark_gone(self, engine: _Engine, reason: str) -> None:
+    def _mark_gone(self, engine: _Engine, reason: GoneReason) -> None:
         """Take an engine out of the pool now; its requests are settled after the
         message at hand (see _settle), so a failure never recurses into routing."""
         if engine.state == GONE:
             return
+        if engine.state != AWAY:  # counted when it went away
+            self._faults.strike(engine, reason, time.monotonic())
         if engine.state == ALIVE:
             self._router.remove_rank(engine.rank)
         engine.state = GONE
@@ -1814,7 +2035,7 @@ class Loop:
         it is a repeat on the same connection, or, on another, a new process (Megatron's
         engines register once, at their start) -- unless a hello named its process: then
         the hello that follows says which."""
-        if engine is None or engine.state != ALIVE:
+        if engine is None or engine.state in (GONE, DRAINING):
             self._new_engine(identity, engine, fd)
         elif fd == engine.fd or engine.session:
             self._counters[Counter.DUPLICATE_REGISTER] += 1
@@ -1831,12 +2052,13 @@ class Loop:
             self._malformed(None, None, Header.ENGINE_HELLO, str(exc), frames)
             return
         fd = _source_fd(frames[1])
-        if engine is None or engine.state != ALIVE:
+        if engine is None or engine.state in (GONE, DRAINING):
             engine = self._new_engine(identity, engine, fd)
         elif engine.session and hello.session != engine.session:
             self._restarted(engine, fd)
+        elif engine.state == AWAY or fd != engine.fd:  # the same process, a new connection
+            self._faults.back(engine, fd)
         if engine is not None:
-            engine.fd = fd
             engine.session = hello.session
             engine.coordkit = hello.coordkit
             engine.batch = hello.batch
@@ -1859,9 +2081,9 @@ class Loop:
         """A new process registered under an engine's identity: the old one's requests
         are handled as its death (re-sent or failed), and the rank starts anew."""
         self._counters[Counter.ENGINE_RESTARTS] += 1
-        self._mark_gone(engine, "a new process registered under its identity")
+        self._mark_gone(engine, GoneReason.RESTARTED)
+        self._new_engine(engine.identity, engine, fd)  # first: the new one may take them
         self._settle()
-        self._new_engine(engine.identity, engine, fd)
 
     def _new_engine(self, identity: bytes, engine: _Engine | None, fd: int) -> _Engine | None:
         """Put the sender in the pool: ``engine`` coming back, or a new rank (reusing
@@ -1893,7 +2115,7 @@ class Loop:
                 self._engines.append(_Engine(rank, identity))
             engine = self._engine_by_identity[identity] = self._engines[rank]
         engine.state = ALIVE
-        engine.fd = fd
+        self._watch(engine, fd)
         engine.session = 0
         engine.coordkit = False
         engine.batch = False
@@ -1901,9 +2123,23 @@ class Loop:
         engine.heartbeats = False
         engine.rebuild = False
         engine.handled = engine.mark = engine.acked = 0
-        self._router.add_rank(engine.rank)
+        self._faults.admit(engine)
         self._count_formats()
         return engine
+
+    def _watch(self, engine: _Engine, fd: int) -> None:
+        """An engine's connection is ``fd`` (-1: inproc, not watched): when it ends, the
+        engine is lost (Faults.lost)."""
+        if self._engine_fds.get(engine.fd) is engine:
+            del self._engine_fds[engine.fd]
+        engine.fd = fd
+        if fd < 0:
+            return
+        self._connection_events()  # what the monitor said first
+        if fd in self._connections:
+            self._engine_fds[fd] = engine
+        else:  # it ended already
+            self._ended.append((engine.identity, fd))
 
     def _connect(self, identity: bytes, client: _Client | None, frames: list[zmq.Frame]) -> None:
         """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
@@ -1993,8 +2229,11 @@ class Loop:
                 self._connections[value] = None
             elif event == zmq.EVENT_DISCONNECTED:
                 client = self._connections.pop(value, None)
+                engine = self._engine_fds.pop(value, None)
                 if client is not None:
                     self._ended.append((client.identity, value))
+                elif engine is not None:
+                    self._ended.append((engine.identity, value))
             elif event & REFUSAL_EVENTS:
                 self._counters[Counter.AUTH_REFUSED] += 1
 
@@ -2004,8 +2243,11 @@ class Loop:
         ended, self._ended = self._ended, []
         for identity, fd in ended:
             client = self._clients.get(identity)
+            engine = self._engine_by_identity.get(identity)
             if client is not None and client.fd == fd:
                 self._client_gone(client, unreachable=False)
+            elif engine is not None and engine.fd == fd and engine.state != GONE:
+                self._faults.lost(engine, GoneReason.DISCONNECTED)
         if self._gone:
             self._settle()
 
@@ -2065,7 +2307,7 @@ class Loop:
         if not engine_parses(engine.format, Header.ABORT_REQUEST):
             return
         if not self._send(engine.identity, protocol.ABORT_REQUEST.pack(server_rid)):
-            self._mark_gone(engine, "unreachable")
+            self._faults.lost(engine, GoneReason.UNREACHABLE)
 
     def _release_kv(self, client: _Client, frames: list[zmq.Frame]) -> None:
         if self._parse(protocol.RELEASE_KV, client, Header.RELEASE_KV, frames) is not None:
@@ -2115,7 +2357,7 @@ class Loop:
             if not engine_parses(engine.format, header):
                 continue  # 0.19 has no KV transfer
             if not self._send(engine.identity, [frame]):
-                self._mark_gone(engine, "unreachable")
+                self._faults.lost(engine, GoneReason.UNREACHABLE)
 
     def _detokenized(self, body: Buffer) -> Buffer:
         """A reply body with its generated_text; on failure the body as it is."""
@@ -2142,33 +2384,47 @@ class Loop:
             i += 1
         self._gone.clear()
 
-    def _settle_engine(self, engine: _Engine, reason: str) -> None:
-        """Each request of a gone engine, by server id: re-sent when it produced
-        nothing and was kept, otherwise ended with ERROR(ENGINE_FAILED)."""
-        self._log.warn("engine_failed", f"engine {engine.rank} gone ({reason})")
+    def _settle_engine(self, engine: _Engine, reason: GoneReason) -> None:
+        """Each request of a gone engine, by server id, lost there (_unrun)."""
+        self._log.warn("engine_failed", f"engine {engine.rank} gone ({GONE_REASONS[reason]})")
         resend: dict[_Client, list[int]] = defaultdict(list)
         for request in self._in_order(lambda r: r.rank == engine.rank):
             if self._find(request.server_rid) is not request or request.rank != engine.rank:
                 continue  # ended meanwhile: its client went away
-            self._router.release(engine.rank, request.work)
-            request.rank = -1
-            if request.flags & (PRODUCED | ABORTED | PINNED) or (
-                request.kept is None and not request.client.rebuild
-            ):
-                self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
-                continue
-            if request.kept is None:  # a rebuild client sends it again itself
-                self._forget(request)
-                resend[request.client].append(request.client_rid)
-                continue
-            status = self._resend(request)
-            if status == RouteStatus.SENT:
-                self._counters[Counter.REROUTED] += 1
-            elif status == RouteStatus.UNSENDABLE:  # no engine left that speaks its format
-                self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
-            else:
-                self._fail_request(request, _refusal(status), Header.SUBMIT_REQUEST)
+            self._unrun(request, resend)
         self._rebuild.send_resends(resend)
+
+    def _unrun(self, request: _Request, resend: dict[_Client, list[int]]) -> None:
+        """A request its engine will never answer (it died, or does not hold it): re-sent
+        from what was kept when it produced nothing (a rebuild client's: RESEND), moved on
+        with the tokens it streamed when it did (Faults.migrate), otherwise ended with
+        ERROR(ENGINE_FAILED)."""
+        self._router.release(request.rank, request.work)
+        request.rank = -1
+        request.flags &= ~UNCONFIRMED
+        if request.flags & (ABORTED | PINNED) or (
+            request.kept is None and not request.client.rebuild
+        ):
+            self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
+            return
+        if request.flags & PRODUCED:
+            migrated = self._faults.migrate(request)
+            if migrated is None:  # it cannot go on elsewhere
+                self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
+                return
+            status, counter = migrated, Counter.MIGRATED
+        elif request.kept is None:  # a rebuild client sends it again itself
+            self._forget(request)
+            resend[request.client].append(request.client_rid)
+            return
+        else:
+            status, counter = self._resend(request), Counter.REROUTED
+        if status == RouteStatus.SENT:
+            self._counters[counter] += 1
+        elif status == RouteStatus.UNSENDABLE:  # no engine left that speaks its format
+            self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
+        else:
+            self._fail_request(request, _refusal(status), Header.SUBMIT_REQUEST)
 
     def _resend(self, request: _Request) -> RouteStatus:
         """Send a request whose engine died to another, from what it kept, as a new
@@ -2216,7 +2472,7 @@ class Loop:
         if engine.coordkit:
             error = protocol.ERROR.pack(rid, code, error_text(code, header))
             if not self._send(engine.identity, error):
-                self._mark_gone(engine, "unreachable")
+                self._faults.lost(engine, GoneReason.UNREACHABLE)
 
     def _client_gone(self, client: _Client, unreachable: bool = True, closed: bool = False) -> None:
         """A client that cannot be reached, or that left (DISCONNECT: ``closed``, or its

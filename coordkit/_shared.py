@@ -65,6 +65,20 @@ TICK = 0.05
 #: its silence still report in time.
 REBUILD_WINDOW = 5.0
 
+#: Seconds an engine whose tcp connection ended keeps what it holds, waiting for it
+#: to come back (a network blip): libzmq reconnects 100 ms after the end and the
+#: handshake takes milliseconds, a brief flap of a switch or a NIC lasts a second or
+#: two (Megatron's engines have been seen back in 1.5 s), while a dead engine's
+#: requests wait this long more before they are sent elsewhere.
+ENGINE_GRACE = 3.0
+#: The breaker: this many failures of an engine (its connection ended, it was found
+#: gone, a new process took its identity) within BREAKER_WINDOW seconds quarantine it
+#: for BREAKER_BACKOFF seconds, doubled at each next quarantine (to BACKOFF_MAX) until
+#: it stays up a window.
+BREAKER_FAILURES = 3
+BREAKER_WINDOW = 30.0
+BREAKER_BACKOFF = 5.0
+
 #: What the loop reads from its ROUTER's socket monitor: the connections accepted and
 #: ended (by fd: a client whose CONNECT came on a connection that ended has left), and
 #: the handshakes refused (CURVE: no key or the wrong mechanism, a key not admitted).
@@ -85,6 +99,8 @@ SHARED_SMALL_MAX = 2048
 #: Routing ids the loop remembers the role of once they left its tables (loop/roles):
 #: the oldest is forgotten past this many (4 MiB of ids at most in C).
 RETIRED_IDS = 16384
+#: The longest quarantine of an engine that keeps failing (the breaker), in seconds.
+BACKOFF_MAX = 300.0
 
 
 class Counter(IntEnum):
@@ -124,15 +140,42 @@ class Counter(IntEnum):
     CLIENTS_RETURNED = 31  # rebuild clients back within their hold (a blip): nothing aborted
     REFUSED_CLAIMS = 32  # rebuild claims refused: HELD entries not adopted, REPLAYED not asked
     ENGINE_RESTARTS = 33  # registrations of a new process under an engine's identity
+    MIGRATED = 34  # requests moved, with the tokens they streamed, off an engine that died
+    ENGINES_BACK = 35  # engines whose connection ended and that came back within the grace
+    QUARANTINES = 36  # engines the breaker took out of the pool for failing too often
 
 
 class EngineState(IntEnum):
     """An engine rank's life: it takes work while ALIVE, finishes it while
-    DRAINING (after DISCONNECT), and takes nothing once GONE."""
+    DRAINING (after DISCONNECT), takes nothing once GONE, and nothing while AWAY (its
+    connection ended: what it holds waits for it for the grace)."""
 
     ALIVE = 0
     DRAINING = 1
     GONE = 2
+    AWAY = 3
+
+
+#: Why an engine left the pool, by its GoneReason (the loops' logs and stats()).
+GONE_REASONS = (
+    "unreachable",
+    "no heartbeat",
+    "drain timed out",
+    "a new process registered under its identity",
+    "its connection ended",
+    "not back within the grace",
+)
+
+
+class GoneReason(IntEnum):
+    """Why an engine left the pool (GONE_REASONS says it in words)."""
+
+    UNREACHABLE = 0
+    NO_HEARTBEAT = 1
+    DRAIN_TIMED_OUT = 2
+    RESTARTED = 3
+    DISCONNECTED = 4
+    GRACE_OVER = 5
 
 
 class RequestFlag(IntEnum):
@@ -144,6 +187,8 @@ class RequestFlag(IntEnum):
     ORPHAN = 8  # adopted from an engine's report: its client has not REJOINed yet
     PINNED = 16  # a KV submission: tied to the engine chosen, never sent again
     ASKED = 32  # its engine was sent REPLAY for it: the one REPLAYED that may deliver it
+    MIGRATED = 64  # moved off a dead engine with the tokens it streamed: its replies continue
+    UNCONFIRMED = 128  # its engine is back on a new connection: it runs there if HELD says so
 
 
 class PeerRole(IntEnum):
@@ -198,6 +243,11 @@ class Options:
     first_server_id: int  # its server ids start here: above any of an earlier life's
     rebuild_window: float  # seconds after the start during which peers report
     megatron_version: str = "0.19"  # of the single-frame engines (MEGATRON_VERSIONS)
+    # An engine whose connection ends waits this long for it (0: dead at once; tcp only)
+    engine_grace: float = 0.0
+    breaker_failures: int = 0  # failures within breaker_window that quarantine (0: never)
+    breaker_window: float = 30.0
+    breaker_backoff: float = 5.0  # the first quarantine; doubled each next, to BACKOFF_MAX
 
     @property
     def index_size(self) -> int:
@@ -217,6 +267,7 @@ CYTHON_ENUMS: tuple[tuple[type[IntEnum], str], ...] = (
     (RouteStatus, "ROUTE_"),
     (PeerFormat, "FORMAT_"),
     (PeerRole, "ROLE_"),
+    (GoneReason, "GONE_"),
 )
 
 
@@ -281,6 +332,56 @@ def detokenize(detokenizer: Detokenizer, body: Buffer) -> bytes:
     reply = unpackb(body)
     reply["generated_text"] = detokenizer(reply["generated_tokens"])
     return packb(reply)
+
+
+def resumed(
+    meta: Buffer | None, prompt: Buffer, tokens: list[int]
+) -> tuple[bytes | None, bytes] | None:
+    """A request that streamed ``tokens`` before its engine died, to go on at another:
+    ``(meta, prompt)`` with the prompt extended by them and each budget in its params
+    (BUDGET_KEYS) reduced by their count. ``meta`` is its kept metadata ``[20, rid,
+    params]`` and ``prompt`` its prompt frame, or (``meta`` None) ``prompt`` is the one
+    frame it came in, ``[20, rid, prompt, params, ...]``, and so is the result's (its
+    metadata None). None when it cannot go on: its params say RESUMABLE_KEY false,
+    its prompt is not token ids (a str), or a budget is spent."""
+    try:
+        if meta is None:
+            frame = unpackb(prompt)
+            head, ids, params, rest = frame[:2], frame[2], frame[3], frame[4:]
+        else:
+            *head, params = unpackb(meta)
+            ids, rest = unpackb(prompt), []
+    except Exception:  # not what this coordinator kept: cannot be resumed
+        return None
+    if not isinstance(params, dict) or params.get(protocol.RESUMABLE_KEY) is False:
+        return None
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        return None
+    params = dict(params)
+    for key in protocol.BUDGET_KEYS:
+        budget = params.get(key)
+        if type(budget) is int:
+            if budget <= len(tokens):
+                return None
+            params[key] = budget - len(tokens)
+    ids = ids + tokens
+    if meta is None:
+        return None, packb([*head, ids, params, *rest])
+    return packb([*head, params]), packb(ids)
+
+
+def continued(body: Buffer, before: list[int]) -> bytes:
+    """A reply body of a request that went on at another engine: its
+    ``generated_tokens`` preceded by ``before``, those streamed at the engines before
+    (a partial's ``new_tokens`` already continue); the body as it is when it has none."""
+    try:
+        reply = unpackb(body)
+    except Exception:  # not msgpack: forwarded as it is, as any body
+        return bytes(body)
+    if isinstance(reply, dict) and isinstance(reply.get("generated_tokens"), list):
+        reply["generated_tokens"] = before + reply["generated_tokens"]
+        return packb(reply)
+    return bytes(body)
 
 
 def megatron_failed_reply(client_rid: int) -> bytes:
@@ -411,10 +512,12 @@ def stats_map(
     clients: int,
     control_state: int,
     counters: list[int],
-    engines: list[tuple[int, bytes, int, int]],
+    engines: list[tuple[int, bytes, int, int, float, int, int]],
 ) -> dict[str, Any]:
     """The map of ``Coordinator.stats()`` and STATS_REPLY; ``epoch`` is what the
-    coordinator announces, ``engines`` (rank, identity, state, pending) per rank."""
+    coordinator announces, ``engines`` (rank, identity, state, pending, seconds of
+    quarantine left, failures in the breaker's window, the last GoneReason or -1)
+    per rank."""
     return {
         "implementation": implementation,
         "policy": policy,
@@ -430,7 +533,10 @@ def stats_map(
                 "identity": identity_text(identity),
                 "state": EngineState(state).name.lower(),
                 "pending": pending,
+                "quarantined": round(quarantined, 3),
+                "failures": failures,
+                "last_failure": GONE_REASONS[reason] if reason >= 0 else None,
             }
-            for rank, identity, state, pending in engines
+            for rank, identity, state, pending, quarantined, failures, reason in engines
         ],
     }

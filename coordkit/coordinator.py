@@ -28,8 +28,12 @@ from ._checks import check_address
 from ._implementation import load_implementation, selected
 from ._policies import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
 from ._shared import (
+    BREAKER_BACKOFF,
+    BREAKER_FAILURES,
+    BREAKER_WINDOW,
     CONNECTION_EVENTS,
     DIALECTS,
+    ENGINE_GRACE,
     MEGATRON_VERSIONS,
     REBUILD_WINDOW,
     REFUSAL_EVENTS,
@@ -244,7 +248,11 @@ class Coordinator:
     deadline passes (checked at each wake-up) or the term is lost, and it then
     closes without failing what is in flight (the next leader takes it over).
     ``rebuild_window`` is how long after its start it waits for engines to
-    report what they hold (docs/failover.md).
+    report what they hold (docs/failover.md). ``engine_grace`` is how long an
+    engine whose tcp connection ended keeps what it holds (over ipc, none: the
+    connection's end is its process's), and ``breaker_failures`` failures of an
+    engine within ``breaker_window`` seconds quarantine it for ``breaker_backoff``
+    seconds, doubled while it keeps failing (docs/failure-model.md).
     """
 
     def __init__(
@@ -271,6 +279,10 @@ class Coordinator:
         megatron_version: str = "0.19",
         block_size: int = DEFAULT_BLOCK_SIZE,
         rebuild_window: float = REBUILD_WINDOW,
+        engine_grace: float = ENGINE_GRACE,
+        breaker_failures: int = BREAKER_FAILURES,
+        breaker_window: float = BREAKER_WINDOW,
+        breaker_backoff: float = BREAKER_BACKOFF,
         term: Term | None = None,
         metrics_port: int | None = None,
         curve_secret_key: str | os.PathLike[str] | None = None,
@@ -288,6 +300,10 @@ class Coordinator:
             raise ValueError("max_inflight_per_engine must be >= 0 (0: no cap)")
         if min(heartbeat_timeout, drain_timeout, request_timeout, rebuild_window) < 0:
             raise ValueError("timeouts must be >= 0 (0 disables heartbeat and request expiry)")
+        if engine_grace < 0 or breaker_failures < 0:
+            raise ValueError("engine_grace and breaker_failures must be >= 0 (0: none)")
+        if breaker_window <= 0 or breaker_backoff <= 0:
+            raise ValueError("breaker_window and breaker_backoff must be > 0")
         if max_message_size < -1 or max_message_size == 0:
             raise ValueError("max_message_size must be positive, or -1 for no limit")
         if not 1 <= max_clients <= 1 << 24 or not 1 <= max_engines <= 1 << 16:
@@ -326,6 +342,11 @@ class Coordinator:
             first_server_id=_clock_ns(),
             rebuild_window=rebuild_window,
             megatron_version=megatron_version,
+            # Over ipc a connection that ends is its process's end: no blip to wait for.
+            engine_grace=engine_grace if bind.startswith("tcp://") else 0.0,
+            breaker_failures=breaker_failures,
+            breaker_window=breaker_window,
+            breaker_backoff=breaker_backoff,
         )
         self._term = term
         router = impl.Router(

@@ -41,6 +41,8 @@ __all__ = [
     "BLOCK_HASH_SIZE",
     "MAX_PARTS",
     "STREAM_KEY",
+    "RESUMABLE_KEY",
+    "BUDGET_KEYS",
     "error_text",
     "header_name",
     "parse_connect",
@@ -95,6 +97,11 @@ MAX_HOLD_MS = 60_000
 #: The key of a rebuild engine's ENGINE_HELLO map: the number its next reply message
 #: has (see HANDLED).
 BASE_KEY = "base"
+#: The key of an ENGINE_ACK map granting the rebuild by which the coordinator asks the
+#: engine to list in HELD every request it holds, a client's that did not ask for the
+#: rebuild too (its client id nil): an engine back on a new connection then says what
+#: it never got (the connection broke with it on the way), which is sent again.
+HELD_ALL_KEY = "held_all"
 
 #: The key of a coordkit engine's ENGINE_HELLO map: a token of its process (an int64
 #: above 0, drawn once per Engine), the same in every hello it sends. A registration
@@ -115,6 +122,15 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 #: The sampling-params key that asks an engine for partial replies
 #: (:class:`~coordkit.tools.fake_engine.FakeEngine` honours it); ``Client.stream`` sets it.
 STREAM_KEY = "stream"
+
+#: The sampling-params key by which a request says it cannot go on at another engine
+#: from the tokens it streamed, when its own engine dies (its generation must replay
+#: exactly: seeded sampling, guided decoding): ``{"resumable": False}``; it then ends
+#: with ERROR(ENGINE_FAILED), as any started request did before.
+RESUMABLE_KEY = "resumable"
+#: The sampling-params keys of a request's budget of tokens, reduced by the tokens it
+#: streamed when it goes on at another engine: Megatron's, and coordkit FakeEngine's.
+BUDGET_KEYS = ("num_tokens_to_generate", "output_tokens")
 
 
 class Header(IntEnum):
@@ -546,7 +562,8 @@ SubmitEntry = namedtuple("SubmitEntry", "rid sampling_params prompt block_hashes
 class HeldSpec:
     """HELD, a rebuild engine's report after each registration: ``[100, [[server_rid,
     client_rid, client_id, partials, final], ...]]`` -- the requests it holds that a
-    rebuild client sent, how many partials it sent for each, whether it sent the
+    rebuild client sent (and, when its ENGINE_ACK said HELD_ALL_KEY, every other one
+    it holds, client_id nil), how many partials it sent for each, whether it sent the
     final -- then one frame: the block hashes of the requests routed to it lately
     (little-endian u64s, each once, oldest first by its latest request; empty when
     none), so that the prefix policy's table outlives the coordinator."""
@@ -556,7 +573,7 @@ class HeldSpec:
     entry_fields = (
         Field("server_rid", int),
         Field("client_rid", int),
-        Field("client_id", bytes),
+        Field("client_id", bytes, nullable=True),
         Field("partials", int),
         Field("final", bool),
     )
@@ -825,7 +842,7 @@ def engine_ack(hello: Hello, epoch: int) -> list[bytes]:
     (the rebuild with the coordinator's ``epoch``, when asked)."""
     granted: dict[str, int] = {BATCH_FEATURE: 1} if hello.batch else {}
     if hello.rebuild:
-        granted.update({REBUILD_FEATURE: 1, EPOCH_KEY: epoch})
+        granted.update({REBUILD_FEATURE: 1, EPOCH_KEY: epoch, HELD_ALL_KEY: 1})
     return ENGINE_ACK.pack(granted)
 
 

@@ -29,6 +29,8 @@ from tests.support.processes import coordkit_command, fake_engine_command, pytho
 from tests.support.scripted import packb, run, scripted
 
 TIMEOUT = 20.0
+# The rebuild, as a coordkit coordinator grants it (pinned_clock: epoch 0).
+GRANTED = {"rebuild": 1, "epoch": 0, "held_all": 1}
 FORMS = "expected tcp://HOST:PORT, ipc:///path or inproc://name"
 PROMPT_FORMS = "a str, a bytes-like object, or token ids (a sequence of ints in [0, 2**32))"
 TOKEN_RULE = "not an int in [0, 2**32)"
@@ -291,10 +293,10 @@ def test_an_engine_acknowledged(make_cluster, impl):
     with Engine(cluster.coord.address, implementation=impl.name) as engine:
         assert engine.wait_registered(TIMEOUT) is True
         # The rebuild is granted too, with the coordinator's epoch (pinned_clock: 0).
-        assert engine.registered and engine.granted == {"batch": 1, "rebuild": 1, "epoch": 0}
+        assert engine.registered and engine.granted == {"batch": 1, **GRANTED}
         assert engine.poll(0.05) == []  # the ENGINE_ACK is no event
     with Engine(cluster.coord.address, implementation=impl.name, batch=False, rank=1) as engine:
-        assert engine.wait_registered(TIMEOUT) and engine.granted == {"rebuild": 1, "epoch": 0}
+        assert engine.wait_registered(TIMEOUT) and engine.granted == GRANTED
     with Engine(cluster.coord.address, implementation=impl.name, hello=False, rank=2) as engine:
         with pytest.raises(RuntimeError, match="hello=False is never acknowledged"):
             engine.wait_registered(0.1)
@@ -362,7 +364,7 @@ def test_fake_engine_says_when_it_is_registered(make_cluster):
     )
     try:
         line = process.stderr.readline()
-        granted = "{'batch': 1, 'rebuild': 1, 'epoch': 0}"
+        granted = repr({"batch": 1, **GRANTED})
         assert line == f"coordkit engine 4: registered at {address} (granted {granted})\n"
         process.send_signal(signal.SIGTERM)
         assert process.wait(TIMEOUT) == 0

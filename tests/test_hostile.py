@@ -174,8 +174,9 @@ def test_a_second_process_under_an_engines_identity_takes_none_of_its_requests(m
 
 
 def test_the_same_process_back_on_a_new_connection_keeps_its_requests(make_cluster):
-    """A coordkit engine whose hello names the same process (a blip) is not a restart."""
-    with make_cluster() as c:
+    """A coordkit engine whose hello names the same process (a blip over tcp, within
+    the grace) is not a restart."""
+    with make_cluster(transport="tcp") as c:
         engine = rebuild_engine(c, b"e0", session=7)
         client = c.client(coordkit=True)
         client.send(m([SUBMIT, 1, {}]), m([1]))

@@ -462,8 +462,9 @@ def test_a_disconnected_engines_late_replies_are_routed(main):
 def test_an_unreachable_engines_requests_resent_as_they_came(main):
     """An engine that cannot be reached is gone at once (main's coordinator keeps its
     requests waiting for a final that a dead engine never sends): what produced
-    nothing is re-sent to another main engine byte for byte, and what streamed ends
-    (without a word to a Megatron client, which cannot parse ERROR)."""
+    nothing is re-sent to another main engine byte for byte, and what streamed goes on
+    there from the tokens its partials carried (main's "new_tokens"): its prompt
+    extended by them, its budget reduced, and its final continuing the stream."""
     with main(policy="round_robin") as c:
         victim, survivor = c.add_main_engine(), c.add_main_engine()
         client = c.main_client()
@@ -486,17 +487,23 @@ def test_an_unreachable_engines_requests_resent_as_they_came(main):
         frames = survivor.recv_frames(0.5)
         # the held request, as it came (its server id too), and no duplicate of anything
         assert frames.count(b"\x95\x14\x00" + held[3:]) == 1
-        assert all(um(f)[1] != streamed for f in frames)
-        for server_rid in [answered, *(um(f)[1] for f in frames)]:
+        [moved] = [um(f) for f in frames if um(f)[1] == streamed]
+        budget = STREAM["num_tokens_to_generate"] - 1
+        assert moved[2:4] == [[6, 1], {**STREAM, "num_tokens_to_generate": budget}]
+        for server_rid in [answered, *(um(f)[1] for f in frames if um(f)[1] != streamed)]:
             survivor.reply(finished(server_rid))
-        assert_failed_final(client, 2)  # it streamed: ended, not re-sent
-        replies = [client.recv_message()[1] for _ in range(len(frames) + 1)]
-        assert len(set(replies)) == len(replies)  # one final each
-        assert {0, 1} <= set(replies) and 2 not in replies
+        survivor.reply(finished_request(streamed))  # generated_tokens [7, 8, 9]
+        replies = {}
+        for _ in range(len(frames) + 1):
+            _, rid, body = client.recv_message()
+            assert rid not in replies  # one final each
+            replies[rid] = um(body)
+        assert {0, 1, 2} <= set(replies)
+        assert replies[2]["generated_tokens"] == [1, 7, 8, 9]  # the token streamed, the rest
         client.assert_silent(0.2)
         stats = c.coord.stats()
-        assert stats["counters"]["engine_failed"] == 1 and stats["counters"]["rerouted"] >= 1
-        assert stats["inflight"] == 0
+        assert stats["counters"]["engine_failed"] == 0 and stats["counters"]["rerouted"] >= 1
+        assert stats["counters"]["migrated"] == 1 and stats["inflight"] == 0
 
 
 # -- mixed pools -----------------------------------------------------------------------------

@@ -65,7 +65,7 @@ def rebuild_engine(c: Cluster, identity: bytes, base: int = 1, **features: int) 
     engine = c.add_engine(identity)
     engine.hello(rebuild=1, base=base, **features)
     granted = {"batch": 1} if features.get("batch") else {}
-    granted.update({"rebuild": 1, "epoch": c.coord.epoch})
+    granted.update({"rebuild": 1, "epoch": c.coord.epoch, "held_all": 1})
     assert engine.recv() == [m([ENGINE_ACK, granted])]
     return engine
 

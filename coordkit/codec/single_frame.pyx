@@ -103,27 +103,32 @@ cdef int ck_read_single_submit(const uint8_t* buf, size_t n,
     return CK_OK
 
 
-# "request_id" as a msgpack str, in each of its four forms (the header bytes).
-cdef inline size_t _request_id_key(const ck_cursor* c) noexcept nogil:
-    """The size of the str key at c.p when it is "request_id", else 0; c is not moved."""
+cdef inline size_t _key(const ck_cursor* c, const char* name, size_t size) noexcept nogil:
+    """The bytes the str key at c.p takes when it is ``name`` (of ``size`` < 32 bytes, in
+    any of a msgpack str's four forms), else 0; c is not moved."""
     cdef size_t left = ck_left(c)
     cdef const uint8_t* p = c.p
     cdef size_t head
-    if left < 11:
+    if left < size + 1:
         return 0
-    if p[0] == 0xaa:
+    if p[0] == 0xa0 | size:
         head = 1
-    elif p[0] == 0xd9 and p[1] == 10:
+    elif p[0] == 0xd9 and p[1] == size:
         head = 2
-    elif p[0] == 0xda and p[1] == 0 and p[2] == 10:
+    elif p[0] == 0xda and p[1] == 0 and p[2] == size:
         head = 3
-    elif p[0] == 0xdb and p[1] == 0 and p[2] == 0 and p[3] == 0 and p[4] == 10:
+    elif p[0] == 0xdb and p[1] == 0 and p[2] == 0 and p[3] == 0 and p[4] == size:
         head = 5
     else:
         return 0
-    if left < head + 10 or memcmp(p + head, b"request_id", 10) != 0:
+    if left < head + size or memcmp(p + head, name, size) != 0:
         return 0
-    return head + 10
+    return head + size
+
+
+cdef inline size_t _request_id_key(const ck_cursor* c) noexcept nogil:
+    """The size of the str key at c.p when it is "request_id", else 0; c is not moved."""
+    return _key(c, b"request_id", 10)
 
 
 cdef int _read_single_entry(ck_cursor* c, int64_t* rid, int* entry_status) noexcept nogil:
@@ -220,6 +225,77 @@ cdef inline int _check_whole(const uint8_t* buf, size_t n, _Kind kind) noexcept 
     if status != CK_OK:
         return status
     return CK_OK if c.p == c.end else CK_TRAILING
+
+
+cdef int ck_streamed_tokens(const uint8_t* buf, size_t n, int* kind, uint32_t* out,
+                            uint32_t capacity, uint32_t* count) noexcept nogil:
+    """The tokens a reply body (exactly one msgpack map) carries: its top-level
+    "new_tokens" (*kind CK_NEW_TOKENS: those since the last partial, as Megatron's
+    partials carry them), else its "generated_tokens" (CK_ALL_TOKENS: all so far),
+    the last of each name winning; *kind CK_NO_TOKENS and *count 0 with neither."""
+    cdef ck_cursor c
+    cdef ck_cursor found[2]  # the values of "new_tokens", "generated_tokens"
+    cdef bint has[2]
+    cdef const uint8_t* p
+    cdef uint64_t pairs, _i
+    cdef uint32_t length, j
+    cdef size_t key
+    cdef int status, which
+    cdef int64_t token
+    c.p = buf
+    c.end = buf + n
+    count[0] = 0
+    kind[0] = CK_NO_TOKENS
+    has[0] = has[1] = False
+    if ck_left(&c) == 0:
+        return CK_TRUNCATED
+    cdef uint8_t b = c.p[0]
+    if not _is_map(b):
+        return CK_BAD_TYPE
+    c.p += 1
+    if b == 0xde or b == 0xdf:
+        p = ck_take(&c, 2 if b == 0xde else 4)
+        if p == NULL:
+            return CK_TRUNCATED
+        pairs = ck_load_be16(p) if b == 0xde else ck_load_be32(p)
+    else:
+        pairs = b & 0x0f
+    if 2 * pairs > ck_left(&c):
+        return CK_TRUNCATED
+    for _i in range(pairs):
+        which = 0
+        key = _key(&c, b"new_tokens", 10)
+        if key == 0:
+            which = 1
+            key = _key(&c, b"generated_tokens", 16)
+        if key == 0:
+            status = _skip(&c, 2)
+        else:
+            c.p += key
+            found[which] = c
+            has[which] = True
+            status = _skip(&c, 1)
+        if status != CK_OK:
+            return status
+    if ck_left(&c) != 0:
+        return CK_TRAILING
+    which = 0 if has[0] else 1
+    if not has[which]:
+        return CK_OK
+    kind[0] = CK_NEW_TOKENS if which == 0 else CK_ALL_TOKENS
+    status = _read_array(&found[which], &length)
+    if status != CK_OK:
+        return status
+    count[0] = length
+    if length > capacity:
+        return CK_TOO_MANY
+    for j in range(length):
+        status = _read_int(&found[which], &token)
+        if status != CK_OK or token < 0 or token > <int64_t>UINT32_MAX:
+            count[0] = 0
+            return CK_BAD_TOKEN
+        out[j] = <uint32_t>token
+    return CK_OK
 
 
 cdef int ck_check_prompt(const uint8_t* buf, size_t n) noexcept nogil:
@@ -397,6 +473,32 @@ def check_map(frame) -> None:
     PyBuffer_Release(&view)
     if status != CK_OK:
         raise _error("malformed map", status)
+
+
+def streamed_tokens(body) -> tuple[int, list[int]]:
+    """``(kind, tokens)`` of a reply body (exactly one msgpack map): its top-level
+    "new_tokens" (kind CK_NEW_TOKENS), else its "generated_tokens" (CK_ALL_TOKENS), the
+    last of each name winning; ``(CK_NO_TOKENS, [])`` with neither. ProtocolError for
+    a body that is not one map, or tokens that are not ints in [0, 2**32)."""
+    cdef Py_buffer view
+    cdef int kind
+    cdef uint32_t count
+    cdef uint32_t* out = NULL
+    _acquire(body, &view)
+    cdef const uint8_t* buf = <const uint8_t*>view.buf
+    cdef int status = ck_streamed_tokens(buf, view.len, &kind, NULL, 0, &count)
+    try:
+        if status == CK_TOO_MANY:
+            out = <uint32_t*>malloc(count * sizeof(uint32_t))
+            if out == NULL:
+                raise MemoryError()
+            status = ck_streamed_tokens(buf, view.len, &kind, out, count, &count)
+        if status != CK_OK:
+            raise _error("no tokens", status)
+        return kind, [out[i] for i in range(count)]
+    finally:
+        PyBuffer_Release(&view)
+        free(out)
 
 
 cdef inline size_t _block_size_arg(object value) except 0:

@@ -43,13 +43,19 @@ cdef class Rebuild:
             if slot >= 0:
                 request = &self.loop.requests.pool[slot]
                 identity = ck_ids_get(&self.loop.client_ids, request.client, &n)
-                if not (
-                    request.rank == engine and request.client_rid == client_rid
-                    and identity[:n] == client_id
-                ):
+                # Its client named, or nil for one that did not ask for the rebuild.
+                named = client_id == (
+                    identity[:n] if self.loop.clients[request.client].rebuild else None
+                )
+                if not (request.rank == engine and request.client_rid == client_rid and named):
                     aborts.append(server_rid)  # another's: the first claim stands
-                elif not request.flags & FLAG_ORPHAN:  # an orphan's replay waits for its client
-                    self._replay(slot, -1, replays)
+                    continue
+                request.flags &= ~FLAG_UNCONFIRMED
+                if client_id is not None and not request.flags & FLAG_ORPHAN:
+                    self._replay(slot, -1, replays)  # an orphan's waits for its client
+                continue
+            if client_id is None:  # nobody to adopt it for
+                aborts.append(server_rid)
                 continue
             client = -1
             if self.loop.engines[engine].state != ENGINE_GONE:
@@ -78,6 +84,7 @@ cdef class Rebuild:
             if self.loop.engines[engine].state != ENGINE_GONE:
                 self.loop._abort_at_engine(engine, server_rid)
         self._send_replays(replays)
+        self.loop.faults.not_held(engine)
 
     cdef bint _claimable(self, int64_t server_rid, bytes client_id, int64_t client_rid):
         """Whether an engine's report may be adopted under ``server_rid``: not an id this
@@ -257,7 +264,7 @@ cdef class Rebuild:
             self.loop.counters[COUNTER_REPLAYED] += len(entries)
             replay = protocol.REPLAY.pack(entries)
             if not self.loop._send_frames(&self.loop.engine_ids, rank, replay):
-                self.loop._mark_gone(rank, GONE_UNREACHABLE)
+                self.loop.faults.lost(rank, GONE_UNREACHABLE)
 
     cdef send_resends(self, dict resend):
         """RESEND to each client (one that is connected) of the requests it must send again."""
@@ -410,7 +417,7 @@ cdef class Rebuild:
                     handled, HEADER_HANDLED, engine.base + <int64_t>engine.acked - 1
                 )
                 if self.loop._send_identity(&self.loop.engine_ids, rank) != 0:
-                    self.loop._mark_gone(rank, GONE_UNREACHABLE)
+                    self.loop.faults.lost(rank, GONE_UNREACHABLE)
                 else:
                     send_bytes(self.loop.sock, handled, n, 0)
                     traffic_count(&self.loop.traffic, SENT, HEADER_HANDLED, n)

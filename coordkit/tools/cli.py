@@ -150,6 +150,29 @@ def _parser() -> argparse.ArgumentParser:
     )
     _option(
         serve,
+        "engine_grace",
+        float,
+        "S",
+        "an engine whose tcp connection ends keeps what it holds S seconds, waiting for "
+        "it to come back, before it is sent elsewhere (0: at once; over ipc: always 0)",
+    )
+    _option(
+        serve,
+        "breaker_failures",
+        int,
+        "N",
+        "an engine failing N times within --breaker-window is quarantined (0: never)",
+    )
+    _option(serve, "breaker_window", float, "S", "the breaker's window")
+    _option(
+        serve,
+        "breaker_backoff",
+        float,
+        "S",
+        "an engine's first quarantine; doubled at each next one while it keeps failing",
+    )
+    _option(
+        serve,
         "max_message_size",
         int,
         "BYTES",
@@ -600,6 +623,10 @@ _SERVE_OPTIONS = (
     "drain_timeout",
     "request_timeout",
     "rebuild_window",
+    "engine_grace",
+    "breaker_failures",
+    "breaker_window",
+    "breaker_backoff",
     "max_message_size",
     "dialect",
     "megatron_version",

@@ -97,7 +97,8 @@ _STATE_AFTER = {
 @dataclass(slots=True)
 class _Job:
     server_rid: int
-    seed: int
+    context: int  # the sum of its context's tokens (prompt, then generated)
+    context_tokens: int  # its context's length
     stream: bool
     detokenize: bool
     blocks: list[Any] | None  # its block keys: chained hashes or block ids; None: unknown
@@ -108,17 +109,20 @@ class _Job:
     prefill_left: int = 0  # tokens still to prefill before its first token
     partials: int = 0
     tokens: list[int] = field(default_factory=list)
+    streamed: int = 0  # tokens sent in partials so far
 
 
 class FakeEngine(Engine):
     """An engine that "generates" deterministic tokens, for demos and tests.
 
     Each step admits waiting requests up to ``max_batch``, takes ``latency``
-    seconds, and gives every running request one more token: token ``k`` of a
-    prompt is ``(sum(prompt) * 31 + k) % vocab_size`` (see :meth:`generate`),
-    ``output_tokens`` of them. All requests finishing in a step share one
-    ENGINE_REPLY. The reply body is a msgpack map shaped like Megatron's:
-    ``request_id`` (the server rid), ``rank``, ``status`` ("finished",
+    seconds, and gives every running request one more token, a function of its
+    context as a model's is: after a context of ``n`` tokens summing to ``s`` (the
+    prompt's, a str's UTF-8 bytes, then those generated) it is
+    ``(s * 31 + n) % vocab_size`` (see :meth:`generate`), ``output_tokens`` of
+    them; a prompt extended by the first tokens generates the rest. All requests
+    finishing in a step share one ENGINE_REPLY. The reply body is a msgpack map
+    shaped like Megatron's: ``request_id`` (the server rid), ``rank``, ``status`` ("finished",
     "aborted", or "generating" in partials), ``generated_tokens``,
     ``logprobs`` (one per token) and ``generated_text`` (None).
 
@@ -148,7 +152,8 @@ class FakeEngine(Engine):
     the first token's time without a message per token).
 
     Requests whose sampling params have ``"stream": True`` get one
-    ENGINE_REPLY_PARTIAL per step with the tokens so far before their final;
+    ENGINE_REPLY_PARTIAL per step with the tokens so far (``generated_tokens``)
+    and those since the last partial (``new_tokens``) before their final;
     ``"detokenize": True`` flags the final ``needs_detokenize``. An abort is
     answered with a final of status "aborted". PAUSE and SUSPEND stop
     generation (requests still queue up) until UNPAUSE; STOP, like a set
@@ -229,9 +234,14 @@ class FakeEngine(Engine):
 
     @staticmethod
     def generate(prompt: Sequence[int] | str | bytes, n: int, vocab_size: int = 32000) -> list[int]:
-        """The ``n`` tokens a FakeEngine generates for ``prompt`` (a str counts its UTF-8 bytes)."""
-        seed = _seed(prompt)
-        return [(seed * 31 + k) % vocab_size for k in range(n)]
+        """The ``n`` tokens a FakeEngine generates for ``prompt`` (a str counts its UTF-8
+        bytes): each a function of the context so far, so ``prompt`` followed by the
+        first k of them generates the rest."""
+        context, length, tokens = _seed(prompt), _context_tokens(prompt), []
+        for _ in range(n):
+            tokens.append(_next_token(context, length, vocab_size))
+            context, length = context + tokens[-1], length + 1
+        return tokens
 
     def run(self, stop_event: threading.Event | None = None) -> None:
         """Step until STOP arrives or ``stop_event`` is set; then abort what is left."""
@@ -275,6 +285,7 @@ class FakeEngine(Engine):
                 self._waiting[event.server_rid] = _Job(
                     event.server_rid,
                     _seed(prompt),
+                    _context_tokens(prompt),
                     bool(params.get("stream")),
                     bool(params.get("detokenize")),
                     list(ids) if _int_list(ids) else self._blocks(prompt),
@@ -322,7 +333,10 @@ class FakeEngine(Engine):
         for job in self._active.values():
             if job.prefill_left:
                 continue
-            job.tokens.append((job.seed * 31 + len(job.tokens)) % self.vocab_size)
+            token = _next_token(job.context, job.context_tokens, self.vocab_size)
+            job.tokens.append(token)
+            job.context += token
+            job.context_tokens += 1
             if len(job.tokens) >= job.output_tokens:
                 finished.append(job)
             elif job.stream and (job.max_partials is None or job.partials < job.max_partials):
@@ -330,7 +344,7 @@ class FakeEngine(Engine):
                 partial.append(job)
         for job in finished:
             del self._active[job.server_rid]
-        self.reply_partial((job.server_rid, self._body(job, "generating")) for job in partial)
+        self.reply_partial((job.server_rid, self._partial(job)) for job in partial)
         self._finish(finished, "finished")
 
     def _blocks(self, prompt: list[int] | str | bytes) -> list[bytes] | None:
@@ -370,6 +384,15 @@ class FakeEngine(Engine):
     def _finish(self, jobs: list[_Job], status: str) -> None:
         self.reply((job.server_rid, self._body(job, status), job.detokenize) for job in jobs)
 
+    def _partial(self, job: _Job) -> dict[str, Any]:
+        """A partial: the body so far, and ``new_tokens``, those since the last partial
+        (as Megatron's partials carry them: what a coordinator migrating the stream to
+        another engine needs)."""
+        body = self._body(job, "generating")
+        body["new_tokens"] = job.tokens[job.streamed :]
+        job.streamed = len(job.tokens)
+        return body
+
     def _body(self, job: _Job, status: str) -> dict[str, Any]:
         body: dict[str, Any] = {
             "request_id": job.server_rid,
@@ -402,6 +425,15 @@ def _decode_prompt(frame: zmq.Frame) -> list[int] | str | bytes:
 
 def _seed(prompt: Sequence[int] | str | bytes) -> int:
     return sum(prompt.encode() if isinstance(prompt, str) else prompt)
+
+
+def _context_tokens(prompt: Sequence[int] | str | bytes) -> int:
+    return len(prompt.encode() if isinstance(prompt, str) else prompt)
+
+
+def _next_token(context: int, length: int, vocab_size: int) -> int:
+    """The token after a context of ``length`` tokens summing to ``context``."""
+    return (context * 31 + length) % vocab_size
 
 
 def _prompt_tokens(prompt: list[int] | str | bytes) -> int:

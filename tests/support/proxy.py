@@ -5,7 +5,9 @@ connection made to it to a new one to ``upstream`` (``tcp://HOST:PORT``), copyin
 bytes both ways on a thread of its own. ``cut()`` closes every connection it
 carries, both sides (each peer sees its connection end, as in a proxy's restart);
 new connections are joined again as before. ``refuse()`` also stops accepting:
-a peer that reconnects finds nobody.
+a peer that reconnects finds nobody. ``outage()`` cuts and holds the connections
+made meanwhile unjoined (their handshakes wait) until ``restore()``: a network
+that is down for a while and comes back.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class Proxy:
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._peers: dict[socket.socket, socket.socket] = {}  # each side -> the other
         self._lock = threading.Lock()
-        self._cut = self._refuse = self._closed = False
+        self._cut = self._refuse = self._closed = self._held = False
+        self._holding = False  # the listener is out of the selector: connections wait
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -40,6 +43,16 @@ class Proxy:
         """Close every connection carried now (the next ones are carried again)."""
         with self._lock:
             self._cut = True
+
+    def outage(self) -> None:
+        """Close every connection carried now, and join no new one until restore()."""
+        with self._lock:
+            self._cut = self._held = True
+
+    def restore(self) -> None:
+        """After an outage(): join the connections that waited, and the next ones."""
+        with self._lock:
+            self._held = False
 
     def refuse(self) -> None:
         """Close every connection carried now and accept no new one."""
@@ -54,13 +67,20 @@ class Proxy:
     def _run(self) -> None:
         while True:
             with self._lock:
-                cut, refuse, closed = self._cut, self._refuse, self._closed
+                cut, refuse, closed, held = self._cut, self._refuse, self._closed, self._held
                 self._cut = False
             if cut:
                 for side in list(self._peers):
                     self._drop(side)
+            if held != self._holding and not refuse:
+                if held:
+                    self._selector.unregister(self._listener)
+                else:
+                    self._selector.register(self._listener, selectors.EVENT_READ)
+                self._holding = held
             if refuse and self._listener.fileno() >= 0:
-                self._selector.unregister(self._listener)
+                if not self._holding:
+                    self._selector.unregister(self._listener)
                 self._listener.close()
             if closed:
                 self._selector.close()

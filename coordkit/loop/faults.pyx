@@ -1,0 +1,220 @@
+# An engine's faults (loop/faults.pxd). Included by _loop_c.pyx.
+
+
+cdef class Faults:
+    """An engine's faults cost no double work and no stream (docs/failure-model.md).
+
+    The grace: an engine whose connection ends (the monitor says so, or a send finds
+    no peer) takes no new work at once, but what it holds waits for it (AWAY) for
+    ``engine_grace`` seconds; back in time (any message from its identity, or a hello
+    of the same session), its replies are the answers and nothing ran twice; not
+    back, it is gone. The breaker: an engine that fails ``breaker_failures`` times
+    within ``breaker_window`` is quarantined (no work) for a backoff that doubles
+    while it keeps failing. The migration: a request that streamed tokens before its
+    engine died goes on at another, its prompt extended by them (``streamed``, read
+    from its partials) and its budget reduced; its replies then continue the stream.
+    """
+
+    def __cinit__(self, Loop loop not None, options):
+        self.loop = loop
+        self.grace = options.engine_grace
+        self.failures = options.breaker_failures
+        self.window = options.breaker_window
+        self.backoff = options.breaker_backoff
+        self.backoff_max = BACKOFF_MAX
+        self.migrated = {}
+        self.slots = options.max_inflight
+        self.streamed = <Streamed*>calloc(self.slots, sizeof(Streamed))
+        if self.streamed == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        cdef uint32_t slot
+        if self.streamed != NULL:
+            for slot in range(self.slots):
+                free(self.streamed[slot].tokens)
+        free(self.streamed)
+
+    # -- the grace -----------------------------------------------------------------------
+
+    cdef void lost(self, int rank, int reason) noexcept nogil:
+        """Its connection ended, or a send found no peer: AWAY for the grace, or gone
+        (no grace, or it was not taking work)."""
+        cdef double now
+        cdef Engine* engine = &self.loop.engines[rank]
+        if engine.state != ENGINE_ALIVE or self.grace == 0:
+            self.loop._mark_gone(rank, reason)
+            return
+        now = monotonic()
+        self.strike(rank, reason, now)
+        engine.state = ENGINE_AWAY
+        engine.away_until = now + self.grace
+        self.loop.router.remove_rank_c(rank)
+
+    cdef back(self, int rank, int fd):
+        """An engine AWAY (or whose connection changed unseen) heard from again on
+        connection ``fd``: its requests are its own again, and it takes work (unless
+        quarantined). A request may have been lost with the old connection on its way
+        to it: a rebuild engine's HELD says which it holds (UNCONFIRMED until then)."""
+        cdef uint32_t i, n
+        cdef RequestOrder* order
+        if self.loop.engines[rank].state == ENGINE_AWAY:
+            self.loop.engines[rank].state = ENGINE_ALIVE
+            self.loop.counters[COUNTER_ENGINES_BACK] += 1
+            self.admit(rank)
+        self.loop._watch(rank, fd)
+        if not self.loop.engines[rank].rebuild:
+            return
+        order = self.loop._in_order(rank, -1, &n)
+        for i in range(n):
+            self.loop.requests.pool[order[i].slot].flags |= FLAG_UNCONFIRMED
+        free(order)
+
+    cdef not_held(self, int rank):
+        """After an engine's HELD: its requests it did not list never reached it."""
+        cdef uint32_t i, n, slot
+        cdef RequestOrder* order = self.loop._in_order(rank, -1, &n)
+        resend = {}
+        try:
+            for i in range(n):
+                slot = order[i].slot
+                if self.loop.requests.pool[slot].server_rid == order[i].server_rid and (
+                    self.loop.requests.pool[slot].rank == rank
+                ) and self.loop.requests.pool[slot].flags & FLAG_UNCONFIRMED:
+                    self.loop._unrun(slot, resend)
+        finally:
+            free(order)
+        self.loop.rebuild.send_resends(resend)
+
+    cdef void admit(self, int rank) noexcept nogil:
+        """An engine ALIVE takes work, unless quarantined."""
+        if self.loop.engines[rank].quarantined_until <= monotonic():
+            with gil:
+                self.loop.router.add_rank(rank)
+
+    cdef void tick(self, double now) noexcept nogil:
+        """The grace over (gone), and the quarantines over (work again)."""
+        cdef int rank
+        cdef Engine* engine
+        for rank in range(self.loop.n_engines):
+            engine = &self.loop.engines[rank]
+            if engine.state == ENGINE_AWAY and now >= engine.away_until:
+                self.loop._mark_gone(rank, GONE_GRACE_OVER)
+            if engine.quarantined_until != 0 and now >= engine.quarantined_until:
+                engine.quarantined_until = 0
+                if engine.state == ENGINE_ALIVE:
+                    with gil:
+                        self.loop.router.add_rank(rank)
+
+    # -- the breaker ---------------------------------------------------------------------
+
+    cdef void strike(self, int rank, int reason, double now) noexcept nogil:
+        """An engine failed: one more in its window; at ``failures`` it is quarantined,
+        for a backoff doubled from the last one's unless it stayed up a window since."""
+        cdef Engine* engine = &self.loop.engines[rank]
+        cdef double backoff
+        engine.last_failure = reason
+        if self.failures == 0:
+            return
+        if now - engine.failures_since > self.window:
+            engine.failures = 0
+            engine.failures_since = now
+        engine.failures += 1
+        if engine.failures < self.failures:
+            return
+        if now - engine.quarantined_until > self.window:
+            engine.quarantines = 0  # it stayed up since the last one: start over
+        backoff = min(self.backoff * <double>(1 << min(engine.quarantines, 30)), self.backoff_max)
+        engine.quarantined_until = now + backoff
+        engine.quarantines += 1
+        engine.failures = 0
+        self.loop.router.remove_rank_c(rank)
+        with gil:
+            self._quarantined(rank, reason, backoff)
+
+    cdef _quarantined(self, int rank, int reason, double backoff):
+        """Counted and said (off the hot path: its objects are this function's)."""
+        self.loop.counters[COUNTER_QUARANTINES] += 1
+        what = f"engine {rank} quarantined for {backoff:g} s ({GONE_REASONS[reason]})"
+        self.loop._log.warn("quarantine", what)
+
+    # -- the migration -------------------------------------------------------------------
+
+    cdef void keep_streaming(self, uint32_t slot) noexcept nogil:
+        """A request whose prompt is kept: the tokens its partials carry are kept too."""
+        self.streamed[slot].count = 0
+        self.streamed[slot].known = self.loop.requests.pool[slot].kept != NULL
+
+    cdef void stream(self, uint32_t slot, const uint8_t* body, size_t size) noexcept nogil:
+        """A partial of a request whose prompt is kept: the tokens it carries (a partial
+        without them, or a bad one: the request cannot go on elsewhere)."""
+        cdef Streamed* s = &self.streamed[slot]
+        cdef int kind
+        cdef uint32_t count, at
+        cdef int status
+        if not s.known:
+            return
+        at = s.count
+        status = ck_streamed_tokens(body, size, &kind, s.tokens + at,
+                                    <uint32_t>(s.capacity - at), &count)
+        if status == CK_TOO_MANY and reserve(
+            <void**>&s.tokens, &s.capacity, <size_t>at + count, sizeof(uint32_t)
+        ):
+            status = ck_streamed_tokens(body, size, &kind, s.tokens + at,
+                                        <uint32_t>(s.capacity - at), &count)
+        if status != CK_OK or kind == CK_NO_TOKENS:
+            s.known = False
+        elif kind == CK_NEW_TOKENS:
+            s.count = at + count
+        else:  # all so far: in their place
+            memmove(s.tokens, s.tokens + at, count * sizeof(uint32_t))
+            s.count = count
+
+    cdef void forget(self, uint32_t slot) noexcept nogil:
+        """A request ended: what it streamed, and (migrated) what it streamed before."""
+        free(self.streamed[slot].tokens)
+        memset(&self.streamed[slot], 0, sizeof(Streamed))
+        if self.loop.requests.pool[slot].flags & FLAG_MIGRATED:
+            with gil:
+                del self.migrated[self.loop.requests.pool[slot].server_rid]
+
+    cdef int migrate(self, uint32_t slot) except -2:
+        """A request that streamed before its engine died, on to another: its prompt
+        extended by the tokens streamed and its budget reduced (see _shared.resumed);
+        -1 when it cannot go on (tokens not known, its params opt out, a str prompt),
+        else how its re-send went (a RouteStatus)."""
+        cdef ck_request* request = &self.loop.requests.pool[slot]
+        cdef Kept* kept = <Kept*>request.kept
+        cdef Streamed* s = &self.streamed[slot]
+        cdef size_t size
+        cdef const uint8_t* prompt
+        cdef zmq_msg_t parts[2]
+        cdef bint single
+        if kept == NULL or not s.known:
+            return -1
+        single = kept.single
+        tokens = [s.tokens[i] for i in range(s.count)]
+        prompt = kept_prompt(kept, &size)
+        meta = None if kept.single else kept_meta(kept)[:kept.meta_size]
+        new = resumed(meta, prompt[:size], tokens)
+        if new is None:
+            return -1
+        new_meta, new_prompt = new
+        for i, data in enumerate((new_meta or b"", new_prompt)):
+            zmq_msg_init_size(&parts[i], len(data))
+            memcpy(zmq_msg_data(&parts[i]), <const char*>data, len(data))
+        release_kept(request.kept, &self.loop.small_shared)
+        request.kept = keep(NULL if single else &parts[0], &parts[1], single,
+                            &self.loop.small_shared)
+        zmq_msg_close(&parts[0])
+        zmq_msg_close(&parts[1])
+        if request.kept == NULL:
+            return -1
+        self.migrated[request.server_rid] = self.migrated.get(request.server_rid, []) + tokens
+        s.count = 0
+        request.flags |= FLAG_MIGRATED
+        return self.loop._resend(slot)
+
+    cdef bytes continued(self, int64_t server_rid, const uint8_t* body, size_t size):
+        """A reply of a request that went on at another engine, continuing its stream."""
+        return continued(body[:size], self.migrated[server_rid])
