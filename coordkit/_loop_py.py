@@ -747,7 +747,9 @@ class Faults:
 
     def lost(self, engine: _Engine, reason: GoneReason) -> None:
         """Its connection ended, or a send found no peer: AWAY for the grace, or gone
-        (no grace, or it was not taking work)."""
+        (no grace, or it was not taking work); AWAY already, nothing more."""
+        if engine.state == AWAY:
+            return
         if engine.state != ALIVE or not self.grace:
             self._loop._mark_gone(engine, reason)
             return

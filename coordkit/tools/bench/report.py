@@ -298,7 +298,7 @@ def print_failover(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None
         return
     transport = "tcp://127.0.0.1" if args.transport == "tcp" else "ipc://"
     print(
-        f"\nthe coordinator SIGKILLed {args.kill_after:g} s into a steady "
+        f"\nthe coordinator (engine: an engine) SIGKILLed {args.kill_after:g} s into a steady "
         f"{args.failover_rate:g} requests/s ({args.failover_generate:g} s at the engine each, "
         f"1 in {failover.STREAM_EVERY} streaming; {failover.ENGINES} engine processes, "
         f"{transport}), median of {args.repeat}"
@@ -309,9 +309,12 @@ def print_failover(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None
         f"{'wrong':>5} {'twice':>5}  pause"
     )
     for r in rows:
-        pause = (
-            f"TTL {r['ttl_s']:g} s" if "ttl_s" in r else f"restart after {r['restart_delay_s']:g} s"
-        )
+        if "ttl_s" in r:
+            pause = f"TTL {r['ttl_s']:g} s"
+        elif "restart_delay_s" in r:
+            pause = f"restart after {r['restart_delay_s']:g} s"
+        else:  # engine: its requests moved on (twice: n/a, a migrated one starts again)
+            pause = "-"
         print(
             f"{r['mode']:<8} {r['variant']:<4} {r['kill_to_first_reply_s']:9.3f}s "
             f"{r['kill_to_serving_s']:9.3f}s {r['p99_before_s']:9.3f}s {r['p99_crossed_s']:9.3f}s "
@@ -325,7 +328,9 @@ def print_failover(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None
     print(
         "(kill→reply: to the first reply after the new coordinator listened; added p99: of "
         "the requests in flight at the kill, over those answered before it; lost, failed, "
-        "wrong, started twice: summed over the runs, each must be 0)"
+        "wrong, started twice: summed over the runs, each must be 0; engine: the engine's "
+        "requests sent elsewhere, its streams going on from their tokens, every token "
+        "checked against an undisturbed run)"
     )
 
 
