@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ._shared import HEADER_SLOTS, EngineState
-from .protocol import ErrorCode, header_name
+from .protocol import ErrorCode, Header, header_name
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 __all__ = ["CoordinatorCollector", "MetricsServer"]
 
 _PREFIX = "coordkit_"
+
+_HEADERS = frozenset(Header)
 
 
 #: An engine's states, as stats() names them (the label values of the engine gauges).
@@ -47,7 +49,8 @@ def _by_code(counts: dict[int, int]) -> list[tuple[str, int]]:
 
 
 def _header_label(slot: int) -> str:
-    return "other" if slot == HEADER_SLOTS - 1 else header_name(slot)
+    """A header's name; ``other`` for one the protocol does not declare, or unread."""
+    return header_name(slot) if slot in _HEADERS and slot != HEADER_SLOTS - 1 else "other"
 
 
 class CoordinatorCollector:
@@ -179,10 +182,14 @@ class CoordinatorCollector:
             "Bytes of messages (their frames after the routing id) by header and direction.",
             labels=["header", "direction"],
         )
+        traffic: dict[tuple[str, str], list[int]] = {}  # the headers unknown summed as other
         for row in metrics["traffic"]:
-            labels = [_header_label(row["header"]), row["direction"]]
-            messages.add_metric(labels, row["messages"])
-            size.add_metric(labels, row["bytes"])
+            counts = traffic.setdefault((_header_label(row["header"]), row["direction"]), [0, 0])
+            counts[0] += row["messages"]
+            counts[1] += row["bytes"]
+        for labels, (n, n_bytes) in traffic.items():
+            messages.add_metric(labels, n)
+            size.add_metric(labels, n_bytes)
         yield messages
         yield size
 

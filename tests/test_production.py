@@ -117,6 +117,17 @@ def test_a_scrape_after_known_traffic_gives_exact_counts(make_cluster, impl):
         assert any(key.split("{")[0].startswith(name) for key in got), name
 
 
+def test_headers_it_does_not_know_are_one_series(make_cluster):
+    with make_cluster(metrics_port=0) as c:
+        client = c.client(coordkit=True)
+        for header in (70, 88, 126, 200):
+            client.send(m([header]))
+            assert um(client.recv()[0])[2] == ErrorCode.UNKNOWN_HEADER
+        got = samples(scrape(c.coord))
+    assert got['coordkit_messages_total{direction="in",header="other"}'] == 4
+    assert not any("header " in key for key in got)
+
+
 def test_prefix_decisions_and_matched_blocks(make_cluster):
     hashes = [struct.pack("<4Q", 1, 2, 3, 4), struct.pack("<4Q", 1, 2, 3, 4)]
     hashes.append(struct.pack("<4Q", 1, 2, 7, 8))  # shares two blocks with the others
