@@ -31,9 +31,10 @@ class Load:
 def client_load(
     address: str, engines: int, concurrency: int = 4, pause: float = 0.01
 ) -> Iterator[Load]:
-    """Requests to ``address`` from ``concurrency`` tasks, each pausing ``pause`` seconds
-    between its requests (bounded: a test's few cores are shared), once ``engines``
-    engines are alive, until the block exits."""
+    """Requests to ``address`` from ``concurrency`` tasks (the third and fourth of
+    every four stream theirs), each pausing ``pause`` seconds between its requests
+    (bounded: a test's few cores are shared), once ``engines`` engines are alive,
+    until the block exits."""
     load = Load()
     stop = threading.Event()
 
@@ -42,9 +43,9 @@ def client_load(
             await client.wait_for_engines(engines, timeout=30.0)
 
             async def task(n: int) -> None:
-                prompt = [n] * 32 + list(range(16))  # two prefixes of two blocks each
+                prompt = [n % 2] * 32 + list(range(16))  # two prefixes of two blocks each
                 while not stop.is_set():
-                    if load.completed % 2:
+                    if n % 4 >= 2:
                         async for _ in client.stream(prompt, {"stream": True}, block_size=16):
                             pass
                     else:
@@ -52,7 +53,7 @@ def client_load(
                     load.completed += 1
                     await asyncio.sleep(pause)
 
-            await asyncio.gather(*(task(n % 2) for n in range(concurrency)))
+            await asyncio.gather(*(task(n) for n in range(concurrency)))
 
     def main() -> None:
         try:
