@@ -131,7 +131,7 @@ def figures(history: History) -> list[tuple[str, str]]:
         ("completed", per_second(history.rate(["replies"]))),
         ("failed", per_second(history.rate(FAILURE_COUNTERS))),
         ("rerouted", per_second(history.rate(["rerouted"]))),
-        ("messages", per_second(history.messages_rate())),
+        ("messages in", per_second(history.messages_rate())),
         ("in flight", str(stats["inflight"])),
         ("queued", NOTHING),
         ("clients", str(stats["clients"])),
@@ -140,6 +140,9 @@ def figures(history: History) -> list[tuple[str, str]]:
         p50, p99 = (seconds(history.quantile(name, q)) for q in (0.5, 0.99))
         rows.append((f"{name} p50 / p99", f"{p50} / {p99}"))
     return rows
+
+
+ENGINE_COLUMNS = ("rank", "engine", "state", "in flight", "share", "req/s", "errors")
 
 
 def engine_rows(stats: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -158,6 +161,3 @@ def engine_rows(stats: dict[str, Any]) -> list[tuple[str, ...]]:
         )
         for engine in stats["engines"]
     ]
-
-
-ENGINE_COLUMNS = ("rank", "engine", "state", "in flight", "share", "req/s", "errors")
