@@ -15,8 +15,8 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ._shared import HEADER_SLOTS
-from .protocol import ErrorCode, header_name
+from ._shared import HEADER_SLOTS, EngineState
+from .protocol import ErrorCode, Header, header_name
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -27,6 +27,12 @@ __all__ = ["CoordinatorCollector", "MetricsServer"]
 
 _PREFIX = "coordkit_"
 
+_HEADERS = frozenset(Header)
+
+
+#: An engine's states, as stats() names them (the label values of the engine gauges).
+_ENGINE_STATES = tuple(state.name.lower() for state in EngineState)
+
 
 def _code_name(code: int) -> str:
     try:
@@ -35,8 +41,16 @@ def _code_name(code: int) -> str:
         return str(code)
 
 
+def _by_code(counts: dict[int, int]) -> list[tuple[str, int]]:
+    """(code name, count) for every ErrorCode, 0 included, and any other code counted:
+    a series exists before its first failure, so a rate over it is 0, not absent."""
+    every = dict.fromkeys(ErrorCode, 0) | counts
+    return [(_code_name(code), n) for code, n in sorted(every.items())]
+
+
 def _header_label(slot: int) -> str:
-    return "other" if slot == HEADER_SLOTS - 1 else header_name(slot)
+    """A header's name; ``other`` for one the protocol does not declare, or unread."""
+    return header_name(slot) if slot in _HEADERS and slot != HEADER_SLOTS - 1 else "other"
 
 
 class CoordinatorCollector:
@@ -59,6 +73,14 @@ class CoordinatorCollector:
         metrics = self._coordinator.metrics()
         counters = stats["counters"]
 
+        info = GaugeMetricFamily(
+            _PREFIX + "info",
+            "1, labelled with the implementation serving and the routing policy.",
+            labels=["implementation", "policy"],
+        )
+        info.add_metric([stats["implementation"], stats["policy"]], 1)
+        yield info
+
         requests = CounterMetricFamily(
             _PREFIX + "requests",
             "Requests by outcome: accepted, completed (a final reply), failed (an ERROR "
@@ -67,8 +89,8 @@ class CoordinatorCollector:
         )
         requests.add_metric(["accepted", ""], counters["submitted"])
         requests.add_metric(["completed", ""], counters["replies"])
-        for code, n in metrics["failed"].items():
-            requests.add_metric(["failed", _code_name(code)], n)
+        for code, n in _by_code(metrics["failed"]):
+            requests.add_metric(["failed", code], n)
         yield requests
 
         refused = CounterMetricFamily(
@@ -76,8 +98,8 @@ class CoordinatorCollector:
             "Messages refused with an ERROR (dropped for a peer that cannot parse one), by code.",
             labels=["code"],
         )
-        for code, n in metrics["refused"].items():
-            refused.add_metric([_code_name(code)], n)
+        for code, n in _by_code(metrics["refused"]):
+            refused.add_metric([code], n)
         yield refused
 
         events = CounterMetricFamily(
@@ -119,14 +141,22 @@ class CoordinatorCollector:
             "Requests in flight per engine (its routing id).",
             labels=["engine"],
         )
+        engine_state = GaugeMetricFamily(
+            _PREFIX + "engine_state",
+            "Each engine's state (its routing id): 1 for the current one, 0 for the others.",
+            labels=["engine", "state"],
+        )
         engines = GaugeMetricFamily(_PREFIX + "engines", "Engines by state.", labels=["state"])
-        by_state = {"alive": 0, "draining": 0, "gone": 0}
+        by_state = dict.fromkeys(_ENGINE_STATES, 0)
         for engine in stats["engines"]:
             per_engine.add_metric([engine["identity"]], engine["pending"])
+            for state in _ENGINE_STATES:
+                engine_state.add_metric([engine["identity"], state], int(engine["state"] == state))
             by_state[engine["state"]] += 1
         for state, n in by_state.items():
             engines.add_metric([state], n)
         yield per_engine
+        yield engine_state
         yield engines
 
         control = GaugeMetricFamily(
@@ -152,10 +182,14 @@ class CoordinatorCollector:
             "Bytes of messages (their frames after the routing id) by header and direction.",
             labels=["header", "direction"],
         )
+        traffic: dict[tuple[str, str], list[int]] = {}  # the headers unknown summed as other
         for row in metrics["traffic"]:
-            labels = [_header_label(row["header"]), row["direction"]]
-            messages.add_metric(labels, row["messages"])
-            size.add_metric(labels, row["bytes"])
+            counts = traffic.setdefault((_header_label(row["header"]), row["direction"]), [0, 0])
+            counts[0] += row["messages"]
+            counts[1] += row["bytes"]
+        for labels, (n, n_bytes) in traffic.items():
+            messages.add_metric(labels, n)
+            size.add_metric(labels, n_bytes)
         yield messages
         yield size
 

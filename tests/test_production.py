@@ -33,12 +33,14 @@ from tests.support.processes import coordkit_command, python_env
 
 #: The metric names the table of docs/deploying.md lists.
 METRIC_NAMES = [
+    "coordkit_info",
     "coordkit_requests_total",
     "coordkit_refused_messages_total",
     "coordkit_events_total",
     "coordkit_rerouted_requests_total",
     "coordkit_requests_in_flight",
     "coordkit_engine_requests_in_flight",
+    "coordkit_engine_state",
     "coordkit_engines",
     "coordkit_control_state",
     "coordkit_clients",
@@ -61,7 +63,7 @@ def samples(text: str) -> dict[str, float]:
     return found
 
 
-def test_a_scrape_after_known_traffic_gives_exact_counts(make_cluster):
+def test_a_scrape_after_known_traffic_gives_exact_counts(make_cluster, impl):
     with make_cluster(n_engines=2, policy="round_robin", metrics_port=0) as c:
         client = c.client(coordkit=True)
         # Four requests: 0 streams a partial then finishes, 1 finishes, 2 stays in
@@ -87,10 +89,16 @@ def test_a_scrape_after_known_traffic_gives_exact_counts(make_cluster):
     assert got['coordkit_requests_total{code="",outcome="completed"}'] == 2
     assert got['coordkit_refused_messages_total{code="DUPLICATE_REQUEST"}'] == 1
     assert got['coordkit_refused_messages_total{code="UNKNOWN_REQUEST"}'] == 1
+    # Every code has its series from the start: a rate over it is 0, not absent.
+    assert got['coordkit_refused_messages_total{code="BUSY"}'] == 0
+    assert got['coordkit_requests_total{code="TIMED_OUT",outcome="failed"}'] == 0
+    assert got[f'coordkit_info{{implementation="{impl.name}",policy="round_robin"}}'] == 1
     assert got["coordkit_requests_in_flight"] == 1
     assert got['coordkit_engine_requests_in_flight{engine="engine-0"}'] == 1  # request 2
     assert got['coordkit_engine_requests_in_flight{engine="engine-1"}'] == 0
     assert got['coordkit_engines{state="alive"}'] == 2
+    assert got['coordkit_engine_state{engine="engine-1",state="alive"}'] == 1
+    assert got['coordkit_engine_state{engine="engine-1",state="gone"}'] == 0
     assert got['coordkit_control_state{state="running"}'] == 1
     assert got['coordkit_messages_total{direction="in",header="SUBMIT_REQUEST"}'] == 4
     assert got['coordkit_messages_total{direction="out",header="SUBMIT_REQUEST"}'] == 3
@@ -107,6 +115,17 @@ def test_a_scrape_after_known_traffic_gives_exact_counts(make_cluster):
     assert 0 < got["coordkit_request_duration_seconds_sum"] < 60
     for name in METRIC_NAMES:
         assert any(key.split("{")[0].startswith(name) for key in got), name
+
+
+def test_headers_it_does_not_know_are_one_series(make_cluster):
+    with make_cluster(metrics_port=0) as c:
+        client = c.client(coordkit=True)
+        for header in (70, 88, 126, 200):
+            client.send(m([header]))
+            assert um(client.recv()[0])[2] == ErrorCode.UNKNOWN_HEADER
+        got = samples(scrape(c.coord))
+    assert got['coordkit_messages_total{direction="in",header="other"}'] == 4
+    assert not any("header " in key for key in got)
 
 
 def test_prefix_decisions_and_matched_blocks(make_cluster):
@@ -137,7 +156,8 @@ def test_the_same_metrics_from_both_implementations(c_impl, py_impl, tmp_path):
     texts = []
     for impl in (c_impl, py_impl):
         coord = Coordinator(f"ipc://{tmp_path}/{impl.name}.sock", implementation=impl.name)
-        texts.append(scrape(coord))
+        # coordkit_info names the implementation: every other sample is the same.
+        texts.append(scrape(coord).replace(f'implementation="{impl.name}"', "implementation"))
         coord.stop()
     assert texts[0] == texts[1]
 

@@ -1,4 +1,4 @@
-"""The ``coordkit`` command: ``serve``, ``demo``, ``replay``, ``stats``, ``bench``, ``fake-engine``.
+"""The ``coordkit`` command: ``serve``, ``demo``, ``replay``, ``stats``, ``top``, ``bench``, ...
 
 * ``coordkit serve --bind ADDRESS [options]`` runs a coordinator until
   SHUTDOWN, SIGINT or SIGTERM;
@@ -10,6 +10,7 @@
   coordinator and fake engines with a cost model, one cluster per policy
   with ``--compare-policies`` (:mod:`coordkit.tools.replay`);
 * ``coordkit stats --address ADDRESS`` prints a coordinator's stats as JSON;
+* ``coordkit top ADDRESS`` shows it live in the terminal (:mod:`coordkit.tools.top`);
 * ``coordkit bench ...`` runs the benchmarks (:mod:`coordkit.tools.bench`);
 * ``coordkit fake-engine --address ADDRESS --rank N [options]`` runs one fake
   engine rank until STOP, SIGINT or SIGTERM (:mod:`coordkit.tools.fake_engine`).
@@ -51,6 +52,7 @@ from .options import Parser, add_removed, run
 from .replay import DEFAULT_BLOCK_SIZE as REPLAY_BLOCK_SIZE
 from .replay import DEFAULT_CACHE_BLOCKS as REPLAY_CACHE_BLOCKS
 from .replay import run as run_replay
+from .top import FAILURE_COUNTERS
 
 if TYPE_CHECKING:
     from ..election import Term
@@ -416,6 +418,44 @@ def _parser() -> argparse.ArgumentParser:
         "--interval", type=float, default=1.0, metavar="S", help="--watch: seconds between views"
     )
 
+    top = commands.add_parser(
+        "top",
+        help="a live view of a coordinator: engines, rates, latency (quit with q)",
+        description="A live view of a running coordinator in the terminal: its engines "
+        "with their state and load, requests/s, failures, clients, and with --metrics "
+        "the p50/p99 of its latency histograms; q quits. Needs the top extra: "
+        "pip install 'coordkit[top]'.",
+    )
+    top.set_defaults(command=_top)
+    top.add_argument("address", metavar="ADDRESS", help=_COORDINATOR_ADDRESS_HELP)
+    top.add_argument(
+        "--metrics",
+        metavar="URL",
+        help="the coordinator's Prometheus endpoint (http://HOST:PORT/metrics, its "
+        "--metrics-port), for p50/p99 (default: none, latency not shown)",
+    )
+    top.add_argument(
+        "--interval",
+        type=_positive_float,
+        default=1.0,
+        metavar="S",
+        help="seconds between refreshes",
+    )
+    top.add_argument(
+        "--window",
+        type=_positive_float,
+        default=10.0,
+        metavar="S",
+        help="seconds the rates and percentiles are over",
+    )
+    top.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=5.0,
+        metavar="S",
+        help="seconds to wait for the coordinator's answers",
+    )
+
     keygen = commands.add_parser(
         "keygen", help="write a CURVE key pair: DIR/NAME.key (public), DIR/NAME.key_secret"
     )
@@ -581,6 +621,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
     return value
 
 
@@ -777,9 +824,7 @@ def stats_table(stats: dict[str, Any], previous: dict[str, Any] | None, interval
             return "-"
         return f"{(counters[name] - previous['counters'][name]) / interval:.0f}/s"
 
-    failed = sum(
-        counters[name] for name in ("engine_failed", "timed_out", "busy", "no_engines", "malformed")
-    )
+    failed = sum(counters[name] for name in FAILURE_COUNTERS)
     lines = [
         f"coordkit {stats['implementation']}  policy {stats['policy']}  "
         f"control {stats['control_state']}  clients {stats['clients']}  "
@@ -798,6 +843,20 @@ def stats_table(stats: dict[str, Any], previous: dict[str, Any] | None, interval
         for e in stats["engines"]
     ]
     return "\n".join(lines)
+
+
+# -- top -------------------------------------------------------------------------------
+
+
+def _top(args: argparse.Namespace) -> int:
+    try:
+        from . import top_app
+    except ImportError as exc:
+        raise SystemExit(
+            f"coordkit top: needs textual and prometheus_client: pip install 'coordkit[top]' "
+            f"({exc.name} is missing)"
+        ) from None
+    return top_app.run(args)
 
 
 # -- keygen ----------------------------------------------------------------------------

@@ -1,0 +1,163 @@
+"""What ``coordkit top ADDRESS`` shows, computed from the snapshots it read.
+
+Every ``--interval`` seconds :mod:`coordkit.tools.top_app` (the ``top`` extra:
+the reading and the screen, which :mod:`coordkit.tools.cli` imports only when
+the command runs) asks the coordinator for its stats over the wire (STATS, as
+``coordkit stats`` does) and, given ``--metrics URL``, reads its Prometheus
+endpoint for the two latency histograms: STATS_REPLY does not carry them. A
+:class:`History` keeps the snapshots of the last ``--window`` seconds; rates
+and percentiles are over that window.
+
+What the loop does not keep yet is shown as "–": each engine's requests/s and
+errors, and the queue depth (there is no queue: a request no engine can take is
+refused).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FAILURE_COUNTERS", "History", "Snapshot", "engine_rows", "figures"]
+
+#: The counters of stats() that count a request refused or failed, summed as "failed".
+FAILURE_COUNTERS = ("engine_failed", "timed_out", "busy", "no_engines", "malformed")
+
+#: The histograms read from --metrics, by what the view calls them.
+LATENCY_HISTOGRAMS = {
+    "request": "coordkit_request_duration_seconds",
+    "first reply": "coordkit_time_to_first_reply_seconds",
+}
+
+NOTHING = "–"  # what the loop does not keep yet, or a rate before a second snapshot
+
+#: Cumulative bucket counts of one histogram: (upper bound, count up to it), +Inf last.
+Buckets = list[tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one refresh read: the coordinator's stats and, with --metrics, its
+    histograms' cumulative buckets by LATENCY_HISTOGRAMS' keys."""
+
+    at: float  # time.monotonic() when read
+    stats: dict[str, Any]
+    latency: dict[str, Buckets] | None
+
+
+class History:
+    """The snapshots of the last ``window`` seconds (at least the last two)."""
+
+    def __init__(self, window: float):
+        self.window = window
+        self._snapshots: deque[Snapshot] = deque()
+
+    def add(self, snapshot: Snapshot) -> None:
+        if self._snapshots and snapshot.stats["epoch"] != self.newest.stats["epoch"]:
+            self._snapshots.clear()  # another coordinator: its counters start again
+        self._snapshots.append(snapshot)
+        while len(self._snapshots) > 2 and snapshot.at - self._snapshots[1].at >= self.window:
+            self._snapshots.popleft()
+
+    @property
+    def newest(self) -> Snapshot:
+        return self._snapshots[-1]
+
+    @property
+    def seconds(self) -> float:
+        """The time the rates are over (0: a single snapshot, no rate yet)."""
+        return self.newest.at - self._snapshots[0].at
+
+    def rate(self, counters: Iterable[str]) -> float | None:
+        """The sum of ``counters`` per second over the window (None: no window yet)."""
+        if self.seconds <= 0:
+            return None
+        first, last = self._snapshots[0].stats["counters"], self.newest.stats["counters"]
+        return sum(last[name] - first[name] for name in counters) / self.seconds
+
+    def messages_rate(self) -> float | None:
+        if self.seconds <= 0:
+            return None
+        return (self.newest.stats["messages"] - self._snapshots[0].stats["messages"]) / self.seconds
+
+    def quantile(self, name: str, q: float) -> float | None:
+        """The ``q`` quantile of histogram ``name`` over the window, as Prometheus's
+        histogram_quantile computes it (None: not read, or nothing observed)."""
+        first, last = self._snapshots[0].latency, self.newest.latency
+        if first is None or last is None or self.seconds <= 0:
+            return None
+        observed = [
+            (bound, count - before)
+            for (bound, count), (_, before) in zip(last[name], first[name], strict=True)
+        ]
+        return quantile(observed, q)
+
+
+def quantile(buckets: Buckets, q: float) -> float | None:
+    """The ``q`` quantile of cumulative ``buckets``, interpolated linearly inside its
+    bucket; in the last (+Inf) bucket, the highest finite bound."""
+    total = buckets[-1][1]
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+def per_second(value: float | None) -> str:
+    return NOTHING if value is None else f"{value:,.1f}/s"
+
+
+def seconds(value: float | None) -> str:
+    if value is None:
+        return NOTHING
+    return f"{value * 1000:,.1f} ms" if value < 1 else f"{value:,.2f} s"
+
+
+def figures(history: History) -> list[tuple[str, str]]:
+    """The fleet's figures, (label, value), in the order shown."""
+    stats = history.newest.stats
+    rows = [
+        ("requests", per_second(history.rate(["submitted"]))),
+        ("completed", per_second(history.rate(["replies"]))),
+        ("failed", per_second(history.rate(FAILURE_COUNTERS))),
+        ("rerouted", per_second(history.rate(["rerouted"]))),
+        ("messages in", per_second(history.messages_rate())),
+        ("in flight", str(stats["inflight"])),
+        ("queued", NOTHING),
+        ("clients", str(stats["clients"])),
+    ]
+    for name in LATENCY_HISTOGRAMS:
+        p50, p99 = (seconds(history.quantile(name, q)) for q in (0.5, 0.99))
+        rows.append((f"{name} p50 / p99", f"{p50} / {p99}"))
+    return rows
+
+
+ENGINE_COLUMNS = ("rank", "engine", "state", "in flight", "share", "req/s", "errors")
+
+
+def engine_rows(stats: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per engine: rank, routing id, state, in flight, share of the load,
+    requests/s and errors (not kept per engine yet)."""
+    total = max(stats["inflight"], 1)
+    return [
+        (
+            str(engine["rank"]),
+            engine["identity"],
+            engine["state"],
+            str(engine["pending"]),
+            f"{100 * engine['pending'] / total:.0f}%",
+            NOTHING,
+            NOTHING,
+        )
+        for engine in stats["engines"]
+    ]
