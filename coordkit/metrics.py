@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._shared import HEADER_SLOTS, EngineState
 from .protocol import ErrorCode, Header, header_name
@@ -21,9 +21,16 @@ from .protocol import ErrorCode, Header, header_name
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from .coordinator import Coordinator
+__all__ = ["CoordinatorCollector", "Measured", "MetricsServer"]
 
-__all__ = ["CoordinatorCollector", "MetricsServer"]
+
+class Measured(Protocol):
+    """What the metrics read at each scrape: a Coordinator (which serves them, so
+    this module does not import it)."""
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def metrics(self) -> dict[str, Any]: ...
 
 _PREFIX = "coordkit_"
 
@@ -56,7 +63,7 @@ def _header_label(slot: int) -> str:
 class CoordinatorCollector:
     """A prometheus_client collector over one coordinator, read at each scrape."""
 
-    def __init__(self, coordinator: Coordinator):
+    def __init__(self, coordinator: Measured):
         self._coordinator = coordinator
 
     def describe(self) -> list[Metric]:
@@ -147,9 +154,21 @@ class CoordinatorCollector:
             labels=["engine", "state"],
         )
         engines = GaugeMetricFamily(_PREFIX + "engines", "Engines by state.", labels=["state"])
+        quarantined = GaugeMetricFamily(
+            _PREFIX + "engine_quarantined_seconds",
+            "Seconds left of each engine's quarantine (the breaker; 0: it takes work).",
+            labels=["engine"],
+        )
+        failures = GaugeMetricFamily(
+            _PREFIX + "engine_failures",
+            "Each engine's failures in the breaker's window.",
+            labels=["engine"],
+        )
         by_state = dict.fromkeys(_ENGINE_STATES, 0)
         for engine in stats["engines"]:
             per_engine.add_metric([engine["identity"]], engine["pending"])
+            quarantined.add_metric([engine["identity"]], engine["quarantined"])
+            failures.add_metric([engine["identity"]], engine["failures"])
             for state in _ENGINE_STATES:
                 engine_state.add_metric([engine["identity"], state], int(engine["state"] == state))
             by_state[engine["state"]] += 1
@@ -158,6 +177,8 @@ class CoordinatorCollector:
         yield per_engine
         yield engine_state
         yield engines
+        yield quarantined
+        yield failures
 
         control = GaugeMetricFamily(
             _PREFIX + "control_state",
@@ -224,7 +245,7 @@ def _le(bound: float) -> str:
 class MetricsServer:
     """Prometheus text format over HTTP for one coordinator, on its own thread."""
 
-    def __init__(self, coordinator: Coordinator, port: int, address: str = "0.0.0.0"):
+    def __init__(self, coordinator: Measured, port: int, address: str = "0.0.0.0"):
         try:
             from prometheus_client import CollectorRegistry, start_http_server
         except ImportError:
@@ -245,7 +266,7 @@ class MetricsServer:
             self._server.server_close()
 
 
-def scrape(coordinator: Coordinator) -> str:
+def scrape(coordinator: Measured) -> str:
     """The Prometheus text a scrape of ``coordinator`` gives (for tests and tools)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
