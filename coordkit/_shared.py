@@ -15,13 +15,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import _policies, protocol
 from .protocol import Buffer, ControlState, packb, unpackb
+
+if TYPE_CHECKING:
+    from .tracing import TraceSink
 
 #: The package's logger, by the name the package lives under (a vendored copy logs apart).
 logger = logging.getLogger(__package__)
@@ -198,6 +201,8 @@ class Options:
     first_server_id: int  # its server ids start here: above any of an earlier life's
     rebuild_window: float  # seconds after the start during which peers report
     megatron_version: str = "0.19"  # of the single-frame engines (MEGATRON_VERSIONS)
+    # Where the requests it traces go (every and follow: which), None: none traced.
+    tracing: TraceSink | None = None
 
     @property
     def index_size(self) -> int:

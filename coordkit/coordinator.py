@@ -12,6 +12,7 @@ as pyzmq layers ``zmq.Socket`` over its Cython backend.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import itertools
 import math
@@ -35,9 +36,11 @@ from ._shared import (
     REFUSAL_EVENTS,
     Detokenizer,
     Options,
+    logger,
 )
 from .curve import CurveServer
 from .metrics import MetricsServer
+from .tracing import Sampling, TraceSink, sampling
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -245,6 +248,12 @@ class Coordinator:
     closes without failing what is in flight (the next leader takes it over).
     ``rebuild_window`` is how long after its start it waits for engines to
     report what they hold (docs/failover.md).
+
+    ``trace_sample`` (0 to 1) traces that share of the requests with OpenTelemetry (the
+    ``otel`` extra; ImportError naming it without), and every request whose client traced
+    it; by default the ``OTEL_*`` variables decide (:func:`coordkit.tracing.sampling`).
+    Its spans go to ``tracer_provider``, by default a provider of its own configured by
+    the ``OTEL_*`` variables (docs/deploying.md, "Traces").
     """
 
     def __init__(
@@ -273,6 +282,8 @@ class Coordinator:
         rebuild_window: float = REBUILD_WINDOW,
         term: Term | None = None,
         metrics_port: int | None = None,
+        trace_sample: float | None = None,
+        tracer_provider: Any = None,
         curve_secret_key: str | os.PathLike[str] | None = None,
         curve_authorized_keys: str | os.PathLike[str] | None = None,
         context: zmq.Context | None = None,
@@ -305,6 +316,7 @@ class Coordinator:
             raise ValueError("block_size must be at least 1")
         if (curve_secret_key is None) != (curve_authorized_keys is None):
             raise ValueError("CURVE needs both curve_secret_key and curve_authorized_keys")
+        traced = sampling(trace_sample)
         impl = load_implementation(implementation) if implementation else selected()
         #: ``"c"`` or ``"py"``: which loop core runs this coordinator.
         self.implementation: str = impl.name
@@ -348,6 +360,12 @@ class Coordinator:
         self.address = self._sockets.address
         #: Whether peers must authenticate with CURVE (and traffic is encrypted).
         self.curve = curve is not None
+        try:
+            sink = _sink(traced, tracer_provider, trace_sample is not None)
+        except BaseException:
+            self._sockets.close()
+            raise
+        self.options = dataclasses.replace(self.options, tracing=sink)
         self._loop = impl.loop.Loop(
             self.options,
             router,
@@ -361,7 +379,10 @@ class Coordinator:
                 self._metrics = MetricsServer(self, metrics_port)
             except BaseException:
                 self._sockets.close()
+                self._close_tracing()
                 raise
+        if self.options.tracing is not None:
+            self.options.tracing.start()
         self._thread: threading.Thread | None = None
         self._started = False
         if term is not None:
@@ -444,3 +465,23 @@ class Coordinator:
             self._sockets.close()
         if self._metrics is not None:
             self._metrics.close()
+        self._close_tracing()
+
+    def _close_tracing(self) -> None:
+        """The spans of what was traced made and exported (what shutdown() ended too)."""
+        if self.options.tracing is not None:
+            self.options.tracing.close()
+
+
+def _sink(traced: Sampling | None, provider: Any, asked: bool) -> TraceSink | None:
+    """The trace sink of a coordinator that traces; without the otel extra, ImportError
+    when ``asked`` (trace_sample given), a warning when only the environment asked."""
+    if traced is None:
+        return None
+    try:
+        return TraceSink(traced, provider)
+    except ImportError as exc:
+        if asked:
+            raise
+        logger.warning("%s (the OTEL_* variables ask for traces)", exc)
+        return None
