@@ -228,7 +228,11 @@ def _otlp(environ: Mapping[str, str]) -> SpanExporter:
         )
     except ImportError:
         raise ImportError(MISSING_EXTRA) from None
-    return HTTPSpanExporter()
+    # As the exporter reads them from os.environ, but from ``environ``.
+    endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if not endpoint and (base := environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+        endpoint = base.rstrip("/") + "/v1/traces"
+    return HTTPSpanExporter(endpoint=endpoint or None)
 
 
 def tracer_provider(

@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Sampler, Tra
 from coordkit import Client, Coordinator, ErrorCode
 from coordkit.engine import Engine, Request
 from coordkit.protocol import packb
+from coordkit.tools import cli
 from coordkit.tools.otlp import ReceivedSpan, Receiver, tree
 from coordkit.tracing import (
     MISSING_EXTRA,
@@ -379,3 +380,30 @@ def test_importing_coordkit_imports_no_opentelemetry():
 def test_the_mark_is_the_packed_key_and_the_head_of_its_value():
     assert TRACEPARENT == "traceparent"
     assert TRACEPARENT_MARK == packb({TRACEPARENT: "0" * 55})[1:15]
+
+
+# -- the commands ------------------------------------------------------------------------
+
+
+def test_serve_takes_trace_sample(monkeypatch, capsys):
+    """``coordkit serve --trace-sample P`` is Coordinator(trace_sample=P); a bad P, or no
+    otel extra, is one line and exit status 2."""
+    made: list[dict[str, Any]] = []
+
+    def coordinator(*args: Any, **options: Any) -> Any:
+        made.append(options)
+        return Coordinator(*args, **options)
+
+    monkeypatch.setattr(cli, "Coordinator", coordinator)
+    bind = ["serve", "--bind", "tcp://127.0.0.1:0", "--implementation", "py"]
+    assert cli.main([*bind, "--trace-sample", "2"]) == 2
+    assert made[-1]["trace_sample"] == 2.0
+    assert capsys.readouterr().err == (
+        "coordkit serve: trace_sample must be a number between 0 and 1, not '2.0'\n"
+    )
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)
+    assert cli.main([*bind, "--trace-sample", "0.5"]) == 2
+    assert made[-1]["trace_sample"] == 0.5
+    assert (
+        capsys.readouterr().err == f"coordkit serve: {MISSING_EXTRA.removeprefix('coordkit: ')}\n"
+    )
