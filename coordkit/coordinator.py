@@ -252,8 +252,8 @@ class Coordinator:
     ``trace_sample`` (0 to 1) traces that share of the requests with OpenTelemetry (the
     ``otel`` extra; ImportError naming it without), and every request whose client traced
     it; by default the ``OTEL_*`` variables decide (:func:`coordkit.tracing.sampling`).
-    Its spans go to ``tracer_provider``, by default a provider of its own configured by
-    the ``OTEL_*`` variables (docs/deploying.md, "Traces").
+    Its spans go to ``trace_exporter`` (an OpenTelemetry ``SpanExporter``), by default to
+    the exporters the ``OTEL_*`` variables configure (docs/deploying.md, "Traces").
     """
 
     def __init__(
@@ -283,7 +283,7 @@ class Coordinator:
         term: Term | None = None,
         metrics_port: int | None = None,
         trace_sample: float | None = None,
-        tracer_provider: Any = None,
+        trace_exporter: Any = None,
         curve_secret_key: str | os.PathLike[str] | None = None,
         curve_authorized_keys: str | os.PathLike[str] | None = None,
         context: zmq.Context | None = None,
@@ -361,7 +361,7 @@ class Coordinator:
         #: Whether peers must authenticate with CURVE (and traffic is encrypted).
         self.curve = curve is not None
         try:
-            sink = _sink(traced, tracer_provider, trace_sample is not None)
+            sink = _sink(traced, trace_exporter, trace_sample is not None)
         except BaseException:
             self._sockets.close()
             raise
@@ -473,13 +473,13 @@ class Coordinator:
             self.options.tracing.close()
 
 
-def _sink(traced: Sampling | None, provider: Any, asked: bool) -> TraceSink | None:
+def _sink(traced: Sampling | None, exporter: Any, asked: bool) -> TraceSink | None:
     """The trace sink of a coordinator that traces; without the otel extra, ImportError
     when ``asked`` (trace_sample given), a warning when only the environment asked."""
     if traced is None:
         return None
     try:
-        return TraceSink(traced, provider)
+        return TraceSink(traced, None if exporter is None else [exporter])
     except ImportError as exc:
         if asked:
             raise

@@ -21,7 +21,7 @@ without tracing nothing. What turns tracing on is what OpenTelemetry users expec
   ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` set; ``OTEL_SDK_DISABLED=true`` or
   ``OTEL_TRACES_EXPORTER=none`` turn it off): see :func:`sampling`. Its spans are made
   from :class:`TraceRecord`\\ s its loop pushes into a :class:`TraceSink`, whose own
-  thread makes them, off the loop's.
+  thread makes and exports them, off the loop's.
 
 Exporters (``OTEL_TRACES_EXPORTER``): ``otlp`` (the default; http/protobuf, or grpc with
 ``OTEL_EXPORTER_OTLP_PROTOCOL=grpc`` and its exporter installed), ``console``, ``none``;
@@ -31,13 +31,15 @@ the endpoint, headers, batch sizes and ``OTEL_SERVICE_NAME`` are the SDK's own v
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from random import getrandbits
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._checks import check_params
@@ -48,9 +50,10 @@ if TYPE_CHECKING:
     import asyncio
 
     from opentelemetry.context import Context
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.trace import Span, SpanContext, Tracer
 
 __all__ = [
     "TRACEPARENT",
@@ -63,6 +66,7 @@ __all__ = [
     "configure",
     "engine_span",
     "sampling",
+    "span_exporters",
     "tracer_of",
     "tracer_provider",
 ]
@@ -184,8 +188,11 @@ def sampling(
     return Sampling(ratio, follow)
 
 
-def _exporters(environ: Mapping[str, str]) -> list[SpanExporter]:
-    """The span exporters OTEL_TRACES_EXPORTER names (otlp by default)."""
+def span_exporters(environ: Mapping[str, str] = os.environ) -> list[SpanExporter]:
+    """The span exporters ``OTEL_TRACES_EXPORTER`` names (``otlp`` by default), each
+    configured by its ``OTEL_EXPORTER_*`` variables (read from ``environ``). ImportError
+    (one line) without the otel extra, ValueError for an exporter coordkit does not set up."""
+    _otel()
     names = [n.strip().lower() for n in environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")]
     exporters: list[SpanExporter] = []
     for name in filter(None, names):
@@ -236,36 +243,37 @@ def _otlp(environ: Mapping[str, str]) -> SpanExporter:
 
 
 def tracer_provider(
-    service: str,
-    sample: float | None = None,
-    *,
-    always: bool = False,
-    environ: Mapping[str, str] = os.environ,
+    service: str, sample: float | None = None, *, environ: Mapping[str, str] = os.environ
 ) -> TracerProvider:
     """An SDK tracer provider configured from the ``OTEL_*`` variables, exporting in
-    batches (``OTEL_BSP_*``): its exporters from ``OTEL_TRACES_EXPORTER``, its service
-    name ``OTEL_SERVICE_NAME`` (or ``OTEL_RESOURCE_ATTRIBUTES``'s), ``service`` when
-    neither says. Its sampler is ``OTEL_TRACES_SAMPLER``'s, or ``parentbased_traceidratio``
-    of ``sample`` when given, or every span (``always``: the coordinator, which samples
-    on its own). ImportError (one line) without the otel extra."""
+    batches (``OTEL_BSP_*``): its exporters from ``OTEL_TRACES_EXPORTER`` (see
+    :func:`span_exporters`; ``environ``), its service name ``OTEL_SERVICE_NAME`` (or
+    ``OTEL_RESOURCE_ATTRIBUTES``'s), ``service`` when neither says. Its sampler is
+    ``OTEL_TRACES_SAMPLER``'s, or ``parentbased_traceidratio`` of ``sample`` when given.
+    ImportError (one line) without the otel extra."""
     _otel()
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBasedTraceIdRatio, Sampler
+    from opentelemetry.sdk.trace.sampling import ParentBasedTraceIdRatio
+
+    chosen = None
+    if sample is not None:
+        chosen = ParentBasedTraceIdRatio(_ratio(str(sample), "the trace sample"))
+    provider = TracerProvider(sampler=chosen, resource=_resource(service))
+    for exporter in span_exporters(environ):
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def _resource(service: str) -> Resource:
+    """The process's resource as the OTEL_* variables describe it, ``service`` its
+    service name unless they name one."""
+    from opentelemetry.sdk.resources import Resource
 
     resource = Resource.create()
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = Resource.create({"service.name": service})
-    chosen: Sampler | None = None
-    if always:
-        chosen = ALWAYS_ON
-    elif sample is not None:
-        chosen = ParentBasedTraceIdRatio(_ratio(str(sample), "the trace sample"))
-    provider = TracerProvider(sampler=chosen, resource=resource)
-    for exporter in _exporters(environ):
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-    return provider
+    return resource
 
 
 def configure(service: str, sample: float | None = None) -> Any:
@@ -393,6 +401,21 @@ def engine_span(
 
 # -- the coordinator -------------------------------------------------------------------
 
+_TRACEPARENT_FORM = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def _remote(traceparent: str | None) -> SpanContext | None:
+    """The client's span a traceparent names; None for none, or one not of W3C's form."""
+    match = None if traceparent is None else _TRACEPARENT_FORM.fullmatch(traceparent)
+    if match is None:
+        return None
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    trace_id, span_id, flags = (int(part, 16) for part in match.groups())
+    if not trace_id or not span_id:
+        return None
+    return SpanContext(trace_id, span_id, True, TraceFlags(flags))
+
 
 class TraceRecord(NamedTuple):
     """What a coordinator's loop records of a request it traces, pushed once it ended.
@@ -421,34 +444,45 @@ class TraceRecord(NamedTuple):
 
 class TraceSink:
     """Where a coordinator's loop puts the requests it traced, and the thread that turns
-    them into spans, off the loop's thread.
+    them into spans and exports them, off the loop's thread.
 
     The loop reads ``every`` and ``follow`` (a :class:`Sampling`'s) and calls
     :meth:`push` (with the GIL, on a rare path) for each traced request that ended. The
     records wait in a deque of at most ``capacity`` (the oldest dropped past it, counted
     in ``dropped``): ``append`` and the thread's ``popleft`` are each atomic, so neither
     side takes a lock, and a push costs the loop one append. The thread wakes every
-    ``interval`` seconds and makes each record's spans (see :meth:`emit`) with
-    ``provider``'s tracer; :meth:`close` makes what is left and flushes the exporters.
+    ``interval`` seconds, makes each record's spans (see :meth:`spans`) and hands them to
+    ``exporters`` (by default those the ``OTEL_*`` variables name), ``batch`` records at a
+    time; :meth:`close` exports what is left.
+
+    The spans are made as the SDK's exporters take them (``ReadableSpan``), not through
+    a tracer: the loop sampled already, and a tracer's span costs some 50 µs to make
+    where this costs a few (the export's encoding stays the exporter's).
     """
 
     def __init__(
         self,
         sampling: Sampling,
-        provider: Any = None,
+        exporters: Sequence[SpanExporter] | None = None,
         *,
         capacity: int = 1 << 16,
         interval: float = 0.5,
+        batch: int = 256,
     ):
+        _otel()
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
         self.every = sampling.every
         self.follow = sampling.follow
         self.dropped = 0
         self.emitted = 0
-        self._own = provider is None
-        self._provider = provider or tracer_provider("coordkit-coordinator", always=True)
-        self._tracer = self._provider.get_tracer(_SCOPE)
+        self._own = exporters is None
+        self._exporters = list(span_exporters() if exporters is None else exporters)
+        self._resource = _resource("coordkit-coordinator")
+        self._scope = InstrumentationScope(_SCOPE)
         self._records: deque[TraceRecord] = deque(maxlen=capacity)
         self._interval = interval
+        self._batch = batch
         # The loop's clock to the wall clock's nanoseconds, which spans are timed in.
         self._offset = time.time_ns() - time.monotonic_ns()
         self._stop = threading.Event()
@@ -461,7 +495,7 @@ class TraceSink:
         self._records.append(record)
 
     def start(self) -> None:
-        """Start the thread that makes the spans (``coordkit-traces``)."""
+        """Start the thread that makes and exports the spans (``coordkit-traces``)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="coordkit-traces", daemon=True)
             self._thread.start()
@@ -471,46 +505,67 @@ class TraceSink:
             self.drain()
 
     def drain(self) -> None:
-        """Make the spans of every record pushed so far."""
+        """Make and export the spans of every record pushed so far."""
         records = self._records
         while records:
-            try:
-                record = records.popleft()
-            except IndexError:  # taken by another drain meanwhile
-                return
-            self.emit(record)
-
-    def flush(self) -> None:
-        """Make the spans of what was pushed, and export them now."""
-        self.drain()
-        self._provider.force_flush()
+            spans: list[ReadableSpan] = []
+            for _ in range(self._batch):
+                try:
+                    record = records.popleft()
+                except IndexError:  # all taken (by another drain, too)
+                    break
+                spans += self.spans(record)
+                self.emitted += 1
+            for exporter in self._exporters:
+                exporter.export(spans)
 
     def close(self) -> None:
-        """Stop the thread, make what is left, and flush (and shut down a provider of its
-        own); once."""
+        """Stop the thread, export what is left, and shut its own exporters down (those
+        it was given are flushed); once."""
         if self._stop.is_set():
             return
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         self.drain()
-        if self._own:
-            self._provider.shutdown()
-        else:
-            self._provider.force_flush()
+        for exporter in self._exporters:
+            if self._own:
+                exporter.shutdown()
+            else:
+                exporter.force_flush()
 
     def _ns(self, seconds: float) -> int:
         return int(seconds * 1e9) + self._offset
 
-    def emit(self, record: TraceRecord) -> None:
+    def spans(self, record: TraceRecord) -> list[ReadableSpan]:
         """One request's spans: ``coordkit.coordinator`` from its acceptance to its end, a
         child of the client's span when it carried a traceparent (a trace of its own
         otherwise: a Megatron client's), and its children ``route`` (acceptance to
         routing: the queue and the routing decision), ``engine`` (routing to the final
         reply, with an event at the first) and ``reply`` (the final's way to the client)."""
-        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+        from opentelemetry.sdk.trace import Event, ReadableSpan
+        from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-        tracer, ns = self._tracer, self._ns
+        parent = _remote(record.traceparent)
+        trace_id = getrandbits(128) if parent is None else parent.trace_id
+        sampled = TraceFlags(TraceFlags.SAMPLED)
+        ns, resource, scope = self._ns, self._resource, self._scope
+
+        def span(
+            name: str, under: SpanContext | None, start: float, end: float, **more: Any
+        ) -> ReadableSpan:
+            context = SpanContext(trace_id, getrandbits(64), False, sampled)
+            return ReadableSpan(
+                name,
+                context,
+                under,
+                resource,
+                start_time=ns(start),
+                end_time=ns(end),
+                instrumentation_scope=scope,
+                **more,
+            )
+
         attributes: dict[str, str | int] = {
             "coordkit.server_rid": record.server_rid,
             "coordkit.client_rid": record.client_rid,
@@ -518,29 +573,30 @@ class TraceSink:
         }
         if record.engine is not None:
             attributes["coordkit.engine"] = identity_text(record.engine)
-        span = tracer.start_span(
-            "coordkit.coordinator",
-            context=_context(record.traceparent),
-            kind=SpanKind.SERVER,
-            attributes=attributes,
-            start_time=ns(record.accepted),
-        )
+        status = Status()
         if record.error:
             try:
                 text = ErrorCode(record.error).name
             except ValueError:
                 text = f"error {record.error}"
-            span.set_status(Status(StatusCode.ERROR, text))
-        inside = set_span_in_context(span)
+            status = Status(StatusCode.ERROR, text)
+        root = span(
+            "coordkit.coordinator",
+            parent,
+            record.accepted,
+            record.ended,
+            attributes=attributes,
+            kind=SpanKind.SERVER,
+            status=status,
+        )
+        made = [root]
+        inside = root.context
         if record.routed is not None:
-            tracer.start_span("route", inside, start_time=ns(record.accepted)).end(
-                ns(record.routed)
-            )
-            engine = tracer.start_span("engine", inside, start_time=ns(record.routed))
-            if record.first_reply is not None:
-                engine.add_event("first reply", timestamp=ns(record.first_reply))
-            engine.end(ns(record.ended if record.final is None else record.final))
+            made.append(span("route", inside, record.accepted, record.routed))
+            first = record.first_reply
+            events = () if first is None else (Event("first reply", timestamp=ns(first)),)
+            end = record.ended if record.final is None else record.final
+            made.append(span("engine", inside, record.routed, end, events=events))
         if record.final is not None:
-            tracer.start_span("reply", inside, start_time=ns(record.final)).end(ns(record.ended))
-        span.end(ns(record.ended))
-        self.emitted += 1
+            made.append(span("reply", inside, record.final, record.ended))
+        return made

@@ -237,12 +237,12 @@ def test_sampling_from_the_option_and_the_environment():
 # -- the coordinator's spans ------------------------------------------------------------------
 
 
-def test_coordinator_spans_from_the_loops_records(receiver, provider, tmp_path, impl):
+def test_coordinator_spans_from_the_loops_records(receiver, provider, tmp_path, impl, monkeypatch):
     """The records a loop pushes become coordkit.coordinator spans with route, engine and
     reply children, timed as recorded: in the client's trace when it carried one, a
     trace of their own when not (a Megatron client's), an ERROR status for a refusal."""
     client_side = provider(f"records-client-{impl.name}")
-    coordinator_side = provider(f"records-coordinator-{impl.name}")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", f"records-coordinator-{impl.name}")
     with client_side.get_tracer("test").start_as_current_span("coordkit.submit") as span:
         traceparent = f"00-{span.get_span_context().trace_id:032x}-"
         traceparent += f"{span.get_span_context().span_id:016x}-01"
@@ -250,7 +250,7 @@ def test_coordinator_spans_from_the_loops_records(receiver, provider, tmp_path, 
         bind_address("ipc", tmp_path, "records"),
         implementation=impl.name,
         trace_sample=0.5,
-        tracer_provider=coordinator_side,
+        trace_exporter=OTLPSpanExporter(endpoint=f"{receiver.endpoint}/v1/traces"),
     )
     try:
         sink = coord.options.tracing

@@ -31,7 +31,7 @@ from typing import Any
 
 from .. import Coordinator, Implementation
 from ..client import Client, CoordinatorError
-from ..tracing import tracer_provider
+from ..tracing import span_exporters, tracer_provider
 from .engines import fake_engine_processes
 
 __all__ = ["run", "COMPARED_POLICIES", "SUFFIX_TOKENS"]
@@ -88,7 +88,7 @@ class _Traces:
 
     env: dict[str, str]  # the engine processes' OTEL_* variables
     client: Any  # the client's tracer provider
-    coordinator: Any  # the coordinator's
+    coordinator: Any  # the coordinator's span exporter
     receiver: Any  # a coordkit.tools.otlp.Receiver, or None: an endpoint of the user's
 
 
@@ -107,11 +107,11 @@ def _traced(args: argparse.Namespace) -> Iterator[_Traces | None]:
         if not endpoint:
             receiver = stack.enter_context(Receiver())
             endpoint = receiver.endpoint
-        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_EXPORTER": "otlp"}
         environ = {**os.environ, **env}
         client = tracer_provider("coordkit-demo", args.trace_sample, environ=environ)
         stack.callback(client.shutdown)
-        coordinator = tracer_provider("coordkit-coordinator", always=True, environ=environ)
+        (coordinator,) = span_exporters(environ)
         stack.callback(coordinator.shutdown)
         yield _Traces(env, client, coordinator, receiver)
 
@@ -197,7 +197,7 @@ def _run_cluster(
         address = f"ipc://{tmp}/coordinator.sock"
         options = {k: getattr(args, k) for k in _ROUTER_OPTIONS if getattr(args, k) is not None}
         if traces is not None:
-            options.update(trace_sample=args.trace_sample, tracer_provider=traces.coordinator)
+            options.update(trace_sample=args.trace_sample, trace_exporter=traces.coordinator)
         coord = Coordinator(address, implementation=impl.name, policy=policy, **options)
         coord.start()
         env = traces.env if traces is not None else None

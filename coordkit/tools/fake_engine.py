@@ -381,13 +381,13 @@ class FakeEngine(Engine):
         self._finish(jobs, "aborted")
 
     def _finish(self, jobs: list[_Job], status: str) -> None:
-        self.reply((job.server_rid, self._body(job, status), job.detokenize) for job in jobs)
-        for job in jobs:
+        for job in jobs:  # a span ends as its final leaves, not after its client had it
             if job.span is not None:
                 job.span.set_attribute("coordkit.rank", self.rank)
                 job.span.set_attribute("coordkit.status", status)
                 job.span.set_attribute("coordkit.generated_tokens", len(job.tokens))
                 end_span(job.span)
+        self.reply((job.server_rid, self._body(job, status), job.detokenize) for job in jobs)
 
     def _body(self, job: _Job, status: str) -> dict[str, Any]:
         body: dict[str, Any] = {
