@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from random import getrandbits
@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, SpanContext, Tracer
 
 __all__ = [
+    "CLIENT_GONE",
     "TRACEPARENT",
     "TRACEPARENT_MARK",
     "MISSING_EXTRA",
@@ -417,6 +418,10 @@ def _remote(traceparent: str | None) -> SpanContext | None:
     return SpanContext(trace_id, span_id, True, TraceFlags(flags))
 
 
+#: A TraceRecord's ``error`` for a request that ended without an answer: its client left.
+CLIENT_GONE = -1
+
+
 class TraceRecord(NamedTuple):
     """What a coordinator's loop records of a request it traces, pushed once it ended.
 
@@ -424,7 +429,8 @@ class TraceRecord(NamedTuple):
     acceptance (the SUBMIT read), its routing (its frames sent to the engine; None: never
     routed), its first reply and its final reply received from the engine (None: none),
     and its end (the final, or the ERROR that ended it, sent to the client). ``error``
-    is the :class:`~coordkit.ErrorCode` it ended with (0: a final reply). ``client`` and
+    is the :class:`~coordkit.ErrorCode` it ended with (0: a final reply; :data:`CLIENT_GONE`:
+    none, its client left). ``client`` and
     ``engine`` are routing ids (the spans show them as ``stats()`` does);
     ``traceparent`` is the one its params carry, or None.
     """
@@ -446,11 +452,13 @@ class TraceSink:
     """Where a coordinator's loop puts the requests it traced, and the thread that turns
     them into spans and exports them, off the loop's thread.
 
-    The loop reads ``every`` and ``follow`` (a :class:`Sampling`'s) and calls
-    :meth:`push` (with the GIL, on a rare path) for each traced request that ended. The
-    records wait in a deque of at most ``capacity`` (the oldest dropped past it, counted
-    in ``dropped``): ``append`` and the thread's ``popleft`` are each atomic, so neither
-    side takes a lock, and a push costs the loop one append. The thread wakes every
+    The loop reads ``every`` and ``follow`` (a :class:`Sampling`'s) and hands over each
+    traced request that ended, either way: it calls :meth:`push` (with the GIL, on a
+    rare path), or it keeps them itself (in C, without the GIL) and :meth:`attach`\\ es a
+    source the thread calls for them. Pushed records wait in a deque of at most
+    ``capacity`` (the oldest dropped past it, counted in ``dropped``): ``append`` and the
+    thread's ``popleft`` are each atomic, so neither side takes a lock, and a push costs
+    the loop one append. The thread wakes every
     ``interval`` seconds, makes each record's spans (see :meth:`spans`) and hands them to
     ``exporters`` (by default those the ``OTEL_*`` variables name), ``batch`` records at a
     time; :meth:`close` exports what is left.
@@ -487,6 +495,12 @@ class TraceSink:
         self._offset = time.time_ns() - time.monotonic_ns()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._source: Callable[[], Iterable[TraceRecord]] | None = None
+
+    def attach(self, source: Callable[[], Iterable[TraceRecord]]) -> None:
+        """The loop's records, taken by the sink's thread: ``source()`` (called with the
+        GIL, on that thread) gives those that ended since its last call."""
+        self._source = source
 
     def push(self, record: TraceRecord) -> None:
         """A traced request that ended (the loop's thread, with the GIL)."""
@@ -505,7 +519,10 @@ class TraceSink:
             self.drain()
 
     def drain(self) -> None:
-        """Make and export the spans of every record pushed so far."""
+        """Make and export the spans of every record handed over so far."""
+        if self._source is not None:
+            for record in self._source():
+                self.push(record)
         records = self._records
         while records:
             spans: list[ReadableSpan] = []
@@ -578,7 +595,7 @@ class TraceSink:
             try:
                 text = ErrorCode(record.error).name
             except ValueError:
-                text = f"error {record.error}"
+                text = "client gone" if record.error == CLIENT_GONE else f"error {record.error}"
             status = Status(StatusCode.ERROR, text)
         root = span(
             "coordkit.coordinator",

@@ -32,6 +32,7 @@ from coordkit.protocol import packb
 from coordkit.tools import cli
 from coordkit.tools.otlp import ReceivedSpan, Receiver, tree
 from coordkit.tracing import (
+    CLIENT_GONE,
     MISSING_EXTRA,
     TRACEPARENT,
     TRACEPARENT_MARK,
@@ -260,8 +261,11 @@ def test_coordinator_spans_from_the_loops_records(receiver, provider, tmp_path, 
                               t + 0.0051, 0, traceparent))  # fmt: skip
         sink.push(TraceRecord(8, 3, b"\x00k\x8b", b"engine-1", t, t + 0.002, None, t + 0.004,
                               t + 0.0042, 0, None))  # fmt: skip
-        sink.push(TraceRecord(9, 4, b"c1", None, t, None, None, None, t + 0.0001,
-                              ErrorCode.BUSY, traceparent))  # fmt: skip
+        # A loop that keeps its records itself hands them over when the sink asks.
+        sink.attach(lambda: [TraceRecord(9, 4, b"c1", None, t, None, None, None, t + 0.0001,
+                                         ErrorCode.BUSY, traceparent)])  # fmt: skip
+        sink.push(TraceRecord(10, 5, b"c1", b"engine-1", t, t + 0.001, None, None, t + 0.002,
+                              CLIENT_GONE, None))  # fmt: skip
     finally:
         coord.stop()  # flushes what was pushed
     client_side.force_flush()
@@ -270,8 +274,8 @@ def test_coordinator_spans_from_the_loops_records(receiver, provider, tmp_path, 
         (s for s in spans if s.name == "coordkit.coordinator"),
         key=lambda s: s.attributes["coordkit.server_rid"],
     )
-    assert [s.attributes["coordkit.server_rid"] for s in roots] == [7, 8, 9]
-    traced, megatron, refused = roots
+    assert [s.attributes["coordkit.server_rid"] for s in roots] == [7, 8, 9, 10]
+    traced, megatron, refused, left = roots
     (client,) = of(receiver, f"records-client-{impl.name}")
     assert (traced.trace_id, traced.parent_id) == (client.trace_id, client.span_id)
     assert megatron.parent_id == "" and megatron.trace_id != client.trace_id
@@ -296,6 +300,8 @@ def test_coordinator_spans_from_the_loops_records(receiver, provider, tmp_path, 
     assert set(children(megatron)) == {"route", "engine", "reply"}
     assert children(megatron)["engine"].events == ()
     assert children(refused) == {}
+    assert left.error and set(children(left)) == {"route", "engine"}  # no reply went back
+    assert us(children(left)["engine"].end - left.start) == 2000
 
 
 def test_coordinator_configured_by_the_environment(receiver, tmp_path, impl, monkeypatch):
