@@ -142,11 +142,13 @@ def test_client_span_is_the_parent_of_the_engine_span(receiver, provider, make_c
     assert sum("fake-engine.request" in line for line in lines) == 5
 
 
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "single"])
 def test_the_engine_gets_the_traceparent_out_of_the_params(
-    receiver, provider, make_coordinator, impl
+    receiver, provider, make_coordinator, impl, batch
 ):
-    """Request.traceparent at a raw Engine, and its sampling params the caller's own."""
-    client_side = provider(f"traceparent-{impl.name}")
+    """Request.traceparent at an Engine, from a SUBMIT_BATCH's entries or SUBMIT_REQUESTs,
+    and its sampling params the caller's own."""
+    client_side = provider(f"traceparent-{impl.name}-{batch}")
 
     async def body(address: str, engine: Engine) -> list[Request]:
         async with await Client.connect(
@@ -162,10 +164,13 @@ def test_the_engine_gets_the_traceparent_out_of_the_params(
             await asyncio.gather(*futures)
             return received
 
-    with make_coordinator() as coord, Engine(coord.address, implementation=impl.name) as engine:
+    with (
+        make_coordinator() as coord,
+        Engine(coord.address, implementation=impl.name, batch=batch) as engine,
+    ):
         received = run(body(coord.address, engine))
     client_side.force_flush()
-    spans = of(receiver, f"traceparent-{impl.name}")
+    spans = of(receiver, f"traceparent-{impl.name}-{batch}")
     by_id = {span.attributes["coordkit.request_id"]: span for span in spans}
     assert [r.sampling_params for r in received] == [{"max_tokens": 3}, {}] + [{"top_k": 1}] * 2
     for rid, request in enumerate(received):
