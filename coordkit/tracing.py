@@ -49,7 +49,6 @@ from .protocol import ErrorCode
 if TYPE_CHECKING:
     import asyncio
 
-    from opentelemetry.context import Context
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -364,16 +363,20 @@ class _Cancelled(Exception):
 
 # -- the engine ------------------------------------------------------------------------
 
+_TRACEPARENT_FORM = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 
-def _context(traceparent: str | None) -> Context | None:
-    """The remote parent a traceparent names; None for none, or one that does not parse."""
-    if traceparent is None:
+
+def _remote(traceparent: str | None) -> SpanContext | None:
+    """The (remote) span a traceparent names; None for none, or one not of W3C's form."""
+    match = None if traceparent is None else _TRACEPARENT_FORM.fullmatch(traceparent)
+    if match is None:
         return None
-    from opentelemetry.trace import get_current_span
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    from opentelemetry.trace import SpanContext, TraceFlags
 
-    context = TraceContextTextMapPropagator().extract({TRACEPARENT: traceparent})
-    return context if get_current_span(context).get_span_context().is_valid else None
+    trace_id, span_id, flags = (int(part, 16) for part in match.groups())
+    if not trace_id or not span_id:
+        return None
+    return SpanContext(trace_id, span_id, True, TraceFlags(flags))
 
 
 def engine_span(
@@ -385,18 +388,17 @@ def engine_span(
     """A span continuing the trace a :class:`~coordkit.engine.Request` carries (its
     ``traceparent``), to end when its final reply is sent; None for an untraced request
     (or without a tracer: ``tracer`` or the global provider's, see :func:`tracer_of`)."""
-    traceparent = getattr(request, "traceparent", None)
-    if traceparent is None:
+    parent = _remote(getattr(request, "traceparent", None))
+    if parent is None:
         return None
     tracer = tracer or tracer_of()
-    context = _context(traceparent)
-    if tracer is None or context is None:
+    if tracer is None:
         return None
-    from opentelemetry.trace import SpanKind
+    from opentelemetry.trace import NonRecordingSpan, SpanKind, set_span_in_context
 
     return tracer.start_span(
         name,
-        context=context,
+        context=set_span_in_context(NonRecordingSpan(parent)),
         kind=SpanKind.SERVER,
         attributes={"coordkit.server_rid": request.server_rid},
         start_time=start_time,
@@ -404,22 +406,6 @@ def engine_span(
 
 
 # -- the coordinator -------------------------------------------------------------------
-
-_TRACEPARENT_FORM = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
-
-
-def _remote(traceparent: str | None) -> SpanContext | None:
-    """The client's span a traceparent names; None for none, or one not of W3C's form."""
-    match = None if traceparent is None else _TRACEPARENT_FORM.fullmatch(traceparent)
-    if match is None:
-        return None
-    from opentelemetry.trace import SpanContext, TraceFlags
-
-    trace_id, span_id, flags = (int(part, 16) for part in match.groups())
-    if not trace_id or not span_id:
-        return None
-    return SpanContext(trace_id, span_id, True, TraceFlags(flags))
-
 
 #: A TraceRecord's ``error`` for a request that ended without an answer: its client left.
 CLIENT_GONE = -1

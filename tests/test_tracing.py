@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -38,6 +39,7 @@ from coordkit.tracing import (
     TRACEPARENT_MARK,
     Sampling,
     TraceRecord,
+    engine_span,
     sampling,
 )
 from tests.support.cluster import bind_address
@@ -175,6 +177,19 @@ def test_the_engine_gets_the_traceparent_out_of_the_params(
     assert [r.sampling_params for r in received] == [{"max_tokens": 3}, {}] + [{"top_k": 1}] * 2
     for rid, request in enumerate(received):
         assert named(request.traceparent) == traceparent_of(by_id[rid])
+
+
+def test_engine_span_continues_only_a_well_formed_trace(provider):
+    tracer = provider("engine-span").get_tracer("test")
+    parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    span = engine_span(SimpleNamespace(traceparent=parent, server_rid=5), tracer)
+    assert span is not None and span.parent is not None
+    assert (span.parent.trace_id, span.parent.span_id) == (int("ab" * 16, 16), int("cd" * 8, 16))
+    assert span.get_span_context().trace_id == span.parent.trace_id
+    span.end()
+    for wrong in (None, "", "00-" + "0" * 32 + "-" + "cd" * 8 + "-01", parent.upper(), parent[:-1]):
+        assert engine_span(SimpleNamespace(traceparent=wrong, server_rid=5), tracer) is None
+    assert engine_span(SimpleNamespace(traceparent=parent, server_rid=5)) is None  # no provider
 
 
 # -- sampling ------------------------------------------------------------------------------
