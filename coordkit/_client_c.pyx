@@ -697,13 +697,18 @@ cdef class ClientCore:
             raise
         return 2
 
-    def submit_many(self, prompts, sampling_params, block_size, bint raw):
-        """One future per prompt; everything is encoded before anything is sent."""
+    def submit_many(self, prompts, sampling_params, block_size, bint raw, own_params=None):
+        """One future per prompt; everything is encoded before anything is sent.
+        ``own_params`` (by the prompt's index) replace ``sampling_params`` for some
+        prompts: the traced ones, whose params carry their traceparent."""
         cdef Py_ssize_t i, n, made = 0, first = 0
         cdef zmq_msg_t* msgs
         cdef bint* hashed
+        cdef dict own = None
         self._check_open()
         params = params_of(sampling_params)
+        if own_params:
+            own = {index: params_of(p) for index, p in own_params.items()}
         prompts = prompts if PyList_CheckExact(prompts) else list(prompts)
         n = len(prompts)
         msgs = <zmq_msg_t*>malloc((2 * n + 1) * sizeof(zmq_msg_t))
@@ -727,7 +732,13 @@ cdef class ClientCore:
                 Py_INCREF(future)
                 PyList_SET_ITEM(futures, i, future)
                 first = 2 * i + 2  # _request takes request i's messages whatever happens
-                self._request(future, params, &msgs[2 * i], 2 if hashed[i] else 1, False)
+                self._request(
+                    future,
+                    params if own is None else own.get(i, params),
+                    &msgs[2 * i],
+                    2 if hashed[i] else 1,
+                    False,
+                )
             self.flush()
             return futures
         finally:

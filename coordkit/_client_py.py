@@ -246,18 +246,27 @@ class ClientCore:
         self._send_request(rid, params, frame, hashes, True)
 
     def submit_many(
-        self, prompts: Iterable[Any], sampling_params: Any, block_size: int | None, raw: bool
+        self,
+        prompts: Iterable[Any],
+        sampling_params: Any,
+        block_size: int | None,
+        raw: bool,
+        own_params: dict[int, Any] | None = None,
     ) -> list[Any]:
-        """One future per prompt; everything is encoded before anything is sent."""
+        """One future per prompt; everything is encoded before anything is sent.
+        ``own_params`` (by the prompt's index) replace ``sampling_params`` for some
+        prompts: the traced ones, whose params carry their traceparent."""
         self._check_open()
         params = pack_params(sampling_params)
+        own = {i: pack_params(p) for i, p in own_params.items()} if own_params else None
         encoded = [(encode_prompt(p, i), _hashes(p, block_size)) for i, p in enumerate(prompts)]
         futures = []
         self.flush()  # what this iteration coalesced so far goes first
-        for frame, hashes in encoded:
+        for i, (frame, hashes) in enumerate(encoded):
             future = self._future(self.next_rid, raw)
             futures.append(future)
-            self._request(future, params, frame, hashes, scheduled=False)
+            packed = params if own is None else own.get(i, params)
+            self._request(future, packed, frame, hashes, scheduled=False)
         self.flush()
         return futures
 

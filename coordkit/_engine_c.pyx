@@ -80,10 +80,11 @@ import msgpack
 import zmq
 
 from . import protocol
-from ._events import Abort, Control, ReleaseKV, Request, log, refused
+from ._events import Abort, Control, ReleaseKV, Request, log, refused, take_traceparent
 from ._held import trailed
 from ._shared import check_constants
 from .protocol import Header, ProtocolError, packb
+from .tracing import TRACEPARENT
 
 bind_libzmq()
 check_constants(generated_constants())
@@ -102,13 +103,14 @@ BYTES_LIKE = (bytes, bytearray, memoryview, zmq.Frame)
 
 cdef object _Frame = zmq.Frame
 cdef object _unpackb = msgpack.unpackb
+cdef str _TRACEPARENT = TRACEPARENT
 cdef Py_ssize_t FRAME_COPY_BELOW = zmq.COPY_THRESHOLD
 
 
 def _request_slots():
     """Request's slot descriptors in field order, when it is the frozen, slotted
     dataclass this module knows how to fill; None otherwise (then __init__ is used)."""
-    names = ("server_rid", "sampling_params", "prompt", "kv_meta", "src_block_ids")
+    names = ("server_rid", "sampling_params", "prompt", "kv_meta", "src_block_ids", "traceparent")
     if not dataclasses.is_dataclass(Request):
         return None
     if tuple(f.name for f in dataclasses.fields(Request)) != names:
@@ -123,15 +125,20 @@ cdef tuple SLOTS = _request_slots()
 
 
 cdef object new_request(object rid, object params, object prompt):
-    """Request(rid, params, prompt), its slots set as its frozen __init__ would set them."""
+    """Request(rid, params, prompt), its slots set as its frozen __init__ would set them;
+    a traceparent in the params is taken out of them into its own (take_traceparent)."""
+    traceparent = None
+    if type(params) is dict and _TRACEPARENT in <dict>params:  # a traced request: rarely
+        traceparent = take_traceparent(params)
     if SLOTS is None:
-        return Request(rid, params, prompt)
+        return Request(rid, params, prompt, traceparent=traceparent)
     request = ck_alloc(Request)
     ck_set_slot(SLOTS[0], request, rid)
     ck_set_slot(SLOTS[1], request, params)
     ck_set_slot(SLOTS[2], request, prompt)
     ck_set_slot(SLOTS[3], request, None)
     ck_set_slot(SLOTS[4], request, None)
+    ck_set_slot(SLOTS[5], request, traceparent)
     return request
 
 
@@ -417,6 +424,7 @@ cdef class EngineCore:
         ]
         if header == HEADER_SUBMIT_REQUEST_WITH_KV:
             submit = protocol.SUBMIT_REQUEST_WITH_KV.parse(frames)
+            traceparent = take_traceparent(submit.sampling_params)
             events.append(
                 Request(
                     submit.rid,
@@ -424,6 +432,7 @@ cdef class EngineCore:
                     submit.prompt,
                     submit.kv_meta,
                     submit.src_block_ids,
+                    traceparent,
                 )
             )
             self.pending += 1

@@ -27,7 +27,7 @@ from typing import Any, cast
 import zmq
 
 from . import _codec_py, protocol
-from ._events import Abort, Control, ReleaseKV, Request, log, refused
+from ._events import Abort, Control, ReleaseKV, Request, log, refused, take_traceparent
 from ._held import Held, trailed
 from .protocol import Header, ProtocolError, packb
 
@@ -91,7 +91,9 @@ class EngineCore:
                 frames = [frames[0], *(frames[at] for at, _, _ in layout)]
             entries, prompts = protocol.ENGINE_SUBMIT_BATCH.parse(frames)
             for (rid, sampling_params), prompt in zip(entries, prompts, strict=True):
-                events.append(Request(rid, sampling_params, cast(zmq.Frame, prompt)))
+                traceparent = take_traceparent(sampling_params)
+                prompt = cast(zmq.Frame, prompt)
+                events.append(Request(rid, sampling_params, prompt, traceparent=traceparent))
             if held is not None and layout is not None:
                 for (rid, _), (_, trailer, hashes) in zip(entries, layout, strict=True):
                     held.track(rid, trailer, hashes)
@@ -103,13 +105,17 @@ class EngineCore:
                 raise ProtocolError("SUBMIT_REQUEST: no trailer")
             layout = None if held is None else self._trailed("SUBMIT_REQUEST", frames)
             submit = protocol.SUBMIT_REQUEST.parse(frames[:2] if held is not None else frames)
-            events.append(Request(submit.rid, submit.sampling_params, submit.prompt))
+            traceparent = take_traceparent(submit.sampling_params)
+            events.append(
+                Request(submit.rid, submit.sampling_params, submit.prompt, traceparent=traceparent)
+            )
             if held is not None and layout is not None:
                 _, trailer, hashes = layout[0]
                 held.track(submit.rid, trailer, hashes)
             self.pending += 1
         elif header == Header.SUBMIT_REQUEST_WITH_KV:
             submit = protocol.SUBMIT_REQUEST_WITH_KV.parse(frames)
+            traceparent = take_traceparent(submit.sampling_params)
             events.append(
                 Request(
                     submit.rid,
@@ -117,6 +123,7 @@ class EngineCore:
                     submit.prompt,
                     submit.kv_meta,
                     submit.src_block_ids,
+                    traceparent,
                 )
             )
             self.pending += 1

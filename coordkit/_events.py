@@ -17,8 +17,9 @@ import zmq
 
 from ._shared import logger
 from .protocol import Header, unpackb
+from .tracing import TRACEPARENT
 
-__all__ = ["Request", "Abort", "ReleaseKV", "Control", "Event", "refused"]
+__all__ = ["Request", "Abort", "ReleaseKV", "Control", "Event", "refused", "take_traceparent"]
 
 #: The engine side's logger: ``<package>.engine``, as the endpoint's own.
 log = logger.getChild("engine")
@@ -29,6 +30,10 @@ class Request:
     """A new request: SUBMIT_REQUEST, or SUBMIT_REQUEST_WITH_KV when ``kv_meta`` is set.
 
     ``prompt`` (and ``src_block_ids``) are the received frames, not copies.
+    ``traceparent`` is the W3C trace context of a request its client traced (None
+    otherwise), taken out of the sampling params it came in (``"traceparent"``), so
+    that ``sampling_params`` are the caller's own: :func:`coordkit.tracing.engine_span`
+    continues the trace.
     """
 
     server_rid: int
@@ -36,6 +41,7 @@ class Request:
     prompt: zmq.Frame
     kv_meta: Any = None
     src_block_ids: zmq.Frame | None = None
+    traceparent: str | None = None
 
     def prompt_tokens(self) -> Any:
         """The prompt msgpack-decoded: token ids (or a str, as the client sent it)."""
@@ -65,6 +71,15 @@ class Control:
 
 
 Event = Request | Abort | ReleaseKV | Control
+
+
+def take_traceparent(params: Any) -> str | None:
+    """The traceparent a traced request's params carry, taken out of them (a map of the
+    engine's own: the core decoded it); None when they carry none."""
+    if type(params) is not dict:
+        return None
+    traceparent = params.pop(TRACEPARENT, None)
+    return traceparent if type(traceparent) is str else None
 
 
 def refused(error: Any) -> None:

@@ -55,6 +55,7 @@ from .protocol import (
     Header,
     ProtocolError,
 )
+from .tracing import end_span, follow_future, request_span, tracer_of
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -132,6 +133,8 @@ class Stream:
     Iteration raises :class:`CoordinatorError` if the request fails.
     """
 
+    _span: Any = None  # a traced request's span (coordkit.tracing): it ends with the final
+
     def __init__(self, request_id: int, raw: bool):
         self.request_id = request_id
         self.raw = raw
@@ -143,9 +146,13 @@ class Stream:
     def _put(self, final: bool, value: Any) -> None:
         if not final:
             self.partials += 1
+        elif self._span is not None:
+            end_span(self._span)
         self._queue.put_nowait((final, value))
 
     def _fail(self, exc: BaseException) -> None:
+        if self._span is not None:
+            end_span(self._span, exc)
         self._queue.put_nowait((True, exc))
 
     def __aiter__(self) -> Stream:
@@ -189,6 +196,13 @@ class Client(Following):
     :class:`ConnectionError` at once. libzmq reconnects by itself; on the new
     connection the client sends CONNECT again, and once the coordinator
     acknowledged it :attr:`connected` is True and submissions go through.
+
+    Traces (the ``otel`` extra): with a tracer provider (``tracer_provider``, or the
+    application's global one, as it is when the client connects), each request has a
+    span from its submission to its final reply (``coordkit.submit``,
+    ``coordkit.stream``), a child of the current span; a request the provider's sampler
+    samples carries its traceparent in its sampling params to the engine
+    (:mod:`coordkit.tracing`). Without one, nothing is traced or sent.
     """
 
     def __init__(
@@ -205,8 +219,10 @@ class Client(Following):
         rebuild: bool = False,
         failover_timeout: float = 0.0,
         candidates: Candidates | None = None,
+        tracer_provider: Any = None,
     ):
         impl = load_implementation(implementation) if implementation else selected()
+        self._tracer = tracer_of(tracer_provider)
         self._candidates = candidates or Candidates(address)
         self._connected = True
         self.errors: deque[CoordinatorError] = deque(maxlen=100)
@@ -264,6 +280,7 @@ class Client(Following):
         curve_server_key: ServerKey | None = None,
         curve_keys: KeySource | None = None,
         failover_timeout: float = 30.0,
+        tracer_provider: Any = None,
     ) -> Client:
         """Connect to the coordinator at ``address`` and wait for its CONNECT_ACK.
 
@@ -297,6 +314,9 @@ class Client(Following):
         lost coordinator (see :class:`Client`); 0 asks for no rebuild, and a
         loss fails what is pending at once. With it, every request keeps a
         reference to its prompt until it ends: do not modify a prompt meanwhile.
+
+        ``tracer_provider`` (an OpenTelemetry ``TracerProvider``) traces its requests
+        (see :class:`Client`); by default the global one, if the application set one.
         """
         candidates = Candidates(address)
         if not failover_timeout >= 0:
@@ -345,6 +365,7 @@ class Client(Following):
             rebuild=rebuild,
             failover_timeout=failover_timeout,
             candidates=candidates,
+            tracer_provider=tracer_provider,
         )
 
     @property
@@ -400,6 +421,11 @@ class Client(Following):
         """
         if not self._connected and self._expiry is None:
             self._raise_not_connected()
+        if self._tracer is not None:
+            return cast(
+                ReplyFuture,
+                self._traced(False, prompt, sampling_params, block_size, raw, block_hashes),
+            )
         future: ReplyFuture = self._core.submit(
             prompt, sampling_params, block_size, raw, block_hashes
         )
@@ -426,6 +452,8 @@ class Client(Following):
         """
         if not self._connected and self._expiry is None:
             self._raise_not_connected()
+        if self._tracer is not None:
+            return self._traced_many(list(prompts), sampling_params, block_size, raw)
         if self._rebuild and not isinstance(prompts, list):
             prompts = list(prompts)
         futures: list[ReplyFuture] = self._core.submit_many(
@@ -453,10 +481,67 @@ class Client(Following):
         if not self._connected and self._expiry is None:
             self._raise_not_connected()
         params = streaming_params(sampling_params)
+        if self._tracer is not None:
+            return cast(Stream, self._traced(True, prompt, params, block_size, raw, block_hashes))
         stream: Stream = self._core.stream(prompt, params, block_size, raw, block_hashes)
         if self._rebuild:
             self._keep(stream, (prompt, params, block_size, block_hashes))
         return stream
+
+    def _traced(
+        self,
+        streaming: bool,
+        prompt: Prompt,
+        sampling_params: Any,
+        block_size: int | None,
+        raw: bool,
+        block_hashes: bytes | None,
+    ) -> ReplyFuture | Stream:
+        """submit(), or stream() when ``streaming``, of a client that traces: the
+        request's span, and its traceparent in its params when sampled."""
+        assert self._tracer is not None
+        name = "coordkit.stream" if streaming else "coordkit.submit"
+        params, span = request_span(self._tracer, name, sampling_params)
+        send = self._core.stream if streaming else self._core.submit
+        try:
+            target = send(prompt, params, block_size, raw, block_hashes)
+        except BaseException as exc:
+            if span is not None:
+                end_span(span, exc)
+            raise
+        if self._rebuild:
+            self._keep(target, (prompt, params, block_size, block_hashes))
+        if span is not None:
+            if isinstance(target, Stream):
+                span.set_attribute("coordkit.request_id", target.request_id)
+                target._span = span
+            else:
+                follow_future(span, target)
+        return cast(ReplyFuture | Stream, target)
+
+    def _traced_many(
+        self, prompts: list[Any], sampling_params: Any, block_size: int | None, raw: bool
+    ) -> list[ReplyFuture]:
+        """submit_many() of a client that traces: a span per request, each sampled one's
+        params its own (with its traceparent), the others' shared."""
+        assert self._tracer is not None
+        traced = [request_span(self._tracer, "coordkit.submit", sampling_params) for _ in prompts]
+        own = {i: params for i, (params, span) in enumerate(traced) if span is not None}
+        try:
+            futures: list[ReplyFuture] = self._core.submit_many(
+                prompts, sampling_params, block_size, raw, own or None
+            )
+        except BaseException as exc:
+            for _, span in traced:
+                if span is not None:
+                    end_span(span, exc)
+            raise
+        for i, (future, (params, span)) in enumerate(zip(futures, traced, strict=True)):
+            if self._rebuild:
+                self._keep(future, (prompts[i], params, block_size, None))
+            if span is not None:
+                follow_future(span, future)
+        return futures
 
     async def abort(self, request: ReplyFuture | Stream | int) -> None:
         """Abort a request (its future, stream or id); a no-op if it already ended.

@@ -12,6 +12,7 @@ as pyzmq layers ``zmq.Socket`` over its Cython backend.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import itertools
 import math
@@ -39,9 +40,11 @@ from ._shared import (
     REFUSAL_EVENTS,
     Detokenizer,
     Options,
+    logger,
 )
 from .curve import CurveServer
 from .metrics import MetricsServer
+from .tracing import Sampling, TraceSink, sampling
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -253,6 +256,12 @@ class Coordinator:
     connection's end is its process's), and ``breaker_failures`` failures of an
     engine within ``breaker_window`` seconds quarantine it for ``breaker_backoff``
     seconds, doubled while it keeps failing (docs/failure-model.md).
+
+    ``trace_sample`` (0 to 1) traces that share of the requests with OpenTelemetry (the
+    ``otel`` extra; ImportError naming it without), and every request whose client traced
+    it; by default the ``OTEL_*`` variables decide (:func:`coordkit.tracing.sampling`).
+    Its spans go to ``trace_exporter`` (an OpenTelemetry ``SpanExporter``), by default to
+    the exporters the ``OTEL_*`` variables configure (docs/deploying.md, "Traces").
     """
 
     def __init__(
@@ -285,6 +294,8 @@ class Coordinator:
         breaker_backoff: float = BREAKER_BACKOFF,
         term: Term | None = None,
         metrics_port: int | None = None,
+        trace_sample: float | None = None,
+        trace_exporter: Any = None,
         curve_secret_key: str | os.PathLike[str] | None = None,
         curve_authorized_keys: str | os.PathLike[str] | None = None,
         context: zmq.Context | None = None,
@@ -321,6 +332,7 @@ class Coordinator:
             raise ValueError("block_size must be at least 1")
         if (curve_secret_key is None) != (curve_authorized_keys is None):
             raise ValueError("CURVE needs both curve_secret_key and curve_authorized_keys")
+        traced = sampling(trace_sample)
         impl = load_implementation(implementation) if implementation else selected()
         #: ``"c"`` or ``"py"``: which loop core runs this coordinator.
         self.implementation: str = impl.name
@@ -369,6 +381,12 @@ class Coordinator:
         self.address = self._sockets.address
         #: Whether peers must authenticate with CURVE (and traffic is encrypted).
         self.curve = curve is not None
+        try:
+            sink = _sink(traced, trace_exporter, trace_sample is not None)
+        except BaseException:
+            self._sockets.close()
+            raise
+        self.options = dataclasses.replace(self.options, tracing=sink)
         self._loop = impl.loop.Loop(
             self.options,
             router,
@@ -382,7 +400,10 @@ class Coordinator:
                 self._metrics = MetricsServer(self, metrics_port)
             except BaseException:
                 self._sockets.close()
+                self._close_tracing()
                 raise
+        if self.options.tracing is not None:
+            self.options.tracing.start()
         self._thread: threading.Thread | None = None
         self._started = False
         if term is not None:
@@ -465,3 +486,23 @@ class Coordinator:
             self._sockets.close()
         if self._metrics is not None:
             self._metrics.close()
+        self._close_tracing()
+
+    def _close_tracing(self) -> None:
+        """The spans of what was traced made and exported (what shutdown() ended too)."""
+        if self.options.tracing is not None:
+            self.options.tracing.close()
+
+
+def _sink(traced: Sampling | None, exporter: Any, asked: bool) -> TraceSink | None:
+    """The trace sink of a coordinator that traces; without the otel extra, ImportError
+    when ``asked`` (trace_sample given), a warning when only the environment asked."""
+    if traced is None:
+        return None
+    try:
+        return TraceSink(traced, None if exporter is None else [exporter])
+    except ImportError as exc:
+        if asked:
+            raise
+        logger.warning("%s (the OTEL_* variables ask for traces)", exc)
+        return None

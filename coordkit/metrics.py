@@ -32,6 +32,7 @@ class Measured(Protocol):
 
     def metrics(self) -> dict[str, Any]: ...
 
+
 _PREFIX = "coordkit_"
 
 _HEADERS = frozenset(Header)

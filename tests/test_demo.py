@@ -174,3 +174,16 @@ def test_examples_over_tcp():
             if process is not None:
                 process.kill()
                 process.wait()
+
+
+def test_demo_prints_a_traced_requests_tree(impl):
+    """--trace-sample: the client's and the engines' spans reach the demo's own receiver,
+    and the slowest request's tree shows the engine's span under the client's."""
+    args = ["--requests", "40", "--trace-sample", "1", "--implementation", impl.name]
+    result = demo(*args)
+    assert result.returncode == 0, result.stderr
+    assert table(result.stdout)["requests"] == "40 of 40"
+    _, _, traced = result.stdout.partition("traced 40 requests; the slowest, trace ")
+    lines = traced.splitlines()[1:]
+    assert lines[0].startswith("  coordkit.submit [coordkit-demo] ")
+    assert any(line.startswith("    fake-engine.request [coordkit-fake-engine] ") for line in lines)

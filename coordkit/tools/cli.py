@@ -210,6 +210,14 @@ def _parser() -> argparse.ArgumentParser:
         "default: not served)",
     )
     serve.add_argument(
+        "--trace-sample",
+        type=float,
+        metavar="P",
+        help="trace this share of the requests (0 to 1) with OpenTelemetry, and every "
+        "request a client traced (pip install 'coordkit[otel]'; the OTEL_* variables "
+        "configure the exporter; default: as they say, none without them)",
+    )
+    serve.add_argument(
         "--curve-secret-key",
         metavar="FILE",
         help="the coordinator's key pair (a .key_secret file, from coordkit keygen; "
@@ -302,6 +310,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the engines' cost model: none (steps of --latency) or h100 (cache hits are cheaper)",
     )
     _add_prefix_model(demo)
+    demo.add_argument(
+        "--trace-sample",
+        type=float,
+        metavar="P",
+        help="trace this share of the requests (0 to 1) and print the slowest one's spans "
+        "(pip install 'coordkit[otel]'; to OTEL_EXPORTER_OTLP_ENDPOINT instead when set; "
+        "default: no traces)",
+    )
     demo.add_argument(
         "--compare-policies",
         action="store_true",
@@ -679,6 +695,7 @@ _SERVE_OPTIONS = (
     "megatron_version",
     "block_size",
     "metrics_port",
+    "trace_sample",
     "curve_secret_key",
     "curve_authorized_keys",
     "detokenizer",

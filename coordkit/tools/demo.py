@@ -5,24 +5,33 @@ coordinator on a thread of this process, ``coordkit fake-engine`` processes,
 and an asyncio client keeping ``--concurrency`` requests in flight. The table
 has one column per run; ``--compare-policies`` runs one cluster per policy.
 :mod:`coordkit.tools.cli` parses the options.
+
+``--trace-sample P`` traces that share of the requests (the otel extra): the client,
+the coordinator and the engines export their spans to a receiver of the demo's own
+(:mod:`coordkit.tools.otlp`), and the demo prints the slowest traced request's tree;
+with ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, they go there instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
+import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import Coordinator, Implementation
 from ..client import Client, CoordinatorError
+from ..tracing import span_exporters, tracer_provider
 from .engines import fake_engine_processes
 
 __all__ = ["run", "COMPARED_POLICIES", "SUFFIX_TOKENS"]
@@ -31,6 +40,7 @@ COMPARED_POLICIES = ("least_loaded", "prefix")
 SUFFIX_TOKENS = 32  # the unique part of a shared-prefix prompt: a short user turn
 _WORKLOAD_SEED = 0  # every run draws the same prefixes in the same order
 _ROUTER_OPTIONS = ("prefix_prefill_weight", "prefix_decode_tokens")  # None: the default
+_REQUEST_SPANS = ("coordkit.submit", "coordkit.stream")  # the client's spans
 
 
 @dataclass
@@ -72,22 +82,85 @@ class _Progress:
             self._bar.close()
 
 
+@dataclass
+class _Traces:
+    """Where a traced demo's processes send their spans, and the providers of its own."""
+
+    env: dict[str, str]  # the engine processes' OTEL_* variables
+    client: Any  # the client's tracer provider
+    coordinator: Any  # the coordinator's span exporter
+    receiver: Any  # a coordkit.tools.otlp.Receiver, or None: an endpoint of the user's
+
+
+@contextlib.contextmanager
+def _traced(args: argparse.Namespace) -> Iterator[_Traces | None]:
+    """With --trace-sample: the providers, and the receiver unless the environment names
+    an OTLP endpoint; their spans flushed on exit."""
+    if args.trace_sample is None:
+        yield None
+        return
+    from .otlp import Receiver
+
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    with contextlib.ExitStack() as stack:
+        receiver = None
+        if not endpoint:
+            receiver = stack.enter_context(Receiver())
+            endpoint = receiver.endpoint
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_EXPORTER": "otlp"}
+        environ = {**os.environ, **env}
+        client = tracer_provider("coordkit-demo", args.trace_sample, environ=environ)
+        stack.callback(client.shutdown)
+        (coordinator,) = span_exporters(environ)
+        stack.callback(coordinator.shutdown)
+        yield _Traces(env, client, coordinator, receiver)
+
+
 def run(impl: Implementation, args: argparse.Namespace) -> int:
     """Run the load on ``impl``'s coordinator, one cluster per policy, and print the table."""
     policies = COMPARED_POLICIES if args.compare_policies else (args.policy,)
     prompt = _workload(args)
     runs: dict[str, _Results] = {}
-    for policy in policies:
-        runs[policy] = results = _Results()
-        try:
-            _run_cluster(impl, policy, prompt, args, results)
-        except (ConnectionError, TimeoutError) as exc:
-            print(f"coordkit demo: {exc}", file=sys.stderr)
-            return 1
-        if results.interrupted:
-            break
+    with _traced(args) as traces:
+        for policy in policies:
+            runs[policy] = results = _Results()
+            try:
+                _run_cluster(impl, policy, prompt, args, results, traces)
+            except (ConnectionError, TimeoutError) as exc:
+                print(f"coordkit demo: {exc}", file=sys.stderr)
+                return 1
+            if results.interrupted:
+                break
+        if traces is not None:
+            traces.client.force_flush()
     _print_results(args, impl.name, runs)
+    if traces is not None:
+        _print_trace(traces)
     return 0
+
+
+def _print_trace(traces: _Traces) -> None:
+    """The tree of the slowest request the client traced (its engine's span may come
+    last: the engine processes export theirs as they exit)."""
+    from .otlp import tree
+
+    if traces.receiver is None:
+        print(f"traces sent to {traces.env['OTEL_EXPORTER_OTLP_ENDPOINT']}")
+        return
+    requests = [s for s in traces.receiver.spans() if s.name in _REQUEST_SPANS]
+    if not requests:
+        print("no request was traced")
+        return
+    slowest = max(requests, key=lambda span: span.seconds)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and not any(
+        s.trace_id == slowest.trace_id and s.service != slowest.service
+        for s in traces.receiver.spans()
+    ):
+        time.sleep(0.05)
+    print(f"traced {len(requests)} requests; the slowest, trace {slowest.trace_id}:")
+    for line in tree(traces.receiver.spans(), slowest.trace_id):
+        print(f"  {line}")
 
 
 def _workload(args: argparse.Namespace) -> Callable[[int], list[int]]:
@@ -117,16 +190,24 @@ def _run_cluster(
     prompt: Callable[[int], list[int]],
     args: argparse.Namespace,
     results: _Results,
+    traces: _Traces | None,
 ) -> None:
     """Run the load on a cluster of its own, so that every run starts with cold caches."""
     with tempfile.TemporaryDirectory(prefix="coordkit-demo-") as tmp:
         address = f"ipc://{tmp}/coordinator.sock"
-        router = {k: getattr(args, k) for k in _ROUTER_OPTIONS if getattr(args, k) is not None}
-        coord = Coordinator(address, implementation=impl.name, policy=policy, **router)
+        options = {k: getattr(args, k) for k in _ROUTER_OPTIONS if getattr(args, k) is not None}
+        if traces is not None:
+            options.update(trace_sample=args.trace_sample, trace_exporter=traces.coordinator)
+        coord = Coordinator(address, implementation=impl.name, policy=policy, **options)
         coord.start()
+        env = traces.env if traces is not None else None
+        client = traces.client if traces is not None else None
         try:
-            with fake_engine_processes(address, args.engines, _engine_options(args)) as engines:
-                asyncio.run(_run_load(address, policy, prompt, args, results, engines))
+            with fake_engine_processes(
+                address, args.engines, _engine_options(args), env
+            ) as engines:
+                load = _run_load(address, policy, prompt, args, results, engines, client)
+                asyncio.run(load)
         except KeyboardInterrupt:
             results.interrupted = True
         finally:
@@ -155,11 +236,14 @@ async def _run_load(
     args: argparse.Namespace,
     results: _Results,
     engines: list[subprocess.Popen[bytes]],
+    tracer_provider: Any,
 ) -> None:
     # With shared prefixes every policy gets the hashes, so that runs differ in routing only.
     hashed = policy == "prefix" or args.shared_prefixes is not None
     block_size = args.block_size if hashed else None
-    async with await Client.connect(address, timeout=10.0) as client:
+    async with await Client.connect(
+        address, timeout=10.0, tracer_provider=tracer_provider
+    ) as client:
         try:
             await client.wait_for_engines(args.engines, timeout=30.0)
         except TimeoutError as exc:

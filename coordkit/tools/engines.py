@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -22,23 +22,25 @@ STOP_TIMEOUT = 5.0  # seconds a terminated engine process gets before SIGKILL
 
 @contextlib.contextmanager
 def fake_engine_processes(
-    address: str, count: int, options: Sequence[str]
+    address: str, count: int, options: Sequence[str], env: Mapping[str, str] | None = None
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """``count`` ``coordkit fake-engine`` processes (ranks 0..count-1) with ``options``,
-    stopped on exit -- before the coordinator, so that it can still take their
-    DISCONNECT."""
+    """``count`` ``coordkit fake-engine`` processes (ranks 0..count-1) with ``options``
+    (and ``env`` added to this process's environment), stopped on exit -- before the
+    coordinator, so that it can still take their DISCONNECT."""
     engines: list[subprocess.Popen[bytes]] = []
     try:
-        engines += (_spawn(address, rank, options) for rank in range(count))
+        engines += (_spawn(address, rank, options, env or {}) for rank in range(count))
         yield engines
     finally:
         _stop(engines)
 
 
-def _spawn(address: str, rank: int, options: Sequence[str]) -> subprocess.Popen[bytes]:
+def _spawn(
+    address: str, rank: int, options: Sequence[str], env: Mapping[str, str]
+) -> subprocess.Popen[bytes]:
     command = ["fake-engine", "--address", address, "--rank", str(rank), "--quiet", *options]
     # An engine runs no coordinator: it skips loading the extension.
-    return _child(command, {"COORDKIT_PUREPYTHON": "1"}, None)
+    return _child(command, {**env, "COORDKIT_PUREPYTHON": "1"}, None)
 
 
 def _child(

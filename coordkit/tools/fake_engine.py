@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import struct
 import sys
@@ -33,6 +34,7 @@ from .._shared import logger
 from ..curve import KeySource, ServerKey
 from ..engine import Abort, Control, Engine, Event, Request
 from ..protocol import BLOCK_HASH_SIZE, Header, block_hashes, unpackb
+from ..tracing import asked, configure, end_span, engine_span, tracer_of
 
 __all__ = [
     "FakeEngine",
@@ -110,6 +112,7 @@ class _Job:
     partials: int = 0
     tokens: list[int] = field(default_factory=list)
     streamed: int = 0  # tokens sent in partials so far
+    span: Any = None  # its trace span when its client traced it: from arrival to its final
 
 
 class FakeEngine(Engine):
@@ -164,6 +167,11 @@ class FakeEngine(Engine):
     ``batch`` is False, and takes them as they come; ``implementation`` picks
     the Engine's core; ``coordinator_timeout``, ``curve_server_key``,
     ``curve_keys`` and ``held_hashes`` are the Engine's.
+
+    A request its client traced (:attr:`Request.traceparent
+    <coordkit.engine.Request.traceparent>`) gets a span ``fake-engine.request`` in that
+    trace, from its arrival to its final (:func:`coordkit.tracing.engine_span`), made
+    with ``tracer_provider`` or the global provider the application set; none without.
     """
 
     def __init__(
@@ -188,6 +196,7 @@ class FakeEngine(Engine):
         curve_server_key: ServerKey | None = None,
         curve_keys: KeySource | None = None,
         held_hashes: int = DEFAULT_HELD_HASHES,
+        tracer_provider: Any = None,
     ):
         # latency and max_batch, when given, override the cost model's.
         cost = cost._replace(
@@ -231,6 +240,7 @@ class FakeEngine(Engine):
         self._prefix_cache: OrderedDict[Any, None] = OrderedDict()  # block keys, LRU first
         #: Seconds of model time spent in steps (wall time * speedup).
         self.busy = 0.0
+        self._tracer = tracer_of(tracer_provider)
 
     @staticmethod
     def generate(prompt: Sequence[int] | str | bytes, n: int, vocab_size: int = 32000) -> list[int]:
@@ -293,6 +303,9 @@ class FakeEngine(Engine):
                     _prompt_tokens(prompt),
                     _positive(params.get("max_partials")),
                 )
+                if event.traceparent is not None and self._tracer is not None:
+                    span = engine_span(event, self._tracer, "fake-engine.request")
+                    self._waiting[event.server_rid].span = span
             elif isinstance(event, Abort):
                 rid = event.server_rid
                 job = self._waiting.pop(rid, None) or self._active.pop(rid, None)
@@ -382,6 +395,12 @@ class FakeEngine(Engine):
         self._finish(jobs, "aborted")
 
     def _finish(self, jobs: list[_Job], status: str) -> None:
+        for job in jobs:  # a span ends as its final leaves, not after its client had it
+            if job.span is not None:
+                job.span.set_attribute("coordkit.rank", self.rank)
+                job.span.set_attribute("coordkit.status", status)
+                job.span.set_attribute("coordkit.generated_tokens", len(job.tokens))
+                end_span(job.span)
         self.reply((job.server_rid, self._body(job, status), job.detokenize) for job in jobs)
 
     def _partial(self, job: _Job) -> dict[str, Any]:
@@ -462,6 +481,12 @@ def run(args: argparse.Namespace) -> int:
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING if args.quiet else logging.INFO)
+    provider = None
+    if asked(os.environ):  # the OTEL_* variables: it continues its clients' traces
+        try:
+            provider = configure("coordkit-fake-engine")
+        except ImportError as exc:
+            logger.warning("%s (the OTEL_* variables ask for traces)", exc)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
@@ -487,6 +512,9 @@ def run(args: argparse.Namespace) -> int:
         curve_server_key=args.curve_server_key,
         curve_keys=args.curve_keys,
         held_hashes=args.held_hashes,
+        tracer_provider=provider,
     ) as engine:
         engine.run(stop)
+    if provider is not None:
+        provider.shutdown()  # its last spans exported
     return 0

@@ -5,8 +5,8 @@
 * :class:`HelpFormatter`: every option's help says its default;
 * :func:`add_removed`: an option that is gone names its replacement;
 * :func:`run`: a command's own refusal (a ValueError, an OSError such as
-  ConnectionError or TimeoutError, a ZMQError such as an address in use) is
-  that one line and exit status 2 too.
+  ConnectionError or TimeoutError, a ZMQError such as an address in use, an
+  ImportError naming the extra to install) is that one line and exit status 2 too.
 """
 
 from __future__ import annotations
@@ -100,6 +100,6 @@ def run(name: str, command: Callable[[], int | None]) -> int:
     when it refused what it was asked (see the module's docstring)."""
     try:
         return command() or 0
-    except (ValueError, OSError, zmq.ZMQError) as exc:
+    except (ValueError, OSError, zmq.ZMQError, ImportError) as exc:
         print(f"coordkit {name}: {message(exc)}", file=sys.stderr, flush=True)
         return USAGE_ERROR

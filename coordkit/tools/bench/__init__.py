@@ -10,7 +10,11 @@ process (``RANKS`` engine ranks) as lean raw-pyzmq load generators:
   serving Prometheus metrics, its latency histograms kept;
 * ``mono`` -- the design before the split, Megatron-Core 0.19's: one msgpack
   message per request, unpacked and repacked whole by a Python loop
-  (:class:`.servers._Mono`).
+  (:class:`.servers._Mono`);
+* ``c-trace-1``, ``c-trace-100`` (by name only, the otel extra) -- ``c`` tracing 1%
+  and 100% of its requests (``trace_sample``), its spans exported over OTLP/HTTP to a
+  receiver in the bench's own process (or to ``OTEL_EXPORTER_OTLP_ENDPOINT``): the
+  coordinator's CPU then includes making and exporting them.
 
 ``--dialect megatron-core`` makes every variant's load speak Megatron-Core's
 single frames (``c``, ``py`` serving them with ``dialect="megatron-core"``):
@@ -55,13 +59,14 @@ share.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +78,12 @@ from . import endpoints, failover, latency, report, scale
 from .latency import LATENCY_LENGTHS, LATENCY_VARIANTS
 from .session import Failure, Session
 from .workload import (
+    DEFAULT_VARIANTS,
     IMPLEMENTATIONS,
     LENGTHS,
     REQUIRES,
     SUBMIT_FIELDS,
+    TRACE_SAMPLES,
     VARIANTS,
     Prompt,
     parse_prompt,
@@ -107,7 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     failover_runs: list[dict[str, Any]] = []
     failures: dict[str, str] = {}
     interrupted = False
-    with tempfile.TemporaryDirectory(prefix="coordkit-bench-") as directory:
+    with (
+        tempfile.TemporaryDirectory(prefix="coordkit-bench-") as directory,
+        _trace_receiver(args.variants),
+    ):
         try:
             if args.cost:
                 _measure_cpu(args, directory, runs, failures)
@@ -442,7 +452,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             else [Prompt(n) for n in LATENCY_LENGTHS]
         )
     args.scale_lengths = given_lengths or [Prompt(16)]
-    args.variants = _installed(given_variants or list(VARIANTS), given_variants, parser.error)
+    args.variants = _installed(
+        given_variants or list(DEFAULT_VARIANTS), given_variants, parser.error
+    )
     args.latency_variants = given_variants or list(LATENCY_VARIANTS)
     args.scale_variants = [v for v in given_variants or ("floor", "c") if v in scale.SCALE_VARIANTS]
     args.failover_variants = [
@@ -528,6 +540,24 @@ def _installed(
                 continue
         kept.append(variant)
     return kept
+
+
+@contextlib.contextmanager
+def _trace_receiver(variants: list[str]) -> Iterator[None]:
+    """With a traced variant and no OTEL_EXPORTER_OTLP_ENDPOINT: an OTLP receiver in this
+    process (what it costs to take the spans is not the coordinator's), named in the
+    environment its coordinator children inherit."""
+    if not set(variants) & set(TRACE_SAMPLES) or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        yield
+        return
+    from ..otlp import Receiver
+
+    with Receiver() as receiver:
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
+        try:
+            yield
+        finally:
+            del os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
 
 
 def _measure_cpu(

@@ -26,6 +26,7 @@ from .workload import (
     RANKS,
     SAMPLING,
     THRESHOLDS,
+    TRACE_SAMPLES,
     VARIANTS,
     reply_body,
     requests_at,
@@ -88,7 +89,7 @@ def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, A
     print(f"(bytes: the frame carrying the prompt; the loop's thresholds: {edges})")
     head = f"{'tokens':>6} {'ids':<6} {'bytes':>7}"
     print(
-        f"{head}  {'variant':<9} {'µs/req':>8} {'user':>8} {'sys':>8} "
+        f"{head}  {'variant':<11} {'µs/req':>8} {'user':>8} {'sys':>8} "
         f"{'>floor':>8} {'req/s':>8} {'batch':>6}"
     )
     for point in summary.values():
@@ -99,17 +100,20 @@ def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, A
             p = point[variant]
             above = "-" if floor is None or variant == "floor" else f"{p['total_us'] - floor:.2f}"
             print(
-                f"{_prompt_label(p)}  {variant:<9} {p['total_us']:8.2f} {p['user_us']:8.2f} "
+                f"{_prompt_label(p)}  {variant:<11} {p['total_us']:8.2f} {p['user_us']:8.2f} "
                 f"{p['sys_us']:8.2f} {above:>8} {p['requests_per_s']:8.0f} "
                 f"{p['reply_batch']:6.2f}"
             )
     ratios = f"{'c/floor':>8} {'py/c':>8} {'py/c user':>10} {'mono/c':>8} {'c-metrics/c':>12}"
+    traced = [v for v in TRACE_SAMPLES if any(v in point for point in summary.values())]
+    ratios += "".join(f" {v + '/c':>14}" for v in traced)
     print(f"\n{head}  {ratios}")
     for point in summary.values():
         print(
             f"{_prompt_label(next(iter(point.values())))}  {_ratio(point, 'c', 'floor'):>8} "
             f"{_ratio(point, 'py', 'c'):>8} {_ratio(point, 'py', 'c', 'user_us'):>10} "
             f"{_ratio(point, 'mono', 'c'):>8} {_ratio(point, 'c-metrics', 'c'):>12}"
+            + "".join(f" {_ratio(point, v, 'c'):>14}" for v in traced)
         )
 
 

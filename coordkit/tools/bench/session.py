@@ -30,6 +30,7 @@ from .workload import (
     RANKS,
     SUBMIT_FIELDS,
     TIMEOUT,
+    TRACE_SAMPLES,
     Prompt,
 )
 
@@ -240,6 +241,8 @@ class Session(Processes):
             options["megatron_version"] = args.megatron_version
         if self.variant == "c-metrics":  # served on a free port, the latency histograms kept
             options["metrics_port"] = 0
+        if self.variant in TRACE_SAMPLES:  # exported to the bench's receiver (main())
+            options["trace_sample"] = TRACE_SAMPLES[self.variant]
         self.coordinator = self._start(
             "coordinator", coordinator_child, self.variant, endpoints, args.policy, options
         )

@@ -15,11 +15,18 @@ from dataclasses import dataclass
 from ..._shared import COPY_BELOW
 from ...protocol import Header, packb
 
-VARIANTS = ("floor", "c", "c-metrics", "py", "mono")
+VARIANTS = ("floor", "c", "c-metrics", "py", "mono", "c-trace-1", "c-trace-100")
+#: The variants run when none is named (the traced ones are asked for by name).
+DEFAULT_VARIANTS = VARIANTS[:5]
+#: The traced variants: ``c`` tracing that share of its requests (``trace_sample``).
+TRACE_SAMPLES = {"c-trace-1": 0.01, "c-trace-100": 1.0}
 #: The variants that need an optional dependency: its module, and the extra installing it.
-REQUIRES = {"c-metrics": ("prometheus_client", "metrics")}
+REQUIRES = {
+    "c-metrics": ("prometheus_client", "metrics"),
+    **dict.fromkeys(TRACE_SAMPLES, ("opentelemetry.sdk.trace", "otel")),
+}
 #: The coordkit variants, and the implementation each runs on.
-IMPLEMENTATIONS = {"c": "c", "c-metrics": "c", "py": "py"}
+IMPLEMENTATIONS = {"c": "c", "c-metrics": "c", "py": "py", **dict.fromkeys(TRACE_SAMPLES, "c")}
 #: No coordinator: the clients on the engine itself (--latency's baselines; ``-sf``:
 #: in single frames, mono's, whatever the dialect).
 DIRECT = ("direct", "direct-sf")
