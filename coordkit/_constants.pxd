@@ -124,6 +124,8 @@ cdef enum:  # coordkit._shared.PeerRole
 
 cdef enum:
     BLOCK_HASH_SIZE = 8
+    PRIORITY_MIN = -128
+    PRIORITY_MAX = 127
     MAX_PARTS = 65536
     COPY_BELOW = 8192
     SHARED_SMALL_MAX = 2048
@@ -247,6 +249,8 @@ cdef inline dict generated_constants():
         "PeerRole.CLIENT": 1,
         "PeerRole.ENGINE": 2,
         "BLOCK_HASH_SIZE": 8,
+        "PRIORITY_MIN": -128,
+        "PRIORITY_MAX": 127,
         "MAX_PARTS": 65536,
         "COPY_BELOW": 8192,
         "SHARED_SMALL_MAX": 2048,

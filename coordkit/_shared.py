@@ -227,6 +227,8 @@ def cython_constants() -> dict[str, int]:
     }
     values.update(
         BLOCK_HASH_SIZE=protocol.BLOCK_HASH_SIZE,
+        PRIORITY_MIN=protocol.PRIORITY_MIN,
+        PRIORITY_MAX=protocol.PRIORITY_MAX,
         MAX_PARTS=protocol.MAX_PARTS,
         COPY_BELOW=COPY_BELOW,
         SHARED_SMALL_MAX=SHARED_SMALL_MAX,
