@@ -122,6 +122,12 @@ cdef enum:  # coordkit._shared.PeerRole
     ROLE_CLIENT = 1
     ROLE_ENGINE = 2
 
+cdef enum:  # coordkit._shared.QueueOutcome
+    OUTCOME_DISPATCHED = 0
+    OUTCOME_TIMED_OUT = 1
+    OUTCOME_REFUSED = 2
+    OUTCOME_ABANDONED = 3
+
 cdef enum:
     BLOCK_HASH_SIZE = 8
     PRIORITY_MIN = -128
@@ -135,6 +141,9 @@ cdef enum:
     ERROR_SLOTS = 32
     N_LATENCY_BUCKETS = 22
     N_COUNTERS = 34
+    N_OUTCOMES = 4
+    N_PRIORITIES = 256
+    QUEUE_TENANTS = 16
     WEIGHT_SCALE = 256
     MAX_BLOCKS = 8388608
     SPARSE_RANKS = 16
@@ -248,6 +257,10 @@ cdef inline dict generated_constants():
         "PeerRole.NONE": 0,
         "PeerRole.CLIENT": 1,
         "PeerRole.ENGINE": 2,
+        "QueueOutcome.DISPATCHED": 0,
+        "QueueOutcome.TIMED_OUT": 1,
+        "QueueOutcome.REFUSED": 2,
+        "QueueOutcome.ABANDONED": 3,
         "BLOCK_HASH_SIZE": 8,
         "PRIORITY_MIN": -128,
         "PRIORITY_MAX": 127,
@@ -260,6 +273,9 @@ cdef inline dict generated_constants():
         "ERROR_SLOTS": 32,
         "N_LATENCY_BUCKETS": 22,
         "N_COUNTERS": 34,
+        "N_OUTCOMES": 4,
+        "N_PRIORITIES": 256,
+        "QUEUE_TENANTS": 16,
         "WEIGHT_SCALE": 256,
         "MAX_BLOCKS": 8388608,
         "SPARSE_RANKS": 16,

@@ -110,7 +110,25 @@ def _parser() -> argparse.ArgumentParser:
         "max_inflight_per_engine",
         int,
         "N",
-        "requests in flight per engine at most (0: no cap)",
+        "requests in flight per engine at most (0: no cap; an engine may declare its "
+        "own capacity); more wait at the coordinator (docs/queueing.md)",
+    )
+    _option(
+        serve,
+        "queue_limit",
+        int,
+        "N",
+        "requests waiting at the coordinator for an engine with room, at most; more "
+        "are refused with ERROR(BUSY) (0: none wait)",
+    )
+    serve.add_argument(
+        "--tenant-weight",
+        dest="tenant_weights",
+        type=_tenant_weight,
+        action="append",
+        metavar="NAME=W",
+        help="the tenant NAME's share of the dispatches of its priority, against the "
+        "others' (repeatable; default: 1 each)",
     )
     serve.add_argument(
         "--no-keep-prompts",
@@ -575,6 +593,17 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _tenant_weight(text: str) -> tuple[str, float]:
+    """``NAME=W``: a tenant and its weight (checked whole by Coordinator)."""
+    name, equals, weight = text.rpartition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=W, not {text!r}")
+    try:
+        return name, float(weight)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the weight of {name!r} is not a number") from None
+
+
 def _import_callable(spec: str) -> Callable[..., Any]:
     module, _, name = spec.partition(":")
     try:
@@ -595,6 +624,8 @@ def _load(name: str) -> Implementation:
 _SERVE_OPTIONS = (
     "max_inflight",
     "max_inflight_per_engine",
+    "queue_limit",
+    "tenant_weights",
     "keep_prompts",
     "heartbeat_timeout",
     "drain_timeout",
@@ -620,6 +651,11 @@ def _serve(args: argparse.Namespace) -> int:
     impl = _load(args.implementation)
     options = {name: getattr(args, name) for name in _SERVE_OPTIONS}
     options = {name: value for name, value in options.items() if value is not None}
+    if "tenant_weights" in options:
+        weights = dict(options["tenant_weights"])
+        if len(weights) < len(options["tenant_weights"]):
+            raise ValueError("a tenant is given --tenant-weight twice")
+        options["tenant_weights"] = weights
     if args.ha is None:
         return _serve_term(args, impl, options, None)
     try:
