@@ -27,12 +27,12 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, cast
 
 import zmq
 
 from . import protocol
-from ._checks import streaming_params
+from ._checks import check_tenant, qos_fields, streaming_params
 from ._implementation import load_implementation, selected
 from ._liveness import (
     ACK_WINDOW,
@@ -50,7 +50,9 @@ from .protocol import (
     COORDKIT_HELLO,
     EPOCH_KEY,
     HOLD_KEY,
+    QOS_FEATURE,
     REBUILD_FEATURE,
+    TENANT_KEY,
     ErrorCode,
     Header,
     ProtocolError,
@@ -169,8 +171,10 @@ class Client(Following):
     logged, kept in :attr:`errors` (the latest 100) and passed to ``on_error``.
 
     ``batch`` is whether the coordinator granted batched messages
-    (:meth:`connect` asks for them); ``implementation`` names the core, ``"c"``
-    or ``"py"``.
+    (:meth:`connect` asks for them); ``qos`` whether it takes priorities and
+    deadlines (it queues requests: docs/queueing.md); ``tenant`` is the name the
+    client gave :meth:`connect`; ``implementation`` names the core, ``"c"`` or
+    ``"py"``.
 
     When the connection to the coordinator ends (it died, or its heartbeats
     stopped: see :meth:`connect`) and the coordinator granted the rebuild
@@ -205,6 +209,8 @@ class Client(Following):
         rebuild: bool = False,
         failover_timeout: float = 0.0,
         candidates: Candidates | None = None,
+        qos: bool = False,
+        tenant: str | None = None,
     ):
         impl = load_implementation(implementation) if implementation else selected()
         self._candidates = candidates or Candidates(address)
@@ -243,6 +249,9 @@ class Client(Following):
         # the ride.
         self._rebuild = rebuild
         self._failover_timeout = failover_timeout
+        self._qos = qos
+        #: The tenant it named in its CONNECT (None: a tenant of its own).
+        self.tenant = tenant
         self._expiry: asyncio.TimerHandle | None = None
         self._up = asyncio.Event()
         self._up.set()
@@ -264,11 +273,18 @@ class Client(Following):
         curve_server_key: ServerKey | None = None,
         curve_keys: KeySource | None = None,
         failover_timeout: float = 30.0,
+        tenant: str | None = None,
     ) -> Client:
         """Connect to the coordinator at ``address`` and wait for its CONNECT_ACK.
 
         The CONNECT asks for batched messages unless ``batch`` is False; they
-        are used only when the coordinator grants them. ``implementation``
+        are used only when the coordinator grants them. ``tenant`` names the
+        client's tenant (a str of 1 to 128 bytes in UTF-8): the clients that
+        name the same one share its place in the coordinator's queue, in
+        proportion to its weight (``coordkit serve --tenant-weight``); a client
+        that names none is a tenant of its own (docs/queueing.md). The CONNECT
+        also says that the client may send priorities and deadlines, which it
+        then sends only to a coordinator that granted them (:attr:`qos`). ``implementation``
         (``"c"`` or ``"py"``) picks the core; by default the one chosen at import.
         ``address`` is ``tcp://HOST:PORT``, ``ipc:///path`` or ``inproc://name``
         (ValueError otherwise, before anything is opened), or several split by
@@ -299,6 +315,7 @@ class Client(Following):
         reference to its prompt until it ends: do not modify a prompt meanwhile.
         """
         candidates = Candidates(address)
+        check_tenant(tenant)
         if not failover_timeout >= 0:
             raise ValueError(f"failover_timeout must be >= 0 seconds, got {failover_timeout!r}")
         if candidates.several and failover_timeout == 0:
@@ -320,10 +337,12 @@ class Client(Following):
             watch = ConnectionWatch(socket)  # before connect(): the first events count too
             socket.connect(candidates.current)
             if candidates.several:
-                handshake = _choose(socket, watch, candidates, batch, failover_timeout, timeout)
+                handshake = _choose(
+                    socket, watch, candidates, batch, failover_timeout, timeout, tenant
+                )
             else:
-                handshake = _handshake(socket, batch, failover_timeout)
-            granted, rebuild = await asyncio.wait_for(handshake, timeout)
+                handshake = _handshake(socket, batch, failover_timeout, tenant=tenant)
+            granted = await asyncio.wait_for(handshake, timeout)
         except BaseException as exc:
             if watch is not None:
                 watch.close()
@@ -337,14 +356,16 @@ class Client(Following):
             socket,
             address,
             on_error,
-            batch=granted,
+            batch=granted.batch,
             implementation=implementation,
             watch=watch,
             ask_batch=batch,
             handshake_timeout=timeout,
-            rebuild=rebuild,
+            rebuild=granted.rebuild,
             failover_timeout=failover_timeout,
             candidates=candidates,
+            qos=granted.qos,
+            tenant=tenant,
         )
 
     @property
@@ -364,6 +385,12 @@ class Client(Following):
         return bool(self._core.batch)
 
     @property
+    def qos(self) -> bool:
+        """Whether the coordinator takes priorities and deadlines (it granted ``"qos"``):
+        only then are they sent. One that does not queue has nothing they could change."""
+        return self._qos
+
+    @property
     def implementation(self) -> str:
         """``"c"`` or ``"py"``: the core this client runs on."""
         return str(self._core.implementation)
@@ -378,6 +405,8 @@ class Client(Following):
         block_size: int | None = None,
         raw: bool = False,
         block_hashes: bytes | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
     ) -> ReplyFuture:
         """Send one request; the future resolves to its final reply body.
 
@@ -395,16 +424,26 @@ class Client(Following):
         Partial replies are not delivered here; use :meth:`stream` for them.
         An ERROR for the request fails the future with :class:`CoordinatorError`.
 
+        ``priority`` (an int in [-128, 127], lower first) and ``deadline``
+        (seconds, or None) matter where requests wait at the coordinator
+        (docs/queueing.md): a lower priority is always dispatched first, and a
+        request still waiting ``deadline`` seconds after it arrived ends with
+        ``CoordinatorError`` (``TIMED_OUT``) and never reaches an engine. A bad
+        one raises TypeError or ValueError and nothing is sent; a coordinator
+        that did not grant them (:attr:`qos`) is not sent them.
+
         The request leaves at once, or, when the coordinator granted batches,
         with the others submitted in the same event-loop iteration.
         """
         if not self._connected and self._expiry is None:
             self._raise_not_connected()
+        qos = self._qos_fields(priority, deadline)
         future: ReplyFuture = self._core.submit(
-            prompt, sampling_params, block_size, raw, block_hashes
+            prompt, sampling_params, block_size, raw, block_hashes, qos
         )
         if self._rebuild:
-            self._keep(future, (prompt, sampling_params, block_size, block_hashes))
+            kept = (prompt, sampling_params, block_size, block_hashes, priority, deadline)
+            self._keep(future, kept)
         return future
 
     def submit_many(
@@ -414,26 +453,30 @@ class Client(Following):
         *,
         block_size: int | None = None,
         raw: bool = False,
+        priority: int = 0,
+        deadline: float | None = None,
     ) -> list[ReplyFuture]:
         """Send many requests in one call; one future per prompt, in order.
 
         Every prompt is as for :meth:`submit` and they share ``sampling_params``
-        (packed once). All are encoded before any is sent: a bad prompt raises
-        (its error names its index in ``prompts``) and nothing is sent. With
-        batches granted they leave as one SUBMIT_BATCH (several for a very
-        large call), otherwise as one SUBMIT_REQUEST each, at once. Their ids
-        are consecutive.
+        (packed once), ``priority`` and ``deadline``. All are encoded before any
+        is sent: a bad prompt raises (its error names its index in ``prompts``)
+        and nothing is sent. With batches granted they leave as one SUBMIT_BATCH
+        (several for a very large call), otherwise as one SUBMIT_REQUEST each, at
+        once. Their ids are consecutive.
         """
         if not self._connected and self._expiry is None:
             self._raise_not_connected()
+        qos = self._qos_fields(priority, deadline)
         if self._rebuild and not isinstance(prompts, list):
             prompts = list(prompts)
         futures: list[ReplyFuture] = self._core.submit_many(
-            prompts, sampling_params, block_size, raw
+            prompts, sampling_params, block_size, raw, qos
         )
         if self._rebuild:
             for future, prompt in zip(futures, cast(list[Any], prompts), strict=True):
-                self._keep(future, (prompt, sampling_params, block_size, None))
+                kept = (prompt, sampling_params, block_size, None, priority, deadline)
+                self._keep(future, kept)
         return futures
 
     def stream(
@@ -444,18 +487,22 @@ class Client(Following):
         block_size: int | None = None,
         raw: bool = False,
         block_hashes: bytes | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
     ) -> Stream:
         """Send one request with ``{STREAM_KEY: True}`` added to its sampling params.
 
         The request is sent now; the returned :class:`Stream` yields each
-        partial reply and ends with the final one.
+        partial reply and ends with the final one. ``priority`` and ``deadline``
+        are :meth:`submit`'s.
         """
         if not self._connected and self._expiry is None:
             self._raise_not_connected()
         params = streaming_params(sampling_params)
-        stream: Stream = self._core.stream(prompt, params, block_size, raw, block_hashes)
+        qos = self._qos_fields(priority, deadline)
+        stream: Stream = self._core.stream(prompt, params, block_size, raw, block_hashes, qos)
         if self._rebuild:
-            self._keep(stream, (prompt, params, block_size, block_hashes))
+            self._keep(stream, (prompt, params, block_size, block_hashes, priority, deadline))
         return stream
 
     async def abort(self, request: ReplyFuture | Stream | int) -> None:
@@ -595,9 +642,16 @@ class Client(Following):
             self._raise_not_connected()
         self._core.send(frames)
 
+    def _qos_fields(self, priority: int, deadline: float | None) -> bytes:
+        """A request's QoS fields for the wire: checked whatever the coordinator, sent
+        only to one that granted them."""
+        fields = qos_fields(priority, deadline)
+        return fields if self._qos else b""
+
     def _keep(self, target: ReplyFuture | Stream, kept: tuple[Any, ...]) -> None:
-        """What sends ``target`` again (its prompt, params, hashes): RESEND, or a ride
-        through a coordinator's loss (what is submitted meanwhile is not sent)."""
+        """What sends ``target`` again (its prompt, params, hashes, priority and
+        deadline): RESEND, or a ride through a coordinator's loss (what is submitted
+        meanwhile is not sent)."""
         target._kept = kept
 
     def _resend(self, rids: list[int]) -> None:
@@ -610,8 +664,10 @@ class Client(Following):
                 self._core.pop(rid)
                 _fail(target, CoordinatorError(ErrorCode.UNKNOWN_REQUEST, never_ran(rid), rid))
                 continue
+            prompt, params, block_size, hashes, priority, deadline = target._kept
             try:
-                self._core.resend(rid, *target._kept)
+                qos = self._qos_fields(priority, deadline)
+                self._core.resend(rid, prompt, params, block_size, hashes, qos)
             except (ValueError, TypeError, AttributeError) as exc:
                 self._core.pop(rid)
                 _fail(
@@ -686,7 +742,7 @@ class Client(Following):
         try:
             while True:
                 try:
-                    granted, rebuild = await self._reconnect()
+                    granted = await self._reconnect()
                     break
                 except (asyncio.TimeoutError, ConnectionError, ProtocolError) as exc:
                     log.warning("coordkit client: reconnecting to %s: %r", self.address, exc)
@@ -696,31 +752,32 @@ class Client(Following):
             if not self._closed:
                 self._loop.add_reader(self._fd, self._core.on_readable)
         self._rejoining = None
-        self._core.batch = granted
+        self._core.batch = granted.batch
+        self._qos = granted.qos  # before release(): what it sends again is this one's
         self._connected = True
         rejoin = None
         if self._expiry is not None:  # riding through
             self._expiry.cancel()
             self._expiry = None
-            rejoin = self._rejoined(rebuild)
+            rejoin = self._rejoined(granted.rebuild)
         # The REJOIN first, then the requests never sent (unsent), then the ABORTs and
         # control messages issued meanwhile.
         self._core.release(rejoin)
-        self._rebuild = rebuild
+        self._rebuild = granted.rebuild
         self._up.set()
         self._loop.call_soon(self._core.on_readable)
         log.info("coordkit client: connected again to %s", self.address)
 
-    def _reconnect(self) -> Awaitable[tuple[bool, bool]]:
+    def _reconnect(self) -> Awaitable[Granted]:
         """The handshake on the new connection; of several addresses, a new choice."""
         if self._candidates.several:
             return self._follow()
         return asyncio.wait_for(
-            _handshake(self._socket, self._ask_batch, self._failover_timeout),
+            _handshake(self._socket, self._ask_batch, self._failover_timeout, tenant=self.tenant),
             self._handshake_timeout,
         )
 
-    async def _follow(self) -> tuple[bool, bool]:
+    async def _follow(self) -> Granted:
         """Several addresses, the connection ended: from the next address on, the first
         coordinator that admits the client (the watch is read there meanwhile)."""
         watch = cast(ConnectionWatch, self._watch)
@@ -734,6 +791,7 @@ class Client(Following):
                 self._ask_batch,
                 self._failover_timeout,
                 self._handshake_timeout,
+                self.tenant,
             )
         finally:
             if not self._closed:
@@ -796,6 +854,14 @@ class Client(Following):
                 log.exception("coordkit client: on_error callback failed")
 
 
+class Granted(NamedTuple):
+    """What a coordinator granted in its CONNECT_ACK."""
+
+    batch: bool  # batched messages
+    rebuild: bool  # the rebuild after its loss (with an epoch)
+    qos: bool  # priorities and deadlines: it queues requests
+
+
 async def _choose(
     socket: zmq.Socket,
     watch: ConnectionWatch,
@@ -803,11 +869,12 @@ async def _choose(
     batch: bool,
     failover: float,
     ack_timeout: float,
-) -> tuple[bool, bool]:
+    tenant: str | None,
+) -> Granted:
     """Several addresses: from the current one on, in turn, the first coordinator that
     admits the client (see :func:`_attempt`); what the others sent is dropped."""
     while True:
-        granted = await _attempt(socket, watch, candidates, batch, failover, ack_timeout)
+        granted = await _attempt(socket, watch, candidates, batch, failover, ack_timeout, tenant)
         if granted is not None:
             return granted
         candidates.move(socket, discard=True)
@@ -820,7 +887,8 @@ async def _attempt(
     batch: bool,
     failover: float,
     ack_timeout: float,
-) -> tuple[bool, bool] | None:
+    tenant: str | None,
+) -> Granted | None:
     """The current candidate's CONNECT_ACK, if it connects within CANDIDATE_WINDOW and
     acknowledges the client within ACK_WINDOW (or ``ack_timeout``, if shorter), its
     connection lasting, with an epoch no older than any seen; None otherwise."""
@@ -830,7 +898,7 @@ async def _attempt(
         await asyncio.wait_for(connected, CANDIDATE_WINDOW)
     except asyncio.TimeoutError:
         return None
-    handshake = asyncio.ensure_future(_handshake(socket, batch, failover, candidates))
+    handshake = asyncio.ensure_future(_handshake(socket, batch, failover, candidates, tenant))
     ended = asyncio.ensure_future(_watched(watch, zmq.EVENT_DISCONNECTED, others))
     try:
         await asyncio.wait(
@@ -865,14 +933,20 @@ async def _watched(watch: ConnectionWatch, event: int, others: tuple[str, ...]) 
 
 
 async def _handshake(
-    socket: zmq.Socket, batch: bool, failover: float, candidates: Candidates | None = None
-) -> tuple[bool, bool]:
+    socket: zmq.Socket,
+    batch: bool,
+    failover: float,
+    candidates: Candidates | None = None,
+    tenant: str | None = None,
+) -> Granted:
     """Send CONNECT (asking for the rebuild when ``failover``, the client's
     failover_timeout, is > 0: the coordinator keeps its requests that long once its
-    connection ends), wait for CONNECT_ACK; whether batches, and the rebuild, were
-    granted. With ``candidates``, ConnectionError for a coordinator they do not admit."""
+    connection ends; naming ``tenant``), wait for CONNECT_ACK; what was granted. With
+    ``candidates``, ConnectionError for a coordinator they do not admit."""
     rebuild = failover > 0
-    hello = dict(COORDKIT_HELLO)
+    hello: dict[str, Any] = {**COORDKIT_HELLO, QOS_FEATURE: 1}
+    if tenant is not None:
+        hello[TENANT_KEY] = tenant
     if batch:
         hello[BATCH_FEATURE] = 1
     if rebuild:
@@ -903,8 +977,11 @@ async def _handshake(
         features = {}
     if candidates is not None and (stale := candidates.admit(features)) is not None:
         raise ConnectionError(f"coordkit: not following it: {stale}")
-    granted = rebuild and features.get(REBUILD_FEATURE) == 1 and EPOCH_KEY in features
-    return batch and features.get(BATCH_FEATURE) == 1, granted
+    return Granted(
+        batch and features.get(BATCH_FEATURE) == 1,
+        rebuild and features.get(REBUILD_FEATURE) == 1 and EPOCH_KEY in features,
+        features.get(QOS_FEATURE) == 1,
+    )
 
 
 async def _receive(socket: zmq.Socket) -> list[bytes]:
