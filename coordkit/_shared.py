@@ -101,6 +101,8 @@ STRIDE_SCALE = 1 << 32
 #: many to connect, those given a weight first); every other is counted as "other",
 #: so that the metrics' labels stay bounded whatever the clients.
 QUEUE_TENANTS = 16
+#: The label of the waits of every tenant without one of its own.
+OTHER_TENANTS = "other"
 #: A priority level's index in the queue's tables: priority - PRIORITY_MIN.
 N_PRIORITIES = protocol.PRIORITY_MAX - protocol.PRIORITY_MIN + 1
 
