@@ -443,7 +443,12 @@ def _parser() -> argparse.ArgumentParser:
         "cost model's, 0 for none, 0.020 for h100)",
     )
     fake.add_argument(
-        "--batch", type=int, metavar="N", help="max requests running (default: 64, h100: 256)"
+        "--batch",
+        type=int,
+        metavar="N",
+        help="max requests running, declared to the coordinator as its capacity (past it, "
+        "requests wait at a coordinator that queues) (default: the cost model's, 64, h100: "
+        "256, not declared)",
     )
     fake.add_argument(
         "--prefill-rate",
