@@ -210,8 +210,8 @@ class Queue:
 
     @property
     def tenants(self) -> int:
-        """Tenants known now (the one for the clients past the table among them)."""
-        return len(self._tenants)
+        """Tenants known now (not counting the one for the clients past the table)."""
+        return len(self._tenants) - 1
 
     # -- requests ------------------------------------------------------------------------
 

@@ -18,9 +18,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coordkit import Coordinator
 from coordkit._queue_py_draft import Queue as PyQueue
 from coordkit._shared import LATENCY_BUCKETS, QUEUE_TENANTS, QueueOutcome
+from coordkit.metrics import scrape
 from coordkit.protocol import PRIORITY_MAX, PRIORITY_MIN
+from coordkit.tools.cli import queue_lines
 
 DISPATCHED, TIMED_OUT = QueueOutcome.DISPATCHED, QueueOutcome.TIMED_OUT
 REFUSED, ABANDONED = QueueOutcome.REFUSED, QueueOutcome.ABANDONED
@@ -152,20 +155,20 @@ def test_a_client_that_leaves_takes_its_tenant_along(queue_type):
     """A tenant is forgotten once no client refers to it and nothing of it waits (its
     index then reused); one given a weight, or holding a label, never is."""
     queue = queue_type(100, 100, 3, (("weighted", 2.0),))
-    assert queue.tenants == 2  # the one for the clients past the table, and "weighted"
+    assert queue.tenants == 1  # "weighted" (the one for the clients past the table is not counted)
     mine = queue.tenant()
     flood(queue, mine, range(3))
     queue.leave(mine)
-    assert queue.tenants == 3  # its requests still wait
+    assert queue.tenants == 2  # its requests still wait
     for handle in range(3):
         queue.remove(handle, 1.0, ABANDONED)
-    assert queue.tenants == 2
+    assert queue.tenants == 1
     assert queue.tenant() == mine  # reused
     shared = queue.tenant("shared")
     assert queue.tenant("shared") == shared
     queue.leave(shared)
     queue.leave(shared)
-    assert queue.tenants == 4  # labelled: kept
+    assert queue.tenants == 3  # labelled: kept
     assert queue.tenant() == 0  # the table is full: the tenant for the clients past it
     assert queue.stats()["by_tenant"]["other"]["outcomes"]["abandoned"] == 3
 
@@ -182,6 +185,48 @@ def test_labels_are_bounded(queue_type):
     assert list(rows) == ["w", *names[: QUEUE_TENANTS - 1], "other"]
     assert rows["other"]["depth"] == 5 and rows["w"]["depth"] == 0
     assert set(queue.metrics()["by_tenant"]) == set(rows)
+
+
+def test_coordkit_stats_and_prometheus_show_them(queue_type, impl):
+    """What a loop core's stats()["queue"] and metrics()["queue"] say, as `coordkit stats`
+    and the Prometheus collector show it (the loop's own maps beside them)."""
+    pytest.importorskip("prometheus_client")
+    queue = queue_type(10, 10, 4, (("acme", 2.0),))
+    acme, mine = queue.tenant("acme"), queue.tenant()
+    assert queue.push(0, acme, -1, 0.0) and queue.push(1, mine, 0, 0.0, 0.5)
+    assert queue.push(2, mine, 0, 0.0)
+    queue.pop(0.2)
+    assert queue.expired(1.0) == 1
+    lines = queue_lines(queue.stats())
+    assert lines[1] == "waiting 1 of 10, 2 tenants"
+    assert lines[2].split() == ["waiting", "dispatched", "timed", "out", "refused", "abandoned"]
+    assert [line.split() for line in lines[3:]] == [
+        ["priority", "-1", "0", "1", "0", "0", "0"],
+        ["priority", "0", "1", "0", "1", "0", "0"],
+        ["tenant", "acme", "0", "1", "0", "0", "0"],
+        ["tenant", "other", "1", "0", "1", "0", "0"],
+    ]
+
+    class WithQueue:  # a coordinator whose loop core reports a queue
+        def __init__(self, coordinator):
+            self.coordinator = coordinator
+
+        def stats(self):
+            return {**self.coordinator.stats(), "queue": queue.stats()}
+
+        def metrics(self):
+            return {**self.coordinator.metrics(), "queue": queue.metrics()}
+
+    coordinator = Coordinator("tcp://127.0.0.1:0", implementation=impl.name)
+    try:
+        text = scrape(WithQueue(coordinator))
+    finally:
+        coordinator.stop()
+    assert 'coordkit_queue_depth{priority="0"} 1.0' in text
+    assert 'coordkit_queue_tenant_depth{tenant="other"} 1.0' in text
+    assert 'coordkit_queue_wait_seconds_sum{outcome="dispatched",priority="-1"} 0.2' in text
+    timed_out = 'le="+Inf",outcome="timed_out",tenant="other"} 1.0'
+    assert f"coordkit_queue_tenant_wait_seconds_bucket{{{timed_out}" in text
 
 
 # -- both twins, the same answers -----------------------------------------------------

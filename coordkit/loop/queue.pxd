@@ -92,7 +92,7 @@ cdef struct Queue:
     int32_t capacity  # tenants at most (tenant 0 takes the clients past them)
     int32_t tenants_used  # indices ever used
     int32_t free_tenant  # -1: none
-    int32_t n_tenants  # known now
+    int32_t n_tenants  # known now, but for tenant 0
     ck_ids names  # named tenants: name -> index
     int32_t n_labels
     int32_t labelled[QUEUE_TENANTS]  # by label: its tenant

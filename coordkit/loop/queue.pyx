@@ -52,7 +52,7 @@ cdef int queue_init(Queue* self, uint32_t limit, uint32_t handles, int32_t tenan
     self.tenants[0].used = self.tenants[0].kept = True
     self.tenants[0].stride = self.default_stride
     self.tenants[0].label = QUEUE_TENANTS
-    self.tenants_used = self.n_tenants = 1
+    self.tenants_used = 1  # n_tenants does not count it
     for name_text, weight in weights:
         name = name_text.encode()
         tenant = queue_tenant(self, name, len(name))

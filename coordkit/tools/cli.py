@@ -811,7 +811,28 @@ def stats_table(stats: dict[str, Any], previous: dict[str, Any] | None, interval
         f"{e['rank']:>4}  {e['identity'][:23]:<24}{e['state']:<10}{e['pending']:>10}"
         for e in stats["engines"]
     ]
+    if "queue" in stats:
+        lines += queue_lines(stats["queue"])
     return "\n".join(lines)
+
+
+def queue_lines(queue: dict[str, Any]) -> list[str]:
+    """The requests waiting at the coordinator (stats()["queue"]): by priority, then by
+    tenant, each with its waits so far by how they ended."""
+    lines = [
+        "",
+        f"waiting {queue['depth']} of {queue['limit']}, {queue['tenants']} tenants",
+        f"{'':<14}{'waiting':>8}{'dispatched':>11}{'timed out':>10}{'refused':>8}{'abandoned':>10}",
+    ]
+    rows = [(f"priority {p}", row) for p, row in queue["by_priority"].items()]
+    rows += [(f"tenant {name}", row) for name, row in queue["by_tenant"].items()]
+    for label, row in rows:
+        ended = row["outcomes"]
+        lines.append(
+            f"{label[:13]:<14}{row['depth']:>8}{ended['dispatched']:>11}"
+            f"{ended['timed_out']:>10}{ended['refused']:>8}{ended['abandoned']:>10}"
+        )
+    return lines
 
 
 # -- keygen ----------------------------------------------------------------------------
