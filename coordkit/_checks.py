@@ -11,7 +11,10 @@ same one for the same mistake:
 * a prompt is a ``str``, a bytes-like object (sent as it is) or token ids: a
   sequence (a list, a tuple, a ``range``...) or an integer buffer (numpy,
   ``array.array``, anything with ``tolist()``) of ints in ``[0, 2**32)``;
-* sampling params are a map (a ``dict``, or any ``Mapping``) or None.
+* sampling params are a map (a ``dict``, or any ``Mapping``) or None;
+* a tenant is a str of 1 to MAX_TENANT_BYTES bytes in UTF-8, or None; a request's
+  priority an int in [PRIORITY_MIN, PRIORITY_MAX], its deadline seconds (a real
+  number > 0) or None.
 
 The C core checks token ids itself, inside its packing loop, and comes here
 only when that loop stopped at something it does not take: to pack what
@@ -21,13 +24,25 @@ error naming the token.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import zmq
 
-from .protocol import STREAM_KEY, packb
+from ._shared import MAX_TENANT_WEIGHT, MIN_TENANT_WEIGHT
+from .protocol import (
+    INT64_MAX,
+    MAX_CAPACITY,
+    MAX_TENANT_BYTES,
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    STREAM_KEY,
+    packb,
+    valid_tenant,
+)
 
 __all__ = [
     "ADDRESS_FORMS",
@@ -35,7 +50,11 @@ __all__ = [
     "TOKEN_LIMIT",
     "check_address",
     "check_addresses",
+    "check_capacity",
     "check_params",
+    "check_tenant",
+    "check_tenant_weights",
+    "qos_fields",
     "pack_params",
     "prompt_error",
     "streaming_params",
@@ -217,3 +236,87 @@ def streaming_params(sampling_params: Any) -> dict[Any, Any]:
     """The params of :meth:`Client.stream`: the caller's, with ``{STREAM_KEY: True}``."""
     params = check_params(sampling_params)
     return {**(params or {}), STREAM_KEY: True}
+
+
+# -- tenants, priorities and deadlines ------------------------------------------------
+
+_TENANT_RULE = f"a str of 1 to {MAX_TENANT_BYTES} bytes in UTF-8"
+_PRIORITY_RULE = f"an int in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower is served first)"
+_DEADLINE_RULE = "seconds (a number > 0) or None"
+
+
+def check_tenant(tenant: object) -> str | None:
+    """``tenant`` when it may name one (or is None); TypeError or ValueError otherwise."""
+    if tenant is None or valid_tenant(tenant):
+        return tenant  # type: ignore[return-value]
+    if not isinstance(tenant, str):
+        raise TypeError(f"coordkit: tenant must be {_TENANT_RULE}, not {_type_name(tenant)}")
+    raise ValueError(f"coordkit: tenant must be {_TENANT_RULE}, not {_short(tenant)}")
+
+
+def check_tenant_weights(weights: object) -> tuple[tuple[str, float], ...]:
+    """The ``(name, weight)`` pairs of a map of tenant names to weights (None: none),
+    each weight a real number in [lowest, highest]; TypeError or ValueError naming the
+    tenant otherwise."""
+    if weights is None:
+        return ()
+    if not isinstance(weights, Mapping):
+        raise TypeError(
+            f"coordkit: tenant_weights must be a map of tenant names to weights, "
+            f"not {_type_name(weights)}"
+        )
+    rule = f"a number in [{MIN_TENANT_WEIGHT:g}, {MAX_TENANT_WEIGHT:g}]"
+    pairs = []
+    for name, weight in weights.items():
+        check_tenant(name)
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise TypeError(
+                f"coordkit: tenant {name!r}: its weight must be {rule}, not {_type_name(weight)}"
+            )
+        value = float(weight)
+        if not MIN_TENANT_WEIGHT <= value <= MAX_TENANT_WEIGHT:
+            raise ValueError(f"coordkit: tenant {name!r}: its weight must be {rule}, not {weight}")
+        pairs.append((name, value))
+    return tuple(pairs)
+
+
+def check_capacity(capacity: object) -> int:
+    """An engine's capacity: an int in [0, MAX_CAPACITY] (0: none declared)."""
+    rule = f"an int in [0, {MAX_CAPACITY}] (0: none)"
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise TypeError(f"coordkit: capacity must be {rule}, not {_type_name(capacity)}")
+    if not 0 <= capacity <= MAX_CAPACITY:
+        raise ValueError(f"coordkit: capacity must be {rule}, not {capacity}")
+    return capacity
+
+
+def _priority(priority: object) -> int:
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        raise TypeError(f"coordkit: priority must be {_PRIORITY_RULE}, not {_type_name(priority)}")
+    value = int(priority)
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise ValueError(f"coordkit: priority must be {_PRIORITY_RULE}, not {value}")
+    return value
+
+
+def _deadline_ms(deadline: object) -> int:
+    """A deadline in whole milliseconds, rounded up (at least 1); 0 for None."""
+    if deadline is None:
+        return 0
+    if isinstance(deadline, bool) or not isinstance(deadline, numbers.Real):
+        raise TypeError(f"coordkit: deadline must be {_DEADLINE_RULE}, not {_type_name(deadline)}")
+    seconds = float(deadline)
+    if not (0 < seconds < math.inf and math.ceil(seconds * 1000) <= INT64_MAX):
+        raise ValueError(f"coordkit: deadline must be {_DEADLINE_RULE}, not {deadline!r}")
+    return math.ceil(seconds * 1000)
+
+
+def qos_fields(priority: object, deadline: object) -> bytes:
+    """A request's QoS fields as they follow its rid on the wire, ``priority,
+    deadline_ms`` packed (SUBMIT_REQUEST_QOS); empty for the defaults (priority 0, no
+    deadline), which are not sent. TypeError or ValueError, in one line, for a priority
+    or a deadline coordkit does not take."""
+    value, ms = _priority(priority), _deadline_ms(deadline)
+    if value == 0 and ms == 0:
+        return b""
+    return packb(value) + packb(ms)

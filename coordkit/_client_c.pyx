@@ -654,15 +654,18 @@ cdef class ClientCore:
 
     # -- requests --------------------------------------------------------------------------
 
-    def submit(self, prompt, sampling_params, block_size, bint raw, block_hashes=None):
-        return self._one(False, prompt, sampling_params, block_size, raw, block_hashes)
+    def submit(self, prompt, sampling_params, block_size, bint raw, block_hashes=None,
+               bytes qos=b""):
+        return self._one(False, prompt, sampling_params, block_size, raw, block_hashes, qos)
 
-    def stream(self, prompt, sampling_params, block_size, bint raw, block_hashes=None):
-        return self._one(True, prompt, sampling_params, block_size, raw, block_hashes)
+    def stream(self, prompt, sampling_params, block_size, bint raw, block_hashes=None,
+               bytes qos=b""):
+        return self._one(True, prompt, sampling_params, block_size, raw, block_hashes, qos)
 
     cdef object _one(self, bint streaming, prompt, sampling_params, block_size, bint raw,
-                     block_hashes):
-        """One request, answered to a future, or to a stream when ``streaming``."""
+                     block_hashes, bytes qos):
+        """One request, answered to a future, or to a stream when ``streaming``; ``qos``
+        its QoS fields packed (_checks.qos_fields), or empty."""
         cdef zmq_msg_t msgs[2]
         cdef Py_ssize_t n
         self._check_open()
@@ -672,17 +675,18 @@ cdef class ClientCore:
             target = self._stream_type(self.next_rid, raw)
         else:
             target = self._future(self.next_rid, raw)
-        self._request(target, params, msgs, n, True)
+        self._request(target, params, msgs, n, True, qos)
         return target
 
-    def resend(self, int64_t rid, prompt, sampling_params, block_size, block_hashes=None):
+    def resend(self, int64_t rid, prompt, sampling_params, block_size, block_hashes=None,
+               bytes qos=b""):
         """Send the pending request ``rid`` again, under its id (RESEND, a rejoin)."""
         cdef zmq_msg_t msgs[2]
         cdef Py_ssize_t n
         self._check_open()
         params = params_of(sampling_params)
         n = self._frames_of(prompt, block_size, block_hashes, msgs)
-        self._send_request(rid, params, msgs, n, True)
+        self._send_request(rid, params, msgs, n, True, qos)
 
     cdef Py_ssize_t _frames_of(self, prompt, block_size, block_hashes, zmq_msg_t* msgs) except -1:
         """A request's prompt (and its block hashes) into ``msgs``; how many."""
@@ -697,10 +701,12 @@ cdef class ClientCore:
             raise
         return 2
 
-    def submit_many(self, prompts, sampling_params, block_size, bint raw, own_params=None):
-        """One future per prompt; everything is encoded before anything is sent.
-        ``own_params`` (by the prompt's index) replace ``sampling_params`` for some
-        prompts: the traced ones, whose params carry their traceparent."""
+    def submit_many(self, prompts, sampling_params, block_size, bint raw, bytes qos=b"",
+                    own_params=None):
+        """One future per prompt, all with the same ``qos``; everything is encoded before
+        anything is sent. ``own_params`` (by the prompt's index) replace
+        ``sampling_params`` for some prompts: the traced ones, whose params carry their
+        traceparent."""
         cdef Py_ssize_t i, n, made = 0, first = 0
         cdef zmq_msg_t* msgs
         cdef bint* hashed
@@ -738,6 +744,7 @@ cdef class ClientCore:
                     &msgs[2 * i],
                     2 if hashed[i] else 1,
                     False,
+                    qos,
                 )
             self.flush()
             return futures
@@ -754,43 +761,46 @@ cdef class ClientCore:
         return future
 
     cdef int _request(
-        self, object target, bytes params, zmq_msg_t* msgs, Py_ssize_t n, bint scheduled
+        self, object target, bytes params, zmq_msg_t* msgs, Py_ssize_t n, bint scheduled,
+        bytes qos,
     ) except -1:
         """Register ``target`` under the next id and send (or coalesce) its frames;
         ``msgs`` (the prompt, and its hashes) are taken whatever happens."""
         cdef int64_t rid = self.next_rid
         self.next_rid += 1
         self._insert(rid, target)
-        return self._send_request(rid, params, msgs, n, scheduled)
+        return self._send_request(rid, params, msgs, n, scheduled, qos)
 
     cdef int _send_request(
-        self, int64_t rid, bytes params, zmq_msg_t* msgs, Py_ssize_t n, bint scheduled
+        self, int64_t rid, bytes params, zmq_msg_t* msgs, Py_ssize_t n, bint scheduled,
+        bytes qos,
     ) except -1:
         cdef zmq_msg_t parts[3]
         cdef uint8_t head[2 + CK_INT_MAX]
-        cdef Py_ssize_t i, size = PyBytes_GET_SIZE(params)
+        cdef Py_ssize_t i, size = PyBytes_GET_SIZE(params), qos_size = PyBytes_GET_SIZE(qos)
         cdef size_t head_size
         cdef uint8_t* out
         if self.held:
             self.unsent.add(rid)
             close_msgs(msgs, n)
             return 0
-        if not self.batch:  # [20, rid, params]
-            head[0] = 0x93
+        if not self.batch:  # [20, rid, params], or [20, rid, priority, deadline_ms, params]
+            head[0] = 0x95 if qos_size else 0x93
             head[1] = HEADER_SUBMIT_REQUEST
             head_size = 2 + ck_write_int(head + 2, rid)
-            if zmq_msg_init_size(&parts[0], head_size + size) != 0:
+            if zmq_msg_init_size(&parts[0], head_size + qos_size + size) != 0:
                 close_msgs(msgs, n)
                 raise MemoryError()
             out = <uint8_t*>zmq_msg_data(&parts[0])
             memcpy(out, head, head_size)
-            memcpy(out + head_size, PyBytes_AS_STRING(params), size)
+            memcpy(out + head_size, PyBytes_AS_STRING(qos), qos_size)
+            memcpy(out + head_size + qos_size, PyBytes_AS_STRING(params), size)
             for i in range(n):
                 zmq_msg_init(&parts[1 + i])
                 zmq_msg_move(&parts[1 + i], &msgs[i])
             self._send_parts(parts, 1 + n)
             return 0
-        self._open_entry(rid, params, n == 2)
+        self._open_entry(rid, params, n == 2, qos)
         self._take_frames(msgs, n)
         if self.n_open >= _MAX_BATCH_ENTRIES or self.open_bytes >= _MAX_BATCH_BYTES:
             self.flush()
@@ -799,13 +809,15 @@ cdef class ClientCore:
             self.loop.call_soon(self._flush_callback)
         return 0
 
-    cdef int _open_entry(self, int64_t rid, bytes params, bint hashed) except -1:
+    cdef int _open_entry(self, int64_t rid, bytes params, bint hashed, bytes qos) except -1:
+        """``[rid, params, hashed]``, or ``[rid, priority, deadline_ms, params, hashed]``."""
         cdef Buf* b = &self.open_entries
-        cdef Py_ssize_t size = PyBytes_GET_SIZE(params)
-        buf_reserve(b, 2 + CK_INT_MAX + size)
-        b.data[b.len] = 0x93
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(params), qos_size = PyBytes_GET_SIZE(qos)
+        buf_reserve(b, 2 + CK_INT_MAX + qos_size + size)
+        b.data[b.len] = 0x95 if qos_size else 0x93
         b.len += 1
         b.len += ck_write_int(b.data + b.len, rid)
+        buf_put(b, PyBytes_AS_STRING(qos), qos_size)
         buf_put(b, PyBytes_AS_STRING(params), size)
         b.data[b.len] = 0xc3 if hashed else 0xc2
         b.len += 1
@@ -849,11 +861,11 @@ cdef class ClientCore:
         self.flush_scheduled = False
         if self.n_open == 0:
             return
-        if self.n_open == 1:  # [rid, params, hashed] -> [20, rid, params]
+        if self.n_open == 1:  # [rid, (qos,) params, hashed] -> [20, rid, (qos,) params]
             if zmq_msg_init_size(&self.frames[0], b.len) != 0:
                 raise MemoryError()
             out = <uint8_t*>zmq_msg_data(&self.frames[0])
-            out[0] = 0x93
+            out[0] = b.data[0]  # as many fields: the header in, the hashed flag out
             out[1] = HEADER_SUBMIT_REQUEST
             memcpy(out + 2, b.data + 1, b.len - 2)
         else:  # [95, [entry, ...]]

@@ -85,18 +85,28 @@ def encode_prompt(prompt: Any, prompt_index: int | None = None) -> Any:
     return pack_tokens(prompt, prompt_index)
 
 
-def submit_frames(rid: int, params: bytes, frame: Any, hashes: bytes | None) -> list[Any]:
-    """SUBMIT_REQUEST ``[20, rid, params]`` with the params already packed."""
-    metadata = _packer.pack_array_header(3) + _HEADER_SUBMIT + _packer.pack(rid) + params
+#: A request's QoS fields packed (_checks.qos_fields), or empty for none.
+Qos = bytes
+
+
+def submit_frames(
+    rid: int, params: bytes, frame: Any, hashes: bytes | None, qos: Qos = b""
+) -> list[Any]:
+    """SUBMIT_REQUEST ``[20, rid, params]`` with the params already packed, or
+    ``[20, rid, priority, deadline_ms, params]`` with its QoS fields."""
+    head = _packer.pack_array_header(5 if qos else 3) + _HEADER_SUBMIT
+    metadata = head + _packer.pack(rid) + qos + params
     return [metadata, frame] if hashes is None else [metadata, frame, hashes]
 
 
-def submit_batch_frames(requests: list[tuple[int, bytes, Any, bytes | None]]) -> list[Any]:
-    """SUBMIT_BATCH ``[95, [[rid, params, hashed], ...]]``, then each prompt (and its hashes)."""
+def submit_batch_frames(requests: list[tuple[int, bytes, Any, bytes | None, Qos]]) -> list[Any]:
+    """SUBMIT_BATCH ``[95, [[rid, params, hashed], ...]]`` (an entry with its QoS fields
+    ``[rid, priority, deadline_ms, params, hashed]``), then each prompt (and its hashes)."""
     parts = [_packer.pack_array_header(2), _HEADER_BATCH, _packer.pack_array_header(len(requests))]
     frames: list[Any] = [b""]
-    for rid, params, frame, hashes in requests:
-        parts += [b"\x93", _packer.pack(rid), params, b"\xc2" if hashes is None else b"\xc3"]
+    for rid, params, frame, hashes, qos in requests:
+        head = b"\x95" if qos else b"\x93"
+        parts += [head, _packer.pack(rid), qos, params, b"\xc2" if hashes is None else b"\xc3"]
         frames.append(frame)
         if hashes is not None:
             frames.append(hashes)
@@ -162,7 +172,8 @@ class ClientCore:
         self._on_failure = on_failure
         self._on_resend = on_resend
         self._outbox: deque[list[Any]] = deque()  # whole messages libzmq refused, in order
-        self._open: list[tuple[int, bytes, Any, bytes | None]] = []  # submissions to coalesce
+        # submissions to coalesce
+        self._open: list[tuple[int, bytes, Any, bytes | None, Qos]] = []
         self._open_bytes = 0
         self._flush_scheduled = False
         self._check_scheduled = False
@@ -198,8 +209,9 @@ class ClientCore:
         block_size: int | None,
         raw: bool,
         block_hashes: Any = None,
+        qos: Qos = b"",
     ) -> Any:
-        return self._one(False, prompt, sampling_params, block_size, raw, block_hashes)
+        return self._one(False, prompt, sampling_params, block_size, raw, block_hashes, qos)
 
     def stream(
         self,
@@ -208,8 +220,9 @@ class ClientCore:
         block_size: int | None,
         raw: bool,
         block_hashes: Any = None,
+        qos: Qos = b"",
     ) -> Any:
-        return self._one(True, prompt, sampling_params, block_size, raw, block_hashes)
+        return self._one(True, prompt, sampling_params, block_size, raw, block_hashes, qos)
 
     def _one(
         self,
@@ -219,6 +232,7 @@ class ClientCore:
         block_size: int | None,
         raw: bool,
         block_hashes: Any,
+        qos: Qos,
     ) -> Any:
         """One request, answered to a future, or to a stream when ``streaming``."""
         self._check_open()
@@ -227,7 +241,7 @@ class ClientCore:
         hashes = _hashes(prompt, block_size) if block_size is not None else block_hashes
         make = self._stream_type if streaming else self._future
         target = make(self.next_rid, raw)
-        self._request(target, params, frame, hashes)
+        self._request(target, params, frame, hashes, qos)
         return target
 
     def resend(
@@ -237,13 +251,14 @@ class ClientCore:
         sampling_params: Any,
         block_size: int | None,
         block_hashes: Any = None,
+        qos: Qos = b"",
     ) -> None:
         """Send the pending request ``rid`` again, under its id (RESEND, a rejoin)."""
         self._check_open()
         params = pack_params(sampling_params)
         frame = encode_prompt(prompt)
         hashes = _hashes(prompt, block_size) if block_size is not None else block_hashes
-        self._send_request(rid, params, frame, hashes, True)
+        self._send_request(rid, params, frame, hashes, qos, True)
 
     def submit_many(
         self,
@@ -251,11 +266,13 @@ class ClientCore:
         sampling_params: Any,
         block_size: int | None,
         raw: bool,
+        qos: Qos = b"",
         own_params: dict[int, Any] | None = None,
     ) -> list[Any]:
-        """One future per prompt; everything is encoded before anything is sent.
-        ``own_params`` (by the prompt's index) replace ``sampling_params`` for some
-        prompts: the traced ones, whose params carry their traceparent."""
+        """One future per prompt, all with the same ``qos``; everything is encoded before
+        anything is sent. ``own_params`` (by the prompt's index) replace
+        ``sampling_params`` for some prompts: the traced ones, whose params carry their
+        traceparent."""
         self._check_open()
         params = pack_params(sampling_params)
         own = {i: pack_params(p) for i, p in own_params.items()} if own_params else None
@@ -266,7 +283,7 @@ class ClientCore:
             future = self._future(self.next_rid, raw)
             futures.append(future)
             packed = params if own is None else own.get(i, params)
-            self._request(future, packed, frame, hashes, scheduled=False)
+            self._request(future, packed, frame, hashes, qos, scheduled=False)
         self.flush()
         return futures
 
@@ -277,23 +294,29 @@ class ClientCore:
         return future
 
     def _request(
-        self, target: Any, params: bytes, frame: Any, hashes: bytes | None, scheduled: bool = True
+        self,
+        target: Any,
+        params: bytes,
+        frame: Any,
+        hashes: bytes | None,
+        qos: Qos,
+        scheduled: bool = True,
     ) -> None:
         rid = self.next_rid
         self.next_rid += 1
         self.pending[rid] = target
-        self._send_request(rid, params, frame, hashes, scheduled)
+        self._send_request(rid, params, frame, hashes, qos, scheduled)
 
     def _send_request(
-        self, rid: int, params: bytes, frame: Any, hashes: bytes | None, scheduled: bool
+        self, rid: int, params: bytes, frame: Any, hashes: bytes | None, qos: Qos, scheduled: bool
     ) -> None:
         if self.held:
             self.unsent.add(rid)
             return
         if not self.batch:
-            self._send_message(submit_frames(rid, params, frame, hashes))
+            self._send_message(submit_frames(rid, params, frame, hashes, qos))
             return
-        self._open.append((rid, params, frame, hashes))
+        self._open.append((rid, params, frame, hashes, qos))
         self._open_bytes += _length(frame) + (len(hashes) if hashes is not None else 0)
         if len(self._open) >= MAX_BATCH_ENTRIES or self._open_bytes >= MAX_BATCH_BYTES:
             self.flush()

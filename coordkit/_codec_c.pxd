@@ -18,6 +18,11 @@ ctypedef struct ck_submit:
     int64_t rid
     size_t offset       # start of the verbatim remainder; 0 until the rid was read
 
+# A SUBMIT's QoS fields, from a client granted them (ck_read_qos).
+ctypedef struct ck_qos:
+    int64_t priority    # in [PRIORITY_MIN, PRIORITY_MAX]
+    int64_t deadline_ms  # >= 0: how long it may wait at the coordinator (0: no deadline)
+
 ctypedef struct ck_entry:
     int64_t rid
     bint needs_detokenize
@@ -48,6 +53,7 @@ ctypedef struct ck_batch_entry:  # one entry of a SUBMIT_BATCH or a REPLY_BATCH
     size_t params_offset    # SUBMIT_BATCH: the entry's sampling params are
     size_t params_size      # buf[params_offset : params_offset + params_size], verbatim
     bint flag               # a client's SUBMIT_BATCH: hashed; REPLY_BATCH: final
+    ck_qos qos              # read with CK_QOS_WIDTH: its QoS fields (0, 0 when it has none)
 
 cdef enum ck_status:
     CK_OK = 0
@@ -66,6 +72,7 @@ cdef enum ck_status:
     CK_BAD_REQUEST_ID = -13  # ck_read_single_reply, per entry: "request_id" not an int64
     CK_PROMPT_STR = -14      # ck_prompt_hashes: a str prompt, which has no token ids
     CK_BAD_TOKEN = -15       # ck_prompt_hashes: an element not an int in [0, 2**32)
+    CK_QOS_RANGE = -16       # a priority out of its range, or a negative deadline
 
 cdef enum:
     CK_HEADER_MAX = 10          # bytes ck_write_header may write: [h]
@@ -75,6 +82,9 @@ cdef enum:
     CK_INT_MAX = 9              # room ck_write_int and ck_write_uint need
     CK_ARRAY_MAX = 5            # bytes ck_write_array may write
     CK_BATCH_HEAD_MAX = 15      # bytes ck_write_batch_head may write: [h, [ of n
+    # The width of ck_read_submit_batch that reads a client granted QoS: entries of 3
+    # fields, or of 5 with the QoS after the rid, [rid, priority, deadline_ms, params, hashed].
+    CK_QOS_WIDTH = 5
 
 cdef const char* ck_strstatus(int status) noexcept nogil
 
@@ -87,6 +97,15 @@ cdef int ck_read_header(const uint8_t* buf, size_t n, int64_t* header, uint32_t*
 # structure (any msgpack types, ending exactly at n). On an error after the rid
 # was read, out.offset > 0 and out.rid holds it; before, out.offset == 0.
 cdef int ck_read_submit(const uint8_t* buf, size_t n, ck_submit* out) noexcept nogil
+
+# The QoS fields of a SUBMIT that ck_read_submit read whole, from a client granted them
+# (its array two longer than its header's layout): `priority, deadline_ms` at
+# submit.offset, two ints (CK_BAD_TYPE otherwise) in range (CK_QOS_RANGE: a priority
+# outside [PRIORITY_MIN, PRIORITY_MAX], a negative deadline); then submit.offset is
+# moved past them, where its params start. So the metadata written for an engine from
+# that offset on (ck_write_submit) carries no QoS: engines never see them.
+cdef int ck_read_qos(const uint8_t* buf, size_t n, ck_submit* submit,
+                     ck_qos* out) noexcept nogil
 
 # Exactly the bytes ck_write_submit writes for these arguments.
 cdef size_t ck_submit_size(const ck_submit* prefix, int64_t rid, size_t rest_len) noexcept nogil
@@ -125,10 +144,12 @@ cdef int ck_read_header_int(const uint8_t* buf, size_t n, int64_t* header,
 
 # SUBMIT_BATCH `[95, [entry, ...]]`, validated whole: each entry `[rid, params, hashed]`
 # (width 3, from a client) or `[rid, params]` (width 2, to an engine), the params any
-# msgpack object, skipped structurally. Capacity and CK_TOO_MANY as for ck_read_reply;
-# on any other error *count is the number of entries read as far as their rid, the
-# last one perhaps no further (the rids of those within capacity are in `entries`),
-# so that their requests can be named.
+# msgpack object, skipped structurally; with CK_QOS_WIDTH, a client granted QoS: each
+# entry `[rid, params, hashed]` or `[rid, priority, deadline_ms, params, hashed]`, its
+# QoS checked as ck_read_qos checks them (its params span starts after them).
+# Capacity and CK_TOO_MANY as for ck_read_reply; on any other error *count is the
+# number of entries read as far as their rid, the last one perhaps no further (the rids
+# of those within capacity are in `entries`), so that their requests can be named.
 cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
                               ck_batch_entry* entries, uint32_t capacity,
                               uint32_t* count) noexcept nogil

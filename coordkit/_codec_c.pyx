@@ -35,6 +35,7 @@ __all__ = [
     # multipart
     "read_header",
     "read_submit",
+    "read_qos",
     "read_reply",
     "prompt_tokens",
     "read_header_int",

@@ -19,12 +19,13 @@ from typing import Any, cast
 
 import msgpack
 
-from .protocol import Buffer, Frame, Header, ProtocolError, block_hashes
+from .protocol import PRIORITY_MAX, PRIORITY_MIN, Buffer, Frame, Header, ProtocolError, block_hashes
 
 __all__ = [
     # multipart
     "read_header",
     "read_submit",
+    "read_qos",
     "read_reply",
     "prompt_tokens",
     "read_header_int",
@@ -61,6 +62,10 @@ _NO_REQUEST_ID = "reply entry has no request_id"
 _BAD_REQUEST_ID = "request_id is not an int64"
 _PROMPT_STR = "the prompt is a str"
 _BAD_TOKEN = "a token is not an int in [0, 2**32)"
+_QOS_RANGE = "priority or deadline out of range"
+
+#: The width of read_submit_batch that reads a client granted QoS (codec's CK_QOS_WIDTH).
+QOS_WIDTH = 5
 
 # "request_id" as a msgpack str, in each of its four forms.
 # -- reader: the reads every part is made of ------------------------------------------
@@ -214,6 +219,35 @@ def read_submit(frame: Buffer) -> tuple[int, int, int, int]:
     return header, length, rid, offset
 
 
+def _qos(what: str, unpacker: msgpack.Unpacker) -> tuple[int, int]:
+    """``priority, deadline_ms``: two ints, the priority in its range, the deadline >= 0."""
+    values = []
+    for _ in range(2):
+        value = _unpack(what, unpacker.unpack)
+        if type(value) is not int:
+            raise ProtocolError(f"{what}: {_BAD_TYPE}")
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise ProtocolError(f"{what}: {_QOS_RANGE}")
+        values.append(value)
+    priority, deadline_ms = values
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX or deadline_ms < 0:
+        raise ProtocolError(f"{what}: {_QOS_RANGE}")
+    return priority, deadline_ms
+
+
+def read_qos(frame: Buffer, offset: int) -> tuple[int, int, int]:
+    """``(priority, deadline_ms, end)`` of the QoS fields at ``offset`` of a SUBMIT read
+    whole by read_submit (``offset`` its rest's start); ``frame[end:]`` is its params.
+    ProtocolError unless they are two ints, the priority in [PRIORITY_MIN,
+    PRIORITY_MAX], the deadline >= 0."""
+    data = _as_bytes(frame)
+    if not 0 <= offset <= len(data):
+        raise ValueError(f"offset {offset} is outside the frame")
+    unpacker = _unpacker(data[offset:])
+    priority, deadline_ms = _qos(_METADATA, unpacker)
+    return priority, deadline_ms, offset + unpacker.tell()
+
+
 def read_reply(frame: Buffer) -> tuple[int, list[tuple[int, bool] | None]]:
     """``(header, entries)`` of an engine's batch, one entry per body frame.
 
@@ -311,11 +345,11 @@ def _batch_entries(
     what: str,
     data: bytes,
     header: int,
-    width: int,
-    read_rest: Callable[[msgpack.Unpacker], tuple[Any, ...]],
+    widths: tuple[int, ...],
+    read_rest: Callable[[msgpack.Unpacker, int], tuple[Any, ...]],
 ) -> list[tuple[Any, ...]]:
-    """The entries of ``[header, [[rid, ...], ...]]``, each ``width`` long:
-    ``(rid, *read_rest(unpacker))``. A ProtocolError names in ``rids`` the id of
+    """The entries of ``[header, [[rid, ...], ...]]``, each as long as one of ``widths``:
+    ``(rid, *read_rest(unpacker, width))``. A ProtocolError names in ``rids`` the id of
     every entry read as far as its id."""
     if not data:
         raise ProtocolError(f"{what}: truncated")
@@ -330,10 +364,11 @@ def _batch_entries(
     rids: list[int] = []
     try:
         for _ in range(count):
-            if _unpack(what, unpacker.read_array_header) != width:
+            width = _unpack(what, unpacker.read_array_header)
+            if width not in widths:
                 raise ProtocolError(f"{what}: array of the wrong length")
             rids.append(_int(what, _unpack(what, unpacker.unpack), "request id out of range"))
-            entries.append((rids[-1], *read_rest(unpacker)))
+            entries.append((rids[-1], *read_rest(unpacker, width)))
         if unpacker.tell() != len(data):
             raise ProtocolError(f"{what}: trailing bytes")
     except ProtocolError as exc:
@@ -342,37 +377,41 @@ def _batch_entries(
     return entries
 
 
-def read_submit_batch(frame: Buffer, width: int = 3) -> list[tuple[int, int, int, bool]]:
+def read_submit_batch(frame: Buffer, width: int = 3) -> list[tuple[Any, ...]]:
     """``[(rid, params_offset, params_size, hashed), ...]`` of a SUBMIT_BATCH.
 
     ``width`` 3: a client's ``[95, [[rid, params, hashed], ...]]``; 2: the
-    coordinator's to an engine, ``[95, [[rid, params], ...]]`` (hashed False).
-    Each entry's sampling params are ``frame[offset : offset + size]``, verbatim.
+    coordinator's to an engine, ``[95, [[rid, params], ...]]`` (hashed False); 5
+    (QOS_WIDTH): a client granted QoS, whose entries may carry them after the rid,
+    ``[rid, priority, deadline_ms, params, hashed]``: ``(..., hashed, priority,
+    deadline_ms)`` each (0, 0 for an entry without). Each entry's sampling params are
+    ``frame[offset : offset + size]``, verbatim.
     A ProtocolError's ``rids`` name the entries whose ids could be read.
     """
-    if width not in (2, 3):
-        raise ValueError(f"width must be 2 or 3, not {width!r}")
+    if width not in (2, 3, QOS_WIDTH):
+        raise ValueError(f"width must be 2, 3 or 5, not {width!r}")
     what = "malformed SUBMIT_BATCH"
 
-    def params_and_hashed(unpacker: msgpack.Unpacker) -> tuple[int, int, bool]:
+    def rest(unpacker: msgpack.Unpacker, fields: int) -> tuple[Any, ...]:
+        qos = _qos(what, unpacker) if fields == QOS_WIDTH else (0, 0)
         offset = unpacker.tell()
         _unpack(what, unpacker.skip)
         size = unpacker.tell() - offset
-        hashed = _bool(what, _unpack(what, unpacker.unpack)) if width == 3 else False
-        return offset, size, hashed
+        hashed = _bool(what, _unpack(what, unpacker.unpack)) if width != 2 else False
+        return (offset, size, hashed, *qos) if width == QOS_WIDTH else (offset, size, hashed)
 
-    entries = _batch_entries(what, _as_bytes(frame), Header.SUBMIT_BATCH, width, params_and_hashed)
-    return cast(list[tuple[int, int, int, bool]], entries)
+    widths = (3, QOS_WIDTH) if width == QOS_WIDTH else (width,)
+    return _batch_entries(what, _as_bytes(frame), Header.SUBMIT_BATCH, widths, rest)
 
 
 def read_reply_batch(frame: Buffer) -> list[tuple[int, bool]]:
     """``[(rid, final), ...]`` of a REPLY_BATCH ``[96, [[rid, final], ...]]``."""
     what = "malformed REPLY_BATCH"
 
-    def final(unpacker: msgpack.Unpacker) -> tuple[bool]:
+    def final(unpacker: msgpack.Unpacker, _: int) -> tuple[bool]:
         return (_bool(what, _unpack(what, unpacker.unpack)),)
 
-    entries = _batch_entries(what, _as_bytes(frame), Header.REPLY_BATCH, 2, final)
+    entries = _batch_entries(what, _as_bytes(frame), Header.REPLY_BATCH, (2,), final)
     return cast(list[tuple[int, bool]], entries)
 
 

@@ -136,8 +136,16 @@ cdef enum:  # coordkit._shared.GoneReason
     GONE_DISCONNECTED = 4
     GONE_GRACE_OVER = 5
 
+cdef enum:  # coordkit._shared.QueueOutcome
+    OUTCOME_DISPATCHED = 0
+    OUTCOME_TIMED_OUT = 1
+    OUTCOME_REFUSED = 2
+    OUTCOME_ABANDONED = 3
+
 cdef enum:
     BLOCK_HASH_SIZE = 8
+    PRIORITY_MIN = -128
+    PRIORITY_MAX = 127
     MAX_PARTS = 65536
     COPY_BELOW = 8192
     SHARED_SMALL_MAX = 2048
@@ -147,6 +155,9 @@ cdef enum:
     ERROR_SLOTS = 32
     N_LATENCY_BUCKETS = 22
     N_COUNTERS = 37
+    N_OUTCOMES = 4
+    N_PRIORITIES = 256
+    QUEUE_TENANTS = 16
     WEIGHT_SCALE = 256
     MAX_BLOCKS = 8388608
     SPARSE_RANKS = 16
@@ -272,7 +283,13 @@ cdef inline dict generated_constants():
         "GoneReason.RESTARTED": 3,
         "GoneReason.DISCONNECTED": 4,
         "GoneReason.GRACE_OVER": 5,
+        "QueueOutcome.DISPATCHED": 0,
+        "QueueOutcome.TIMED_OUT": 1,
+        "QueueOutcome.REFUSED": 2,
+        "QueueOutcome.ABANDONED": 3,
         "BLOCK_HASH_SIZE": 8,
+        "PRIORITY_MIN": -128,
+        "PRIORITY_MAX": 127,
         "MAX_PARTS": 65536,
         "COPY_BELOW": 8192,
         "SHARED_SMALL_MAX": 2048,
@@ -282,6 +299,9 @@ cdef inline dict generated_constants():
         "ERROR_SLOTS": 32,
         "N_LATENCY_BUCKETS": 22,
         "N_COUNTERS": 37,
+        "N_OUTCOMES": 4,
+        "N_PRIORITIES": 256,
+        "QUEUE_TENANTS": 16,
         "WEIGHT_SCALE": 256,
         "MAX_BLOCKS": 8388608,
         "SPARSE_RANKS": 16,

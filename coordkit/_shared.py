@@ -105,6 +105,26 @@ RETIRED_IDS = 16384
 #: The longest quarantine of an engine that keeps failing (the breaker), in seconds.
 BACKOFF_MAX = 300.0
 
+#: Requests that may wait at the coordinator at once, by default (``--queue-limit``);
+#: past it a request that finds no room is refused with ERROR(BUSY), as with no queue.
+#: Each keeps its frames (its prompt) while it waits: the limit bounds that memory.
+DEFAULT_QUEUE_LIMIT = 16384
+MAX_QUEUE_LIMIT = 1 << 22
+#: A tenant's weight (``--tenant-weight NAME=W``, 1 by default) is in this range.
+MIN_TENANT_WEIGHT, MAX_TENANT_WEIGHT = 0.001, 1000.0
+#: The queue's virtual time: each dispatch moves its tenant's pass on by its stride,
+#: STRIDE_SCALE / weight rounded (tenant_stride), an integer so that both cores
+#: order alike, bit for bit.
+STRIDE_SCALE = 1 << 32
+#: Named tenants whose queue waits stats() and the metrics keep apart (the first this
+#: many to connect, those given a weight first); every other is counted as "other",
+#: so that the metrics' labels stay bounded whatever the clients.
+QUEUE_TENANTS = 16
+#: The label of the waits of every tenant without one of its own.
+OTHER_TENANTS = "other"
+#: A priority level's index in the queue's tables: priority - PRIORITY_MIN.
+N_PRIORITIES = protocol.PRIORITY_MAX - protocol.PRIORITY_MIN + 1
+
 
 class Counter(IntEnum):
     """Event counters, in the order both loops keep them (``stats()["counters"]``)."""
@@ -146,6 +166,15 @@ class Counter(IntEnum):
     MIGRATED = 34  # requests moved, with the tokens they streamed, off an engine that died
     ENGINES_BACK = 35  # engines whose connection ended and that came back within the grace
     QUARANTINES = 36  # engines the breaker took out of the pool for failing too often
+
+
+class QueueOutcome(IntEnum):
+    """How a request's wait at the coordinator ended (the queue's wait histograms)."""
+
+    DISPATCHED = 0  # sent to an engine
+    TIMED_OUT = 1  # its deadline (or the request_timeout) passed while it waited
+    REFUSED = 2  # refused by the coordinator: no room to wait (BUSY), no engine left
+    ABANDONED = 3  # its client aborted it or went away while it waited
 
 
 class EngineState(IntEnum):
@@ -253,6 +282,9 @@ class Options:
     breaker_backoff: float = 5.0  # the first quarantine; doubled each next, to BACKOFF_MAX
     # Where the requests it traces go (every and follow: which), None: none traced.
     tracing: TraceSink | None = None
+    queue_limit: int = DEFAULT_QUEUE_LIMIT  # requests waiting at most (0: none wait)
+    # (name, weight) of each tenant given one: its share of the dispatches of its priority
+    tenant_weights: tuple[tuple[str, float], ...] = ()
 
     @property
     def index_size(self) -> int:
@@ -273,6 +305,7 @@ CYTHON_ENUMS: tuple[tuple[type[IntEnum], str], ...] = (
     (PeerFormat, "FORMAT_"),
     (PeerRole, "ROLE_"),
     (GoneReason, "GONE_"),
+    (QueueOutcome, "OUTCOME_"),
 )
 
 
@@ -283,6 +316,8 @@ def cython_constants() -> dict[str, int]:
     }
     values.update(
         BLOCK_HASH_SIZE=protocol.BLOCK_HASH_SIZE,
+        PRIORITY_MIN=protocol.PRIORITY_MIN,
+        PRIORITY_MAX=protocol.PRIORITY_MAX,
         MAX_PARTS=protocol.MAX_PARTS,
         COPY_BELOW=COPY_BELOW,
         SHARED_SMALL_MAX=SHARED_SMALL_MAX,
@@ -292,6 +327,9 @@ def cython_constants() -> dict[str, int]:
         ERROR_SLOTS=ERROR_SLOTS,
         N_LATENCY_BUCKETS=len(LATENCY_BUCKETS),
         N_COUNTERS=len(Counter),
+        N_OUTCOMES=len(QueueOutcome),
+        N_PRIORITIES=N_PRIORITIES,
+        QUEUE_TENANTS=QUEUE_TENANTS,
         WEIGHT_SCALE=_policies.WEIGHT_SCALE,
         MAX_BLOCKS=_policies.MAX_BLOCKS,
         SPARSE_RANKS=_policies.SPARSE_RANKS,
@@ -314,6 +352,12 @@ def check_constants(generated: dict[str, int]) -> None:
             "coordkit: the compiled constants differ from the Python ones "
             f"({', '.join(stale)}): run make constants and rebuild"
         )
+
+
+def tenant_stride(weight: float) -> int:
+    """How far a dispatch moves a tenant's pass on (the queue's virtual time): inversely
+    to its weight, at least 1."""
+    return max(1, round(STRIDE_SCALE / weight))
 
 
 def monitor_events(monitor: zmq.Socket) -> list[tuple[int, int]]:

@@ -27,12 +27,12 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, cast
 
 import zmq
 
 from . import protocol
-from ._checks import streaming_params
+from ._checks import check_tenant, qos_fields, streaming_params
 from ._implementation import load_implementation, selected
 from ._liveness import (
     ACK_WINDOW,
@@ -50,7 +50,9 @@ from .protocol import (
     COORDKIT_HELLO,
     EPOCH_KEY,
     HOLD_KEY,
+    QOS_FEATURE,
     REBUILD_FEATURE,
+    TENANT_KEY,
     ErrorCode,
     Header,
     ProtocolError,
@@ -176,8 +178,10 @@ class Client(Following):
     logged, kept in :attr:`errors` (the latest 100) and passed to ``on_error``.
 
     ``batch`` is whether the coordinator granted batched messages
-    (:meth:`connect` asks for them); ``implementation`` names the core, ``"c"``
-    or ``"py"``.
+    (:meth:`connect` asks for them); ``qos`` whether it takes priorities and
+    deadlines (it queues requests: docs/queueing.md); ``tenant`` is the name the
+    client gave :meth:`connect`; ``implementation`` names the core, ``"c"`` or
+    ``"py"``.
 
     When the connection to the coordinator ends (it died, or its heartbeats
     stopped: see :meth:`connect`) and the coordinator granted the rebuild
@@ -220,6 +224,8 @@ class Client(Following):
         failover_timeout: float = 0.0,
         candidates: Candidates | None = None,
         tracer_provider: Any = None,
+        qos: bool = False,
+        tenant: str | None = None,
     ):
         impl = load_implementation(implementation) if implementation else selected()
         self._tracer = tracer_of(tracer_provider)
@@ -259,6 +265,9 @@ class Client(Following):
         # the ride.
         self._rebuild = rebuild
         self._failover_timeout = failover_timeout
+        self._qos = qos
+        #: The tenant it named in its CONNECT (None: a tenant of its own).
+        self.tenant = tenant
         self._expiry: asyncio.TimerHandle | None = None
         self._up = asyncio.Event()
         self._up.set()
@@ -281,11 +290,18 @@ class Client(Following):
         curve_keys: KeySource | None = None,
         failover_timeout: float = 30.0,
         tracer_provider: Any = None,
+        tenant: str | None = None,
     ) -> Client:
         """Connect to the coordinator at ``address`` and wait for its CONNECT_ACK.
 
         The CONNECT asks for batched messages unless ``batch`` is False; they
-        are used only when the coordinator grants them. ``implementation``
+        are used only when the coordinator grants them. ``tenant`` names the
+        client's tenant (a str of 1 to 128 bytes in UTF-8): the clients that
+        name the same one share its place in the coordinator's queue, in
+        proportion to its weight (``coordkit serve --tenant-weight``); a client
+        that names none is a tenant of its own (docs/queueing.md). The CONNECT
+        also says that the client may send priorities and deadlines, which it
+        then sends only to a coordinator that granted them (:attr:`qos`). ``implementation``
         (``"c"`` or ``"py"``) picks the core; by default the one chosen at import.
         ``address`` is ``tcp://HOST:PORT``, ``ipc:///path`` or ``inproc://name``
         (ValueError otherwise, before anything is opened), or several split by
@@ -319,6 +335,7 @@ class Client(Following):
         (see :class:`Client`); by default the global one, if the application set one.
         """
         candidates = Candidates(address)
+        check_tenant(tenant)
         if not failover_timeout >= 0:
             raise ValueError(f"failover_timeout must be >= 0 seconds, got {failover_timeout!r}")
         if candidates.several and failover_timeout == 0:
@@ -340,10 +357,12 @@ class Client(Following):
             watch = ConnectionWatch(socket)  # before connect(): the first events count too
             socket.connect(candidates.current)
             if candidates.several:
-                handshake = _choose(socket, watch, candidates, batch, failover_timeout, timeout)
+                handshake = _choose(
+                    socket, watch, candidates, batch, failover_timeout, timeout, tenant
+                )
             else:
-                handshake = _handshake(socket, batch, failover_timeout)
-            granted, rebuild = await asyncio.wait_for(handshake, timeout)
+                handshake = _handshake(socket, batch, failover_timeout, tenant=tenant)
+            granted = await asyncio.wait_for(handshake, timeout)
         except BaseException as exc:
             if watch is not None:
                 watch.close()
@@ -357,15 +376,17 @@ class Client(Following):
             socket,
             address,
             on_error,
-            batch=granted,
+            batch=granted.batch,
             implementation=implementation,
             watch=watch,
             ask_batch=batch,
             handshake_timeout=timeout,
-            rebuild=rebuild,
+            rebuild=granted.rebuild,
             failover_timeout=failover_timeout,
             candidates=candidates,
             tracer_provider=tracer_provider,
+            qos=granted.qos,
+            tenant=tenant,
         )
 
     @property
@@ -385,6 +406,12 @@ class Client(Following):
         return bool(self._core.batch)
 
     @property
+    def qos(self) -> bool:
+        """Whether the coordinator takes priorities and deadlines (it granted ``"qos"``):
+        only then are they sent. One that does not queue has nothing they could change."""
+        return self._qos
+
+    @property
     def implementation(self) -> str:
         """``"c"`` or ``"py"``: the core this client runs on."""
         return str(self._core.implementation)
@@ -399,6 +426,8 @@ class Client(Following):
         block_size: int | None = None,
         raw: bool = False,
         block_hashes: bytes | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
     ) -> ReplyFuture:
         """Send one request; the future resolves to its final reply body.
 
@@ -416,21 +445,29 @@ class Client(Following):
         Partial replies are not delivered here; use :meth:`stream` for them.
         An ERROR for the request fails the future with :class:`CoordinatorError`.
 
+        ``priority`` (an int in [-128, 127], lower first) and ``deadline``
+        (seconds, or None) matter where requests wait at the coordinator
+        (docs/queueing.md): a lower priority is always dispatched first, and a
+        request still waiting ``deadline`` seconds after it arrived ends with
+        ``CoordinatorError`` (``TIMED_OUT``) and never reaches an engine. A bad
+        one raises TypeError or ValueError and nothing is sent; a coordinator
+        that did not grant them (:attr:`qos`) is not sent them.
+
         The request leaves at once, or, when the coordinator granted batches,
         with the others submitted in the same event-loop iteration.
         """
         if not self._connected and self._expiry is None:
             self._raise_not_connected()
+        qos = self._qos_fields(priority, deadline)
         if self._tracer is not None:
-            return cast(
-                ReplyFuture,
-                self._traced(False, prompt, sampling_params, block_size, raw, block_hashes),
-            )
+            kept = (prompt, sampling_params, block_size, block_hashes, priority, deadline)
+            return cast(ReplyFuture, self._traced(False, kept, raw, qos))
         future: ReplyFuture = self._core.submit(
-            prompt, sampling_params, block_size, raw, block_hashes
+            prompt, sampling_params, block_size, raw, block_hashes, qos
         )
         if self._rebuild:
-            self._keep(future, (prompt, sampling_params, block_size, block_hashes))
+            kept = (prompt, sampling_params, block_size, block_hashes, priority, deadline)
+            self._keep(future, kept)
         return future
 
     def submit_many(
@@ -440,28 +477,33 @@ class Client(Following):
         *,
         block_size: int | None = None,
         raw: bool = False,
+        priority: int = 0,
+        deadline: float | None = None,
     ) -> list[ReplyFuture]:
         """Send many requests in one call; one future per prompt, in order.
 
         Every prompt is as for :meth:`submit` and they share ``sampling_params``
-        (packed once). All are encoded before any is sent: a bad prompt raises
-        (its error names its index in ``prompts``) and nothing is sent. With
-        batches granted they leave as one SUBMIT_BATCH (several for a very
-        large call), otherwise as one SUBMIT_REQUEST each, at once. Their ids
-        are consecutive.
+        (packed once), ``priority`` and ``deadline``. All are encoded before any
+        is sent: a bad prompt raises (its error names its index in ``prompts``)
+        and nothing is sent. With batches granted they leave as one SUBMIT_BATCH
+        (several for a very large call), otherwise as one SUBMIT_REQUEST each, at
+        once. Their ids are consecutive.
         """
         if not self._connected and self._expiry is None:
             self._raise_not_connected()
+        qos = self._qos_fields(priority, deadline)
         if self._tracer is not None:
-            return self._traced_many(list(prompts), sampling_params, block_size, raw)
+            qos_kept = (priority, deadline)
+            return self._traced_many(list(prompts), sampling_params, block_size, raw, qos, qos_kept)
         if self._rebuild and not isinstance(prompts, list):
             prompts = list(prompts)
         futures: list[ReplyFuture] = self._core.submit_many(
-            prompts, sampling_params, block_size, raw
+            prompts, sampling_params, block_size, raw, qos
         )
         if self._rebuild:
             for future, prompt in zip(futures, cast(list[Any], prompts), strict=True):
-                self._keep(future, (prompt, sampling_params, block_size, None))
+                kept = (prompt, sampling_params, block_size, None, priority, deadline)
+                self._keep(future, kept)
         return futures
 
     def stream(
@@ -472,45 +514,46 @@ class Client(Following):
         block_size: int | None = None,
         raw: bool = False,
         block_hashes: bytes | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
     ) -> Stream:
         """Send one request with ``{STREAM_KEY: True}`` added to its sampling params.
 
         The request is sent now; the returned :class:`Stream` yields each
-        partial reply and ends with the final one.
+        partial reply and ends with the final one. ``priority`` and ``deadline``
+        are :meth:`submit`'s.
         """
         if not self._connected and self._expiry is None:
             self._raise_not_connected()
         params = streaming_params(sampling_params)
+        qos = self._qos_fields(priority, deadline)
         if self._tracer is not None:
-            return cast(Stream, self._traced(True, prompt, params, block_size, raw, block_hashes))
-        stream: Stream = self._core.stream(prompt, params, block_size, raw, block_hashes)
+            kept = (prompt, params, block_size, block_hashes, priority, deadline)
+            return cast(Stream, self._traced(True, kept, raw, qos))
+        stream: Stream = self._core.stream(prompt, params, block_size, raw, block_hashes, qos)
         if self._rebuild:
-            self._keep(stream, (prompt, params, block_size, block_hashes))
+            self._keep(stream, (prompt, params, block_size, block_hashes, priority, deadline))
         return stream
 
     def _traced(
-        self,
-        streaming: bool,
-        prompt: Prompt,
-        sampling_params: Any,
-        block_size: int | None,
-        raw: bool,
-        block_hashes: bytes | None,
+        self, streaming: bool, kept: tuple[Any, ...], raw: bool, qos: bytes
     ) -> ReplyFuture | Stream:
         """submit(), or stream() when ``streaming``, of a client that traces: the
-        request's span, and its traceparent in its params when sampled."""
+        request's span, and its traceparent in its params when sampled. ``kept`` is what
+        sends it again (its prompt, params, block size, hashes, priority, deadline)."""
         assert self._tracer is not None
+        prompt, sampling_params, block_size, block_hashes, *qos_kept = kept
         name = "coordkit.stream" if streaming else "coordkit.submit"
         params, span = request_span(self._tracer, name, sampling_params)
         send = self._core.stream if streaming else self._core.submit
         try:
-            target = send(prompt, params, block_size, raw, block_hashes)
+            target = send(prompt, params, block_size, raw, block_hashes, qos)
         except BaseException as exc:
             if span is not None:
                 end_span(span, exc)
             raise
         if self._rebuild:
-            self._keep(target, (prompt, params, block_size, block_hashes))
+            self._keep(target, (prompt, params, block_size, block_hashes, *qos_kept))
         if span is not None:
             if isinstance(target, Stream):
                 span.set_attribute("coordkit.request_id", target.request_id)
@@ -520,7 +563,13 @@ class Client(Following):
         return cast(ReplyFuture | Stream, target)
 
     def _traced_many(
-        self, prompts: list[Any], sampling_params: Any, block_size: int | None, raw: bool
+        self,
+        prompts: list[Any],
+        sampling_params: Any,
+        block_size: int | None,
+        raw: bool,
+        qos: bytes,
+        qos_kept: tuple[int, float | None],
     ) -> list[ReplyFuture]:
         """submit_many() of a client that traces: a span per request, each sampled one's
         params its own (with its traceparent), the others' shared."""
@@ -529,7 +578,7 @@ class Client(Following):
         own = {i: params for i, (params, span) in enumerate(traced) if span is not None}
         try:
             futures: list[ReplyFuture] = self._core.submit_many(
-                prompts, sampling_params, block_size, raw, own or None
+                prompts, sampling_params, block_size, raw, qos, own or None
             )
         except BaseException as exc:
             for _, span in traced:
@@ -538,7 +587,7 @@ class Client(Following):
             raise
         for i, (future, (params, span)) in enumerate(zip(futures, traced, strict=True)):
             if self._rebuild:
-                self._keep(future, (prompts[i], params, block_size, None))
+                self._keep(future, (prompts[i], params, block_size, None, *qos_kept))
             if span is not None:
                 follow_future(span, future)
         return futures
@@ -680,9 +729,16 @@ class Client(Following):
             self._raise_not_connected()
         self._core.send(frames)
 
+    def _qos_fields(self, priority: int, deadline: float | None) -> bytes:
+        """A request's QoS fields for the wire: checked whatever the coordinator, sent
+        only to one that granted them."""
+        fields = qos_fields(priority, deadline)
+        return fields if self._qos else b""
+
     def _keep(self, target: ReplyFuture | Stream, kept: tuple[Any, ...]) -> None:
-        """What sends ``target`` again (its prompt, params, hashes): RESEND, or a ride
-        through a coordinator's loss (what is submitted meanwhile is not sent)."""
+        """What sends ``target`` again (its prompt, params, hashes, priority and
+        deadline): RESEND, or a ride through a coordinator's loss (what is submitted
+        meanwhile is not sent)."""
         target._kept = kept
 
     def _resend(self, rids: list[int]) -> None:
@@ -695,8 +751,10 @@ class Client(Following):
                 self._core.pop(rid)
                 _fail(target, CoordinatorError(ErrorCode.UNKNOWN_REQUEST, never_ran(rid), rid))
                 continue
+            prompt, params, block_size, hashes, priority, deadline = target._kept
             try:
-                self._core.resend(rid, *target._kept)
+                qos = self._qos_fields(priority, deadline)
+                self._core.resend(rid, prompt, params, block_size, hashes, qos)
             except (ValueError, TypeError, AttributeError) as exc:
                 self._core.pop(rid)
                 _fail(
@@ -771,7 +829,7 @@ class Client(Following):
         try:
             while True:
                 try:
-                    granted, rebuild = await self._reconnect()
+                    granted = await self._reconnect()
                     break
                 except (asyncio.TimeoutError, ConnectionError, ProtocolError) as exc:
                     log.warning("coordkit client: reconnecting to %s: %r", self.address, exc)
@@ -781,31 +839,32 @@ class Client(Following):
             if not self._closed:
                 self._loop.add_reader(self._fd, self._core.on_readable)
         self._rejoining = None
-        self._core.batch = granted
+        self._core.batch = granted.batch
+        self._qos = granted.qos  # before release(): what it sends again is this one's
         self._connected = True
         rejoin = None
         if self._expiry is not None:  # riding through
             self._expiry.cancel()
             self._expiry = None
-            rejoin = self._rejoined(rebuild)
+            rejoin = self._rejoined(granted.rebuild)
         # The REJOIN first, then the requests never sent (unsent), then the ABORTs and
         # control messages issued meanwhile.
         self._core.release(rejoin)
-        self._rebuild = rebuild
+        self._rebuild = granted.rebuild
         self._up.set()
         self._loop.call_soon(self._core.on_readable)
         log.info("coordkit client: connected again to %s", self.address)
 
-    def _reconnect(self) -> Awaitable[tuple[bool, bool]]:
+    def _reconnect(self) -> Awaitable[Granted]:
         """The handshake on the new connection; of several addresses, a new choice."""
         if self._candidates.several:
             return self._follow()
         return asyncio.wait_for(
-            _handshake(self._socket, self._ask_batch, self._failover_timeout),
+            _handshake(self._socket, self._ask_batch, self._failover_timeout, tenant=self.tenant),
             self._handshake_timeout,
         )
 
-    async def _follow(self) -> tuple[bool, bool]:
+    async def _follow(self) -> Granted:
         """Several addresses, the connection ended: from the next address on, the first
         coordinator that admits the client (the watch is read there meanwhile)."""
         watch = cast(ConnectionWatch, self._watch)
@@ -819,6 +878,7 @@ class Client(Following):
                 self._ask_batch,
                 self._failover_timeout,
                 self._handshake_timeout,
+                self.tenant,
             )
         finally:
             if not self._closed:
@@ -881,6 +941,14 @@ class Client(Following):
                 log.exception("coordkit client: on_error callback failed")
 
 
+class Granted(NamedTuple):
+    """What a coordinator granted in its CONNECT_ACK."""
+
+    batch: bool  # batched messages
+    rebuild: bool  # the rebuild after its loss (with an epoch)
+    qos: bool  # priorities and deadlines: it queues requests
+
+
 async def _choose(
     socket: zmq.Socket,
     watch: ConnectionWatch,
@@ -888,11 +956,12 @@ async def _choose(
     batch: bool,
     failover: float,
     ack_timeout: float,
-) -> tuple[bool, bool]:
+    tenant: str | None,
+) -> Granted:
     """Several addresses: from the current one on, in turn, the first coordinator that
     admits the client (see :func:`_attempt`); what the others sent is dropped."""
     while True:
-        granted = await _attempt(socket, watch, candidates, batch, failover, ack_timeout)
+        granted = await _attempt(socket, watch, candidates, batch, failover, ack_timeout, tenant)
         if granted is not None:
             return granted
         candidates.move(socket, discard=True)
@@ -905,7 +974,8 @@ async def _attempt(
     batch: bool,
     failover: float,
     ack_timeout: float,
-) -> tuple[bool, bool] | None:
+    tenant: str | None,
+) -> Granted | None:
     """The current candidate's CONNECT_ACK, if it connects within CANDIDATE_WINDOW and
     acknowledges the client within ACK_WINDOW (or ``ack_timeout``, if shorter), its
     connection lasting, with an epoch no older than any seen; None otherwise."""
@@ -915,7 +985,7 @@ async def _attempt(
         await asyncio.wait_for(connected, CANDIDATE_WINDOW)
     except asyncio.TimeoutError:
         return None
-    handshake = asyncio.ensure_future(_handshake(socket, batch, failover, candidates))
+    handshake = asyncio.ensure_future(_handshake(socket, batch, failover, candidates, tenant))
     ended = asyncio.ensure_future(_watched(watch, zmq.EVENT_DISCONNECTED, others))
     try:
         await asyncio.wait(
@@ -950,14 +1020,20 @@ async def _watched(watch: ConnectionWatch, event: int, others: tuple[str, ...]) 
 
 
 async def _handshake(
-    socket: zmq.Socket, batch: bool, failover: float, candidates: Candidates | None = None
-) -> tuple[bool, bool]:
+    socket: zmq.Socket,
+    batch: bool,
+    failover: float,
+    candidates: Candidates | None = None,
+    tenant: str | None = None,
+) -> Granted:
     """Send CONNECT (asking for the rebuild when ``failover``, the client's
     failover_timeout, is > 0: the coordinator keeps its requests that long once its
-    connection ends), wait for CONNECT_ACK; whether batches, and the rebuild, were
-    granted. With ``candidates``, ConnectionError for a coordinator they do not admit."""
+    connection ends; naming ``tenant``), wait for CONNECT_ACK; what was granted. With
+    ``candidates``, ConnectionError for a coordinator they do not admit."""
     rebuild = failover > 0
-    hello = dict(COORDKIT_HELLO)
+    hello: dict[str, Any] = {**COORDKIT_HELLO, QOS_FEATURE: 1}
+    if tenant is not None:
+        hello[TENANT_KEY] = tenant
     if batch:
         hello[BATCH_FEATURE] = 1
     if rebuild:
@@ -988,8 +1064,11 @@ async def _handshake(
         features = {}
     if candidates is not None and (stale := candidates.admit(features)) is not None:
         raise ConnectionError(f"coordkit: not following it: {stale}")
-    granted = rebuild and features.get(REBUILD_FEATURE) == 1 and EPOCH_KEY in features
-    return batch and features.get(BATCH_FEATURE) == 1, granted
+    return Granted(
+        batch and features.get(BATCH_FEATURE) == 1,
+        rebuild and features.get(REBUILD_FEATURE) == 1 and EPOCH_KEY in features,
+        features.get(QOS_FEATURE) == 1,
+    )
 
 
 async def _receive(socket: zmq.Socket) -> list[bytes]:

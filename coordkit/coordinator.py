@@ -21,11 +21,12 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from ._checks import check_address
+from ._checks import check_address, check_tenant_weights
 from ._implementation import load_implementation, selected
 from ._policies import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
 from ._shared import (
@@ -33,8 +34,10 @@ from ._shared import (
     BREAKER_FAILURES,
     BREAKER_WINDOW,
     CONNECTION_EVENTS,
+    DEFAULT_QUEUE_LIMIT,
     DIALECTS,
     ENGINE_GRACE,
+    MAX_QUEUE_LIMIT,
     MEGATRON_VERSIONS,
     REBUILD_WINDOW,
     REFUSAL_EVENTS,
@@ -271,6 +274,8 @@ class Coordinator:
         policy: str = "least_loaded",
         max_inflight: int = 1_000_000,
         max_inflight_per_engine: int = 0,
+        queue_limit: int = DEFAULT_QUEUE_LIMIT,
+        tenant_weights: Mapping[str, float] | None = None,
         heartbeat_timeout: float = 10.0,
         drain_timeout: float = 30.0,
         max_message_size: int = 256 << 20,
@@ -309,6 +314,9 @@ class Coordinator:
             raise ValueError("max_inflight must be between 1 and 2**30")
         if max_inflight_per_engine < 0:
             raise ValueError("max_inflight_per_engine must be >= 0 (0: no cap)")
+        if not 0 <= queue_limit <= MAX_QUEUE_LIMIT:
+            raise ValueError(f"queue_limit must be between 0 (none wait) and {MAX_QUEUE_LIMIT}")
+        weights = check_tenant_weights(tenant_weights)
         if min(heartbeat_timeout, drain_timeout, request_timeout, rebuild_window) < 0:
             raise ValueError("timeouts must be >= 0 (0 disables heartbeat and request expiry)")
         if engine_grace < 0 or breaker_failures < 0:
@@ -359,6 +367,8 @@ class Coordinator:
             breaker_failures=breaker_failures,
             breaker_window=breaker_window,
             breaker_backoff=breaker_backoff,
+            queue_limit=queue_limit,
+            tenant_weights=weights,
         )
         self._term = term
         router = impl.Router(

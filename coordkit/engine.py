@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from . import protocol
+from ._checks import check_capacity
 from ._events import Abort, Control, Event, ReleaseKV, Request
 from ._held import DEFAULT_HELD_HASHES, Held
 from ._implementation import load_implementation, selected
@@ -61,6 +62,7 @@ from .protocol import (
     ACK_FEATURE,
     BASE_KEY,
     BATCH_FEATURE,
+    CAPACITY_KEY,
     COORDKIT_HELLO,
     REBUILD_FEATURE,
     SESSION_KEY,
@@ -89,7 +91,10 @@ class Engine(Following):
     """One engine rank's connection to the coordinator (a DEALER with an identity).
 
     ``pending`` counts requests received and not yet answered with a final
-    reply. With ``heartbeat_interval`` set, :meth:`poll` sends
+    reply. ``capacity`` (an int, 0 by default: none) is how many requests it runs
+    at once: said in its ENGINE_HELLO, so that a coordinator that queues sends it
+    no more than that and keeps the rest waiting, fairly, until it has room
+    (docs/queueing.md). With ``heartbeat_interval`` set, :meth:`poll` sends
     HEARTBEAT ``[91, pending, capacity]`` that often (the first at once), so
     the coordinator can declare the engine gone when they stop. After the
     registration it sends ENGINE_HELLO, asking for batched SUBMITs unless
@@ -172,6 +177,7 @@ class Engine(Following):
             )
         if held_hashes < 0:
             raise ValueError(f"held_hashes must be at least 0, not {held_hashes}")
+        check_capacity(capacity)
         impl = load_implementation(implementation) if implementation else selected()
         if identity is None:
             identity = f"engine-{rank}"
@@ -327,6 +333,8 @@ class Engine(Following):
         hello = {**COORDKIT_HELLO, ACK_FEATURE: 1, SESSION_KEY: self._session}
         if self.batch:
             hello[BATCH_FEATURE] = 1
+        if self.capacity:
+            hello[CAPACITY_KEY] = self.capacity
         if self._rebuild is not None:
             # Until the answer says the rebuild is granted, requests carry no trailer.
             self._rebuild.granted = False

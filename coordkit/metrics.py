@@ -230,13 +230,56 @@ class CoordinatorCollector:
                 ),
             ):
                 histogram = metrics["latency"][key]
-                buckets, cumulative = [], 0
-                for bound, n in zip([*bounds, float("inf")], histogram["buckets"], strict=True):
-                    cumulative += n
-                    buckets.append((_le(bound), cumulative))
+                buckets = _cumulative(bounds, histogram["buckets"])
                 yield HistogramMetricFamily(
                     _PREFIX + name, text, buckets=buckets, sum_value=histogram["sum"]
                 )
+
+        if "queue" in stats:
+            yield from _queue_families(stats["queue"], metrics["queue"], metrics["latency_bounds"])
+
+
+def _queue_families(
+    queue: dict[str, Any], waits: dict[str, Any], bounds: list[float]
+) -> Iterator[Metric]:
+    """The requests waiting at the coordinator, and how long they waited, by priority
+    and by tenant (the first named ones, the rest as "other": bounded labels)."""
+    from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+    for key, label, what in (
+        ("by_priority", "priority", "priority"),
+        ("by_tenant", "tenant", "tenant"),
+    ):
+        suffix = "" if label == "priority" else "_tenant"
+        depth = GaugeMetricFamily(
+            f"{_PREFIX}queue{suffix}_depth",
+            f"Requests waiting at the coordinator for an engine with room, by {what}.",
+            labels=[label],
+        )
+        for name, row in queue[key].items():
+            depth.add_metric([str(name)], row["depth"])
+        yield depth
+        histogram = HistogramMetricFamily(
+            f"{_PREFIX}queue{suffix}_wait_seconds",
+            f"How long requests waited at the coordinator, by {what} and by how the wait "
+            "ended (dispatched, timed_out, refused, abandoned).",
+            labels=[label, "outcome"],
+        )
+        for name, outcomes in waits[key].items():
+            for outcome, waited in outcomes.items():
+                histogram.add_metric(
+                    [str(name), outcome], _cumulative(bounds, waited["buckets"]), waited["sum"]
+                )
+        yield histogram
+
+
+def _cumulative(bounds: list[float], counts: list[int]) -> list[tuple[str, int]]:
+    """Prometheus' buckets (le, count at or below) of counts per bucket and one more."""
+    buckets, cumulative = [], 0
+    for bound, n in zip([*bounds, float("inf")], counts, strict=True):
+        cumulative += n
+        buckets.append((_le(bound), cumulative))
+    return buckets
 
 
 def _le(bound: float) -> str:

@@ -55,6 +55,14 @@ __all__ = [
     "EPOCH_KEY",
     "HOLD_KEY",
     "MAX_HOLD_MS",
+    "QOS_FEATURE",
+    "TENANT_KEY",
+    "MAX_TENANT_BYTES",
+    "CAPACITY_KEY",
+    "MAX_CAPACITY",
+    "PRIORITY_MIN",
+    "PRIORITY_MAX",
+    "valid_tenant",
     "rejoin_covers",
     "Trailer",
     "pack_trailer",
@@ -108,6 +116,27 @@ HELD_ALL_KEY = "held_all"
 #: under an engine's identity whose hello names another token is another process: the
 #: old one's requests are handled as its death.
 SESSION_KEY = "session"
+
+#: The key of a CONNECT map by which a coordkit client says it may send a request's
+#: priority and deadline (its QoS fields, right after the request id: see
+#: SUBMIT_REQUEST_QOS); a coordinator that queues grants it in its CONNECT_ACK, and
+#: only then does the client send them (a coordinator that does not queue has nothing
+#: a priority or a deadline could change).
+QOS_FEATURE = "qos"
+#: The key of a CONNECT map naming the client's tenant: the clients that name the same
+#: one share its place in the coordinator's queue (docs/queueing.md). A client that
+#: names none is a tenant of its own.
+TENANT_KEY = "tenant"
+#: A tenant's name is a str of 1 to this many bytes in UTF-8 (a CONNECT naming anything
+#: else is taken as naming none).
+MAX_TENANT_BYTES = 128
+#: The key of a coordkit engine's ENGINE_HELLO map: the requests it runs at once (an
+#: int in 1..MAX_CAPACITY); past them, requests wait at the coordinator.
+CAPACITY_KEY = "capacity"
+MAX_CAPACITY = (1 << 31) - 1
+#: A request's priority: an int in [PRIORITY_MIN, PRIORITY_MAX], lower served first
+#: (vLLM's convention), 0 by default.
+PRIORITY_MIN, PRIORITY_MAX = -128, 127
 
 #: Bytes per entry of the optional block-hash frame (little-endian u64).
 BLOCK_HASH_SIZE = 8
@@ -513,20 +542,25 @@ class BatchedMessageSpec:
 
 class SubmitBatchSpec:
     """A client's SUBMIT_BATCH: ``[95, [[rid, sampling_params, hashed], ...]]``,
-    then for each entry its prompt frame, and its block-hash frame when ``hashed``."""
+    then for each entry its prompt frame, and its block-hash frame when ``hashed``.
+    An entry of a client granted QoS may carry them after its rid: ``[rid, priority,
+    deadline_ms, sampling_params, hashed]`` (as SUBMIT_REQUEST_QOS)."""
 
     name = "SUBMIT_BATCH"
     header = Header.SUBMIT_BATCH
     entry_fields = (Field("rid", int), Field("sampling_params"), Field("hashed", bool))
+    qos_fields = (Field("priority", int), Field("deadline_ms", int))
 
     def pack(self, requests: Sequence[Sequence[Any]]) -> list[bytes | Any]:
-        """Frames for ``(rid, sampling_params, prompt, block_hashes or None)`` requests."""
+        """Frames for ``(rid, sampling_params, prompt, block_hashes or None)`` requests,
+        or ``(..., priority, deadline_ms)`` for an entry with its QoS fields."""
         entries, frames = [], []
-        for rid, params, prompt, hashes in requests:
+        for rid, params, prompt, hashes, *qos in requests:
             entry = [rid, params, hashes is not None]
             for spec, value in zip(self.entry_fields, entry, strict=True):
                 spec.check(self.name, value)
-            entries.append(entry)
+            self._check_qos(qos)
+            entries.append([rid, *qos, params, hashes is not None])
             frames.append(prompt)
             if hashes is not None:
                 frames.append(hashes)
@@ -540,23 +574,34 @@ class SubmitBatchSpec:
             raise ProtocolError(f"{self.name}: metadata must be [header, [entries]]")
         requests, next_frame = [], 1
         for entry in metadata[1]:
-            if not isinstance(entry, list) or len(entry) != len(self.entry_fields):
-                raise ProtocolError(f"{self.name}: each entry must be an array of 3")
-            for spec, value in zip(self.entry_fields, entry, strict=True):
+            if not isinstance(entry, list) or len(entry) not in (3, 5):
+                raise ProtocolError(f"{self.name}: each entry must be an array of 3 or 5")
+            rid, *qos, params, hashed = entry
+            for spec, value in zip(self.entry_fields, (rid, params, hashed), strict=True):
                 spec.check(self.name, value)
-            rid, params, hashed = entry
+            self._check_qos(qos)
             if next_frame + hashed >= len(frames):
                 raise ProtocolError(f"{self.name}: fewer payload frames than the entries need")
             hashes = frames[next_frame + 1] if hashed else None
-            requests.append(SubmitEntry(rid, params, frames[next_frame], hashes))
+            requests.append(SubmitEntry(rid, params, frames[next_frame], hashes, *qos))
             next_frame += 1 + hashed
         if next_frame != len(frames):
             raise ProtocolError(f"{self.name}: more payload frames than the entries need")
         return requests
 
+    def _check_qos(self, qos: Sequence[Any]) -> None:
+        """An entry's QoS fields: none, or a priority and a deadline_ms."""
+        if qos and len(qos) != len(self.qos_fields):
+            raise ProtocolError(f"{self.name}: QoS fields are a priority and a deadline_ms")
+        for spec, value in zip(self.qos_fields, qos, strict=False):
+            spec.check(self.name, value)
 
-#: One request of a client's SUBMIT_BATCH.
-SubmitEntry = namedtuple("SubmitEntry", "rid sampling_params prompt block_hashes")
+
+#: One request of a client's SUBMIT_BATCH (priority 0 and deadline_ms 0, none, when its
+#: entry carries no QoS fields).
+SubmitEntry = namedtuple(
+    "SubmitEntry", "rid sampling_params prompt block_hashes priority deadline_ms", defaults=(0, 0)
+)
 
 
 class HeldSpec:
@@ -687,6 +732,9 @@ class Hello(NamedTuple):
     base: int = 0  # a rebuild engine: the number of its next reply message (HANDLED)
     hold: float = 0.0  # a rebuild client: seconds its requests are kept once it is gone
     session: int = 0  # a coordkit engine: its process's token (0: none said)
+    qos: bool = False  # a coordkit client that may send priorities and deadlines
+    tenant: str | None = None  # a coordkit client: the tenant it names (None: its own)
+    capacity: int = 0  # a coordkit engine: the requests it runs at once (0: none said)
 
 
 _rid = Field("rid", int)
@@ -709,6 +757,27 @@ SUBMIT_REQUEST_WITH_KV = MessageSpec(
     "SUBMIT_REQUEST_WITH_KV",
     Header.SUBMIT_REQUEST_WITH_KV,
     [_rid, _sampling, Field("kv_meta")],
+    ["prompt", "src_block_ids"],
+    ["block_hashes"],
+)
+_qos = [Field("priority", int), Field("deadline_ms", int)]
+#: SUBMIT_REQUEST with its QoS fields right after the rid, from a client granted them:
+#: ``[20, rid, priority, deadline_ms, sampling_params]`` (a priority in
+#: [PRIORITY_MIN, PRIORITY_MAX]; deadline_ms > 0: how long it may wait at the
+#: coordinator, 0: as long as it takes). Sent only when either is not its default. The
+#: coordinator reads them and sends on ``[20, server_rid, sampling_params]``: its
+#: params span starts after them, so engines never see them.
+SUBMIT_REQUEST_QOS = MessageSpec(
+    "SUBMIT_REQUEST_QOS",
+    Header.SUBMIT_REQUEST,
+    [_rid, *_qos, _sampling],
+    ["prompt"],
+    ["block_hashes"],
+)
+SUBMIT_REQUEST_WITH_KV_QOS = MessageSpec(
+    "SUBMIT_REQUEST_WITH_KV_QOS",
+    Header.SUBMIT_REQUEST_WITH_KV,
+    [_rid, *_qos, _sampling, Field("kv_meta")],
     ["prompt", "src_block_ids"],
     ["block_hashes"],
 )
@@ -797,6 +866,16 @@ def _feature(value: Any) -> bool:
     return type(value) is int and value >= 1
 
 
+def valid_tenant(name: Any) -> bool:
+    """Whether ``name`` may name a tenant: a str of 1 to MAX_TENANT_BYTES in UTF-8."""
+    if type(name) is not str or not name:
+        return False
+    try:
+        return len(name.encode()) <= MAX_TENANT_BYTES
+    except UnicodeEncodeError:  # a lone surrogate: no UTF-8 at all
+        return False
+
+
 def _hello(hello: dict[Any, Any]) -> Hello:
     coordkit = _feature(hello.get("coordkit"))
     base = hello.get(BASE_KEY, 1)
@@ -809,6 +888,10 @@ def _hello(hello: dict[Any, Any]) -> Hello:
     session = hello.get(SESSION_KEY, 0)
     if type(session) is not int or not 0 < session <= INT64_MAX or not coordkit:
         session = 0
+    tenant = hello.get(TENANT_KEY)
+    capacity = hello.get(CAPACITY_KEY, 0)
+    if type(capacity) is not int or not 0 < capacity <= MAX_CAPACITY or not coordkit:
+        capacity = 0
     return Hello(
         coordkit,
         coordkit and _feature(hello.get(BATCH_FEATURE)),
@@ -817,12 +900,16 @@ def _hello(hello: dict[Any, Any]) -> Hello:
         base if rebuild else 0,
         min(hold, MAX_HOLD_MS) / 1000,
         session,
+        coordkit and _feature(hello.get(QOS_FEATURE)),
+        tenant if coordkit and valid_tenant(tenant) else None,
+        capacity,
     )
 
 
 def parse_connect(frames: Sequence[Frame]) -> Hello:
     """Who sent a CONNECT: a coordkit client says ``[0, {"coordkit": n}]``
-    with an int ``n >= 1`` (and ``"batch": 1`` to ask for batches); any other
+    with an int ``n >= 1`` (and ``"batch": 1`` to ask for batches, ``"qos": 1`` to
+    send priorities and deadlines, ``"tenant": name`` to name its tenant); any other
     map, or Megatron's ``[0]``, is not one. ProtocolError for anything else."""
     try:
         hello = CONNECT_COORDKIT.parse(frames).hello

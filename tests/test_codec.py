@@ -19,7 +19,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordkit.protocol import ProtocolError, block_hashes
+from coordkit.protocol import PRIORITY_MAX, PRIORITY_MIN, ProtocolError, block_hashes
 from tests.support import codec_extras as py_codec_extras
 from tests.support.peers import PARTIAL, REPLY, REPLY_BATCH, SUBMIT, SUBMIT_BATCH, SUBMIT_KV
 
@@ -89,6 +89,21 @@ submit_batches = st.builds(
     ),
     st.lists(st.tuples(int64s, anything, st.booleans()), max_size=8),
     st.booleans(),
+) | st.builds(  # a client's with QoS: entries of 3, and of 5 with the QoS after the rid
+    lambda entries: packb([SUBMIT_BATCH, [list(e) for e in entries]]),
+    st.lists(
+        st.tuples(int64s, anything, st.booleans())
+        | st.tuples(int64s, ints, ints, anything, st.booleans()),
+        max_size=6,
+    ),
+)
+qos_submits = st.builds(
+    lambda header, rid, prio, deadline, rest: packb([header, rid, prio, deadline, *rest]),
+    st.sampled_from([SUBMIT, SUBMIT_KV]),
+    int64s,
+    ints,
+    ints,
+    st.lists(anything, max_size=2),
 )
 reply_batches = st.builds(
     lambda entries: packb([REPLY_BATCH, [list(e) for e in entries]]),
@@ -96,7 +111,13 @@ reply_batches = st.builds(
 )
 header_ints = st.builds(lambda h, v: packb([h, v]), int64s, int64s)
 valid_frames = (
-    submits | replies | submit_batches | reply_batches | header_ints | supported.map(packb)
+    submits
+    | qos_submits
+    | replies
+    | submit_batches
+    | reply_batches
+    | header_ints
+    | supported.map(packb)
 )
 
 # Megatron-Core's single frames: [20, rid, prompt, params] (0.19's), with multi_modal_data
@@ -516,6 +537,94 @@ def test_a_long_batch_with_a_fault_at_its_end_names_every_entry(impl):
 def test_submit_batch_width(impl):
     with pytest.raises(ValueError):
         impl.codec.read_submit_batch(packb([SUBMIT_BATCH, []]), 4)
+
+
+# -- the QoS fields: read_qos, read_submit_batch of width 5 ---------------------------
+
+priorities = st.integers(PRIORITY_MIN, PRIORITY_MAX)
+deadlines = st.sampled_from([0, 1, 127, 128, 65535, 1 << 32, INT64_MAX]) | st.integers(0, INT64_MAX)
+
+
+@SETTINGS
+@given(
+    header=st.sampled_from([SUBMIT, SUBMIT_KV]),
+    rid=int64s,
+    priority=priorities,
+    deadline=deadlines,
+    rest=st.lists(anything, min_size=1, max_size=2),
+)
+def test_qos(impl, codec_extras, header, rid, priority, deadline, rest):
+    """The QoS right after the rid; what follows them is the params span, verbatim: what
+    an engine is sent has no QoS in it."""
+    frame = submit_frame(header, rid, [priority, deadline, *rest])
+    _, length, got, offset = impl.codec.read_submit(frame)
+    assert (length, got) == (4 + len(rest), rid)
+    got_priority, got_deadline, end = impl.codec.read_qos(frame, offset)
+    assert (got_priority, got_deadline) == (priority, deadline)
+    assert frame[end:] == b"".join(packb(x) for x in rest)
+
+
+@pytest.mark.parametrize(
+    "qos",
+    [
+        [PRIORITY_MIN - 1, 0],
+        [PRIORITY_MAX + 1, 0],
+        [0, -1],
+        [0, UINT64_MAX],
+        [UINT64_MAX, 0],
+        [True, 0],
+        [0, None],
+        [0.5, 0],
+        ["0", 0],
+        [0],
+    ],
+)
+def test_qos_errors(impl, qos):
+    frame = submit_frame(SUBMIT, 7, qos)
+    with pytest.raises(ProtocolError):
+        impl.codec.read_qos(frame, impl.codec.read_submit(frame)[3])
+
+
+def test_qos_offset_outside_the_frame(impl):
+    with pytest.raises(ValueError):
+        impl.codec.read_qos(submit_frame(SUBMIT, 7, [0, 0, {}]), 99)
+
+
+@SETTINGS
+@given(
+    entries=st.lists(
+        st.tuples(int64s, anything, st.booleans(), st.none() | st.tuples(priorities, deadlines)),
+        max_size=12,
+    )
+)
+def test_submit_batch_qos(impl, entries):
+    """Width 5: each entry with its QoS after the rid, or without (0, 0); the params span
+    starts after them."""
+    wire = [[rid, *(qos or ()), p, flag] for rid, p, flag, qos in entries]
+    frame = packb([SUBMIT_BATCH, wire])
+    read = impl.codec.read_submit_batch(frame, 5)
+    assert [(rid, flag, prio, deadline) for rid, _, _, flag, prio, deadline in read] == [
+        (rid, flag, *(qos or (0, 0))) for rid, _, flag, qos in entries
+    ]
+    assert [frame[o : o + n] for _, o, n, *_ in read] == [packb(p) for _, p, _, _ in entries]
+    if any(qos is not None for *_, qos in entries):
+        with pytest.raises(ProtocolError):  # not granted: an entry of 5 is malformed
+            impl.codec.read_submit_batch(frame, 3)
+
+
+@pytest.mark.parametrize(
+    ("entries", "rids"),
+    [
+        ([[1, 0, 0, {}, True], [2, PRIORITY_MAX + 1, 0, {}, True]], (1, 2)),
+        ([[1, -1, -5, {}, False]], (1,)),
+        ([[1, 0, {}, True]], ()),  # 4 fields: neither layout
+        ([[1, 0, 0, {}, True, 9]], ()),
+    ],
+)
+def test_submit_batch_qos_errors(impl, entries, rids):
+    with pytest.raises(ProtocolError) as info:
+        impl.codec.read_submit_batch(packb([SUBMIT_BATCH, entries]), 5)
+    assert info.value.rids == rids
 
 
 @SETTINGS
@@ -1238,6 +1347,8 @@ def same_everywhere(c_impl, c_codec_extras, py_impl, data: bytes) -> None:
         ("read_header_int", ()),
         ("read_submit_batch", (3,)),
         ("read_submit_batch", (2,)),
+        ("read_submit_batch", (5,)),
+        ("read_qos", (min(3, len(data)),)),
         ("read_reply_batch", ()),
         ("decode", ()),
         ("read_single_head", ()),

@@ -72,6 +72,9 @@ def registered(router, impl, engine_cls=Engine, **kwargs):
     )
     if kwargs.get("rebuild", True):
         hello.update(REBUILD_HELLO)
+    capacity = kwargs.get("capacity", kwargs.get("max_batch"))
+    if capacity:  # declared (FakeEngine: its max_batch, when given)
+        hello["capacity"] = capacity
     identity, frame = socket.recv_multipart()
     assert identity == engine.identity and engine_hello(frame) == hello
     return engine
@@ -203,6 +206,16 @@ def test_without_hello_it_registers_as_megatron_engines_do(router, impl):
         assert isinstance(request, Request) and request.server_rid == 7
         engine.reply([(7, b"done")])
         assert socket.recv_multipart() == [engine.identity, packb([REPLY, [[7, False]]]), b"done"]
+
+
+def test_a_fake_engine_declares_the_batch_it_was_given(router, impl):
+    """FakeEngine's ``max_batch`` (``--batch``), when given, is its declared capacity (the
+    registered helper checks the hello); its cost model's own bound is not declared."""
+    with fake(router, impl, max_batch=3) as engine:
+        assert engine.capacity == 3
+    # another identity: the router may not have seen the first one's connection end yet
+    with fake(router, impl, identity="undeclared") as engine:
+        assert engine.capacity == 0
 
 
 def test_heartbeat_reports_pending_and_capacity(router, impl):

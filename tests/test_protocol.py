@@ -49,6 +49,12 @@ LAYOUTS = [
         (7, SP, {"k": 1}, b"p", b"s"),
         [m([SUBMIT_KV, 7, SP, {"k": 1}]), b"p", b"s"],
     ),
+    (protocol.SUBMIT_REQUEST_QOS, (7, -1, 250, SP, b"p"), [m([SUBMIT, 7, -1, 250, SP]), b"p"]),
+    (
+        protocol.SUBMIT_REQUEST_WITH_KV_QOS,
+        (7, 3, 0, SP, {"k": 1}, b"p", b"s"),
+        [m([SUBMIT_KV, 7, 3, 0, SP, {"k": 1}]), b"p", b"s"],
+    ),
     (protocol.CLIENT_REPLY, (7, b"body"), [m([REPLY, 7]), b"body"]),
     (protocol.CLIENT_REPLY_PARTIAL, (7, b"body"), [m([PARTIAL, 7]), b"body"]),
     (protocol.ABORT_REQUEST, (7,), [m([ABORT, 7])]),
@@ -129,6 +135,63 @@ def test_the_codec_reads_what_the_specs_write(impl, codec_extras, rid):
     assert impl.codec.write_header_int(REPLY, rid) == protocol.CLIENT_REPLY.pack(rid, b"")[0]
     reply = protocol.ENGINE_REPLY.pack([(rid, True)], [b"a"])[0]
     assert impl.codec.read_reply(reply) == (REPLY, [(rid, True)])
+
+
+def test_submit_batch_entries_with_and_without_qos():
+    frames = protocol.SUBMIT_BATCH.pack([(1, SP, b"a", None), (2, SP, b"b", b"h" * 8, -3, 40)])
+    assert frames == [
+        m([protocol.Header.SUBMIT_BATCH, [[1, SP, False], [2, -3, 40, SP, True]]]),
+        b"a",
+        b"b",
+        b"h" * 8,
+    ]
+    first, second = protocol.SUBMIT_BATCH.parse(frames)
+    assert (first.priority, first.deadline_ms) == (0, 0)
+    assert (second.rid, second.prompt, second.priority, second.deadline_ms) == (2, b"b", -3, 40)
+    with pytest.raises(ProtocolError, match="a priority and a deadline_ms"):
+        protocol.SUBMIT_BATCH.pack([(1, SP, b"a", None, 3)])
+    with pytest.raises(ProtocolError, match="array of 3 or 5"):
+        protocol.SUBMIT_BATCH.parse([m([protocol.Header.SUBMIT_BATCH, [[1, 2, SP, True]]]), b"a"])
+
+
+@pytest.mark.parametrize("rid", [0, -1, 2**63 - 1])
+def test_the_codec_reads_the_qos_the_specs_write(impl, rid):
+    """What follows the QoS is the params span an engine is sent: the QoS stripped."""
+    meta = protocol.SUBMIT_REQUEST_QOS.pack(rid, -128, 2**40, SP, b"p")[0]
+    header, length, got, offset = impl.codec.read_submit(meta)
+    assert (header, length, got) == (SUBMIT, 5, rid)
+    priority, deadline_ms, end = impl.codec.read_qos(meta, offset)
+    assert (priority, deadline_ms) == (-128, 2**40)
+    assert meta[end:] == m(SP)
+
+
+@pytest.mark.parametrize(
+    ("hello", "expected"),
+    [
+        ({"coordkit": 1, "qos": 1, "tenant": "acme"}, (True, "acme")),
+        ({"coordkit": 1, "tenant": "é" * 64}, (False, "é" * 64)),  # 128 bytes: the most
+        ({"coordkit": 1, "tenant": "é" * 65}, (False, None)),
+        ({"coordkit": 1, "tenant": ""}, (False, None)),
+        ({"coordkit": 1, "tenant": b"acme"}, (False, None)),
+        ({"coordkit": 1, "qos": True}, (False, None)),  # a feature is an int >= 1
+        ({"qos": 1, "tenant": "acme"}, (False, None)),  # not a coordkit client
+    ],
+)
+def test_a_connect_names_its_tenant_and_asks_for_qos(hello, expected):
+    said = protocol.parse_connect(protocol.CONNECT_COORDKIT.pack(hello))
+    assert (said.qos, said.tenant) == expected
+
+
+@pytest.mark.parametrize(
+    ("capacity", "expected"),
+    [(8, 8), (protocol.MAX_CAPACITY, protocol.MAX_CAPACITY), (0, 0), (-1, 0), (True, 0), (1.5, 0)]
+    + [(protocol.MAX_CAPACITY + 1, 0), ("8", 0)],
+)
+def test_an_engine_hello_declares_its_capacity(capacity, expected):
+    hello = protocol.ENGINE_HELLO.pack({"coordkit": 1, "capacity": capacity})
+    assert protocol.parse_engine_hello(hello).capacity == expected
+    megatron = protocol.ENGINE_HELLO.pack({"capacity": 8})
+    assert protocol.parse_engine_hello(megatron).capacity == 0
 
 
 def test_packb_is_msgpack_packb_in_every_thread():

@@ -10,6 +10,8 @@ from libc.stdint cimport UINT32_MAX, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
 from ._constants cimport (
+    PRIORITY_MAX,
+    PRIORITY_MIN,
     HEADER_ENGINE_REPLY,
     HEADER_ENGINE_REPLY_PARTIAL,
     HEADER_REPLY_BATCH,
@@ -58,6 +60,31 @@ cdef int ck_read_submit(const uint8_t* buf, size_t n, ck_submit* out) noexcept n
     if c.p != c.end:
         return CK_TRAILING
     return CK_OK
+
+
+cdef inline int _read_qos(ck_cursor* c, ck_qos* out) noexcept nogil:
+    """``priority, deadline_ms``: two ints, the priority in its range, the deadline >= 0."""
+    cdef int status = _read_int(c, &out.priority)
+    if status == CK_OK:
+        status = _read_int(c, &out.deadline_ms)
+    if status == CK_RANGE:
+        return CK_QOS_RANGE
+    if status != CK_OK:
+        return status
+    if not PRIORITY_MIN <= out.priority <= PRIORITY_MAX or out.deadline_ms < 0:
+        return CK_QOS_RANGE
+    return CK_OK
+
+
+cdef int ck_read_qos(const uint8_t* buf, size_t n, ck_submit* submit,
+                     ck_qos* out) noexcept nogil:
+    cdef ck_cursor c
+    c.p = buf + submit.offset
+    c.end = buf + n
+    cdef int status = _read_qos(&c, out)
+    if status == CK_OK:
+        submit.offset = <size_t>(c.p - buf)
+    return status
 
 
 cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* entries,
@@ -190,19 +217,24 @@ cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
         status = _read_array(&c, &fields)
         if status != CK_OK:
             return status
-        if fields != width:
+        if fields != width and not (width == CK_QOS_WIDTH and fields == 3):
             return CK_BAD_LENGTH
         status = _read_int(&c, &entry.rid)
         if status != CK_OK:
             return CK_RID_RANGE if status == CK_RANGE else status
         _name_entry(entries, capacity, count, i, entry.rid)
+        entry.qos.priority = entry.qos.deadline_ms = 0
+        if fields == CK_QOS_WIDTH:
+            status = _read_qos(&c, &entry.qos)
+            if status != CK_OK:
+                return status
         params = c.p
         status = _skip(&c, 1)
         if status != CK_OK:
             return status
         entry.params_offset = <size_t>(params - buf)
         entry.params_size = <size_t>(c.p - params)
-        if width == 3:
+        if width != 2:
             status = _read_bool(&c, &entry.flag)
             if status != CK_OK:
                 return status
@@ -336,6 +368,26 @@ def read_submit(frame) -> tuple[int, int, int, int]:
     return s.header, s.length, s.rid, s.offset
 
 
+def read_qos(frame, offset) -> tuple[int, int, int]:
+    """``(priority, deadline_ms, end)`` of the QoS fields at ``offset`` of a SUBMIT read
+    whole by read_submit (``offset`` its rest's start); ``frame[end:]`` is its params.
+    ProtocolError unless they are two ints, the priority in [PRIORITY_MIN,
+    PRIORITY_MAX], the deadline >= 0."""
+    cdef Py_buffer view
+    cdef ck_submit s
+    cdef ck_qos qos
+    _acquire(frame, &view)
+    if not 0 <= offset <= view.len:
+        PyBuffer_Release(&view)
+        raise ValueError(f"offset {offset} is outside the frame")
+    s.offset = offset
+    cdef int status = ck_read_qos(<const uint8_t*>view.buf, view.len, &s, &qos)
+    PyBuffer_Release(&view)
+    if status != CK_OK:
+        raise _error("malformed metadata frame", status)
+    return qos.priority, qos.deadline_ms, s.offset
+
+
 def read_reply(frame) -> tuple[int, list[tuple[int, bool] | None]]:
     """``(header, entries)`` of an engine's batch, one entry per body frame.
 
@@ -415,6 +467,12 @@ cdef list _batch_entries(str what, object frame, int64_t header, uint32_t width)
             error = _error(what, status)
             error.rids = tuple([entries[i].rid for i in range(count)])
             raise error
+        if header == HEADER_SUBMIT_BATCH and width == CK_QOS_WIDTH:
+            return [
+                (entries[i].rid, entries[i].params_offset, entries[i].params_size,
+                 entries[i].flag, entries[i].qos.priority, entries[i].qos.deadline_ms)
+                for i in range(count)
+            ]
         if header == HEADER_SUBMIT_BATCH:
             return [
                 (entries[i].rid, entries[i].params_offset, entries[i].params_size,
@@ -427,15 +485,18 @@ cdef list _batch_entries(str what, object frame, int64_t header, uint32_t width)
         free(entries)
 
 
-def read_submit_batch(frame, width=3) -> list[tuple[int, int, int, bool]]:
+def read_submit_batch(frame, width=3) -> list[tuple]:
     """``[(rid, params_offset, params_size, hashed), ...]`` of a SUBMIT_BATCH.
 
     ``width`` 3: a client's ``[95, [[rid, params, hashed], ...]]``; 2: the
-    coordinator's to an engine, ``[95, [[rid, params], ...]]`` (hashed False).
-    Each entry's sampling params are ``frame[offset : offset + size]``, verbatim.
+    coordinator's to an engine, ``[95, [[rid, params], ...]]`` (hashed False); 5: a
+    client granted QoS, whose entries may carry them after the rid, ``[rid, priority,
+    deadline_ms, params, hashed]``: ``(..., hashed, priority, deadline_ms)`` each (0, 0
+    for an entry without). Each entry's sampling params are
+    ``frame[offset : offset + size]``, verbatim.
     """
-    if width != 2 and width != 3:
-        raise ValueError(f"width must be 2 or 3, not {width!r}")
+    if width != 2 and width != 3 and width != CK_QOS_WIDTH:
+        raise ValueError(f"width must be 2, 3 or 5, not {width!r}")
     return _batch_entries("malformed SUBMIT_BATCH", frame, HEADER_SUBMIT_BATCH, width)
 
 

@@ -56,6 +56,8 @@ cdef const char* ck_strstatus(int status) noexcept nogil:
         return "the prompt is a str"
     if status == CK_BAD_TOKEN:
         return "a token is not an int in [0, 2**32)"
+    if status == CK_QOS_RANGE:
+        return "priority or deadline out of range"
     return "unknown status"
 
 

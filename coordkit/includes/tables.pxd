@@ -8,6 +8,16 @@ cdef extern from "includes/tables.h" nogil:
     uint64_t CK_GOLDEN
     uint32_t CK_NIL
 
+    # -- the shared scheme: open addressing over uint32 cells holding an index + 1
+
+    ctypedef uint64_t (*ck_home_fn)(const void* table, uint32_t cell) noexcept nogil
+
+    uint64_t ck_cells_for(uint64_t entries)
+    uint64_t ck_cells_vacant(const uint32_t* cells, uint64_t mask, uint64_t home)
+    void ck_cells_remove(uint32_t* cells, uint64_t mask, uint64_t pos, ck_home_fn home,
+                         const void* table)
+    uint64_t ck_mix64(uint64_t x)
+
     # -- ck_ids: a peer's routing id -> its index
 
     ctypedef struct ck_ids:

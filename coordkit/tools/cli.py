@@ -112,7 +112,25 @@ def _parser() -> argparse.ArgumentParser:
         "max_inflight_per_engine",
         int,
         "N",
-        "requests in flight per engine at most (0: no cap)",
+        "requests in flight per engine at most (0: no cap; an engine may declare its "
+        "own capacity); more wait at the coordinator (docs/queueing.md)",
+    )
+    _option(
+        serve,
+        "queue_limit",
+        int,
+        "N",
+        "requests waiting at the coordinator for an engine with room, at most; more "
+        "are refused with ERROR(BUSY) (0: none wait)",
+    )
+    serve.add_argument(
+        "--tenant-weight",
+        dest="tenant_weights",
+        type=_tenant_weight,
+        action="append",
+        metavar="NAME=W",
+        help="the tenant NAME's share of the dispatches of its priority, against the "
+        "others' (repeatable; default: 1 each)",
     )
     serve.add_argument(
         "--no-keep-prompts",
@@ -504,7 +522,12 @@ def _parser() -> argparse.ArgumentParser:
         "cost model's, 0 for none, 0.020 for h100)",
     )
     fake.add_argument(
-        "--batch", type=int, metavar="N", help="max requests running (default: 64, h100: 256)"
+        "--batch",
+        type=int,
+        metavar="N",
+        help="max requests running, declared to the coordinator as its capacity (past it, "
+        "requests wait at a coordinator that queues) (default: the cost model's, 64, h100: "
+        "256, not declared)",
     )
     fake.add_argument(
         "--prefill-rate",
@@ -661,6 +684,17 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _tenant_weight(text: str) -> tuple[str, float]:
+    """``NAME=W``: a tenant and its weight (checked whole by Coordinator)."""
+    name, equals, weight = text.rpartition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=W, not {text!r}")
+    try:
+        return name, float(weight)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the weight of {name!r} is not a number") from None
+
+
 def _import_callable(spec: str) -> Callable[..., Any]:
     module, _, name = spec.partition(":")
     try:
@@ -681,6 +715,8 @@ def _load(name: str) -> Implementation:
 _SERVE_OPTIONS = (
     "max_inflight",
     "max_inflight_per_engine",
+    "queue_limit",
+    "tenant_weights",
     "keep_prompts",
     "heartbeat_timeout",
     "drain_timeout",
@@ -711,6 +747,11 @@ def _serve(args: argparse.Namespace) -> int:
     impl = _load(args.implementation)
     options = {name: getattr(args, name) for name in _SERVE_OPTIONS}
     options = {name: value for name, value in options.items() if value is not None}
+    if "tenant_weights" in options:
+        weights = dict(options["tenant_weights"])
+        if len(weights) < len(options["tenant_weights"]):
+            raise ValueError("a tenant is given --tenant-weight twice")
+        options["tenant_weights"] = weights
     if args.ha is None:
         return _serve_term(args, impl, options, None)
     try:
@@ -859,6 +900,8 @@ def stats_table(stats: dict[str, Any], previous: dict[str, Any] | None, interval
         f"{e['rank']:>4}  {e['identity'][:23]:<24}{e['state']:<10}{e['pending']:>10}"
         for e in stats["engines"]
     ]
+    if "queue" in stats:
+        lines += queue_lines(stats["queue"])
     return "\n".join(lines)
 
 
@@ -874,6 +917,25 @@ def _top(args: argparse.Namespace) -> int:
             f"({exc.name} is missing)"
         ) from None
     return top_app.run(args)
+
+
+def queue_lines(queue: dict[str, Any]) -> list[str]:
+    """The requests waiting at the coordinator (stats()["queue"]): by priority, then by
+    tenant, each with its waits so far by how they ended."""
+    lines = [
+        "",
+        f"waiting {queue['depth']} of {queue['limit']}, {queue['tenants']} tenants",
+        f"{'':<14}{'waiting':>8}{'dispatched':>11}{'timed out':>10}{'refused':>8}{'abandoned':>10}",
+    ]
+    rows = [(f"priority {p}", row) for p, row in queue["by_priority"].items()]
+    rows += [(f"tenant {name}", row) for name, row in queue["by_tenant"].items()]
+    for label, row in rows:
+        ended = row["outcomes"]
+        lines.append(
+            f"{label[:13]:<14}{row['depth']:>8}{ended['dispatched']:>11}"
+            f"{ended['timed_out']:>10}{ended['refused']:>8}{ended['abandoned']:>10}"
+        )
+    return lines
 
 
 # -- keygen ----------------------------------------------------------------------------

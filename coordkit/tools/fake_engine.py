@@ -162,7 +162,10 @@ class FakeEngine(Engine):
     generation (requests still queue up) until UNPAUSE; STOP, like a set
     ``stop_event``, answers what is left as aborted, sends DISCONNECT and
     ends :meth:`run`. HEARTBEATs go out every ``heartbeat_interval`` seconds
-    (default 1; None turns them off), advertising ``max_batch`` as capacity.
+    (default 1; None turns them off). A ``max_batch`` given (``--batch N``) is
+    declared as the engine's capacity at registration: a coordinator that queues
+    sends it no more than that at once, and the rest waits there; without it the
+    cost model's bound runs inside the engine, which declares none.
     Like every Engine it asks for batched SUBMITs (ENGINE_HELLO) unless
     ``batch`` is False, and takes them as they come; ``implementation`` picks
     the Engine's core; ``coordinator_timeout``, ``curve_server_key``,
@@ -216,7 +219,7 @@ class FakeEngine(Engine):
             rank,
             identity,
             heartbeat_interval=heartbeat_interval,
-            capacity=cost.max_batch,
+            capacity=max_batch or 0,
             context=context,
             batch=batch,
             implementation=implementation,

@@ -8,12 +8,13 @@ the extension does not import the ``[c]`` cases skip, unless
 ``make_cluster`` and ``make_coordinator`` build coordinators of ``impl`` on
 fresh sockets in the test's tmp_path; ``cluster`` is one with a single engine.
 
-``zmqutil`` (a host's own Cython code on coordkit's public ``__init__.pxd``)
-and the C ``codec_extras`` (the codec's test-only functions) are compiled once
-per session (see extension.py); ``codec_extras`` is the C or the Python one,
-by ``impl``. ``vendored`` is a copy of coordkit built under another package
-name (see vendoring.py). Where one does not build or import, its tests skip,
-or fail under ``COORDKIT_REQUIRE_EXTENSION=1``.
+``zmqutil`` (a host's own Cython code on coordkit's public ``__init__.pxd``),
+the C ``codec_extras`` (the codec's test-only functions) and the C queue room
+alone (``c_queue``) are compiled once per session (see extension.py);
+``codec_extras`` and ``queue_type`` are the C or the Python one, by ``impl``.
+``vendored`` is a copy of coordkit built under another package name (see
+vendoring.py). Where one does not build or import, its tests skip, or fail under
+``COORDKIT_REQUIRE_EXTENSION=1``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import pytest
 
 from coordkit import Coordinator, coordinator
+from coordkit._queue_py_draft import Queue as PyQueue
 from coordkit.curve import keygen
 from tests.support import codec_extras as py_codec_extras
 from tests.support import extension, vendoring
@@ -128,6 +130,21 @@ def zmqutil(tmp_path_factory) -> ModuleType:
 @pytest.fixture(scope="session")
 def c_codec_extras(tmp_path_factory) -> ModuleType:
     return _built("_codec_extras_c", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def c_queue(tmp_path_factory) -> ModuleType:
+    """The loop's queue room in C, alone (_queue_c.pyx)."""
+    return _built("_queue_c", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def queue_type(impl, request) -> type:
+    """The queue room of ``impl``: the C one (under the twin's method names) or the
+    Python one."""
+    if impl.name == "c":
+        return request.getfixturevalue("c_queue").Room
+    return PyQueue
 
 
 @pytest.fixture(scope="session")

@@ -56,21 +56,30 @@ class Script:
             frames = await self.recv(timeout)
             raise AssertionError(f"unexpected message {frames!r}")
 
-    async def connect(self, impl: Any, grant: bool = False, **kwargs: Any) -> Client:
-        """A client of ``impl`` connected to this script; ``grant`` grants it batches."""
+    async def connect(
+        self, impl: Any, grant: bool = False, qos: bool = False, **kwargs: Any
+    ) -> Client:
+        """A client of ``impl`` connected to this script; ``grant`` grants it batches,
+        ``qos`` priorities and deadlines."""
         connecting = asyncio.ensure_future(
             Client.connect(self.address, timeout=TIMEOUT, implementation=impl.name, **kwargs)
         )
-        hello = {"coordkit": 1} if kwargs.get("batch") is False else {"coordkit": 1, "batch": 1}
+        hello = {"coordkit": 1, "qos": 1}
+        if kwargs.get("tenant") is not None:
+            hello["tenant"] = kwargs["tenant"]
+        if kwargs.get("batch") is not False:
+            hello["batch"] = 1
         failover = kwargs.get("failover_timeout", 30.0)
         if failover > 0:
             # Not granted here: the client then fails what is pending.
             hello.update({"rebuild": 1, "hold_ms": round(failover * 1000)})
         assert await self.recv() == [packb([CONNECT, hello])]
-        await self.send(packb([CONNECT_ACK, {"batch": 1}]) if grant else packb([CONNECT_ACK]))
+        features = {**({"batch": 1} if grant else {}), **({"qos": 1} if qos else {})}
+        await self.send(packb([CONNECT_ACK, features]) if features else packb([CONNECT_ACK]))
         client = await connecting
         assert client.implementation == impl.name
         assert client.batch is grant
+        assert client.qos is qos
         return client
 
     def close(self) -> None:
@@ -81,7 +90,8 @@ class Script:
 async def scripted(
     tmp_path: Path, impl: Any, **kwargs: Any
 ) -> AsyncIterator[tuple[Script, Client]]:
-    """A Script and a client connected to it (``grant=True``: with batches)."""
+    """A Script and a client connected to it (``grant=True``: with batches, ``qos=True``:
+    priorities and deadlines)."""
     script = Script(tmp_path)
     try:
         async with await script.connect(impl, **kwargs) as client:

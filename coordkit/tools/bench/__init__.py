@@ -46,14 +46,16 @@ open-loop Poisson load, up to its saturation and past it; ``--scale``
 (:mod:`.scale`) the cost per request against the number of engines and of
 clients; ``--failover`` (:mod:`.failover`) what a coordinator's SIGKILL costs
 the requests in flight, with a restart at the same address or a standby
-taking over through an etcd lease.
+taking over through an etcd lease; ``--fairness`` (:mod:`.fairness`) how the
+coordinator's queue shares fake engines of a fixed capacity among tenants under
+overload.
 
 Here: the options, the points in order and the results. :mod:`.session`
 starts and drives a variant's processes, :mod:`.servers` is the coordinator
 child, :mod:`.load` the client and engine children, :mod:`.endpoints`,
-:mod:`.latency`, :mod:`.scale` and :mod:`.failover` the other modes, :mod:`.report` the
-summaries, tables, JSON records and plots; :mod:`.workload` holds what they
-share.
+:mod:`.latency`, :mod:`.scale`, :mod:`.failover` and :mod:`.fairness` the other modes,
+:mod:`.report` the summaries, tables, JSON records and plots (``--fairness`` its own);
+:mod:`.workload` holds what they share.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ from ..._policies import POLICIES
 from ..._shared import DIALECTS
 from ...election import DEFAULT_TTL
 from ..options import Parser
-from . import endpoints, failover, latency, report, scale
+from . import endpoints, failover, fairness, latency, report, scale
 from .latency import LATENCY_LENGTHS, LATENCY_VARIANTS
 from .session import Failure, Session
 from .workload import (
@@ -112,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     latency_result: dict[str, Any] = {}
     scale_runs: list[dict[str, Any]] = []
     failover_runs: list[dict[str, Any]] = []
+    fairness_result: dict[str, Any] = {}
     failures: dict[str, str] = {}
     interrupted = False
     with (
@@ -132,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 scale.measure_scale(args, directory, scale_runs, failures)
             if args.failover:
                 failover.measure_failover(args, directory, failover_runs, failures)
+            if args.fairness:
+                fairness.measure_fairness(args, directory, fairness_result, failures)
         except KeyboardInterrupt:
             interrupted = True
             print("coordkit bench: interrupted; reporting what was measured", file=sys.stderr)
@@ -150,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.print_scale(args, scale_rows)
     failover_rows = failover.summarize(failover_runs)
     report.print_failover(args, failover_rows)
+    fairness.print_fairness(fairness_result)
     for variant, reason in failures.items():
         print(f"FAILED {variant}: {reason}")
     if args.json:
@@ -177,9 +183,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["scale"] = {"runs": scale_runs, "summary": scale_rows}
         if args.failover:
             result["failover"] = {"runs": failover_runs, "summary": failover_rows}
+        if args.fairness:
+            result["fairness"] = fairness_result
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
-        if args.latency:
+        if args.fairness:
+            fairness.plot_fairness(fairness_result, Path(args.plot))
+        elif args.latency:
             if latency_result.get("points"):
                 report.plot_latency(args, latency_result, Path(args.plot))
         elif summary:
@@ -192,7 +202,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="coordkit bench",
         description="Coordinator CPU time per request (user and sys of its own process) "
         "and memory per request in flight, for floor, c, py and mono side by side; "
-        "with --client, --end-to-end, --latency, --scale or --failover, those measures instead "
+        "with --client, --end-to-end, --latency, --scale, --failover or --fairness, those "
+        "measures instead "
         "(any of them in one run).",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run (under a minute)")
@@ -227,6 +238,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the coordinator SIGKILLed with requests in flight, restarted or taken over by "
         "a standby: time from the kill to the first reply after it, the added p99 of the "
         "requests that crossed it, and every request's completion",
+    )
+    modes.add_argument(
+        "--fairness",
+        action="store_true",
+        help="tenants sharing fake engines of a fixed capacity under overload: a flood at "
+        f"{fairness.FLOOD}x capacity beside a light tenant, weights 3:1, equal tenants, "
+        "priorities; each held to its criterion (docs/queueing.md)",
     )
     parser.add_argument(
         "--clients",
@@ -437,9 +455,56 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"standby: the lease's TTL in whole seconds (default {DEFAULT_TTL}, --quick 2: "
         "1 loses terms to slow keepalives on a loaded host)",
     )
+    shares = parser.add_argument_group("--fairness")
+    shares.add_argument(
+        "--fairness-scenarios",
+        nargs="+",
+        choices=fairness.SCENARIOS,
+        default=list(fairness.SCENARIOS),
+        help=f"the scenarios (default {' '.join(fairness.SCENARIOS)}; alone is the "
+        "reference of the latency criteria)",
+    )
+    shares.add_argument(
+        "--fairness-engines",
+        type=int,
+        metavar="N",
+        help=f"fake engine processes, {fairness.CAPACITY} requests at once each "
+        "(default 2, --quick 1)",
+    )
+    shares.add_argument(
+        "--fairness-seconds",
+        type=float,
+        metavar="S",
+        help="seconds of load per scenario (default 20, --quick 3)",
+    )
+    shares.add_argument(
+        "--fairness-step",
+        type=float,
+        metavar="S",
+        help="seconds per engine step (default 0.02, --quick 0.05)",
+    )
+    shares.add_argument(
+        "--fairness-tokens",
+        type=int,
+        metavar="N",
+        help="steps per request (default 8, --quick 2)",
+    )
+    shares.add_argument(
+        "--fairness-implementation",
+        choices=("c", "py"),
+        default="c",
+        help="the coordinator's (default c)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
-    args.cost = not (args.client or args.end_to_end or args.latency or args.scale or args.failover)
+    args.cost = not (
+        args.client
+        or args.end_to_end
+        or args.latency
+        or args.scale
+        or args.failover
+        or args.fairness
+    )
     given_lengths, given_variants = args.lengths, args.variants
     if args.megatron_version != "0.19" and args.dialect != "megatron-core":
         parser.error(f"--megatron-version {args.megatron_version} needs --dialect megatron-core")
@@ -476,6 +541,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         ("failover_generate", 1.0, 0.5),
         ("kill_after", 3.0, 1.5),
         ("ha_ttl", DEFAULT_TTL, 2),
+        ("fairness_engines", 2, 1),
+        ("fairness_seconds", 20.0, 3.0),
+        ("fairness_step", 0.02, 0.05),
+        ("fairness_tokens", 8, 2),
     ):
         if getattr(args, name) is None:
             setattr(args, name, smoke if quick else full)
@@ -495,6 +564,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         scale.check(args, parser.error)
     if args.failover:
         _check_failover(args, parser.error)
+    if args.fairness and (
+        min(args.fairness_engines, args.fairness_tokens) < 1
+        or min(args.fairness_seconds, args.fairness_step) <= 0
+    ):
+        parser.error("--fairness-engines, -seconds, -step and -tokens must be positive")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
