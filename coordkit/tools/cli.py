@@ -43,6 +43,7 @@ from ..client import Client
 from ..coordinator import REMOVED_OPTIONS
 from ..curve import keygen
 from ..election import DEFAULT_TTL, Election
+from ..protocol import ROLE_NAMES
 from .demo import COMPARED_POLICIES, SUFFIX_TOKENS
 from .demo import run as run_demo
 from .fake_engine import COST_MODELS, DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
@@ -446,6 +447,32 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="tokens prefilled per step at most (default: the cost model's, 8192)",
+    )
+    fake.add_argument(
+        "--transfer-rate",
+        type=float,
+        metavar="TOKENS_PER_S",
+        help="a decode's KV import, in tokens of the blocks moved per second; 0: only the "
+        "latency (default: the cost model's, 0 for none, 100000 for h100)",
+    )
+    fake.add_argument(
+        "--transfer-latency",
+        type=float,
+        metavar="S",
+        help="the fixed time of each KV import (default: the cost model's, 0 for none, "
+        "0.002 for h100)",
+    )
+    fake.add_argument(
+        "--role",
+        choices=sorted(ROLE_NAMES),
+        help="its role in disaggregated prefill/decode (default: none, an aggregated engine)",
+    )
+    fake.add_argument(
+        "--domain",
+        default="",
+        metavar="NAME",
+        help="with --role: the transfer domain it moves KV within (default: the one of "
+        "every engine that names none)",
     )
     fake.add_argument(
         "--speedup",
