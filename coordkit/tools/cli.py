@@ -49,6 +49,7 @@ from .demo import run as run_demo
 from .fake_engine import COST_MODELS, DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
 from .fake_engine import run as run_fake_engine
 from .options import Parser, add_removed, run
+from .pd import DEFAULT_PD_THRESHOLD
 from .replay import DEFAULT_BLOCK_SIZE as REPLAY_BLOCK_SIZE
 from .replay import DEFAULT_CACHE_BLOCKS as REPLAY_CACHE_BLOCKS
 from .replay import run as run_replay
@@ -283,6 +284,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"run {' then '.join(COMPARED_POLICIES)} and show both (ignores --policy)",
     )
+    _add_pd(demo)
 
     replay = commands.add_parser(
         "replay",
@@ -356,6 +358,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run each policy a second time, its coordinator a process SIGKILLed and started "
         "again once FRACTION of the requests went out (default: no failover)",
     )
+    _add_pd(replay)
     replay.add_argument(
         "--held-hashes",
         type=_non_negative_int,
@@ -565,6 +568,31 @@ def _add_prefix_model(parser: argparse.ArgumentParser) -> None:
         "prefix: each request's decode share, in prompt tokens' worth of work",
     )
     add_removed(parser, REMOVED_OPTIONS)
+
+
+def _add_pd(parser: argparse.ArgumentParser) -> None:
+    """Disaggregated prefill/decode, aggregated against P/D and conditional P/D (demo,
+    replay alike)."""
+    parser.add_argument(
+        "--pd",
+        action="store_true",
+        help="run the load aggregated, disaggregated (prefill and decode engines) and "
+        "conditionally disaggregated, each on a fresh cluster, side by side (docs/pd.md)",
+    )
+    parser.add_argument(
+        "--prefill-engines",
+        type=_positive_int,
+        metavar="N",
+        help="--pd: engines that prefill, the others decode (default: half of --engines)",
+    )
+    parser.add_argument(
+        "--pd-threshold",
+        type=_non_negative_int,
+        default=DEFAULT_PD_THRESHOLD,
+        metavar="TOKENS",
+        help="--pd: conditional P/D runs a prompt of at most this many tokens its decode "
+        "engine does not cache there, whole",
+    )
 
 
 def _add_coordinator_choices(

@@ -3,8 +3,10 @@
 Each run is a cluster of its own on ipc sockets in a temporary directory: the
 coordinator on a thread of this process, ``coordkit fake-engine`` processes,
 and an asyncio client keeping ``--concurrency`` requests in flight. The table
-has one column per run; ``--compare-policies`` runs one cluster per policy.
-:mod:`coordkit.tools.cli` parses the options.
+has one column per run; ``--compare-policies`` runs one cluster per policy, and
+``--pd`` one aggregated, one disaggregated and one conditionally disaggregated
+(:mod:`coordkit.tools.pd`), streaming, with their time to first token and
+inter-token latency. :mod:`coordkit.tools.cli` parses the options.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from .. import Coordinator, Implementation
 from ..client import Client, CoordinatorError
 from .engines import fake_engine_processes
+from .pd import PDRun, coordinator_options, pd_runs
 
 __all__ = ["run", "COMPARED_POLICIES", "SUFFIX_TOKENS"]
 
@@ -35,7 +38,10 @@ _ROUTER_OPTIONS = ("prefix_prefill_weight", "prefix_decode_tokens")  # None: the
 
 @dataclass
 class _Results:
+    pd: PDRun | None = None  # --pd: which of its clusters
     latencies: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)  # streaming: to the first part
+    itl: list[float] = field(default_factory=list)  # streaming: per request, first to last
     ranks: Counter[int] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     cached_blocks: int = 0
@@ -73,12 +79,22 @@ class _Progress:
 
 
 def run(impl: Implementation, args: argparse.Namespace) -> int:
-    """Run the load on ``impl``'s coordinator, one cluster per policy, and print the table."""
+    """Run the load on ``impl``'s coordinator, one cluster per policy (or per --pd
+    run), and print the table."""
     policies = COMPARED_POLICIES if args.compare_policies else (args.policy,)
+    plan: list[tuple[str, PDRun | None]] = [(policy, None) for policy in policies]
+    if args.pd:
+        if args.compare_policies:
+            raise ValueError("--pd runs one policy (--policy), not --compare-policies")
+        clusters = pd_runs(args.engines, args.prefill_engines, args.pd_threshold)
+        for each in clusters:
+            coordinator_options(each)  # a coordinator that does not run P/D: said at once
+        plan = [(args.policy, each) for each in clusters]
+        args.stream = True  # their times to first token
     prompt = _workload(args)
     runs: dict[str, _Results] = {}
-    for policy in policies:
-        runs[policy] = results = _Results()
+    for policy, cluster in plan:
+        runs[policy if cluster is None else cluster.label] = results = _Results(cluster)
         try:
             _run_cluster(impl, policy, prompt, args, results)
         except (ConnectionError, TimeoutError) as exc:
@@ -122,10 +138,14 @@ def _run_cluster(
     with tempfile.TemporaryDirectory(prefix="coordkit-demo-") as tmp:
         address = f"ipc://{tmp}/coordinator.sock"
         router = {k: getattr(args, k) for k in _ROUTER_OPTIONS if getattr(args, k) is not None}
-        coord = Coordinator(address, implementation=impl.name, policy=policy, **router)
+        pd = {} if results.pd is None else coordinator_options(results.pd)
+        coord = Coordinator(address, implementation=impl.name, policy=policy, **router, **pd)
         coord.start()
+        roles = () if results.pd is None else results.pd.roles
         try:
-            with fake_engine_processes(address, args.engines, _engine_options(args)) as engines:
+            with fake_engine_processes(
+                address, args.engines, _engine_options(args), roles
+            ) as engines:
                 asyncio.run(_run_load(address, policy, prompt, args, results, engines))
         except KeyboardInterrupt:
             results.interrupted = True
@@ -172,16 +192,23 @@ async def _run_load(
             for i in indices:
                 tokens = prompt(i)
                 sent = time.perf_counter()
+                first = None
                 try:
                     if args.stream:
-                        stream = client.stream(tokens, block_size=block_size)
-                        reply = [part async for part in stream][-1]
+                        async for part in client.stream(tokens, block_size=block_size):
+                            first = first or time.perf_counter()
+                            reply = part  # the last one is the final
                     else:
                         reply = await client.submit(tokens, block_size=block_size)
                 except CoordinatorError as exc:
                     results.errors[getattr(exc.code, "name", str(exc.code))] += 1
                 else:
-                    results.latencies.append(time.perf_counter() - sent)
+                    done = time.perf_counter()
+                    results.latencies.append(done - sent)
+                    if first is not None:
+                        results.ttft.append(first - sent)
+                        if args.output_tokens > 1:
+                            results.itl.append((done - first) / (args.output_tokens - 1))
                     results.ranks[reply["rank"]] += 1
                     results.cached_blocks += reply.get("cached_blocks", 0)
                     results.prompt_blocks += reply.get("prompt_blocks", 0)
@@ -230,7 +257,7 @@ def _rows(
         }
     rows = {
         "implementation": implementation,
-        "policy": policy,
+        "policy": policy if results.pd is None else f"{args.policy}, {policy}",
         "engines": str(args.engines),
         "requests": requests,
         "errors": errors,
@@ -241,6 +268,10 @@ def _rows(
         "latency p50": _percentile_ms(latencies, 50),
         "latency p99": _percentile_ms(latencies, 99),
     }
+    if args.stream:
+        ttft, itl = sorted(results.ttft), sorted(results.itl)
+        rows["TTFT p50"], rows["TTFT p99"] = _percentile_ms(ttft, 50), _percentile_ms(ttft, 99)
+        rows["ITL p50"], rows["ITL p99"] = _percentile_ms(itl, 50), _percentile_ms(itl, 99)
     if args.shared_prefixes is not None or args.compare_policies:
         rows["prefix cache"] = f"{args.cache_blocks} blocks of {args.block_size} tokens"
         rows["prefix cache hit rate"] = _hit_rate(results)
