@@ -6,12 +6,19 @@
 cdef enum:  # coordkit.protocol.Header
     HEADER_CONNECT = 0
     HEADER_CONNECT_ACK = 1
+    HEADER_REGISTER_ROLE_ACK = 2
     HEADER_SUBMIT_REQUEST = 20
     HEADER_ENGINE_REPLY = 21
     HEADER_ENGINE_REPLY_PARTIAL = 22
     HEADER_ABORT_REQUEST = 23
     HEADER_SUBMIT_REQUEST_WITH_KV = 24
     HEADER_RELEASE_KV = 25
+    HEADER_SEND_KV = 26
+    HEADER_REGISTER_ROLE = 27
+    HEADER_KV_READ_DONE = 28
+    HEADER_REQUEST_ERROR = 29
+    HEADER_KV_TRANSFER_READY = 30
+    HEADER_REQUEST_ABORTED = 31
     HEADER_PAUSE = 40
     HEADER_UNPAUSE = 41
     HEADER_SUSPEND = 42
@@ -36,6 +43,7 @@ cdef enum:  # coordkit.protocol.Header
     HEADER_HANDLED = 101
     HEADER_REPLAY = 102
     HEADER_REPLAYED = 103
+    HEADER_HANDOFF = 104
 
 cdef enum:  # coordkit.protocol.ErrorCode
     ERROR_MALFORMED = 1
@@ -54,6 +62,12 @@ cdef enum:  # coordkit.protocol.ControlState
     CONTROL_RUNNING = 0
     CONTROL_PAUSED = 1
     CONTROL_SUSPENDED = 2
+
+cdef enum:  # coordkit.protocol.EngineRole
+    PD_AGGREGATED = 0
+    PD_PREFILL = 1
+    PD_DECODE = 2
+    PD_BOTH = 3
 
 cdef enum:  # coordkit._shared.Counter
     COUNTER_SUBMITTED = 0
@@ -172,12 +186,19 @@ cdef inline dict generated_constants():
     return {
         "Header.CONNECT": 0,
         "Header.CONNECT_ACK": 1,
+        "Header.REGISTER_ROLE_ACK": 2,
         "Header.SUBMIT_REQUEST": 20,
         "Header.ENGINE_REPLY": 21,
         "Header.ENGINE_REPLY_PARTIAL": 22,
         "Header.ABORT_REQUEST": 23,
         "Header.SUBMIT_REQUEST_WITH_KV": 24,
         "Header.RELEASE_KV": 25,
+        "Header.SEND_KV": 26,
+        "Header.REGISTER_ROLE": 27,
+        "Header.KV_READ_DONE": 28,
+        "Header.REQUEST_ERROR": 29,
+        "Header.KV_TRANSFER_READY": 30,
+        "Header.REQUEST_ABORTED": 31,
         "Header.PAUSE": 40,
         "Header.UNPAUSE": 41,
         "Header.SUSPEND": 42,
@@ -202,6 +223,7 @@ cdef inline dict generated_constants():
         "Header.HANDLED": 101,
         "Header.REPLAY": 102,
         "Header.REPLAYED": 103,
+        "Header.HANDOFF": 104,
         "ErrorCode.MALFORMED": 1,
         "ErrorCode.UNKNOWN_HEADER": 2,
         "ErrorCode.NOT_CONNECTED": 3,
@@ -216,6 +238,10 @@ cdef inline dict generated_constants():
         "ControlState.RUNNING": 0,
         "ControlState.PAUSED": 1,
         "ControlState.SUSPENDED": 2,
+        "EngineRole.AGGREGATED": 0,
+        "EngineRole.PREFILL": 1,
+        "EngineRole.DECODE": 2,
+        "EngineRole.BOTH": 3,
         "Counter.SUBMITTED": 0,
         "Counter.REPLIES": 1,
         "Counter.PARTIALS": 2,

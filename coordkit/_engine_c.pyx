@@ -19,8 +19,8 @@ Sampling params that are a map of scalars are remembered with their bytes:
 the next request with the same bytes (in a batch, most of them) gets a copy
 of the map instead of a decoding.
 
-The rare messages (SUBMIT_REQUEST_WITH_KV, the control signals, an ERROR
-or an ENGINE_ACK from the coordinator) are parsed with the message specs, as
+The rare messages (SUBMIT_REQUEST_WITH_KV, SEND_KV, the control signals, an
+ERROR or an ENGINE_ACK from the coordinator) are parsed with the message specs, as
 the twin does.
 """
 
@@ -80,7 +80,7 @@ import msgpack
 import zmq
 
 from . import protocol
-from ._events import Abort, Control, ReleaseKV, Request, log, refused, take_traceparent
+from ._events import Abort, Control, ReleaseKV, Request, SendKV, log, refused, take_traceparent
 from ._held import trailed
 from ._shared import check_constants
 from .protocol import Header, ProtocolError, packb
@@ -436,6 +436,9 @@ cdef class EngineCore:
                 )
             )
             self.pending += 1
+        elif header == HEADER_SEND_KV:
+            send = protocol.SEND_KV.parse(frames)
+            events.append(SendKV(send.rid, send.decode_meta, send.cached_prefix_blocks or 0))
         elif header in protocol.CONTROL:
             message = protocol.CONTROL[header].parse(frames)
             events.append(Control(Header(header), getattr(message, "epoch", None)))

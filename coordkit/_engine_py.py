@@ -9,8 +9,8 @@ frames on the wire:
   up to ``MAX_DRAIN`` messages: a SUBMIT_REQUEST (or SUBMIT_REQUEST_WITH_KV)
   is one :class:`~coordkit.engine.Request`, an ENGINE_SUBMIT_BATCH
   ``[95, [[rid, sampling_params], ...]]`` with one prompt frame per entry is
-  one Request per entry, in order; ABORT, RELEASE_KV and the control signals
-  are one event each. An ERROR from the coordinator (a reply entry it could
+  one Request per entry, in order; ABORT, RELEASE_KV, SEND_KV and the control
+  signals are one event each. An ERROR from the coordinator (a reply entry it could
   not deliver) is logged; an ENGINE_ACK (the coordinator took the engine's
   ENGINE_HELLO) goes to ``on_ack`` with what it granted. A message that does
   not parse is logged and dropped.
@@ -27,7 +27,7 @@ from typing import Any, cast
 import zmq
 
 from . import _codec_py, protocol
-from ._events import Abort, Control, ReleaseKV, Request, log, refused, take_traceparent
+from ._events import Abort, Control, ReleaseKV, Request, SendKV, log, refused, take_traceparent
 from ._held import Held, trailed
 from .protocol import Header, ProtocolError, packb
 
@@ -134,6 +134,9 @@ class EngineCore:
                 self.held.aborted(rid)
         elif header == Header.RELEASE_KV:
             events.append(ReleaseKV(protocol.RELEASE_KV.parse(frames).rid))
+        elif header == Header.SEND_KV:
+            send = protocol.SEND_KV.parse(frames)
+            events.append(SendKV(send.rid, send.decode_meta, send.cached_prefix_blocks or 0))
         elif header in protocol.CONTROL:
             message = protocol.CONTROL[header].parse(frames)
             events.append(Control(Header(header), getattr(message, "epoch", None)))

@@ -16,10 +16,19 @@ from typing import Any
 import zmq
 
 from ._shared import logger
-from .protocol import Header, unpackb
+from .protocol import HANDOFF_KEY, Header, unpackb
 from .tracing import TRACEPARENT
 
-__all__ = ["Request", "Abort", "ReleaseKV", "Control", "Event", "refused", "take_traceparent"]
+__all__ = [
+    "Request",
+    "Abort",
+    "ReleaseKV",
+    "SendKV",
+    "Control",
+    "Event",
+    "refused",
+    "take_traceparent",
+]
 
 #: The engine side's logger: ``<package>.engine``, as the endpoint's own.
 log = logger.getChild("engine")
@@ -29,7 +38,12 @@ log = logger.getChild("engine")
 class Request:
     """A new request: SUBMIT_REQUEST, or SUBMIT_REQUEST_WITH_KV when ``kv_meta`` is set.
 
-    ``prompt`` (and ``src_block_ids``) are the received frames, not copies.
+    ``prompt`` (and ``src_block_ids``) are the received frames, not copies. In
+    disaggregated prefill/decode (docs/pd.md) a request is a hop: the prefill hop is a
+    SUBMIT whose sampling params say ``"do_kv_handoff": True`` (:meth:`prefill_hop`:
+    compute the prompt's KV, pin it and hand it off with ``Engine.handoff``); the
+    decode hop is a SUBMIT_REQUEST_WITH_KV (:meth:`decode_hop`): ``kv_meta`` is what
+    the prefill handed off, ``src_block_ids`` its pinned blocks (:meth:`src_blocks`).
     ``traceparent`` is the W3C trace context of a request its client traced (None
     otherwise), taken out of the sampling params it came in (``"traceparent"``), so
     that ``sampling_params`` are the caller's own: :func:`coordkit.tracing.engine_span`
@@ -47,6 +61,20 @@ class Request:
         """The prompt msgpack-decoded: token ids (or a str, as the client sent it)."""
         return unpackb(self.prompt.buffer)
 
+    def prefill_hop(self) -> bool:
+        """Whether this is the prefill hop of a P/D request: hand its KV off, do not
+        generate."""
+        params = self.sampling_params
+        return isinstance(params, dict) and params.get(HANDOFF_KEY) is True
+
+    def decode_hop(self) -> bool:
+        """Whether this is the decode hop of a P/D request (a KV submission)."""
+        return self.kv_meta is not None
+
+    def src_blocks(self) -> Any:
+        """The prefill's pinned block ids, msgpack-decoded (None without them)."""
+        return None if self.src_block_ids is None else unpackb(self.src_block_ids.buffer)
+
 
 @dataclass(frozen=True, slots=True)
 class Abort:
@@ -57,9 +85,22 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseKV:
-    """RELEASE_KV, broadcast to every engine; ``rid`` is the id the client sent."""
+    """RELEASE_KV: unpin the blocks handed off for request ``rid``. From a coordinator
+    running P/D, to the prefill that handed them off, once the decode read them (or
+    will not); otherwise a client's, broadcast to every engine, ``rid`` as it sent it."""
 
     rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendKV:
+    """SEND_KV, to a prefill whose decode pushes (NCCL): push request ``server_rid``'s
+    pinned blocks from ``cached_prefix_blocks`` on to the decode ``decode_meta``
+    describes (its registration's transfer descriptor)."""
+
+    server_rid: int
+    decode_meta: Any
+    cached_prefix_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +111,7 @@ class Control:
     epoch: int | None = None
 
 
-Event = Request | Abort | ReleaseKV | Control
+Event = Request | Abort | ReleaseKV | SendKV | Control
 
 
 def take_traceparent(params: Any) -> str | None:

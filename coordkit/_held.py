@@ -160,6 +160,11 @@ class Held:
         if rids:
             self._messages.append((number, rids))
 
+    def handed_off(self, server_rids: Sequence[int]) -> None:
+        """Prefill hops handed off (HANDOFF): their decode engines hold them now."""
+        for rid in server_rids:
+            self.requests.pop(rid, None)
+
     def aborted(self, server_rid: int) -> None:
         """ABORT: a request whose final already went is not awaited any more."""
         kept = self.requests.get(server_rid)

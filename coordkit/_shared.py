@@ -298,6 +298,7 @@ CYTHON_ENUMS: tuple[tuple[type[IntEnum], str], ...] = (
     (protocol.Header, "HEADER_"),
     (protocol.ErrorCode, "ERROR_"),
     (protocol.ControlState, "CONTROL_"),
+    (protocol.EngineRole, "PD_"),
     (Counter, "COUNTER_"),
     (EngineState, "ENGINE_"),
     (RequestFlag, "FLAG_"),

@@ -30,6 +30,16 @@ entry. Replies are batched either way. An ERROR the coordinator sends back
 coordinator answers it, ``[97, {"batch": 1}]`` (what it granted):
 :attr:`Engine.registered` says whether the current connection was
 acknowledged, and :meth:`Engine.wait_registered` waits for it.
+
+In disaggregated prefill/decode (docs/pd.md) an engine says its role and its
+capacity in the hello (``Engine(role="prefill", capacity=8)``). A prefill engine
+gets prefill hops (:meth:`Request.prefill_hop <coordkit.engine.Request.prefill_hop>`),
+answers each with :meth:`Engine.handoff` (its KV's metadata and pinned block ids,
+which the coordinator hands a decode engine), and unpins on :class:`ReleaseKV`
+(pushing on :class:`SendKV` first when its decode pushes); a decode engine gets the
+handoff as a Request whose ``kv_meta`` is set, says :meth:`Engine.kv_read_done`
+once it read the blocks (:meth:`Engine.kv_transfer_ready` first when the prefill
+pushes to it), and generates as for any request.
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ import zmq
 
 from . import protocol
 from ._checks import check_capacity
-from ._events import Abort, Control, Event, ReleaseKV, Request
+from ._events import Abort, Control, Event, ReleaseKV, Request, SendKV
 from ._held import DEFAULT_HELD_HASHES, Held
 from ._implementation import load_implementation, selected
 from ._liveness import (
@@ -64,14 +74,18 @@ from .protocol import (
     BATCH_FEATURE,
     CAPACITY_KEY,
     COORDKIT_HELLO,
+    DOMAIN_KEY,
     REBUILD_FEATURE,
+    ROLE_KEY,
+    ROLE_NAMES,
     SESSION_KEY,
+    TRANSFER_KEY,
 )
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["Engine", "Request", "Abort", "ReleaseKV", "Control", "Event"]
+__all__ = ["Engine", "Request", "Abort", "ReleaseKV", "SendKV", "Control", "Event"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +99,10 @@ REGISTRATION_WARNING = 5.0
 #: A reply entry: (server_rid, body) or (server_rid, body, needs_detokenize).
 #: A body that is not bytes-like is msgpack-packed.
 ReplyEntry = tuple[int, Any] | tuple[int, Any, bool]
+#: A handoff: (server_rid, kv_meta, src_block_ids), the block ids a list of ints or
+#: their msgpack array as bytes.
+HandoffEntry = tuple[int, Any, Any]
+_BYTES_LIKE = (bytes, bytearray, memoryview, zmq.Frame)
 
 
 class Engine(Following):
@@ -149,6 +167,14 @@ class Engine(Following):
     and hands out nothing a coordinator sent before that ENGINE_ACK admitted
     it: so it never acts for a stale leader. This needs the rebuild (the
     epoch comes with it): ValueError with ``rebuild=False`` or ``hello=False``.
+
+    ``role`` (``"prefill"``, ``"decode"`` or ``"both"``; None: aggregated, whole
+    requests only) takes part in disaggregated prefill/decode; it needs the hello and
+    a ``capacity`` (requests held at most, a prefill's pinned handoffs counted), and
+    may name the transfer ``domain`` the engine moves KV within (a decode hop goes to a
+    decode of its prefill's domain) and ``transfer``, what a prefill is sent of this
+    decode in SEND_KV when it pushes. :attr:`role_granted` says whether the
+    coordinator took the role (one that does not run P/D sends whole requests).
     """
 
     def __init__(
@@ -168,7 +194,21 @@ class Engine(Following):
         hello: bool = True,
         rebuild: bool = True,
         held_hashes: int = DEFAULT_HELD_HASHES,
+        role: str | None = None,
+        domain: str = "",
+        transfer: Any = None,
     ):
+        if role is not None:
+            if role not in ROLE_NAMES:
+                raise ValueError(
+                    f"role must be one of {', '.join(ROLE_NAMES)} or None, not {role!r}"
+                )
+            if not hello:
+                raise ValueError("coordkit: an Engine's role is said in its hello: hello=False")
+            if capacity < 1:
+                raise ValueError(
+                    f"a {role} engine declares its capacity (at least 1), not {capacity}"
+                )
         self._candidates = Candidates(address)
         if self._candidates.several and not (rebuild and hello):
             raise ValueError(
@@ -187,6 +227,9 @@ class Engine(Following):
         self.capacity = capacity
         self.batch = batch and hello
         self.hello = hello
+        self.role = role
+        self.domain = domain
+        self.transfer = transfer
         # Said in every hello: a registration with another token is another process.
         self._session = secrets.randbits(63) or 1
         self._next_heartbeat = time.monotonic() if heartbeat_interval else math.inf
@@ -240,6 +283,14 @@ class Engine(Following):
     @pending.setter
     def pending(self, value: int) -> None:
         self._core.pending = value
+
+    @property
+    def role_granted(self) -> bool:
+        """Whether the coordinator took this engine's P/D role on the current connection
+        (its ENGINE_ACK named it; see :class:`Engine`)."""
+        return (
+            self._registered and self.role is not None and self.granted.get(ROLE_KEY) == self.role
+        )
 
     @property
     def registered(self) -> bool:
@@ -308,6 +359,44 @@ class Engine(Following):
         """Send the partial replies of one step as ONE batched ENGINE_REPLY_PARTIAL."""
         self._core.reply_partial(partial)
 
+    def handoff(self, handoffs: Iterable[HandoffEntry]) -> None:
+        """Send the prefill hops this step ended as ONE HANDOFF: per request its
+        ``kv_meta`` (any msgpack: what a decode engine needs to read the KV) and the
+        ids of the blocks it pinned for it, until a :class:`ReleaseKV` names it. The
+        coordinator hands both to a decode engine; the request is no longer pending
+        here."""
+        entries, blocks = [], []
+        for rid, kv_meta, src_block_ids in handoffs:
+            entries.append((rid, kv_meta))
+            is_frame = isinstance(src_block_ids, _BYTES_LIKE)
+            blocks.append(src_block_ids if is_frame else protocol.packb(list(src_block_ids)))
+        if not entries:
+            return
+        self._socket.send_multipart(protocol.HANDOFF.pack(entries, blocks), copy=False)
+        self.pending = max(self.pending - len(entries), 0)
+        if self._rebuild is not None:
+            self._rebuild.handed_off([rid for rid, _ in entries])
+
+    def kv_transfer_ready(self, server_rid: int, cached_prefix_blocks: int = 0) -> None:
+        """A decode engine whose prefill pushes: its receives for the request are
+        posted, and its leading ``cached_prefix_blocks`` are cached here already
+        (KV_TRANSFER_READY; the coordinator has the prefill push the rest)."""
+        self._socket.send_multipart(
+            protocol.KV_TRANSFER_READY.pack(server_rid, cached_prefix_blocks)
+        )
+
+    def kv_read_done(self, server_rid: int) -> None:
+        """A decode engine read the request's KV: its prefill may unpin it (KV_READ_DONE)."""
+        self._socket.send_multipart(protocol.KV_READ_DONE.pack(server_rid))
+
+    def request_error(self, server_rid: int, reason: str, source_safe: bool = True) -> None:
+        """A hop failed here (REQUEST_ERROR): a handoff that could not be imported, a
+        transfer that failed; ``source_safe`` False while a transfer may still read the
+        prefill's blocks. The coordinator hands the request to another engine, or ends
+        it; the request is no longer pending here."""
+        self._socket.send_multipart(protocol.REQUEST_ERROR.pack(server_rid, reason, source_safe))
+        self.pending = max(self.pending - 1, 0)
+
     def disconnect(self) -> None:
         """Tell the coordinator this rank takes no new work (send finals for what it holds)."""
         self._socket.send_multipart(protocol.DISCONNECT.pack())
@@ -330,11 +419,17 @@ class Engine(Following):
         if not self.hello:
             return
         # A coordkit engine: multipart in every dialect; read ENGINE_ACK; batches when it asks.
-        hello = {**COORDKIT_HELLO, ACK_FEATURE: 1, SESSION_KEY: self._session}
+        hello: dict[str, Any] = {**COORDKIT_HELLO, ACK_FEATURE: 1, SESSION_KEY: self._session}
         if self.batch:
             hello[BATCH_FEATURE] = 1
         if self.capacity:
             hello[CAPACITY_KEY] = self.capacity
+        if self.role is not None:
+            hello[ROLE_KEY] = self.role
+            if self.domain:
+                hello[DOMAIN_KEY] = self.domain
+            if self.transfer is not None:
+                hello[TRANSFER_KEY] = self.transfer
         if self._rebuild is not None:
             # Until the answer says the rebuild is granted, requests carry no trailer.
             self._rebuild.granted = False
@@ -356,6 +451,14 @@ class Engine(Following):
                 self.address,
                 granted or "nothing more",
             )
+            if self.role is not None and granted.get(ROLE_KEY) != self.role:
+                log.warning(
+                    "coordkit engine %s: the coordinator at %s did not take the role %r: "
+                    "it does not run disaggregated prefill/decode, and sends whole requests",
+                    self.rank,
+                    self.address,
+                    self.role,
+                )
         self._registered = True
         self.granted = granted
         if self._rebuild is not None:

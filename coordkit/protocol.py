@@ -48,7 +48,15 @@ __all__ = [
     "parse_connect",
     "parse_engine_hello",
     "engine_ack",
+    "role_name",
     "Hello",
+    "EngineRole",
+    "ROLE_NAMES",
+    "ROLE_KEY",
+    "CAPACITY_KEY",
+    "DOMAIN_KEY",
+    "TRANSFER_KEY",
+    "HANDOFF_KEY",
     "BATCH_FEATURE",
     "ACK_FEATURE",
     "REBUILD_FEATURE",
@@ -137,6 +145,21 @@ MAX_CAPACITY = (1 << 31) - 1
 #: A request's priority: an int in [PRIORITY_MIN, PRIORITY_MAX], lower served first
 #: (vLLM's convention), 0 by default.
 PRIORITY_MIN, PRIORITY_MAX = -128, 127
+#: The keys of a coordkit engine's ENGINE_HELLO map by which it takes part in
+#: disaggregated prefill/decode (docs/pd.md): its role (a name of ROLE_NAMES; absent:
+#: an aggregated engine, whole requests only), the requests it holds at most (a
+#: prefill's pinned ones counted: required with a role), the transfer domain it moves
+#: KV within (a str; absent: the one domain of every engine that says none), and what
+#: a prefill is sent of it in SEND_KV when it pushes (any msgpack; absent: nil). The
+#: coordinator grants the role by naming it under ROLE_KEY in its ENGINE_ACK.
+ROLE_KEY = "role"
+DOMAIN_KEY = "domain"
+TRANSFER_KEY = "transfer"
+
+#: The sampling-params key that makes a SUBMIT the prefill hop of a P/D request: the
+#: engine computes the prompt's KV, pins it and hands it off instead of generating
+#: (PR #6675's name; the coordinator appends it to the params the client sent).
+HANDOFF_KEY = "do_kv_handoff"
 
 #: Bytes per entry of the optional block-hash frame (little-endian u64).
 BLOCK_HASH_SIZE = 8
@@ -165,12 +188,20 @@ BUDGET_KEYS = ("num_tokens_to_generate", "output_tokens")
 class Header(IntEnum):
     CONNECT = 0
     CONNECT_ACK = 1
+    REGISTER_ROLE_ACK = 2  # Megatron-LM PR #6675's disaggregated prefill/decode (P/D)
     SUBMIT_REQUEST = 20
     ENGINE_REPLY = 21
     ENGINE_REPLY_PARTIAL = 22
     ABORT_REQUEST = 23
     SUBMIT_REQUEST_WITH_KV = 24
     RELEASE_KV = 25
+    SEND_KV = 26
+    # PR #6675's P/D: a role at registration, and the two hops' handshakes
+    REGISTER_ROLE = 27
+    KV_READ_DONE = 28
+    REQUEST_ERROR = 29
+    KV_TRANSFER_READY = 30
+    REQUEST_ABORTED = 31
     PAUSE = 40
     UNPAUSE = 41
     SUSPEND = 42
@@ -197,6 +228,8 @@ class Header(IntEnum):
     HANDLED = 101
     REPLAY = 102
     REPLAYED = 103
+    # a coordkit prefill engine's handoffs (docs/pd.md)
+    HANDOFF = 104
 
 
 #: Control signals a client sends and the coordinator broadcasts to engines.
@@ -230,6 +263,21 @@ CONTROL_TRANSITIONS: dict[tuple[int, int], int] = {
         )
     },
 }
+
+
+class EngineRole(IntEnum):
+    """What an engine takes in disaggregated prefill/decode, as bits: PREFILL takes
+    prefill hops, DECODE decode hops (and whole requests: a short prompt prefilled
+    where it decodes), BOTH either; AGGREGATED (no role said) whole requests only."""
+
+    AGGREGATED = 0
+    PREFILL = 1
+    DECODE = 2
+    BOTH = 3
+
+
+#: A role's name on the wire (ENGINE_HELLO's ROLE_KEY; REGISTER_ROLE's first field).
+ROLE_NAMES = {"prefill": EngineRole.PREFILL, "decode": EngineRole.DECODE, "both": EngineRole.BOTH}
 
 
 class ErrorCode(IntEnum):
@@ -404,6 +452,9 @@ class MessageSpec:
 
     ``optional_frames`` may follow ``payload_frames`` (the block-hash frame of a
     SUBMIT); ``parse`` gives ``None`` for an optional frame that is absent.
+    ``optional_fields`` may end the metadata of a message without payload frames
+    (SEND_KV's ``cached_prefix_blocks``, which main's layout has not); ``parse``
+    gives ``None`` for each one absent, and ``pack`` leaves out trailing ``None`` values.
     """
 
     def __init__(
@@ -413,16 +464,21 @@ class MessageSpec:
         metadata_fields: Sequence[Field] = (),
         payload_frames: Sequence[str] = (),
         optional_frames: Sequence[str] = (),
+        optional_fields: Sequence[Field] = (),
     ):
+        if optional_fields and (payload_frames or optional_frames):
+            raise ValueError(f"{name}: optional fields end a message without payload frames")
         self.name = name
         self.header = header
         self.metadata_fields = tuple(metadata_fields)
+        self.optional_fields = tuple(optional_fields)
         self.payload_frames = tuple(payload_frames)
         self.optional_frames = tuple(optional_frames)
-        names = [f.name for f in self.metadata_fields] + list(self.payload_frames)
-        names += list(self.optional_frames)
+        #: Every metadata field, the optional ones last.
+        self.fields = self.metadata_fields + self.optional_fields
+        names = [f.name for f in self.fields] + [*self.payload_frames, *self.optional_frames]
         self.message_type = namedtuple(  # type: ignore[misc]
-            name, names, defaults=[None] * len(self.optional_frames)
+            name, names, defaults=[None] * (len(self.optional_fields) + len(self.optional_frames))
         )
 
     @property
@@ -436,10 +492,13 @@ class MessageSpec:
     def pack(self, *args: Any, **kwargs: Any) -> list[bytes | Any]:
         """Frames for one message; payload frames are passed through as given."""
         values = list(self.message_type(*args, **kwargs))
-        n_fields = len(self.metadata_fields)
-        for spec, value in zip(self.metadata_fields, values, strict=False):
+        n_fields = len(self.fields)
+        fields = values[:n_fields]
+        while len(fields) > len(self.metadata_fields) and fields[-1] is None:
+            fields.pop()
+        for spec, value in zip(self.fields, fields, strict=False):
             spec.check(self.name, value)
-        frames: list[Any] = [packb([int(self.header), *values[:n_fields]])]
+        frames: list[Any] = [packb([int(self.header), *fields])]
         frames += values[n_fields : n_fields + len(self.payload_frames)]
         frames += [f for f in values[n_fields + len(self.payload_frames) :] if f is not None]
         return frames
@@ -459,6 +518,7 @@ class MessageSpec:
         except ProtocolError as exc:
             exc.rid = self._leading_rid(fields)
             raise
+        fields += [None] * (len(self.fields) - len(fields))
         optional: list[Frame | None] = list(frames[self.min_frames :])
         optional += [None] * (len(self.optional_frames) - len(optional))
         return self.message_type(*fields, *frames[1 : self.min_frames], *optional)
@@ -471,12 +531,13 @@ class MessageSpec:
                 else f"{self.min_frames}-{self.max_frames}"
             )
             raise ProtocolError(f"{self.name}: expected {expected} frames, got {len(frames)}")
-        if len(fields) != len(self.metadata_fields):
+        least, most = len(self.metadata_fields), len(self.fields)
+        if not least <= len(fields) <= most:
+            expected = str(least) if least == most else f"{least}-{most}"
             raise ProtocolError(
-                f"{self.name}: expected {len(self.metadata_fields)} metadata fields, "
-                f"got {len(fields)}"
+                f"{self.name}: expected {expected} metadata fields, got {len(fields)}"
             )
-        for spec, value in zip(self.metadata_fields, fields, strict=True):
+        for spec, value in zip(self.fields, fields, strict=False):
             spec.check(self.name, value)
 
     def _leading_rid(self, fields: list[Any]) -> int | None:
@@ -735,6 +796,9 @@ class Hello(NamedTuple):
     qos: bool = False  # a coordkit client that may send priorities and deadlines
     tenant: str | None = None  # a coordkit client: the tenant it names (None: its own)
     capacity: int = 0  # a coordkit engine: the requests it runs at once (0: none said)
+    role: EngineRole = EngineRole.AGGREGATED  # a coordkit engine's P/D role
+    domain: str = ""  # with a role: the transfer domain it moves KV within
+    transfer: Any = None  # with a role: what a pushing prefill is sent of it (SEND_KV)
 
 
 _rid = Field("rid", int)
@@ -862,6 +926,72 @@ SINGLE_CLIENT_REPLY = MessageSpec(
 )
 
 
+# Disaggregated prefill/decode (P/D, docs/pd.md): the messages of both hops. Those of
+# PR #6675 (Megatron-LM, "Disaggregated Inference: End2End") are one frame each, as
+# main's; a coordkit engine sends and takes the same metadata frames, and HANDOFF.
+
+#: A coordkit prefill engine's handoffs, the prefill hops it ended: ``[104, [[rid,
+#: kv_meta], ...]]`` and one ``src_block_ids`` frame per entry (a msgpack array of the
+#: pinned blocks' ids). The coordinator puts ``kv_meta`` and the frame, as they came,
+#: into the request's SUBMIT_REQUEST_WITH_KV to a decode engine.
+HANDOFF = BatchedMessageSpec("HANDOFF", Header.HANDOFF, [_rid, Field("kv_meta")])
+#: To a prefill engine whose decode pushes (NCCL): push request ``rid``'s pinned
+#: blocks from ``cached_prefix_blocks`` on to the decode ``decode_meta`` describes
+#: (a #6675 decode's REGISTER_ROLE metadata, a coordkit decode's TRANSFER_KEY).
+#: Main's layout has no ``cached_prefix_blocks`` (a prefill then takes 0).
+SEND_KV = MessageSpec(
+    "SEND_KV",
+    Header.SEND_KV,
+    [_rid, Field("decode_meta")],
+    optional_fields=[Field("cached_prefix_blocks", int)],
+)
+#: From a decode engine: it imported request ``rid``'s KV; the prefill's blocks may
+#: be released.
+KV_READ_DONE = MessageSpec("KV_READ_DONE", Header.KV_READ_DONE, [_rid])
+#: From a decode engine whose prefill pushes: its receives for ``rid`` are posted; its
+#: leading ``cached_prefix_blocks`` need not be sent (the coordinator sends SEND_KV).
+KV_TRANSFER_READY = MessageSpec(
+    "KV_TRANSFER_READY", Header.KV_TRANSFER_READY, [_rid, Field("cached_prefix_blocks", int)]
+)
+#: A request failed at an engine (engine -> coordinator), or its terminal error (P/D
+#: coordinator -> #6675 client, ``rid`` the client's): ``source_safe`` says whether
+#: the prefill's blocks may be reused (False: a transfer may still read them).
+REQUEST_ERROR = MessageSpec(
+    "REQUEST_ERROR",
+    Header.REQUEST_ERROR,
+    [_rid, Field("reason", str), Field("source_safe", bool)],
+)
+#: An abort done (engine -> coordinator -> #6675 client), ``source_safe`` as above.
+REQUEST_ABORTED = MessageSpec(
+    "REQUEST_ABORTED", Header.REQUEST_ABORTED, [_rid, Field("source_safe", bool)]
+)
+#: A #6675 engine's registration, instead of the empty frame: ``[27, role, transport,
+#: instance_meta]``. Any values: each is refused by its own text
+#: (coordkit._pd.check_register_role), as #6675 refuses it, never by its type here.
+REGISTER_ROLE = MessageSpec(
+    "REGISTER_ROLE",
+    Header.REGISTER_ROLE,
+    [Field("role"), Field("transport"), Field("instance_meta")],
+)
+REGISTER_ROLE_ACK = MessageSpec("REGISTER_ROLE_ACK", Header.REGISTER_ROLE_ACK)
+#: The refusal of a REGISTER_ROLE: ``[29, reason]``, REQUEST_ERROR's header with one field.
+ROLE_REFUSED = MessageSpec("ROLE_REFUSED", Header.REQUEST_ERROR, [Field("reason", str)])
+#: The decode hop to a #6675 engine: ``[24, rid, prompt, sampling_params, kv_meta,
+#: src_block_ids]``, the client's prompt and params, the prefill's kv_meta and blocks
+#: (the hop to its prefill is SINGLE_SUBMIT_REQUEST: #6675 has no multimodal field).
+SINGLE_SUBMIT_REQUEST_WITH_KV = MessageSpec(
+    "SINGLE_SUBMIT_REQUEST_WITH_KV",
+    Header.SUBMIT_REQUEST_WITH_KV,
+    [
+        _rid,
+        Field("prompt", (str, list)),
+        _sampling,
+        Field("kv_meta", dict),
+        Field("src_block_ids", list),
+    ],
+)
+
+
 def _feature(value: Any) -> bool:
     return type(value) is int and value >= 1
 
@@ -920,16 +1050,42 @@ def parse_connect(frames: Sequence[Frame]) -> Hello:
 
 
 def parse_engine_hello(frames: Sequence[Frame]) -> Hello:
-    """What an ENGINE_HELLO says; ProtocolError when it is not one."""
-    return _hello(ENGINE_HELLO.parse(frames).hello)
+    """What an ENGINE_HELLO says; ProtocolError when it is not one, or when a coordkit
+    engine's P/D role is not one (an unknown role, no capacity of at least 1 with a
+    role, a domain not a str): taken as aggregated, it would be sent what it cannot do."""
+    fields = ENGINE_HELLO.parse(frames).hello
+    hello = _hello(fields)
+    name = fields.get(ROLE_KEY)
+    if not hello.coordkit or name is None:
+        return hello
+    role = ROLE_NAMES.get(name) if isinstance(name, str) else None
+    if role is None:
+        raise ProtocolError(f"ENGINE_HELLO: unknown role {name!r}")
+    capacity = fields.get(CAPACITY_KEY)
+    if type(capacity) is not int or not 1 <= capacity <= MAX_CAPACITY:
+        raise ProtocolError(f"ENGINE_HELLO: a {name} engine's capacity must be an int >= 1")
+    domain = fields.get(DOMAIN_KEY, "")
+    if not isinstance(domain, str):
+        raise ProtocolError("ENGINE_HELLO: the transfer domain must be a str")
+    return hello._replace(
+        role=role, capacity=capacity, domain=domain, transfer=fields.get(TRANSFER_KEY)
+    )
 
 
-def engine_ack(hello: Hello, epoch: int) -> list[bytes]:
+def role_name(role: int) -> str:
+    """A P/D role's name on the wire (``"aggregated"`` for none)."""
+    return EngineRole(role).name.lower()
+
+
+def engine_ack(hello: Hello, epoch: int, roles: bool = False) -> list[bytes]:
     """The ENGINE_ACK answering the hello of an engine that reads it: what it was granted
-    (the rebuild with the coordinator's ``epoch``, when asked)."""
-    granted: dict[str, int] = {BATCH_FEATURE: 1} if hello.batch else {}
+    (the rebuild with the coordinator's ``epoch``, when asked; its P/D role, named, by a
+    coordinator that runs P/D: ``roles``)."""
+    granted: dict[str, Any] = {BATCH_FEATURE: 1} if hello.batch else {}
     if hello.rebuild:
         granted.update({REBUILD_FEATURE: 1, EPOCH_KEY: epoch, HELD_ALL_KEY: 1})
+    if roles and hello.role:
+        granted[ROLE_KEY] = role_name(hello.role)
     return ENGINE_ACK.pack(granted)
 
 

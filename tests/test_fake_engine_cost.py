@@ -170,7 +170,7 @@ def test_engine_process_with_the_h100_model(router):
     with engine_processes(address, [1], *options, stderr=subprocess.PIPE, text=True):
         assert socket.recv_multipart() == [b"engine-1", b""]
         identity, hello = socket.recv_multipart()
-        assert identity == b"engine-1" and engine_hello(hello) == HELLO
+        assert identity == b"engine-1" and engine_hello(hello) == {**HELLO, "capacity": 8}
         params = {"block_ids": [7, 8], "output_tokens": 2}
         socket.send_multipart([b"engine-1", packb([SUBMIT, 3, params]), packb([0] * 600)])
         _, meta, body = socket.recv_multipart()

@@ -44,11 +44,13 @@ from ..client import Client
 from ..coordinator import REMOVED_OPTIONS
 from ..curve import keygen
 from ..election import DEFAULT_TTL, Election
+from ..protocol import ROLE_NAMES
 from .demo import COMPARED_POLICIES, SUFFIX_TOKENS
 from .demo import run as run_demo
 from .fake_engine import COST_MODELS, DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK_SIZE
 from .fake_engine import run as run_fake_engine
 from .options import Parser, add_removed, run
+from .pd import DEFAULT_PD_THRESHOLD
 from .replay import DEFAULT_BLOCK_SIZE as REPLAY_BLOCK_SIZE
 from .replay import DEFAULT_CACHE_BLOCKS as REPLAY_CACHE_BLOCKS
 from .replay import run as run_replay
@@ -341,6 +343,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"run {' then '.join(COMPARED_POLICIES)} and show both (ignores --policy)",
     )
+    _add_pd(demo)
 
     replay = commands.add_parser(
         "replay",
@@ -414,6 +417,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run each policy a second time, its coordinator a process SIGKILLed and started "
         "again once FRACTION of the requests went out (default: no failover)",
     )
+    _add_pd(replay)
     replay.add_argument(
         "--held-hashes",
         type=_non_negative_int,
@@ -550,6 +554,32 @@ def _parser() -> argparse.ArgumentParser:
         help="tokens prefilled per step at most (default: the cost model's, 8192)",
     )
     fake.add_argument(
+        "--transfer-rate",
+        type=float,
+        metavar="TOKENS_PER_S",
+        help="a decode's KV import, in tokens of the blocks moved per second; 0: only the "
+        "latency (default: the cost model's, 0 for none, 100000 for h100)",
+    )
+    fake.add_argument(
+        "--transfer-latency",
+        type=float,
+        metavar="S",
+        help="the fixed time of each KV import (default: the cost model's, 0 for none, "
+        "0.002 for h100)",
+    )
+    fake.add_argument(
+        "--role",
+        choices=sorted(ROLE_NAMES),
+        help="its role in disaggregated prefill/decode (default: none, an aggregated engine)",
+    )
+    fake.add_argument(
+        "--domain",
+        default="",
+        metavar="NAME",
+        help="with --role: the transfer domain it moves KV within (default: the one of "
+        "every engine that names none)",
+    )
+    fake.add_argument(
         "--speedup",
         type=float,
         default=1.0,
@@ -640,6 +670,31 @@ def _add_prefix_model(parser: argparse.ArgumentParser) -> None:
         "prefix: each request's decode share, in prompt tokens' worth of work",
     )
     add_removed(parser, REMOVED_OPTIONS)
+
+
+def _add_pd(parser: argparse.ArgumentParser) -> None:
+    """Disaggregated prefill/decode, aggregated against P/D and conditional P/D (demo,
+    replay alike)."""
+    parser.add_argument(
+        "--pd",
+        action="store_true",
+        help="run the load aggregated, disaggregated (prefill and decode engines) and "
+        "conditionally disaggregated, each on a fresh cluster, side by side (docs/pd.md)",
+    )
+    parser.add_argument(
+        "--prefill-engines",
+        type=_positive_int,
+        metavar="N",
+        help="--pd: engines that prefill, the others decode (default: half of --engines)",
+    )
+    parser.add_argument(
+        "--pd-threshold",
+        type=_non_negative_int,
+        default=DEFAULT_PD_THRESHOLD,
+        metavar="TOKENS",
+        help="--pd: conditional P/D runs a prompt of at most this many tokens its decode "
+        "engine does not cache there, whole",
+    )
 
 
 def _add_coordinator_choices(

@@ -3,8 +3,10 @@
 Each run is a cluster of its own on ipc sockets in a temporary directory: the
 coordinator on a thread of this process, ``coordkit fake-engine`` processes,
 and an asyncio client keeping ``--concurrency`` requests in flight. The table
-has one column per run; ``--compare-policies`` runs one cluster per policy.
-:mod:`coordkit.tools.cli` parses the options.
+has one column per run; ``--compare-policies`` runs one cluster per policy, and
+``--pd`` one aggregated, one disaggregated and one conditionally disaggregated
+(:mod:`coordkit.tools.pd`), streaming, with their time to first token and
+inter-token latency. :mod:`coordkit.tools.cli` parses the options.
 
 ``--trace-sample P`` traces that share of the requests (the otel extra): the client,
 the coordinator and the engines export their spans to a receiver of the demo's own
@@ -33,6 +35,7 @@ from .. import Coordinator, Implementation
 from ..client import Client, CoordinatorError
 from ..tracing import span_exporters, tracer_provider
 from .engines import fake_engine_processes
+from .pd import PDRun, coordinator_options, pd_runs
 
 __all__ = ["run", "COMPARED_POLICIES", "SUFFIX_TOKENS"]
 
@@ -45,7 +48,10 @@ _REQUEST_SPANS = ("coordkit.submit", "coordkit.stream")  # the client's spans
 
 @dataclass
 class _Results:
+    pd: PDRun | None = None  # --pd: which of its clusters
     latencies: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)  # streaming: to the first part
+    itl: list[float] = field(default_factory=list)  # streaming: per request, first to last
     ranks: Counter[int] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     cached_blocks: int = 0
@@ -117,13 +123,23 @@ def _traced(args: argparse.Namespace) -> Iterator[_Traces | None]:
 
 
 def run(impl: Implementation, args: argparse.Namespace) -> int:
-    """Run the load on ``impl``'s coordinator, one cluster per policy, and print the table."""
+    """Run the load on ``impl``'s coordinator, one cluster per policy (or per --pd
+    run), and print the table."""
     policies = COMPARED_POLICIES if args.compare_policies else (args.policy,)
+    plan: list[tuple[str, PDRun | None]] = [(policy, None) for policy in policies]
+    if args.pd:
+        if args.compare_policies:
+            raise ValueError("--pd runs one policy (--policy), not --compare-policies")
+        clusters = pd_runs(args.engines, args.prefill_engines, args.pd_threshold)
+        for each in clusters:
+            coordinator_options(each)  # a coordinator that does not run P/D: said at once
+        plan = [(args.policy, each) for each in clusters]
+        args.stream = True  # their times to first token
     prompt = _workload(args)
     runs: dict[str, _Results] = {}
     with _traced(args) as traces:
-        for policy in policies:
-            runs[policy] = results = _Results()
+        for policy, cluster in plan:
+            runs[policy if cluster is None else cluster.label] = results = _Results(cluster)
             try:
                 _run_cluster(impl, policy, prompt, args, results, traces)
             except (ConnectionError, TimeoutError) as exc:
@@ -196,15 +212,18 @@ def _run_cluster(
     with tempfile.TemporaryDirectory(prefix="coordkit-demo-") as tmp:
         address = f"ipc://{tmp}/coordinator.sock"
         options = {k: getattr(args, k) for k in _ROUTER_OPTIONS if getattr(args, k) is not None}
+        if results.pd is not None:
+            options.update(coordinator_options(results.pd))
         if traces is not None:
             options.update(trace_sample=args.trace_sample, trace_exporter=traces.coordinator)
         coord = Coordinator(address, implementation=impl.name, policy=policy, **options)
         coord.start()
         env = traces.env if traces is not None else None
         client = traces.client if traces is not None else None
+        roles = () if results.pd is None else results.pd.roles
         try:
             with fake_engine_processes(
-                address, args.engines, _engine_options(args), env
+                address, args.engines, _engine_options(args), roles, env
             ) as engines:
                 load = _run_load(address, policy, prompt, args, results, engines, client)
                 asyncio.run(load)
@@ -256,16 +275,23 @@ async def _run_load(
             for i in indices:
                 tokens = prompt(i)
                 sent = time.perf_counter()
+                first = None
                 try:
                     if args.stream:
-                        stream = client.stream(tokens, block_size=block_size)
-                        reply = [part async for part in stream][-1]
+                        async for part in client.stream(tokens, block_size=block_size):
+                            first = first or time.perf_counter()
+                            reply = part  # the last one is the final
                     else:
                         reply = await client.submit(tokens, block_size=block_size)
                 except CoordinatorError as exc:
                     results.errors[getattr(exc.code, "name", str(exc.code))] += 1
                 else:
-                    results.latencies.append(time.perf_counter() - sent)
+                    done = time.perf_counter()
+                    results.latencies.append(done - sent)
+                    if first is not None:
+                        results.ttft.append(first - sent)
+                        if args.output_tokens > 1:
+                            results.itl.append((done - first) / (args.output_tokens - 1))
                     results.ranks[reply["rank"]] += 1
                     results.cached_blocks += reply.get("cached_blocks", 0)
                     results.prompt_blocks += reply.get("prompt_blocks", 0)
@@ -314,7 +340,7 @@ def _rows(
         }
     rows = {
         "implementation": implementation,
-        "policy": policy,
+        "policy": policy if results.pd is None else f"{args.policy}, {policy}",
         "engines": str(args.engines),
         "requests": requests,
         "errors": errors,
@@ -325,6 +351,10 @@ def _rows(
         "latency p50": _percentile_ms(latencies, 50),
         "latency p99": _percentile_ms(latencies, 99),
     }
+    if args.stream:
+        ttft, itl = sorted(results.ttft), sorted(results.itl)
+        rows["TTFT p50"], rows["TTFT p99"] = _percentile_ms(ttft, 50), _percentile_ms(ttft, 99)
+        rows["ITL p50"], rows["ITL p99"] = _percentile_ms(itl, 50), _percentile_ms(itl, 99)
     if args.shared_prefixes is not None or args.compare_policies:
         rows["prefix cache"] = f"{args.cache_blocks} blocks of {args.block_size} tokens"
         rows["prefix cache hit rate"] = _hit_rate(results)

@@ -22,14 +22,22 @@ STOP_TIMEOUT = 5.0  # seconds a terminated engine process gets before SIGKILL
 
 @contextlib.contextmanager
 def fake_engine_processes(
-    address: str, count: int, options: Sequence[str], env: Mapping[str, str] | None = None
+    address: str,
+    count: int,
+    options: Sequence[str],
+    roles: Sequence[str | None] = (),
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """``count`` ``coordkit fake-engine`` processes (ranks 0..count-1) with ``options``
-    (and ``env`` added to this process's environment), stopped on exit -- before the
-    coordinator, so that it can still take their DISCONNECT."""
+    """``count`` ``coordkit fake-engine`` processes (ranks 0..count-1) with ``options``,
+    rank ``r`` with ``--role roles[r]`` when ``roles`` names one (and ``env`` added to
+    this process's environment), stopped on exit -- before the coordinator, so that it
+    can still take their DISCONNECT."""
     engines: list[subprocess.Popen[bytes]] = []
     try:
-        engines += (_spawn(address, rank, options, env or {}) for rank in range(count))
+        for rank in range(count):
+            role = roles[rank] if rank < len(roles) else None
+            own = [*options, "--role", role] if role else options
+            engines.append(_spawn(address, rank, own, env or {}))
         yield engines
     finally:
         _stop(engines)

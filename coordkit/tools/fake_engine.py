@@ -8,13 +8,18 @@ fake-engine``), whose options :mod:`coordkit.tools.cli` parses for :func:`run`.
 
 With a cost model it also takes the time a real engine would: prefill time
 in proportion to the prompt tokens its prefix cache does not hold, decode
-steps that grow with the running batch (see :data:`H100`).
+steps that grow with the running batch, KV transfers in proportion to the
+blocks moved (see :data:`H100`). With a role it takes part in disaggregated
+prefill/decode (docs/pd.md): a prefill hands each prefill hop's KV off and
+pins it, a decode imports a handoff and generates (``--role``).
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import logging
+import math
 import os
 import signal
 import struct
@@ -32,7 +37,7 @@ from .._held import DEFAULT_HELD_HASHES
 from .._liveness import DEFAULT_COORDINATOR_TIMEOUT
 from .._shared import logger
 from ..curve import KeySource, ServerKey
-from ..engine import Abort, Control, Engine, Event, Request
+from ..engine import Abort, Control, Engine, Event, ReleaseKV, Request, SendKV
 from ..protocol import BLOCK_HASH_SIZE, Header, block_hashes, unpackb
 from ..tracing import asked, configure, end_span, engine_span, tracer_of
 
@@ -61,7 +66,10 @@ class CostModel(NamedTuple):
     (tokens prefilled in it) / prefill_rate``; it prefills at most
     ``prefill_chunk`` tokens (chunked prefill, first come first served) and
     runs at most ``max_batch`` requests (continuous batching).
-    ``prefill_rate == 0`` makes prefill take no time.
+    ``prefill_rate == 0`` makes prefill take no time. A decode engine's import of
+    a handoff takes ``transfer_latency + (tokens moved) / transfer_rate``, the
+    tokens of the blocks it does not cache already, one transfer at a time on its
+    link (``transfer_rate == 0``: only the latency).
     """
 
     step_time: float
@@ -69,6 +77,8 @@ class CostModel(NamedTuple):
     decode_per_seq: float
     prefill_chunk: int
     max_batch: int
+    transfer_rate: float = 0.0
+    transfer_latency: float = 0.0
 
 
 #: No cost: steps of ``latency`` seconds (0 by default), prefill free. The default.
@@ -80,9 +90,18 @@ NO_COST = CostModel(0.0, 0.0, 0.0, 8192, 64)
 #: the 140 GB of weights once (4 * 3.35 TB/s: ~10 ms, ~20 ms with the
 #: all-reduces and kernel launches) plus each sequence's KV cache (~0.3 MB a
 #: token: ~0.1 ms a step for a 4 000-token context). 8 192 tokens a step and 256
-#: sequences are the order of vLLM's max_num_batched_tokens and max_num_seqs.
+#: sequences are the order of vLLM's max_num_batched_tokens and max_num_seqs. A KV
+#: transfer between engines moves ~0.3 MB a token: at ~33 GB/s (a 400 Gb/s RDMA NIC at
+#: about two thirds of its line rate) that is 100 000 tokens/s, after ~2 ms of setup
+#: (registering the blocks, the first round trip).
 H100 = CostModel(
-    step_time=0.020, prefill_rate=10_000.0, decode_per_seq=0.0001, prefill_chunk=8192, max_batch=256
+    step_time=0.020,
+    prefill_rate=10_000.0,
+    decode_per_seq=0.0001,
+    prefill_chunk=8192,
+    max_batch=256,
+    transfer_rate=100_000.0,
+    transfer_latency=0.002,
 )
 COST_MODELS = {"none": NO_COST, "h100": H100}
 
@@ -113,6 +132,12 @@ class _Job:
     tokens: list[int] = field(default_factory=list)
     streamed: int = 0  # tokens sent in partials so far
     span: Any = None  # its trace span when its client traced it: from arrival to its final
+    handoff: bool = False  # a prefill hop: its KV handed off, pinned, after its first token
+    imported: bool = False  # a decode hop: its KV imported, not prefilled
+
+
+#: A P/D role's FakeEngine counters (FakeEngine.stats()).
+_PD_COUNTERS = ("handoffs", "releases", "send_kv", "imports", "blocks_moved", "read_done")
 
 
 class FakeEngine(Engine):
@@ -175,6 +200,25 @@ class FakeEngine(Engine):
     <coordkit.engine.Request.traceparent>`) gets a span ``fake-engine.request`` in that
     trace, from its arrival to its final (:func:`coordkit.tracing.engine_span`), made
     with ``tracer_provider`` or the global provider the application set; none without.
+
+    ``role`` (``"prefill"``, ``"decode"``, ``"both"``; None: aggregated) and
+    ``domain`` are the Engine's too, its capacity ``max_batch``; whatever its role,
+    it runs a whole request (a SUBMIT that is not a hop) as above. A prefill hop
+    (:meth:`Request.prefill_hop <coordkit.engine.Request.prefill_hop>`) is prefilled
+    as any request and gets its first token; then, instead of generating, the
+    engine pins ``ceil(prompt tokens / prefix_block_size)`` new block ids for it and
+    sends :meth:`~coordkit.engine.Engine.handoff` with ``kv_meta`` ``{"engine",
+    "resume_tokens" (the first token), "cached_blocks" (its prefix-cache hits),
+    "block_size"}``; the pins stay until a RELEASE_KV names the request. A hop whose
+    request wants one token only is ended whole, with a final. A decode hop (a
+    handoff) is first imported: its blocks, less the leading ones this engine's
+    prefix cache holds, take ``transfer_latency + blocks * prefix_block_size /
+    transfer_rate`` (one transfer at a time, FIFO), then it sends KV_READ_DONE (and,
+    streaming, a partial with the first token), joins the batch without a prefill
+    and generates from the prefill's first token: a request's tokens are the same
+    whole or disaggregated. Its bodies' ``cached_blocks`` are the prefill's hits.
+    It imports by reading (NIXL's way): a SEND_KV is counted, nothing more.
+    :meth:`stats` counts the pins, handoffs, releases and transfers.
     """
 
     def __init__(
@@ -200,6 +244,8 @@ class FakeEngine(Engine):
         curve_keys: KeySource | None = None,
         held_hashes: int = DEFAULT_HELD_HASHES,
         tracer_provider: Any = None,
+        role: str | None = None,
+        domain: str = "",
     ):
         # latency and max_batch, when given, override the cost model's.
         cost = cost._replace(
@@ -210,7 +256,8 @@ class FakeEngine(Engine):
             raise ValueError(
                 "output_tokens, max_batch, cache_blocks and prefix_block_size must be at least 1"
             )
-        if min(cost.step_time, cost.prefill_rate, cost.decode_per_seq) < 0:
+        rates = (cost.prefill_rate, cost.transfer_rate, cost.transfer_latency)
+        if min(cost.step_time, cost.decode_per_seq, *rates) < 0:
             raise ValueError("the cost model's times and rates must be >= 0")
         if cost.prefill_chunk < 1 or not speedup > 0:
             raise ValueError("prefill_chunk must be at least 1 and speedup above 0")
@@ -219,7 +266,8 @@ class FakeEngine(Engine):
             rank,
             identity,
             heartbeat_interval=heartbeat_interval,
-            capacity=max_batch or 0,
+            # its batch given, or with a P/D role (which needs one): declared
+            capacity=max_batch or (cost.max_batch if role else 0),
             context=context,
             batch=batch,
             implementation=implementation,
@@ -227,6 +275,8 @@ class FakeEngine(Engine):
             curve_server_key=curve_server_key,
             curve_keys=curve_keys,
             held_hashes=held_hashes,
+            role=role,
+            domain=domain,
         )
         self.cost = cost
         self.speedup = speedup
@@ -244,6 +294,27 @@ class FakeEngine(Engine):
         #: Seconds of model time spent in steps (wall time * speedup).
         self.busy = 0.0
         self._tracer = tracer_of(tracer_provider)
+        # P/D: a prefill's pinned block ids by request, the next id to pin; a decode's
+        # imports in flight, by when their transfer ends (wall clock), and when its
+        # link is free.
+        self._pins: dict[int, list[int]] = {}
+        self._next_block = 1
+        self._importing: dict[int, _Job] = {}
+        self._transfers: list[tuple[float, int]] = []  # a heap of (done, rid)
+        self._link_free = 0.0
+        self._pd = dict.fromkeys(_PD_COUNTERS, 0)
+
+    def stats(self) -> dict[str, Any]:
+        """What the engine holds and did in P/D: ``pinned`` (requests whose blocks
+        stay pinned), ``pinned_blocks``, ``importing``, and the counts of handoffs,
+        releases, SEND_KVs, imports, blocks moved and KV_READ_DONEs."""
+        return {
+            "role": self.role or "aggregated",
+            "pinned": len(self._pins),
+            "pinned_blocks": sum(len(ids) for ids in self._pins.values()),
+            "importing": len(self._importing),
+            **self._pd,
+        }
 
     @staticmethod
     def generate(prompt: Sequence[int] | str | bytes, n: int, vocab_size: int = 32000) -> list[int]:
@@ -266,8 +337,9 @@ class FakeEngine(Engine):
 
     def step(self) -> bool:
         """One engine step; False once STOP has arrived."""
+        self._land_imports()
         if not self._generating():
-            self._take(self.poll(_IDLE_WAIT))
+            self._take(self.poll(self._idle_wait()))
             return self.state != STOPPED
         self._take(self.poll(0))
         if not self._generating():  # aborted or paused meanwhile
@@ -295,7 +367,7 @@ class FakeEngine(Engine):
                 params = event.sampling_params if isinstance(event.sampling_params, dict) else {}
                 prompt = _decode_prompt(event.prompt)
                 ids = params.get("block_ids")
-                self._waiting[event.server_rid] = _Job(
+                job = _Job(
                     event.server_rid,
                     _seed(prompt),
                     _context_tokens(prompt),
@@ -306,14 +378,27 @@ class FakeEngine(Engine):
                     _prompt_tokens(prompt),
                     _positive(params.get("max_partials")),
                 )
+                if event.prefill_hop() and job.output_tokens > 1:
+                    job.handoff, job.output_tokens = True, 1
+                if event.decode_hop():
+                    self._import(job, event)
+                else:
+                    self._waiting[event.server_rid] = job
                 if event.traceparent is not None and self._tracer is not None:
-                    span = engine_span(event, self._tracer, "fake-engine.request")
-                    self._waiting[event.server_rid].span = span
+                    job.span = engine_span(event, self._tracer, "fake-engine.request")
             elif isinstance(event, Abort):
                 rid = event.server_rid
-                job = self._waiting.pop(rid, None) or self._active.pop(rid, None)
-                if job is not None:
-                    aborted.append(job)
+                dropped = (
+                    self._waiting.pop(rid, None)
+                    or self._active.pop(rid, None)
+                    or self._importing.pop(rid, None)  # its transfer is dropped
+                )
+                if dropped is not None:
+                    aborted.append(dropped)
+            elif isinstance(event, ReleaseKV):
+                self._pd["releases"] += self._pins.pop(event.rid, None) is not None
+            elif isinstance(event, SendKV):
+                self._pd["send_kv"] += 1  # it imports by reading: nothing is pushed
             elif isinstance(event, Control) and self.state != STOPPED:  # STOP is final
                 if event.header == Header.SET_GENERATION_EPOCH:
                     self.epoch = event.epoch
@@ -378,26 +463,34 @@ class FakeEngine(Engine):
         set what is left to prefill (with a prefill rate)."""
         if job.blocks is not None:
             cache = self._prefix_cache
-            # A prefix cache reuses KV only up to the first missing block.
-            job.cached_blocks = next(
-                (i for i, block in enumerate(job.blocks) if block not in cache), len(job.blocks)
-            )
+            if not job.imported:  # an import reports its prefill's hits
+                job.cached_blocks = self._cached_prefix(job.blocks)
             for block in job.blocks:
                 cache[block] = None
                 cache.move_to_end(block)
             while len(cache) > self.cache_blocks:
                 cache.popitem(last=False)
-        if self.cost.prefill_rate:
+        if self.cost.prefill_rate and not job.imported:
             cached = job.cached_blocks * self.prefix_block_size
             job.prefill_left = max(job.prompt_tokens - cached, 1)
 
+    def _cached_prefix(self, blocks: list[Any]) -> int:
+        """The leading blocks the prefix cache holds: a cache reuses KV up to its first miss."""
+        cache = self._prefix_cache
+        return next((i for i, block in enumerate(blocks) if block not in cache), len(blocks))
+
     def _abort_all(self) -> None:
-        jobs = [*self._active.values(), *self._waiting.values()]
+        jobs = [*self._active.values(), *self._waiting.values(), *self._importing.values()]
         self._active.clear()
         self._waiting.clear()
+        self._importing.clear()
+        self._transfers.clear()
         self._finish(jobs, "aborted")
 
     def _finish(self, jobs: list[_Job], status: str) -> None:
+        if status == "finished" and any(job.handoff for job in jobs):
+            self._hand_off([job for job in jobs if job.handoff])
+            jobs = [job for job in jobs if not job.handoff]
         for job in jobs:  # a span ends as its final leaves, not after its client had it
             if job.span is not None:
                 job.span.set_attribute("coordkit.rank", self.rank)
@@ -414,6 +507,79 @@ class FakeEngine(Engine):
         body["new_tokens"] = job.tokens[job.streamed :]
         job.streamed = len(job.tokens)
         return body
+
+    # -- P/D --------------------------------------------------------------------------------
+
+    def _hand_off(self, jobs: list[_Job]) -> None:
+        """Prefill hops with their first token: their blocks pinned, their KV handed off."""
+        handoffs = []
+        for job in jobs:
+            count = max(math.ceil(job.prompt_tokens / self.prefix_block_size), 1)
+            ids = list(range(self._next_block, self._next_block + count))
+            self._next_block += count
+            self._pins[job.server_rid] = ids
+            kv_meta = {
+                "engine": self.identity.decode(errors="replace"),
+                "resume_tokens": job.tokens[:1],
+                "cached_blocks": job.cached_blocks,
+                "block_size": self.prefix_block_size,
+            }
+            handoffs.append((job.server_rid, kv_meta, ids))
+        self._pd["handoffs"] += len(handoffs)
+        self.handoff(handoffs)
+
+    def _import(self, job: _Job, event: Request) -> None:
+        """A decode hop: its transfer starts when this engine's link is free, and takes
+        the time the blocks it does not cache take to move."""
+        kv_meta = event.kv_meta if isinstance(event.kv_meta, dict) else {}
+        resume = kv_meta.get("resume_tokens")
+        job.imported = True
+        job.tokens = list(resume[:1]) if _int_list(resume) else []
+        job.context += sum(job.tokens)  # its context: the prompt, then the prefill's token
+        job.context_tokens += len(job.tokens)
+        cached = kv_meta.get("cached_blocks")
+        job.cached_blocks = cached if type(cached) is int else 0
+        try:
+            blocks = event.src_blocks()
+        except Exception:  # not msgpack: nothing to read
+            blocks = None
+        here = 0 if job.blocks is None else self._cached_prefix(job.blocks)
+        moved = max(len(blocks) - here, 0) if isinstance(blocks, list) else 0
+        cost = self.cost
+        seconds = cost.transfer_latency
+        if cost.transfer_rate:
+            seconds += moved * self.prefix_block_size / cost.transfer_rate
+        start = max(time.monotonic(), self._link_free)
+        self._link_free = done = start + seconds / self.speedup
+        heapq.heappush(self._transfers, (done, job.server_rid))
+        self._importing[job.server_rid] = job
+        self._pd["imports"] += 1
+        self._pd["blocks_moved"] += moved
+
+    def _idle_wait(self) -> float:
+        """How long an idle step waits for messages: until the next transfer ends, at most."""
+        if not self._transfers:
+            return _IDLE_WAIT
+        return min(max(self._transfers[0][0] - time.monotonic(), 0.0), _IDLE_WAIT)
+
+    def _land_imports(self) -> None:
+        """Imports whose transfer ended: KV_READ_DONE, the first token when streaming,
+        and into the batch (or ended, when the first token was all it wanted)."""
+        now = time.monotonic()
+        while self._transfers and self._transfers[0][0] <= now:
+            _, rid = heapq.heappop(self._transfers)
+            job = self._importing.pop(rid, None)
+            if job is None:
+                continue  # aborted meanwhile
+            self.kv_read_done(rid)
+            self._pd["read_done"] += 1
+            if len(job.tokens) >= job.output_tokens:
+                self._finish([job], "finished")
+                continue
+            if job.tokens and job.stream:  # max_partials is at least 1
+                job.partials += 1
+                self.reply_partial([(rid, self._partial(job))])
+            self._waiting[rid] = job
 
     def _body(self, job: _Job, status: str) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -498,6 +664,8 @@ def run(args: argparse.Namespace) -> int:
         "prefill_rate": args.prefill_rate,
         "decode_per_seq": args.decode_per_seq,
         "prefill_chunk": args.prefill_chunk,
+        "transfer_rate": args.transfer_rate,
+        "transfer_latency": args.transfer_latency,
     }
     cost = cost._replace(**{k: v for k, v in overrides.items() if v is not None})
     with FakeEngine(
@@ -516,6 +684,8 @@ def run(args: argparse.Namespace) -> int:
         curve_keys=args.curve_keys,
         held_hashes=args.held_hashes,
         tracer_provider=provider,
+        role=args.role,
+        domain=args.domain,
     ) as engine:
         engine.run(stop)
     if provider is not None:

@@ -24,6 +24,12 @@ of the requests went out, and a new one started at the same address at once.
 The engines and the client ride through it (docs/failover.md); the prefix
 policy's table comes back from the engines' HELD reports, and the two runs'
 prefix-cache hit rates say what the failover cost the affinity.
+
+``--pd`` runs the trace aggregated, disaggregated (``--prefill-engines`` of the
+engines prefill, the others decode) and conditionally disaggregated (prompts of at
+most ``--pd-threshold`` uncached tokens run whole on a decode engine), side by side
+(:mod:`coordkit.tools.pd`, docs/pd.md). Every run reports the inter-token latency:
+per request, the time from its first token to its last over the tokens between.
 :mod:`coordkit.tools.cli` parses the options.
 """
 
@@ -52,6 +58,8 @@ from .. import Coordinator, Implementation, __version__
 from .._policies import POLICIES
 from ..client import Client, CoordinatorError
 from .engines import CoordinatorProcess, fake_engine_processes
+from .fake_engine import COST_MODELS
+from .pd import PDRun, coordinator_options, pd_runs
 
 __all__ = ["TraceRequest", "load_trace", "run", "DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_BLOCKS"]
 
@@ -104,8 +112,10 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
 class _Results:
     policy: str
     failover: int | None = None  # the request before which the coordinator was killed
+    pd: PDRun | None = None  # --pd: which of its clusters
     ttft: list[float] = field(default_factory=list)  # trace seconds, completed requests
     latency: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)  # of the requests of 2 tokens or more
     ranks: Counter[int] = field(default_factory=Counter)
     busy: dict[int, float] = field(default_factory=dict)  # rank -> model seconds in steps
     errors: Counter[str] = field(default_factory=Counter)
@@ -118,6 +128,8 @@ class _Results:
 
     @property
     def label(self) -> str:
+        if self.pd is not None:
+            return self.pd.label
         return self.policy if self.failover is None else f"{self.policy} + failover"
 
 
@@ -160,6 +172,7 @@ def run(impl: Implementation, args: argparse.Namespace) -> int:
     """Replay the trace once per policy and print (and save, and plot) the results."""
     if args.plot:
         _require_matplotlib()
+    pd_plan = _pd_plan(args)
     try:
         trace = load_trace(args.trace, args.limit)
     except (OSError, ValueError) as exc:
@@ -172,12 +185,15 @@ def run(impl: Implementation, args: argparse.Namespace) -> int:
     failovers: list[int | None] = [None]
     if args.failover_at is not None:
         failovers.append(min(max(round(args.failover_at * len(trace)), 1), len(trace) - 1))
-    plan = [(policy, failover) for policy in policies for failover in failovers]
+    plan: list[tuple[str, int | None, PDRun | None]]
+    plan = [(policy, failover, None) for policy in policies for failover in failovers]
+    if pd_plan:
+        plan = [(args.policy, None, run_pd) for run_pd in pd_plan]
     progress = _Progress(len(trace) * len(plan), not args.no_progress)
     runs: list[_Results] = []
     try:
-        for policy, failover in plan:
-            results = _Results(policy, failover)
+        for policy, failover, cluster in plan:
+            results = _Results(policy, failover, cluster)
             progress.describe(f"coordkit replay {results.label}")
             runs.append(results)
             try:
@@ -195,6 +211,18 @@ def run(impl: Implementation, args: argparse.Namespace) -> int:
     if args.plot:
         _plot(runs, args.plot, args)
     return 0
+
+
+def _pd_plan(args: argparse.Namespace) -> list[PDRun]:
+    """--pd's clusters (none without it); ValueError for what it cannot run."""
+    if not args.pd:
+        return []
+    if args.compare_policies or args.failover_at is not None:
+        raise ValueError("--pd runs one policy, without a failover")
+    plan = pd_runs(args.engines, args.prefill_engines, args.pd_threshold)
+    for cluster in plan:
+        coordinator_options(cluster)  # a coordinator that does not run P/D: said at once
+    return plan
 
 
 # -- a cluster per policy --------------------------------------------------------------
@@ -219,6 +247,7 @@ def _run_cluster(
         coord: Coordinator | CoordinatorProcess
         fail_over = None
         if results.failover is None:
+            pd = {} if results.pd is None else coordinator_options(results.pd)
             coord = Coordinator(
                 address,
                 implementation=impl.name,
@@ -226,6 +255,7 @@ def _run_cluster(
                 block_size=args.block_size,
                 prefix_ttl=prefix_ttl,
                 **router,
+                **pd,
             )
             coord.start()
         else:  # a process, to be SIGKILLed: the same options on its command line
@@ -236,7 +266,9 @@ def _run_cluster(
             coord = CoordinatorProcess(address, options, Path(tmp) / "coordinator.log")
             fail_over = coord.fail_over
         try:
-            with fake_engine_processes(address, args.engines, _engine_options(args)) as engines:
+            roles = () if results.pd is None else results.pd.roles
+            options = _engine_options(args)
+            with fake_engine_processes(address, args.engines, options, roles) as engines:
                 asyncio.run(_replay(address, trace, args, results, engines, progress, fail_over))
         except KeyboardInterrupt:
             results.interrupted = True
@@ -273,11 +305,8 @@ async def _replay(
     cap = args.max_output_tokens
 
     async def one(client: Client, request: TraceRequest) -> None:
-        params = {
-            "block_ids": list(request.hash_ids),
-            "output_tokens": max(1, min(request.output_length, cap or request.output_length)),
-            "max_partials": 1,
-        }
+        tokens = max(1, min(request.output_length, cap or request.output_length))
+        params = {"block_ids": list(request.hash_ids), "output_tokens": tokens, "max_partials": 1}
         hashes = struct.pack(f"<{len(request.hash_ids)}Q", *request.hash_ids)
         sent = time.perf_counter()
         first = None
@@ -295,9 +324,12 @@ async def _replay(
         except ConnectionError:
             results.errors["CONNECTION"] += 1
         else:
+            done = time.perf_counter()
             assert first is not None and isinstance(body, dict)
             results.ttft.append((first - sent) * speedup)
-            results.latency.append((time.perf_counter() - sent) * speedup)
+            results.latency.append((done - sent) * speedup)
+            if tokens > 1:
+                results.itl.append((done - first) * speedup / (tokens - 1))
             rank = body.get("rank", -1)
             results.ranks[rank] += 1
             results.busy[rank] = max(results.busy.get(rank, 0.0), body.get("engine_busy", 0.0))
@@ -346,7 +378,7 @@ def _percentile(ordered: list[float], p: float) -> float | None:
 
 
 def _metrics(results: _Results, args: argparse.Namespace) -> dict[str, Any]:
-    ttft, latency = sorted(results.ttft), sorted(results.latency)
+    ttft, latency, itl = sorted(results.ttft), sorted(results.latency), sorted(results.itl)
     counts = [results.ranks.get(rank, 0) for rank in range(args.engines)]
     busy = [results.busy.get(rank, 0.0) for rank in range(args.engines)]
     return {
@@ -359,6 +391,8 @@ def _metrics(results: _Results, args: argparse.Namespace) -> dict[str, Any]:
         "ttft_p99": _percentile(ttft, 99),
         "latency_p50": _percentile(latency, 50),
         "latency_p99": _percentile(latency, 99),
+        "itl_p50": _percentile(itl, 50),
+        "itl_p99": _percentile(itl, 99),
         "requests_per_engine": counts,
         "busy_per_engine": busy,
         "imbalance_requests": _imbalance(counts),
@@ -378,6 +412,10 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} s"
 
 
+def _milliseconds(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
+
+
 def _table(
     trace: list[TraceRequest], args: argparse.Namespace, implementation: str, runs: list[_Results]
 ) -> str:
@@ -387,14 +425,25 @@ def _table(
         f"(speedup {args.speedup:g}), {args.engines} engines ({args.cost_model}, "
         f"{args.cache_blocks} cache blocks of {args.block_size} tokens), "
         f"implementation {implementation}",
-        "times are trace seconds (measured x speedup)",
+        "times are trace seconds (measured x speedup); ITL: per request, from its first "
+        "token to its last over the tokens between",
     ]
+    if args.pd:
+        cost = COST_MODELS[args.cost_model]
+        roles = pd_runs(args.engines, args.prefill_engines, args.pd_threshold)[1].roles
+        lines.append(
+            f"P/D: {roles.count('prefill')} prefill and {roles.count('decode')} decode engines, "
+            f"policy {args.policy}; a KV transfer takes {cost.transfer_latency * 1000:g} ms "
+            f"+ the blocks a decode does not cache at {cost.transfer_rate:g} tokens/s "
+            f"({args.cost_model}); conditional: at most {args.pd_threshold} uncached "
+            "prompt tokens run whole on a decode engine"
+        )
     columns = []
     for results in runs:
         m = _metrics(results, args)
         errors = ", ".join(f"{n} {code}" for code, n in m["errors"].items()) or "none"
         rows = {
-            "policy": results.label,
+            "run" if args.pd else "policy": results.label,
             "completed": f"{m['completed']} of {len(trace)}"
             + (" (interrupted)" if m["interrupted"] else ""),
             "errors": errors,
@@ -405,13 +454,18 @@ def _table(
             "TTFT p99": _seconds(m["ttft_p99"]),
             "latency p50": _seconds(m["latency_p50"]),
             "latency p99": _seconds(m["latency_p99"]),
+            "ITL p50": _milliseconds(m["itl_p50"]),
+            "ITL p99": _milliseconds(m["itl_p99"]),
             "max/mean requests": _ratio(m["imbalance_requests"]),
             "max/mean busy": _ratio(m["imbalance_busy"]),
         }
         for rank, (count, busy) in enumerate(
             zip(m["requests_per_engine"], m["busy_per_engine"], strict=True)
         ):
-            rows[f"engine {rank}"] = f"{count} req, {busy:.0f} s busy"
+            role = results.pd.roles[rank] if results.pd is not None else None
+            rows[f"engine {rank}"] = (
+                f"{role}: " if role else ""
+            ) + f"{count} req, {busy:.0f} s busy"
         if args.failover_at is not None:
             rows["coordinator"] = (
                 "kept"
@@ -458,6 +512,9 @@ def _report(
             "prefix_decode_tokens": args.prefix_decode_tokens,
             "failover_at": args.failover_at,
             "held_hashes": args.held_hashes,
+            "pd": args.pd,
+            "prefill_engines": args.prefill_engines,
+            "pd_threshold": args.pd_threshold,
             "implementation": implementation,
         },
         "environment": {
@@ -473,6 +530,7 @@ def _report(
                 "failover_before_request": results.failover,
                 "failover_engines_back_s": results.engines_back,
                 "ttft": results.ttft,
+                "itl": results.itl,
             }
             for results in runs
         },

@@ -34,6 +34,7 @@ WAIT = 5.0  # seconds any single expected message may take
 # stand for implementations that share the wire format, not coordkit's code.
 CONNECT = 0
 CONNECT_ACK = 1
+REGISTER_ROLE_ACK = 2  # PR #6675's disaggregated prefill/decode (P/D)
 SUBMIT = 20
 REPLY = 21
 PARTIAL = 22
@@ -41,6 +42,11 @@ ABORT = 23
 SUBMIT_KV = 24
 RELEASE_KV = 25
 SEND_KV = 26
+REGISTER_ROLE = 27
+KV_READ_DONE = 28
+REQUEST_ERROR = 29
+KV_TRANSFER_READY = 30
+REQUEST_ABORTED = 31
 PAUSE = 40
 UNPAUSE = 41
 SUSPEND = 42
@@ -66,6 +72,7 @@ HELD = 100
 HANDLED = 101
 REPLAY = 102
 REPLAYED = 103
+HANDOFF = 104
 
 
 def m(obj: Any) -> bytes:

@@ -1,0 +1,188 @@
+"""The messages of disaggregated prefill/decode (P/D): PR #6675's layouts, byte for
+byte, coordkit's HANDOFF, a coordkit engine's role in its ENGINE_HELLO and the
+ENGINE_ACK that grants it."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from coordkit import protocol
+from coordkit.protocol import EngineRole, Header, ProtocolError
+from tests.support.peers import (
+    ENGINE_ACK,
+    ENGINE_HELLO,
+    HANDOFF,
+    KV_READ_DONE,
+    KV_TRANSFER_READY,
+    REGISTER_ROLE,
+    REGISTER_ROLE_ACK,
+    REQUEST_ABORTED,
+    REQUEST_ERROR,
+    SEND_KV,
+    SUBMIT_KV,
+)
+
+
+def m(obj):
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+SP = {"temperature": 0.5}
+META = [{"tokens_per_block": 16, "request_capacity": 4}]
+
+LAYOUTS = [
+    (
+        protocol.REGISTER_ROLE,
+        ("prefill", "nixl", META),
+        [m([REGISTER_ROLE, "prefill", "nixl", META])],
+    ),
+    (protocol.REGISTER_ROLE_ACK, (), [m([REGISTER_ROLE_ACK])]),
+    (protocol.ROLE_REFUSED, ("no",), [m([REQUEST_ERROR, "no"])]),
+    (protocol.REQUEST_ERROR, (5, "failed", False), [m([REQUEST_ERROR, 5, "failed", False])]),
+    (protocol.REQUEST_ABORTED, (5, True), [m([REQUEST_ABORTED, 5, True])]),
+    (protocol.KV_TRANSFER_READY, (5, 3), [m([KV_TRANSFER_READY, 5, 3])]),
+    (protocol.KV_READ_DONE, (5,), [m([KV_READ_DONE, 5])]),
+    (protocol.SEND_KV, (5, META, 2), [m([SEND_KV, 5, META, 2])]),
+    (protocol.SEND_KV, (5, META), [m([SEND_KV, 5, META])]),  # main's: no cached prefix
+    (
+        protocol.SINGLE_SUBMIT_REQUEST_WITH_KV,
+        (5, [1, 2], SP, {"k": 1}, [7, 8]),
+        [m([SUBMIT_KV, 5, [1, 2], SP, {"k": 1}, [7, 8]])],
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "values", "frames"), LAYOUTS)
+def test_pack_gives_pr_6675s_layout_and_parse_inverts_it(spec, values, frames):
+    assert spec.pack(*values) == frames
+    assert spec.parse(frames) == spec.message_type(*values)
+
+
+def test_the_headers_are_6675s_and_coordkits_own_apart():
+    assert {h.name: int(h) for h in Header if 2 <= h <= 31 and h not in range(20, 26)} == {
+        "REGISTER_ROLE_ACK": 2,
+        "SEND_KV": 26,
+        "REGISTER_ROLE": 27,
+        "KV_READ_DONE": 28,
+        "REQUEST_ERROR": 29,
+        "KV_TRANSFER_READY": 30,
+        "REQUEST_ABORTED": 31,
+    }
+    assert Header.HANDOFF == HANDOFF == 104
+
+
+def test_send_kv_takes_an_optional_last_field():
+    assert protocol.SEND_KV.parse([m([SEND_KV, 5, META])]).cached_prefix_blocks is None
+    with pytest.raises(ProtocolError, match="expected 2-3 metadata fields, got 4"):
+        protocol.SEND_KV.parse([m([SEND_KV, 5, META, 2, 9])])
+    with pytest.raises(ProtocolError, match="'cached_prefix_blocks' must be int") as error:
+        protocol.SEND_KV.parse([m([SEND_KV, 5, META, "2"])])
+    assert error.value.rid == 5
+    with pytest.raises(ValueError, match="without payload frames"):
+        protocol.MessageSpec(
+            "X", Header.SEND_KV, [], ["frame"], optional_fields=[protocol.Field("f")]
+        )
+
+
+def test_handoff_is_a_batch_with_one_block_frame_per_entry():
+    blocks = [m([3, 4]), m([9])]
+    frames = protocol.HANDOFF.pack([(5, {"a": 1}), (6, None)], blocks)
+    assert frames == [m([HANDOFF, [[5, {"a": 1}], [6, None]]]), *blocks]
+    assert protocol.HANDOFF.parse(frames) == ([[5, {"a": 1}], [6, None]], blocks)
+    with pytest.raises(ProtocolError, match="2 entries but 1 payload frames"):
+        protocol.HANDOFF.parse(frames[:2])
+
+
+def test_the_request_error_refusal_and_report_share_a_header():
+    """#6675 sends three layouts under 29: a refusal [29, reason], an engine's report
+    and a client's terminal error [29, rid, reason, source_safe]; each spec takes its own."""
+    with pytest.raises(ProtocolError):
+        protocol.REQUEST_ERROR.parse([m([REQUEST_ERROR, "refused"])])
+    with pytest.raises(ProtocolError):
+        protocol.ROLE_REFUSED.parse([m([REQUEST_ERROR, 5, "failed", True])])
+
+
+def hello(**fields):
+    return [m([ENGINE_HELLO, {"coordkit": 1, "ack": 1, **fields}])]
+
+
+@pytest.mark.parametrize(
+    ("fields", "role", "capacity", "domain", "transfer"),
+    [
+        ({}, EngineRole.AGGREGATED, 0, "", None),
+        ({"capacity": 9}, EngineRole.AGGREGATED, 9, "", None),  # no role: its capacity
+        ({"role": "prefill", "capacity": 4}, EngineRole.PREFILL, 4, "", None),
+        (
+            {"role": "decode", "capacity": 1, "domain": "rack-2"},
+            EngineRole.DECODE,
+            1,
+            "rack-2",
+            None,
+        ),
+        (
+            {"role": "both", "capacity": 8, "transfer": {"rank": 3}},
+            EngineRole.BOTH,
+            8,
+            "",
+            {"rank": 3},
+        ),
+    ],
+)
+def test_a_coordkit_engine_says_its_role_in_its_hello(fields, role, capacity, domain, transfer):
+    said = protocol.parse_engine_hello(hello(**fields))
+    assert (said.role, said.capacity, said.domain, said.transfer) == (
+        role,
+        capacity,
+        domain,
+        transfer,
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"role": "router", "capacity": 1}, "unknown role 'router'"),
+        ({"role": 1, "capacity": 1}, "unknown role 1"),
+        ({"role": "decode"}, "a decode engine's capacity must be an int >= 1"),
+        ({"role": "decode", "capacity": 0}, "capacity must be an int >= 1"),
+        ({"role": "decode", "capacity": True}, "capacity must be an int >= 1"),
+        ({"role": "prefill", "capacity": 2, "domain": 3}, "domain must be a str"),
+    ],
+)
+def test_a_role_that_is_not_one_is_refused(fields, reason):
+    """Taken for an aggregated engine, a decode engine would be sent prompts."""
+    with pytest.raises(ProtocolError, match=reason):
+        protocol.parse_engine_hello(hello(**fields))
+
+
+def test_a_role_is_a_coordkit_engines():
+    frames = [m([ENGINE_HELLO, {"role": "prefill", "capacity": 2}])]
+    assert protocol.parse_engine_hello(frames).role == EngineRole.AGGREGATED
+
+
+def test_engine_ack_grants_the_role_when_the_coordinator_runs_pd():
+    said = protocol.parse_engine_hello(hello(batch=1, role="decode", capacity=2))
+    assert protocol.engine_ack(said, 7) == [m([ENGINE_ACK, {"batch": 1}])]
+    assert protocol.engine_ack(said, 7, roles=True) == [
+        m([ENGINE_ACK, {"batch": 1, "role": "decode"}])
+    ]
+    aggregated = protocol.parse_engine_hello(hello())
+    assert protocol.engine_ack(aggregated, 7, roles=True) == [m([ENGINE_ACK, {}])]
+    assert [protocol.role_name(r) for r in EngineRole] == [
+        "aggregated",
+        "prefill",
+        "decode",
+        "both",
+    ]
+    assert protocol.ROLE_NAMES == {r: EngineRole[r.upper()] for r in ("prefill", "decode", "both")}
+
+
+@pytest.mark.parametrize("rid", [0, 7, 2**63 - 1])
+def test_the_codecs_read_the_decode_hop_a_coordkit_engine_is_sent(impl, rid):
+    """[24, rid, params, kv_meta], the prompt and src_block_ids: what the engine cores'
+    codec reads of a submission, the rid in place."""
+    meta = protocol.SUBMIT_REQUEST_WITH_KV.pack(rid, SP, {"k": 1}, b"p", m([1, 2]))[0]
+    header, length, got, offset = impl.codec.read_submit(meta)
+    assert (header, length, got) == (SUBMIT_KV, 4, rid)
+    assert meta[offset:] == m(SP) + m({"k": 1})
