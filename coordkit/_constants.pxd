@@ -107,6 +107,7 @@ cdef enum:  # coordkit._shared.Counter
     COUNTER_MIGRATED = 34
     COUNTER_ENGINES_BACK = 35
     COUNTER_QUARANTINES = 36
+    COUNTER_QUEUED = 37
 
 cdef enum:  # coordkit._shared.EngineState
     ENGINE_ALIVE = 0
@@ -168,7 +169,7 @@ cdef enum:
     HEADER_SLOTS = 128
     ERROR_SLOTS = 32
     N_LATENCY_BUCKETS = 22
-    N_COUNTERS = 37
+    N_COUNTERS = 38
     N_OUTCOMES = 4
     N_PRIORITIES = 256
     QUEUE_TENANTS = 16
@@ -279,6 +280,7 @@ cdef inline dict generated_constants():
         "Counter.MIGRATED": 34,
         "Counter.ENGINES_BACK": 35,
         "Counter.QUARANTINES": 36,
+        "Counter.QUEUED": 37,
         "EngineState.ALIVE": 0,
         "EngineState.DRAINING": 1,
         "EngineState.GONE": 2,
@@ -324,7 +326,7 @@ cdef inline dict generated_constants():
         "HEADER_SLOTS": 128,
         "ERROR_SLOTS": 32,
         "N_LATENCY_BUCKETS": 22,
-        "N_COUNTERS": 37,
+        "N_COUNTERS": 38,
         "N_OUTCOMES": 4,
         "N_PRIORITIES": 256,
         "QUEUE_TENANTS": 16,

@@ -21,6 +21,7 @@ requests are settled once the message at hand is done.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import OrderedDict, defaultdict
@@ -40,6 +41,9 @@ from ._shared import (
     HEADER_SLOTS,
     INDEX_WINDOW_MIN,
     LATENCY_BUCKETS,
+    N_PRIORITIES,
+    OTHER_TENANTS,
+    QUEUE_TENANTS,
     REFUSAL_EVENTS,
     RETIRED_IDS,
     SHARED_SMALL_MAX,
@@ -50,6 +54,7 @@ from ._shared import (
     Options,
     PeerFormat,
     PeerRole,
+    QueueOutcome,
     RateLimitedLog,
     RequestFlag,
     RouteStatus,
@@ -60,8 +65,10 @@ from ._shared import (
     megatron_failed_reply,
     metrics_map,
     monitor_events,
+    never_ran,
     resumed,
     stats_map,
+    tenant_stride,
     unknown_from_engine,
 )
 from .protocol import (
@@ -71,6 +78,8 @@ from .protocol import (
     CONTROL_TRANSITIONS,
     EPOCH_KEY,
     MAX_PARTS,
+    PRIORITY_MIN,
+    QOS_FEATURE,
     REBUILD_FEATURE,
     Buffer,
     ControlState,
@@ -122,6 +131,8 @@ class _Client:
         "requests",
         "fd",
         "hold",
+        "qos",
+        "tenant",
     )
 
     def __init__(self, identity: bytes):
@@ -138,6 +149,8 @@ class _Client:
         self.requests: dict[int, _Request] = {}  # in flight, by client rid
         self.fd = -1  # the connection its CONNECT came on (ZMQ_SRCFD; -1: inproc)
         self.hold = 0.0  # a rebuild client: seconds its requests are kept once it is gone
+        self.qos = False  # granted QoS: its SUBMITs may carry a priority and a deadline
+        self.tenant = -1  # its tenant in the queue (-1: none yet, it never sent CONNECT)
 
 
 class _Engine:
@@ -208,6 +221,8 @@ class _Request:
         "work",
         "submitted",
         "streamed",
+        "priority",
+        "deadline",
     )
 
     def __init__(self, server_rid: int, client: _Client, client_rid: int):
@@ -222,6 +237,9 @@ class _Request:
         # With its prompt kept: the tokens its partials streamed at its engine (None: not
         # known, it cannot go on elsewhere once it streamed: see Faults)
         self.streamed: list[int] | None = None
+        # Its QoS: where it waits in the queue, if it must (again, when its engine dies).
+        self.priority = 0
+        self.deadline = math.inf  # time.monotonic() past which it may not wait
 
 
 # -- sending ---------------------------------------------------------------------------
@@ -304,6 +322,8 @@ class Inbound:
         "tokens",
         "batched",
         "carriers",
+        "priority",
+        "deadline_ms",
     )
 
     def __init__(self, header: int):
@@ -326,6 +346,8 @@ class Inbound:
         self.tokens = 0
         self.batched = False  # an entry of a SUBMIT_BATCH: a batched engine takes it later
         self.carriers = 0  # a bit per PeerFormat whose engines can take it (carriers)
+        self.priority = 0  # its QoS, as its client sent it (read_qos): never sent on
+        self.deadline_ms = 0
 
 
 def multipart_inbound(header: int, payload: list[Any], params: Buffer, hashes: Any) -> Inbound:
@@ -715,6 +737,374 @@ class Roles:
     def of(self, identity: bytes) -> int:
         """The role ``identity`` had (PeerRole.NONE: none remembered)."""
         return self._roles.get(identity, PeerRole.NONE)
+
+
+# -- the requests waiting at the coordinator (loop/queue.pyx) ----------------------------
+#
+# Requests that find no engine with room wait here, at the coordinator, until one has
+# it (docs/queueing.md). Each waits in the *flow* of its (priority, tenant):
+#
+# * **Strict priority.** A lower priority is always dispatched first: nothing of
+#   priority 5 leaves while anything of priority -1 waits. Nothing ages a waiting
+#   request into a better priority, so a flood at a better priority starves the
+#   worse ones: a request there leaves only once its deadline, when it has one, ends
+#   its wait (TIMED_OUT), or its client gives up; the queue limit bounds what waits.
+# * **Fair shares within a priority: virtual time, by requests.** Each flow has a
+#   *pass*; the flow with the lowest pass is served next (the earlier set pass on a
+#   tie), and each dispatch moves its pass on by its tenant's *stride*,
+#   STRIDE_SCALE / weight (start-time fair queueing, or stride scheduling, with a
+#   request as the unit). A flow that starts waiting starts at the priority's
+#   virtual time, the pass of its last dispatch: a tenant gains no credit for the
+#   time it had nothing waiting, and a newcomer, or an interactive tenant's lone
+#   request, goes at the next dispatch. Requests, not tokens, because what the queue
+#   hands out is an engine's room for one request (its capacity counts requests), held
+#   for the request's whole life, whose length the coordinator cannot know (the
+#   output's is unknown at dispatch).
+# * **Within a flow, first come first served**, but for a request whose engine died
+#   before it produced anything: it goes back at the head of its flow (``head``).
+# * **Deadlines.** A request with one is also in a heap by deadline: ``expired`` ends
+#   the due ones, O(log n) each.
+#
+# Every operation is O(log n) in the flows waiting (one heap of flows, ordered by
+# priority, then pass, then the order the pass was set in) or in the requests with a
+# deadline; keys are integers, so both twins order alike, bit for bit. The C twin's
+# passes are uint64s compared by their difference (they wrap), this one's unbounded
+# ints: the same order while passes stay within 2**63 of each other, which they do
+# (every pass waiting is within one stride of the priority's virtual time).
+#
+# Tenants: a name (``tenant(name)``) is shared by every client naming it; ``tenant()``
+# makes one of its own for a client that names none. A tenant is forgotten once no
+# client refers to it and nothing of it waits, unless it was given a weight or holds
+# one of the QUEUE_TENANTS labels its waits are kept under (the first named ones,
+# those given a weight first); every other tenant's are kept as "other". Tenant 0
+# takes the clients past the table (it cannot fill while each client holds one).
+#
+# Handles are the loop's request slots: ``handles`` of them, each waiting once at most.
+# What a waiting request's frames are, this twin keeps as the caller's ``inbound``;
+# the C twin keeps the messages (queue_keep, queue_inbound).
+
+#: The stride of a tenant given no weight (weight 1).
+DEFAULT_STRIDE = tenant_stride(1.0)
+#: A lazy heap is rebuilt once it holds more than this many entries beyond twice the live.
+_SLACK = 64
+
+
+class _Tally:
+    """One row of the stats: requests waiting now, and the waits by outcome."""
+
+    __slots__ = ("depth", "buckets", "sums")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.buckets = [[0] * (len(LATENCY_BUCKETS) + 1) for _ in QueueOutcome]
+        self.sums = [0.0] * len(QueueOutcome)
+
+    def observe(self, outcome: int, seconds: float) -> None:
+        self.buckets[outcome][latency_bucket(seconds)] += 1
+        self.sums[outcome] += seconds
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "depth": self.depth,
+            "outcomes": {o.name.lower(): sum(self.buckets[o]) for o in QueueOutcome},
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            o.name.lower(): {"buckets": list(self.buckets[o]), "sum": self.sums[o]}
+            for o in QueueOutcome
+        }
+
+
+class _Tenant:
+    __slots__ = ("name", "stride", "refs", "depth", "label", "kept")
+
+    def __init__(self, name: str | None, label: int):
+        self.name = name
+        self.stride = DEFAULT_STRIDE
+        self.refs = 0  # the clients naming it
+        self.depth = 0  # its requests waiting
+        self.label = label  # its row of by_label (QUEUE_TENANTS: "other")
+        self.kept = label < QUEUE_TENANTS  # given a weight, or labelled: never forgotten
+
+
+class _Flow:
+    """The requests of one tenant at one priority, oldest first."""
+
+    __slots__ = ("priority", "tenant", "waiting", "pass_", "seq")
+
+    def __init__(self, priority: int, tenant: int, pass_: int, seq: int):
+        self.priority = priority
+        self.tenant = tenant
+        self.waiting: OrderedDict[int, None] = OrderedDict()  # handles, oldest first
+        self.pass_ = pass_  # the virtual time its next dispatch starts at
+        self.seq = seq  # when its pass was set: the earlier goes first on a tie
+
+
+class _Waiting:
+    __slots__ = ("flow", "since", "deadline", "order", "inbound")
+
+    def __init__(self, flow: _Flow, since: float, deadline: float, order: int, inbound: Any):
+        self.flow = flow
+        self.since = since
+        self.deadline = deadline
+        self.order = order  # its arrival's number: deadlines tie by it
+        self.inbound = inbound
+
+
+class Queue:
+    """The requests waiting at the coordinator (see the module's docstring)."""
+
+    def __init__(
+        self,
+        limit: int,
+        handles: int,
+        tenants: int,
+        weights: tuple[tuple[str, float], ...] = (),
+    ):
+        self.limit = limit
+        self.handles = handles
+        self.depth = 0
+        self._capacity = tenants + 1  # tenant 0 takes the clients past the table
+        self._waiting: dict[int, _Waiting] = {}
+        self._flows: dict[tuple[int, int], _Flow] = {}
+        self._heap: list[tuple[int, int, int, tuple[int, int]]] = []  # (priority, pass, seq, key)
+        self._due: list[tuple[float, int, int]] = []  # (deadline, order, handle)
+        self._vtime = [0] * N_PRIORITIES
+        self._seq = 0
+        self._arrivals = 0
+        self._tenants: dict[int, _Tenant] = {0: _Tenant(None, QUEUE_TENANTS)}
+        self._tenants[0].kept = True
+        self._free: list[int] = []  # indices forgotten, reused last freed first
+        self._used = 1  # indices ever used
+        self._names: dict[str, int] = {}
+        self._labels: list[str] = []
+        self._by_priority = [_Tally() for _ in range(N_PRIORITIES)]
+        self._by_label = [_Tally() for _ in range(QUEUE_TENANTS + 1)]
+        for name, weight in weights:
+            index = self.tenant(name)
+            self._tenants[index].stride = tenant_stride(weight)
+            self._tenants[index].kept = True
+
+    # -- tenants -----------------------------------------------------------------------
+
+    def tenant(self, name: str | None = None) -> int:
+        """The tenant named ``name`` (found, or made), or a new one of its own for None;
+        one more client refers to it (leave() when it goes)."""
+        index = self._names.get(name, -1) if name is not None else -1
+        if index < 0:
+            index = self._new_tenant(name)
+        self._tenants[index].refs += 1
+        return index
+
+    def _new_tenant(self, name: str | None) -> int:
+        if self._free:
+            index = self._free.pop()
+        elif self._used < self._capacity:
+            index = self._used
+            self._used += 1
+        else:
+            return 0
+        label = QUEUE_TENANTS
+        if name is not None and len(self._labels) < QUEUE_TENANTS:
+            label = len(self._labels)
+            self._labels.append(name)
+        self._tenants[index] = _Tenant(name, label)
+        if name is not None:
+            self._names[name] = index
+        return index
+
+    def leave(self, tenant: int) -> None:
+        """A client that referred to ``tenant`` is gone."""
+        self._tenants[tenant].refs -= 1
+        self._forget_if_unused(tenant)
+
+    def _forget_if_unused(self, index: int) -> None:
+        tenant = self._tenants[index]
+        if tenant.refs or tenant.depth or tenant.kept:
+            return
+        if tenant.name is not None:
+            del self._names[tenant.name]
+        del self._tenants[index]
+        self._free.append(index)
+
+    @property
+    def tenants(self) -> int:
+        """Tenants known now (not counting the one for the clients past the table)."""
+        return len(self._tenants) - 1
+
+    # -- requests ------------------------------------------------------------------------
+
+    def holds(self, handle: int) -> bool:
+        return handle in self._waiting
+
+    def push(
+        self,
+        handle: int,
+        tenant: int,
+        priority: int,
+        now: float,
+        deadline: float = math.inf,
+        head: bool = False,
+        inbound: Any = None,
+    ) -> bool:
+        """``handle`` waits in its (priority, tenant) flow, last (first with ``head``: a
+        request whose engine died before it produced anything), until ``deadline`` (a
+        time.monotonic()); False when the queue is full: it is refused (counted so)."""
+        level = priority - PRIORITY_MIN
+        label = self._tenants[tenant].label
+        if self.depth >= self.limit:
+            self._by_priority[level].observe(QueueOutcome.REFUSED, 0.0)
+            self._by_label[label].observe(QueueOutcome.REFUSED, 0.0)
+            return False
+        key = (priority, tenant)
+        flow = self._flows.get(key)
+        if flow is None:
+            self._seq += 1
+            flow = self._flows[key] = _Flow(priority, tenant, self._vtime[level], self._seq)
+            self._push_flow(flow)
+        flow.waiting[handle] = None
+        if head:
+            flow.waiting.move_to_end(handle, last=False)
+        self._arrivals += 1
+        self._waiting[handle] = _Waiting(flow, now, deadline, self._arrivals, inbound)
+        if deadline < math.inf:
+            heapq.heappush(self._due, (deadline, self._arrivals, handle))
+        self._count(flow, 1)
+        return True
+
+    def peek(self) -> int:
+        """The request dispatched next (-1: none waits): the oldest of the flow of the
+        lowest priority, then the lowest pass."""
+        flow = self._top()
+        return -1 if flow is None else next(iter(flow.waiting))
+
+    def pop(self, now: float) -> int:
+        """Dispatch peek()'s request: it leaves the queue (its wait counted DISPATCHED)
+        and its flow's pass moves on by its tenant's stride; -1 when none waits."""
+        flow = self._top()
+        if flow is None:
+            return -1
+        handle = next(iter(flow.waiting))
+        self._vtime[flow.priority - PRIORITY_MIN] = flow.pass_
+        self._take(handle, now, QueueOutcome.DISPATCHED)
+        if flow.waiting:
+            flow.pass_ += self._tenants[flow.tenant].stride
+            self._seq += 1
+            flow.seq = self._seq
+            self._push_flow(flow)
+        return handle
+
+    def remove(self, handle: int, now: float, outcome: int) -> None:
+        """A waiting request leaves without a dispatch (its wait counted as ``outcome``):
+        aborted, its client gone, timed out, failed."""
+        self._take(handle, now, outcome)
+
+    def expired(self, now: float) -> int:
+        """The waiting request whose deadline is the earliest, if it is past ``now``:
+        taken out (TIMED_OUT); -1 when none is due."""
+        due = self._due
+        while due:
+            deadline, order, handle = due[0]
+            waiting = self._waiting.get(handle)
+            if waiting is None or waiting.order != order:
+                heapq.heappop(due)  # it left meanwhile
+                continue
+            if deadline > now:
+                return -1
+            heapq.heappop(due)
+            self._take(handle, now, QueueOutcome.TIMED_OUT)
+            return handle
+        return -1
+
+    def inbound(self, handle: int) -> Any:
+        """What the request was pushed with (the C twin: queue_inbound)."""
+        return self._waiting[handle].inbound
+
+    # -- its steps -------------------------------------------------------------------------
+
+    def _take(self, handle: int, now: float, outcome: int) -> None:
+        waiting = self._waiting.pop(handle)
+        flow = waiting.flow
+        del flow.waiting[handle]
+        if not flow.waiting:
+            del self._flows[(flow.priority, flow.tenant)]  # its heap entry goes stale
+        self._count(flow, -1)
+        seconds = now - waiting.since
+        self._by_priority[flow.priority - PRIORITY_MIN].observe(outcome, seconds)
+        self._by_label[self._tenants[flow.tenant].label].observe(outcome, seconds)
+        self._forget_if_unused(flow.tenant)
+        self._compact()
+
+    def _count(self, flow: _Flow, change: int) -> None:
+        tenant = self._tenants[flow.tenant]
+        self.depth += change
+        tenant.depth += change
+        self._by_priority[flow.priority - PRIORITY_MIN].depth += change
+        self._by_label[tenant.label].depth += change
+
+    def _push_flow(self, flow: _Flow) -> None:
+        key = (flow.priority, flow.tenant)
+        heapq.heappush(self._heap, (flow.priority, flow.pass_, flow.seq, key))
+
+    def _top(self) -> _Flow | None:
+        """The flow served next; the heap's stale entries (flows emptied, or whose pass
+        moved on) are dropped on the way."""
+        heap = self._heap
+        while heap:
+            _, pass_, seq, key = heap[0]
+            flow = self._flows.get(key)
+            if flow is not None and flow.seq == seq:
+                return flow
+            heapq.heappop(heap)
+        return None
+
+    def _compact(self) -> None:
+        """Rebuild a lazy heap that holds far more stale entries than live ones."""
+        if len(self._heap) > 2 * len(self._flows) + _SLACK:
+            self._heap = [
+                (f.priority, f.pass_, f.seq, (f.priority, f.tenant)) for f in self._flows.values()
+            ]
+            heapq.heapify(self._heap)
+        if len(self._due) > 2 * len(self._waiting) + _SLACK:
+            self._due = [
+                (w.deadline, w.order, h) for h, w in self._waiting.items() if w.deadline < math.inf
+            ]
+            heapq.heapify(self._due)
+
+    # -- what stats() and metrics() give ---------------------------------------------------
+
+    def _rows(self) -> tuple[dict[int, _Tally], dict[str, _Tally]]:
+        """The rows with anything to say: priorities and labels waited in."""
+        priorities = {
+            level + PRIORITY_MIN: tally
+            for level, tally in enumerate(self._by_priority)
+            if tally.depth or any(any(b) for b in tally.buckets)
+        }
+        labels = dict(zip(self._labels, self._by_label, strict=False))
+        other = self._by_label[QUEUE_TENANTS]
+        if other.depth or any(any(b) for b in other.buckets):
+            labels[OTHER_TENANTS] = other
+        return priorities, labels
+
+    def stats(self) -> dict[str, Any]:
+        """Waiting now and ended so far, by priority and by tenant (its label)."""
+        priorities, labels = self._rows()
+        return {
+            "depth": self.depth,
+            "limit": self.limit,
+            "tenants": self.tenants,
+            "by_priority": {p: tally.stats() for p, tally in priorities.items()},
+            "by_tenant": {name: tally.stats() for name, tally in labels.items()},
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        """The wait histograms (buckets of LATENCY_BUCKETS and one more), by outcome."""
+        priorities, labels = self._rows()
+        return {
+            "by_priority": {p: tally.metrics() for p, tally in priorities.items()},
+            "by_tenant": {name: tally.metrics() for name, tally in labels.items()},
+        }
 
 
 # -- an engine's faults (loop/faults.pyx) ---------------------------------------------
@@ -1362,6 +1752,11 @@ class Loop:
         self._deadlines = Deadlines() if options.request_timeout else None
         # The message at hand's entries bound for peers that take batches.
         self._fanout = Fanout()
+        # The requests waiting for an engine with room, filed by server_rid & mask.
+        self._queue = Queue(
+            options.queue_limit, options.index_size, options.max_clients, options.tenant_weights
+        )
+        self._dispatch_due = False  # room may have freed up for them: _dispatch after the message
         self._poller = zmq.Poller()
         self._poller.register(router_socket, zmq.POLLIN)
         self._poller.register(wake_socket, zmq.POLLIN)
@@ -1425,6 +1820,9 @@ class Loop:
             if oldest.submitted >= deadline:
                 break
             self._time_out(oldest)
+        while self._queue.depth and (handle := self._queue.expired(now)) >= 0:
+            self._counters[Counter.TIMED_OUT] += 1  # its own deadline, while it waited
+            self._fail_request(self._requests[handle], ErrorCode.TIMED_OUT, Header.SUBMIT_REQUEST)
         if self._rebuild.rebuilding and now >= self._rebuild.until:
             self._rebuild.end_window()
         if self._rebuild.deferred and (self._router.n_accepting or not self._rebuild.rebuilding):
@@ -1433,11 +1831,14 @@ class Loop:
             self._rebuild.end_holds(now)
         self._rebuild.acknowledge()
         self._settle()
+        if self._dispatch_due or self._queue.depth:  # an engine back from quarantine, ...
+            self._dispatch()
 
     def shutdown(self) -> None:
         """End every request still in flight with ERROR(SHUTTING_DOWN): its terminal reply."""
         for request in self._in_order(lambda r: True):
             if self._find(request.server_rid) is request:
+                self._unqueue(request, QueueOutcome.REFUSED)
                 self._fail_request(request, ErrorCode.SHUTTING_DOWN, Header.SHUTDOWN)
         self._settle()
 
@@ -1465,6 +1866,7 @@ class Loop:
                 )
                 for e in list(self._engines)
             ],
+            queue=self._queue.stats(),
         )
 
     def metrics(self) -> dict[str, Any]:
@@ -1475,6 +1877,7 @@ class Loop:
             refused=list(self._refused),
             latency=None if self._latency is None else self._latency.metrics(),
             prefix=self._router.prefix_counts,
+            queue=self._queue.metrics(),
         )
 
     # -- the hot path --------------------------------------------------------------------
@@ -1496,6 +1899,8 @@ class Loop:
             self._handle(frames)
             if self._gone:
                 self._settle()
+            if self._dispatch_due:
+                self._dispatch()
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         """Dispatch a message (frame 0 is the sender's routing id)."""
@@ -1556,14 +1961,23 @@ class Loop:
         n_payload = 1 if header == Header.SUBMIT_REQUEST else 2
         n_frames = len(frames) - 2
         hashes = frames[2 + n_payload] if n_frames == n_payload + 1 else None
-        if (
-            length != 2 + n_payload
-            or not n_payload <= n_frames <= n_payload + 1
-            or (hashes is not None and len(hashes) % BLOCK_HASH_SIZE)
+        priority = deadline_ms = 0
+        if length != 2 + n_payload:  # QoS, from a client granted it, or a bad layout
+            if length != 4 + n_payload or not client.qos:
+                self._malformed(client, rid, header, "bad frame layout", frames)
+                return
+            try:  # the QoS fields come off here: the params span starts after them
+                priority, deadline_ms, offset = codec.read_qos(meta, offset)
+            except ProtocolError as exc:
+                self._malformed(client, rid, header, str(exc), frames)
+                return
+        if not n_payload <= n_frames <= n_payload + 1 or (
+            hashes is not None and len(hashes) % BLOCK_HASH_SIZE
         ):
             self._malformed(client, rid, header, "bad frame layout", frames)
             return
         inbound = multipart_inbound(header, frames[2 : 2 + n_payload], meta[offset:], hashes)
+        inbound.priority, inbound.deadline_ms = priority, deadline_ms
         self._accept(client, rid, inbound)
 
     def _submit_single(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
@@ -1608,15 +2022,15 @@ class Loop:
             return
         meta = frames[1].buffer
         try:
-            entries = codec.read_submit_batch(meta)
+            entries = codec.read_submit_batch(meta, codec.QOS_WIDTH if client.qos else 3)
         except ProtocolError as exc:
             self._malformed_batch(client, exc.rids, str(exc), frames)
             return
-        if sum(1 + hashed for *_, hashed in entries) != len(frames) - 2:
+        if sum(1 + entry[3] for entry in entries) != len(frames) - 2:
             self._malformed_batch(client, [rid for rid, *_ in entries], "bad frame layout", frames)
             return
         part = 2
-        for rid, offset, size, hashed in entries:
+        for rid, offset, size, hashed, *qos in entries:
             if self._clients.get(client.identity) is not client:
                 break  # found gone meanwhile
             hashes = frames[part + 1] if hashed else None
@@ -1626,13 +2040,16 @@ class Loop:
                 params = meta[offset : offset + size]
                 inbound = multipart_inbound(Header.SUBMIT_REQUEST, [frames[part]], params, hashes)
                 inbound.batched = True
+                if qos:
+                    inbound.priority, inbound.deadline_ms = qos
                 self._accept(client, rid, inbound)
             part += 1 + hashed
         self._send_batches(header)
 
     def _accept(self, client: _Client, rid: int, inbound: Inbound) -> None:
         """A request that parsed: refused (a duplicate id, a full table), or given a
-        server id and an engine, and the frames on to it."""
+        server id and an engine, and the frames on to it; it waits in the queue while
+        others do (it overtakes none), or when no engine has room."""
         header = inbound.header
         if rid in client.requests:
             self._refuse(
@@ -1644,6 +2061,36 @@ class Loop:
             return
         request = self._add(client, rid)
         self._admit(request)
+        request.priority = inbound.priority
+        if inbound.deadline_ms:
+            request.deadline = time.monotonic() + inbound.deadline_ms / 1000
+        if self._queue.depth:  # others wait: it overtakes none
+            status = RouteStatus.ALL_BUSY
+        else:
+            status = self._send_new(request, inbound)
+            if status == RouteStatus.SENT:
+                self._counters[Counter.SUBMITTED] += 1
+                return
+            if status == RouteStatus.ENGINE_GONE:
+                return
+        if status == RouteStatus.ALL_BUSY and self._queue.limit:
+            self._forget_kept(request)  # kept again at its dispatch
+            if self._queued(request, inbound):
+                return
+        self._forget(request)
+        if status == RouteStatus.NO_ENGINES and self._rebuild.rebuilding and client.rejoined:
+            # Back after a loss, before its engines registered again: sent back once
+            # one has (RESEND), not refused.
+            self._rebuild.defer(client, rid)
+            return
+        self._refuse(client, rid, _refusal(status), header, _REFUSAL_COUNTERS[status], True)
+
+    def _send_new(self, request: _Request, inbound: Inbound) -> RouteStatus:
+        """A new request (or one that waited) out to an engine: its metadata with its
+        server id, what re-sends it kept, and routed; a RouteStatus. An engine found
+        gone on the way is settled first, and the request routed again; ENGINE_GONE:
+        its client went away meanwhile, the request is forgotten."""
+        header = inbound.header
         if not inbound.single:
             inbound.meta = rewrite_meta(inbound, request.server_rid)
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
@@ -1663,18 +2110,30 @@ class Loop:
             # The gone engine's requests are older than this one: they go first.
             self._settle()
             if self._find(request.server_rid) is not request:  # its client went away meanwhile
-                return
+                return RouteStatus.ENGINE_GONE
             status = self._route(request, inbound)
-        if status == RouteStatus.SENT:
-            self._counters[Counter.SUBMITTED] += 1
-            return
-        self._forget(request)
-        if status == RouteStatus.NO_ENGINES and self._rebuild.rebuilding and client.rejoined:
-            # Back after a loss, before its engines registered again: sent back once
-            # one has (RESEND), not refused.
-            self._rebuild.defer(client, rid)
-            return
-        self._refuse(client, rid, _refusal(status), header, _REFUSAL_COUNTERS[status], True)
+        return status
+
+    def _forget_kept(self, request: _Request) -> None:
+        """What a request kept, to re-send it, given up (it waits: kept again when sent)."""
+        if request.kept is not None:
+            self._small_shared -= request.kept.small
+            request.kept = None
+            request.streamed = None
+
+    def _queued(self, request: _Request, inbound: Inbound | None, head: bool = False) -> bool:
+        """``request`` waits in the queue till an engine has room (_dispatch): last in
+        its flow, or first (``head``: its engine died before it produced anything; it is
+        sent from what it kept); False when the queue is full."""
+        handle = request.server_rid & self._mask
+        tenant = max(request.client.tenant, 0)  # a client never connected: tenant 0's
+        now = time.monotonic()
+        if not self._queue.push(
+            handle, tenant, request.priority, now, request.deadline, head, inbound
+        ):
+            return False
+        self._counters[Counter.QUEUED] += 1
+        return True
 
     def _route(self, request: _Request, inbound: Inbound) -> RouteStatus:
         """Send a request to the engine chosen for it, in its format; an entry of a
@@ -1947,6 +2406,7 @@ class Loop:
     def _forget(self, request: _Request) -> None:
         """Take a request out of every table and count; a draining engine whose
         last request this was is gone."""
+        self._unqueue(request, QueueOutcome.ABANDONED)
         client = request.client
         del client.requests[request.client_rid]
         if not client.requests:
@@ -1964,6 +2424,49 @@ class Loop:
         engine = self._engines[request.rank]
         if engine.state == DRAINING and self._router.pending(engine.rank) == 0:
             engine.state = GONE
+        if self._queue.depth:  # its room is another's
+            self._dispatch_due = True
+
+    def _unqueue(self, request: _Request, outcome: QueueOutcome) -> None:
+        """A request that waits leaves the queue, not dispatched (``outcome``)."""
+        handle = request.server_rid & self._mask
+        if request.rank < 0 and self._queue.depth and self._queue.holds(handle):
+            self._queue.remove(handle, time.monotonic(), outcome)
+
+    def _dispatch(self) -> None:
+        """The requests waiting, in the queue's order, to the engines with room now; the
+        entries for batched engines leave as one ENGINE_SUBMIT_BATCH each, once all
+        are routed (an engine that starts a step on the first arrival is not handed one
+        request ahead of the rest). With no engine left, they end NO_ENGINES."""
+        self._dispatch_due = False
+        queue = self._queue
+        while queue.depth and self._router.has_room:
+            handle = queue.peek()
+            inbound = queue.inbound(handle)
+            queue.pop(time.monotonic())
+            request = self._requests[handle]
+            if inbound is None:  # re-queued when its engine died: sent from what it kept
+                status, counter = self._resend(request), Counter.REROUTED
+                code = ErrorCode.ENGINE_FAILED  # no engine left that speaks its format
+            else:
+                # A whole multipart request joins its engine's batch.
+                inbound.batched = not inbound.single and inbound.header == Header.SUBMIT_REQUEST
+                status, counter = self._send_new(request, inbound), Counter.SUBMITTED
+                code = ErrorCode.MALFORMED
+            if status == RouteStatus.SENT:
+                self._counters[counter] += 1
+            elif status != RouteStatus.ENGINE_GONE:  # ENGINE_GONE: its client went away
+                failed = code if status == RouteStatus.UNSENDABLE else _refusal(status)
+                self._fail_request(request, failed, Header.SUBMIT_REQUEST)
+        self._send_batches(Header.SUBMIT_BATCH)
+        if queue.depth and not self._router.n_accepting:
+            mask = self._mask
+            for request in self._in_order(
+                lambda r: r.rank < 0 and queue.holds(r.server_rid & mask)
+            ):
+                if self._find(request.server_rid) is request:
+                    self._unqueue(request, QueueOutcome.REFUSED)
+                    self._fail_request(request, ErrorCode.NO_ENGINES, Header.SUBMIT_REQUEST)
 
     def _seen(self, client: _Client) -> None:
         """A message from ``client``: with nothing in flight, it is the idle one seen last."""
@@ -2068,6 +2571,8 @@ class Loop:
             # Its reply messages are numbered anew from its base: a registration each time.
             engine.rebuild, engine.base = hello.rebuild, hello.base
             engine.handled = engine.mark = engine.acked = 0
+            self._router.set_capacity(engine.rank, hello.capacity)
+            self._dispatch_due = True
             self._count_formats()
             if hello.ack or hello.rebuild:  # it is in the pool: say so, and what it was granted
                 self._send(identity, protocol.engine_ack(hello, self._epoch))
@@ -2125,7 +2630,9 @@ class Loop:
         engine.heartbeats = False
         engine.rebuild = False
         engine.handled = engine.mark = engine.acked = 0
+        self._router.set_capacity(engine.rank, 0)  # until a hello says otherwise
         self._faults.admit(engine)
+        self._dispatch_due = True
         self._count_formats()
         return engine
 
@@ -2190,10 +2697,17 @@ class Loop:
         client.batch = hello.batch
         client.rebuild = hello.rebuild
         client.hold = hello.hold
+        client.qos = hello.qos
+        tenant = self._queue.tenant(hello.tenant)  # the one it names now (None: its own)
+        if client.tenant >= 0:
+            self._queue.leave(client.tenant)
+        client.tenant = tenant
         client.present = client.fresh = True
         client.rejoined = False  # until its REJOIN, the requests adopted for it wait
         client.format = SINGLE_FRAME if self._megatron_core and not hello.coordkit else MULTIPART
         features: dict[str, int] = {BATCH_FEATURE: 1} if hello.batch else {}
+        if hello.qos:
+            features[QOS_FEATURE] = 1
         if hello.rebuild:
             features.update({REBUILD_FEATURE: 1, EPOCH_KEY: self._epoch})
         if features:
@@ -2217,6 +2731,8 @@ class Loop:
         """A client with nothing in flight leaves the tables (its identity stays a
         client's)."""
         self._roles.remember(client.identity, PeerRole.CLIENT)
+        if client.tenant >= 0:
+            self._queue.leave(client.tenant)
         del self._clients[client.identity]
         del self._idle[client.identity]
         self._rebuild.away.pop(client.identity, None)
@@ -2299,6 +2815,13 @@ class Loop:
             )
             return
         self._counters[Counter.ABORTS] += 1
+        if request.rank < 0:  # it waits: it ends here, no engine has it
+            self._forget(request)
+            self._failed[ErrorCode.UNKNOWN_REQUEST] += 1
+            code, text = ErrorCode.UNKNOWN_REQUEST, never_ran(request.client_rid)
+            if not self._send_error(client, message.rid, code, Header.ABORT_REQUEST, True, text):
+                self._client_gone(client)
+            return
         if request.flags & ABORTED:
             return
         request.flags |= ABORTED
@@ -2421,6 +2944,12 @@ class Loop:
             return
         else:
             status, counter = self._resend(request), Counter.REROUTED
+            if (
+                status == RouteStatus.ALL_BUSY
+                and self._queue.limit
+                and self._queued(request, None, True)
+            ):
+                return
         if status == RouteStatus.SENT:
             self._counters[counter] += 1
         elif status == RouteStatus.UNSENDABLE:  # no engine left that speaks its format
@@ -2457,11 +2986,13 @@ class Loop:
 
     def _time_out(self, request: _Request) -> None:
         """End a request in flight longer than request_timeout: ERROR(TIMED_OUT) to
-        its client, ABORT to its engine (whose late final is then unknown, dropped)."""
-        engine = self._engines[request.rank]
+        its client, ABORT to its engine (whose late final is then unknown, dropped); one
+        that waits leaves the queue."""
         self._counters[Counter.TIMED_OUT] += 1
-        if not request.flags & ABORTED and engine.state != GONE:
-            self._abort_at_engine(engine, request.server_rid)
+        if request.rank < 0:
+            self._unqueue(request, QueueOutcome.TIMED_OUT)
+        elif not request.flags & ABORTED and self._engines[request.rank].state != GONE:
+            self._abort_at_engine(self._engines[request.rank], request.server_rid)
         self._fail_request(request, ErrorCode.TIMED_OUT, Header.SUBMIT_REQUEST)
 
     def _reject_entry(self, engine: _Engine, rid: int | None, code: int, header: int) -> None:
@@ -2517,22 +3048,29 @@ class Loop:
         return True
 
     def _send_error(
-        self, client: _Client, rid: int | None, code: int, header: int, ends: bool = False
+        self,
+        client: _Client,
+        rid: int | None,
+        code: int,
+        header: int,
+        ends: bool = False,
+        text: str | None = None,
     ) -> bool:
-        """ERROR to a coordkit client; to a Megatron main client, when the error ends
-        a request of its (``ends``), the FAILED final it takes (0.19's clients get
-        nothing). False when the client is gone."""
+        """ERROR to a coordkit client (its text ``text``, else error_text's); to a
+        Megatron main client, when the error ends a request of its (``ends``), the
+        FAILED final it takes (0.19's clients get nothing). False when the client is
+        gone."""
         if not client.present or (
             not client.coordkit and not (ends and client.format == SINGLE_FRAME_MAIN)
         ):
             return True  # away, its REJOIN then finds it ended; or it takes no ERROR
         self._counters[Counter.ERRORS_SENT] += 1
+        text = error_text(code, header) if text is None else text
         if not client.coordkit:
             assert rid is not None
-            text = error_text(code, header)
             self._log.warn("failed_final", f"a Megatron main client's request {rid} failed: {text}")
             return self._send(client.identity, [megatron_failed_reply(rid)])
-        return self._send(client.identity, protocol.ERROR.pack(rid, code, error_text(code, header)))
+        return self._send(client.identity, protocol.ERROR.pack(rid, code, text))
 
     def _refuse(
         self,

@@ -31,6 +31,7 @@ cdef class Router:
         int cursor           # rotating start, in [0, n_ranks)
         int n_members
         int64_t pending_limit  # rank_cap, or INT64_MAX without a cap: eligible below it
+        int64_t* capacity    # per rank: what it declared (0: pending_limit holds)
         uint64_t rng_state   # splitmix64
         uint8_t* is_accepting
         int64_t* pending_count
@@ -94,6 +95,8 @@ cdef class Router:
     cdef void _update(self, int rank) noexcept nogil
     cdef void _set_leaf(self, int rank, bint ok) noexcept nogil
     cdef void _build(self, int leaves) noexcept nogil
+    cdef bint has_room_c(self) noexcept nogil
+    cdef _ranked(self)
     cdef bint _ahead(self, int a, int b) noexcept nogil
     cdef int _first(self, int a, int b) noexcept nogil
     cdef int _first_from(self, int start) noexcept nogil

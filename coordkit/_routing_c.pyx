@@ -87,7 +87,6 @@ cdef class Router:
         double prefix_ttl=600.0,
         prefix_max_entries=1_000_000,
     ):
-        cdef int leaves
         self.weight, self.decode_blocks = check_args(
             policy,
             max_ranks,
@@ -111,21 +110,16 @@ cdef class Router:
         self.work_units = <int64_t*>calloc(self.max_ranks, sizeof(int64_t))
         self.members = <int*>calloc(self.max_ranks, sizeof(int))
         self.member_pos = <int*>calloc(self.max_ranks, sizeof(int))
+        self.capacity = <int64_t*>calloc(self.max_ranks, sizeof(int64_t))
         if (self.is_accepting == NULL or self.pending_count == NULL
                 or self.work_units == NULL or self.members == NULL
-                or self.member_pos == NULL):
+                or self.member_pos == NULL or self.capacity == NULL):
             raise MemoryError()
         self.by_work = self.policy_id == POLICY_PREFIX
         self.by_pending = self.policy_id != POLICY_ROUND_ROBIN
         # power_of_two draws accepting ranks, all eligible without a cap: no fallback.
         if self.policy_id != POLICY_POWER_OF_TWO or rank_cap:
-            leaves = 1
-            while leaves < self.max_ranks:
-                leaves <<= 1
-            self.ranking = <int*>malloc(2 * leaves * sizeof(int))
-            if self.ranking == NULL:
-                raise MemoryError()
-            self._build(1)
+            self._ranked()
         if self.policy_id != POLICY_PREFIX:
             return
         # The pools can be large (1M entries x 4096 ranks = 512 MB of masks), but
@@ -156,6 +150,7 @@ cdef class Router:
         free(self.work_units)
         free(self.members)
         free(self.member_pos)
+        free(self.capacity)
         free(self.ranking)
         free(self.eligible)
         free(self.entries)
@@ -215,6 +210,40 @@ cdef class Router:
                 stride <<= 1
             self._widen(min(stride, self.max_stride))
         self._update(rank)
+
+    def set_capacity(self, int rank, int64_t capacity) -> None:
+        """``rank`` takes at most ``capacity`` requests at once, what it declared at
+        registration (0: the router's ``rank_cap``, if any)."""
+        _check_rank(self, rank)
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, not {capacity}")
+        self.capacity[rank] = capacity
+        if capacity and self.ranking == NULL:
+            self._ranked()  # power_of_two's fallback, now that a rank can be full
+        self._update(rank)
+
+    @property
+    def has_room(self) -> bool:
+        return self.has_room_c()
+
+    cdef bint has_room_c(self) noexcept nogil:
+        """Whether choose would pick a rank now: one is eligible."""
+        if self.ranking != NULL:
+            return self.ranking[1] >= 0
+        return self.n_members > 0
+
+    cdef _ranked(self):
+        """The ranking, allocated for max_ranks and built over the ranks so far."""
+        cdef int leaves = 1
+        while leaves < self.max_ranks:
+            leaves <<= 1
+        self.ranking = <int*>malloc(2 * leaves * sizeof(int))
+        if self.ranking == NULL:
+            raise MemoryError()
+        leaves = 1
+        while leaves < self.n_ranks:
+            leaves <<= 1
+        self._build(leaves)
 
     def remove_rank(self, int rank) -> None:
         _check_rank(self, rank)
@@ -378,7 +407,8 @@ cdef class Router:
     # -- the ranking: the eligible ranks in the policy's order, as they change ----
 
     cdef inline bint _eligible(self, int rank) noexcept nogil:
-        return self.is_accepting[rank] and self.pending_count[rank] < self.pending_limit
+        cdef int64_t limit = self.capacity[rank] or self.pending_limit
+        return self.is_accepting[rank] and self.pending_count[rank] < limit
 
     cdef void _update(self, int rank) noexcept nogil:
         """``rank``'s eligibility, pending count or work changed: mend its path to the root.

@@ -52,6 +52,7 @@ class Router:
         "_choose",
         "_max_ranks",
         "_rank_cap",
+        "_capacity",
         "_weight",
         "_decode_blocks",
         "_block_size",
@@ -106,6 +107,7 @@ class Router:
         }[policy]
         self._max_ranks = max_ranks
         self._rank_cap = rank_cap
+        self._capacity = [0] * max_ranks  # what each declared (0: rank_cap holds)
         self._block_size = block_size
         self._ttl = float(prefix_ttl)
         self._max_entries = prefix_max_entries
@@ -278,9 +280,29 @@ class Router:
     # -- the ranking: the eligible ranks in the policy's order, as they change --
 
     def _eligible(self, rank: int) -> bool:
-        return self._accepting[rank] and (
-            self._rank_cap == 0 or self._pending[rank] < self._rank_cap
-        )
+        cap = self._capacity[rank] or self._rank_cap
+        return self._accepting[rank] and (cap == 0 or self._pending[rank] < cap)
+
+    def set_capacity(self, rank: int, capacity: int) -> None:
+        """``rank`` takes at most ``capacity`` requests at once, what it declared at
+        registration (0: the router's ``rank_cap``, if any)."""
+        self._check_rank(rank)
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, not {capacity}")
+        self._capacity[rank] = capacity
+        if capacity and self._ranking is None:  # power_of_two's fallback, now that a
+            leaves = 1  # rank can be full
+            while leaves < self._n_ranks:
+                leaves <<= 1
+            self._build(leaves)
+        self._update(rank)
+
+    @property
+    def has_room(self) -> bool:
+        """Whether choose would pick a rank now: one is eligible."""
+        if self._ranking is not None:
+            return self._ranking[1] >= 0
+        return bool(self._members)
 
     def _update(self, rank: int) -> None:
         """``rank``'s eligibility, pending count or work changed: mend its path to the root.

@@ -166,6 +166,7 @@ class Counter(IntEnum):
     MIGRATED = 34  # requests moved, with the tokens they streamed, off an engine that died
     ENGINES_BACK = 35  # engines whose connection ended and that came back within the grace
     QUARANTINES = 36  # engines the breaker took out of the pool for failing too often
+    QUEUED = 37  # requests that waited in the queue for an engine with room
 
 
 class QueueOutcome(IntEnum):
@@ -520,6 +521,7 @@ def metrics_map(
     refused: list[int],
     latency: dict[str, tuple[list[int], float]] | None,
     prefix: tuple[int, int, int],
+    queue: dict[str, Any],
 ) -> dict[str, Any]:
     """What ``Coordinator.metrics()`` gives beyond stats(): ``traffic`` is
     (direction 0 in / 1 out, header slot, messages, bytes) for every slot used;
@@ -549,6 +551,7 @@ def metrics_map(
         },
         "latency_bounds": list(LATENCY_BUCKETS),
         "prefix": {"decisions": decisions, "blocks": blocks, "matched_blocks": matched},
+        "queue": queue,
     }
 
 
@@ -563,6 +566,7 @@ def stats_map(
     control_state: int,
     counters: list[int],
     engines: list[tuple[int, bytes, int, int, float, int, int]],
+    queue: dict[str, Any],
 ) -> dict[str, Any]:
     """The map of ``Coordinator.stats()`` and STATS_REPLY; ``epoch`` is what the
     coordinator announces, ``engines`` (rank, identity, state, pending, seconds of
@@ -589,4 +593,5 @@ def stats_map(
             }
             for rank, identity, state, pending, quarantined, failures, reason in engines
         ],
+        "queue": queue,
     }
