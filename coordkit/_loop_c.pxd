@@ -1,10 +1,17 @@
 # cython: language_level=3
 """Declarations of the Cython loop core (its C tables are in includes/tables.h)."""
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 from ._codec_c cimport ck_batch_entry, ck_entry, ck_single_entry
-from ._constants cimport ERROR_SLOTS, HEADER_SLOTS, N_COUNTERS, N_LATENCY_BUCKETS
+from ._constants cimport (
+    ERROR_SLOTS,
+    HEADER_SLOTS,
+    N_COUNTERS,
+    N_LATENCY_BUCKETS,
+    N_OUTCOMES,
+    QUEUE_TENANTS,
+)
 from ._routing_c cimport Router
 from .includes.framepool cimport (
     ck_buffer_msg,
@@ -51,6 +58,8 @@ cdef struct Client:
     Ends requests  # its requests in flight: slots, through Loop.client_links
     int fd  # the connection its CONNECT came on (ZMQ_SRCFD; -1: inproc)
     double hold  # a rebuild client: seconds its requests are kept once it is gone
+    bint qos  # granted QoS: its SUBMITs may carry a priority and a deadline
+    int32_t tenant  # its tenant in the queue (-1: none yet, it never sent CONNECT)
 
 
 cdef struct Engine:
@@ -96,6 +105,7 @@ include "loop/fanout.pxd"
 include "loop/latency.pxd"
 include "loop/traffic.pxd"
 include "loop/roles.pxd"
+include "loop/queue.pxd"
 
 cdef class Loop
 include "loop/rebuild.pxd"
@@ -178,6 +188,13 @@ cdef class Loop:
         Links deadline_links  # by request slot: the request_timeout queue
         Ends deadlines  # the requests in submission order (with a request_timeout)
 
+        # The requests waiting for an engine with room, filed by slot, and by slot the
+        # QoS of every request: where it waits, if it must (again, when its engine dies).
+        Queue queue
+        int8_t* priority
+        double* wait_deadline  # monotonic() past which it may not wait (INFINITY: none)
+        bint dispatch_due  # room may have freed up for them: _dispatch after the message
+
         # The message at hand, and its entries bound for peers that take batches.
         Message message
         Fanout fanout
@@ -195,6 +212,8 @@ cdef class Loop:
     cdef void _submit_single(self, int32_t client, int64_t header) noexcept nogil
     cdef void _submit_batch(self, int32_t client) noexcept nogil
     cdef void _accept(self, int32_t client, int64_t rid, Inbound* inbound) noexcept nogil
+    cdef int _send_new(self, uint32_t slot, Inbound* inbound) noexcept nogil
+    cdef bint _queued(self, uint32_t slot, Inbound* inbound, bint head) noexcept nogil
     cdef int _route(self, uint32_t slot, Inbound* inbound) noexcept nogil
     cdef int _pick_engine(self, Inbound* inbound, int* rank) noexcept nogil
     cdef void _send_batches(self, int64_t header) noexcept nogil
@@ -207,6 +226,8 @@ cdef class Loop:
                        const uint8_t* body, size_t size, zmq_msg_t* message) noexcept nogil
     cdef void _admit(self, uint32_t slot, int32_t client) noexcept nogil
     cdef void _forget(self, uint32_t slot) noexcept nogil
+    cdef void _unqueue(self, uint32_t slot, int outcome) noexcept nogil
+    cdef void _dispatch(self) noexcept nogil
     cdef void _seen(self, int32_t client) noexcept nogil
     cdef void _mark_gone(self, int rank, int reason) noexcept nogil
     cdef int _send_identity(self, ck_ids* table, int32_t index) noexcept nogil
@@ -223,6 +244,7 @@ cdef class Loop:
     cdef _watch(self, int rank, int fd)
     cdef int32_t _new_engine(self, int32_t engine, int fd) except -2
     cdef _connect(self, int32_t client)
+    cdef int32_t _tenant(self, str name)
     cdef int32_t _vacant_client(self) except -2
     cdef _remove_client(self, int32_t client)
     cdef _connection_events(self)
@@ -253,6 +275,7 @@ cdef class Loop:
     cdef RequestOrder* _in_order(self, int rank, int32_t client, uint32_t* count) except NULL
     cdef _fail_request(self, uint32_t slot, int code, int64_t header)
     cdef _time_out(self, uint32_t slot)
+    cdef _no_engines_left(self)
     cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header)
     cdef _client_gone(self, int32_t client, bint unreachable=*, bint closed=*)
     cdef _drop_client(self, int32_t client)
@@ -264,7 +287,7 @@ cdef class Loop:
     cdef _reply_to_sender(self, list frames)
     cdef _count_frames_out(self, list frames)
     cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header,
-                          bint ends=*)
+                          bint ends=*, str text=*)
     cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter,
                  bint ends=*)
     cdef _malformed(self, int32_t client, object rid, int64_t header, str detail)

@@ -31,7 +31,7 @@ requests are settled on a rare path once the message at hand is done
 cimport cython
 from libc.errno cimport EINTR
 from libc.math cimport INFINITY, ceil
-from libc.stdint cimport UINT32_MAX, int32_t, int64_t, uint8_t, uint32_t
+from libc.stdint cimport UINT32_MAX, int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcpy, memmove, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -43,6 +43,7 @@ from ._codec_c cimport (
     CK_NEW_TOKENS,
     CK_NO_TOKENS,
     CK_OK,
+    CK_QOS_WIDTH,
     CK_TOO_MANY,
     ck_batch_entry,
     ck_check_map,
@@ -50,8 +51,10 @@ from ._codec_c cimport (
     ck_entry,
     ck_prompt_hashes,
     ck_prompt_tokens,
+    ck_qos,
     ck_read_batch_into,
     ck_read_header,
+    ck_read_qos,
     ck_read_reply,
     ck_read_single_head,
     ck_read_single_reply,
@@ -94,6 +97,7 @@ from .includes.libzmq cimport (
 )
 from ._routing_c cimport Router
 from .includes.bytebuf cimport reserve
+from .includes.tables cimport ck_cells_for, ck_cells_remove, ck_cells_vacant, ck_mix64
 from .includes.sysdep cimport DEBUG
 
 import zmq
@@ -103,8 +107,10 @@ from ._shared import (
     BACKOFF_MAX,
     GONE_REASONS,
     LATENCY_BUCKETS,
+    OTHER_TENANTS,
     REFUSAL_EVENTS,
     TICK,
+    QueueOutcome,
     RateLimitedLog,
     check_constants,
     continued,
@@ -112,14 +118,17 @@ from ._shared import (
     megatron_failed_reply,
     metrics_map,
     monitor_events,
+    never_ran,
     resumed,
     stats_map,
+    tenant_stride,
     unknown_from_engine,
 )
 from .protocol import (
     BATCH_FEATURE,
     CONTROL_TRANSITIONS,
     EPOCH_KEY,
+    QOS_FEATURE,
     REBUILD_FEATURE,
     ProtocolError,
     error_text,
@@ -193,6 +202,7 @@ include "loop/lists.pyx"
 include "loop/latency.pyx"
 include "loop/traffic.pyx"
 include "loop/roles.pyx"
+include "loop/queue.pyx"
 include "loop/rebuild.pyx"
 include "loop/faults.pyx"
 
@@ -272,10 +282,15 @@ cdef class Loop:
         self.engines = <Engine*>calloc(self.max_engines, sizeof(Engine))
         self.gone = <int*>malloc(self.max_engines * sizeof(int))
         self.work = <uint32_t*>calloc(options.max_inflight, sizeof(uint32_t))
+        self.priority = <int8_t*>calloc(options.max_inflight, sizeof(int8_t))
+        self.wait_deadline = <double*>calloc(options.max_inflight, sizeof(double))
         self.buffers = ck_buffer_pool_new()
+        queue_init(&self.queue, options.queue_limit, options.max_inflight, self.max_clients,
+                   options.tenant_weights)
         if (
             self.buffers == NULL or self.clients == NULL or self.engines == NULL
-            or self.gone == NULL or self.work == NULL or not message_init(&self.message)
+            or self.gone == NULL or self.work == NULL or self.priority == NULL
+            or self.wait_deadline == NULL or not message_init(&self.message)
             or ck_requests_init(
                 &self.requests, options.max_inflight, options.index_size, INDEX_WINDOW_MIN,
                 options.first_server_id,
@@ -294,6 +309,7 @@ cdef class Loop:
             for slot in range(self.requests.used):
                 if self.requests.pool[slot].server_rid >= 0:
                     release_kept(self.requests.pool[slot].kept, &self.small_shared)
+        queue_free(&self.queue)  # it closes the messages waiting requests hold
         ck_requests_free(&self.requests)
         if self.buffers != NULL:
             ck_buffer_pool_close(self.buffers)
@@ -304,6 +320,8 @@ cdef class Loop:
         free(self.engines)
         free(self.gone)
         free(self.work)
+        free(self.priority)
+        free(self.wait_deadline)
         free(self.submitted)
         links_free(&self.deadline_links)
         links_free(&self.client_links)
@@ -335,6 +353,7 @@ cdef class Loop:
         try:
             for i in range(n):
                 if self.requests.pool[order[i].slot].server_rid == order[i].server_rid:
+                    self._unqueue(order[i].slot, OUTCOME_REFUSED)
                     self._fail_request(order[i].slot, ERROR_SHUTTING_DOWN, HEADER_SHUTDOWN)
         finally:
             free(order)
@@ -364,6 +383,7 @@ cdef class Loop:
             control_state=self.control_state,
             counters=[self.counters[i] for i in range(N_COUNTERS)],
             engines=engines,
+            queue=queue_stats(&self.queue),
         )
         if DEBUG:
             result["debug"] = {"polls": self.debug_polls}
@@ -377,6 +397,7 @@ cdef class Loop:
             refused=list(self.refused),
             latency=latency_metrics(&self.latency) if self.measure_latency else None,
             prefix=self.router.prefix_counts,
+            queue=queue_metrics(&self.queue),
         )
 
     # -- the hot path (no GIL) -----------------------------------------------------------
@@ -439,6 +460,7 @@ cdef class Loop:
         closed, HANDLED to rebuild engines, and what that left settled. The GIL is
         taken only for what is due."""
         cdef int rank
+        cdef int64_t slot
         cdef double deadline = now - self.request_timeout
         for rank in range(self.n_engines):
             if self.engines[rank].state == ENGINE_GONE:
@@ -458,6 +480,14 @@ cdef class Loop:
             with gil:
                 while self._oldest_submitted_before(deadline):
                     self._time_out(self.deadlines.oldest)
+        if self.queue.n_due and self.queue.entries[self.queue.due[0]].deadline <= now:
+            with gil:
+                while True:
+                    slot = queue_expired(&self.queue, now)
+                    if slot < 0:
+                        break
+                    self.counters[COUNTER_TIMED_OUT] += 1  # its own deadline, while it waited
+                    self._fail_request(slot, ERROR_TIMED_OUT, HEADER_SUBMIT_REQUEST)
         if self.rebuild.rebuilding and now >= self.rebuild.until:
             with gil:
                 self.rebuild.end_window()
@@ -472,6 +502,8 @@ cdef class Loop:
         if self.n_gone:
             with gil:
                 self._settle()
+        if self.dispatch_due or self.queue.depth:  # an engine back from quarantine, ...
+            self._dispatch()
 
     cdef inline bint _oldest_submitted_before(self, double deadline) noexcept nogil:
         return self.deadlines.oldest != UINT32_MAX and (
@@ -493,6 +525,8 @@ cdef class Loop:
             if self.n_gone:
                 with gil:
                     self._settle()
+            if self.dispatch_due:
+                self._dispatch()
 
     cdef void _handle(self) noexcept nogil:
         """Dispatch the message at hand (frame 0 is the sender's routing id)."""
@@ -560,18 +594,30 @@ cdef class Loop:
         """A new request in frames: metadata, payload, and maybe its block hashes."""
         cdef Inbound inbound
         cdef ck_submit submit
+        cdef ck_qos qos
         cdef int read = ck_read_submit(self._data(1), self._size(1), &submit)
         cdef int n_payload = 1 if header == HEADER_SUBMIT_REQUEST else 2
         cdef int n_frames = self.message.n_parts - 2
         cdef bint hashed = n_frames == n_payload + 1  # the optional block-hash frame
+        qos.priority = qos.deadline_ms = 0
         if read != CK_OK:
             with gil:
                 self._malformed(client, submit.rid if submit.offset else None, header,
                                 ck_strstatus(read).decode())
             return
+        if submit.length != <uint32_t>(2 + n_payload):  # QoS, from a client granted it
+            if submit.length != <uint32_t>(4 + n_payload) or not self.clients[client].qos:
+                with gil:
+                    self._malformed(client, submit.rid, header, "bad frame layout")
+                return
+            # The QoS fields come off here: the params span starts after them.
+            read = ck_read_qos(self._data(1), self._size(1), &submit, &qos)
+            if read != CK_OK:
+                with gil:
+                    self._malformed(client, submit.rid, header, ck_strstatus(read).decode())
+                return
         if (
-            submit.length != <uint32_t>(2 + n_payload)
-            or not n_payload <= n_frames <= n_payload + 1
+            not n_payload <= n_frames <= n_payload + 1
             or (hashed and self._size(2 + n_payload) % BLOCK_HASH_SIZE)
         ):
             with gil:
@@ -582,6 +628,8 @@ cdef class Loop:
             self._data(1) + submit.offset, self._size(1) - submit.offset,
             &self.message.parts[2 + n_payload] if hashed else NULL,
         )
+        inbound.priority = <int>qos.priority
+        inbound.deadline_ms = qos.deadline_ms
         self._accept(client, submit.rid, &inbound)
 
     cdef void _submit_single(self, int32_t client, int64_t header) noexcept nogil:
@@ -639,7 +687,9 @@ cdef class Loop:
             with gil:
                 self._malformed(client, None, HEADER_SUBMIT_BATCH, "batches not granted")
             return
-        read = message_read_submit_batch(&self.message, &count)
+        read = message_read_submit_batch(
+            &self.message, CK_QOS_WIDTH if self.clients[client].qos else 3, &count
+        )
         # Room for the entries bound for batched engines: their params are in frame 1.
         if read == CK_OK and not fanout_reserve(&self.fanout, count, self._size(1)):
             read = CK_TOO_MANY
@@ -667,19 +717,20 @@ cdef class Loop:
                     &self.message.parts[part + 1] if entry.flag else NULL,
                 )
                 inbound.batched = True
+                if self.clients[client].qos:
+                    inbound.priority = <int>entry.qos.priority
+                    inbound.deadline_ms = entry.qos.deadline_ms
                 self._accept(client, entry.rid, &inbound)
             part += 1 + entry.flag
         self._send_batches(HEADER_SUBMIT_BATCH)
 
     cdef void _accept(self, int32_t client, int64_t rid, Inbound* inbound) noexcept nogil:
         """A request that parsed: refused (a duplicate id, a full table), or given a
-        server id and an engine, and the frames on to it."""
+        server id and an engine, and the frames on to it; it waits in the queue while
+        others do (it overtakes none), or when no engine has room."""
         cdef int64_t header = inbound.header
         cdef uint32_t slot
-        cdef int64_t server_rid
-        cdef ck_request* request
         cdef int status
-        cdef zmq_msg_t meta
         if ck_requests_find_client(&self.requests, client, rid) >= 0:
             with gil:
                 self._refuse(
@@ -692,8 +743,55 @@ cdef class Loop:
             return
         slot = ck_requests_add(&self.requests, client, rid)
         self._admit(slot, client)
-        request = &self.requests.pool[slot]
-        server_rid = request.server_rid
+        self.priority[slot] = <int8_t>inbound.priority
+        self.wait_deadline[slot] = INFINITY
+        if inbound.deadline_ms:
+            self.wait_deadline[slot] = monotonic() + inbound.deadline_ms / 1000.0
+        if self.queue.depth:  # others wait: it overtakes none
+            status = ROUTE_ALL_BUSY
+        else:
+            status = self._send_new(slot, inbound)
+            if status == ROUTE_SENT:
+                self.counters[COUNTER_SUBMITTED] += 1
+                return
+            if status == ROUTE_ENGINE_GONE:
+                return
+        if status == ROUTE_ALL_BUSY and self.queue.limit:
+            # kept again at its dispatch
+            release_kept(self.requests.pool[slot].kept, &self.small_shared)
+            self.requests.pool[slot].kept = NULL
+            if self._queued(slot, inbound, False):
+                return
+        self._forget(slot)
+        if (
+            status == ROUTE_NO_ENGINES and self.rebuild.rebuilding and self.clients[client].rejoined
+        ):
+            # Back after a loss, before its engines registered again: sent back once
+            # one has (RESEND), not refused.
+            with gil:
+                self.rebuild.defer(client, rid)
+            return
+        with gil:
+            self._refuse(
+                client,
+                rid,
+                refusal(status),
+                header,
+                COUNTER_NO_ENGINES if status == ROUTE_NO_ENGINES else (
+                    COUNTER_MALFORMED if status == ROUTE_UNSENDABLE else COUNTER_BUSY
+                ),
+                True,
+            )
+
+    cdef int _send_new(self, uint32_t slot, Inbound* inbound) noexcept nogil:
+        """A new request (or one that waited) out to an engine: its metadata with its
+        server id, what re-sends it kept, and routed; a RouteStatus. An engine found
+        gone on the way is settled first, and the request routed again; ENGINE_GONE:
+        its client went away meanwhile, the request is forgotten."""
+        cdef ck_request* request = &self.requests.pool[slot]
+        cdef int64_t server_rid = request.server_rid
+        cdef int status
+        cdef zmq_msg_t meta
         if not inbound.single:
             rewrite_meta(&meta, inbound, server_rid)
             inbound.meta = &meta
@@ -701,7 +799,7 @@ cdef class Loop:
         # What is kept re-sends it, or moves it on with what it streamed, when its
         # engine dies (a rebuild client's too: after the coordinator's loss, it is the
         # client that sends it again, RESEND).
-        if header != HEADER_SUBMIT_REQUEST:
+        if inbound.header != HEADER_SUBMIT_REQUEST:
             request.flags |= FLAG_PINNED
         elif self.keep_prompts:
             request.kept = keep(inbound.meta, inbound.payload, inbound.single,
@@ -718,29 +816,22 @@ cdef class Loop:
             status = self._route(slot, inbound)
         if inbound.meta != NULL:
             zmq_msg_close(&meta)
-        if status == ROUTE_SENT:
-            self.counters[COUNTER_SUBMITTED] += 1
-        elif (
-            status == ROUTE_NO_ENGINES and self.rebuild.rebuilding and self.clients[client].rejoined
+            inbound.meta = NULL
+        return status
+
+    cdef bint _queued(self, uint32_t slot, Inbound* inbound, bint head) noexcept nogil:
+        """The request at ``slot`` waits in the queue till an engine has room
+        (_dispatch): last in its flow, or first (``head``: its engine died before it
+        produced anything; NULL ``inbound``: it is sent from what it kept); False when
+        the queue is full."""
+        cdef int32_t tenant = self.clients[self.requests.pool[slot].client].tenant
+        if not queue_push(
+            &self.queue, slot, tenant if tenant > 0 else 0, self.priority[slot], monotonic(),
+            self.wait_deadline[slot], head, inbound, &self.message.parts[1],
         ):
-            # Back after a loss, before its engines registered again: sent back once
-            # one has (RESEND), not refused.
-            self._forget(slot)
-            with gil:
-                self.rebuild.defer(client, rid)
-        elif status != ROUTE_ENGINE_GONE:
-            self._forget(slot)
-            with gil:
-                self._refuse(
-                    client,
-                    rid,
-                    refusal(status),
-                    header,
-                    COUNTER_NO_ENGINES if status == ROUTE_NO_ENGINES else (
-                        COUNTER_MALFORMED if status == ROUTE_UNSENDABLE else COUNTER_BUSY
-                    ),
-                    True,
-                )
+            return False
+        self.counters[COUNTER_QUEUED] += 1
+        return True
 
     cdef int _route(self, uint32_t slot, Inbound* inbound) noexcept nogil:
         """Send a request to the engine chosen for it, in its format (and its trailer to
@@ -1052,6 +1143,7 @@ cdef class Loop:
         cdef ck_request* request = &self.requests.pool[slot]
         cdef Client* client = &self.clients[request.client]
         cdef int rank = request.rank
+        self._unqueue(slot, OUTCOME_ABANDONED)
         list_remove(&self.client_links, &client.requests, slot)
         client.inflight -= 1
         if client.inflight == 0:
@@ -1066,6 +1158,52 @@ cdef class Loop:
         self.router.release_c(rank, self.work[slot])
         if self.engines[rank].state == ENGINE_DRAINING and self.router.pending_count[rank] == 0:
             self.engines[rank].state = ENGINE_GONE
+        if self.queue.depth:  # its room is another's
+            self.dispatch_due = True
+
+    cdef void _unqueue(self, uint32_t slot, int outcome) noexcept nogil:
+        """A request that waits leaves the queue, not dispatched (``outcome``)."""
+        if (
+            self.requests.pool[slot].rank < 0 and self.queue.depth
+            and queue_holds(&self.queue, slot)
+        ):
+            queue_remove(&self.queue, slot, monotonic(), outcome)
+
+    cdef void _dispatch(self) noexcept nogil:
+        """The requests waiting, in the queue's order, to the engines with room now; the
+        entries for batched engines leave as one ENGINE_SUBMIT_BATCH each, once all
+        are routed (an engine that starts a step on the first arrival is not handed one
+        request ahead of the rest). With no engine left, they end NO_ENGINES."""
+        cdef Inbound inbound
+        cdef int64_t slot
+        cdef int status, code, counter
+        self.dispatch_due = False
+        fanout_reserve(&self.fanout, 0, 0)
+        while self.queue.depth and self.router.has_room_c():
+            slot = queue_peek(&self.queue)
+            if queue_inbound(&self.queue, slot, &inbound):
+                if inbound.batched and not fanout_grow(&self.fanout, inbound.params_size):
+                    inbound.batched = False  # memory is short: it goes alone
+                queue_pop(&self.queue, monotonic())
+                status = self._send_new(slot, &inbound)
+                counter, code = COUNTER_SUBMITTED, ERROR_MALFORMED
+            else:  # re-queued when its engine died: sent from what it kept
+                queue_pop(&self.queue, monotonic())
+                status = self._resend(slot)
+                counter, code = COUNTER_REROUTED, ERROR_ENGINE_FAILED
+            if status == ROUTE_SENT:
+                self.counters[counter] += 1
+            elif status != ROUTE_ENGINE_GONE:  # ENGINE_GONE: its client went away
+                with gil:
+                    self._fail_request(
+                        slot, code if status == ROUTE_UNSENDABLE else refusal(status),
+                        HEADER_SUBMIT_REQUEST,
+                    )
+        self._send_batches(HEADER_SUBMIT_BATCH)
+        queue_sent(&self.queue)  # now what they held may go
+        if self.queue.depth and self.router.n_members == 0:
+            with gil:
+                self._no_engines_left()
 
     cdef inline void _seen(self, int32_t client) noexcept nogil:
         """A message from ``client``: with nothing in flight, it is the idle one seen last."""
@@ -1178,6 +1316,8 @@ cdef class Loop:
             self.engines[engine].base = hello.base
             self.engines[engine].handled = self.engines[engine].mark = 0
             self.engines[engine].acked = 0
+            self.router.set_capacity(engine, hello.capacity)
+            self.dispatch_due = True
             self._count_formats()
             if hello.ack or hello.rebuild:  # it is in the pool: say so, and what it was granted
                 self._reply_to_sender(protocol.engine_ack(hello, self.epoch))
@@ -1249,7 +1389,9 @@ cdef class Loop:
         self.engines[engine].heartbeats = False
         self.engines[engine].rebuild = False
         self.engines[engine].handled = self.engines[engine].mark = self.engines[engine].acked = 0
+        self.router.set_capacity(engine, 0)  # until a hello says otherwise
         self.faults.admit(engine)
+        self.dispatch_due = True
         self._count_formats()
         return engine
 
@@ -1314,6 +1456,7 @@ cdef class Loop:
                 return
             self.clients[index].used = True
             self.clients[index].inflight = 0
+            self.clients[index].tenant = -1
             ends_init(&self.clients[index].requests)
             list_push(&self.idle_links, &self.idle, index)
             self.clients[index].fd = fd
@@ -1323,12 +1466,19 @@ cdef class Loop:
         self.clients[index].batch = hello.batch
         self.clients[index].rebuild = hello.rebuild
         self.clients[index].hold = hello.hold
+        self.clients[index].qos = hello.qos
+        tenant = self._tenant(hello.tenant)  # the one it names now (None: its own)
+        if self.clients[index].tenant >= 0:
+            queue_leave(&self.queue, self.clients[index].tenant)
+        self.clients[index].tenant = tenant
         self.clients[index].present = self.clients[index].fresh = True
         self.clients[index].rejoined = False  # until its REJOIN, the requests adopted wait
         self.clients[index].format = (
             FORMAT_SINGLE_FRAME if self.megatron_core and not hello.coordkit else FORMAT_MULTIPART
         )
         features = {BATCH_FEATURE: 1} if hello.batch else {}
+        if hello.qos:
+            features[QOS_FEATURE] = 1
         if hello.rebuild:
             features.update({REBUILD_FEATURE: 1, EPOCH_KEY: self.epoch})
         if features:
@@ -1341,6 +1491,14 @@ cdef class Loop:
                 self.connections[fd] = index
             else:  # the monitor said its connection ended already
                 self._end(self._identity(index), fd)
+
+    cdef int32_t _tenant(self, str name):
+        """The queue's tenant named ``name`` (None: a new one of its own)."""
+        cdef bytes encoded
+        if name is None:
+            return queue_tenant(&self.queue, NULL, 0)
+        encoded = name.encode()
+        return queue_tenant(&self.queue, encoded, len(encoded))
 
     cdef int32_t _vacant_client(self) except -2:
         """A free client index; when all are used, the client idle longest gives up
@@ -1363,6 +1521,9 @@ cdef class Loop:
         cdef size_t n
         cdef const uint8_t* identity = ck_ids_get(&self.client_ids, client, &n)
         roles_remember(&self.roles, identity, n, ROLE_CLIENT)
+        if self.clients[client].tenant >= 0:
+            queue_leave(&self.queue, self.clients[client].tenant)
+            self.clients[client].tenant = -1
         self.rebuild.away.pop(self._identity(client), None)
         self.rebuild.n_away = len(self.rebuild.away)
         ck_ids_remove(&self.client_ids, client)
@@ -1480,6 +1641,13 @@ cdef class Loop:
             return
         self.counters[COUNTER_ABORTS] += 1
         request = &self.requests.pool[slot]
+        if request.rank < 0:  # it waits: it ends here, no engine has it
+            self._forget(slot)
+            self.failed[ERROR_UNKNOWN_REQUEST] += 1
+            if not self._send_error(client, message.rid, ERROR_UNKNOWN_REQUEST,
+                                    HEADER_ABORT_REQUEST, True, never_ran(message.rid)):
+                self._client_gone(client)
+            return
         if request.flags & FLAG_ABORTED:
             return
         request.flags |= FLAG_ABORTED
@@ -1631,6 +1799,8 @@ cdef class Loop:
             return
         else:
             status = self._resend(slot)
+            if status == ROUTE_ALL_BUSY and self.queue.limit and self._queued(slot, NULL, True):
+                return
         if status == ROUTE_SENT:
             self.counters[counter] += 1
         elif status == ROUTE_UNSENDABLE:  # no engine left that speaks its format
@@ -1695,13 +1865,33 @@ cdef class Loop:
 
     cdef _time_out(self, uint32_t slot):
         """End a request in flight longer than request_timeout: ERROR(TIMED_OUT) to
-        its client, ABORT to its engine (whose late final is then unknown, dropped)."""
+        its client, ABORT to its engine (whose late final is then unknown, dropped); one
+        that waits leaves the queue."""
         cdef ck_request* request = &self.requests.pool[slot]
         cdef int rank = request.rank
         self.counters[COUNTER_TIMED_OUT] += 1
-        if not request.flags & FLAG_ABORTED and self.engines[rank].state != ENGINE_GONE:
+        if rank < 0:
+            self._unqueue(slot, OUTCOME_TIMED_OUT)
+        elif not request.flags & FLAG_ABORTED and self.engines[rank].state != ENGINE_GONE:
             self._abort_at_engine(rank, request.server_rid)
         self._fail_request(slot, ERROR_TIMED_OUT, HEADER_SUBMIT_REQUEST)
+
+    cdef _no_engines_left(self):
+        """The waiting requests, with no engine left to wait for: ERROR(NO_ENGINES)."""
+        cdef uint32_t i, n
+        cdef uint32_t slot
+        cdef RequestOrder* order = self._in_order(-1, -1, &n)
+        try:
+            for i in range(n):
+                slot = order[i].slot
+                if (
+                    self.requests.pool[slot].server_rid == order[i].server_rid
+                    and self.requests.pool[slot].rank < 0 and queue_holds(&self.queue, slot)
+                ):
+                    self._unqueue(slot, OUTCOME_REFUSED)
+                    self._fail_request(slot, ERROR_NO_ENGINES, HEADER_SUBMIT_REQUEST)
+        finally:
+            free(order)
 
     cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header):
         """An entry of an engine's batch that was not delivered: malformed ones are
@@ -1796,21 +1986,22 @@ cdef class Loop:
         traffic_count(&self.traffic, SENT, header, sum(len(frame) for frame in frames))
 
     cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header,
-                          bint ends=False):
-        """ERROR to a coordkit client; to a Megatron main client, when the error ends
-        a request of its (``ends``), the FAILED final it takes (0.19's clients get
-        nothing). False when the client is gone."""
+                          bint ends=False, str text=None):
+        """ERROR to a coordkit client (its text ``text``, else error_text's); to a
+        Megatron main client, when the error ends a request of its (``ends``), the
+        FAILED final it takes (0.19's clients get nothing). False when the client is
+        gone."""
         cdef bint coordkit = self.clients[client].coordkit
         if not self.clients[client].present or (
             not coordkit and not (ends and self.clients[client].format == FORMAT_SINGLE_FRAME_MAIN)
         ):
             return True  # away, its REJOIN then finds it ended; or it takes no ERROR
         self.counters[COUNTER_ERRORS_SENT] += 1
+        text = error_text(code, header) if text is None else text
         if not coordkit:
-            text = error_text(code, header)
             self._log.warn("failed_final", f"a Megatron main client's request {rid} failed: {text}")
             return self._send_frames(&self.client_ids, client, [megatron_failed_reply(rid)])
-        error = protocol.ERROR.pack(rid, code, error_text(code, header))
+        error = protocol.ERROR.pack(rid, code, text)
         return self._send_frames(&self.client_ids, client, error)
 
     cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter,

@@ -350,8 +350,9 @@ def test_busy_exactly_at_max_inflight(make_cluster):
         assert c.coord.stats()["counters"]["busy"] == 1
 
 
-def test_busy_at_the_per_engine_cap(make_cluster):
-    with make_cluster(n_engines=2, max_inflight_per_engine=2) as c:
+def test_busy_at_the_per_engine_cap_without_a_queue(make_cluster):
+    """With a queue (the default) the fifth waits (test_queueing.py); without, BUSY."""
+    with make_cluster(n_engines=2, max_inflight_per_engine=2, queue_limit=0) as c:
         client = c.client(coordkit=True)
         for rid in range(4):
             client.send(m([SUBMIT, rid, {}]), b"p")

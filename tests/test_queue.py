@@ -347,7 +347,8 @@ def test_a_kv_submission_with_hashes_keeps_every_frame(c_queue):
     spans = c_queue.held_spans(
         meta, [big, b"src"], hashes, False, 0, 3, 2, 0, 0, False, copied=True
     )
-    assert spans == (big, b"\x80\x80", None, hashes, True, [big, b"src"], True)
+    # a KV submission goes alone, never in a batch (a batch carries one payload frame)
+    assert spans == (big, b"\x80\x80", None, hashes, True, [big, b"src"], False)
 
 
 @pytest.mark.c_extension
@@ -360,6 +361,6 @@ def test_a_single_frame_keeps_its_frame_and_its_computed_hashes(c_queue, params)
     )  # fmt: skip
     prompt = b"\x92\x01\x02" if params else b"\x92\x01\x02\x80\xc0"
     if params:
-        assert spans == (prompt, b"\x80", b"\xc0", b"h" * 8, False, [frame], True)
+        assert spans == (prompt, b"\x80", b"\xc0", b"h" * 8, False, [frame], False)
     else:
-        assert spans == (prompt, None, None, b"h" * 8, False, [frame], True)
+        assert spans == (prompt, None, None, b"h" * 8, False, [frame], False)

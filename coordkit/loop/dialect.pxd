@@ -26,6 +26,8 @@ cdef struct Inbound:
     uint64_t tokens
     bint batched  # an entry of a SUBMIT_BATCH: a batched engine takes it later
     int carriers  # a bit per PeerFormat whose engines can take it (carriers)
+    int priority  # its QoS, as its client sent it (ck_read_qos): never sent on
+    int64_t deadline_ms
 
 
 cdef struct Origin:

@@ -18,3 +18,4 @@ cdef struct Fanout:
     uint32_t n
     uint8_t* head  # an outgoing batch's metadata, written before it is sent
     size_t head_capacity
+    size_t head_needed  # what the entries reserved may need of it

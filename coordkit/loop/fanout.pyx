@@ -11,12 +11,20 @@ cdef inline bint fanout_reserve(Fanout* self, uint32_t count, size_t tails) noex
     ``tails`` bytes; False when memory is short."""
     self.n = 0
     # The head: [header, [ of count, then per entry a fixarray, an id and its tail.
+    self.head_needed = CK_BATCH_HEAD_MAX + count * (1 + CK_INT_MAX) + tails
     return reserve(
         <void**>&self.entries, &self.capacity, count, sizeof(Batched)
-    ) and reserve(
-        <void**>&self.head, &self.head_capacity,
-        CK_BATCH_HEAD_MAX + count * (1 + CK_INT_MAX) + tails, 1,
-    )
+    ) and reserve(<void**>&self.head, &self.head_capacity, self.head_needed, 1)
+
+
+cdef inline bint fanout_grow(Fanout* self, size_t tail) noexcept nogil:
+    """Room for one entry more, whose tail is ``tail`` bytes, than fanout_reserve made
+    (the dispatch of waiting requests, as many as engines have room for); False when
+    memory is short."""
+    self.head_needed += 1 + CK_INT_MAX + tail
+    return reserve(
+        <void**>&self.entries, &self.capacity, self.n + 1, sizeof(Batched)
+    ) and reserve(<void**>&self.head, &self.head_capacity, self.head_needed, 1)
 
 
 cdef inline void fanout_add(Fanout* self, int32_t to, int64_t rid, const uint8_t* tail,

@@ -8,8 +8,8 @@
 # first come first served, but for a request re-queued at its head (its engine died
 # before it produced anything). A request with a deadline is also in a heap by
 # deadline. Every operation is O(log n) in the flows or the deadlines waiting, and
-# allocates nothing: the tables are sized by the limit once. _queue_py_draft.Queue
-# is the twin (its docstring says why requests, not tokens). Included by _loop_c.pyx,
+# allocates nothing: the tables are sized by the limit once. _loop_py.Queue
+# is the twin (the comment above it says why requests, not tokens). Included by _loop_c.pyx,
 # after latency.pyx (histogram_observe).
 
 
@@ -249,7 +249,8 @@ cdef int64_t queue_expired(Queue* self, double now) noexcept nogil:
 
 cdef bint queue_inbound(Queue* self, uint32_t handle, Inbound* out) noexcept nogil:
     """The waiting request's Inbound, as it came, over the messages it holds, marked
-    ``batched`` (a dispatch goes to a batched engine in its batch); False when it holds
+    ``batched`` when a batch can carry it (a dispatch goes to a batched engine in its
+    batch: a multipart SUBMIT_REQUEST, its one payload frame); False when it holds
     nothing (re-queued: what keep() kept re-sends it)."""
     cdef Held* held
     cdef const uint8_t* frame
@@ -271,7 +272,7 @@ cdef bint queue_inbound(Queue* self, uint32_t handle, Inbound* out) noexcept nog
         out.hashes = <const uint8_t*>zmq_msg_data(&held.msgs[held.hashes_at])
         if held.inbound.hash_msg != NULL:
             out.hash_msg = &held.msgs[held.hashes_at]
-    out.batched = True
+    out.batched = not out.single and out.header == HEADER_SUBMIT_REQUEST  # a whole one
     out.carriers = 0
     return True
 

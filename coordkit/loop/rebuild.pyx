@@ -147,6 +147,7 @@ cdef class Rebuild:
         self.loop.clients[client].coordkit = self.loop.clients[client].rebuild = True
         self.loop.clients[client].format = FORMAT_MULTIPART
         self.loop.clients[client].fd = -1  # no connection yet: its CONNECT says which
+        self.loop.clients[client].tenant = -1  # its CONNECT names it
         ck_ids_insert(&self.loop.client_ids, client, identity, n)
         self.loop.n_clients += 1
         return client

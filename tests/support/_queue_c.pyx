@@ -4,7 +4,7 @@
 The loop includes its concepts into one extension; this includes the queue (and the
 parts it is written on: the latency histograms, the dialect's Inbound) into one of
 its own, as ``_loop_c.pyx`` does, so that its struct and functions are held against
-the Python twin (``coordkit/_queue_py_draft.py``) without a loop around them.
+the Python twin (``coordkit._loop_py.Queue``) without a loop around them.
 ``Room`` is the C queue under the twin's method names. ``held_spans`` puts a request
 read from real frames through queue_push and queue_inbound and gives back its spans.
 No product code uses it. Compiled once per session (extension.py).
@@ -130,7 +130,8 @@ def held_spans(bytes meta, list payload, bytes hashes, bint single, size_t promp
         if hashes is not None:
             _msg(&msgs[1 + n], hashes)
         memset(&inbound, 0, sizeof(Inbound))
-        inbound.header = HEADER_SUBMIT_REQUEST
+        # two payload frames: a KV submission's (its src_block_ids)
+        inbound.header = HEADER_SUBMIT_REQUEST_WITH_KV if n == 2 else HEADER_SUBMIT_REQUEST
         inbound.single = single
         inbound.payload = &msgs[0] if single else &msgs[1]
         inbound.n_payload = 1 if single else n
