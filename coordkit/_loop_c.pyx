@@ -1799,8 +1799,8 @@ cdef class Loop:
             return
         else:
             status = self._resend(slot)
-            if status == ROUTE_ALL_BUSY and self.queue.limit and self._queued(slot, NULL, True):
-                return
+        if status == ROUTE_ALL_BUSY and self.queue.limit and self._queued(slot, NULL, True):
+            return  # it waits at the head, sent from what it kept (moved on: its tokens)
         if status == ROUTE_SENT:
             self.counters[counter] += 1
         elif status == ROUTE_UNSENDABLE:  # no engine left that speaks its format

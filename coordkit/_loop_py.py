@@ -2944,12 +2944,12 @@ class Loop:
             return
         else:
             status, counter = self._resend(request), Counter.REROUTED
-            if (
-                status == RouteStatus.ALL_BUSY
-                and self._queue.limit
-                and self._queued(request, None, True)
-            ):
-                return
+        if (
+            status == RouteStatus.ALL_BUSY
+            and self._queue.limit
+            and self._queued(request, None, True)
+        ):
+            return  # it waits at the head, sent from what it kept (moved on: its tokens)
         if status == RouteStatus.SENT:
             self._counters[counter] += 1
         elif status == RouteStatus.UNSENDABLE:  # no engine left that speaks its format

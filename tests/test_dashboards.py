@@ -145,7 +145,10 @@ def test_every_panel_query_returns_data(make_cluster, tmp_path, impl):
         pytest.skip("no prometheus binary (apt-get install prometheus): dashboards not queried")
     with make_cluster(transport="tcp", policy="prefix", metrics_port=0) as c:
         target = f"127.0.0.1:{c.coord.metrics_port}"
-        engines = engine_processes(c.coord.address, 2, "--quiet", "--latency", "0.005")
+        # capacity 1 each, under four clients' requests: some wait (the queue's panels)
+        engines = engine_processes(
+            c.coord.address, 2, "--quiet", "--latency", "0.005", "--batch", "1"
+        )
         with engines, client_load(c.coord.address, engines=2) as load:
             with prometheus(target, tmp_path) as url:
                 values = {"instance": target, "__rate_interval": RATE_INTERVAL}

@@ -9,8 +9,7 @@ endpoint for the two latency histograms: STATS_REPLY does not carry them. A
 and percentiles are over that window.
 
 What the loop does not keep yet is shown as "–": each engine's requests/s and
-errors, and the queue depth (there is no queue: a request no engine can take is
-refused).
+errors (and the queue depth of a coordinator from before the queue).
 """
 
 from __future__ import annotations
@@ -133,7 +132,7 @@ def figures(history: History) -> list[tuple[str, str]]:
         ("rerouted", per_second(history.rate(["rerouted"]))),
         ("messages in", per_second(history.messages_rate())),
         ("in flight", str(stats["inflight"])),
-        ("queued", NOTHING),
+        ("queued", str(stats["queue"]["depth"]) if "queue" in stats else NOTHING),
         ("clients", str(stats["clients"])),
     ]
     for name in LATENCY_HISTOGRAMS:
