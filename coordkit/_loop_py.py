@@ -1193,8 +1193,8 @@ class Faults:
         """An engine failed: one more in its window; at ``failures`` it is quarantined,
         for a backoff doubled from the last one's unless it stayed up a window since."""
         engine.last_failure = reason
-        if not self.failures:
-            return
+        if not self.failures or now < engine.quarantined_until:
+            return  # the breaker is open: failing meanwhile is what it is open for
         if now - engine.failures_since > self.window:
             engine.failures, engine.failures_since = 0, now
         engine.failures += 1

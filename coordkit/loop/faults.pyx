@@ -116,8 +116,8 @@ cdef class Faults:
         cdef Engine* engine = &self.loop.engines[rank]
         cdef double backoff
         engine.last_failure = reason
-        if self.failures == 0:
-            return
+        if self.failures == 0 or now < engine.quarantined_until:
+            return  # the breaker is open: failing meanwhile is what it is open for
         if now - engine.failures_since > self.window:
             engine.failures = 0
             engine.failures_since = now
