@@ -343,7 +343,7 @@ def print_fairness(result: dict[str, Any]) -> None:
     for run in result["runs"]:
         for name, t in run["tenants"].items():
             print(
-                f"{run['label']:>20} {'yes' if run['queue'] else 'no':>5} {name:>10} "
+                f"{run['label']:>20} {'yes' if run['queued'] else 'no':>5} {name:>10} "
                 f"{t['priority']:>4} {t['sent']:>7} {t['answered']:>8} {t['refused']:>7} "
                 f"{t['steady']:>7} {_ms(t['p50_s']):>9} {_ms(t['p99_s']):>9}"
             )
