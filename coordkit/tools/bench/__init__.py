@@ -11,6 +11,9 @@ process (``RANKS`` engine ranks) as lean raw-pyzmq load generators:
 * ``mono`` -- the design before the split, Megatron-Core 0.19's: one msgpack
   message per request, unpacked and repacked whole by a Python loop
   (:class:`.servers._Mono`);
+* ``c-queued`` (by name only) -- ``c`` with a cap per engine rank
+  (``workload.QUEUED_CAPACITY``) well under the client's window: nearly every request
+  waits in the coordinator's queue, then is dispatched (the cost per queued request);
 * ``c-trace-1``, ``c-trace-100`` (by name only, the otel extra) -- ``c`` tracing 1%
   and 100% of its requests (``trace_sample``), its spans exported over OTLP/HTTP to a
   receiver in the bench's own process (or to ``OTEL_EXPORTER_OTLP_ENDPOINT``): the

@@ -105,7 +105,9 @@ def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, A
                 f"{p['reply_batch']:6.2f}"
             )
     ratios = f"{'c/floor':>8} {'py/c':>8} {'py/c user':>10} {'mono/c':>8} {'c-metrics/c':>12}"
-    traced = [v for v in TRACE_SAMPLES if any(v in point for point in summary.values())]
+    traced = [
+        v for v in ("c-queued", *TRACE_SAMPLES) if any(v in point for point in summary.values())
+    ]
     ratios += "".join(f" {v + '/c':>14}" for v in traced)
     print(f"\n{head}  {ratios}")
     for point in summary.values():

@@ -27,6 +27,7 @@ from .workload import (
     DIRECT,
     IMPLEMENTATIONS,
     MEMORY_PROMPT_TOKENS,
+    QUEUED_CAPACITY,
     RANKS,
     SUBMIT_FIELDS,
     TIMEOUT,
@@ -241,6 +242,8 @@ class Session(Processes):
             options["megatron_version"] = args.megatron_version
         if self.variant == "c-metrics":  # served on a free port, the latency histograms kept
             options["metrics_port"] = 0
+        if self.variant == "c-queued":  # most of the window waits at the coordinator
+            options["max_inflight_per_engine"] = QUEUED_CAPACITY
         if self.variant in TRACE_SAMPLES:  # exported to the bench's receiver (main())
             options["trace_sample"] = TRACE_SAMPLES[self.variant]
         self.coordinator = self._start(

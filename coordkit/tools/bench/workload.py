@@ -15,9 +15,12 @@ from dataclasses import dataclass
 from ..._shared import COPY_BELOW
 from ...protocol import Header, packb
 
-VARIANTS = ("floor", "c", "c-metrics", "py", "mono", "c-trace-1", "c-trace-100")
+VARIANTS = ("floor", "c", "c-metrics", "py", "mono", "c-queued", "c-trace-1", "c-trace-100")
 #: The variants run when none is named (the traced ones are asked for by name).
 DEFAULT_VARIANTS = VARIANTS[:5]
+#: ``c-queued``'s cap per engine rank: of the client's window (512) the rest waits in
+#: the coordinator's queue, so that nearly every request is queued, then dispatched.
+QUEUED_CAPACITY = 32
 #: The traced variants: ``c`` tracing that share of its requests (``trace_sample``).
 TRACE_SAMPLES = {"c-trace-1": 0.01, "c-trace-100": 1.0}
 #: The variants that need an optional dependency: its module, and the extra installing it.
@@ -26,7 +29,13 @@ REQUIRES = {
     **dict.fromkeys(TRACE_SAMPLES, ("opentelemetry.sdk.trace", "otel")),
 }
 #: The coordkit variants, and the implementation each runs on.
-IMPLEMENTATIONS = {"c": "c", "c-metrics": "c", "py": "py", **dict.fromkeys(TRACE_SAMPLES, "c")}
+IMPLEMENTATIONS = {
+    "c": "c",
+    "c-metrics": "c",
+    "c-queued": "c",
+    "py": "py",
+    **dict.fromkeys(TRACE_SAMPLES, "c"),
+}
 #: No coordinator: the clients on the engine itself (--latency's baselines; ``-sf``:
 #: in single frames, mono's, whatever the dialect).
 DIRECT = ("direct", "direct-sf")
