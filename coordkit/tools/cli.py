@@ -51,6 +51,7 @@ from .fake_engine import COST_MODELS, DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK
 from .fake_engine import run as run_fake_engine
 from .options import Parser, add_removed, run
 from .pd import DEFAULT_PD_THRESHOLD
+from .._pd import PD_MODES
 from .replay import DEFAULT_BLOCK_SIZE as REPLAY_BLOCK_SIZE
 from .replay import DEFAULT_CACHE_BLOCKS as REPLAY_CACHE_BLOCKS
 from .replay import run as run_replay
@@ -124,6 +125,29 @@ def _parser() -> argparse.ArgumentParser:
         "N",
         "requests waiting at the coordinator for an engine with room, at most; more "
         "are refused with ERROR(BUSY) (0: none wait)",
+    )
+    serve.add_argument(
+        "--pd-mode",
+        choices=PD_MODES,
+        default=_default("pd_mode"),
+        help="engines with a P/D role: run a short or cached prompt whole on one engine "
+        "(conditional), or every request through a prefill and a decode engine (docs/pd.md)",
+    )
+    _option(
+        serve,
+        "pd_threshold",
+        int,
+        "TOKENS",
+        "conditional P/D: a prompt of at most this many tokens not cached where it would "
+        "run whole runs there",
+    )
+    _option(serve, "pd_lease", float, "SECONDS", "a prefill's pins wait this long for their read")
+    _option(
+        serve,
+        "pd_retries",
+        int,
+        "N",
+        "re-prefills and re-handoffs of a P/D request after an engine's death",
     )
     serve.add_argument(
         "--tenant-weight",
@@ -784,6 +808,10 @@ _SERVE_OPTIONS = (
     "max_message_size",
     "dialect",
     "megatron_version",
+    "pd_mode",
+    "pd_threshold",
+    "pd_lease",
+    "pd_retries",
     "block_size",
     "metrics_port",
     "trace_sample",
