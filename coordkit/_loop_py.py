@@ -1366,20 +1366,6 @@ class Orphan:
         self.client_rid = rid
 
 
-#: The room's counts (stats()["pd"]["counts"]).
-PD_COUNTS = (
-    "requests",  # took both hops
-    "whole",  # conditional: run whole on one engine
-    "handoffs",
-    "reprefilled",
-    "rehanded",
-    "pins_released",
-    "leases_expired",
-    "roles_refused",
-    "stray",  # hop messages from an engine that does not hold that hop
-)
-
-
 class PD:
     """Disaggregated prefill/decode (docs/pd.md): a request's two hops, chained here.
 
@@ -1415,7 +1401,7 @@ class PD:
         self.leases: deque[tuple[float, int]] = deque()  # (deadline, server id): pinned
         self.orphans: dict[int, Orphan] = {}  # by server id
         self.orphan_order: deque[tuple[float, int]] = deque()
-        self.counts = dict.fromkeys(PD_COUNTS, 0)
+        self.counts = dict.fromkeys(_pd.PD_COUNTS, 0)
 
     def _new_router(self) -> Router:
         router = self._loop._router
@@ -3395,6 +3381,7 @@ class Loop:
         """End a request in flight longer than request_timeout: ERROR(TIMED_OUT) to
         its client, ABORT to its engine (whose late final is then unknown, dropped)."""
         if self._pd is not None and request.server_rid in self._pd.hops:
+            self._counters[Counter.TIMED_OUT] += 1
             self._pd.time_out(request)
             return
         engine = self._engines[request.rank]

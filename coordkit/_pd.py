@@ -384,6 +384,20 @@ ABORTED_TEXT = "request aborted"
 TIMED_OUT_TEXT = "request timed out"
 
 
+#: The rooms' counts (stats()["pd"]["counts"]).
+PD_COUNTS = (
+    "requests",  # took both hops
+    "whole",  # conditional: run whole on one engine
+    "handoffs",
+    "reprefilled",
+    "rehanded",
+    "pins_released",
+    "leases_expired",
+    "roles_refused",
+    "stray",  # hop messages from an engine that does not hold that hop
+)
+
+
 def check_options(mode: str, threshold: int, lease: float, retries: int) -> None:
     """The P/D options of a Coordinator, refused in one line each."""
     if mode not in PD_MODES:
