@@ -1758,7 +1758,7 @@ class PD:
             hop.unsafe = not safe
         client = request.client
         if not self._megatron_client(client):
-            self._loop._fail_request(request, code, Header.SUBMIT_REQUEST)
+            self._loop._fail_request(request, ErrorCode(code), Header.SUBMIT_REQUEST)
             return
         self._loop._forget(request)
         self._loop._failed[code] += 1

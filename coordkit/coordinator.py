@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from ._checks import check_address, check_tenant_weights
+from ._implementation import load_implementation, selected
 from ._pd import DEFAULT_PD_LEASE, DEFAULT_PD_RETRIES, DEFAULT_PD_THRESHOLD
 from ._pd import check_options as check_pd_options
-from ._implementation import load_implementation, selected
 from ._policies import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
 from ._shared import (
     BREAKER_BACKOFF,

@@ -440,7 +440,9 @@ cdef class PD:
         if hop.stage and safe and hop.stage == PD_STAGE_DECODE:
             hop.final = True  # the decode reads nothing more: its pins go now
         # Not safe only while pins wait for a read: a safe REQUEST_ABORTED follows then.
-        safe = safe or not hop.stage or not (hop.pins and hop.stage == PD_STAGE_DECODE and not hop.final)
+        safe = safe or not hop.stage or not (
+            hop.pins and hop.stage == PD_STAGE_DECODE and not hop.final
+        )
         if hop.stage:
             hop.unsafe = not safe
         if not self._megatron_client(client):

@@ -38,6 +38,7 @@ from .. import IMPLEMENTATION, Coordinator, Implementation, __version__, load_im
 from .._checks import ADDRESS_FORMS
 from .._held import DEFAULT_HELD_HASHES
 from .._liveness import DEFAULT_COORDINATOR_TIMEOUT
+from .._pd import PD_MODES
 from .._policies import POLICIES
 from .._shared import DIALECTS, MEGATRON_VERSIONS
 from ..client import Client
@@ -51,7 +52,6 @@ from .fake_engine import COST_MODELS, DEFAULT_CACHE_BLOCKS, DEFAULT_PREFIX_BLOCK
 from .fake_engine import run as run_fake_engine
 from .options import Parser, add_removed, run
 from .pd import DEFAULT_PD_THRESHOLD
-from .._pd import PD_MODES
 from .replay import DEFAULT_BLOCK_SIZE as REPLAY_BLOCK_SIZE
 from .replay import DEFAULT_CACHE_BLOCKS as REPLAY_CACHE_BLOCKS
 from .replay import run as run_replay
