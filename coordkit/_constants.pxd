@@ -57,6 +57,7 @@ cdef enum:  # coordkit.protocol.ErrorCode
     ERROR_INVALID_STATE = 9
     ERROR_SHUTTING_DOWN = 10
     ERROR_TIMED_OUT = 11
+    ERROR_ABORTED = 12
 
 cdef enum:  # coordkit.protocol.ControlState
     CONTROL_RUNNING = 0
@@ -236,6 +237,7 @@ cdef inline dict generated_constants():
         "ErrorCode.INVALID_STATE": 9,
         "ErrorCode.SHUTTING_DOWN": 10,
         "ErrorCode.TIMED_OUT": 11,
+        "ErrorCode.ABORTED": 12,
         "ControlState.RUNNING": 0,
         "ControlState.PAUSED": 1,
         "ControlState.SUSPENDED": 2,

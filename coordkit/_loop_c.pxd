@@ -110,6 +110,7 @@ include "loop/queue.pxd"
 cdef class Loop
 include "loop/rebuild.pxd"
 include "loop/faults.pxd"
+include "loop/pd.pxd"
 
 
 cdef class Loop:
@@ -147,6 +148,9 @@ cdef class Loop:
         int64_t first_server_id  # this life's first server id: it drew those from here on
         Rebuild rebuild  # the rebuild after a coordinator's loss, and clients' blips
         Faults faults  # an engine's faults: the grace, the breaker, the migration
+        PD pd  # disaggregated prefill/decode: made by the first engine with a role (None)
+        bint pr6675  # serves #6675's P/D peers (megatron_version "pr6675")
+        object _options  # what the P/D room is made with
         dict engine_fds  # the connections engines registered on, by fd: their rank
         bint forwards_hashes  # the prefix policy learns from what rebuild engines report
         uint32_t drained  # messages handled in this wake-up: the deadline is read every 256
@@ -240,6 +244,8 @@ cdef class Loop:
     cdef _register(self, int32_t engine)
     cdef _engine_hello(self, int32_t engine)
     cdef _count_formats(self)
+    cdef PD _pd_room(self)
+    cdef _register_role(self, int32_t engine)
     cdef _restarted(self, int32_t engine, int fd)
     cdef _watch(self, int rank, int fd)
     cdef int32_t _new_engine(self, int32_t engine, int fd) except -2

@@ -100,9 +100,34 @@ from .includes.bytebuf cimport reserve
 from .includes.tables cimport ck_cells_for, ck_cells_remove, ck_cells_vacant, ck_mix64
 from .includes.sysdep cimport DEBUG
 
+import struct
+from collections import deque
+
 import zmq
 
 from . import protocol
+from ._codec_c import read_single_submit
+from ._pd import (
+    ABORTED_TEXT,
+    MEGATRON_DOMAIN,
+    PD_COUNTS,
+    PROMPT_LOG_PROBS,
+    TIMED_OUT_TEXT,
+    UNEXPECTED_READINESS,
+    cannot_route,
+    check_register_role,
+    decode_frames,
+    decode_slots,
+    handoff_of,
+    prefill_frames,
+    refuses_prompt_log_probs,
+    removed,
+    restore_nixl_blobs,
+    rid_message,
+    send_kv_message,
+    str_prompt,
+    uncached_tokens,
+)
 from ._shared import (
     BACKOFF_MAX,
     GONE_REASONS,
@@ -130,12 +155,14 @@ from .protocol import (
     EPOCH_KEY,
     QOS_FEATURE,
     REBUILD_FEATURE,
+    ROLE_NAMES,
     ProtocolError,
     error_text,
     header_name,
     packb,
     parse_connect,
     parse_engine_hello,
+    unpackb,
 )
 
 bind_libzmq()
@@ -205,6 +232,7 @@ include "loop/roles.pyx"
 include "loop/queue.pyx"
 include "loop/rebuild.pyx"
 include "loop/faults.pyx"
+include "loop/pd.pyx"
 
 
 # -- the rare paths' helpers -----------------------------------------------------------
@@ -266,6 +294,9 @@ cdef class Loop:
         self.first_server_id = options.first_server_id
         self.rebuild = Rebuild(self, options)
         self.faults = Faults(self, options)
+        self.pd = None
+        self.pr6675 = options.megatron_version == "pr6675"
+        self._options = options
         self.engine_fds = {}
         self.forwards_hashes = router.policy == "prefix"
         latency_init(&self.latency)
@@ -387,6 +418,8 @@ cdef class Loop:
         )
         if DEBUG:
             result["debug"] = {"polls": self.debug_polls}
+        if self.pd is not None:
+            result["pd"] = self.pd.stats()
         return result
 
     def metrics(self) -> dict:
@@ -475,6 +508,9 @@ cdef class Loop:
             ):
                 self._mark_gone(rank, GONE_NO_HEARTBEAT)
         self.faults.tick(now)
+        if self.pd is not None:
+            with gil:
+                self.pd.tick(now)
         # The oldest first: only the requests that are due are touched.
         if self.request_timeout and self._oldest_submitted_before(deadline):
             with gil:
@@ -558,6 +594,9 @@ cdef class Loop:
         elif header == HEADER_ENGINE_HELLO and client < 0:
             with gil:
                 self._engine_hello(-1)
+        elif header == HEADER_REGISTER_ROLE and client < 0:
+            with gil:
+                self._register_role(-1)
         elif client < 0 or not self.clients[client].present:
             # A client known only from an engine's report, or away after a blip: what
             # its socket queued before it lost us comes ahead of its CONNECT, stale
@@ -791,10 +830,19 @@ cdef class Loop:
         cdef ck_request* request = &self.requests.pool[slot]
         cdef int64_t server_rid = request.server_rid
         cdef int status
+        cdef bint taken
         cdef zmq_msg_t meta
         if not inbound.single:
             rewrite_meta(&meta, inbound, server_rid)
             inbound.meta = &meta
+        if self.pd is not None:
+            with gil:
+                taken = self.pd.takes(slot, inbound)
+            if taken:  # both hops: the room's
+                if inbound.meta != NULL:
+                    zmq_msg_close(&meta)
+                    inbound.meta = NULL
+                return ROUTE_SENT
         # A KV submission's source blocks are tied to the engine chosen now: never re-sent.
         # What is kept re-sends it, or moves it on with what it streamed, when its
         # engine dies (a rebuild client's too: after the coordinator's loss, it is the
@@ -1064,11 +1112,18 @@ cdef class Loop:
             slot = ck_requests_find(&self.requests, entry.rid)
             if slot < 0 or self.requests.pool[slot].rank != engine:
                 self.counters[COUNTER_UNKNOWN_REQUEST] += 1
+                if self.pd is not None:
+                    with gil:
+                        self.pd.stray_reply(engine, entry.rid)
                 continue
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
             body = self._data(1) + entry.offset
             size = entry.size
+            if self.pd is not None and self.pd.hops[slot].stage == PD_STAGE_PREFILL:
+                with gil:  # hop 1's answer
+                    self.pd.prefilled(<uint32_t>slot, engine, (<const char*>body)[:size])
+                continue
             if not final and self.faults.streamed[slot].known:  # it may have to go on
                 self.faults.stream(<uint32_t>slot, body, size)
             if self.requests.pool[slot].flags & FLAG_MIGRATED:  # it continues a stream
@@ -1098,6 +1153,8 @@ cdef class Loop:
             latency_observe(&self.latency, now - self.submitted[slot],
                             not request.flags & FLAG_PRODUCED, final)
         if final:
+            if self.pd is not None and self.pd.hops[slot].stage:
+                self.pd.finished(slot)
             self._forget(slot)
             self.counters[COUNTER_REPLIES] += 1
         else:
@@ -1142,8 +1199,12 @@ cdef class Loop:
         engine whose last request this was is gone."""
         cdef ck_request* request = &self.requests.pool[slot]
         cdef Client* client = &self.clients[request.client]
-        cdef int rank = request.rank
+        cdef int rank
         self._unqueue(slot, OUTCOME_ABANDONED)
+        if self.pd is not None and self.pd.hops[slot].stage:
+            with gil:
+                self.pd.forget(slot)  # what its hops hold; its rank -1 after
+        rank = request.rank
         list_remove(&self.client_links, &client.requests, slot)
         client.inflight -= 1
         if client.inflight == 0:
@@ -1270,6 +1331,10 @@ cdef class Loop:
         elif header == HEADER_REPLAYED and self.engines[engine].rebuild:
             self.engines[engine].handled += 1
             self.rebuild.replayed(engine)
+        elif header == HEADER_REGISTER_ROLE:
+            self._register_role(engine)
+        elif self.pd is not None and self.pd.from_engine(engine, header):
+            pass
         else:
             self.counters[COUNTER_UNKNOWN_HEADER] += 1
             self._log.warn("unknown_header", unknown_from_engine(
@@ -1319,8 +1384,64 @@ cdef class Loop:
             self.router.set_capacity(engine, hello.capacity)
             self.dispatch_due = True
             self._count_formats()
+            if hello.role:
+                self._pd_room().seat(engine, hello.role, False, hello.domain, hello.capacity)
+                self.pd.transfer[engine] = hello.transfer
+            elif self.pd is not None and self.pd.seats[engine].seated:
+                self.pd.unseat(engine)
+                self.faults.admit(engine)
             if hello.ack or hello.rebuild:  # it is in the pool: say so, and what it was granted
-                self._reply_to_sender(protocol.engine_ack(hello, self.epoch))
+                self._reply_to_sender(protocol.engine_ack(hello, self.epoch, roles=True))
+            if self.pd is not None:
+                self.pd.drain()
+
+    cdef PD _pd_room(self):
+        """The P/D room, made when the first engine takes a role."""
+        if self.pd is None:
+            self.pd = PD(self, self._options)
+        return self.pd
+
+    cdef _register_role(self, int32_t engine):
+        """A #6675 engine's REGISTER_ROLE: judged as #6675 judges it (a registered identity
+        is replaced first: its requests as at its death), then acknowledged ([2]) and
+        seated, or refused ([29, reason])."""
+        cdef int fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
+        cdef PD pd
+        cdef int32_t rank
+        identity = self._frame_bytes(0)
+        try:
+            message = unpackb(self._frame_bytes(1))
+        except ProtocolError as exc:
+            self._malformed(-1, None, HEADER_REGISTER_ROLE, str(exc))
+            return
+        pd = self._pd_room() if self.pr6675 else self.pd
+        fleet = {} if pd is None else pd.registrations
+        if not isinstance(message, list):
+            message = [message]
+        check = check_register_role(message, identity, fleet, self.pr6675)
+        if check.replaces and engine >= 0 and self.engines[engine].state != ENGINE_GONE:
+            self._mark_gone(engine, GONE_RESTARTED)
+            self._settle()
+        registration = check.registration
+        if registration is None or pd is None:
+            if pd is not None:
+                pd.counts["roles_refused"] += 1
+            self._reply_to_sender(protocol.ROLE_REFUSED.pack(check.refusal))
+            return
+        rank = self._new_engine(ck_ids_find(&self.engine_ids, self._data(0), self._size(0)), fd)
+        if rank < 0:
+            return
+        self.engines[rank].format = FORMAT_SINGLE_FRAME_MAIN  # main's frames, four SUBMIT fields
+        self._count_formats()
+        pd.seat(rank, ROLE_NAMES[registration.role], True, MEGATRON_DOMAIN,
+                registration.request_capacity)
+        pd.seats[rank].ssm_capacity = registration.ssm_capacity or 0
+        pd.seats[rank].slot_cost = registration.slot_cost
+        pd.seats[rank].nccl = registration.transport == "nccl"
+        pd.transfer[rank] = registration.instance_meta
+        pd.registrations[identity] = registration
+        self._reply_to_sender(protocol.REGISTER_ROLE_ACK.pack())
+        pd.drain()
 
     cdef _count_formats(self):
         """How many engines not gone speak each format: which checks a SUBMIT needs."""
@@ -1473,9 +1594,11 @@ cdef class Loop:
         self.clients[index].tenant = tenant
         self.clients[index].present = self.clients[index].fresh = True
         self.clients[index].rejoined = False  # until its REJOIN, the requests adopted wait
-        self.clients[index].format = (
-            FORMAT_SINGLE_FRAME if self.megatron_core and not hello.coordkit else FORMAT_MULTIPART
-        )
+        self.clients[index].format = FORMAT_MULTIPART
+        if self.megatron_core and not hello.coordkit:
+            self.clients[index].format = (
+                FORMAT_SINGLE_FRAME_MAIN if self.pr6675 else FORMAT_SINGLE_FRAME
+            )
         features = {BATCH_FEATURE: 1} if hello.batch else {}
         if hello.qos:
             features[QOS_FEATURE] = 1
@@ -1610,6 +1733,10 @@ cdef class Loop:
             return
         if self.engines[engine].state != ENGINE_ALIVE:
             return
+        if self.pd is not None and self.pd.seats[engine].seated:
+            # a role engine leaves as #6675's do: its hops go on elsewhere now
+            self._mark_gone(engine, GONE_DISCONNECTED)
+            return
         self.router.remove_rank(engine)
         self.engines[engine].state = ENGINE_DRAINING
         self.engines[engine].drain_deadline = monotonic() + self.drain_timeout
@@ -1641,16 +1768,19 @@ cdef class Loop:
             return
         self.counters[COUNTER_ABORTS] += 1
         request = &self.requests.pool[slot]
-        if request.rank < 0:  # it waits: it ends here, no engine has it
-            self._forget(slot)
-            self.failed[ERROR_UNKNOWN_REQUEST] += 1
-            if not self._send_error(client, message.rid, ERROR_UNKNOWN_REQUEST,
+        if request.rank < 0 and (self.pd is None or not self.pd.hops[slot].stage):
+            self._forget(slot)  # it waits: it ends here, no engine has it
+            self.failed[ERROR_ABORTED] += 1
+            if not self._send_error(client, message.rid, ERROR_ABORTED,
                                     HEADER_ABORT_REQUEST, True, never_ran(message.rid)):
                 self._client_gone(client)
             return
         if request.flags & FLAG_ABORTED:
             return
         request.flags |= FLAG_ABORTED
+        if self.pd is not None and self.pd.hops[slot].stage:
+            self.pd.abort(<uint32_t>slot)  # at the hop holding it, or ended waiting for one
+            return
         self._abort_at_engine(request.rank, request.server_rid)
 
     cdef _abort_at_engine(self, int rank, int64_t server_rid):
@@ -1662,8 +1792,13 @@ cdef class Loop:
             self.faults.lost(rank, GONE_UNREACHABLE)
 
     cdef _release_kv(self, int32_t client):
-        if self._parse(protocol.RELEASE_KV, client, HEADER_RELEASE_KV) is not None:
-            self.counters[COUNTER_RELEASE_KV] += 1
+        message = self._parse(protocol.RELEASE_KV, client, HEADER_RELEASE_KV)
+        if message is None:
+            return
+        self.counters[COUNTER_RELEASE_KV] += 1
+        if self.pd is not None:  # its own requests' pins, at their prefill only
+            self.pd.client_release(client, message.rid)
+        else:
             self._broadcast(HEADER_RELEASE_KV)
 
     cdef _control(self, int32_t client, int64_t header):
@@ -1756,6 +1891,8 @@ cdef class Loop:
         cdef RequestOrder* order
         reason = GONE_REASONS[self.engines[rank].last_failure]
         self._log.warn("engine_failed", f"engine {rank} gone ({reason})")
+        if self.pd is not None:
+            self.pd.engine_gone(rank)  # its P/D requests go on elsewhere, or end
         resend = {}
         order = self._in_order(rank, -1, &n)
         try:
@@ -1866,10 +2003,13 @@ cdef class Loop:
     cdef _time_out(self, uint32_t slot):
         """End a request in flight longer than request_timeout: ERROR(TIMED_OUT) to
         its client, ABORT to its engine (whose late final is then unknown, dropped); one
-        that waits leaves the queue."""
+        that waits leaves the queue; a P/D request's hops are its room's."""
         cdef ck_request* request = &self.requests.pool[slot]
         cdef int rank = request.rank
         self.counters[COUNTER_TIMED_OUT] += 1
+        if self.pd is not None and self.pd.hops[slot].stage:
+            self.pd.time_out(slot)
+            return
         if rank < 0:
             self._unqueue(slot, OUTCOME_TIMED_OUT)
         elif not request.flags & FLAG_ABORTED and self.engines[rank].state != ENGINE_GONE:
@@ -1998,6 +2138,9 @@ cdef class Loop:
             return True  # away, its REJOIN then finds it ended; or it takes no ERROR
         self.counters[COUNTER_ERRORS_SENT] += 1
         text = error_text(code, header) if text is None else text
+        if self.pr6675 and not coordkit:  # #6675's client: its REQUEST_ERROR
+            error = protocol.REQUEST_ERROR.pack(rid, text, True)
+            return self._send_frames(&self.client_ids, client, error)
         if not coordkit:
             self._log.warn("failed_final", f"a Megatron main client's request {rid} failed: {text}")
             return self._send_frames(&self.client_ids, client, [megatron_failed_reply(rid)])

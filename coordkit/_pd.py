@@ -363,3 +363,104 @@ def restore_nixl_blobs(kv_meta: Any, instance_meta: Any) -> Any:
 def decode_slots(kv_meta: Any) -> int:
     """The SSM slots a handoff takes at its decode: 1 when it carries SSM state."""
     return int(isinstance(kv_meta, dict) and bool(kv_meta.get("ssm")))
+
+
+# -- what both rooms send, and their options ----------------------------------------------
+
+#: ``pd_mode``: "conditional" runs a short or cached prompt whole (DEFAULT_PD_THRESHOLD),
+#: "always" takes both hops whenever a prefill and a decode engine are up.
+PD_MODES = ("conditional", "always")
+#: Seconds a prefill's pins may wait for their decode's read before they are released.
+DEFAULT_PD_LEASE = 60.0
+#: Re-prefills and re-handoffs a request may take after an engine's death.
+DEFAULT_PD_RETRIES = 2
+#: The hop stages of a request of the room (0: not the room's, or run whole).
+QUEUED_PREFILL, PREFILL, QUEUED_DECODE, DECODE, READ = 1, 2, 3, 4, 5
+#: The transfer domain of every #6675 engine (one transport and geometry per fleet,
+#: check_register_role keeps it so); coordkit's domains are names an engine says.
+MEGATRON_DOMAIN = "\x00pr6675"
+#: A #6675 decode's text for a prompt it is sent (it refuses prefill work).
+ABORTED_TEXT = "request aborted"
+TIMED_OUT_TEXT = "request timed out"
+
+
+#: The rooms' counts (stats()["pd"]["counts"]).
+PD_COUNTS = (
+    "requests",  # took both hops
+    "whole",  # conditional: run whole on one engine
+    "handoffs",
+    "reprefilled",
+    "rehanded",
+    "pins_released",
+    "leases_expired",
+    "roles_refused",
+    "stray",  # hop messages from an engine that does not hold that hop
+)
+
+
+def check_options(mode: str, threshold: int, lease: float, retries: int) -> None:
+    """The P/D options of a Coordinator, refused in one line each."""
+    if mode not in PD_MODES:
+        raise ValueError(f"pd_mode must be one of {', '.join(PD_MODES)}, not {mode!r}")
+    if type(threshold) is not int or threshold < 0:
+        raise ValueError(f"pd_threshold must be an int of at least 0, not {threshold!r}")
+    if not lease > 0:
+        raise ValueError(f"pd_lease must be above 0 seconds, not {lease!r}")
+    if type(retries) is not int or retries < 0:
+        raise ValueError(f"pd_retries must be an int of at least 0, not {retries!r}")
+
+
+def _array_head(count: int) -> bytes:
+    if count <= 0x0F:
+        return bytes([0x90 | count])
+    return b"\xdc" + count.to_bytes(2, "big")
+
+
+def str_prompt(prompt: bytes | memoryview) -> bool:
+    """Whether a packed prompt is a msgpack str (a #6675 decode cannot take one)."""
+    first = prompt[0] if len(prompt) else 0
+    return 0xA0 <= first <= 0xBF or first in (0xD9, 0xDA, 0xDB)
+
+
+def prefill_frames(
+    megatron: bool, rid: int, prompt: bytes, params: bytes, tokens_back: bool
+) -> list[bytes]:
+    """Hop 1, the frames after the prefill's routing id: to a #6675 engine one frame
+    ``[20, rid, prompt, params + #6675's overrides]`` (``tokens_back``: a str prompt,
+    whose tokens the record brings back for hop 2), to a coordkit engine
+    ``[20, rid, params + do_kv_handoff]`` and the prompt frame."""
+    if megatron:
+        keys = dict(PREFILL_OVERRIDES["megatron"])
+        if tokens_back:
+            keys["return_prompt_tokens"] = True
+        body = prompt + with_keys(params, keys)
+        return [_array_head(4) + packb(20) + packb(rid) + body]
+    head = _array_head(3) + packb(20) + packb(rid)
+    return [head + with_keys(params, PREFILL_OVERRIDES["coordkit"]), prompt]
+
+
+def decode_frames(
+    megatron: bool, rid: int, prompt: bytes, params: bytes, kv_meta: bytes, blocks: bytes
+) -> list[bytes]:
+    """Hop 2, the frames after the decode's routing id: to a #6675 engine
+    ``[24, rid, prompt, params, kv_meta, src_block_ids]`` in one frame, to a coordkit
+    engine ``[24, rid, params, kv_meta]``, the prompt and the block-ids frame. The
+    client's own params: the prefill's overrides are not the decode's."""
+    if megatron:
+        return [_array_head(6) + packb(24) + packb(rid) + prompt + params + kv_meta + blocks]
+    return [_array_head(4) + packb(24) + packb(rid) + params + kv_meta, prompt, blocks]
+
+
+def rid_message(header: int, rid: int) -> bytes:
+    """``[header, rid]``: RELEASE_KV and ABORT_REQUEST to an engine."""
+    return _array_head(2) + packb(header) + packb(rid)
+
+
+def send_kv_message(rid: int, decode_meta: Any, cached: int) -> bytes:
+    """SEND_KV to a pushing prefill: ``[26, rid, decode_meta, cached_prefix_blocks]``."""
+    return packb([26, rid, decode_meta, cached])
+
+
+def uncached_tokens(tokens: int, depth: int, block_size: int) -> int:
+    """A prompt's tokens not in the cached prefix of ``depth`` blocks."""
+    return max(tokens - depth * block_size, 0)

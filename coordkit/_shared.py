@@ -40,7 +40,10 @@ DIALECTS = ("multipart", "megatron-core")
 #: (``Coordinator(megatron_version=...)``): an engine that only registers speaks
 #: 0.19's layouts, or main's (megatron-core 0.20), which add the five-field SUBMIT,
 #: partial replies, ABORT and the KV handoff. Clients are told apart by what they send.
-MEGATRON_VERSIONS = ("0.19", "main")
+#: "pr6675" serves Megatron-LM PR #6675's disaggregated prefill/decode: its engines
+#: register with REGISTER_ROLE, and a client that only CONNECTs is its InferenceClient
+#: (main's single frames, and REQUEST_ERROR / REQUEST_ABORTED as its terminal replies).
+MEGATRON_VERSIONS = ("0.19", "main", "pr6675")
 
 #: Server ids are drawn from at least this many positions of the request index
 #: (a power of two; see ck_requests in includes/tables.h): with few requests in flight,
@@ -286,6 +289,11 @@ class Options:
     queue_limit: int = DEFAULT_QUEUE_LIMIT  # requests waiting at most (0: none wait)
     # (name, weight) of each tenant given one: its share of the dispatches of its priority
     tenant_weights: tuple[tuple[str, float], ...] = ()
+    # Disaggregated prefill/decode (docs/pd.md): read once an engine registers a role.
+    pd_mode: str = "conditional"  # or "always" (_pd.PD_MODES)
+    pd_threshold: int = 256  # conditional: uncached prompt tokens at most run whole
+    pd_lease: float = 60.0  # seconds a prefill's pins wait for their decode's read
+    pd_retries: int = 2  # re-prefills and re-handoffs after an engine's death
 
     @property
     def index_size(self) -> int:

@@ -28,6 +28,8 @@ import zmq
 
 from ._checks import check_address, check_tenant_weights
 from ._implementation import load_implementation, selected
+from ._pd import DEFAULT_PD_LEASE, DEFAULT_PD_RETRIES, DEFAULT_PD_THRESHOLD
+from ._pd import check_options as check_pd_options
 from ._policies import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
 from ._shared import (
     BREAKER_BACKOFF,
@@ -260,6 +262,14 @@ class Coordinator:
     engine within ``breaker_window`` seconds quarantine it for ``breaker_backoff``
     seconds, doubled while it keeps failing (docs/failure-model.md).
 
+    Engines that register a role run disaggregated prefill/decode (docs/pd.md):
+    ``pd_mode`` ``"conditional"`` runs a request whose prompt, less what the engine
+    that would run it whole caches, is at most ``pd_threshold`` tokens on that one
+    engine, ``"always"`` sends every request through both hops while a prefill and a
+    decode engine are up; a prefill's pins are released after ``pd_lease`` seconds
+    without their decode's read, and a request is prefilled or handed off again up to
+    ``pd_retries`` times after an engine's death.
+
     ``trace_sample`` (0 to 1) traces that share of the requests with OpenTelemetry (the
     ``otel`` extra; ImportError naming it without), and every request whose client traced
     it; by default the ``OTEL_*`` variables decide (:func:`coordkit.tracing.sampling`).
@@ -291,6 +301,10 @@ class Coordinator:
         request_timeout: float = 0.0,
         dialect: str = "multipart",
         megatron_version: str = "0.19",
+        pd_mode: str = "conditional",
+        pd_threshold: int = DEFAULT_PD_THRESHOLD,
+        pd_lease: float = DEFAULT_PD_LEASE,
+        pd_retries: int = DEFAULT_PD_RETRIES,
         block_size: int = DEFAULT_BLOCK_SIZE,
         rebuild_window: float = REBUILD_WINDOW,
         engine_grace: float = ENGINE_GRACE,
@@ -317,6 +331,7 @@ class Coordinator:
         if not 0 <= queue_limit <= MAX_QUEUE_LIMIT:
             raise ValueError(f"queue_limit must be between 0 (none wait) and {MAX_QUEUE_LIMIT}")
         weights = check_tenant_weights(tenant_weights)
+        check_pd_options(pd_mode, pd_threshold, pd_lease, pd_retries)
         if min(heartbeat_timeout, drain_timeout, request_timeout, rebuild_window) < 0:
             raise ValueError("timeouts must be >= 0 (0 disables heartbeat and request expiry)")
         if engine_grace < 0 or breaker_failures < 0:
@@ -369,6 +384,10 @@ class Coordinator:
             breaker_backoff=breaker_backoff,
             queue_limit=queue_limit,
             tenant_weights=weights,
+            pd_mode=pd_mode,
+            pd_threshold=pd_threshold,
+            pd_lease=float(pd_lease),
+            pd_retries=pd_retries,
         )
         self._term = term
         router = impl.Router(

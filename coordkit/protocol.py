@@ -294,6 +294,7 @@ class ErrorCode(IntEnum):
     INVALID_STATE = 9  # a control signal the state machine does not allow now
     SHUTTING_DOWN = 10  # the coordinator stopped with the request in flight
     TIMED_OUT = 11  # in flight longer than the coordinator's request_timeout
+    ABORTED = 12  # aborted by its client before an engine answered it (a P/D hop's end)
 
 
 class ProtocolError(ValueError):
@@ -322,6 +323,7 @@ _ERROR_TEXTS = {
     ErrorCode.INVALID_STATE: "signal not allowed in the current control state",
     ErrorCode.SHUTTING_DOWN: "coordinator shut down",
     ErrorCode.TIMED_OUT: "request timed out",
+    ErrorCode.ABORTED: "request aborted",
 }
 
 

@@ -195,7 +195,7 @@ def test_an_abort_or_a_departure_ends_waiting_requests_at_the_coordinator(make_c
         wait_for(lambda: depth(c) == 2)
         client.send(m([ABORT, 1]))
         code, text = um(client.recv()[0])[2:]
-        assert code == ErrorCode.UNKNOWN_REQUEST
+        assert code == ErrorCode.ABORTED
         assert text == "request 1 was aborted before any engine ran it"
         other = c.client(coordkit=True)
         other.send(m([SUBMIT, 0, SP]), m(["other"]))

@@ -27,6 +27,7 @@ cdef class Faults:
     cdef not_held(self, int rank)
     cdef void admit(self, int rank) noexcept nogil
     cdef void tick(self, double now) noexcept nogil
+    cdef bint _whole(self, int rank) noexcept nogil
     # the breaker
     cdef void strike(self, int rank, int reason, double now) noexcept nogil
     cdef _quarantined(self, int rank, int reason, double backoff)

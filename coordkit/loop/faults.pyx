@@ -90,7 +90,7 @@ cdef class Faults:
 
     cdef void admit(self, int rank) noexcept nogil:
         """An engine ALIVE takes work, unless quarantined."""
-        if self.loop.engines[rank].quarantined_until <= monotonic():
+        if self.loop.engines[rank].quarantined_until <= monotonic() and self._whole(rank):
             with gil:
                 self.loop.router.add_rank(rank)
 
@@ -104,9 +104,13 @@ cdef class Faults:
                 self.loop._mark_gone(rank, GONE_GRACE_OVER)
             if engine.quarantined_until != 0 and now >= engine.quarantined_until:
                 engine.quarantined_until = 0
-                if engine.state == ENGINE_ALIVE:
+                if engine.state == ENGINE_ALIVE and self._whole(rank):
                     with gil:
                         self.loop.router.add_rank(rank)
+
+    cdef bint _whole(self, int rank) noexcept nogil:
+        """Whether a rank takes whole requests (a P/D role may say it does not)."""
+        return self.loop.pd is None or self.loop.pd.whole(rank)
 
     # -- the breaker ---------------------------------------------------------------------
 

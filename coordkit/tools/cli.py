@@ -38,6 +38,7 @@ from .. import IMPLEMENTATION, Coordinator, Implementation, __version__, load_im
 from .._checks import ADDRESS_FORMS
 from .._held import DEFAULT_HELD_HASHES
 from .._liveness import DEFAULT_COORDINATOR_TIMEOUT
+from .._pd import PD_MODES
 from .._policies import POLICIES
 from .._shared import DIALECTS, MEGATRON_VERSIONS
 from ..client import Client
@@ -124,6 +125,29 @@ def _parser() -> argparse.ArgumentParser:
         "N",
         "requests waiting at the coordinator for an engine with room, at most; more "
         "are refused with ERROR(BUSY) (0: none wait)",
+    )
+    serve.add_argument(
+        "--pd-mode",
+        choices=PD_MODES,
+        default=_default("pd_mode"),
+        help="engines with a P/D role: run a short or cached prompt whole on one engine "
+        "(conditional), or every request through a prefill and a decode engine (docs/pd.md)",
+    )
+    _option(
+        serve,
+        "pd_threshold",
+        int,
+        "TOKENS",
+        "conditional P/D: a prompt of at most this many tokens not cached where it would "
+        "run whole runs there",
+    )
+    _option(serve, "pd_lease", float, "SECONDS", "a prefill's pins wait this long for their read")
+    _option(
+        serve,
+        "pd_retries",
+        int,
+        "N",
+        "re-prefills and re-handoffs of a P/D request after an engine's death",
     )
     serve.add_argument(
         "--tenant-weight",
@@ -784,6 +808,10 @@ _SERVE_OPTIONS = (
     "max_message_size",
     "dialect",
     "megatron_version",
+    "pd_mode",
+    "pd_threshold",
+    "pd_lease",
+    "pd_retries",
     "block_size",
     "metrics_port",
     "trace_sample",

@@ -1,0 +1,801 @@
+# Disaggregated prefill/decode (loop/pd.pxd). Included by _loop_c.pyx.
+
+
+cdef class PD:
+    """Disaggregated prefill/decode (docs/pd.md): a request's two hops, chained here.
+
+    Hop 1 to a prefill engine chosen by the prefill pool's router (its cached prefix
+    against its queued work), its answer (a coordkit HANDOFF, a #6675 reply) never
+    shown to the client; hop 2, the same server id, to a decode engine of the
+    prefill's transfer domain chosen by its router (the blocks it would have to move
+    against its load); KV_TRANSFER_READY then SEND_KV for pushing prefills; RELEASE_KV
+    to the owning prefill once the decode read the blocks. Every engine with a role
+    holds a seat of ``capacity`` requests; a hop that finds every seat of its pool
+    full waits in its role's FIFO (the decode's per domain), and goes out when a seat
+    frees. The request's ``rank`` is the engine holding its present hop (-1 while it
+    waits), so the loop's rank checks take a late reply of an earlier hop's engine for
+    an unknown request. Deaths, leases, aborts and time-outs: docs/pd.md's table.
+    """
+
+    def __cinit__(self, Loop loop not None, options):
+        self.loop = loop
+        self.mode = options.pd_mode
+        self.threshold = options.pd_threshold
+        self.lease = options.pd_lease
+        self.retries = options.pd_retries
+        self.block_size = options.block_size
+        self.max_engines = options.max_engines
+        self.megatron_clients = options.megatron_version == "pr6675"
+        self.slots = options.max_inflight
+        self.seats = <Seat*>calloc(self.max_engines, sizeof(Seat))
+        self.hops = <Hop*>calloc(self.slots, sizeof(Hop))
+        if self.seats == NULL or self.hops == NULL:
+            raise MemoryError()
+        self.kept = [None] * self.slots
+        self.transfer = {}
+        self.domains = []
+        self.registrations = {}
+        self.prefill_router = self._new_router()
+        self.decode_routers = []
+        self.prefill_queue = deque()
+        self.decode_queues = []
+        self.leases = deque()
+        self.orphans = {}
+        self.orphan_order = deque()
+        self.counts = dict.fromkeys(PD_COUNTS, 0)
+
+    def __dealloc__(self):
+        free(self.seats)
+        free(self.hops)
+
+    cdef object _new_router(self):
+        router = self.loop.router
+        return type(router)(
+            router.policy, self.max_engines, block_size=self.block_size, prefix_decode_tokens=0
+        )
+
+    cdef int _domain(self, str name):
+        if name not in self.domains:
+            self.domains.append(name)
+            self.decode_routers.append(self._new_router())
+            self.decode_queues.append(deque())
+        return self.domains.index(name)
+
+    # -- seats ---------------------------------------------------------------------------
+
+    cdef seat(self, int rank, int role, bint megatron, str domain, uint32_t capacity):
+        """An engine takes a role (its hello, or a #6675 REGISTER_ROLE): seated, out of
+        the whole-request pool unless it runs whole requests, into its role's pools."""
+        cdef Seat* seat = &self.seats[rank]
+        self.unseat(rank)
+        memset(seat, 0, sizeof(Seat))
+        seat.seated = True
+        seat.role = role
+        seat.megatron = megatron
+        seat.domain = self._domain(domain)
+        seat.capacity = capacity
+        if not self.whole(rank):
+            self.loop.router.remove_rank(rank)
+        self.sync(rank)
+
+    cdef unseat(self, int rank):
+        """A rank leaves its role (gone, or a new engine under it)."""
+        if not self.seats[rank].seated:
+            return
+        self.seats[rank].seated = False
+        self.prefill_router.remove_rank(rank)
+        self.decode_routers[self.seats[rank].domain].remove_rank(rank)
+        self.transfer.pop(rank, None)
+
+    cdef bint whole(self, int rank) noexcept nogil:
+        """Whether a rank runs whole requests: no role, a coordkit decode (a short prompt
+        prefilled where it decodes), a #6675 prefill (its engine runs them)."""
+        cdef Seat* seat = &self.seats[rank]
+        if not seat.seated:
+            return True
+        if seat.megatron:
+            return seat.role == PD_PREFILL
+        return (seat.role & PD_DECODE) != 0
+
+    cdef bint _usable(self, int rank):
+        return (
+            self.loop.engines[rank].state == ENGINE_ALIVE
+            and self.loop.engines[rank].quarantined_until <= monotonic()
+        )
+
+    cdef bint _free(self, int rank, int role):
+        cdef Seat* seat = &self.seats[rank]
+        cdef uint32_t cost
+        if seat.reserved >= seat.capacity:
+            return False
+        if not seat.ssm_capacity:
+            return True
+        cost = seat.slot_cost if role == PD_PREFILL else 1
+        return seat.ssm_used + cost <= seat.ssm_capacity
+
+    cdef sync(self, int rank):
+        """A rank in its role routers when it is usable with a free seat, else out."""
+        cdef Seat* seat = &self.seats[rank]
+        cdef bint usable = self._usable(rank)
+        for role, router in (
+            (PD_PREFILL, self.prefill_router), (PD_DECODE, self.decode_routers[seat.domain])
+        ):
+            if seat.role & role and usable and self._free(rank, role):
+                router.add_rank(rank)
+            else:
+                router.remove_rank(rank)
+
+    cdef bint _live(self, int role, int domain):
+        """Whether an engine of ``role`` (of ``domain``, -1: any) is up, full or not."""
+        cdef int rank
+        for rank in range(self.loop.n_engines):
+            if (
+                self.seats[rank].seated
+                and self.seats[rank].role & role
+                and (domain < 0 or self.seats[rank].domain == domain)
+                and self._usable(rank)
+            ):
+                return True
+        return False
+
+    cdef int _choose(self, object router, uint32_t slot) except -2:
+        """A rank of a role pool with a free seat for the request (-1: none); a rank found
+        unusable since (away, quarantined) leaves the pool until the tick's sync."""
+        cdef int rank
+        hashes = self.kept[slot][2]
+        while True:
+            rank = router.choose(hashes, monotonic(), self.hops[slot].tokens)
+            if rank < 0 or self._usable(rank):
+                return rank
+            router.release(rank, router.charged)
+            router.remove_rank(rank)
+
+    cdef _reserve(self, int rank, uint32_t ssm):
+        self.seats[rank].reserved += 1
+        self.seats[rank].ssm_used += ssm
+        self.sync(rank)
+
+    cdef _release_seat(self, int rank, int role, int64_t work, uint32_t ssm):
+        """A hop's seat free again: its router's charge released, its queue drained."""
+        cdef Seat* seat = &self.seats[rank]
+        if rank < 0 or not seat.seated:  # gone: its seat went with it
+            return
+        seat.reserved -= 1
+        seat.ssm_used -= ssm
+        if role == PD_PREFILL:
+            self.prefill_router.release(rank, work)
+        else:
+            self.decode_routers[seat.domain].release(rank, work)
+        self.sync(rank)
+        self.drain()
+
+    cdef drain(self):
+        """The queues' heads out while a seat of their pool is free, oldest first."""
+        cdef int64_t slot
+        cdef int domain
+        while self.prefill_queue and self.prefill_router.n_accepting:
+            slot = ck_requests_find(&self.loop.requests, self.prefill_queue.popleft())
+            if slot >= 0 and self.hops[slot].stage == PD_QUEUED_PREFILL:
+                if not self._hop1(<uint32_t>slot, True):
+                    break
+        for domain in range(len(self.domains)):
+            queue = self.decode_queues[domain]
+            while queue and self.decode_routers[domain].n_accepting:
+                slot = ck_requests_find(&self.loop.requests, queue.popleft())
+                if slot >= 0 and self.hops[slot].stage == PD_QUEUED_DECODE:
+                    if not self._hop2(<uint32_t>slot, True):
+                        break
+
+    # -- a request's hops ----------------------------------------------------------------
+
+    cdef bint takes(self, uint32_t slot, Inbound* inbound) except -1:
+        """A new request: both hops (the first sent or queued), or False: it runs whole,
+        as any request (no prefill or no decode engine up; conditional P/D and a prompt
+        short enough, or cached enough where it would run whole)."""
+        cdef Hop* hop = &self.hops[slot]
+        cdef ck_request* request = &self.loop.requests.pool[slot]
+        cdef const uint8_t* data
+        if inbound.header != HEADER_SUBMIT_REQUEST:
+            return False
+        if not self._live(PD_PREFILL, -1) or not self._live(PD_DECODE, -1):
+            return False
+        hashes = None
+        if inbound.hashes != NULL:
+            hashes = (<const char*>inbound.hashes)[:inbound.n_hashes * BLOCK_HASH_SIZE]
+        if self.mode == "conditional" and self.loop.router.n_accepting:
+            depth = self._cached_depth(hashes)
+            if uncached_tokens(inbound.tokens, depth, self.block_size) <= self.threshold:
+                self.counts["whole"] += 1
+                return False
+        if inbound.params != NULL:
+            prompt = (<const char*>inbound.prompt)[:inbound.prompt_size]
+            params = (<const char*>inbound.params)[:inbound.params_size]
+        else:  # a single frame read as far as its rid
+            data = <const uint8_t*>zmq_msg_data(inbound.payload)
+            frame = (<const char*>data)[:zmq_msg_size(inbound.payload)]
+            _, _, _, start, middle, end = read_single_submit(frame)
+            prompt, params = frame[start:middle], frame[middle:end]
+        memset(hop, 0, sizeof(Hop))
+        hop.prefill = hop.decode = -1
+        hop.tokens = inbound.tokens
+        self.kept[slot] = [prompt, params, hashes, b"", b"", None]
+        request.rank = -1
+        if self._megatron_client(request.client) and refuses_prompt_log_probs(
+            _params_map(params)
+        ):
+            hop.stage = PD_QUEUED_PREFILL
+            self._end(slot, ERROR_ENGINE_FAILED, PROMPT_LOG_PROBS, True)
+            return True
+        self.counts["requests"] += 1
+        self._hop1(slot, False)
+        return True
+
+    cdef int64_t _cached_depth(self, bytes hashes) except -1:
+        """The leading blocks of a prompt the most cached whole-request engine holds."""
+        cdef int64_t depth = 0
+        if not hashes:
+            return 0
+        router, now = self.loop.router, monotonic()
+        ranks = None
+        for (value,) in struct.iter_unpack("<Q", hashes):
+            held = {rank for rank in router.prefix_ranks(value, now) if router.accepting(rank)}
+            ranks = held if ranks is None else ranks & held
+            if not ranks:
+                break
+            depth += 1
+        return depth
+
+    cdef bint _hop1(self, uint32_t slot, bint head) except -1:
+        """Hop 1 to a prefill with a free seat; queued when every seat is taken (at the
+        head: it was the queue's), ended when no prefill is up. True when sent."""
+        cdef Hop* hop = &self.hops[slot]
+        cdef ck_request* request = &self.loop.requests.pool[slot]
+        cdef int rank
+        cdef int64_t rid = request.server_rid
+        hop.stage = PD_QUEUED_PREFILL
+        request.rank = -1
+        rank = self._choose(self.prefill_router, slot)
+        if rank < 0:
+            if not self._live(PD_PREFILL, -1):
+                self._end(slot, ERROR_NO_ENGINES, cannot_route("prefill"), True)
+            elif head:
+                self.prefill_queue.appendleft(rid)
+            else:
+                self.prefill_queue.append(rid)
+            return False
+        hop.prefill_work = self.prefill_router.charged
+        self._reserve(rank, self.seats[rank].slot_cost)
+        hop.prefill = rank
+        hop.stage = PD_STAGE_PREFILL
+        request.rank = rank
+        kept = self.kept[slot]
+        megatron = self.seats[rank].megatron
+        frames = prefill_frames(megatron, rid, kept[0], kept[1], megatron and str_prompt(kept[0]))
+        self._learn(rank, slot)
+        self._send_to(rank, frames + self._trailer(rank, slot))
+        return True
+
+    cdef bint _hop2(self, uint32_t slot, bint head) except -1:
+        """Hop 2, the handoff kept, to a decode of the prefill's domain with a free seat;
+        queued when each is full; ended (its pins released) when none is up."""
+        cdef Hop* hop = &self.hops[slot]
+        cdef ck_request* request = &self.loop.requests.pool[slot]
+        cdef int rank
+        cdef int domain = self.seats[hop.prefill].domain
+        cdef int64_t rid = request.server_rid
+        hop.stage = PD_QUEUED_DECODE
+        request.rank = -1
+        router = self.decode_routers[domain]
+        rank = self._choose(router, slot)
+        if rank < 0:
+            if not self._live(PD_DECODE, domain):
+                self._end(slot, ERROR_NO_ENGINES, cannot_route("decode"), True)
+            elif head:
+                self.decode_queues[domain].appendleft(rid)
+            else:
+                self.decode_queues[domain].append(rid)
+            return False
+        hop.decode_work = router.charged
+        self._reserve(rank, hop.ssm)
+        hop.decode = rank
+        hop.stage = PD_STAGE_DECODE
+        request.rank = rank
+        kept = self.kept[slot]
+        megatron = self.seats[rank].megatron
+        prompt = kept[5] if megatron and kept[5] else kept[0]
+        frames = decode_frames(megatron, rid, prompt, kept[1], kept[3], kept[4])
+        self._learn(rank, slot)
+        self._send_to(rank, frames + self._trailer(rank, slot))
+        return True
+
+    cdef list _trailer(self, int rank, uint32_t slot):
+        """A rebuild engine's trailer: no client id (a hop is not rebuilt: docs/pd.md)."""
+        if not self.loop.engines[rank].rebuild:
+            return []
+        return [protocol.pack_trailer(self.loop.requests.pool[slot].client_rid, None, False)]
+
+    cdef _learn(self, int rank, uint32_t slot):
+        """A hop sent to an engine that runs whole requests too: the whole-request router
+        learns the prefix it now caches (conditional P/D then finds it)."""
+        hashes = self.kept[slot][2]
+        if hashes and self.whole(rank) and self.loop.router.policy == "prefix":
+            self.loop.router.learn(rank, hashes, monotonic())
+
+    cdef bint _send_to(self, int rank, list frames):
+        if rank < 0 or self.loop.engines[rank].state == ENGINE_GONE:
+            return False
+        if self.loop._send_frames(&self.loop.engine_ids, rank, frames):
+            return True
+        self.loop.faults.lost(rank, GONE_UNREACHABLE)  # settled: engine_gone
+        return False
+
+    cdef _handed(self, int rank, int64_t rid, bytes kv_meta, bytes blocks, uint32_t ssm,
+                 object tokens):
+        """A prefill hop's handoff: its blocks pinned at ``rank``; on to hop 2. A handoff
+        of no request of that prefill's (late, ended) is released at once."""
+        cdef int64_t slot = ck_requests_find(&self.loop.requests, rid)
+        cdef Hop* hop
+        if slot < 0 or self.hops[slot].stage != PD_STAGE_PREFILL or self.hops[slot].prefill != rank:
+            self.counts["stray"] += 1
+            self._send_to(rank, [rid_message(HEADER_RELEASE_KV, rid)])
+            return
+        hop = &self.hops[slot]
+        hop.pins = True
+        kept = self.kept[slot]
+        kept[3], kept[4] = kv_meta, blocks
+        hop.ssm = ssm
+        hop.lease = monotonic() + self.lease
+        self.leases.append((hop.lease, rid))
+        if isinstance(tokens, list):
+            kept[5] = packb(tokens)
+        self.counts["handoffs"] += 1
+        if self.loop.requests.pool[slot].flags & FLAG_ABORTED:  # nothing reads them
+            self._end(<uint32_t>slot, ERROR_ABORTED, ABORTED_TEXT, True, True)
+            return
+        self._hop2(<uint32_t>slot, False)
+
+    cdef _release_pins(self, uint32_t slot):
+        """RELEASE_KV to the owning prefill, its seat free, the handoff dropped."""
+        cdef Hop* hop = &self.hops[slot]
+        cdef int prefill = hop.prefill
+        hop.pins = False
+        kept = self.kept[slot]
+        kept[3] = kept[4] = b""
+        self.counts["pins_released"] += 1
+        rid = self.loop.requests.pool[slot].server_rid
+        self._send_to(prefill, [rid_message(HEADER_RELEASE_KV, rid)])
+        if prefill >= 0:
+            self._release_seat(prefill, PD_PREFILL, hop.prefill_work,
+                               self.seats[prefill].slot_cost)
+
+    # -- what the loop calls -------------------------------------------------------------
+
+    cdef void finished(self, uint32_t slot) noexcept nogil:
+        """Its final arrived: at a decode, its read is over."""
+        self.hops[slot].final = True
+
+    cdef forget(self, uint32_t slot):
+        """The request leaves the tables (its final, its error, its abort): what it holds
+        goes, but pins a read may still use, which wait (orphans). Its rank is -1 after:
+        the loop releases nothing of the whole-request router for it."""
+        cdef Hop hop = self.hops[slot]
+        cdef int64_t rid = self.loop.requests.pool[slot].server_rid
+        self.loop.requests.pool[slot].rank = -1
+        self.hops[slot].stage = 0
+        if hop.stage == PD_QUEUED_PREFILL:
+            _discard(self.prefill_queue, rid)
+        elif hop.stage == PD_QUEUED_DECODE and self.seats[hop.prefill].seated:
+            _discard(self.decode_queues[self.seats[hop.prefill].domain], rid)
+        elif hop.stage == PD_STAGE_DECODE or hop.stage == PD_READ:
+            self._release_seat(hop.decode, PD_DECODE, hop.decode_work, hop.ssm)
+        # The prefill's seat is held from hop 1 until its pins go.
+        if hop.pins and hop.stage == PD_STAGE_DECODE and not hop.final:
+            self._orphan(slot)
+        elif hop.pins:
+            self._release_pins(slot)
+        elif hop.stage == PD_STAGE_PREFILL and hop.prefill >= 0:
+            self._release_seat(hop.prefill, PD_PREFILL, hop.prefill_work,
+                               self.seats[hop.prefill].slot_cost)
+        self.kept[slot] = None
+
+    cdef _orphan(self, uint32_t slot):
+        cdef Hop* hop = &self.hops[slot]
+        cdef ck_request* request = &self.loop.requests.pool[slot]
+        notify = None
+        if hop.unsafe and self._megatron_client(request.client):
+            notify = self.loop._identity(request.client)
+        deadline = monotonic() + self.lease
+        self.orphans[request.server_rid] = [
+            hop.prefill, hop.decode, deadline, notify, request.client_rid
+        ]
+        self.orphan_order.append((deadline, request.server_rid))
+        hop.pins = False  # the prefill's seat stays held until they go (_free_orphan)
+
+    cdef _free_orphan(self, int64_t rid):
+        prefill, _, _, client, client_rid = self.orphans.pop(rid)
+        self.counts["pins_released"] += 1
+        self._send_to(prefill, [rid_message(HEADER_RELEASE_KV, rid)])
+        if prefill >= 0 and self.seats[prefill].seated:
+            self._release_seat(prefill, PD_PREFILL, 0, self.seats[prefill].slot_cost)
+        if client is not None:
+            self._tell(client, protocol.REQUEST_ABORTED.pack(client_rid, True))
+
+    cdef bint _megatron_client(self, int32_t client):
+        return self.megatron_clients and not self.loop.clients[client].coordkit
+
+    cdef _tell(self, bytes identity, list frames):
+        cdef int32_t client = ck_ids_find(&self.loop.client_ids, identity, len(identity))
+        if client < 0 or not self.loop.clients[client].present:
+            return
+        if not self.loop._send_frames(&self.loop.client_ids, client, frames):
+            self.loop._client_gone(client)
+
+    cdef _end(self, uint32_t slot, int code, str reason, bint safe, bint aborted=False):
+        """The room ends a request: its one terminal reply (a #6675 client's REQUEST_ERROR
+        or, aborted, REQUEST_ABORTED; ERROR(code) for others), and what it holds goes
+        (``safe`` False: its pins wait for the read, orphans)."""
+        cdef Hop* hop = &self.hops[slot]
+        cdef int32_t client = self.loop.requests.pool[slot].client
+        cdef int64_t client_rid = self.loop.requests.pool[slot].client_rid
+        if hop.stage and safe and hop.stage == PD_STAGE_DECODE:
+            hop.final = True  # the decode reads nothing more: its pins go now
+        # Not safe only while pins wait for a read: a safe REQUEST_ABORTED follows then.
+        safe = safe or not hop.stage or not (
+            hop.pins and hop.stage == PD_STAGE_DECODE and not hop.final
+        )
+        if hop.stage:
+            hop.unsafe = not safe
+        if not self._megatron_client(client):
+            self.loop._fail_request(slot, code, HEADER_SUBMIT_REQUEST)
+            return
+        identity = self.loop._identity(client)
+        self.loop._forget(slot)
+        self.loop.failed[code] += 1
+        if aborted:
+            frames = protocol.REQUEST_ABORTED.pack(client_rid, True)
+        else:
+            frames = protocol.REQUEST_ERROR.pack(client_rid, reason, safe)
+        self._tell(identity, frames)
+
+    cdef abort(self, uint32_t slot):
+        """A client's abort: a waiting request ends at once; one at a hop is aborted there
+        (its engine's answer, or a handoff, ends it)."""
+        cdef int stage = self.hops[slot].stage
+        cdef ck_request* request = &self.loop.requests.pool[slot]
+        if stage == PD_QUEUED_PREFILL or stage == PD_QUEUED_DECODE:
+            self._end(slot, ERROR_ABORTED, ABORTED_TEXT, True, True)
+            return
+        self._send_to(request.rank, [rid_message(HEADER_ABORT_REQUEST, request.server_rid)])
+
+    cdef time_out(self, uint32_t slot):
+        """Past request_timeout: ERROR(TIMED_OUT) (a #6675 client's REQUEST_ERROR), ABORT at
+        the hop holding it; pins at a decode wait for its read (orphans)."""
+        cdef ck_request* request = &self.loop.requests.pool[slot]
+        if request.rank >= 0 and not request.flags & FLAG_ABORTED:
+            self._send_to(request.rank, [rid_message(HEADER_ABORT_REQUEST, request.server_rid)])
+        self._end(slot, ERROR_TIMED_OUT, TIMED_OUT_TEXT, False)
+
+    cdef client_release(self, int32_t client, int64_t rid):
+        """A client's RELEASE_KV of one of its requests: its pins go, to their prefill only
+        (never broadcast: no client frees another's blocks)."""
+        cdef int64_t slot = ck_requests_find_client(&self.loop.requests, client, rid)
+        if slot >= 0 and self.hops[slot].stage and self.hops[slot].pins:
+            self._release_pins(<uint32_t>slot)
+            return
+        identity = self.loop._identity(client)
+        for server_rid, orphan in list(self.orphans.items()):
+            if orphan[4] == rid and orphan[3] == identity:
+                self._free_orphan(server_rid)
+                return
+        self.loop.counters[COUNTER_UNKNOWN_REQUEST] += 1
+
+    cdef prefilled(self, uint32_t slot, int rank, bytes body):
+        """A #6675 prefill's finished request, read for its handoff (NIXL blobs put back)."""
+        cdef int64_t rid = self.loop.requests.pool[slot].server_rid
+        try:
+            record = unpackb(body)
+        except ProtocolError:
+            record = None
+        handoff = handoff_of(record)
+        if self.loop.requests.pool[slot].flags & FLAG_ABORTED:
+            self._send_to(rank, [rid_message(HEADER_RELEASE_KV, rid)])
+            self._end(slot, ERROR_ABORTED, ABORTED_TEXT, True, True)
+            return
+        if isinstance(handoff, str):
+            self._send_to(rank, [rid_message(HEADER_RELEASE_KV, rid)])
+            self._end(slot, ERROR_ENGINE_FAILED, handoff, True)
+            return
+        kv_meta, blocks = handoff
+        registration = self.registrations.get(self.loop._engine_identity(rank))
+        if registration is not None and registration.transport == "nixl":
+            try:
+                kv_meta = restore_nixl_blobs(kv_meta, registration.instance_meta)
+            except ValueError as error:
+                self._send_to(rank, [rid_message(HEADER_RELEASE_KV, rid)])
+                self._end(slot, ERROR_ENGINE_FAILED, f"invalid NIXL handoff metadata: {error}",
+                          True)
+                return
+        tokens = record.get("prompt_tokens") if str_prompt(self.kept[slot][0]) else None
+        self._handed(rank, rid, packb(kv_meta), packb(blocks), decode_slots(kv_meta), tokens)
+
+    cdef stray_reply(self, int rank, int64_t rid):
+        """A #6675 prefill's reply of no request of its (ended meanwhile): what it may
+        have pinned for it goes."""
+        if self.seats[rank].seated and self.seats[rank].megatron and (
+            self.seats[rank].role & PD_PREFILL
+        ):
+            self._send_to(rank, [rid_message(HEADER_RELEASE_KV, rid)])
+
+    cdef bint from_engine(self, int rank, int64_t header) except -1:
+        """The P/D messages of an engine (False: not one)."""
+        if header == HEADER_HANDOFF:
+            self._handoff(rank)
+        elif header == HEADER_KV_TRANSFER_READY:
+            self._transfer_ready(rank)
+        elif header == HEADER_KV_READ_DONE:
+            self._read_done(rank)
+        elif header == HEADER_REQUEST_ERROR:
+            self._request_error(rank)
+        elif header == HEADER_REQUEST_ABORTED:
+            self._request_aborted(rank)
+        else:
+            return False
+        return True
+
+    cdef _handoff(self, int rank):
+        message = self.loop._parse(protocol.HANDOFF, -1, HEADER_HANDOFF)
+        if message is None:
+            return
+        entries, blocks = message
+        for (rid, kv_meta), frame in zip(entries, blocks, strict=True):
+            self._handed(rank, rid, packb(kv_meta), bytes(frame), 0, None)
+
+    cdef int64_t _hop_at(self, int64_t rid, int rank):
+        """The request's slot when ``rank`` is its decode (before its read), else -1."""
+        cdef int64_t slot = ck_requests_find(&self.loop.requests, rid)
+        if slot < 0 or self.hops[slot].stage != PD_STAGE_DECODE or self.hops[slot].decode != rank:
+            return -1
+        return slot
+
+    cdef _transfer_ready(self, int rank):
+        cdef int64_t slot
+        cdef int prefill
+        message = self.loop._parse(protocol.KV_TRANSFER_READY, -1, -1)
+        if message is None:
+            return
+        slot = self._hop_at(message.rid, rank)
+        if slot < 0:
+            self.counts["stray"] += 1
+            return
+        prefill = self.hops[slot].prefill
+        if self.seats[prefill].seated and self.seats[prefill].megatron and (
+            not self.seats[prefill].nccl
+        ):
+            self._end(<uint32_t>slot, ERROR_ENGINE_FAILED, UNEXPECTED_READINESS, False)
+            return
+        frame = send_kv_message(message.rid, self.transfer.get(rank),
+                                message.cached_prefix_blocks)
+        self._send_to(prefill, [frame])
+
+    cdef _read_done(self, int rank):
+        cdef int64_t slot
+        message = self.loop._parse(protocol.KV_READ_DONE, -1, -1)
+        if message is None:
+            return
+        rid = message.rid
+        slot = self._hop_at(rid, rank)
+        if slot >= 0:
+            self.hops[slot].stage = PD_READ
+            if self.hops[slot].pins:
+                self._release_pins(<uint32_t>slot)
+            return
+        orphan = self.orphans.get(rid)
+        if orphan is not None and orphan[1] == rank:
+            self._free_orphan(rid)
+            return
+        self.counts["stray"] += 1
+
+    cdef _request_error(self, int rank):
+        """An engine's REQUEST_ERROR for a request it holds: it ends with the engine's
+        reason; not safe, its pins wait for the read."""
+        cdef int64_t slot
+        message = self.loop._parse(protocol.REQUEST_ERROR, -1, -1)
+        if message is None:
+            return
+        slot = ck_requests_find(&self.loop.requests, message.rid)
+        if slot < 0 or self.loop.requests.pool[slot].rank != rank:
+            orphan = self.orphans.get(message.rid)
+            if message.source_safe and orphan is not None and orphan[1] == rank:
+                self._free_orphan(message.rid)
+            else:
+                self.counts["stray"] += 1
+            return
+        if not self.hops[slot].stage:  # a whole request its engine failed
+            self._end(<uint32_t>slot, ERROR_ENGINE_FAILED, message.reason, True)
+            return
+        self._end(<uint32_t>slot, ERROR_ENGINE_FAILED, message.reason, message.source_safe)
+
+    cdef _request_aborted(self, int rank):
+        cdef int64_t slot
+        message = self.loop._parse(protocol.REQUEST_ABORTED, -1, -1)
+        if message is None or not message.source_safe:
+            return  # unsafe: a safe one follows
+        slot = ck_requests_find(&self.loop.requests, message.rid)
+        if slot >= 0 and self.loop.requests.pool[slot].rank == rank:
+            self._end(<uint32_t>slot, ERROR_ABORTED, ABORTED_TEXT, True, True)
+            return
+        orphan = self.orphans.get(message.rid)
+        if orphan is not None and orphan[1] == rank:
+            self._free_orphan(message.rid)
+
+    # -- deaths, leases ------------------------------------------------------------------
+
+    cdef engine_gone(self, int rank):
+        """An engine is gone (before the loop's walk over its requests): every request of
+        the room it touched goes on or ends here, orphans it held or read are freed, and
+        its seat goes."""
+        cdef uint32_t i, n, slot
+        cdef RequestOrder* order
+        cdef Hop* hop
+        if not self.seats[rank].seated:
+            return
+        name = self.loop._engine_identity(rank)
+        order = self.loop._in_order(-1, -1, &n)
+        try:
+            for i in range(n):
+                slot = order[i].slot
+                hop = &self.hops[slot]
+                if self.loop.requests.pool[slot].server_rid != order[i].server_rid or (
+                    not hop.stage
+                ):
+                    continue
+                if hop.prefill == rank and (
+                    hop.stage == PD_STAGE_PREFILL or hop.stage == PD_QUEUED_DECODE
+                    or hop.stage == PD_STAGE_DECODE
+                ):
+                    if hop.stage == PD_STAGE_DECODE:  # its KV is gone: the import stops
+                        self._send_to(hop.decode, [
+                            rid_message(HEADER_ABORT_REQUEST, order[i].server_rid)
+                        ])
+                        self._release_seat(hop.decode, PD_DECODE, hop.decode_work, hop.ssm)
+                    elif hop.stage == PD_QUEUED_DECODE:
+                        _discard(self.decode_queues[self.seats[rank].domain],
+                                 order[i].server_rid)
+                    hop.pins = False
+                    kept = self.kept[slot]
+                    kept[3] = kept[4] = b""
+                    self._again(slot, name, True)
+                elif hop.decode == rank and hop.stage == PD_STAGE_DECODE:
+                    self._release_seat(rank, PD_DECODE, hop.decode_work, hop.ssm)
+                    hop.decode = -1
+                    self._again(slot, name, False)
+                elif hop.decode == rank and hop.stage == PD_READ:
+                    if self.loop.requests.pool[slot].flags & FLAG_PRODUCED:
+                        self._end(slot, ERROR_ENGINE_FAILED, removed(name), True)
+                    else:
+                        self._release_seat(rank, PD_DECODE, hop.decode_work, hop.ssm)
+                        hop.stage = 0
+                        self._again(slot, name, True)
+                elif hop.prefill == rank and hop.stage == PD_READ:
+                    hop.prefill = -1  # the decode's import is whole: nothing to release
+        finally:
+            free(order)
+        for rid, orphan in list(self.orphans.items()):
+            if orphan[1] == rank:
+                self._free_orphan(rid)  # a dead process reads nothing more
+            elif orphan[0] == rank:
+                del self.orphans[rid]
+        self.unseat(rank)
+        self.registrations.pop(name, None)
+        self._fail_stranded()
+
+    cdef _again(self, uint32_t slot, bytes name, bint prefill):
+        """After a death: prefilled again (the prompt kept), or handed off again (the
+        handoff kept, the prefill still pinning), up to ``retries`` times."""
+        self.hops[slot].attempts += 1
+        if self.hops[slot].attempts > self.retries:
+            self._end(slot, ERROR_ENGINE_FAILED, removed(name), True)
+            return
+        if prefill:
+            self.counts["reprefilled"] += 1
+            self._hop1(slot, True)
+        else:
+            self.counts["rehanded"] += 1
+            self._hop2(slot, True)
+
+    cdef _fail_stranded(self):
+        """Requests waiting for a pool that no engine serves any more end."""
+        cdef int64_t slot
+        cdef int domain
+        if self.prefill_queue and not self._live(PD_PREFILL, -1):
+            for rid in list(self.prefill_queue):
+                slot = ck_requests_find(&self.loop.requests, rid)
+                if slot >= 0:
+                    self._end(<uint32_t>slot, ERROR_NO_ENGINES, cannot_route("prefill"), True)
+        for domain in range(len(self.domains)):
+            queue = self.decode_queues[domain]
+            if queue and not self._live(PD_DECODE, domain):
+                for rid in list(queue):
+                    slot = ck_requests_find(&self.loop.requests, rid)
+                    if slot >= 0:
+                        self._end(<uint32_t>slot, ERROR_NO_ENGINES, cannot_route("decode"), True)
+
+    cdef tick(self, double now):
+        """Leases due (pins a read never came for), orphans' leases, and the seats synced
+        (an engine back, or out of quarantine, takes hops again)."""
+        cdef int64_t slot
+        cdef Hop* hop
+        cdef int rank
+        while self.leases and self.leases[0][0] <= now:
+            deadline, rid = self.leases.popleft()
+            slot = ck_requests_find(&self.loop.requests, rid)
+            if slot < 0:
+                continue
+            hop = &self.hops[slot]
+            if not hop.stage or not hop.pins or hop.lease != deadline:
+                continue
+            self.counts["leases_expired"] += 1
+            if hop.stage == PD_STAGE_DECODE:
+                self._send_to(hop.decode, [rid_message(HEADER_ABORT_REQUEST, rid)])
+                self._release_seat(hop.decode, PD_DECODE, hop.decode_work, hop.ssm)
+            elif hop.stage == PD_QUEUED_DECODE:
+                _discard(self.decode_queues[self.seats[hop.prefill].domain], rid)
+            name = self.loop._engine_identity(hop.prefill)
+            self._release_pins(<uint32_t>slot)
+            self._again(<uint32_t>slot, name, True)
+        while self.orphan_order and self.orphan_order[0][0] <= now:
+            _, rid = self.orphan_order.popleft()
+            if rid in self.orphans and self.orphans[rid][2] <= now:
+                self.counts["leases_expired"] += 1
+                self._free_orphan(rid)
+        for rank in range(self.loop.n_engines):
+            if self.seats[rank].seated:
+                self.sync(rank)
+        self.drain()
+
+    cdef dict stats(self):
+        """What stats()["pd"] shows: the counts, each seat, the queues, pins held."""
+        cdef uint32_t slot
+        cdef int rank
+        pinned = {}
+        for slot in range(self.slots):
+            if self.hops[slot].stage and self.hops[slot].pins:
+                rank = self.hops[slot].prefill
+                pinned[rank] = pinned.get(rank, 0) + 1
+        for orphan in self.orphans.values():
+            pinned[orphan[0]] = pinned.get(orphan[0], 0) + 1
+        return {
+            "mode": self.mode,
+            "threshold": self.threshold,
+            "counts": dict(self.counts),
+            "engines": {
+                rank: {
+                    "role": protocol.role_name(self.seats[rank].role),
+                    "megatron": self.seats[rank].megatron,
+                    "capacity": self.seats[rank].capacity,
+                    "reserved": self.seats[rank].reserved,
+                    "pinned": pinned.get(rank, 0),
+                }
+                for rank in range(self.loop.n_engines)
+                if self.seats[rank].seated
+            },
+            "queued": {
+                "prefill": len(self.prefill_queue),
+                "decode": sum(len(queue) for queue in self.decode_queues),
+            },
+            "orphans": len(self.orphans),
+        }
+
+
+def _discard(queue, rid):
+    try:
+        queue.remove(rid)
+    except ValueError:
+        pass
+
+
+def _params_map(params):
+    try:
+        return unpackb(params)
+    except ProtocolError:
+        return None
