@@ -108,9 +108,7 @@ def test_always_takes_both_hops_and_queues_by_role(coordinator):
 def test_a_decode_killed_before_its_read_hands_off_again(coordinator):
     coord = coordinator(pd_mode="always")
     slow = ["--role", "decode", "--batch", "4", "--transfer-latency", "30"]
-    with engines(
-        coord.address, (0, ["--role", "prefill", "--batch", "4"]), (1, slow)
-    ) as processes:
+    with engines(coord.address, (0, ["--role", "prefill", "--batch", "4"]), (1, slow)) as processes:
         registered(coord, 2)
 
         async def run() -> Any:
