@@ -13,6 +13,7 @@ from .includes.framepool cimport (
     ck_buffer_pool_new,
 )
 from .includes.libzmq cimport zmq_msg_t
+from .includes.ring cimport ck_ring
 from .includes.tables cimport (
     ck_ids,
     ck_ids_find,
@@ -96,10 +97,12 @@ include "loop/fanout.pxd"
 include "loop/latency.pxd"
 include "loop/traffic.pxd"
 include "loop/roles.pxd"
+include "loop/tally.pxd"
 
 cdef class Loop
 include "loop/rebuild.pxd"
 include "loop/faults.pxd"
+include "loop/traces.pxd"
 
 
 cdef class Loop:
@@ -137,6 +140,7 @@ cdef class Loop:
         int64_t first_server_id  # this life's first server id: it drew those from here on
         Rebuild rebuild  # the rebuild after a coordinator's loss, and clients' blips
         Faults faults  # an engine's faults: the grace, the breaker, the migration
+        Traces traces  # the requests traced, for the coordinator's TraceSink
         dict engine_fds  # the connections engines registered on, by fd: their rank
         bint forwards_hashes  # the prefix policy learns from what rebuild engines report
         uint32_t drained  # messages handled in this wake-up: the deadline is read every 256
@@ -175,6 +179,7 @@ cdef class Loop:
         uint64_t debug_polls  # DEBUG builds: loop wake-ups, against the messages handled
         Traffic traffic
         Latency latency  # measure_latency
+        Tally tally  # each engine's and client's counts
         Links deadline_links  # by request slot: the request_timeout queue
         Ends deadlines  # the requests in submission order (with a request_timeout)
 
