@@ -15,4 +15,3 @@ cdef extern from "includes/ring.h" nogil:
     uint64_t ck_ring_filled(ck_ring* r)  # the consumer: the head (entries below it written)
     void ck_ring_taken(ck_ring* r, uint64_t tail)  # the consumer: those below tail read
     uint64_t ck_ring_dropped(ck_ring* r)  # how many were dropped
-
