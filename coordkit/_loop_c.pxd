@@ -20,6 +20,7 @@ from .includes.framepool cimport (
     ck_buffer_pool_new,
 )
 from .includes.libzmq cimport zmq_msg_t
+from .includes.ring cimport ck_ring
 from .includes.tables cimport (
     ck_ids,
     ck_ids_find,
@@ -106,11 +107,13 @@ include "loop/latency.pxd"
 include "loop/traffic.pxd"
 include "loop/roles.pxd"
 include "loop/queue.pxd"
+include "loop/tally.pxd"
 
 cdef class Loop
 include "loop/rebuild.pxd"
 include "loop/faults.pxd"
 include "loop/pd.pxd"
+include "loop/traces.pxd"
 
 
 cdef class Loop:
@@ -151,6 +154,7 @@ cdef class Loop:
         PD pd  # disaggregated prefill/decode: made by the first engine with a role (None)
         bint pr6675  # serves #6675's P/D peers (megatron_version "pr6675")
         object _options  # what the P/D room is made with
+        Traces traces  # the requests traced, for the coordinator's TraceSink
         dict engine_fds  # the connections engines registered on, by fd: their rank
         bint forwards_hashes  # the prefix policy learns from what rebuild engines report
         uint32_t drained  # messages handled in this wake-up: the deadline is read every 256
@@ -189,6 +193,7 @@ cdef class Loop:
         uint64_t debug_polls  # DEBUG builds: loop wake-ups, against the messages handled
         Traffic traffic
         Latency latency  # measure_latency
+        Tally tally  # each engine's and client's counts
         Links deadline_links  # by request slot: the request_timeout queue
         Ends deadlines  # the requests in submission order (with a request_timeout)
 

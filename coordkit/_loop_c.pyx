@@ -98,7 +98,15 @@ from .includes.libzmq cimport (
 from ._routing_c cimport Router
 from .includes.bytebuf cimport reserve
 from .includes.tables cimport ck_cells_for, ck_cells_remove, ck_cells_vacant, ck_mix64
-from .includes.sysdep cimport DEBUG
+from .includes.ring cimport (
+    ck_ring_drop,
+    ck_ring_dropped,
+    ck_ring_filled,
+    ck_ring_push,
+    ck_ring_room,
+    ck_ring_taken,
+)
+from .includes.sysdep cimport DEBUG, memmem
 
 import struct
 from collections import deque
@@ -130,13 +138,17 @@ from ._pd import (
 )
 from ._shared import (
     BACKOFF_MAX,
+    DECISION_BUCKETS,
+    DECISION_SAMPLE,
     GONE_REASONS,
     LATENCY_BUCKETS,
     OTHER_TENANTS,
     REFUSAL_EVENTS,
+    STATS_CLIENTS,
     TICK,
     QueueOutcome,
     RateLimitedLog,
+    busiest,
     check_constants,
     continued,
     detokenize,
@@ -157,6 +169,7 @@ from .protocol import (
     REBUILD_FEATURE,
     ROLE_NAMES,
     ProtocolError,
+    asks_metrics,
     error_text,
     header_name,
     packb,
@@ -164,6 +177,7 @@ from .protocol import (
     parse_engine_hello,
     unpackb,
 )
+from .tracing import CLIENT_GONE, TRACEPARENT_MARK, TraceRecord
 
 bind_libzmq()
 check_constants(generated_constants())
@@ -175,6 +189,12 @@ cdef double TICK_SECONDS = TICK
 # Server ids are the wall clock in ns at a life's start, and up: an id an engine reports
 # at or past this (the year 2116) is no earlier life's, and would leave no ids to draw.
 cdef int64_t MAX_ADOPTED = 0x4000000000000000  # 2**62
+cdef uint32_t DECISION_EVERY = DECISION_SAMPLE
+# A traceparent in a request's params: the packed key and its value's head (tracing).
+cdef bytes _TRACE_MARK = TRACEPARENT_MARK
+cdef const char* TRACE_MARK = _TRACE_MARK
+cdef size_t TRACE_MARK_SIZE = len(_TRACE_MARK)
+cdef int32_t TRACED_CLIENT_GONE = CLIENT_GONE
 
 cdef enum:
     MSGPACK_FIXARRAY_2 = 0x92  # the head of a batch entry [rid, ...] of two
@@ -230,9 +250,11 @@ include "loop/latency.pyx"
 include "loop/traffic.pyx"
 include "loop/roles.pyx"
 include "loop/queue.pyx"
+include "loop/tally.pyx"
 include "loop/rebuild.pyx"
 include "loop/faults.pyx"
 include "loop/pd.pyx"
+include "loop/traces.pyx"
 
 
 # -- the rare paths' helpers -----------------------------------------------------------
@@ -297,6 +319,7 @@ cdef class Loop:
         self.pd = None
         self.pr6675 = options.megatron_version == "pr6675"
         self._options = options
+        self.traces = Traces(self, options)
         self.engine_fds = {}
         self.forwards_hashes = router.policy == "prefix"
         latency_init(&self.latency)
@@ -331,6 +354,8 @@ cdef class Loop:
             or roles_init(&self.roles, RETIRED_IDS) != 0
             or not links_init(&self.client_links, options.max_inflight)
             or not links_init(&self.idle_links, self.max_clients)
+            or not tally_init(&self.tally, self.max_engines, self.max_clients,
+                              options.engine_histograms)
         ):
             raise MemoryError()
 
@@ -359,6 +384,7 @@ cdef class Loop:
         links_free(&self.idle_links)
         message_free(&self.message)
         fanout_free(&self.fanout)
+        tally_free(&self.tally)
 
     # -- what the Coordinator calls ------------------------------------------------------
 
@@ -389,9 +415,13 @@ cdef class Loop:
         finally:
             free(order)
         self._settle()
+        if self.traces.n_ending:
+            self.traces.end()
 
     def stats(self) -> dict:
         cdef int rank
+        cdef uint32_t client
+        cdef int64_t least = 0  # requests in flight of the last of the busiest so far
         cdef size_t n
         cdef const uint8_t* identity
         cdef Engine* engine
@@ -403,7 +433,21 @@ cdef class Loop:
             engines.append((
                 rank, identity[:n], engine.state, self.router.pending(rank),
                 max(engine.quarantined_until - now, 0.0), engine.failures, engine.last_failure,
+                *tally_engine(&self.tally, rank, self.measure_latency),
+                now - engine.last_heartbeat if engine.heartbeats else None,
             ))
+        clients = []  # the busiest so far, pruned as it grows
+        for client in range(self.clients_used):
+            if not self.clients[client].used or self.clients[client].inflight < least:
+                continue
+            clients.append((
+                self._identity(client), self.clients[client].inflight,
+                self.tally.submitted[client] if self.measure_latency else None,
+                self.clients[client].rebuild, not self.clients[client].present,
+            ))
+            if len(clients) == 2 * STATS_CLIENTS:
+                clients = busiest(clients)
+                least = clients[-1][1]
         result = stats_map(
             implementation=self.implementation,
             policy=self.router.policy,
@@ -415,6 +459,7 @@ cdef class Loop:
             counters=[self.counters[i] for i in range(N_COUNTERS)],
             engines=engines,
             queue=queue_stats(&self.queue),
+            busiest_clients=busiest(clients),
         )
         if DEBUG:
             result["debug"] = {"polls": self.debug_polls}
@@ -431,6 +476,8 @@ cdef class Loop:
             latency=latency_metrics(&self.latency) if self.measure_latency else None,
             prefix=self.router.prefix_counts,
             queue=queue_metrics(&self.queue),
+            engine_latency=tally_latency(&self.tally, self.n_engines)
+            if self.tally.final != NULL else None,
         )
 
     # -- the hot path (no GIL) -----------------------------------------------------------
@@ -465,6 +512,7 @@ cdef class Loop:
             if DEBUG:
                 self.debug_polls += 1
             now = monotonic()
+            self.latency.since = now
             if now >= self.deadline:  # its term is over (a freeze, say): serve nobody
                 self.stopping = True
                 break
@@ -485,6 +533,8 @@ cdef class Loop:
                 self._drain()  # what they sent before their connections ended goes first
                 with gil:
                     self._drop_ended()
+                if self.traces.n_ending:
+                    self.traces.end()
         return True
 
     cdef void _tick(self, double now) noexcept nogil:
@@ -540,6 +590,8 @@ cdef class Loop:
                 self._settle()
         if self.dispatch_due or self.queue.depth:  # an engine back from quarantine, ...
             self._dispatch()
+        if self.traces.n_ending:
+            self.traces.end()
 
     cdef inline bint _oldest_submitted_before(self, double deadline) noexcept nogil:
         return self.deadlines.oldest != UINT32_MAX and (
@@ -563,6 +615,8 @@ cdef class Loop:
                     self._settle()
             if self.dispatch_due:
                 self._dispatch()
+            if self.traces.n_ending:  # what the message ended was sent
+                self.traces.end()
 
     cdef void _handle(self) noexcept nogil:
         """Dispatch the message at hand (frame 0 is the sender's routing id)."""
@@ -588,6 +642,8 @@ cdef class Loop:
         traffic_count(&self.traffic, RECEIVED, header, message_bytes(&self.message))
         if engine >= 0:
             self._from_engine(engine, header)
+            if self.measure_latency:
+                latency_handled(&self.latency, STAGE_REPLY, header)
         elif header == HEADER_CONNECT:
             with gil:
                 self._connect(client)
@@ -616,6 +672,8 @@ cdef class Loop:
                 else:
                     self.clients[client].fresh = False
             self._from_client(client, header)
+            if self.measure_latency:
+                latency_handled(&self.latency, STAGE_REQUEST, header)
 
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil:
         if header == HEADER_SUBMIT_REQUEST or header == HEADER_SUBMIT_REQUEST_WITH_KV:
@@ -782,6 +840,8 @@ cdef class Loop:
             return
         slot = ck_requests_add(&self.requests, client, rid)
         self._admit(slot, client)
+        if self.traces.on:
+            self.traces.accept(slot, inbound)
         self.priority[slot] = <int8_t>inbound.priority
         self.wait_deadline[slot] = INFINITY
         if inbound.deadline_ms:
@@ -801,15 +861,20 @@ cdef class Loop:
             self.requests.pool[slot].kept = NULL
             if self._queued(slot, inbound, False):
                 return
-        self._forget(slot)
         if (
             status == ROUTE_NO_ENGINES and self.rebuild.rebuilding and self.clients[client].rejoined
         ):
             # Back after a loss, before its engines registered again: sent back once
             # one has (RESEND), not refused.
+            if self.traces.on:
+                self.traces.drop(slot)
+            self._forget(slot)
             with gil:
                 self.rebuild.defer(client, rid)
             return
+        if self.traces.on:
+            self.traces.fail(slot, refusal(status))
+        self._forget(slot)
         with gil:
             self._refuse(
                 client,
@@ -912,6 +977,10 @@ cdef class Loop:
                 self.sock, self.buffers, inbound, request.server_rid,
                 self.engines[rank].format, trailer,
             ))
+        if self.measure_latency:
+            self.tally.engines[rank].routed += 1
+        if self.traces.on:
+            self.traces.routed(slot, rank)
         return status
 
     cdef int _pick_engine(self, Inbound* inbound, int* rank) noexcept nogil:
@@ -919,8 +988,10 @@ cdef class Loop:
         follow) unless the request is ``batched`` and the engine takes batches (the
         batch is sent later); a RouteStatus. An unreachable choice is marked gone:
         ENGINE_GONE; one whose format cannot carry the request: UNSENDABLE."""
-        rank[0] = self.router.choose_c(inbound.hashes, inbound.n_hashes, inbound.tokens,
-                                       monotonic())
+        cdef double now = monotonic()
+        rank[0] = self.router.choose_c(inbound.hashes, inbound.n_hashes, inbound.tokens, now)
+        if self.measure_latency:
+            latency_decided(&self.latency, now)
         if rank[0] < 0:
             return ROUTE_NO_ENGINES if self.router.n_members == 0 else ROUTE_ALL_BUSY
         if not carries(inbound, self.engines[rank[0]].format):
@@ -1025,6 +1096,7 @@ cdef class Loop:
                 # A late reply (its request ended: aborted, timed out, its client
                 # gone), or a reply the engine got wrong.
                 self.counters[COUNTER_UNKNOWN_REQUEST] += 1
+                self.tally.engines[engine].unknown_request += 1
                 if self.engines[engine].coordkit:
                     with gil:
                         self._reject_entry(engine, entries[i].rid, ERROR_UNKNOWN_REQUEST, header)
@@ -1112,6 +1184,7 @@ cdef class Loop:
             slot = ck_requests_find(&self.requests, entry.rid)
             if slot < 0 or self.requests.pool[slot].rank != engine:
                 self.counters[COUNTER_UNKNOWN_REQUEST] += 1
+                self.tally.engines[engine].unknown_request += 1
                 if self.pd is not None:
                     with gil:
                         self.pd.stray_reply(engine, entry.rid)
@@ -1152,6 +1225,10 @@ cdef class Loop:
         if self.measure_latency:
             latency_observe(&self.latency, now - self.submitted[slot],
                             not request.flags & FLAG_PRODUCED, final)
+            tally_replied(&self.tally, self.latency.bounds, request.rank,
+                          now - self.submitted[slot], not request.flags & FLAG_PRODUCED, final)
+        if self.traces.on:
+            self.traces.replied(slot, final, now)
         if final:
             if self.pd is not None and self.pd.hops[slot].stage:
                 self.pd.finished(slot)
@@ -1189,8 +1266,9 @@ cdef class Loop:
             list_remove(&self.idle_links, &self.idle, client)
         self.clients[client].inflight += 1
         list_push(&self.client_links, &self.clients[client].requests, slot)
-        if self.submitted != NULL:
+        if self.submitted != NULL:  # timed, and counted at its client
             self.submitted[slot] = monotonic()
+            self.tally.submitted[client] += 1
         if self.request_timeout:
             list_push(&self.deadline_links, &self.deadlines, slot)
 
@@ -1200,6 +1278,8 @@ cdef class Loop:
         cdef ck_request* request = &self.requests.pool[slot]
         cdef Client* client = &self.clients[request.client]
         cdef int rank
+        if self.traces.on:
+            self.traces.forget(slot)
         self._unqueue(slot, OUTCOME_ABANDONED)
         if self.pd is not None and self.pd.hops[slot].stage:
             with gil:
@@ -1284,6 +1364,7 @@ cdef class Loop:
         self.engines[rank].state = ENGINE_GONE
         self.engines[rank].last_failure = reason
         self.counters[COUNTER_ENGINE_FAILURES] += 1
+        self.tally.engines[rank].gone += 1
         self.gone[self.n_gone] = rank
         self.n_gone += 1
 
@@ -1497,6 +1578,7 @@ cdef class Loop:
             else:
                 self.n_engines += 1
             memset(&self.engines[rank], 0, sizeof(Engine))
+            tally_reset(&self.tally, rank)
             self.engines[rank].fd = -1
             self.engines[rank].last_failure = -1
             ck_ids_insert(&self.engine_ids, rank, self._data(0), n)
@@ -1650,6 +1732,7 @@ cdef class Loop:
         self.rebuild.away.pop(self._identity(client), None)
         self.rebuild.n_away = len(self.rebuild.away)
         ck_ids_remove(&self.client_ids, client)
+        self.tally.submitted[client] = 0
         self.clients[client].used = False
         self.n_clients -= 1
         list_remove(&self.idle_links, &self.idle, client)
@@ -1721,11 +1804,13 @@ cdef class Loop:
             self._client_gone(client, False, True)
 
     cdef _heartbeat(self, int32_t engine):
-        if self._parse(protocol.HEARTBEAT, -1, HEADER_HEARTBEAT) is None:
+        message = self._parse(protocol.HEARTBEAT, -1, HEADER_HEARTBEAT)
+        if message is None:
             return
         if self.engines[engine].state != ENGINE_GONE:
             self.engines[engine].heartbeats = True
             self.engines[engine].last_heartbeat = monotonic()
+            tally_heartbeat(&self.tally, engine, message.pending, message.capacity)
 
     cdef _disconnect(self, int32_t engine):
         """DISCONNECT: no new work; its requests in flight may finish, for a while."""
@@ -1818,10 +1903,13 @@ cdef class Loop:
             self.stopping = True
 
     cdef _stats_request(self, int32_t client):
-        if self._parse(protocol.STATS, client, HEADER_STATS) is not None:
-            if self.clients[client].coordkit:
-                reply = protocol.STATS_REPLY.pack(packb(self.stats()))
-                self._send_frames(&self.client_ids, client, reply)
+        """STATS: stats(), and with {"metrics": 1} metrics() in it too, to a coordkit client."""
+        message = self._parse(protocol.STATS, client, HEADER_STATS)
+        if message is not None and self.clients[client].coordkit:
+            stats = self.stats()
+            if asks_metrics(message.asked):
+                stats["metrics"] = self.metrics()
+            self._send_frames(&self.client_ids, client, protocol.STATS_REPLY.pack(packb(stats)))
 
     cdef object _parse(self, object spec, int32_t client, int64_t header):
         """The message parsed by ``spec``, or None after handling it as malformed."""
@@ -1916,6 +2004,7 @@ cdef class Loop:
         cdef int32_t client = request.client
         cdef int status
         cdef int counter = COUNTER_REROUTED
+        tally_failed(&self.tally, request.rank)  # whatever comes of it, that engine lost it
         self.router.release_c(request.rank, self.work[slot])
         request.rank = -1
         request.flags &= ~FLAG_UNCONFIRMED
@@ -1932,6 +2021,8 @@ cdef class Loop:
             counter = COUNTER_MIGRATED
         elif request.kept == NULL:  # a rebuild client sends it again itself
             resend.setdefault(client, []).append(request.client_rid)
+            if self.traces.on:
+                self.traces.drop(slot)
             self._forget(slot)
             return
         else:
@@ -1993,6 +2084,9 @@ cdef class Loop:
         """End the request at ``slot`` with ERROR(code): its one terminal reply."""
         cdef int32_t client = self.requests.pool[slot].client
         rid = self.requests.pool[slot].client_rid
+        tally_failed(&self.tally, self.requests.pool[slot].rank)
+        if self.traces.on:
+            self.traces.fail(slot, code)
         self._forget(slot)
         self.failed[code] += 1
         if code == ERROR_ENGINE_FAILED:
@@ -2038,6 +2132,7 @@ cdef class Loop:
         counted and logged, and a coordkit engine is told with an ERROR."""
         if code == ERROR_MALFORMED:
             self.counters[COUNTER_MALFORMED_ENTRIES] += 1
+            self.tally.engines[engine].malformed_entries += 1
             what = f"malformed entry in {header_name(header)} from engine {engine}"
             self._log.warn("malformed", what)
         if self.engines[engine].coordkit:

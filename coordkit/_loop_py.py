@@ -37,6 +37,8 @@ from . import _pd, protocol
 from ._shared import (
     BACKOFF_MAX,
     COPY_BELOW,
+    DECISION_BUCKETS,
+    DECISION_SAMPLE,
     ERROR_SLOTS,
     GONE_REASONS,
     HEADER_SLOTS,
@@ -59,6 +61,7 @@ from ._shared import (
     RateLimitedLog,
     RequestFlag,
     RouteStatus,
+    busiest,
     continued,
     detokenize,
     header_slot,
@@ -90,6 +93,7 @@ from .protocol import (
     Header,
     MessageSpec,
     ProtocolError,
+    asks_metrics,
     error_text,
     header_name,
     packb,
@@ -97,9 +101,11 @@ from .protocol import (
     parse_engine_hello,
     unpackb,
 )
+from .tracing import CLIENT_GONE, TRACEPARENT_MARK, TraceRecord
 
 if TYPE_CHECKING:
     from ._routing_py import Router
+    from .tracing import TraceSink
 
 __all__ = ["Loop"]
 
@@ -120,6 +126,7 @@ MSGPACK_NIL = 0xC0  # Megatron main's multi_modal_data of a text request
 # Server ids are the wall clock in ns at a life's start, and up: an id an engine reports
 # at or past this (the year 2116) is no earlier life's, and would leave no ids to draw.
 MAX_ADOPTED = 1 << 62
+TRACEPARENT_SIZE = 55  # a W3C traceparent's characters
 
 
 class _Client:
@@ -642,26 +649,46 @@ class Deadlines:
 
 
 class Histogram:
-    __slots__ = ("buckets", "sum")
+    __slots__ = ("bounds", "buckets", "sum")
 
-    def __init__(self) -> None:
-        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # by bound, and the rest
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.buckets = [0] * (len(bounds) + 1)  # by bound, and the rest
         self.sum = 0.0  # of the seconds
 
     def observe(self, seconds: float) -> None:
         """One duration into the histogram: the first bucket whose bound it fits."""
-        self.buckets[latency_bucket(seconds)] += 1
+        self.buckets[latency_bucket(seconds, self.bounds)] += 1
         self.sum += seconds
+
+    def metrics(self) -> tuple[list[int], float]:
+        """(count per bucket, sum of the seconds), as metrics() gives a histogram."""
+        return list(self.buckets), self.sum
+
+
+# A message's stage: its way through the coordinator (coordinator_seconds).
+STAGE_REQUEST, STAGE_REPLY = 0, 1  # a client's submission; an engine's replies
+_STAGE_HEADERS = (
+    (Header.SUBMIT_REQUEST, Header.SUBMIT_REQUEST_WITH_KV, Header.SUBMIT_BATCH),
+    (Header.ENGINE_REPLY, Header.ENGINE_REPLY_PARTIAL),
+)
 
 
 class Latency:
-    """From SUBMIT to the final reply, and to the first (partial or final)."""
+    """From SUBMIT to the final reply, and to the first (partial or final); a message's
+    time in the coordinator, by stage; the router's choice, one in DECISION_SAMPLE."""
 
-    __slots__ = ("final", "first_reply")
+    __slots__ = ("final", "first_reply", "coordinator", "decision", "countdown", "since")
 
     def __init__(self) -> None:
         self.final = Histogram()
         self.first_reply = Histogram()
+        self.coordinator = (Histogram(), Histogram())  # by stage
+        self.decision = Histogram(DECISION_BUCKETS)
+        self.countdown = DECISION_SAMPLE  # to the next decision timed
+        # When the message at hand was taken up, at the latest: the poll's wake, or the
+        # last timed message's end (the next one was received right after it).
+        self.since = 0.0
 
     def observe(self, seconds: float, first: bool, final: bool) -> None:
         """A reply ``seconds`` after its SUBMIT: into first_reply when it is its
@@ -671,11 +698,32 @@ class Latency:
         if final:
             self.final.observe(seconds)
 
+    def handled(self, stage: int, header: int) -> None:
+        """A message handled in ``stage`` (from a client, or from an engine): a submission
+        or an engine's replies is timed from when it was taken up (one clock read)."""
+        if header not in _STAGE_HEADERS[stage]:
+            return
+        now = time.monotonic()
+        self.coordinator[stage].observe(now - self.since)
+        self.since = now
+
+    def decided(self, started: float) -> None:
+        """The router chose, from ``started`` (its own clock read): one in DECISION_SAMPLE
+        is timed."""
+        self.countdown -= 1
+        if self.countdown:
+            return
+        self.countdown = DECISION_SAMPLE
+        self.decision.observe(time.monotonic() - started)
+
     def metrics(self) -> dict[str, tuple[list[int], float]]:
-        """Each histogram as metrics() gives it: (count per bucket, sum of the seconds)."""
+        """Each histogram as metrics() gives it."""
         return {
-            "final": (list(self.final.buckets), self.final.sum),
-            "first_reply": (list(self.first_reply.buckets), self.first_reply.sum),
+            "final": self.final.metrics(),
+            "first_reply": self.first_reply.metrics(),
+            "coordinator_request": self.coordinator[STAGE_REQUEST].metrics(),
+            "coordinator_reply": self.coordinator[STAGE_REPLY].metrics(),
+            "routing_decision": self.decision.metrics(),
         }
 
 
@@ -793,7 +841,7 @@ DEFAULT_STRIDE = tenant_stride(1.0)
 _SLACK = 64
 
 
-class _Tally:
+class _WaitTally:
     """One row of the stats: requests waiting now, and the waits by outcome."""
 
     __slots__ = ("depth", "buckets", "sums")
@@ -883,8 +931,8 @@ class Queue:
         self._used = 1  # indices ever used
         self._names: dict[str, int] = {}
         self._labels: list[str] = []
-        self._by_priority = [_Tally() for _ in range(N_PRIORITIES)]
-        self._by_label = [_Tally() for _ in range(QUEUE_TENANTS + 1)]
+        self._by_priority = [_WaitTally() for _ in range(N_PRIORITIES)]
+        self._by_label = [_WaitTally() for _ in range(QUEUE_TENANTS + 1)]
         for name, weight in weights:
             index = self.tenant(name)
             self._tenants[index].stride = tenant_stride(weight)
@@ -1078,7 +1126,7 @@ class Queue:
 
     # -- what stats() and metrics() give ---------------------------------------------------
 
-    def _rows(self) -> tuple[dict[int, _Tally], dict[str, _Tally]]:
+    def _rows(self) -> tuple[dict[int, _WaitTally], dict[str, _WaitTally]]:
         """The rows with anything to say: priorities and labels waited in."""
         priorities = {
             level + PRIORITY_MIN: tally
@@ -1109,6 +1157,100 @@ class Queue:
             "by_priority": {p: tally.metrics() for p, tally in priorities.items()},
             "by_tenant": {name: tally.metrics() for name, tally in labels.items()},
         }
+
+
+# -- each engine's and each client's tally (loop/tally.pyx) ----------------------------
+
+
+class EngineTally:
+    """One rank's counts, since its routing id took the rank."""
+
+    __slots__ = (
+        "routed",
+        "completed",
+        "failed",
+        "malformed_entries",
+        "unknown_request",
+        "gone",
+        "reported",
+    )
+
+    def __init__(self) -> None:
+        # Its requests (kept with measure_latency): sent to it (re-sent ones too), their
+        # finals forwarded, and those lost with it or ended with an ERROR while it held
+        # them.
+        self.routed = self.completed = self.failed = 0
+        # Its errors: reply entries of the wrong shape, entries for requests it does not
+        # own (late, or wrong), and the times it was declared gone.
+        self.malformed_entries = self.unknown_request = self.gone = 0
+        self.reported: tuple[int, int] | None = None  # its last HEARTBEAT's (pending, capacity)
+
+
+class Tally:
+    """Each engine's and each client's tally: an engine's requests, its errors, what its
+    heartbeats report and (engine_histograms) its latencies; a client's submissions."""
+
+    __slots__ = ("engines", "submitted", "first_reply", "final")
+
+    def __init__(self, histograms: bool) -> None:
+        self.engines: list[EngineTally] = []  # by rank
+        self.submitted: dict[_Client, int] = {}  # the requests it submitted (measure_latency)
+        # engine_histograms: by rank, its time to first reply and its request duration
+        self.first_reply: list[Histogram] | None = [] if histograms else None
+        self.final: list[Histogram] | None = [] if histograms else None
+
+    def reset(self, rank: int) -> None:
+        """Another routing id takes ``rank`` (or a new rank is added): from nothing."""
+        fresh: list[tuple[list[Any] | None, Any]] = [
+            (self.engines, EngineTally()),
+            (self.first_reply, Histogram()),
+            (self.final, Histogram()),
+        ]
+        for items, item in fresh:
+            if items is None:
+                continue
+            if rank == len(items):
+                items.append(item)
+            else:
+                items[rank] = item
+
+    def replied(self, rank: int, seconds: float, first: bool, final: bool) -> None:
+        """A reply from ``rank``, ``seconds`` after its SUBMIT (measure_latency): a final
+        completes a request; into its histograms when it has them."""
+        self.engines[rank].completed += final
+        if self.first_reply is None or self.final is None:
+            return
+        if first:
+            self.first_reply[rank].observe(seconds)
+        if final:
+            self.final[rank].observe(seconds)
+
+    def failed(self, rank: int) -> None:
+        """A request ``rank`` held ended without its final from it (-1: none held it)."""
+        if rank >= 0:
+            self.engines[rank].failed += 1
+
+    def heartbeat(self, rank: int, pending: int, capacity: int) -> None:
+        self.engines[rank].reported = (pending, capacity)
+
+    def engine(
+        self, rank: int, measured: bool
+    ) -> tuple[tuple[int, int, int] | None, tuple[int, int, int], tuple[int, int] | None]:
+        """Its (requests or None, errors, reported or None), as stats_map takes them."""
+        tally = self.engines[rank]
+        return (
+            (tally.routed, tally.completed, tally.failed) if measured else None,
+            (tally.malformed_entries, tally.unknown_request, tally.gone),
+            tally.reported,
+        )
+
+    def latency(self) -> list[tuple[int, dict[str, tuple[list[int], float]]]]:
+        """(rank, its histograms as metrics() gives them) per rank (engine_histograms)."""
+        assert self.first_reply is not None and self.final is not None
+        return [
+            (rank, {"final": final.metrics(), "first_reply": first.metrics()})
+            for rank, (first, final) in enumerate(zip(self.first_reply, self.final, strict=True))
+        ]
 
 
 # -- an engine's faults (loop/faults.pyx) ---------------------------------------------
@@ -1531,6 +1673,8 @@ class Rebuild:
         if request.flags & (PRODUCED | ABORTED | PINNED) or not request.client.rebuild:
             self._loop._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
             return
+        if self._loop._traces is not None:
+            self._loop._traces.drop(request)
         self._loop._forget(request)
         resend[request.client].append(request.client_rid)
 
@@ -1666,6 +1810,151 @@ class Rebuild:
                 lambda r: r.flags & ORPHAN, client.requests.values()
             ):
                 self._drop_orphan(request)
+
+
+# -- the requests traced (loop/traces.pyx) ---------------------------------------------
+
+
+class Traced:
+    """What is recorded of a traced request: a TraceRecord's fields."""
+
+    __slots__ = (
+        "server_rid",
+        "client_rid",
+        "client",
+        "engine",
+        "accepted",
+        "routed",
+        "first_reply",
+        "final",
+        "error",
+        "traceparent",
+    )
+
+    def __init__(self, request: _Request, accepted: float, traceparent: str | None):
+        self.server_rid = request.server_rid
+        self.client_rid = request.client_rid
+        self.client = request.client.identity
+        self.engine: bytes | None = None  # never routed
+        self.accepted = accepted
+        self.routed: float | None = None
+        self.first_reply: float | None = None
+        self.final: float | None = None
+        self.error = 0  # a final; an ErrorCode; or tracing.CLIENT_GONE
+        self.traceparent = traceparent
+
+
+class Traces:
+    """The requests the coordinator traces, recorded for its TraceSink (coordkit.tracing).
+
+    A request is traced when its params carry a client's traceparent (``follow``) or it
+    is one in ``every`` of the others: ``accept`` gives it a record. The hooks stamp its
+    routing, its first reply, its final, and its ERROR; ``forget`` (every end of a
+    request goes through the Loop's) sets it aside, and ``end``, once the message at
+    hand is handled (its replies and ERRORs sent), stamps them ended and pushes them to
+    the sink (the C twin keeps them in a ring its sink takes them from instead).
+    """
+
+    __slots__ = ("_sink", "follow", "every", "countdown", "traced", "ending")
+
+    def __init__(self, sink: TraceSink):
+        self._sink = sink
+        self.follow = sink.follow  # every request whose params carry a traceparent
+        self.every = self.countdown = sink.every  # and one in `every` of the others
+        self.traced: dict[_Request, Traced] = {}  # the requests traced in flight
+        self.ending: list[Traced] = []  # those ended by the message at hand
+
+    def accept(self, request: _Request, inbound: Inbound) -> None:
+        """A request accepted: traced when the sampling says so."""
+        if self.follow:
+            parent = self._parent(inbound)
+            if parent is None and not self._counted():
+                return
+        elif self._counted():
+            parent = self._parent(inbound)  # its spans still join the client's trace
+        else:
+            return
+        accepted = request.submitted or time.monotonic()  # _admit's, when it timed it
+        self.traced[request] = Traced(request, accepted, parent)
+
+    def routed(self, request: _Request, engine: _Engine) -> None:
+        """Its frames went to ``engine`` (a re-send: the last routing counts)."""
+        if (traced := self.traced.get(request)) is not None:
+            traced.routed = time.monotonic()
+            traced.engine = engine.identity
+
+    def replied(self, request: _Request, final: bool, now: float) -> None:
+        """A reply entry for it (``now``: the clock read for its message, or 0)."""
+        if (traced := self.traced.get(request)) is None:
+            return
+        now = now or time.monotonic()
+        if traced.first_reply is None:
+            traced.first_reply = now
+        if final:
+            traced.final = now
+
+    def fail(self, request: _Request, code: int) -> None:
+        """It ends with ERROR(code) (or tracing.CLIENT_GONE), before its forget."""
+        if (traced := self.traced.get(request)) is not None:
+            traced.error = code
+
+    def drop(self, request: _Request) -> None:
+        """It leaves without an end of its own (its client sends it again: RESEND)."""
+        self.traced.pop(request, None)
+
+    def forget(self, request: _Request) -> None:
+        """It leaves the tables (the Loop's _forget): its record waits for the message's
+        end (end). Without a final or an ERROR, its client left."""
+        if (traced := self.traced.pop(request, None)) is None:
+            return
+        if traced.final is None and not traced.error:
+            traced.error = CLIENT_GONE
+        self.ending.append(traced)
+
+    def end(self) -> None:
+        """The message at hand is handled, what it sent sent: the records set aside are
+        stamped ended and pushed to the sink."""
+        now = time.monotonic()
+        for t in self.ending:
+            self._sink.push(
+                TraceRecord(
+                    t.server_rid,
+                    t.client_rid,
+                    t.client,
+                    t.engine,
+                    t.accepted,
+                    t.routed,
+                    t.first_reply,
+                    t.final,
+                    now,
+                    t.error,
+                    t.traceparent,
+                )
+            )
+        self.ending.clear()
+
+    def _parent(self, inbound: Inbound) -> str | None:
+        """The traceparent in a multipart request's params (tracing.TRACEPARENT_MARK and
+        the 55 bytes after it), or None. A Megatron client's single frame carries none."""
+        if inbound.single or inbound.params is None:
+            return None
+        params = bytes(inbound.params)
+        found = params.find(TRACEPARENT_MARK)
+        start = found + len(TRACEPARENT_MARK)
+        if found < 0 or start + TRACEPARENT_SIZE > len(params):
+            return None
+        return params[start : start + TRACEPARENT_SIZE].decode("latin-1")
+
+    def _counted(self) -> bool:
+        """Whether this one is the one in ``every`` (of the requests without a parent
+        followed)."""
+        if not self.every:
+            return False
+        self.countdown -= 1
+        if self.countdown:
+            return False
+        self.countdown = self.every
+        return True
 
 
 # -- the rare paths' helpers -----------------------------------------------------------
@@ -2571,6 +2860,8 @@ class Loop:
         self._refused = [0] * ERROR_SLOTS  # messages refused with ERROR(code)
         self._traffic = Traffic()
         self._latency = Latency() if options.measure_latency else None
+        self._tally = Tally(options.engine_histograms)
+        self._traces = None if options.tracing is None else Traces(options.tracing)
         self._deadlines = Deadlines() if options.request_timeout else None
         # The message at hand's entries bound for peers that take batches.
         self._fanout = Fanout()
@@ -2602,6 +2893,8 @@ class Loop:
             # return at once, again and again, handling nothing until it passed.
             ready = dict(self._poller.poll(math.ceil((min(until, self._next_tick) - now) * 1000)))
             now = time.monotonic()
+            if self._latency is not None:
+                self._latency.since = now
             if now >= deadline:
                 self._stopping = True
                 break
@@ -2618,6 +2911,8 @@ class Loop:
             while self._ended and not self._stopping:
                 self._drain(deadline)  # what they sent before their connections ended goes first
                 self._drop_ended()
+                if self._traces is not None and self._traces.ending:
+                    self._traces.end()
         return False
 
     def _tick(self, now: float) -> None:
@@ -2657,6 +2952,8 @@ class Loop:
         self._settle()
         if self._dispatch_due or self._queue.depth:  # an engine back from quarantine, ...
             self._dispatch()
+        if self._traces is not None and self._traces.ending:
+            self._traces.end()
 
     def shutdown(self) -> None:
         """End every request still in flight with ERROR(SHUTTING_DOWN): its terminal reply."""
@@ -2665,9 +2962,12 @@ class Loop:
                 self._unqueue(request, QueueOutcome.REFUSED)
                 self._fail_request(request, ErrorCode.SHUTTING_DOWN, Header.SHUTDOWN)
         self._settle()
+        if self._traces is not None and self._traces.ending:
+            self._traces.end()
 
     def stats(self) -> dict[str, Any]:
         now = time.monotonic()
+        measured = self._latency is not None
         stats = stats_map(
             implementation=self.implementation,
             policy=self._router.policy,
@@ -2687,10 +2987,24 @@ class Loop:
                     max(e.quarantined_until - now, 0.0),
                     e.failures,
                     e.last_failure,
+                    *self._tally.engine(e.rank, measured),
+                    now - e.last_heartbeat if e.heartbeats else None,
                 )
                 for e in list(self._engines)
             ],
             queue=self._queue.stats(),
+            busiest_clients=busiest(
+                [
+                    (
+                        c.identity,
+                        len(c.requests),
+                        self._tally.submitted.get(c, 0) if measured else None,
+                        c.rebuild,
+                        not c.present,
+                    )
+                    for c in list(self._clients.values())
+                ]
+            ),
         )
         if self._pd is not None:
             stats["pd"] = self._pd.stats()
@@ -2705,6 +3019,7 @@ class Loop:
             latency=None if self._latency is None else self._latency.metrics(),
             prefix=self._router.prefix_counts,
             queue=self._queue.metrics(),
+            engine_latency=None if self._tally.final is None else self._tally.latency(),
         )
 
     # -- the hot path --------------------------------------------------------------------
@@ -2728,6 +3043,8 @@ class Loop:
                 self._settle()
             if self._dispatch_due:
                 self._dispatch()
+            if self._traces is not None and self._traces.ending:  # what it ended was sent
+                self._traces.end()
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         """Dispatch a message (frame 0 is the sender's routing id)."""
@@ -2748,6 +3065,8 @@ class Loop:
         self._traffic.count(RECEIVED, header, message_bytes(frames))
         if engine is not None:
             self._from_engine(engine, header, frames)
+            if self._latency is not None:
+                self._latency.handled(STAGE_REPLY, header)
         elif header == Header.CONNECT:
             self._connect(identity, client, frames)
         elif header == Header.ENGINE_HELLO and client is None:
@@ -2767,6 +3086,8 @@ class Loop:
             if client.fresh and header != Header.REJOIN:
                 self._rebuild.rejoins_nothing(client)
             self._from_client(client, header, frames)
+            if self._latency is not None:
+                self._latency.handled(STAGE_REQUEST, header)
 
     def _from_client(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
         if header == Header.SUBMIT_REQUEST or header == Header.SUBMIT_REQUEST_WITH_KV:
@@ -2890,6 +3211,8 @@ class Loop:
             return
         request = self._add(client, rid)
         self._admit(request)
+        if self._traces is not None:
+            self._traces.accept(request, inbound)
         request.priority = inbound.priority
         if inbound.deadline_ms:
             request.deadline = time.monotonic() + inbound.deadline_ms / 1000
@@ -2906,8 +3229,14 @@ class Loop:
             self._forget_kept(request)  # kept again at its dispatch
             if self._queued(request, inbound):
                 return
+        deferred = status == RouteStatus.NO_ENGINES and self._rebuild.rebuilding and client.rejoined
+        if self._traces is not None:
+            if deferred:
+                self._traces.drop(request)
+            else:
+                self._traces.fail(request, _refusal(status))
         self._forget(request)
-        if status == RouteStatus.NO_ENGINES and self._rebuild.rebuilding and client.rejoined:
+        if deferred:
             # Back after a loss, before its engines registered again: sent back once
             # one has (RESEND), not refused.
             self._rebuild.defer(client, rid)
@@ -2988,6 +3317,10 @@ class Loop:
         else:
             size = send_request(self._sock, inbound, request.server_rid, engine.format, trailer)
             self._traffic.count(SENT, inbound.header, size)
+        if self._latency is not None:
+            self._tally.engines[rank].routed += 1
+        if self._traces is not None:
+            self._traces.routed(request, engine)
         return status
 
     def _pick_engine(self, inbound: Inbound) -> tuple[int, RouteStatus]:
@@ -2995,7 +3328,10 @@ class Loop:
         unless the request is ``batched`` and the engine takes batches (the batch is
         sent later). An unreachable choice is marked gone: ENGINE_GONE; one whose
         format cannot carry the request: UNSENDABLE."""
-        rank = self._router.choose(inbound.hashes, time.monotonic(), inbound.tokens)
+        now = time.monotonic()
+        rank = self._router.choose(inbound.hashes, now, inbound.tokens)
+        if self._latency is not None:
+            self._latency.decided(now)
         if rank < 0:
             if self._router.n_accepting == 0:
                 return rank, RouteStatus.NO_ENGINES
@@ -3076,6 +3412,7 @@ class Loop:
                 # A late reply (its request ended: aborted, timed out, its client
                 # gone), or a reply the engine got wrong.
                 self._counters[Counter.UNKNOWN_REQUEST] += 1
+                self._tally.engines[engine.rank].unknown_request += 1
                 if engine.coordkit:
                     self._reject_entry(engine, server_rid, ErrorCode.UNKNOWN_REQUEST, header)
                 continue
@@ -3131,6 +3468,7 @@ class Loop:
             request = self._find(server_rid)
             if request is None or request.rank != engine.rank:
                 self._counters[Counter.UNKNOWN_REQUEST] += 1
+                self._tally.engines[engine.rank].unknown_request += 1
                 if self._pd is not None:
                     self._pd.stray_reply(engine, server_rid)
                 continue
@@ -3161,6 +3499,11 @@ class Loop:
         """A reply for ``request`` arrived: timed, counted, and a final forgets it."""
         if self._latency is not None:
             self._latency.observe(now - request.submitted, not request.flags & PRODUCED, final)
+            self._tally.replied(
+                request.rank, now - request.submitted, not request.flags & PRODUCED, final
+            )
+        if self._traces is not None:
+            self._traces.replied(request, final, now)
         if final:
             if self._pd is not None and request.server_rid in self._pd.hops:
                 self._pd.finished(request)
@@ -3190,8 +3533,9 @@ class Loop:
         if not client.requests:
             del self._idle[client.identity]
         client.requests[request.client_rid] = request
-        if self._deadlines is not None or self._latency is not None:
+        if self._deadlines is not None or self._latency is not None:  # timed, counted at its client
             request.submitted = time.monotonic()
+            self._tally.submitted[client] = self._tally.submitted.get(client, 0) + 1
         if self._deadlines is not None:
             self._deadlines.push(request)
 
@@ -3247,6 +3591,8 @@ class Loop:
         self._unqueue(request, QueueOutcome.ABANDONED)
         if self._pd is not None and request.server_rid in self._pd.hops:
             self._pd.forget(request)  # what its hops hold; its rank -1 after
+        if self._traces is not None:
+            self._traces.forget(request)
         client = request.client
         del client.requests[request.client_rid]
         if not client.requests:
@@ -3324,6 +3670,7 @@ class Loop:
             self._router.remove_rank(engine.rank)
         engine.state = GONE
         self._counters[Counter.ENGINE_FAILURES] += 1
+        self._tally.engines[engine.rank].gone += 1
         self._gone.append((engine, reason))
 
     def _send_identity(self, identity: bytes) -> bool:
@@ -3525,6 +3872,7 @@ class Loop:
                 self._engines[rank] = _Engine(rank, identity)
             else:
                 self._engines.append(_Engine(rank, identity))
+            self._tally.reset(rank)
             engine = self._engine_by_identity[identity] = self._engines[rank]
         engine.state = ALIVE
         self._watch(engine, fd)
@@ -3641,6 +3989,7 @@ class Loop:
         if client.tenant >= 0:
             self._queue.leave(client.tenant)
         del self._clients[client.identity]
+        self._tally.submitted.pop(client, None)
         del self._idle[client.identity]
         self._rebuild.away.pop(client.identity, None)
         if self._connections.get(client.fd) is client:
@@ -3682,11 +4031,13 @@ class Loop:
             self._client_gone(client, unreachable=False, closed=True)
 
     def _heartbeat(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        if self._parse(protocol.HEARTBEAT, None, Header.HEARTBEAT, frames) is None:
+        message = self._parse(protocol.HEARTBEAT, None, Header.HEARTBEAT, frames)
+        if message is None:
             return
         if engine.state != GONE:
             engine.heartbeats = True
             engine.last_heartbeat = time.monotonic()
+            self._tally.heartbeat(engine.rank, message.pending, message.capacity)
 
     def _disconnect(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         """DISCONNECT: no new work; its requests in flight may finish, for a while."""
@@ -3726,8 +4077,8 @@ class Loop:
             )
             return
         self._counters[Counter.ABORTS] += 1
-        in_pd = self._pd is not None and request.server_rid in self._pd.hops
-        if request.rank < 0 and not in_pd:  # it waits: it ends here, no engine has it
+        pd = self._pd if self._pd is not None and request.server_rid in self._pd.hops else None
+        if request.rank < 0 and pd is None:  # it waits: it ends here, no engine has it
             self._forget(request)
             self._failed[ErrorCode.ABORTED] += 1
             code, text = ErrorCode.ABORTED, never_ran(request.client_rid)
@@ -3737,8 +4088,8 @@ class Loop:
         if request.flags & ABORTED:
             return
         request.flags |= ABORTED
-        if in_pd:
-            self._pd.abort(request)  # at the hop holding it, or ended waiting for one
+        if pd is not None:
+            pd.abort(request)  # at the hop holding it, or ended waiting for one
             return
         self._abort_at_engine(self._engines[request.rank], request.server_rid)
 
@@ -3776,9 +4127,13 @@ class Loop:
             self._stopping = True
 
     def _stats_request(self, client: _Client, frames: list[zmq.Frame]) -> None:
-        if self._parse(protocol.STATS, client, Header.STATS, frames) is not None:
-            if client.coordkit:
-                self._send(client.identity, protocol.STATS_REPLY.pack(packb(self.stats())))
+        """STATS: stats(), and with {"metrics": 1} metrics() in it too, to a coordkit client."""
+        message = self._parse(protocol.STATS, client, Header.STATS, frames)
+        if message is not None and client.coordkit:
+            stats = self.stats()
+            if asks_metrics(message.asked):
+                stats["metrics"] = self.metrics()
+            self._send(client.identity, protocol.STATS_REPLY.pack(packb(stats)))
 
     def _parse(
         self,
@@ -3846,6 +4201,7 @@ class Loop:
         from what was kept when it produced nothing (a rebuild client's: RESEND), moved on
         with the tokens it streamed when it did (Faults.migrate), otherwise ended with
         ERROR(ENGINE_FAILED)."""
+        self._tally.failed(request.rank)  # whatever comes of it, that engine lost it
         self._router.release(request.rank, request.work)
         request.rank = -1
         request.flags &= ~UNCONFIRMED
@@ -3861,6 +4217,8 @@ class Loop:
                 return
             status, counter = migrated, Counter.MIGRATED
         elif request.kept is None:  # a rebuild client sends it again itself
+            if self._traces is not None:
+                self._traces.drop(request)
             self._forget(request)
             resend[request.client].append(request.client_rid)
             return
@@ -3899,6 +4257,9 @@ class Loop:
 
     def _fail_request(self, request: _Request, code: ErrorCode, header: int) -> None:
         """End ``request`` with ERROR(code): its one terminal reply."""
+        self._tally.failed(request.rank)
+        if self._traces is not None:
+            self._traces.fail(request, code)
         self._forget(request)
         self._failed[code] += 1
         if code == ErrorCode.ENGINE_FAILED:
@@ -3925,6 +4286,7 @@ class Loop:
         counted and logged, and a coordkit engine is told with an ERROR."""
         if code == ErrorCode.MALFORMED:
             self._counters[Counter.MALFORMED_ENTRIES] += 1
+            self._tally.engines[engine.rank].malformed_entries += 1
             what = f"malformed entry in {header_name(header)} from engine {engine.rank}"
             self._log.warn("malformed", what)
         if engine.coordkit:

@@ -60,6 +60,13 @@ ERROR_SLOTS = 32
 #: Upper bounds (seconds) of the latency histograms' buckets, log-spaced from
 #: 100 µs to about 3.5 minutes; a last bucket takes the rest (+Inf).
 LATENCY_BUCKETS = tuple(0.0001 * 2.0**k for k in range(22))
+#: The routing decision's buckets: as many, from 50 ns (a decision takes 0.1-1 µs).
+DECISION_BUCKETS = tuple(50e-9 * 2.0**k for k in range(len(LATENCY_BUCKETS)))
+#: One routing decision in this many is timed (two clock reads: one is the router's own).
+DECISION_SAMPLE = 64
+#: The clients stats() lists, those with the most requests in flight (``coordkit top``;
+#: never exported to Prometheus: their routing ids are unbounded label values).
+STATS_CLIENTS = 50
 
 #: Seconds between the loop's timer runs (heartbeats, drains, request deadlines, the
 #: rebuild window, HANDLED): inside serve(), which never returns to Python for them.
@@ -286,6 +293,8 @@ class Options:
     breaker_backoff: float = 5.0  # the first quarantine; doubled each next, to BACKOFF_MAX
     # Where the requests it traces go (every and follow: which), None: none traced.
     tracing: TraceSink | None = None
+    # With measure_latency: each engine's time to first reply and request duration.
+    engine_histograms: bool = False
     queue_limit: int = DEFAULT_QUEUE_LIMIT  # requests waiting at most (0: none wait)
     # (name, weight) of each tenant given one: its share of the dispatches of its priority
     tenant_weights: tuple[tuple[str, float], ...] = ()
@@ -514,12 +523,12 @@ def header_slot(header: int) -> int:
     return header if 0 <= header < HEADER_SLOTS - 1 else HEADER_SLOTS - 1
 
 
-def latency_bucket(seconds: float) -> int:
-    """The histogram bucket of a duration: the first bound not below it."""
-    for i, bound in enumerate(LATENCY_BUCKETS):
+def latency_bucket(seconds: float, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> int:
+    """The histogram bucket of a duration: the first of ``bounds`` not below it."""
+    for i, bound in enumerate(bounds):
         if seconds <= bound:
             return i
-    return len(LATENCY_BUCKETS)
+    return len(bounds)
 
 
 def metrics_map(
@@ -530,14 +539,25 @@ def metrics_map(
     latency: dict[str, tuple[list[int], float]] | None,
     prefix: tuple[int, int, int],
     queue: dict[str, Any],
+    engine_latency: list[tuple[int, dict[str, tuple[list[int], float]]]] | None = None,
 ) -> dict[str, Any]:
     """What ``Coordinator.metrics()`` gives beyond stats(): ``traffic`` is
     (direction 0 in / 1 out, header slot, messages, bytes) for every slot used;
-    ``failed``/``refused`` count per ErrorCode; ``latency`` (when measured)
-    maps "final" and "first_reply" to (count per bucket of LATENCY_BUCKETS and
-    one more for the rest, the sum of the seconds); ``prefix`` is the prefix
-    policy's (decisions with block hashes, their blocks, blocks matched)."""
+    ``failed``/``refused`` count per ErrorCode; ``latency`` (when measured) maps each
+    histogram -- "final" and "first_reply" (from the SUBMIT), "coordinator_request"
+    and "coordinator_reply" (a message's time in the coordinator), in the buckets of
+    LATENCY_BUCKETS, and "routing_decision" in those of DECISION_BUCKETS -- to (count
+    per bucket and one more for the rest, the sum of the seconds); ``engine_latency``
+    (engine_histograms) is (rank, its "final" and "first_reply") per engine; ``prefix``
+    is the prefix policy's (decisions with block hashes, their blocks, blocks matched)."""
     decisions, blocks, matched = prefix
+
+    def histograms(measured: dict[str, tuple[list[int], float]]) -> dict[str, Any]:
+        return {
+            name: {"buckets": list(buckets), "sum": total}
+            for name, (buckets, total) in measured.items()
+        }
+
     return {
         "traffic": [
             {
@@ -551,16 +571,82 @@ def metrics_map(
         ],
         "failed": {code: n for code, n in enumerate(failed) if n},
         "refused": {code: n for code, n in enumerate(refused) if n},
-        "latency": None
-        if latency is None
-        else {
-            name: {"buckets": list(buckets), "sum": total}
-            for name, (buckets, total) in latency.items()
-        },
+        "latency": None if latency is None else histograms(latency),
         "latency_bounds": list(LATENCY_BUCKETS),
+        "decision_bounds": list(DECISION_BUCKETS),
+        "engine_latency": None
+        if engine_latency is None
+        else {rank: histograms(measured) for rank, measured in engine_latency},
         "prefix": {"decisions": decisions, "blocks": blocks, "matched_blocks": matched},
         "queue": queue,
     }
+
+
+#: An engine's line of stats(), as each loop core gives it to stats_map: rank, routing
+#: id, state, pending, seconds of quarantine left, failures in the breaker's window, the
+#: last GoneReason or -1; its requests (routed, completed, failed: None unless
+#: measure_latency), its errors (malformed entries, entries for requests it does not
+#: own, times declared gone), its last HEARTBEAT's (pending, capacity) or None, and
+#: the seconds since that heartbeat or None.
+EngineLine = tuple[
+    int,
+    bytes,
+    int,
+    int,
+    float,
+    int,
+    int,
+    tuple[int, int, int] | None,
+    tuple[int, int, int],
+    tuple[int, int] | None,
+    float | None,
+]
+
+#: A client's line of stats()["busiest_clients"]: routing id, requests in flight, requests
+#: submitted (None unless measure_latency), a rebuild client, away (not connected now).
+ClientLine = tuple[bytes, int, int | None, bool, bool]
+
+
+def _engine_map(line: EngineLine) -> dict[str, Any]:
+    (
+        rank,
+        identity,
+        state,
+        pending,
+        quarantined,
+        failures,
+        reason,
+        requests,
+        errors,
+        reported,
+        age,
+    ) = line
+    routed, completed, failed = requests or (None, None, None)
+    malformed_entries, unknown_request, gone = errors
+    reported_pending, reported_capacity = reported or (None, None)
+    return {
+        "rank": rank,
+        "identity": identity_text(identity),
+        "state": EngineState(state).name.lower(),
+        "pending": pending,
+        "quarantined": round(quarantined, 3),
+        "failures": failures,
+        "last_failure": GONE_REASONS[reason] if reason >= 0 else None,
+        "routed": routed,
+        "completed": completed,
+        "failed": failed,
+        "malformed_entries": malformed_entries,
+        "unknown_request": unknown_request,
+        "gone": gone,
+        "reported_pending": reported_pending,
+        "reported_capacity": reported_capacity,
+        "heartbeat_age": None if age is None else round(age, 3),
+    }
+
+
+def busiest(clients: list[ClientLine]) -> list[ClientLine]:
+    """The STATS_CLIENTS lines with the most requests in flight (then by routing id)."""
+    return sorted(clients, key=lambda line: (-line[1], line[0]))[:STATS_CLIENTS]
 
 
 def stats_map(
@@ -573,13 +659,13 @@ def stats_map(
     clients: int,
     control_state: int,
     counters: list[int],
-    engines: list[tuple[int, bytes, int, int, float, int, int]],
+    engines: list[EngineLine],
+    busiest_clients: list[ClientLine],
     queue: dict[str, Any],
 ) -> dict[str, Any]:
     """The map of ``Coordinator.stats()`` and STATS_REPLY; ``epoch`` is what the
-    coordinator announces, ``engines`` (rank, identity, state, pending, seconds of
-    quarantine left, failures in the breaker's window, the last GoneReason or -1)
-    per rank."""
+    coordinator announces, ``engines`` an EngineLine per rank, ``busiest_clients`` the
+    ClientLines of busiest(), ``queue`` the queue's (Queue.stats)."""
     return {
         "implementation": implementation,
         "policy": policy,
@@ -589,17 +675,16 @@ def stats_map(
         "clients": clients,
         "control_state": ControlState(control_state).name.lower(),
         "counters": {c.name.lower(): counters[c] for c in Counter},
-        "engines": [
+        "engines": [_engine_map(line) for line in engines],
+        "busiest_clients": [
             {
-                "rank": rank,
                 "identity": identity_text(identity),
-                "state": EngineState(state).name.lower(),
-                "pending": pending,
-                "quarantined": round(quarantined, 3),
-                "failures": failures,
-                "last_failure": GONE_REASONS[reason] if reason >= 0 else None,
+                "inflight": inflight,
+                "submitted": submitted,
+                "rebuild": rebuild,
+                "away": away,
             }
-            for rank, identity, state, pending, quarantined, failures, reason in engines
+            for identity, inflight, submitted, rebuild, away in busiest_clients
         ],
         "queue": queue,
     }

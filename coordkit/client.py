@@ -632,14 +632,16 @@ class Client(Following):
         """Ask the coordinator to stop; requests still in flight get ERROR(SHUTTING_DOWN)."""
         await self._send(protocol.SHUTDOWN.pack())
 
-    async def stats(self, timeout: float | None = 10.0) -> dict[str, Any]:
-        """The coordinator's counters, engines and state (raises TimeoutError)."""
+    async def stats(self, timeout: float | None = 10.0, metrics: bool = False) -> dict[str, Any]:
+        """The coordinator's counters, engines and state (raises TimeoutError); with
+        ``metrics``, its :meth:`Coordinator.metrics` too, under ``"metrics"`` (traffic,
+        failures by code and, when it measures them, the latency histograms)."""
         if not self._connected and self._expiry is None:
             self._raise_not_connected()
         waiter: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         # Replies carry no id: they come in order, and a timed-out waiter still takes its own.
         self._stats_waiters.append(waiter)
-        await self._send(protocol.STATS.pack())
+        await self._send(protocol.STATS.pack({protocol.METRICS_FEATURE: 1} if metrics else None))
         return await asyncio.wait_for(waiter, timeout)
 
     async def wait_for_engines(self, count: int, timeout: float = 10.0) -> None:

@@ -269,6 +269,11 @@ class Coordinator:
     decode engine are up; a prefill's pins are released after ``pd_lease`` seconds
     without their decode's read, and a request is prefilled or handed off again up to
     ``pd_retries`` times after an engine's death.
+    ``metrics_port`` serves Prometheus metrics (the ``metrics`` extra; port 0: a free
+    one, :attr:`metrics_port` says which), and the loop then measures its latencies;
+    ``engine_histograms`` adds each engine's time to first reply and request duration
+    (two histograms per engine: off by default for the series they cost at thousands of
+    engines).
 
     ``trace_sample`` (0 to 1) traces that share of the requests with OpenTelemetry (the
     ``otel`` extra; ImportError naming it without), and every request whose client traced
@@ -313,6 +318,7 @@ class Coordinator:
         breaker_backoff: float = BREAKER_BACKOFF,
         term: Term | None = None,
         metrics_port: int | None = None,
+        engine_histograms: bool = False,
         trace_sample: float | None = None,
         trace_exporter: Any = None,
         curve_secret_key: str | os.PathLike[str] | None = None,
@@ -353,6 +359,8 @@ class Coordinator:
             raise ValueError(f"megatron_version={megatron_version!r} needs dialect='megatron-core'")
         if block_size < 1:
             raise ValueError("block_size must be at least 1")
+        if engine_histograms and metrics_port is None:
+            raise ValueError("engine_histograms needs metrics_port (they are metrics)")
         if (curve_secret_key is None) != (curve_authorized_keys is None):
             raise ValueError("CURVE needs both curve_secret_key and curve_authorized_keys")
         traced = sampling(trace_sample)
@@ -388,6 +396,7 @@ class Coordinator:
             pd_threshold=pd_threshold,
             pd_lease=float(pd_lease),
             pd_retries=pd_retries,
+            engine_histograms=engine_histograms,
         )
         self._term = term
         router = impl.Router(

@@ -5,8 +5,9 @@ serves them over HTTP. Nothing is kept for Prometheus on the loop: a scrape
 calls :class:`CoordinatorCollector`, which reads the loop's own counters and
 tables (``stats()`` and ``metrics()``) and turns them into metric families,
 so the loop pays per request only for the counters it keeps anyway (and, with
-metrics on, one clock read per submission and per reply batch for the two
-latency histograms). The names are documented in docs/deploying.md ("Metrics").
+metrics on, a few clock reads for its latency histograms: one per submission, one
+per reply batch, one per message timed in the coordinator, two per routing decision
+timed, one in 64). The names are documented in docs/deploying.md ("Metrics").
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ _HEADERS = frozenset(Header)
 #: An engine's states, as stats() names them (the label values of the engine gauges).
 _ENGINE_STATES = tuple(state.name.lower() for state in EngineState)
 
+#: An engine's requests by outcome, and its errors by kind, as stats() names them.
+_ENGINE_OUTCOMES = ("routed", "completed", "failed")
+_ENGINE_ERRORS = ("malformed_entries", "unknown_request", "gone")
+
 
 def _code_name(code: int) -> str:
     try:
@@ -74,7 +79,6 @@ class CoordinatorCollector:
         from prometheus_client.core import (
             CounterMetricFamily,
             GaugeMetricFamily,
-            HistogramMetricFamily,
         )
 
         stats = self._coordinator.stats()
@@ -180,6 +184,7 @@ class CoordinatorCollector:
         yield engines
         yield quarantined
         yield failures
+        yield from _engine_families(stats["engines"])
 
         control = GaugeMetricFamily(
             _PREFIX + "control_state",
@@ -216,27 +221,120 @@ class CoordinatorCollector:
         yield size
 
         if metrics["latency"] is not None:
-            bounds = metrics["latency_bounds"]
-            for name, key, text in (
-                (
-                    "request_duration_seconds",
-                    "final",
-                    "Time from a SUBMIT to its final reply, as the coordinator sees it.",
-                ),
-                (
-                    "time_to_first_reply_seconds",
-                    "first_reply",
-                    "Time from a SUBMIT to its first reply, partial or final.",
-                ),
-            ):
-                histogram = metrics["latency"][key]
-                buckets = _cumulative(bounds, histogram["buckets"])
-                yield HistogramMetricFamily(
-                    _PREFIX + name, text, buckets=buckets, sum_value=histogram["sum"]
-                )
+            yield from _latency_families(stats["engines"], metrics)
 
         if "queue" in stats:
             yield from _queue_families(stats["queue"], metrics["queue"], metrics["latency_bounds"])
+
+
+def _engine_families(engines: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Each engine's requests (when the loop measures), errors, and what its heartbeats
+    report: labelled by its routing id, one series per rank of the engine table."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    requests = CounterMetricFamily(
+        _PREFIX + "engine_requests",
+        "Each engine's requests: routed to it (re-sent ones too), completed (their final "
+        "forwarded), failed (lost with it, or ended with an ERROR while it held them).",
+        labels=["engine", "outcome"],
+    )
+    errors = CounterMetricFamily(
+        _PREFIX + "engine_errors",
+        "Each engine's errors: reply entries of the wrong shape (malformed_entries), "
+        "entries for requests it does not own (unknown_request), times declared gone.",
+        labels=["engine", "kind"],
+    )
+    pending = GaugeMetricFamily(
+        _PREFIX + "engine_reported_pending",
+        "The requests each engine said it holds, in its last HEARTBEAT.",
+        labels=["engine"],
+    )
+    capacity = GaugeMetricFamily(
+        _PREFIX + "engine_capacity",
+        "The requests each engine said it can run at once, in its last HEARTBEAT.",
+        labels=["engine"],
+    )
+    age = GaugeMetricFamily(
+        _PREFIX + "engine_heartbeat_age_seconds",
+        "Seconds since each engine's last HEARTBEAT (engines that send them).",
+        labels=["engine"],
+    )
+    for engine in engines:
+        identity = engine["identity"]
+        if engine["routed"] is not None:
+            for outcome in _ENGINE_OUTCOMES:
+                requests.add_metric([identity, outcome], engine[outcome])
+        for kind in _ENGINE_ERRORS:
+            errors.add_metric([identity, kind], engine[kind])
+        if engine["reported_pending"] is not None:
+            pending.add_metric([identity], engine["reported_pending"])
+            capacity.add_metric([identity], engine["reported_capacity"])
+        if engine["heartbeat_age"] is not None:
+            age.add_metric([identity], engine["heartbeat_age"])
+    yield from (requests, errors, pending, capacity, age)
+
+
+#: The fleet's histograms, (name, metrics()["latency"] key, help).
+_LATENCIES = (
+    (
+        "request_duration_seconds",
+        "final",
+        "Time from a SUBMIT to its final reply, as the coordinator sees it.",
+    ),
+    (
+        "time_to_first_reply_seconds",
+        "first_reply",
+        "Time from a SUBMIT to its first reply, partial or final.",
+    ),
+)
+
+
+def _latency_families(engines: list[dict[str, Any]], metrics: dict[str, Any]) -> Iterator[Metric]:
+    """The latency histograms of a loop that measures them: from the SUBMIT, a message's
+    time in the coordinator, the routing decision, and (engine_histograms) each engine's."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    latency, bounds = metrics["latency"], metrics["latency_bounds"]
+    for name, key, text in _LATENCIES:
+        yield HistogramMetricFamily(
+            _PREFIX + name,
+            text,
+            buckets=_cumulative(bounds, latency[key]["buckets"]),
+            sum_value=latency[key]["sum"],
+        )
+    stages = HistogramMetricFamily(
+        _PREFIX + "coordinator_seconds",
+        "A message's time in the coordinator, from when the loop took it up to its last "
+        "send: a client's submission (request: its requests sent to engines), an engine's "
+        "replies (reply: sent to their clients).",
+        labels=["direction"],
+    )
+    for direction in ("request", "reply"):
+        measured = latency[f"coordinator_{direction}"]
+        stages.add_metric([direction], _cumulative(bounds, measured["buckets"]), measured["sum"])
+    yield stages
+    decision = latency["routing_decision"]
+    yield HistogramMetricFamily(
+        _PREFIX + "routing_decision_seconds",
+        "The router's choice of an engine (one request in 64 timed).",
+        buckets=_cumulative(metrics["decision_bounds"], decision["buckets"]),
+        sum_value=decision["sum"],
+    )
+    if metrics["engine_latency"] is None:
+        return
+    identities = {engine["rank"]: engine["identity"] for engine in engines}
+    for name, key, text in _LATENCIES:
+        per_engine = HistogramMetricFamily(
+            _PREFIX + "engine_" + name, f"{text} By engine.", labels=["engine"]
+        )
+        for rank, measured in metrics["engine_latency"].items():
+            if rank in identities:  # a rank that registered since stats() was read: next time
+                per_engine.add_metric(
+                    [identities[rank]],
+                    _cumulative(bounds, measured[key]["buckets"]),
+                    measured[key]["sum"],
+                )
+        yield per_engine
 
 
 def _queue_families(

@@ -64,6 +64,8 @@ __all__ = [
     "HOLD_KEY",
     "MAX_HOLD_MS",
     "QOS_FEATURE",
+    "METRICS_FEATURE",
+    "asks_metrics",
     "TENANT_KEY",
     "MAX_TENANT_BYTES",
     "CAPACITY_KEY",
@@ -131,6 +133,11 @@ SESSION_KEY = "session"
 #: only then does the client send them (a coordinator that does not queue has nothing
 #: a priority or a deadline could change).
 QOS_FEATURE = "qos"
+#: The key of a STATS map by which a coordkit client asks for metrics() too (the
+#: histograms ``coordkit top`` shows): ``m([92, {"metrics": 1}])``, answered with
+#: stats() and metrics() under "metrics" in one STATS_REPLY; a bare ``m([92])`` is
+#: answered with stats() alone, as ever.
+METRICS_FEATURE = "metrics"
 #: The key of a CONNECT map naming the client's tenant: the clients that name the same
 #: one share its place in the coordinator's queue (docs/queueing.md). A client that
 #: names none is a tenant of its own.
@@ -873,7 +880,7 @@ ERROR = MessageSpec(
 HEARTBEAT = MessageSpec(
     "HEARTBEAT", Header.HEARTBEAT, [Field("pending", int), Field("capacity", int)]
 )
-STATS = MessageSpec("STATS", Header.STATS)
+STATS = MessageSpec("STATS", Header.STATS, optional_fields=[Field("asked", dict)])
 STATS_REPLY = MessageSpec("STATS_REPLY", Header.STATS_REPLY, [], ["stats"])
 #: A coordkit engine's registration: ``[94, {"coordkit": 1, "ack": 1, "batch": 1}]``.
 ENGINE_HELLO = MessageSpec("ENGINE_HELLO", Header.ENGINE_HELLO, [Field("hello", dict)])
@@ -996,6 +1003,11 @@ SINGLE_SUBMIT_REQUEST_WITH_KV = MessageSpec(
 
 def _feature(value: Any) -> bool:
     return type(value) is int and value >= 1
+
+
+def asks_metrics(asked: dict[Any, Any] | None) -> bool:
+    """Whether a STATS's map (``asked``, None: a bare STATS) asks for metrics() too."""
+    return asked is not None and _feature(asked.get(METRICS_FEATURE))
 
 
 def valid_tenant(name: Any) -> bool:

@@ -1,6 +1,7 @@
 """The Grafana dashboards of dashboards/ against a real Prometheus scraping a coordinator.
 
-A coordinator with metrics on, two fake engine processes and a client load; a
+A coordinator with metrics on (each engine's histograms too: the engine dashboard
+has a panel over them), two fake engine processes and a client load; a
 Prometheus server (Debian's ``prometheus``) scraping it every second on
 loopback, its storage in tmp_path. Then every panel's query of every dashboard
 goes through Prometheus's HTTP API, its template variables given real values:
@@ -46,7 +47,8 @@ def panel_queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
 
 
 def test_panels_use_the_names_a_scrape_gives_and_the_docs_list(make_coordinator):
-    coord = make_coordinator(metrics_port=0)  # the latency histograms are measured
+    # the latency histograms measured, each engine's too
+    coord = make_coordinator(metrics_port=0, engine_histograms=True)
     try:
         exported = set(re.findall(r"^# TYPE (\w+)", scrape(coord), re.M))
     finally:
@@ -143,7 +145,9 @@ def label_values(url: str, definition: str, values: dict[str, str]) -> list[str]
 def test_every_panel_query_returns_data(make_cluster, tmp_path, impl):
     if shutil.which("prometheus") is None:
         pytest.skip("no prometheus binary (apt-get install prometheus): dashboards not queried")
-    with make_cluster(transport="tcp", policy="prefix", metrics_port=0) as c:
+    with make_cluster(
+        transport="tcp", policy="prefix", metrics_port=0, engine_histograms=True
+    ) as c:
         target = f"127.0.0.1:{c.coord.metrics_port}"
         # capacity 1 each, under four clients' requests: some wait (the queue's panels)
         engines = engine_processes(

@@ -5,7 +5,8 @@ have seen (an engine replies to the requests it was given), so any
 difference between the two implementations — a routing decision, a server
 id, an error text, a dropped frame — shows up as a different frame log.
 The megatron-core dialect has its own conversation: Megatron main's and 0.19's
-clients and engines (single frames) beside coordkit's, batched and not.
+clients and engines (single frames) beside coordkit's, batched and not. With every
+request traced the frames are the same as without, and both cores trace alike.
 """
 
 from __future__ import annotations
@@ -129,12 +130,12 @@ def qos(rng: random.Random) -> list[int]:
     return [rng.choice([-1, 0, 3]), rng.choice([0, 60_000])] if rng.random() < 0.5 else []
 
 
-def _conversation(impl, address: str, policy: str, seed: int, steps: int) -> dict:
+def _conversation(impl, address: str, policy: str, seed: int, steps: int, **options: Any) -> dict:
     rng = random.Random(seed)
     log: dict[str, list[list[bytes]]] = defaultdict(list)
     # Every engine takes 4 at once: past that, requests wait in the queue, and are
     # dispatched (to e3 in batches) as finals free room.
-    options = {"max_inflight": 64, "prefix_ttl": 3600, "max_inflight_per_engine": 4}
+    options = {"max_inflight": 64, "prefix_ttl": 3600, "max_inflight_per_engine": 4, **options}
     with Cluster(impl, address, policy=policy, seed=3, **options) as c:
         for rank in range(3):
             c.add_engine(f"e{rank}".encode())
@@ -235,6 +236,46 @@ def test_same_frames_at_every_peer(c_impl, py_impl, tmp_path, policy):
     # (round robin deals a batch out one per engine: e3 gets its requests one by one)
     assert SUBMIT_BATCH in headers["e3"] or policy == "round_robin"
     _assert_same(c_run, py_run)
+
+
+def test_tracing_changes_no_frame_and_both_cores_trace_alike(c_impl, py_impl, tmp_path):
+    """Every request traced (trace_sample=1: duplicates and refusals, aborts, engines
+    draining and back, a client's batches, what is left at shutdown): the frames at every
+    peer, the counters and the metrics are those of the same conversation untraced, and
+    the two cores record the same requests, routed to the same engines, ended alike."""
+    in_memory = pytest.importorskip("opentelemetry.sdk.trace.export.in_memory_span_exporter")
+    runs, traces = {}, {}
+    for impl in (c_impl, py_impl):
+        for traced in (False, True):
+            exporter = in_memory.InMemorySpanExporter()
+            options = {"trace_sample": 1.0, "trace_exporter": exporter} if traced else {}
+            address = f"ipc://{tmp_path}/{impl.name}-{traced}.sock"
+            runs[impl.name, traced] = _conversation(
+                impl, address, "least_loaded", seed=11, steps=120, **options
+            )
+            traces[impl.name, traced] = sorted(
+                (
+                    span.attributes["coordkit.server_rid"],
+                    span.attributes["coordkit.client_rid"],
+                    span.attributes.get("coordkit.engine"),
+                    span.status.description or "",
+                    tuple(
+                        sorted(
+                            s.name
+                            for s in exporter.get_finished_spans()
+                            if s.parent is not None and s.parent.span_id == span.context.span_id
+                        )
+                    ),
+                )
+                for span in exporter.get_finished_spans()
+                if span.name == "coordkit.coordinator"
+            )
+        _assert_same(runs[impl.name, False], runs[impl.name, True])
+        assert not traces[impl.name, False]
+    assert traces["c", True] == traces["py", True]
+    ends = {status for *_, status, _ in traces["c", True]}
+    assert {"", "SHUTTING_DOWN"} <= ends, ends  # finals, and what was left at the end
+    assert len(traces["c", True]) > 30, len(traces["c", True])
 
 
 def _given(frames: list[bytes]) -> list[int]:

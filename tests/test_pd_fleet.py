@@ -102,7 +102,10 @@ def test_always_takes_both_hops_and_queues_by_role(coordinator):
         stats = coord.stats()["pd"]
         assert stats["counts"]["requests"] == 8 and stats["counts"]["pins_released"] == 8
         assert stats["queued"] == {"prefill": 0, "decode": 0} and stats["orphans"] == 0
-        assert all(seat["reserved"] == 0 for seat in stats["engines"].values())
+        # A seat may be freed by a message after the one whose final reached the client.
+        wait_for(
+            lambda: all(s["reserved"] == 0 for s in coord.stats()["pd"]["engines"].values()), 5
+        )
 
 
 def test_a_decode_killed_before_its_read_hands_off_again(coordinator):

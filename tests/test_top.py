@@ -1,7 +1,8 @@
 """``coordkit top`` as a person runs it: in a terminal (tmux), on a coordinator under load.
 
-The view is read back with ``capture-pane`` until it shows the engines, a rate
-and the latency percentiles; then ``q`` is typed and the process must exit 0.
+The view is read back with ``capture-pane`` until it shows the engines with their
+requests/s and errors, a rate, the latency percentiles (from the STATS_REPLY, or from
+``--metrics``) and the clients; then ``q`` is typed and the process must exit 0.
 """
 
 from __future__ import annotations
@@ -83,22 +84,25 @@ def terminal(tmp_path) -> Iterator[Terminal]:
             terminal.tmux("kill-server")
 
 
-def test_top_shows_engines_rates_and_latency_then_quits_on_q(make_cluster, terminal, impl):
+@pytest.mark.parametrize("read", ["stats", "metrics-url"])
+def test_top_shows_engines_rates_and_latency_then_quits_on_q(make_cluster, terminal, impl, read):
+    """The histograms come with the stats (STATS with {"metrics": 1}), or from --metrics."""
     pytest.importorskip("textual", reason="no textual (pip install 'coordkit[top]')")
     with make_cluster(transport="tcp", metrics_port=0) as c:
         metrics = f"http://127.0.0.1:{c.coord.metrics_port}/metrics"
         with engine_processes(c.coord.address, 2, "--quiet", "--latency", "0.005"):
             with client_load(c.coord.address, engines=2) as load:
-                command = coordkit_command(
-                    "top", c.coord.address, "--metrics", metrics, "--interval", "0.5"
-                )
+                command = coordkit_command("top", c.coord.address, "--interval", "0.5")
+                if read == "metrics-url":
+                    command += ["--metrics", metrics]
                 terminal.start(command)
                 screen = terminal.wait_for_screen(
                     rf"implementation {impl.name}",
-                    r"engine-0\s+alive",
+                    r"engine-0\s+alive\s+\d+\s+\d+%\s+[1-9][\d,]*\.\d/s\s+0\b",  # req/s, errors
                     r"engine-1\s+alive",
                     r"requests\s+[1-9][\d,]*\.\d/s",  # a rate, and not 0
                     r"request p50 / p99\s+[\d,.]+ ms / [\d,.]+ ms",
+                    r"\n\s*[0-9a-f]{16}\s+\d+\s+[1-9]\d*\s",  # a client, what it submitted
                 )
                 terminal.tmux("send-keys", "-t", "top", "q")
                 assert terminal.wait_for_exit() == 0, terminal.screen()

@@ -3,8 +3,9 @@ receiver of the test's own (coordkit.tools.otlp), on both implementations.
 
 * a request's tree through a real coordinator: the client's span, the engine's span a
   child of it (its traceparent carried in the params, taken out at the engine);
-* the coordinator's spans, made from the records its loop pushes (here pushed by the
-  test, as the loop will), children of the client's span or a trace of their own;
+* the coordinator's spans, made from the records its loop keeps (and from records pushed
+  by hand), children of the client's span or a trace of their own (a Megatron
+  client's), timed by the loop's hooks, their status the request's end;
 * sampling honoured (the client's sampler, the coordinator's ``trace_sample`` and the
   ``OTEL_*`` variables), and nothing on the wire, byte for byte, when not traced.
 """
@@ -43,7 +44,7 @@ from coordkit.tracing import (
     sampling,
 )
 from tests.support.cluster import bind_address
-from tests.support.peers import SUBMIT, SUBMIT_BATCH
+from tests.support.peers import DISCONNECT, ERROR, REPLY, SUBMIT, SUBMIT_BATCH, m, um
 from tests.support.processes import python_env
 from tests.support.scripted import TIMEOUT, run, scripted
 from tests.support.threads import fake_engines
@@ -355,6 +356,185 @@ def test_without_the_extra(tmp_path, impl, monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
     with Coordinator(bind_address("ipc", tmp_path, "b"), implementation=impl.name) as coord:
         assert coord.options.tracing is None
+
+
+# -- the coordinator's spans, recorded by its loop --------------------------------------------
+
+#: How far apart two processes' (here two threads') clocks may put the same instant: the
+#: coordinator maps its monotonic clock to the wall clock once, at its start.
+SKEW = 2_000_000  # ns
+
+
+def coordinator_exporter(receiver: Receiver) -> OTLPSpanExporter:
+    return OTLPSpanExporter(endpoint=f"{receiver.endpoint}/v1/traces")
+
+
+def children(spans: list[ReceivedSpan], parent: ReceivedSpan) -> dict[str, ReceivedSpan]:
+    return {s.name: s for s in spans if s.parent_id == parent.span_id}
+
+
+def test_coordinator_spans_join_the_clients_trees(
+    receiver, provider, make_coordinator, impl, monkeypatch
+):
+    """Client -> coordinator (route, engine, reply) beside the engine's span, for submit,
+    stream and submit_many: every request traced (trace_sample=1), each coordkit.coordinator
+    span a child of its client span, inside it, the engine's span inside its engine child."""
+    client_side = provider(f"tree-client-{impl.name}")
+    engine_side = provider(f"tree-engine-{impl.name}")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", f"tree-coordinator-{impl.name}")
+
+    async def body(address: str) -> None:
+        async with await Client.connect(
+            address, timeout=TIMEOUT, implementation=impl.name, tracer_provider=client_side
+        ) as client:
+            await client.wait_for_engines(2, timeout=TIMEOUT)
+            await asyncio.gather(*(client.submit([i, i]) for i in range(4)))
+            parts = [part async for part in client.stream([9], {"max_tokens": 3})]
+            await asyncio.gather(*client.submit_many([[7], [8]], {"output_tokens": 2}))
+            assert len(parts) == 4
+
+    coord = make_coordinator(trace_sample=1.0, trace_exporter=coordinator_exporter(receiver))
+    with (
+        coord,
+        fake_engines(
+            coord.address, 2, output_tokens=4, implementation=impl.name, tracer_provider=engine_side
+        ),
+    ):
+        run(body(coord.address))
+    # Closed: what it traced is exported (the exporter given is flushed).
+    client_side.force_flush()
+    engine_side.force_flush()
+    requests = of(receiver, f"tree-client-{impl.name}")
+    engines = {s.parent_id: s for s in of(receiver, f"tree-engine-{impl.name}")}
+    spans = of(receiver, f"tree-coordinator-{impl.name}")
+    roots = [s for s in spans if s.name == "coordkit.coordinator"]
+    assert len(requests) == len(roots) == len(engines) == 7
+    by_parent = {s.parent_id: s for s in roots}
+    for request in requests:
+        root = by_parent[request.span_id]  # the coordinator's span is the request's child
+        assert root.trace_id == request.trace_id and not root.error
+        assert root.attributes["coordkit.client_rid"] == request.attributes["coordkit.request_id"]
+        assert request.start - SKEW <= root.start <= root.end <= request.end + SKEW
+        parts = children(spans, root)
+        assert set(parts) == {"route", "engine", "reply"}
+        route, at_engine, reply = parts["route"], parts["engine"], parts["reply"]
+        assert root.start == route.start <= route.end == at_engine.start
+        assert at_engine.end == reply.start <= reply.end == root.end
+        assert at_engine.events == ("first reply",)
+        engine = engines[request.span_id]  # the engine's span: the request's child too
+        assert engine.attributes["coordkit.server_rid"] == root.attributes["coordkit.server_rid"]
+        assert at_engine.start - SKEW <= engine.start <= engine.end <= at_engine.end + SKEW
+        assert root.attributes["coordkit.engine"] in ("engine-0", "engine-1")
+
+
+def test_a_megatron_clients_requests_are_traces_of_their_own(
+    receiver, make_cluster, impl, monkeypatch
+):
+    """A single-frame client carries no trace context (a traceparent in its params is
+    not looked for): its traced requests are root coordkit.coordinator spans."""
+    monkeypatch.setenv("OTEL_SERVICE_NAME", f"megatron-coordinator-{impl.name}")
+    with make_cluster(
+        dialect="megatron-core", trace_sample=1.0, trace_exporter=coordinator_exporter(receiver)
+    ) as c:
+        engine = c.add_single_frame_engine()
+        client = c.single_frame_client()
+        parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+        for rid in range(3):
+            client.submit(rid, [1, 2, 3], {"max_tokens": 1, "traceparent": parent})
+        for _ in range(3):
+            server_rid, _, _ = engine.recv_submit()
+            engine.reply({"request_id": server_rid, "status": "finished"})
+        assert sorted(client.recv_reply()[0] for _ in range(3)) == [0, 1, 2]
+    spans = of(receiver, f"megatron-coordinator-{impl.name}")
+    roots = [s for s in spans if s.name == "coordkit.coordinator"]
+    assert sorted(s.attributes["coordkit.client_rid"] for s in roots) == [0, 1, 2]
+    for root in roots:
+        assert root.parent_id == "" and root.trace_id != "ab" * 16 and not root.error
+        assert set(children(spans, root)) == {"route", "engine", "reply"}
+        assert root.attributes["coordkit.engine"] == "engine-0"
+
+
+def traced_rids(receiver: Receiver, service: str) -> dict[int, ReceivedSpan]:
+    return {
+        s.attributes["coordkit.client_rid"]: s
+        for s in of(receiver, service)
+        if s.name == "coordkit.coordinator"
+    }
+
+
+@pytest.mark.parametrize("follow", [True, False], ids=["parentbased", "ratio"])
+def test_the_coordinator_samples_one_in_every_and_follows_the_clients(
+    receiver, make_cluster, impl, monkeypatch, follow
+):
+    """trace_sample=0.25: one untraced request in 4 (the 4th, the 8th...), and every
+    request whose params carry a traceparent, in its trace, not counted among the others.
+    OTEL_TRACES_SAMPLER=traceidratio: one in 4 of them all, regardless of their clients;
+    one of those that carries a traceparent still joins its trace."""
+    service = f"sampled-coordinator-{impl.name}-{follow}"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", service)
+    options: dict[str, Any] = {"trace_exporter": coordinator_exporter(receiver)}
+    if follow:
+        options["trace_sample"] = 0.25
+    else:
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.25")
+    traced = "00-" + "12" * 16 + "-" + "34" * 8 + "-01"
+    with make_cluster(**options) as c:
+        engine = c.add_engine()
+        client = c.client(coordkit=True)
+        for rid in range(12):
+            params = {"traceparent": traced} if rid in (3, 6) else {"n": rid}
+            client.send(m([SUBMIT, rid, params]), m([rid]))
+        for _ in range(12):
+            frames = engine.recv()
+            engine.send(m([REPLY, [[um(frames[0])[1], False]]]), m("done"))
+        assert len(client.recv_all()) == 12
+    spans = traced_rids(receiver, service)
+    if follow:  # the 4th and the 8th of the ten without a traceparent, and both with one
+        assert sorted(spans) == [3, 4, 6, 9]
+    else:  # the 4th, 8th and 12th of them all
+        assert sorted(spans) == [3, 7, 11]
+    for rid, span in spans.items():
+        assert (span.trace_id == "12" * 16) == (rid in (3, 6))
+        assert (span.parent_id == "34" * 8) == (rid in (3, 6))
+
+
+def test_the_end_of_a_request_is_its_spans_status(receiver, make_cluster, impl, monkeypatch):
+    """NO_ENGINES after acceptance: a root alone, ERROR; TIMED_OUT at its engine: route and
+    engine (no reply); its client gone (DISCONNECT): "client gone"; a final: no error."""
+    service = f"ends-coordinator-{impl.name}"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", service)
+    with make_cluster(
+        trace_sample=1.0, trace_exporter=coordinator_exporter(receiver), request_timeout=0.3
+    ) as c:
+        client = c.client(coordkit=True)
+        client.send(m([SUBMIT, 0, {}]), m([0]))  # no engine yet
+        assert um(client.recv()[0])[:3] == [ERROR, 0, ErrorCode.NO_ENGINES]
+        engine = c.add_engine()
+        client.send(m([SUBMIT, 1, {}]), m([1]))  # never answered: timed out
+        engine.recv()
+        assert um(client.recv(timeout=5)[0])[:3] == [ERROR, 1, ErrorCode.TIMED_OUT]
+        engine.recv()  # its ABORT
+        client.send(m([SUBMIT, 2, {}]), m([2]))  # answered
+        server_rid = um(engine.recv()[0])[1]
+        engine.send(m([REPLY, [[server_rid, False]]]), m("done"))
+        assert um(client.recv()[0]) == [REPLY, 2]
+        gone = c.client(coordkit=True)
+        gone.send(m([SUBMIT, 3, {}]), m([3]))  # its client leaves first
+        engine.recv()
+        gone.send(m([DISCONNECT]))
+        engine.recv()  # the ABORT of the request it left
+    spans = of(receiver, service)
+    ends = traced_rids(receiver, service)
+    refused, timed_out, answered = ends[0], ends[1], ends[2]
+    # Both clients number from 0: the one that left has client rid 3 (the other's 3 none).
+    left = ends[3]
+    assert refused.error and refused.status == "NO_ENGINES" and children(spans, refused) == {}
+    assert timed_out.error and timed_out.status == "TIMED_OUT"
+    assert set(children(spans, timed_out)) == {"route", "engine"}
+    assert not answered.error and set(children(spans, answered)) == {"route", "engine", "reply"}
+    assert left.error and left.status == "client gone"
+    assert set(children(spans, left)) == {"route", "engine"}
 
 
 # -- nothing on the wire when not traced ----------------------------------------------------

@@ -58,7 +58,7 @@ cdef struct Tenant:
     bint kept  # given a weight, or labelled: never forgotten
 
 
-cdef struct Tally:  # a row of the stats: requests waiting now, and their waits by outcome
+cdef struct WaitTally:  # a row of the stats: requests waiting now, and their waits by outcome
     uint64_t depth
     Histogram waits[N_OUTCOMES]
 
@@ -96,6 +96,6 @@ cdef struct Queue:
     ck_ids names  # named tenants: name -> index
     int32_t n_labels
     int32_t labelled[QUEUE_TENANTS]  # by label: its tenant
-    Tally* by_priority  # N_PRIORITIES rows, by priority - PRIORITY_MIN
-    Tally* by_label  # QUEUE_TENANTS rows and "other"
+    WaitTally* by_priority  # N_PRIORITIES rows, by priority - PRIORITY_MIN
+    WaitTally* by_label  # QUEUE_TENANTS rows and "other"
     double bounds[N_LATENCY_BUCKETS]

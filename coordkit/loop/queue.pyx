@@ -39,8 +39,8 @@ cdef int queue_init(Queue* self, uint32_t limit, uint32_t handles, int32_t tenan
     self.due = <uint32_t*>malloc((<size_t>limit + 1) * sizeof(uint32_t))
     self.vtime = <uint64_t*>calloc(N_PRIORITIES, sizeof(uint64_t))
     self.tenants = <Tenant*>calloc(self.capacity, sizeof(Tenant))
-    self.by_priority = <Tally*>calloc(N_PRIORITIES, sizeof(Tally))
-    self.by_label = <Tally*>calloc(QUEUE_TENANTS + 1, sizeof(Tally))
+    self.by_priority = <WaitTally*>calloc(N_PRIORITIES, sizeof(WaitTally))
+    self.by_label = <WaitTally*>calloc(QUEUE_TENANTS + 1, sizeof(WaitTally))
     if (
         self.entry_of == NULL or self.entries == NULL or self.flows == NULL
         or self.cells == NULL or self.heap == NULL or self.due == NULL or self.vtime == NULL
@@ -586,7 +586,7 @@ cdef void _due_remove(Queue* self, uint32_t at) noexcept nogil:
 
 # -- what stats() and metrics() give (with the GIL) ------------------------------------------
 
-cdef bint _tally_used(Tally* tally) noexcept:
+cdef bint _waits_used(WaitTally* tally) noexcept:
     """Whether a row has anything to say: requests waiting, or waits counted."""
     cdef int outcome, i
     if tally.depth:
@@ -598,7 +598,7 @@ cdef bint _tally_used(Tally* tally) noexcept:
     return False
 
 
-cdef dict _tally_stats(Tally* tally):
+cdef dict _waits_stats(WaitTally* tally):
     return {
         "depth": tally.depth,
         "outcomes": {
@@ -609,7 +609,7 @@ cdef dict _tally_stats(Tally* tally):
     }
 
 
-cdef dict _tally_metrics(Tally* tally):
+cdef dict _waits_metrics(WaitTally* tally):
     return {
         o.name.lower(): {
             "buckets": list(tally.waits[<int>o].buckets),
@@ -627,12 +627,12 @@ cdef list _rows(Queue* self):
     cdef const uint8_t* name
     rows = []
     for level in range(N_PRIORITIES):
-        if _tally_used(&self.by_priority[level]):
+        if _waits_used(&self.by_priority[level]):
             rows.append(("priority", level + PRIORITY_MIN, level))
     for label in range(self.n_labels):
         name = ck_ids_get(&self.names, self.labelled[label], &n)
         rows.append(("tenant", name[:n].decode(), label))
-    if _tally_used(&self.by_label[QUEUE_TENANTS]):
+    if _waits_used(&self.by_label[QUEUE_TENANTS]):
         rows.append(("tenant", OTHER_TENANTS, QUEUE_TENANTS))
     return rows
 
@@ -644,9 +644,9 @@ cdef dict queue_stats(Queue* self):
     by_tenant = {}
     for kind, key, index in _rows(self):
         if kind == "priority":
-            by_priority[key] = _tally_stats(&self.by_priority[index])
+            by_priority[key] = _waits_stats(&self.by_priority[index])
         else:
-            by_tenant[key] = _tally_stats(&self.by_label[index])
+            by_tenant[key] = _waits_stats(&self.by_label[index])
     return {
         "depth": self.depth,
         "limit": self.limit,
@@ -663,7 +663,7 @@ cdef dict queue_metrics(Queue* self):
     by_tenant = {}
     for kind, key, index in _rows(self):
         if kind == "priority":
-            by_priority[key] = _tally_metrics(&self.by_priority[index])
+            by_priority[key] = _waits_metrics(&self.by_priority[index])
         else:
-            by_tenant[key] = _tally_metrics(&self.by_label[index])
+            by_tenant[key] = _waits_metrics(&self.by_label[index])
     return {"by_priority": by_priority, "by_tenant": by_tenant}

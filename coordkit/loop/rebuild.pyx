@@ -307,6 +307,8 @@ cdef class Rebuild:
         ):
             self.loop._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
             return
+        if self.loop.traces.on:
+            self.loop.traces.drop(slot)
         self.loop._forget(slot)
         resend.setdefault(client, []).append(client_rid)
 

@@ -254,6 +254,13 @@ def _parser() -> argparse.ArgumentParser:
         "default: not served)",
     )
     serve.add_argument(
+        "--engine-histograms",
+        action="store_true",
+        default=None,
+        help="with --metrics-port: each engine's time to first reply and request duration "
+        "too (two histograms per engine; default: fleet-wide only)",
+    )
+    serve.add_argument(
         "--trace-sample",
         type=float,
         metavar="P",
@@ -814,6 +821,7 @@ _SERVE_OPTIONS = (
     "pd_retries",
     "block_size",
     "metrics_port",
+    "engine_histograms",
     "trace_sample",
     "curve_secret_key",
     "curve_authorized_keys",

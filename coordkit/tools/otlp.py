@@ -35,6 +35,7 @@ class ReceivedSpan(NamedTuple):
     attributes: dict[str, Any]
     events: tuple[str, ...]
     error: bool  # its status is ERROR
+    status: str  # its status's description ("" for none)
 
     @property
     def seconds(self) -> float:
@@ -73,6 +74,7 @@ def _spans(body: bytes) -> list[ReceivedSpan]:
                         {a.key: _value(a.value) for a in span.attributes},
                         tuple(event.name for event in span.events),
                         span.status.code == Status.STATUS_CODE_ERROR,
+                        span.status.message,
                     )
                 )
     return spans

@@ -2,14 +2,17 @@
 
 Every ``--interval`` seconds :mod:`coordkit.tools.top_app` (the ``top`` extra:
 the reading and the screen, which :mod:`coordkit.tools.cli` imports only when
-the command runs) asks the coordinator for its stats over the wire (STATS, as
-``coordkit stats`` does) and, given ``--metrics URL``, reads its Prometheus
-endpoint for the two latency histograms: STATS_REPLY does not carry them. A
-:class:`History` keeps the snapshots of the last ``--window`` seconds; rates
-and percentiles are over that window.
+the command runs) asks the coordinator for its stats and its metrics over the wire
+(STATS with ``{"metrics": 1}``), the two latency histograms among them when it
+measures them (``--metrics-port``); or, given ``--metrics URL``, its stats alone and
+the histograms from that Prometheus endpoint. A :class:`History` keeps the
+snapshots of the last ``--window`` seconds; rates and percentiles are over that
+window.
 
-What the loop does not keep yet is shown as "–": each engine's requests/s and
-errors (and the queue depth of a coordinator from before the queue).
+What the coordinator does not give is shown as "–": the percentiles when it does not
+measure latencies, each engine's requests/s and a client's submissions when it does
+not measure (no ``--metrics-port``), and the queue depth of a coordinator from before
+the queue.
 """
 
 from __future__ import annotations
@@ -20,16 +23,28 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FAILURE_COUNTERS", "History", "Snapshot", "engine_rows", "figures"]
+__all__ = [
+    "FAILURE_COUNTERS",
+    "History",
+    "Snapshot",
+    "client_rows",
+    "engine_rows",
+    "figures",
+    "measured_latency",
+]
 
 #: The counters of stats() that count a request refused or failed, summed as "failed".
 FAILURE_COUNTERS = ("engine_failed", "timed_out", "busy", "no_engines", "malformed")
 
-#: The histograms read from --metrics, by what the view calls them.
+#: The histograms shown, by what the view calls them: (their Prometheus name, read from
+#: --metrics; their key in metrics()["latency"], read from the STATS_REPLY).
 LATENCY_HISTOGRAMS = {
-    "request": "coordkit_request_duration_seconds",
-    "first reply": "coordkit_time_to_first_reply_seconds",
+    "request": ("coordkit_request_duration_seconds", "final"),
+    "first reply": ("coordkit_time_to_first_reply_seconds", "first_reply"),
 }
+
+#: An engine's counts of stats() summed in its "errors" column.
+ENGINE_ERRORS = ("failed", "malformed_entries", "unknown_request", "gone")
 
 NOTHING = "–"  # what the loop does not keep yet, or a rate before a second snapshot
 
@@ -45,6 +60,23 @@ class Snapshot:
     at: float  # time.monotonic() when read
     stats: dict[str, Any]
     latency: dict[str, Buckets] | None
+
+
+def measured_latency(metrics: dict[str, Any]) -> dict[str, Buckets] | None:
+    """The histograms of LATENCY_HISTOGRAMS from a coordinator's metrics() (the
+    STATS_REPLY's "metrics"), cumulative as Prometheus gives them; None when it does
+    not measure them."""
+    if metrics["latency"] is None:
+        return None
+    bounds = [*metrics["latency_bounds"], math.inf]
+    latency: dict[str, Buckets] = {}
+    for name, (_, key) in LATENCY_HISTOGRAMS.items():
+        counts, total = metrics["latency"][key]["buckets"], 0.0
+        latency[name] = []
+        for bound, count in zip(bounds, counts, strict=True):
+            total += count
+            latency[name].append((bound, total))
+    return latency
 
 
 class History:
@@ -64,6 +96,10 @@ class History:
     @property
     def newest(self) -> Snapshot:
         return self._snapshots[-1]
+
+    @property
+    def oldest(self) -> Snapshot:
+        return self._snapshots[0]
 
     @property
     def seconds(self) -> float:
@@ -144,19 +180,55 @@ def figures(history: History) -> list[tuple[str, str]]:
 ENGINE_COLUMNS = ("rank", "engine", "state", "in flight", "share", "req/s", "errors")
 
 
-def engine_rows(stats: dict[str, Any]) -> list[tuple[str, ...]]:
-    """One row per engine: rank, routing id, state, in flight, share of the load,
-    requests/s and errors (not kept per engine yet)."""
+def engine_rows(history: History) -> list[tuple[str, ...]]:
+    """One row per engine: rank, routing id, state, in flight, share of the load, the
+    requests routed to it per second and its errors (requests failed, bad or unknown
+    reply entries, times gone) over the window; since it took its rank when that is
+    shorter. Its requests/s are "–" when the coordinator does not measure them."""
+    stats = history.newest.stats
     total = max(stats["inflight"], 1)
+    before = {(e["rank"], e["identity"]): _counts(e) for e in history.oldest.stats["engines"]}
+    rows: list[tuple[str, ...]] = []
+    for engine in stats["engines"]:
+        now = _counts(engine)
+        then = before.get((engine["rank"], engine["identity"]), dict.fromkeys(now, 0))
+        if any(now[k] < then[k] for k in now):  # its counts started again since
+            then = dict.fromkeys(now, 0)
+        rate = None
+        if engine["routed"] is not None and history.seconds > 0:
+            rate = (now["routed"] - then["routed"]) / history.seconds
+        rows.append(
+            (
+                str(engine["rank"]),
+                engine["identity"],
+                engine["state"],
+                str(engine["pending"]),
+                f"{100 * engine['pending'] / total:.0f}%",
+                per_second(rate),
+                str(sum(now[k] - then[k] for k in ENGINE_ERRORS)),
+            )
+        )
+    return rows
+
+
+def _counts(engine: dict[str, Any]) -> dict[str, int]:
+    """An engine's counts the rows are made of, 0 for those not kept."""
+    return {k: engine[k] or 0 for k in ("routed", *ENGINE_ERRORS)}
+
+
+CLIENT_COLUMNS = ("client", "in flight", "submitted", "")
+
+
+def client_rows(stats: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per client of stats()["busiest_clients"] (those with the most in flight):
+    routing id, in flight, requests submitted ("–" when not measured), and whether it
+    is a rebuild client away (its connection ended: it may come back)."""
     return [
         (
-            str(engine["rank"]),
-            engine["identity"],
-            engine["state"],
-            str(engine["pending"]),
-            f"{100 * engine['pending'] / total:.0f}%",
-            NOTHING,
-            NOTHING,
+            client["identity"],
+            str(client["inflight"]),
+            NOTHING if client["submitted"] is None else str(client["submitted"]),
+            "away" if client["away"] else "",
         )
-        for engine in stats["engines"]
+        for client in stats["busiest_clients"]
     ]

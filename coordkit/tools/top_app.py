@@ -17,13 +17,16 @@ from textual.widgets import DataTable, Footer, Static
 
 from ..client import Client
 from .top import (
+    CLIENT_COLUMNS,
     ENGINE_COLUMNS,
     LATENCY_HISTOGRAMS,
     Buckets,
     History,
     Snapshot,
+    client_rows,
     engine_rows,
     figures,
+    measured_latency,
 )
 
 __all__ = ["Source", "Top", "run"]
@@ -54,7 +57,7 @@ def read_latency(url: str, timeout: float) -> dict[str, Buckets]:
         raise ConnectionError(f"cannot read metrics at {url}: {exc.reason}") from None
     by_family = {family.name: family for family in text_string_to_metric_families(text)}
     latency = {}
-    for name, family_name in LATENCY_HISTOGRAMS.items():
+    for name, (family_name, _) in LATENCY_HISTOGRAMS.items():
         family = by_family.get(family_name)
         if family is None:
             raise ValueError(f"{url} has no {family_name}: is it a coordinator's --metrics-port?")
@@ -68,7 +71,8 @@ def read_latency(url: str, timeout: float) -> dict[str, Buckets]:
 
 
 class Source:
-    """Where the snapshots come from: a connected client, and the metrics URL if any."""
+    """Where the snapshots come from: a connected client, and the metrics URL if any
+    (else the histograms come with the stats, STATS with {"metrics": 1})."""
 
     def __init__(self, client: Client, metrics: str | None, timeout: float):
         self.client = client
@@ -76,15 +80,18 @@ class Source:
         self.timeout = timeout
 
     async def snapshot(self) -> Snapshot:
-        stats = await self.client.stats(timeout=self.timeout)
-        latency = None
-        if self.metrics is not None:
+        if self.metrics is None:
+            stats = await self.client.stats(timeout=self.timeout, metrics=True)
+            latency = measured_latency(stats.pop("metrics"))
+        else:
+            stats = await self.client.stats(timeout=self.timeout)
             latency = await asyncio.to_thread(read_latency, self.metrics, self.timeout)
         return Snapshot(time.monotonic(), stats, latency)
 
 
 class Top(App[int]):
-    """The coordinator at ``address``: a title line, the fleet's figures, the engines."""
+    """The coordinator at ``address``: a title line, the fleet's figures, the engines,
+    the clients with the most in flight."""
 
     TITLE = "coordkit top"
     BINDINGS = [("q", "quit", "Quit")]
@@ -107,9 +114,10 @@ class Top(App[int]):
         yield Static(id="title")
         yield Static(id="figures")
         yield Static(id="status")
-        table: DataTable[str] = DataTable(cursor_type="row", zebra_stripes=True)
-        table.add_columns(*ENGINE_COLUMNS)
-        yield table
+        for table_id, columns in (("engines", ENGINE_COLUMNS), ("clients", CLIENT_COLUMNS)):
+            table: DataTable[str] = DataTable(id=table_id, cursor_type="row", zebra_stripes=True)
+            table.add_columns(*columns)
+            yield table
         yield Footer()
 
     def on_mount(self) -> None:
@@ -141,13 +149,17 @@ class Top(App[int]):
         self.query_one("#figures", Static).update(grid)
         when = time.strftime("%H:%M:%S")
         window = f"rates over the last {self.history.seconds:.0f} s"
-        if self.source.metrics is None:
-            window += "; latency: --metrics URL"
+        if self.history.newest.latency is None:
+            window += "; latency not measured (its --metrics-port)"
         status = f"{when}  {window}" if self.problem is None else f"{when}  {self.problem}"
         self.query_one("#status", Static).update(status)
-        table = self.query_one(DataTable)
-        cursor = table.cursor_row
-        table.clear()
-        table.add_rows(engine_rows(stats))
-        if table.row_count:
-            table.move_cursor(row=min(cursor, table.row_count - 1))
+        for table_id, rows in (
+            ("engines", engine_rows(self.history)),
+            ("clients", client_rows(stats)),
+        ):
+            table = self.query_one(f"#{table_id}", DataTable)
+            cursor = table.cursor_row
+            table.clear()
+            table.add_rows(rows)
+            if table.row_count:
+                table.move_cursor(row=min(cursor, table.row_count - 1))

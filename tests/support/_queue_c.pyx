@@ -12,6 +12,7 @@ No product code uses it. Compiled once per session (extension.py).
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.math cimport INFINITY
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 # What the included parts use, as _loop_c.pyx cimports and imports it for them.
 from libc.stdint cimport *
 from libc.stdlib cimport *
@@ -23,12 +24,23 @@ from coordkit.includes.tables cimport *
 
 from coordkit import _shared
 
+DECISION_BUCKETS = _shared.DECISION_BUCKETS
 LATENCY_BUCKETS = _shared.LATENCY_BUCKETS
 OTHER_TENANTS = _shared.OTHER_TENANTS
 QueueOutcome = _shared.QueueOutcome
 tenant_stride = _shared.tenant_stride
 
 bind_libzmq()
+
+# What the latency histograms take from _loop_c.pyx: their sampling, and the clock.
+cdef uint32_t DECISION_EVERY = _shared.DECISION_SAMPLE
+
+
+cdef inline double monotonic() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
 
 include "coordkit/loop/latency.pxd"
 include "coordkit/loop/dialect.pxd"
