@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgpack
 import pytest
 
 from coordkit import Coordinator
@@ -730,3 +731,31 @@ def test_no_frame_a_peer_would_raise_on(main, v019):
             for frame in got:
                 parse(frame)
             assert [um(f)[0] for f in got].count(PAUSE) == 2
+
+
+# -- the queue, for single frames ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["0.19", "main"])
+def test_single_frames_wait_in_the_queue_and_go_as_they_came(make_cluster, version):
+    """Past an engine's capacity a Megatron client's single frames wait at the
+    coordinator, and leave as they came once a final frees room (the frame kept whole)."""
+    options = {} if version == "0.19" else {"megatron_version": "main"}
+    with make_cluster(dialect="megatron-core", max_inflight_per_engine=1, **options) as c:
+        engine = c.add_main_engine() if version == "main" else c.add_single_frame_engine()
+        client = c.main_client() if version == "main" else c.single_frame_client()
+        fields = [Raw(TOKENS), Raw(PARAMS)] + ([Raw(NIL)] if version == "main" else [])
+        for rid in range(3):
+            client.submit(rid, *fields)
+        wait_for(lambda: c.coord.stats()["queue"]["depth"] == 2)
+        head = b"\x95\x14" if version == "main" else b"\x94\x14"
+        for expected in range(3):
+            frame = engine.recv_frame()
+            server_rid = msgpack.unpackb(frame)[1]
+            assert frame == head + m(server_rid) + b"".join(f.data for f in fields)
+            engine.reply(finished(server_rid))
+            if version == "main":
+                assert client.recv_message() == (REPLY, expected, finished(server_rid))
+            else:
+                assert client.recv_frame() == reply_to(expected, finished(server_rid))
+        assert c.coord.stats()["inflight"] == 0

@@ -368,7 +368,7 @@ cdef void _hold(Queue* self, Held* held, Inbound* inbound, zmq_msg_t* meta) noex
     held.payload_at = 0 if inbound.single else 1
     if not inbound.single:
         _hold_msg(self, held, meta)
-    for i in range(inbound.n_payload):
+    for i in range(1 if inbound.single else inbound.n_payload):  # a single frame: itself
         _hold_msg(self, held, &inbound.payload[i])
     held.prompt_at = inbound.prompt - <const uint8_t*>zmq_msg_data(inbound.payload)
     frame = <const uint8_t*>zmq_msg_data(inbound.payload if inbound.single else meta)
