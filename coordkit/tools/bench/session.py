@@ -246,6 +246,8 @@ class Session(Processes):
             options["max_inflight_per_engine"] = QUEUED_CAPACITY
         if self.variant in TRACE_SAMPLES:  # exported to the bench's receiver (main())
             options["trace_sample"] = TRACE_SAMPLES[self.variant]
+        elif self.variant in IMPLEMENTATIONS:  # untraced, whatever OTEL_* the run set
+            options["trace_sample"] = 0
         self.coordinator = self._start(
             "coordinator", coordinator_child, self.variant, endpoints, args.policy, options
         )
