@@ -120,6 +120,7 @@ cdef class Router:
         # power_of_two draws accepting ranks, all eligible without a cap: no fallback.
         if self.policy_id != POLICY_POWER_OF_TWO or rank_cap:
             self._ranked()
+        self.stride = self.group = 1  # (remove_rank_c divides by group, whatever the policy)
         if self.policy_id != POLICY_PREFIX:
             return
         # The pools can be large (1M entries x 4096 ranks = 512 MB of masks), but
@@ -128,7 +129,6 @@ cdef class Router:
         # grows with the entries actually used, times the fleet actually seen.
         self.max_entries = prefix_max_entries
         self.max_stride = (self.max_ranks + 63) >> 6
-        self.stride = self.group = 1
         self.entries = <ck_prefix_entry*>calloc(self.max_entries, sizeof(ck_prefix_entry))
         self.masks = <uint64_t*>calloc(self.max_entries * self.max_stride, sizeof(uint64_t))
         self.eligible = <uint64_t*>calloc(self.max_stride, sizeof(uint64_t))
