@@ -95,6 +95,29 @@ def test_quick_run_in_megatron_mains_layout(tmp_path):
             assert figures["frame_bytes"] == Prompt(int(key)).frame_bytes(True) + 1
 
 
+def test_quick_run_of_the_megatron_workload(tmp_path):
+    """--workload megatron: its three prompt lengths, replies at once with ~200-byte
+    bodies, and per request the coordinator's system calls (perf, where it may) and
+    context switches beside its CPU."""
+    path = tmp_path / "megatron.json"
+    argv = ["--quick", "--workload", "megatron", "--inflight", "0", "--json", str(path)]
+    assert bench.main(argv) == 0
+
+    result = json.loads(path.read_text())
+    assert not result["failures"]
+    config = result["config"]
+    assert config["workload"] == "megatron" and config["reply_at_once"]
+    assert 150 <= config["reply_body_bytes"] <= 250
+    assert list(result["summary"]) == ["16", "2000", "32000"]
+    for key, point in result["summary"].items():
+        assert sorted(point) == ["c", "floor"], key
+        for variant, figures in point.items():
+            assert figures["total_us"] > 0 and figures["switches_per_request"] >= 0
+            syscalls = figures["syscalls_per_request"]
+            assert syscalls is None or syscalls > 0, (key, variant)
+        assert point["c"]["reply_batch"] >= 1  # the engine's replies, grouped as they came
+
+
 def test_megatron_version_needs_the_dialect(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--megatron-version", "main"])

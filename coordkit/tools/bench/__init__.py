@@ -86,14 +86,17 @@ from .workload import (
     DEFAULT_VARIANTS,
     IMPLEMENTATIONS,
     LENGTHS,
+    MEGATRON_LENGTHS,
     REQUIRES,
     SUBMIT_FIELDS,
     TRACE_SAMPLES,
     VARIANTS,
+    WORKLOADS,
     Prompt,
     parse_prompt,
     requests_at,
     standard_prompts,
+    warmup_at,
 )
 
 __all__ = ["main", "VARIANTS", "LENGTHS", "IMPLEMENTATIONS", "standard_prompts"]
@@ -210,6 +213,16 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "(any of them in one run).",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run (under a minute)")
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="standard",
+        help="the cost table's load: standard (full reply batches of 8, every threshold's "
+        "prompts) or megatron (as Megatron's peers make it: one client, replies at once "
+        "in batches of up to 16 with ~200-byte bodies, prompts of "
+        f"{' '.join(map(str, MEGATRON_LENGTHS))} random ids, 40000 requests after "
+        "10000 of warm-up, variants floor c, 3 repetitions) (default standard)",
+    )
     modes = parser.add_argument_group("modes (default: the coordinator cost table)")
     modes.add_argument(
         "--client",
@@ -500,6 +513,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     quick = args.quick
+    megatron = args.workload == "megatron"
     args.cost = not (
         args.client
         or args.end_to_end
@@ -514,15 +528,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if given_lengths is None:
         single_frame = args.dialect == "megatron-core"
         fields = SUBMIT_FIELDS[args.megatron_version]
-        args.lengths = (
-            standard_prompts(single_frame, fields)
-            if args.cost
-            else [Prompt(n) for n in LATENCY_LENGTHS]
-        )
+        if megatron and args.cost:
+            args.lengths = [Prompt(n) for n in MEGATRON_LENGTHS]
+        elif args.cost:
+            args.lengths = standard_prompts(single_frame, fields)
+        else:
+            args.lengths = [Prompt(n) for n in LATENCY_LENGTHS]
     args.scale_lengths = given_lengths or [Prompt(16)]
-    args.variants = _installed(
-        given_variants or list(DEFAULT_VARIANTS), given_variants, parser.error
-    )
+    default_variants = ["floor", "c"] if megatron else list(DEFAULT_VARIANTS)
+    args.variants = _installed(given_variants or default_variants, given_variants, parser.error)
     args.latency_variants = given_variants or list(LATENCY_VARIANTS)
     args.scale_variants = [v for v in given_variants or ("floor", "c") if v in scale.SCALE_VARIANTS]
     args.failover_variants = [
@@ -530,9 +544,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ]
     if args.window is None:
         args.window = 4096 if args.end_to_end and not quick else 512
-    full_requests = 200_000 if args.end_to_end else 40_000 if args.client else 60_000
+    full_requests = 200_000 if args.end_to_end else 40_000 if args.client or megatron else 60_000
     for name, full, smoke in (
-        ("repeat", 5, 1),
+        ("repeat", 3 if megatron else 5, 1),
         ("inflight", 200_000, 20_000),
         ("inflight_large", 1_000_000, 0),
         ("latency_seconds", 2.0, 0.5),
@@ -647,14 +661,16 @@ def _measure_cpu(
     try:
         for variant in args.variants:
             try:
-                sessions[variant] = Session(variant, args, directory)
+                sessions[variant] = Session(
+                    variant, args, directory, at_once=args.workload == "megatron"
+                )
             except Failure as exc:
                 failures[variant] = str(exc)
         # Variants interleave within each repetition, so drift hits them all alike.
         for repetition in range(args.repeat):
             for prompt in args.lengths:
                 n = requests_at(args, prompt.tokens)
-                warmup = min(n, max(2 * args.window, n // 20))
+                warmup = warmup_at(args, n)
                 for variant in list(sessions):
                     session = sessions[variant]
                     try:

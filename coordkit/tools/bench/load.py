@@ -298,8 +298,10 @@ def engine_child(
     at_once: bool,
     hold_after: int | None,
     held: Any,
+    workload: str = "standard",
 ) -> None:
-    """``ranks`` engine ranks connected to ``address``, or (``direct``) one bound there."""
+    """``ranks`` engine ranks connected to ``address``, or (``direct``) one bound there,
+    answering with ``workload``'s reply body."""
     raise_fd_limit()
     context = zmq.Context()
     try:
@@ -313,7 +315,9 @@ def engine_child(
                 for route in routes:
                     sock.send_multipart([route, b""])
         conn.send(("ready", address))
-        _serve_engine(conn, variant, single_frame, sock, at_once, hold_after, held)
+        _serve_engine(
+            conn, variant, single_frame, sock, at_once, hold_after, held, reply_body(workload)
+        )
     finally:
         context.destroy(linger=0)
 
@@ -326,9 +330,10 @@ def _serve_engine(
     at_once: bool,
     hold_after: int | None,
     held: Any,
+    body: bytes,
 ) -> None:
-    """Answer requests in batches of BATCH per rank, or at once; after ``hold_after``
-    requests, hold them.
+    """Answer requests with ``body`` in batches of BATCH per rank, or at once; after
+    ``hold_after`` requests, hold them.
 
     A batch waits until it is full, so every coordinator sees the same
     messages; what is left goes out short once no request came for a while.
@@ -336,7 +341,6 @@ def _serve_engine(
     floor's engine (and ``direct``'s) echoes each request on its own, with the
     client's envelope: a proxy cannot batch.
     """
-    body = reply_body()
     shared_body = zmq.Frame(body)  # sent by reference
     batch = ECHO_BATCH if at_once else BATCH
     # The frames before a request's metadata: this socket's name for the peer, and

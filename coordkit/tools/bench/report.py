@@ -21,6 +21,7 @@ from .workload import (
     BLOCK_SIZE,
     DIRECT,
     ECHO_BATCH,
+    MEGATRON_OUTPUT_TOKENS,
     MEMORY_PROMPT_TOKENS,
     OUTPUT_TOKENS,
     RANKS,
@@ -46,6 +47,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
                 key: statistics.median(r[key] for r in group)
                 for key in ("total_us", "user_us", "sys_us", "requests_per_s", "reply_batch")
             }
+            counted = [r["syscalls_per_request"] for r in group]
+            point["syscalls_per_request"] = None if None in counted else statistics.median(counted)
+            point["switches_per_request"] = statistics.median(
+                r["switches_per_request"] for r in group
+            )
             point["min_total_us"] = min(r["total_us"] for r in group)
             point["max_total_us"] = max(r["total_us"] for r in group)
             point["repetitions"] = len(group)
@@ -87,10 +93,19 @@ def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, A
     )
     edges = ", ".join(f"{name} at {size} B" for name, size in THRESHOLDS.items())
     print(f"(bytes: the frame carrying the prompt; the loop's thresholds: {edges})")
+    if args.workload == "megatron":
+        print(
+            f"(workload megatron: replies at once, up to {ECHO_BATCH} per message, bodies of "
+            f"{len(reply_body('megatron'))} B)"
+        )
+    print(
+        "(syscalls: perf stat's raw_syscalls:sys_enter, '-' without perf; switches: "
+        "voluntary and involuntary, from getrusage; both per request, every thread)"
+    )
     head = f"{'tokens':>6} {'ids':<6} {'bytes':>7}"
     print(
         f"{head}  {'variant':<11} {'µs/req':>8} {'user':>8} {'sys':>8} "
-        f"{'>floor':>8} {'req/s':>8} {'batch':>6}"
+        f"{'>floor':>8} {'req/s':>8} {'batch':>6} {'syscalls':>8} {'switches':>8}"
     )
     for point in summary.values():
         floor = point.get("floor", {}).get("total_us")
@@ -99,10 +114,13 @@ def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, A
                 continue
             p = point[variant]
             above = "-" if floor is None or variant == "floor" else f"{p['total_us'] - floor:.2f}"
+            syscalls = p["syscalls_per_request"]
             print(
                 f"{_prompt_label(p)}  {variant:<11} {p['total_us']:8.2f} {p['user_us']:8.2f} "
                 f"{p['sys_us']:8.2f} {above:>8} {p['requests_per_s']:8.0f} "
-                f"{p['reply_batch']:6.2f}"
+                f"{p['reply_batch']:6.2f} "
+                f"{'-' if syscalls is None else f'{syscalls:.2f}':>8} "
+                f"{p['switches_per_request']:8.2f}"
             )
     ratios = f"{'c/floor':>8} {'py/c':>8} {'py/c user':>10} {'mono/c':>8} {'c-metrics/c':>12}"
     traced = [
@@ -373,9 +391,11 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         "megatron_version": args.megatron_version,
         "window": args.window,
         "ranks": RANKS,
-        "reply_batch_max": BATCH,
-        "output_tokens": OUTPUT_TOKENS,
-        "reply_body_bytes": len(reply_body()),
+        "workload": args.workload,
+        "reply_batch_max": ECHO_BATCH if args.workload == "megatron" else BATCH,
+        "reply_at_once": args.workload == "megatron",
+        "output_tokens": MEGATRON_OUTPUT_TOKENS if args.workload == "megatron" else OUTPUT_TOKENS,
+        "reply_body_bytes": len(reply_body(args.workload)),
         "sampling_params": SAMPLING,
         "block_size": BLOCK_SIZE if args.policy == "prefix" else None,
         "inflight": args.inflight,

@@ -13,6 +13,7 @@ import itertools
 import multiprocessing
 import resource
 import signal
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
@@ -40,6 +41,8 @@ _GRACE = 2.0  # the same for a load generator, and for any process after SIGTERM
 _SPAWN = multiprocessing.get_context("spawn")  # children hold no state of ours
 _SPARE_FDS = 64  # descriptors a process needs besides its connections
 _SESSIONS = itertools.count()
+_SYSCALLS = "raw_syscalls:sys_enter"  # perf's tracepoint: every system call's entry
+_PERF_ATTACH = 0.3  # seconds perf stat takes to attach to a process's threads, at most
 
 
 class Failure(Exception):
@@ -231,6 +234,7 @@ class Session(Processes):
                 at_once,
                 hold_after,
                 self.held,
+                getattr(args, "workload", "standard"),
             )
             return str(self._receive(self.engine)[1])
 
@@ -265,11 +269,13 @@ class Session(Processes):
         self.client.conn.send(("load", prompt, n, warmup, window))
         self._receive(self.client, timeout=None)  # warm: the client progresses or says why not
         _, messages0, entries0 = self._call(self.engine, ("stats",))
-        before = self._call(self.coordinator, ("sample",))[1]
-        self.client.conn.send(("go",))
-        wall = self._receive(self.client, timeout=None)[1]
-        after = self._call(self.coordinator, ("sample",))[1]
+        with SyscallCounter(self.coordinator.process.pid) as syscalls:
+            before = self._call(self.coordinator, ("sample",))[1]
+            self.client.conn.send(("go",))
+            wall = self._receive(self.client, timeout=None)[1]
+            after = self._call(self.coordinator, ("sample",))[1]
         _, messages1, entries1 = self._call(self.engine, ("stats",))
+        switches = after["switches"] - before["switches"]
         user, sys_ = after["user"] - before["user"], after["sys"] - before["sys"]
         io = after["io"] - before["io"]
         return {
@@ -282,8 +288,11 @@ class Session(Processes):
             "requests_per_s": n / wall,
             "wall_s": wall,
             "reply_batch": (entries1 - entries0) / max(messages1 - messages0, 1),
-            "context_switches": after["switches"] - before["switches"],
+            "context_switches": switches,
             "involuntary_switches": after["involuntary"] - before["involuntary"],
+            "switches_per_request": switches / n,
+            # perf's count (None without a usable perf); from the attach to the detach
+            "syscalls_per_request": None if syscalls.count is None else syscalls.count / n,
             "page_faults": after["page_faults"] - before["page_faults"],
             "rss_before": before["rss"],
             "rss_after": after["rss"],
@@ -309,6 +318,60 @@ class Session(Processes):
             "submit_cpu_us": cpu / n * 1e6,
             "fill_s": wall,
         }
+
+
+class SyscallCounter:
+    """The system calls of process ``pid`` (every thread) while the block runs, counted
+    by ``perf stat`` on its ``raw_syscalls:sys_enter`` tracepoint; ``count`` stays None
+    where perf is missing or not allowed to (kernel.perf_event_paranoid, no root)."""
+
+    _usable: bool | None = None  # perf works here: tried once per process
+
+    def __init__(self, pid: int | None):
+        self.pid = pid
+        self.count: int | None = None
+        self._perf: subprocess.Popen[str] | None = None
+
+    @classmethod
+    def usable(cls) -> bool:
+        if cls._usable is None:
+            try:
+                probe = subprocess.run(
+                    ["perf", "stat", "-x,", "-e", _SYSCALLS, "true"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                cls._usable = probe.returncode == 0 and _SYSCALLS in probe.stderr
+            except (OSError, subprocess.SubprocessError):
+                cls._usable = False
+        return cls._usable
+
+    def __enter__(self) -> SyscallCounter:
+        if self.pid is not None and self.usable():
+            self._perf = subprocess.Popen(
+                ["perf", "stat", "-x,", "-e", _SYSCALLS, "-p", str(self.pid)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            time.sleep(_PERF_ATTACH)  # no sign when it is attached: a bound on how long it takes
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._perf is None:
+            return
+        self._perf.send_signal(signal.SIGINT)
+        try:
+            _, errors = self._perf.communicate(timeout=_GRACE * 5)
+        except subprocess.TimeoutExpired:
+            self._perf.kill()
+            self._perf.communicate()
+            return
+        for line in errors.splitlines():
+            fields = line.split(",")
+            if len(fields) > 2 and fields[2] == _SYSCALLS and fields[0].isdigit():
+                self.count = int(fields[0])
 
 
 def _child(conn: Connection, target: Callable[..., None], *args: Any) -> None:

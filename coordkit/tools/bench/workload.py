@@ -40,6 +40,14 @@ IMPLEMENTATIONS = {
 #: in single frames, mono's, whatever the dialect).
 DIRECT = ("direct", "direct-sf")
 LENGTHS = (16, 256, 2000, 8000, 32000)  # random-id prompts of the cost table
+#: ``--workload``: the load the cost table measures. ``standard``: the engine waits for
+#: full batches of BATCH, the bodies carry OUTPUT_TOKENS tokens and log probs, the prompts
+#: cross every threshold. ``megatron``: the load as Megatron's peers make it -- the engine
+#: answers what it reads at once, up to ECHO_BATCH per ENGINE_REPLY, bodies of about 200
+#: bytes (MEGATRON_OUTPUT_TOKENS tokens, no log probs), MEGATRON_LENGTHS random-id prompts.
+WORKLOADS = ("standard", "megatron")
+MEGATRON_LENGTHS = (16, 2000, 32000)
+MEGATRON_OUTPUT_TOKENS = 24
 RANKS = 2  # engine ranks in the one engine process
 BATCH = 8  # finished requests per ENGINE_REPLY, at most
 ECHO_BATCH = 16  # the same for an engine answering at once (the endpoints' echo engine)
@@ -165,20 +173,29 @@ def standard_prompts(single_frame: bool, fields: int = 4) -> list[Prompt]:
 
 
 def requests_at(args: argparse.Namespace, tokens: int) -> int:
+    if args.workload == "megatron":  # as the issue's black-box measure: every length alike
+        return int(args.requests)
     # Long prompts cost mostly copies: fewer requests keep the run short.
     return max(args.requests // 8, min(args.requests, args.requests * 2000 // tokens), 1)
 
 
-def reply_body() -> bytes:
-    """What a finished request's ENGINE_REPLY entry carries: a realistic msgpack map."""
+def warmup_at(args: argparse.Namespace, n: int) -> int:
+    """The requests that warm a cost point of ``n`` up (megatron: a quarter of them)."""
+    if args.workload == "megatron":
+        return max(2 * args.window, n // 4)
+    return min(n, max(2 * args.window, n // 20))
+
+
+def reply_body(workload: str = "standard") -> bytes:
+    """What a finished request's ENGINE_REPLY entry carries: a realistic msgpack map
+    (``megatron``: about 200 bytes, its tokens without log probs)."""
     rng = random.Random(0)
-    return packb(
-        {
-            "status": "COMPLETED",
-            "generated_tokens": [rng.randrange(VOCAB) for _ in range(OUTPUT_TOKENS)],
-            "generated_log_probs": [-rng.expovariate(2.0) for _ in range(OUTPUT_TOKENS)],
-            "generated_length": OUTPUT_TOKENS,
-            "finish_reason": "length",
-            "latency": 0.4821,
-        }
-    )
+    tokens = MEGATRON_OUTPUT_TOKENS if workload == "megatron" else OUTPUT_TOKENS
+    body: dict[str, object] = {
+        "status": "COMPLETED",
+        "generated_tokens": [rng.randrange(VOCAB) for _ in range(tokens)],
+    }
+    if workload != "megatron":
+        body["generated_log_probs"] = [-rng.expovariate(2.0) for _ in range(tokens)]
+    body.update(generated_length=tokens, finish_reason="length", latency=0.4821)
+    return packb(body)
