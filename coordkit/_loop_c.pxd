@@ -123,6 +123,7 @@ cdef class Loop:
         void* sock  # the ROUTER's raw libzmq handle
         void* wake  # the inproc PAIR that stop() writes to
         void* monitor  # the ROUTER's socket monitor: connections opened, ended, refused
+        int fds[3]  # their ZMQ_FDs (the ROUTER's, the PAIR's, the monitor's): _serve_for
         dict connections  # the connections open, by fd, and the client index on each (-1)
         # Clients whose connection ended, (routing id, fd): dropped once what they sent
         # before it ended is handled.
@@ -212,6 +213,7 @@ cdef class Loop:
 
     # the hot path (no GIL)
     cdef bint _serve_for(self, double timeout) noexcept nogil
+    cdef bint _woken(self) noexcept nogil
     cdef void _tick(self, double now) noexcept nogil
     cdef bint _oldest_submitted_before(self, double deadline) noexcept nogil
     cdef void _drain(self) noexcept nogil

@@ -29,7 +29,7 @@ requests are settled on a rare path once the message at hand is done
 """
 
 cimport cython
-from libc.errno cimport EINTR
+from libc.errno cimport EINTR, errno
 from libc.math cimport INFINITY, ceil
 from libc.stdint cimport UINT32_MAX, int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, qsort
@@ -75,8 +75,8 @@ from ._codec_c cimport (
 )
 from ._constants cimport *
 from .includes.libzmq cimport (
+    CK_ETERM,
     ZMQ_DONTWAIT,
-    ZMQ_POLLIN,
     ZMQ_SNDMORE,
     ZMQ_SRCFD,
     bind_libzmq,
@@ -92,8 +92,6 @@ from .includes.libzmq cimport (
     zmq_msg_send,
     zmq_msg_size,
     zmq_msg_t,
-    zmq_poll,
-    zmq_pollitem_t,
 )
 from ._routing_c cimport Router
 from .includes.bytebuf cimport reserve
@@ -106,6 +104,7 @@ from .includes.ring cimport (
     ck_ring_room,
     ck_ring_taken,
 )
+from .includes.poll cimport POLLIN, poll, pollfd
 from .includes.sysdep cimport DEBUG, memmem
 
 import struct
@@ -292,6 +291,9 @@ cdef class Loop:
         self.sock = <void*><size_t>router_socket.underlying
         self.wake = <void*><size_t>wake_socket.underlying
         self.monitor = <void*><size_t>monitor_socket.underlying
+        self.fds[0] = router_socket.FD  # in _serve_for's order: messages, stop(), monitor
+        self.fds[1] = wake_socket.FD
+        self.fds[2] = monitor_socket.FD
         self.connections = {}
         self.ended = []
         self.max_inflight = options.max_inflight
@@ -487,55 +489,70 @@ cdef class Loop:
 
     cdef bint _serve_for(self, double timeout) noexcept nogil:
         """Poll and handle messages, and run the timers when due, for up to ``timeout``
-        seconds; True once the loop must stop."""
-        cdef zmq_pollitem_t items[3]
-        cdef zmq_msg_t wake
+        seconds; True once the loop must stop.
+
+        The loop sleeps in poll(2) on the sockets' ZMQ_FDs, not in zmq_poll: zmq_poll
+        asks every socket for ZMQ_EVENTS before and after it sleeps, and each ask is
+        two system calls (libzmq's fork check, getpid, and a poll of the socket's
+        mailbox): fourteen for three sockets where one poll(2) does. A ZMQ_FD says only
+        that commands came since the socket last took them, so a socket is read to
+        EAGAIN (which takes them) right before every sleep: a silent fd is then an idle
+        socket.
+        """
+        cdef pollfd fds[3]
         cdef double now = monotonic()
         cdef double deadline = now + timeout
         cdef int i
-        items[0].socket = self.sock
-        items[1].socket = self.wake
-        items[2].socket = self.monitor
         for i in range(3):
-            items[i].fd = 0
-            items[i].events = ZMQ_POLLIN
-        while not self.stopping:
+            fds[i].fd = self.fds[i]
+            fds[i].events = POLLIN
+            fds[i].revents = POLLIN  # the first pass reads all three: what came before
+        while True:
+            if fds[2].revents:
+                with gil:
+                    self._connection_events()
+            if fds[1].revents and self._woken():
+                self.stopping = True
+            self._drain()
+            while self.n_ended and not self.stopping:
+                # what they sent before their connections ended went first (the drain)
+                with gil:
+                    self._drop_ended()
+                if self.traces.n_ending:
+                    self.traces.end()
+                self._drain()
+            if self.stopping:
+                return True
             now = monotonic()
             if now >= deadline:
                 return False
             # Rounded up: rounded down, the last millisecond before the deadline would
             # return at once, again and again, handling nothing until it passed.
-            if zmq_poll(items, 3, <long>ceil((min(deadline, self.next_tick) - now) * 1000.0)) < 0:
-                # EINTR: back to Python, which runs the signal handlers; anything
-                # else means the context was terminated.
-                return zmq_errno() != EINTR
+            if poll(fds, 3, <int>ceil(max(min(deadline, self.next_tick) - now, 0.0) * 1000.0)) < 0:
+                # EINTR: back to Python, which runs the signal handlers.
+                return errno != EINTR
             if DEBUG:
                 self.debug_polls += 1
             now = monotonic()
             self.latency.since = now
             if now >= self.deadline:  # its term is over (a freeze, say): serve nobody
                 self.stopping = True
-                break
+                return True
             if now >= self.next_tick:
                 self.next_tick = now + TICK_SECONDS
                 self._tick(now)
-            if items[2].revents & ZMQ_POLLIN:
-                with gil:
-                    self._connection_events()
-            if items[1].revents & ZMQ_POLLIN:
-                zmq_msg_init(&wake)
-                zmq_msg_recv(&wake, self.wake, ZMQ_DONTWAIT)
+
+    cdef bint _woken(self) noexcept nogil:
+        """stop() wrote to the wake socket: read to EAGAIN (see _serve_for)."""
+        cdef zmq_msg_t wake
+        cdef bint woken = False
+        while True:
+            zmq_msg_init(&wake)
+            if zmq_msg_recv(&wake, self.wake, ZMQ_DONTWAIT) < 0:
                 zmq_msg_close(&wake)
-                self.stopping = True
-            elif items[0].revents & ZMQ_POLLIN:
-                self._drain()
-            while self.n_ended and not self.stopping:
-                self._drain()  # what they sent before their connections ended goes first
-                with gil:
-                    self._drop_ended()
-                if self.traces.n_ending:
-                    self.traces.end()
-        return True
+                return woken
+            zmq_msg_close(&wake)
+            woken = True
 
     cdef void _tick(self, double now) noexcept nogil:
         """The timers: engines whose drain or heartbeat timed out declared gone, the
@@ -601,7 +618,11 @@ cdef class Loop:
     cdef void _drain(self) noexcept nogil:
         """Handle every message waiting, one at a time; the term's deadline is read
         again every 256 (a freeze in a long burst)."""
-        while not self.stopping and message_receive(&self.message, self.sock):
+        while not self.stopping:
+            if not message_receive(&self.message, self.sock):
+                if zmq_errno() == CK_ETERM:  # the context is ending: so is the loop
+                    self.stopping = True
+                return
             self.drained += 1
             if not self.drained & 255 and monotonic() >= self.deadline:
                 self.stopping = True

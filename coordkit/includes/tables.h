@@ -191,9 +191,18 @@ typedef struct {
     uint32_t n_adopted;
 } ck_requests;
 
+/* A client's ids in runs of 2**CK_RUN_BITS: a run hashed to a random block of cells,
+ * its ids on every other cell of it. A client numbers its requests in order, so the
+ * cells of the requests in flight share a few cache lines instead of each costing a
+ * miss in a table sized for max_inflight; the cell between two ids keeps them from
+ * forming a cluster that every removal would walk (ck_cells_remove); the ids' high
+ * bits still spread. */
+#define CK_RUN_BITS 6
 static inline uint64_t ck_requests_client_hash(const ck_requests *t, uint32_t client, int64_t rid)
 {
-    return ck_mix64((uint64_t)rid * CK_GOLDEN ^ client) & t->by_client_mask;
+    uint64_t run = ck_mix64(((uint64_t)rid >> CK_RUN_BITS) * CK_GOLDEN ^ client);
+    uint64_t within = (uint64_t)rid & ((1u << CK_RUN_BITS) - 1);
+    return (run << (CK_RUN_BITS + 1) | within << 1) & t->by_client_mask;
 }
 
 static inline uint64_t ck_requests_client_home(const void *table, uint32_t cell)
