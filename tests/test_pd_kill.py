@@ -5,7 +5,8 @@ process, whose pins the test reads, and decode processes that are SIGKILLed or
 SIGSTOPped) and PR #6675's peers (tests/support/megatron_pd.py): a decode killed
 after its read, once it streamed, ends its request with one typed error, its
 prefill's pins gone at the read; a decode that takes the handoff and never reads
-loses it to the pins' lease; a seeded random run of submits, aborts, kills and
+loses it to the pins' lease; a prefill killed while its decode imports, no retry
+left, ends the request and frees each seat once; a seeded random run of submits, aborts, kills and
 restarts over a small fleet leaves each request one terminal reply and nothing
 held. And what a P/D request in flight gets across a coordinator's loss (docs/pd.md,
 "Across a coordinator's failover"): a stream at its decode fails, a request that
@@ -32,7 +33,7 @@ import zmq
 
 from coordkit import Client, Coordinator, CoordinatorError, _pd
 from coordkit.protocol import ErrorCode
-from coordkit.tools.fake_engine import FakeEngine
+from coordkit.tools.fake_engine import NO_COST, FakeEngine
 from tests.support import megatron_pd as pd
 from tests.support.peers import ABORT, ERROR, PARTIAL, REPLY, SUBMIT, RawClient, m, um, wait_for
 from tests.support.processes import (
@@ -193,6 +194,26 @@ def test_a_frozen_decode_loses_the_handoff_to_the_lease(coordinator):
         client.pump(0.5)
         assert len(client.terminals(rid)) == 1 and client.partials(rid) == 0
         wait_settled(coord)
+        client.close()
+
+
+def test_a_prefill_killed_before_the_read_with_no_retry_frees_each_seat_once(coordinator):
+    coord = coordinator(pd_retries=0)
+    slow = NO_COST._replace(transfer_latency=30.0)  # the decode reads nothing meanwhile
+    with (
+        fake_engines(coord.address, 1, 1, role="decode", max_batch=4, cost=slow) as [decode],
+        engine_processes(coord.address, [0], "--quiet", "--role", "prefill") as [prefill],
+    ):
+        registered(coord, 2)
+        client = Recorder(coord.address)
+        rid = client.submit(PROMPT, output_tokens=4)
+        wait_for(lambda: decode.stats()["imports"] == 1)
+        prefill.kill()  # its KV is gone: the import stops, no retry is left
+        client.until(lambda: bool(client.terminals(rid)))
+        client.pump(0.3)
+        assert client.terminals(rid) == [(ERROR, ErrorCode.ENGINE_FAILED)]
+        wait_settled(coord)
+        wait_for(lambda: decode.stats()["importing"] == 0)  # its ABORT reached it
         client.close()
 
 
