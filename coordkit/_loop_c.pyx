@@ -116,6 +116,7 @@ from . import protocol
 from ._codec_c import read_single_submit
 from ._pd import (
     ABORTED_TEXT,
+    LEASE_EXPIRED,
     MEGATRON_DOMAIN,
     PD_COUNTS,
     PROMPT_LOG_PROBS,

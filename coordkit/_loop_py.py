@@ -2645,22 +2645,23 @@ class PD:
                 if hop.stage == _pd.DECODE:  # its KV is gone: the import stops
                     self._send_to(hop.decode, [_pd.rid_message(Header.ABORT_REQUEST, rid)])
                     self._release_seat(hop.decode, EngineRole.DECODE, hop.decode_work, hop.ssm)
+                    hop.decode = -1  # its seat is free: not freed again if it ends here
                 elif hop.stage == _pd.QUEUED_DECODE:
                     _discard(self.decode_queues[self.seats[rank].domain], rid)
                 hop.pins = False
                 hop.kv_meta = hop.blocks = b""
-                self._again(request, hop, name, prefill=True)
+                self._again(request, hop, _pd.removed(name), prefill=True)
             elif hop.decode == rank and hop.stage == _pd.DECODE:
                 self._release_seat(rank, EngineRole.DECODE, hop.decode_work, hop.ssm)
                 hop.decode = -1
-                self._again(request, hop, name, prefill=False)
+                self._again(request, hop, _pd.removed(name), prefill=False)
             elif hop.decode == rank and hop.stage == _pd.READ:
                 if request.flags & PRODUCED:
                     self._end(request, ErrorCode.ENGINE_FAILED, _pd.removed(name), True)
                 else:
                     self._release_seat(rank, EngineRole.DECODE, hop.decode_work, hop.ssm)
                     hop.stage = 0
-                    self._again(request, hop, name, prefill=True)
+                    self._again(request, hop, _pd.removed(name), prefill=True)
             elif hop.prefill == rank and hop.stage == _pd.READ:
                 hop.prefill = -1  # the decode's import is whole: nothing to release
         for rid, orphan in list(self.orphans.items()):
@@ -2672,12 +2673,13 @@ class PD:
         self.registrations.pop(name, None)
         self._fail_stranded()
 
-    def _again(self, request: _Request, hop: Hop, name: bytes, prefill: bool) -> None:
-        """After a death: prefilled again (the prompt kept), or handed off again (the
-        handoff kept, the prefill still pinning), up to ``retries`` times."""
+    def _again(self, request: _Request, hop: Hop, reason: str, prefill: bool) -> None:
+        """After a death or a lease: prefilled again (the prompt kept), or handed off
+        again (the handoff kept, the prefill still pinning), up to ``retries`` times;
+        then ended with ``reason``."""
         hop.attempts += 1
         if hop.attempts > self.retries:
-            self._end(request, ErrorCode.ENGINE_FAILED, _pd.removed(name), True)
+            self._end(request, ErrorCode.ENGINE_FAILED, reason, True)
             return
         if prefill:
             self.counts["reprefilled"] += 1
@@ -2715,10 +2717,11 @@ class PD:
             if hop.stage == _pd.DECODE:
                 self._send_to(hop.decode, [_pd.rid_message(Header.ABORT_REQUEST, rid)])
                 self._release_seat(hop.decode, EngineRole.DECODE, hop.decode_work, hop.ssm)
+                hop.decode = -1  # its seat is free: not freed again if it ends here
             elif hop.stage == _pd.QUEUED_DECODE:
                 _discard(self.decode_queues[self.seats[hop.prefill].domain], rid)
             self._release_pins(rid, hop)
-            self._again(request, hop, loop._engines[hop.prefill].identity, prefill=True)
+            self._again(request, hop, _pd.LEASE_EXPIRED, prefill=True)
         while self.orphan_order and self.orphan_order[0][0] <= now:
             _, rid = self.orphan_order.popleft()
             if rid in self.orphans and self.orphans[rid].deadline <= now:

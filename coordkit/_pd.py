@@ -275,6 +275,9 @@ PROMPT_LOG_PROBS = "prompt log probabilities are not supported by native disaggr
 NO_HANDOFF = "prefill reply carried no handoff metadata"
 BAD_HANDOFF = "prefill reply carried invalid handoff metadata"
 UNEXPECTED_READINESS = "unexpected KV transfer readiness notification"
+#: coordkit's own (#6675 has no lease): the pins' lease ran out before the decode read
+#: them, and no retry was left.
+LEASE_EXPIRED = "the KV handoff's lease expired before its decode read it"
 
 
 def cannot_route(role: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import functools
 import itertools
 import types
 
@@ -32,7 +33,7 @@ from tests.support.peers import (
     SUBMIT,
     SUBMIT_BATCH,
 )
-from tests.support.scripted import Script, packb, run, scripted
+from tests.support.scripted import Script, packb, run, same_frames, scripted
 
 
 def test_submit_many_without_batches(tmp_path, impl):
@@ -339,37 +340,27 @@ calls = st.lists(
 )
 
 
-async def _frames_of(tmp_path, impl, grant, script_calls) -> list[list[bytes]]:
-    async with scripted(tmp_path, impl, grant=grant) as (script, client):
-        for call in script_calls:
-            name = call[0]
-            hashed = len(call) > 3 and call[3]
-            if name in ("submit", "stream"):
-                block = 4 if hashed and isinstance(call[1], list) else None
-                getattr(client, name)(call[1], call[2], block_size=block)
-            elif name == "many":
-                block = 4 if hashed and all(isinstance(p, list) for p in call[1]) else None
-                client.submit_many(call[1], call[2], block_size=block)
-            elif name == "abort":
-                await client.abort(call[1])
-            elif name == "pause":
-                await client.pause()
-            else:
-                await asyncio.sleep(0)
-        received = []
-        while True:
-            try:
-                received.append(await script.recv(timeout=0.1))
-            except asyncio.TimeoutError:
-                return received
+async def _play(client, script_calls) -> None:
+    for call in script_calls:
+        name = call[0]
+        hashed = len(call) > 3 and call[3]
+        if name in ("submit", "stream"):
+            block = 4 if hashed and isinstance(call[1], list) else None
+            getattr(client, name)(call[1], call[2], block_size=block)
+        elif name == "many":
+            block = 4 if hashed and all(isinstance(p, list) for p in call[1]) else None
+            client.submit_many(call[1], call[2], block_size=block)
+        elif name == "abort":
+            await client.abort(call[1])
+        elif name == "pause":
+            await client.pause()
+        else:
+            await asyncio.sleep(0)
 
 
 @pytest.mark.c_extension
 @settings(max_examples=40, deadline=None)
 @given(script_calls=calls, grant=st.booleans())
 def test_differential_frames(c_impl, py_impl, tmp_path_factory, script_calls, grant):
-    frames = [
-        run(_frames_of(tmp_path_factory.mktemp("d"), impl, grant, script_calls))
-        for impl in (c_impl, py_impl)
-    ]
-    assert frames[0] == frames[1]
+    play = functools.partial(_play, script_calls=script_calls)
+    same_frames(c_impl, py_impl, tmp_path_factory, play, grant=grant)

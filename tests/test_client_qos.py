@@ -11,6 +11,7 @@ calls through both cores and compares every frame sent.
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 from hypothesis import given, settings
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from coordkit import Client
 from coordkit.protocol import unpackb
 from tests.support.peers import CONNECT, CONNECT_ACK, RESEND, SUBMIT, SUBMIT_BATCH
-from tests.support.scripted import TIMEOUT, Script, packb, run, scripted
+from tests.support.scripted import TIMEOUT, Script, packb, run, same_frames, scripted
 
 
 def test_priority_and_deadline_follow_the_rid(tmp_path, impl):
@@ -158,29 +159,19 @@ calls = st.lists(
 )
 
 
-async def _frames_of(tmp_path, impl, grant, script_calls) -> list[list[bytes]]:
-    async with scripted(tmp_path, impl, grant=grant, qos=True) as (script, client):
-        for name, *args in script_calls:
-            if name == "many":
-                client.submit_many(args[0], **args[1])
-            elif name != "yield":
-                getattr(client, name)(args[0], **args[1])
-            else:
-                await asyncio.sleep(0)
-        received = []
-        while True:
-            try:
-                received.append(await script.recv(timeout=0.1))
-            except asyncio.TimeoutError:
-                return received
+async def _play(client, script_calls) -> None:
+    for name, *args in script_calls:
+        if name == "many":
+            client.submit_many(args[0], **args[1])
+        elif name != "yield":
+            getattr(client, name)(args[0], **args[1])
+        else:
+            await asyncio.sleep(0)
 
 
 @pytest.mark.c_extension
 @settings(max_examples=30, deadline=None)
 @given(script_calls=calls, grant=st.booleans())
 def test_differential_frames(c_impl, py_impl, tmp_path_factory, script_calls, grant):
-    frames = [
-        run(_frames_of(tmp_path_factory.mktemp("q"), impl, grant, script_calls))
-        for impl in (c_impl, py_impl)
-    ]
-    assert frames[0] == frames[1]
+    play = functools.partial(_play, script_calls=script_calls)
+    same_frames(c_impl, py_impl, tmp_path_factory, play, grant=grant, qos=True)

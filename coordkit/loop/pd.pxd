@@ -112,5 +112,5 @@ cdef class PD:
     cdef _read_done(self, int rank)
     cdef _request_error(self, int rank)
     cdef _request_aborted(self, int rank)
-    cdef _again(self, uint32_t slot, bytes name, bint prefill)
+    cdef _again(self, uint32_t slot, str reason, bint prefill)
     cdef _fail_stranded(self)

@@ -658,24 +658,25 @@ cdef class PD:
                             rid_message(HEADER_ABORT_REQUEST, order[i].server_rid)
                         ])
                         self._release_seat(hop.decode, PD_DECODE, hop.decode_work, hop.ssm)
+                        hop.decode = -1  # its seat is free: not freed again if it ends here
                     elif hop.stage == PD_QUEUED_DECODE:
                         _discard(self.decode_queues[self.seats[rank].domain],
                                  order[i].server_rid)
                     hop.pins = False
                     kept = self.kept[slot]
                     kept[3] = kept[4] = b""
-                    self._again(slot, name, True)
+                    self._again(slot, removed(name), True)
                 elif hop.decode == rank and hop.stage == PD_STAGE_DECODE:
                     self._release_seat(rank, PD_DECODE, hop.decode_work, hop.ssm)
                     hop.decode = -1
-                    self._again(slot, name, False)
+                    self._again(slot, removed(name), False)
                 elif hop.decode == rank and hop.stage == PD_READ:
                     if self.loop.requests.pool[slot].flags & FLAG_PRODUCED:
                         self._end(slot, ERROR_ENGINE_FAILED, removed(name), True)
                     else:
                         self._release_seat(rank, PD_DECODE, hop.decode_work, hop.ssm)
                         hop.stage = 0
-                        self._again(slot, name, True)
+                        self._again(slot, removed(name), True)
                 elif hop.prefill == rank and hop.stage == PD_READ:
                     hop.prefill = -1  # the decode's import is whole: nothing to release
         finally:
@@ -689,12 +690,13 @@ cdef class PD:
         self.registrations.pop(name, None)
         self._fail_stranded()
 
-    cdef _again(self, uint32_t slot, bytes name, bint prefill):
-        """After a death: prefilled again (the prompt kept), or handed off again (the
-        handoff kept, the prefill still pinning), up to ``retries`` times."""
+    cdef _again(self, uint32_t slot, str reason, bint prefill):
+        """After a death or a lease: prefilled again (the prompt kept), or handed off
+        again (the handoff kept, the prefill still pinning), up to ``retries`` times;
+        then ended with ``reason``."""
         self.hops[slot].attempts += 1
         if self.hops[slot].attempts > self.retries:
-            self._end(slot, ERROR_ENGINE_FAILED, removed(name), True)
+            self._end(slot, ERROR_ENGINE_FAILED, reason, True)
             return
         if prefill:
             self.counts["reprefilled"] += 1
@@ -738,11 +740,11 @@ cdef class PD:
             if hop.stage == PD_STAGE_DECODE:
                 self._send_to(hop.decode, [rid_message(HEADER_ABORT_REQUEST, rid)])
                 self._release_seat(hop.decode, PD_DECODE, hop.decode_work, hop.ssm)
+                hop.decode = -1  # its seat is free: not freed again if it ends here
             elif hop.stage == PD_QUEUED_DECODE:
                 _discard(self.decode_queues[self.seats[hop.prefill].domain], rid)
-            name = self.loop._engine_identity(hop.prefill)
             self._release_pins(<uint32_t>slot)
-            self._again(<uint32_t>slot, name, True)
+            self._again(<uint32_t>slot, LEASE_EXPIRED, True)
         while self.orphan_order and self.orphan_order[0][0] <= now:
             _, rid = self.orphan_order.popleft()
             if rid in self.orphans and self.orphans[rid][2] <= now:

@@ -69,7 +69,7 @@ from typing import Any
 
 import zmq
 
-from .peers import WAIT, m, um, wait_for
+from .peers import WAIT, SingleFramePeer, m, um, wait_for
 
 # -- #6675's headers.py, spelled out (these peers stand for the PR, not coordkit) ----
 
@@ -1171,14 +1171,13 @@ class Outcome:
         return [t for partial in self.partials for t in partial["new_tokens"]]
 
 
-class PDClient:
+class PDClient(SingleFramePeer):
     """The PR's ``InferenceClient`` on the wire (inference_client.py): a DEALER, its
     own request ids from 0, and its receive loop's parsing (``violations`` holds what
     that loop would raise on, or a message for a request it never sent)."""
 
     def __init__(self, address: str, ctx: zmq.Context | None = None):
-        self.sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        super().__init__(ctx or zmq.Context.instance(), address, connect=False)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.connect(address)
@@ -1241,11 +1240,10 @@ class PDClient:
 
     def pump(self, timeout: float = 0.05) -> int:
         """Take every message that arrives within ``timeout`` of the last; how many."""
-        count = 0
-        while self.sock.poll(int(timeout * 1000)):
-            self._on_message(um(self.sock.recv()))
-            count += 1
-        return count
+        frames = self.recv_frames(timeout)
+        for frame in frames:
+            self._on_message(um(frame))
+        return len(frames)
 
     def wait(self, rid: int, timeout: float = WAIT) -> Outcome:
         """Pump until request ``rid`` has its terminal reply."""
@@ -1289,9 +1287,6 @@ class PDClient:
             self.violations.append(f"a reply for request {rid!r}, which this client never sent")
             self.outcomes[rid] = Outcome()
         return self.outcomes[rid]
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
 
 
 # -- threads and processes -------------------------------------------------------------

@@ -3,13 +3,15 @@
 The test plays the coordinator's side frame by frame (it may grant batches in
 its CONNECT_ACK); ``run`` runs an async test body under ``asyncio.run``,
 bounded in time (no pytest-asyncio); every receive has its own timeout too.
+``same_frames`` is the client tests' differential: both cores' clients make the
+same calls, and the Script must get the same frames from each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,15 @@ class Script:
 
     async def send(self, *frames: bytes) -> None:
         await self.socket.send_multipart([self.identity, *frames])
+
+    async def drain(self, quiet: float = 0.1) -> list[list[bytes]]:
+        """Every message that arrives until ``quiet`` seconds pass with none."""
+        received = []
+        while True:
+            try:
+                received.append(await self.recv(timeout=quiet))
+            except asyncio.TimeoutError:
+                return received
 
     async def silent(self, timeout: float = 0.2) -> None:
         """Nothing arrives within ``timeout``."""
@@ -98,3 +109,23 @@ async def scripted(
             yield script, client
     finally:
         script.close()
+
+
+def same_frames(
+    c_impl: Any,
+    py_impl: Any,
+    tmp_path_factory: Any,
+    play: Callable[[Client], Awaitable[None]],
+    **kwargs: Any,
+) -> None:
+    """The differential: a client of each core, connected to a Script (``kwargs`` as
+    :func:`scripted` takes them), does ``play``; the frames the Script gets until it
+    is quiet are the same."""
+
+    async def frames_of(impl: Any) -> list[list[bytes]]:
+        async with scripted(tmp_path_factory.mktemp("frames"), impl, **kwargs) as (script, client):
+            await play(client)
+            return await script.drain()
+
+    frames = [run(frames_of(impl)) for impl in (c_impl, py_impl)]
+    assert frames[0] == frames[1]

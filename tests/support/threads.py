@@ -13,11 +13,14 @@ JOIN_TIMEOUT = 5.0  # seconds an engine's thread gets to finish its step
 
 
 @contextlib.contextmanager
-def fake_engines(address: str, count: int, **options: Any) -> Iterator[list[FakeEngine]]:
-    """``count`` FakeEngines (ranks 0..count-1, no heartbeats) running on threads."""
+def fake_engines(
+    address: str, count: int, first: int = 0, **options: Any
+) -> Iterator[list[FakeEngine]]:
+    """``count`` FakeEngines (ranks ``first`` on, no heartbeats) running on threads."""
     stop = threading.Event()
     engines = [
-        FakeEngine(address, rank, heartbeat_interval=None, **options) for rank in range(count)
+        FakeEngine(address, rank, heartbeat_interval=None, **options)
+        for rank in range(first, first + count)
     ]
     threads = [threading.Thread(target=e.run, args=(stop,), daemon=True) for e in engines]
     for thread in threads:
