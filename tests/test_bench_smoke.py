@@ -118,6 +118,20 @@ def test_quick_run_of_the_megatron_workload(tmp_path):
         assert point["c"]["reply_batch"] >= 1  # the engine's replies, grouped as they came
 
 
+def test_quick_run_of_the_pd_cost(tmp_path):
+    """--pd: the same client load through a prefill and a decode FakeEngine (both hops
+    per request) and through two engines without a role, side by side."""
+    path = tmp_path / "pd.json"
+    assert bench.main(["--pd", "--quick", "--lengths", "16", "--json", str(path)]) == 0
+
+    result = json.loads(path.read_text())
+    assert not result["failures"]
+    (row,) = result["pd"]["summary"]
+    assert row["tokens"] == 16
+    assert row["aggregated_total_us"] > 0 and row["pd_total_us"] > 0
+    assert row["pd_per_aggregated"] > 0
+
+
 def test_megatron_version_needs_the_dialect(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--megatron-version", "main"])

@@ -79,7 +79,7 @@ from ..._policies import POLICIES
 from ..._shared import DIALECTS
 from ...election import DEFAULT_TTL
 from ..options import Parser
-from . import endpoints, failover, fairness, latency, report, scale
+from . import endpoints, failover, fairness, latency, pd, report, scale
 from .latency import LATENCY_LENGTHS, LATENCY_VARIANTS
 from .session import Failure, Session
 from .workload import (
@@ -121,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     scale_runs: list[dict[str, Any]] = []
     failover_runs: list[dict[str, Any]] = []
     fairness_result: dict[str, Any] = {}
+    pd_runs: list[dict[str, Any]] = []
     failures: dict[str, str] = {}
     interrupted = False
     with (
@@ -143,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 failover.measure_failover(args, directory, failover_runs, failures)
             if args.fairness:
                 fairness.measure_fairness(args, directory, fairness_result, failures)
+            if args.pd:
+                pd.measure_pd(args, directory, pd_runs, failures)
         except KeyboardInterrupt:
             interrupted = True
             print("coordkit bench: interrupted; reporting what was measured", file=sys.stderr)
@@ -162,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     failover_rows = failover.summarize(failover_runs)
     report.print_failover(args, failover_rows)
     fairness.print_fairness(fairness_result)
+    pd_rows = pd.summarize(pd_runs)
+    pd.print_pd(args, pd_rows)
     for variant, reason in failures.items():
         print(f"FAILED {variant}: {reason}")
     if args.json:
@@ -191,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["failover"] = {"runs": failover_runs, "summary": failover_rows}
         if args.fairness:
             result["fairness"] = fairness_result
+        if args.pd:
+            result["pd"] = {"runs": pd_runs, "summary": pd_rows}
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
         if args.fairness:
@@ -254,6 +261,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the coordinator SIGKILLed with requests in flight, restarted or taken over by "
         "a standby: time from the kill to the first reply after it, the added p99 of the "
         "requests that crossed it, and every request's completion",
+    )
+    modes.add_argument(
+        "--pd",
+        action="store_true",
+        help="coordinator CPU per disaggregated request (a prefill and a decode FakeEngine, "
+        "pd_mode always) against the same requests run whole by two engines without a role",
     )
     modes.add_argument(
         "--fairness",
@@ -521,6 +534,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         or args.scale
         or args.failover
         or args.fairness
+        or args.pd
     )
     given_lengths, given_variants = args.lengths, args.variants
     if args.megatron_version != "0.19" and args.dialect != "megatron-core":
@@ -544,9 +558,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ]
     if args.window is None:
         args.window = 4096 if args.end_to_end and not quick else 512
-    full_requests = 200_000 if args.end_to_end else 40_000 if args.client or megatron else 60_000
+    # --pd's FakeEngines pace it: a few thousand requests per second
+    mode_requests = 20_000 if args.pd else 40_000 if args.client or megatron else 60_000
+    full_requests = 200_000 if args.end_to_end else mode_requests
     for name, full, smoke in (
-        ("repeat", 3 if megatron else 5, 1),
+        ("repeat", 3 if megatron or args.pd else 5, 1),
         ("inflight", 200_000, 20_000),
         ("inflight_large", 1_000_000, 0),
         ("latency_seconds", 2.0, 0.5),

@@ -18,7 +18,9 @@ for clients connected to it without one.
 
 from __future__ import annotations
 
+import logging
 import resource
+import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -28,6 +30,7 @@ import msgpack
 import zmq
 
 from ...protocol import block_hashes, packb
+from ..fake_engine import FakeEngine
 from .workload import (
     BATCH,
     BLOCK_SIZE,
@@ -48,6 +51,8 @@ _FLUSH_MS = 100  # an engine sends a short batch after this long without a reque
 # end of a load: a stall of a shared machine shorter than this does not cut batches short)
 _UINTS = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}  # msgpack's unsigned ints: their sizes
 _MORE = int(zmq.SNDMORE)
+_FAKE_OUTPUT_TOKENS = 2  # steps per request at a FakeEngine: the coordinator sees one final
+_FAKE_CAPACITY = 1024  # each FakeEngine's, declared: above the client's window, nothing waits
 
 
 def frames_sender(sock: zmq.Socket) -> Callable[[list[Any]], None]:
@@ -408,3 +413,32 @@ def _serve_engine(
                     reply(route, rids)
             if at_once:
                 flush()
+
+
+def fake_engines_child(conn: Connection, address: str, roles: tuple[str | None, ...]) -> None:
+    """One FakeEngine per role, each on a thread of this process, free of model time,
+    until the bench says stop (the Session's engine child: it answers "stats")."""
+    logging.getLogger("coordkit.engine").setLevel(logging.ERROR)  # the session ends it all
+    stop = threading.Event()
+    engines = [
+        FakeEngine(
+            address,
+            rank,
+            role=role,
+            max_batch=_FAKE_CAPACITY,
+            output_tokens=_FAKE_OUTPUT_TOKENS,
+            heartbeat_interval=None,
+        )
+        for rank, role in enumerate(roles)
+    ]
+    threads = [threading.Thread(target=e.run, args=(stop,), daemon=True) for e in engines]
+    for thread in threads:
+        thread.start()
+    try:
+        conn.send(("ready", address))
+        while conn.recv()[0] == "stats":
+            conn.send(("stats", 0, 0))  # its replies are not counted: FakeEngine's own
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(TIMEOUT)

@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from .load import client_child, engine_child
+from .load import client_child, engine_child, fake_engines_child
 from .servers import coordinator_child
 from .workload import (
     DIRECT,
@@ -156,7 +156,8 @@ class Session(Processes):
     engine answer what it reads at once instead of in full batches. The
     variants ``direct`` and ``direct-sf`` have no coordinator: the clients
     connect to the engine. The load speaks the dialect's frames, mono's single
-    frames always, or as ``single_frame`` says.
+    frames always, or as ``single_frame`` says. ``roles`` serves it with FakeEngine
+    ranks of those roles instead (None: aggregated), one rank each (``--pd``).
     """
 
     def __init__(
@@ -171,6 +172,7 @@ class Session(Processes):
         clients: int = 1,
         at_once: bool = False,
         single_frame: bool | None = None,
+        roles: tuple[str | None, ...] | None = None,
     ):
         super().__init__(variant)
         self.held = _SPAWN.Value("q", 0, lock=False)  # requests the engine holds
@@ -186,6 +188,9 @@ class Session(Processes):
                 f"{ranks} engine and {clients} client connections need as many file "
                 f"descriptors; RLIMIT_NOFILE allows {hard}"
             )
+        self.roles = roles
+        if roles is not None:
+            ranks = len(roles)
         try:
             self.address = self._servers(
                 args, directory, coordinator_options, hold_after, ranks, at_once
@@ -224,6 +229,9 @@ class Session(Processes):
             endpoints = [f"ipc://{name}-{side}" for side in ("front", "back")]
 
         def engine(address: str) -> str:
+            if self.roles is not None:
+                self.engine = self._start("engine", fake_engines_child, address, self.roles)
+                return str(self._receive(self.engine)[1])
             self.engine = self._start(
                 "engine",
                 engine_child,

@@ -1,0 +1,98 @@
+"""``coordkit bench --pd``: the coordinator's CPU per disaggregated request, against the
+same requests run whole.
+
+The same coordinator (``c``) and the same client load as the cost table, served by
+two :class:`~coordkit.tools.fake_engine.FakeEngine` ranks in one engine process,
+free of model time: ``aggregated``, two engines without a role, each request
+dispatched once; ``pd``, a prefill and a decode engine with ``pd_mode="always"``,
+each request taking both hops (the prefill's handoff intercepted, the decode
+chosen, the import, the release to the prefill). Issue #29's bound is two
+dispatches: ``pd`` at most twice ``aggregated``, which the cost table puts at the
+floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Any
+
+from .session import Failure, Session
+from .workload import requests_at, warmup_at
+
+#: Each mode's engine roles and coordinator options.
+MODES: dict[str, tuple[tuple[str | None, ...], dict[str, Any]]] = {
+    "aggregated": ((None, None), {}),
+    "pd": (("prefill", "decode"), {"pd_mode": "always"}),
+}
+
+
+def measure_pd(
+    args: argparse.Namespace,
+    directory: str,
+    runs: list[dict[str, Any]],
+    failures: dict[str, str],
+) -> None:
+    """Each mode's sessions, interleaved within each repetition."""
+    sessions: dict[str, Session] = {}
+    try:
+        for mode, (roles, options) in MODES.items():
+            try:
+                sessions[mode] = Session("c", args, directory, options, roles=roles)
+            except Failure as exc:
+                failures[f"pd {mode}"] = str(exc)
+        for repetition in range(args.repeat):
+            for prompt in args.lengths:
+                n = requests_at(args, prompt.tokens)
+                for mode in list(sessions):
+                    try:
+                        run = sessions[mode].run(prompt, n, warmup_at(args, n), args.window)
+                    except Failure as exc:
+                        failures[f"pd {mode}"] = f"at {prompt.key} tokens: {exc}"
+                        sessions.pop(mode).close()
+                        continue
+                    run.update(mode=mode, repetition=repetition, tokens=prompt.tokens)
+                    runs.append(run)
+                    print(
+                        f"[{repetition + 1}/{args.repeat}] pd {prompt.key:>6} tokens "
+                        f"{mode:>10}: {run['total_us']:8.2f} µs/request",
+                        file=sys.stderr,
+                    )
+    finally:
+        for session in sessions.values():
+            session.close()
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per prompt length: each mode's medians, and pd against aggregated."""
+    rows = []
+    for tokens in sorted({r["tokens"] for r in runs}):
+        row: dict[str, Any] = {"tokens": tokens}
+        for mode in MODES:
+            group = [r for r in runs if r["tokens"] == tokens and r["mode"] == mode]
+            if group:
+                for key in ("total_us", "user_us", "sys_us", "requests_per_s"):
+                    row[f"{mode}_{key}"] = statistics.median(r[key] for r in group)
+        if "pd_total_us" in row and "aggregated_total_us" in row:
+            row["pd_per_aggregated"] = row["pd_total_us"] / row["aggregated_total_us"]
+        rows.append(row)
+    return rows
+
+
+def print_pd(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    print(
+        f"\ncoordinator CPU per request, aggregated and disaggregated, median of "
+        f"{args.repeat} ({args.transport}, c, two FakeEngine ranks free of model time, "
+        f"window {args.window})"
+    )
+    print(f"{'tokens':>6}  {'aggregated µs':>13} {'user':>7}  {'pd µs':>8} {'user':>7}  pd/agg")
+    for row in rows:
+        ratio = row.get("pd_per_aggregated")
+        print(
+            f"{row['tokens']:>6}  {row.get('aggregated_total_us', 0):13.2f} "
+            f"{row.get('aggregated_user_us', 0):7.2f}  {row.get('pd_total_us', 0):8.2f} "
+            f"{row.get('pd_user_us', 0):7.2f}  {'-' if ratio is None else f'{ratio:.2f}'}"
+        )
