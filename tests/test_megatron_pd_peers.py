@@ -19,8 +19,6 @@ client, str prompts end to end -- is for the tests against coordkit's coordinato
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -126,13 +124,6 @@ class Coordinator:
 
     def close(self) -> None:
         self.sock.close()
-
-
-@pytest.fixture
-def kv_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="pdkv", dir="/tmp")  # short: ipc paths are
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

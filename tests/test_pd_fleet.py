@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -37,18 +38,8 @@ def engines(address: str, *specs: tuple[int, list[str]]) -> Iterator[list[subpro
 
 
 @pytest.fixture
-def coordinator(make_coordinator) -> Iterator[Any]:
-    made = []
-
-    def make(**options: Any) -> Any:
-        coord = make_coordinator(policy="prefix", **options)
-        coord.start()
-        made.append(coord)
-        return coord
-
-    yield make
-    for coord in made:
-        coord.stop()
+def coordinator(start_coordinator) -> Callable[..., Any]:
+    return functools.partial(start_coordinator, policy="prefix")
 
 
 def registered(coord: Any, count: int) -> None:

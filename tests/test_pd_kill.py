@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
-import shutil
 import signal
 import subprocess
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -101,18 +100,8 @@ class Recorder:
 
 
 @pytest.fixture
-def coordinator(make_coordinator) -> Iterator[Callable[..., Any]]:
-    made = []
-
-    def make(**options: Any) -> Any:
-        coord = make_coordinator(policy="prefix", pd_mode="always", **options)
-        coord.start()
-        made.append(coord)
-        return coord
-
-    yield make
-    for coord in made:
-        coord.stop()
+def coordinator(start_coordinator) -> Callable[..., Any]:
+    return functools.partial(start_coordinator, policy="prefix", pd_mode="always")
 
 
 def registered(coord: Any, count: int) -> None:
@@ -363,13 +352,6 @@ def test_across_a_coordinators_restart_a_stream_fails_and_a_silent_request_runs_
 
 
 # -- PR #6675's peers -------------------------------------------------------------------
-
-
-@pytest.fixture
-def kv_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="pdkv", dir="/tmp")  # short: ipc paths are
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager

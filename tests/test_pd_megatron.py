@@ -9,8 +9,6 @@ death before its read handed off again, and every prefill left with no pins."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,13 +23,6 @@ from tests.support.peers import wait_for
 pytestmark = pytest.mark.timeout(60)
 
 PROMPT = list(range(1, 11))  # three #6675 blocks of 4 tokens
-
-
-@pytest.fixture
-def kv_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="pdkv", dir="/tmp")  # short: ipc paths are
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ vendoring.py). Where one does not build or import, its tests skip, or fail under
 from __future__ import annotations
 
 import itertools
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -84,6 +86,32 @@ def make_coordinator(impl, tmp_path) -> Callable[..., Any]:
         return Coordinator(address, implementation=impl.name, **options)
 
     return make
+
+
+@pytest.fixture
+def start_coordinator(make_coordinator) -> Iterator[Callable[..., Any]]:
+    """``start_coordinator(**options)``: a coordinator started on its thread, stopped at
+    the test's end."""
+    made = []
+
+    def make(**options: Any) -> Any:
+        coord = make_coordinator(**options)
+        coord.start()
+        made.append(coord)
+        return coord
+
+    yield make
+    for coord in made:
+        coord.stop()
+
+
+@pytest.fixture
+def kv_dir() -> Iterator[str]:
+    """A directory for #6675 peers' KV files and ipc sockets, under /tmp: ipc paths
+    are short."""
+    path = tempfile.mkdtemp(prefix="pdkv", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -81,7 +82,7 @@ from ...election import DEFAULT_TTL
 from ..options import Parser
 from . import endpoints, failover, fairness, latency, pd, report, scale
 from .latency import LATENCY_LENGTHS, LATENCY_VARIANTS
-from .session import Failure, Session
+from .session import Failure, Session, run_interleaved
 from .workload import (
     DEFAULT_VARIANTS,
     IMPLEMENTATIONS,
@@ -94,9 +95,7 @@ from .workload import (
     WORKLOADS,
     Prompt,
     parse_prompt,
-    requests_at,
     standard_prompts,
-    warmup_at,
 )
 
 __all__ = ["main", "VARIANTS", "LENGTHS", "IMPLEMENTATIONS", "standard_prompts"]
@@ -673,39 +672,12 @@ def _measure_cpu(
     runs: list[dict[str, Any]],
     failures: dict[str, str],
 ) -> None:
-    sessions: dict[str, Session] = {}
-    try:
-        for variant in args.variants:
-            try:
-                sessions[variant] = Session(
-                    variant, args, directory, at_once=args.workload == "megatron"
-                )
-            except Failure as exc:
-                failures[variant] = str(exc)
-        # Variants interleave within each repetition, so drift hits them all alike.
-        for repetition in range(args.repeat):
-            for prompt in args.lengths:
-                n = requests_at(args, prompt.tokens)
-                warmup = warmup_at(args, n)
-                for variant in list(sessions):
-                    session = sessions[variant]
-                    try:
-                        run = session.run(prompt, n, warmup, args.window)
-                    except Failure as exc:
-                        failures[variant] = f"at {prompt.key} tokens: {exc}"
-                        sessions.pop(variant).close()
-                        continue
-                    run.update(variant=variant, repetition=repetition)
-                    run.update(prompt.describe(session.single_frame, session.fields))
-                    runs.append(run)
-                    print(
-                        f"[{repetition + 1}/{args.repeat}] {prompt.key:>10} tokens {variant:>5}: "
-                        f"{run['total_us']:8.2f} µs/request, {run['requests_per_s']:8.0f} req/s",
-                        file=sys.stderr,
-                    )
-    finally:
-        for session in sessions.values():
-            session.close()
+    at_once = args.workload == "megatron"
+    starts = {
+        variant: functools.partial(Session, variant, args, directory, at_once=at_once)
+        for variant in args.variants
+    }
+    run_interleaved(args, starts, runs, failures, "variant")
 
 
 def _measure_memory(

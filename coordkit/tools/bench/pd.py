@@ -14,12 +14,11 @@ floor.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import sys
 from typing import Any
 
-from .session import Failure, Session
-from .workload import requests_at, warmup_at
+from .session import Session, run_interleaved
 
 #: Each mode's engine roles and coordinator options.
 MODES: dict[str, tuple[tuple[str | None, ...], dict[str, Any]]] = {
@@ -34,34 +33,12 @@ def measure_pd(
     runs: list[dict[str, Any]],
     failures: dict[str, str],
 ) -> None:
-    """Each mode's sessions, interleaved within each repetition."""
-    sessions: dict[str, Session] = {}
-    try:
-        for mode, (roles, options) in MODES.items():
-            try:
-                sessions[mode] = Session("c", args, directory, options, roles=roles)
-            except Failure as exc:
-                failures[f"pd {mode}"] = str(exc)
-        for repetition in range(args.repeat):
-            for prompt in args.lengths:
-                n = requests_at(args, prompt.tokens)
-                for mode in list(sessions):
-                    try:
-                        run = sessions[mode].run(prompt, n, warmup_at(args, n), args.window)
-                    except Failure as exc:
-                        failures[f"pd {mode}"] = f"at {prompt.key} tokens: {exc}"
-                        sessions.pop(mode).close()
-                        continue
-                    run.update(mode=mode, repetition=repetition, tokens=prompt.tokens)
-                    runs.append(run)
-                    print(
-                        f"[{repetition + 1}/{args.repeat}] pd {prompt.key:>6} tokens "
-                        f"{mode:>10}: {run['total_us']:8.2f} µs/request",
-                        file=sys.stderr,
-                    )
-    finally:
-        for session in sessions.values():
-            session.close()
+    """Each mode's session, interleaved within each repetition."""
+    starts = {
+        mode: functools.partial(Session, "c", args, directory, options, roles=roles)
+        for mode, (roles, options) in MODES.items()
+    }
+    run_interleaved(args, starts, runs, failures, "mode", prefix="pd ")
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

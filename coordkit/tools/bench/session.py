@@ -14,9 +14,10 @@ import multiprocessing
 import resource
 import signal
 import subprocess
+import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -34,6 +35,8 @@ from .workload import (
     TIMEOUT,
     TRACE_SAMPLES,
     Prompt,
+    requests_at,
+    warmup_at,
 )
 
 _STOP_TIMEOUT = 10.0  # seconds the coordinator gets to exit before it is terminated
@@ -326,6 +329,51 @@ class Session(Processes):
             "submit_cpu_us": cpu / n * 1e6,
             "fill_s": wall,
         }
+
+
+def run_interleaved(
+    args: argparse.Namespace,
+    starts: Mapping[str, Callable[[], Session]],
+    runs: list[dict[str, Any]],
+    failures: dict[str, str],
+    key: str,
+    prefix: str = "",
+) -> None:
+    """Start each named session, then run every prompt of ``args.lengths`` on each in
+    turn within each repetition, so drift hits them all alike. A run records its name
+    under ``key``; a session that fails is dropped, its failure recorded under
+    ``prefix`` + its name, and the others go on."""
+    sessions: dict[str, Session] = {}
+    try:
+        for name, start in starts.items():
+            try:
+                sessions[name] = start()
+            except Failure as exc:
+                failures[prefix + name] = str(exc)
+        for repetition in range(args.repeat):
+            for prompt in args.lengths:
+                n = requests_at(args, prompt.tokens)
+                warmup = warmup_at(args, n)
+                for name in list(sessions):
+                    session = sessions[name]
+                    try:
+                        run = session.run(prompt, n, warmup, args.window)
+                    except Failure as exc:
+                        failures[prefix + name] = f"at {prompt.key} tokens: {exc}"
+                        sessions.pop(name).close()
+                        continue
+                    run.update({key: name, "repetition": repetition})
+                    run.update(prompt.describe(session.single_frame, session.fields))
+                    runs.append(run)
+                    print(
+                        f"[{repetition + 1}/{args.repeat}] {prefix}{prompt.key:>10} tokens "
+                        f"{name:>5}: {run['total_us']:8.2f} µs/request, "
+                        f"{run['requests_per_s']:8.0f} req/s",
+                        file=sys.stderr,
+                    )
+    finally:
+        for session in sessions.values():
+            session.close()
 
 
 class SyscallCounter:
