@@ -509,6 +509,14 @@ cdef class Loop:
             fds[i].events = POLLIN
             fds[i].revents = POLLIN  # the first pass reads all three: what came before
         while True:
+            # Read on entering and after each wake-up, before anything is handled.
+            if now >= self.deadline:  # its term is over (a freeze, say): serve nobody
+                self.stopping = True
+                return True
+            self.latency.since = now
+            if now >= self.next_tick:
+                self.next_tick = now + TICK_SECONDS
+                self._tick(now)
             if fds[2].revents:
                 with gil:
                     self._connection_events()
@@ -535,13 +543,6 @@ cdef class Loop:
             if DEBUG:
                 self.debug_polls += 1
             now = monotonic()
-            self.latency.since = now
-            if now >= self.deadline:  # its term is over (a freeze, say): serve nobody
-                self.stopping = True
-                return True
-            if now >= self.next_tick:
-                self.next_tick = now + TICK_SECONDS
-                self._tick(now)
 
     cdef bint _woken(self) noexcept nogil:
         """stop() wrote to the wake socket: read to EAGAIN (see _serve_for)."""
