@@ -394,8 +394,10 @@ cdef class EngineCore:
             if status != CK_OK or self.n_parts != 1:
                 raise ProtocolError(f"{protocol.header_name(header)}: bad layout")
             PyList_Append(events, Abort(rid) if header == HEADER_ABORT_REQUEST else ReleaseKV(rid))
-            if header == HEADER_ABORT_REQUEST and self.held is not None:
+            if self.held is not None and header == HEADER_ABORT_REQUEST:
                 self.held.aborted(rid)
+            elif self.held is not None:
+                self.held.released(rid)
         else:
             self._parse_rarely(header, events)
         return 0

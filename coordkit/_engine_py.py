@@ -133,7 +133,10 @@ class EngineCore:
             if self.held is not None:
                 self.held.aborted(rid)
         elif header == Header.RELEASE_KV:
-            events.append(ReleaseKV(protocol.RELEASE_KV.parse(frames).rid))
+            rid = protocol.RELEASE_KV.parse(frames).rid
+            events.append(ReleaseKV(rid))
+            if self.held is not None:
+                self.held.released(rid)
         elif header == Header.SEND_KV:
             send = protocol.SEND_KV.parse(frames)
             events.append(SendKV(send.rid, send.decode_meta, send.cached_prefix_blocks or 0))

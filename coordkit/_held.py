@@ -5,7 +5,8 @@ cores' hot paths only hand it the trailer of each request and the bodies of
 each reply message). It keeps, for each request a rebuild client sent (its
 trailer names the client), the client's id and request id, the partials sent
 and whether the final was, and the bodies of the replies no HANDLED covers
-yet; and it answers the coordinator's rebuild messages:
+yet; a prefill hop it handed off, until a RELEASE_KV or ABORT names it (its
+blocks pinned); and it answers the coordinator's rebuild messages:
 
 * ENGINE_ACK (the rebuild granted; the Engine passes its map on): HELD, what
   it holds, and the block hashes of the requests it was sent lately (a bounded
@@ -161,9 +162,18 @@ class Held:
             self._messages.append((number, rids))
 
     def handed_off(self, server_rids: Sequence[int]) -> None:
-        """Prefill hops handed off (HANDOFF): their decode engines hold them now."""
+        """Prefill hops handed off (HANDOFF): their decode engines run them now, and
+        their blocks stay pinned here. Each is listed in HELD, its final sent, until a
+        RELEASE_KV (or an ABORT) names it: a coordinator that never knew of the handoff
+        (one that took over) releases its pins."""
         for rid in server_rids:
-            self.requests.pop(rid, None)
+            kept = self.requests.get(rid)
+            if kept is not None:  # no client's to replay: the room's, to release
+                kept.client_id, kept.final, kept.bodies = None, True, []
+
+    def released(self, server_rid: int) -> None:
+        """RELEASE_KV: a handoff's pins are gone."""
+        self.requests.pop(server_rid, None)
 
     def aborted(self, server_rid: int) -> None:
         """ABORT: a request whose final already went is not awaited any more."""

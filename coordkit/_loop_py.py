@@ -1444,7 +1444,10 @@ class Rebuild:
         self._loop._router.learn(engine.rank, hashes, time.monotonic())
         replays: dict[_Engine, list[list[int]]] = defaultdict(list)
         aborts = []
-        for server_rid, client_rid, client_id, partials, _ in entries:
+        for server_rid, client_rid, client_id, partials, final in entries:
+            pd = self._loop._pd
+            if client_id is None and pd is not None and pd.reported(engine.rank, server_rid, final):
+                continue
             request = self._loop._find(server_rid)
             if request is not None:
                 # Its client named, or nil for one that did not ask for the rebuild.
@@ -2413,6 +2416,29 @@ class PD:
             self._release_seat(orphan.prefill, EngineRole.PREFILL, 0, seat.slot_cost)
         if orphan.client is not None:
             self._tell(orphan.client, protocol.REQUEST_ABORTED.pack(orphan.client_rid, True))
+
+    def reported(self, rank: int, rid: int, final: bool) -> bool:
+        """An entry naming no client in the HELD of a rebuild engine at ``rank``: one of
+        the room's hops there (confirmed), or pins there that their read or lease
+        releases (kept); pins the room does not know of (a handoff made under a
+        coordinator before this one, or by ``rank`` before it was seen gone) are
+        released now. False for anything else: the loop aborts it at the engine."""
+        hop = self.hops.get(rid)
+        if hop is not None and hop.stage:
+            if hop.pins and hop.prefill == rank:
+                return True
+            request = self._loop._find(rid)
+            if request is not None and request.rank == rank and not final:
+                request.flags &= ~UNCONFIRMED
+                return True
+        orphan = self.orphans.get(rid)
+        if orphan is not None and orphan.prefill == rank:
+            return True
+        if not final:
+            return False
+        self.counts["pins_released"] += 1
+        self._send_to(rank, [_pd.rid_message(Header.RELEASE_KV, rid)])
+        return True
 
     def _megatron_client(self, client: _Client) -> bool:
         return self.megatron_clients and not client.coordkit

@@ -191,14 +191,16 @@ def test_a_decode_says_ready_read_done_or_failed(router, impl):
         ]
 
 
-def test_a_handed_off_request_is_not_reported_held(router, impl):
-    """The rebuild after a coordinator's loss: a prefill hop handed off is its decode's
-    to report, not the prefill's."""
+def test_a_handed_off_request_is_reported_pinned_until_released(router, impl):
+    """The rebuild after a coordinator's loss: a prefill hop handed off runs at its
+    decode, but its blocks stay pinned here; HELD lists it, naming no client, its final
+    sent, until a RELEASE_KV names it (a new coordinator releases what it never knew)."""
     socket, _ = router
     engine, _ = registered(router, impl, role="prefill", capacity=4)
 
     def held() -> list:
-        socket.send_multipart([engine.identity, packb([ENGINE_ACK, {"rebuild": 1, "epoch": 1}])])
+        granted = {"rebuild": 1, "epoch": 1, "held_all": 1}  # as a coordinator asks
+        socket.send_multipart([engine.identity, packb([ENGINE_ACK, granted])])
         deadline = time.monotonic() + TIMEOUT_MS / 1000
         while not socket.poll(0):
             assert time.monotonic() < deadline
@@ -218,4 +220,7 @@ def test_a_handed_off_request_is_not_reported_held(router, impl):
         assert [entry[0] for entry in held()] == [1, 2]
         engine.handoff([(1, {}, [1])])
         socket.recv_multipart()  # the HANDOFF
+        assert held() == [[1, 3, None, 0, True], [2, 3, b"client-1", 0, False]]
+        socket.send_multipart([engine.identity, packb([RELEASE_KV, 1])])
+        assert [event.rid for event in collect(engine, 1)] == [1]
         assert [entry[0] for entry in held()] == [2]

@@ -10,7 +10,7 @@ left, ends the request and frees each seat once; a seeded random run of submits,
 restarts over a small fleet leaves each request one terminal reply and nothing
 held. And what a P/D request in flight gets across a coordinator's loss (docs/pd.md,
 "Across a coordinator's failover"): a stream at its decode fails, a request that
-streamed nothing runs again.
+streamed nothing runs again, a handoff not read yet has its pins released.
 
 Each client is a peer on the wire that keeps every message per request (exactly one
 terminal reply is counted, not assumed).
@@ -349,6 +349,39 @@ def test_across_a_coordinators_restart_a_stream_fails_and_a_silent_request_runs_
     assert isinstance(error, CoordinatorError) and error.code == ErrorCode.ENGINE_FAILED
     assert reply["generated_tokens"] == FakeEngine.generate(silent, 40)
     assert room["counts"]["requests"] == room["counts"]["handoffs"] == 1  # run again, anew
+
+
+def test_across_a_coordinators_restart_a_handoff_not_read_yet_is_released(impl, tmp_path):
+    """The decode still reading (a slow transfer) when the coordinator is SIGKILLed: the
+    prefill's HELD lists the pinned handoff, which the new coordinator never knew of and
+    releases; the request runs again, anew, and no pin is left."""
+    address = free_tcp_address()
+    options = ("--pd-mode", "always", "--rebuild-window", "0.5")
+
+    async def body() -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        with (
+            serve(address, impl.name, tmp_path / "first.log", *options) as first,
+            fake_engines(address, 1, role="prefill", max_batch=4) as [prefill],
+            engine_processes(address, [1], *DECODE, "--transfer-latency", "2"),
+        ):
+            async with await Client.connect(address, timeout=10.0) as client:
+                while len((await client.stats())["pd"]["engines"]) < 2:
+                    await asyncio.sleep(0.05)
+                future = client.submit(PROMPT, {"output_tokens": 5})
+                await asyncio.to_thread(wait_for, lambda: prefill.stats()["handoffs"] == 1)
+                first.kill()
+                first.wait()
+                assert prefill.stats()["pinned"] == 1  # the decode had not read it
+                with serve(address, impl.name, tmp_path / "second.log", *options):
+                    reply = await asyncio.wait_for(future, 30)
+                    room = (await client.stats())["pd"]
+                    await asyncio.to_thread(wait_for, lambda: prefill.stats()["pinned"] == 0)
+                    return reply, room, prefill.stats()
+
+    reply, room, stats = run(body())
+    assert reply["generated_tokens"] == FakeEngine.generate(PROMPT, 5)
+    assert stats["handoffs"] == stats["releases"] == 2  # the first's by the new coordinator
+    assert room["counts"]["handoffs"] == 1 and room["counts"]["pins_released"] == 2
 
 
 # -- PR #6675's peers -------------------------------------------------------------------

@@ -80,6 +80,7 @@ cdef class PD:
     cdef stray_reply(self, int rank, int64_t rid)
     cdef bint from_engine(self, int rank, int64_t header) except -1
     cdef engine_gone(self, int rank)
+    cdef bint reported(self, int rank, int64_t rid, bint final) except -1
     cdef tick(self, double now)
     cdef dict stats(self)
 

@@ -420,6 +420,30 @@ cdef class PD:
         if client is not None:
             self._tell(client, protocol.REQUEST_ABORTED.pack(client_rid, True))
 
+    cdef bint reported(self, int rank, int64_t rid, bint final) except -1:
+        """An entry naming no client in the HELD of a rebuild engine at ``rank``: one of
+        the room's hops there (confirmed), or pins there that their read or lease
+        releases (kept); pins the room does not know of (a handoff made under a
+        coordinator before this one, or by ``rank`` before it was seen gone) are
+        released now. False for anything else: the loop aborts it at the engine."""
+        cdef int64_t slot = ck_requests_find(&self.loop.requests, rid)
+        cdef Hop* hop
+        if slot >= 0 and self.hops[slot].stage:
+            hop = &self.hops[slot]
+            if hop.pins and hop.prefill == rank:
+                return True
+            if self.loop.requests.pool[slot].rank == rank and not final:
+                self.loop.requests.pool[slot].flags &= ~FLAG_UNCONFIRMED
+                return True
+        orphan = self.orphans.get(rid)
+        if orphan is not None and orphan[0] == rank:
+            return True
+        if not final:
+            return False
+        self.counts["pins_released"] += 1
+        self._send_to(rank, [rid_message(HEADER_RELEASE_KV, rid)])
+        return True
+
     cdef bint _megatron_client(self, int32_t client):
         return self.megatron_clients and not self.loop.clients[client].coordkit
 

@@ -38,7 +38,11 @@ cdef class Rebuild:
         self.loop.router.learn(engine, hashes, monotonic())
         replays = {}
         aborts = []
-        for server_rid, client_rid, client_id, partials, _ in entries:
+        for server_rid, client_rid, client_id, partials, final in entries:
+            if client_id is None and self.loop.pd is not None and (
+                self.loop.pd.reported(engine, server_rid, final)
+            ):
+                continue
             slot = ck_requests_find(&self.loop.requests, server_rid)
             if slot >= 0:
                 request = &self.loop.requests.pool[slot]
