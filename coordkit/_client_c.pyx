@@ -1132,7 +1132,7 @@ cdef class ClientCore:
                 value = _unpackb(view, raw=False, strict_map_key=False)
             except Exception as exc:  # msgpack raises several unrelated types
                 self.pop(rid)
-                self._fail(target, ProtocolError(f"reply body is not msgpack ({exc!r})", rid))
+                self._fail(target, ProtocolError(f"reply body is not msgpack ({exc})", rid))
                 return 0
             finally:
                 view.release()  # nothing may read the message once it is closed

@@ -521,9 +521,9 @@ class ClientCore:
             return  # partials are for streams only
         try:
             value = body if target.raw else unpackb(body)
-        except Exception as exc:  # msgpack raises several unrelated types
+        except ProtocolError as exc:
             self.pending.pop(rid, None)
-            self._fail(target, ProtocolError(f"reply body is not msgpack ({exc!r})", rid))
+            self._fail(target, ProtocolError(f"reply body is {exc}", rid))
             return
         if stream:
             target._put(final, value)

@@ -364,7 +364,12 @@ def packb(obj: Any) -> bytes:
 
 
 def unpackb(data: Frame) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    """One msgpack object; ProtocolError when ``data`` is not one (msgpack raises
+    several unrelated types: ValueError's, and TypeError for an unhashable map key)."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise ProtocolError(f"not msgpack ({exc})") from None
 
 
 _SUBMITS_ONE = (Header.SUBMIT_REQUEST, Header.SUBMIT_REQUEST_WITH_KV)
@@ -447,8 +452,8 @@ class Field:
 def _decode_metadata(message: str, header: Header, frame: Frame) -> list[Any]:
     try:
         metadata = unpackb(frame)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"{message}: metadata frame is not msgpack ({exc})") from None
+    except ProtocolError as exc:
+        raise ProtocolError(f"{message}: metadata frame is {exc}") from None
     if not isinstance(metadata, list) or not metadata:
         raise ProtocolError(f"{message}: metadata frame must be a non-empty array")
     if metadata[0] != header or isinstance(metadata[0], bool):
@@ -786,8 +791,8 @@ def pack_trailer(client_rid: int, client_id: bytes | None, hashed: bool) -> byte
 def parse_trailer(frame: Frame) -> Trailer:
     try:
         entry = unpackb(frame)
-    except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(f"trailer: not msgpack ({exc})") from None
+    except ProtocolError as exc:
+        raise ProtocolError(f"trailer: {exc}") from None
     _check_entry("trailer", _TRAILER_FIELDS, entry)
     return Trailer(*entry)
 

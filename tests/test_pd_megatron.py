@@ -105,6 +105,34 @@ def test_register_role_needs_a_disaggregated_coordinator(impl, kv_dir):
         coord.stop()
 
 
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\x92\x1b\xc1",  # a byte msgpack never uses
+        b"\x92\x1b\xdc\xf1\x8e",  # an array of 61838 entries, none there
+        b"\x92\x1b\x81\x91\x01\x02",  # a map keyed by an array
+        b"\x91\x1b\x01",  # a byte after the message
+    ],
+)
+def test_a_garbled_register_role_is_malformed_and_the_loop_serves_on(coordinator, kv_dir, frame):
+    """A REGISTER_ROLE that is not msgpack (whatever msgpack raises) is counted malformed;
+    the loop goes on and registers the next engine."""
+    import zmq
+
+    rogue = zmq.Context.instance().socket(zmq.DEALER)
+    rogue.connect(coordinator.address)
+    rogue.send(frame)
+    wait_for(lambda: coordinator.stats()["counters"]["malformed"] == 1)
+    rogue.close(linger=0)
+    prefill = engine(coordinator, "prefill", kv_dir)
+    decode = engine(coordinator, "decode", kv_dir)
+    peer = client(coordinator)
+    outcome = peer.wait(peer.submit(PROMPT, num_tokens_to_generate=2))
+    assert outcome.final["generated_tokens"] == pd.expected_tokens(PROMPT, 2)
+    no_pins(prefill)
+    stop(prefill, decode)
+
+
 # -- both hops -------------------------------------------------------------------------
 
 
