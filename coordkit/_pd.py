@@ -79,8 +79,9 @@ _KV_GEOMETRY = (
 _ROLES_6675 = ("prefill", "decode")
 # What #6675's REGISTER_ROLE handler turns into a refusal (its own catches KeyError,
 # TypeError and ValueError; an OverflowError, int() of an infinite float, would stop
-# its coordinator: here it is refused as well).
-_REFUSED = (KeyError, TypeError, ValueError, OverflowError)
+# its coordinator: here it is refused as well, as is a RecursionError, metadata nested
+# past Python's limit).
+_REFUSED = (KeyError, TypeError, ValueError, OverflowError, RecursionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,28 +340,32 @@ def restore_nixl_blobs(kv_meta: Any, instance_meta: Any) -> Any:
     """A NIXL prefill's ``kv_meta`` with each agent's metadata blob put back from the
     prefill's registration (the prefill leaves them out of every handoff). ValueError
     when an agent was not registered or its blob differs; the room ends the request
-    with ``"invalid NIXL handoff metadata: " + str(error)``, as #6675 does."""
-    agents = _agents(instance_meta)
+    with ``"invalid NIXL handoff metadata: " + str(error)``, as #6675 does. Metadata
+    nested past Python's recursion limit (msgpack decodes deeper) is a ValueError too:
+    a peer's message never stops the loop."""
+    try:
+        return _restored(kv_meta, _agents(instance_meta))
+    except RecursionError:
+        raise ValueError("metadata nested too deeply") from None
 
-    def restored(value: Any) -> Any:
-        if isinstance(value, list):
-            return [restored(item) for item in value]
-        if isinstance(value, tuple):
-            return tuple(restored(item) for item in value)
-        if not isinstance(value, dict):
-            return value
-        out = {key: restored(item) for key, item in value.items()}
-        name = out.get(_AGENT)
-        if name is None:
-            return out
-        if name not in agents:
-            raise ValueError(f"NIXL agent {name!r} is absent from instance registration")
-        if out.get(_BLOB) is not None and out[_BLOB] != agents[name]:
-            raise ValueError(f"NIXL agent {name!r} handoff metadata differs from its registration")
-        out[_BLOB] = agents[name]
+
+def _restored(value: Any, agents: dict[Any, Any]) -> Any:
+    if isinstance(value, list):
+        return [_restored(item, agents) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_restored(item, agents) for item in value)
+    if not isinstance(value, dict):
+        return value
+    out = {key: _restored(item, agents) for key, item in value.items()}
+    name = out.get(_AGENT)
+    if name is None:
         return out
-
-    return restored(kv_meta)
+    if name not in agents:
+        raise ValueError(f"NIXL agent {name!r} is absent from instance registration")
+    if out.get(_BLOB) is not None and out[_BLOB] != agents[name]:
+        raise ValueError(f"NIXL agent {name!r} handoff metadata differs from its registration")
+    out[_BLOB] = agents[name]
+    return out
 
 
 def decode_slots(kv_meta: Any) -> int:

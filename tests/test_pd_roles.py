@@ -377,6 +377,14 @@ def test_nixl_blobs_are_put_back_from_the_prefills_registration():
     with pytest.raises(ValueError, match="NIXL agent 'p0' has conflicting registered metadata"):
         _pd.restore_nixl_blobs({}, conflicting)
     assert _pd.restore_nixl_blobs(("x", [1]), []) == ("x", [1])  # fmt: skip
+    deep: list = []
+    for _ in range(1020):  # msgpack decodes it; Python's recursion limit is below
+        deep = [deep]
+    msgpack.unpackb(msgpack.packb(deep))  # within what a peer may send
+    with pytest.raises(ValueError, match="metadata nested too deeply"):
+        _pd.restore_nixl_blobs({"tp_metas": deep}, registered)
+    with pytest.raises(ValueError, match="metadata nested too deeply"):
+        _pd.restore_nixl_blobs({}, [{"agent_name": "p0", "nested": deep}])
 
 
 def test_the_coordinators_own_reasons():
