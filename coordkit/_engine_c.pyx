@@ -396,7 +396,7 @@ cdef class EngineCore:
             PyList_Append(events, Abort(rid) if header == HEADER_ABORT_REQUEST else ReleaseKV(rid))
             if self.held is not None and header == HEADER_ABORT_REQUEST:
                 self.held.aborted(rid)
-            elif self.held is not None:
+            elif self.held is not None:  # RELEASE_KV
                 self.held.released(rid)
         else:
             self._parse_rarely(header, events)

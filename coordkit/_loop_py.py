@@ -1444,8 +1444,8 @@ class Rebuild:
         self._loop._router.learn(engine.rank, hashes, time.monotonic())
         replays: dict[_Engine, list[list[int]]] = defaultdict(list)
         aborts = []
+        pd = self._loop._pd
         for server_rid, client_rid, client_id, partials, final in entries:
-            pd = self._loop._pd
             if client_id is None and pd is not None and pd.reported(engine.rank, server_rid, final):
                 continue
             request = self._loop._find(server_rid)

@@ -24,7 +24,7 @@ import functools
 import random
 import signal
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -309,6 +309,25 @@ def test_random_submits_aborts_and_kills_end_each_request_once(coordinator, seed
 
 # -- a coordinator's loss ---------------------------------------------------------------
 
+RESTART_OPTIONS = ("--pd-mode", "always", "--rebuild-window", "0.5")
+
+
+@contextlib.asynccontextmanager
+async def restartable_fleet(
+    address: str, impl: Any, tmp_path: Any, *decode: str
+) -> AsyncIterator[tuple[Any, Any, Client]]:
+    """A coordinator process to kill (its log first.log), a prefill, a decode process
+    (``decode``: its options) and a client, once both engines have their roles."""
+    with (
+        serve(address, impl.name, tmp_path / "first.log", *RESTART_OPTIONS) as first,
+        fake_engines(address, 1, role="prefill", max_batch=4) as [prefill],
+        engine_processes(address, [1], *DECODE, *decode),
+    ):
+        async with await Client.connect(address, timeout=10.0) as client:
+            while len((await client.stats())["pd"]["engines"]) < 2:
+                await asyncio.sleep(0.05)
+            yield first, prefill, client
+
 
 def test_across_a_coordinators_restart_a_stream_fails_and_a_silent_request_runs_again(
     impl, tmp_path
@@ -316,34 +335,27 @@ def test_across_a_coordinators_restart_a_stream_fails_and_a_silent_request_runs_
     """Both requests at the decode after the read when the coordinator is SIGKILLed;
     the new one (same address) adopts no hop: the decode's HELD names no client."""
     address = free_tcp_address()
-    options = ("--pd-mode", "always", "--rebuild-window", "0.5")
     silent = [token + 100 for token in PROMPT]
 
     async def body() -> tuple[BaseException, Any, dict[str, Any]]:
-        with (
-            serve(address, impl.name, tmp_path / "first.log", *options) as first,
-            fake_engines(address, 1, role="prefill", max_batch=4) as [prefill],
-            engine_processes(address, [1], *DECODE, "--latency", "0.05"),
-        ):
-            async with await Client.connect(address, timeout=10.0) as client:
-                while len((await client.stats())["pd"]["engines"]) < 2:
-                    await asyncio.sleep(0.05)
-                stream = client.stream(PROMPT, {"output_tokens": 200})
-                future = client.submit(silent, {"output_tokens": 40})
-                for _ in range(2):
-                    await anext(stream)
-                # both read (a handoff not yet read would leave its pins: docs/pd.md)
-                await asyncio.to_thread(wait_for, lambda: prefill.stats()["releases"] == 2)
-                first.kill()
-                first.wait()
-                with serve(address, impl.name, tmp_path / "second.log", *options):
-                    with pytest.raises(CoordinatorError) as failed:
-                        async for _ in stream:
-                            pass
-                    reply = await asyncio.wait_for(future, 30)
-                    room = (await client.stats())["pd"]
-                    await asyncio.to_thread(wait_for, lambda: prefill.stats()["pinned"] == 0)
-                    return failed.value, reply, room
+        fleet = restartable_fleet(address, impl, tmp_path, "--latency", "0.05")
+        async with fleet as (first, prefill, client):
+            stream = client.stream(PROMPT, {"output_tokens": 200})
+            future = client.submit(silent, {"output_tokens": 40})
+            for _ in range(2):
+                await anext(stream)
+            # both read (a handoff not yet read would leave its pins: docs/pd.md)
+            await asyncio.to_thread(wait_for, lambda: prefill.stats()["releases"] == 2)
+            first.kill()
+            first.wait()
+            with serve(address, impl.name, tmp_path / "second.log", *RESTART_OPTIONS):
+                with pytest.raises(CoordinatorError) as failed:
+                    async for _ in stream:
+                        pass
+                reply = await asyncio.wait_for(future, 30)
+                room = (await client.stats())["pd"]
+                await asyncio.to_thread(wait_for, lambda: prefill.stats()["pinned"] == 0)
+                return failed.value, reply, room
 
     error, reply, room = run(body())
     assert isinstance(error, CoordinatorError) and error.code == ErrorCode.ENGINE_FAILED
@@ -356,27 +368,20 @@ def test_across_a_coordinators_restart_a_handoff_not_read_yet_is_released(impl, 
     prefill's HELD lists the pinned handoff, which the new coordinator never knew of and
     releases; the request runs again, anew, and no pin is left."""
     address = free_tcp_address()
-    options = ("--pd-mode", "always", "--rebuild-window", "0.5")
 
     async def body() -> tuple[Any, dict[str, Any], dict[str, Any]]:
-        with (
-            serve(address, impl.name, tmp_path / "first.log", *options) as first,
-            fake_engines(address, 1, role="prefill", max_batch=4) as [prefill],
-            engine_processes(address, [1], *DECODE, "--transfer-latency", "2"),
-        ):
-            async with await Client.connect(address, timeout=10.0) as client:
-                while len((await client.stats())["pd"]["engines"]) < 2:
-                    await asyncio.sleep(0.05)
-                future = client.submit(PROMPT, {"output_tokens": 5})
-                await asyncio.to_thread(wait_for, lambda: prefill.stats()["handoffs"] == 1)
-                first.kill()
-                first.wait()
-                assert prefill.stats()["pinned"] == 1  # the decode had not read it
-                with serve(address, impl.name, tmp_path / "second.log", *options):
-                    reply = await asyncio.wait_for(future, 30)
-                    room = (await client.stats())["pd"]
-                    await asyncio.to_thread(wait_for, lambda: prefill.stats()["pinned"] == 0)
-                    return reply, room, prefill.stats()
+        fleet = restartable_fleet(address, impl, tmp_path, "--transfer-latency", "2")
+        async with fleet as (first, prefill, client):
+            future = client.submit(PROMPT, {"output_tokens": 5})
+            await asyncio.to_thread(wait_for, lambda: prefill.stats()["handoffs"] == 1)
+            first.kill()
+            first.wait()
+            assert prefill.stats()["pinned"] == 1  # the decode had not read it
+            with serve(address, impl.name, tmp_path / "second.log", *RESTART_OPTIONS):
+                reply = await asyncio.wait_for(future, 30)
+                room = (await client.stats())["pd"]
+                await asyncio.to_thread(wait_for, lambda: prefill.stats()["pinned"] == 0)
+                return reply, room, prefill.stats()
 
     reply, room, stats = run(body())
     assert reply["generated_tokens"] == FakeEngine.generate(PROMPT, 5)
