@@ -510,12 +510,10 @@ def never_ran(rid: int) -> str:
 
 
 def identity_text(identity: bytes) -> str:
-    """A ZeroMQ routing id for humans: its text when printable, else hex."""
-    try:
-        text = identity.decode()
-    except UnicodeDecodeError:
-        return identity.hex()
-    return text if text.isprintable() else identity.hex()
+    """A ZeroMQ routing id for humans: its text when printable ASCII, else hex (random
+    bytes often decode as UTF-8, to combining marks and scripts no one named a peer in)."""
+    text = identity.decode("latin-1")
+    return text if identity.isascii() and text.isprintable() else identity.hex()
 
 
 def header_slot(header: int) -> int:

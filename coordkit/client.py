@@ -352,8 +352,9 @@ class Client(Following):
             if failover_timeout > 0:
                 # A routing id of its own, the same at every coordinator: the one a
                 # ROUTER would generate is its count of peers, which a restarted
-                # coordinator hands out again, in another order.
-                socket.setsockopt(zmq.IDENTITY, b"c" + os.urandom(7))
+                # coordinator hands out again, in another order. Hex text, so that
+                # stats, traces and `coordkit top` show every client's the same way.
+                socket.setsockopt(zmq.IDENTITY, b"c" + os.urandom(7).hex().encode())
             watch = ConnectionWatch(socket)  # before connect(): the first events count too
             socket.connect(candidates.current)
             if candidates.several:

@@ -243,3 +243,16 @@ def test_the_busiest_clients(make_cluster, impl):
     assert [x["submitted"] for x in listed[:4]] == [3, 2, 1, 0]
     assert not any(x["away"] or x["rebuild"] for x in listed)
     assert "c00" not in text
+
+
+def test_a_routing_id_is_shown_as_text_only_when_it_is_printable_ascii(make_cluster, impl):
+    """Random bytes often decode as UTF-8 (these did, to combining marks, in a client's
+    generated id): shown as hex, as any id that is not printable ASCII."""
+    garbled = b"c6\xdd\x96M*\xcc\x99"
+    with make_cluster() as c:
+        c.add_engine()
+        for identity in (garbled, b"tenant-a", b"\x01\x02"):
+            submit(c.client(coordkit=True, identity=identity), 0)
+        wait_for(lambda: c.coord.stats()["inflight"] == 3)
+        shown = {x["identity"] for x in c.coord.stats()["busiest_clients"]}
+    assert shown == {garbled.hex(), "tenant-a", "0102"}

@@ -102,7 +102,7 @@ def test_top_shows_engines_rates_and_latency_then_quits_on_q(make_cluster, termi
                     r"engine-1\s+alive",
                     r"requests\s+[1-9][\d,]*\.\d/s",  # a rate, and not 0
                     r"request p50 / p99\s+[\d,.]+ ms / [\d,.]+ ms",
-                    r"\n\s*[0-9a-f]{16}\s+\d+\s+[1-9]\d*\s",  # a client, what it submitted
+                    r"\n\s*c[0-9a-f]{14}\s+\d+\s+[1-9]\d*\s",  # a client, what it submitted
                 )
                 terminal.tmux("send-keys", "-t", "top", "q")
                 assert terminal.wait_for_exit() == 0, terminal.screen()
