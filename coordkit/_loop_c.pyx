@@ -31,7 +31,17 @@ requests are settled on a rare path once the message at hand is done
 cimport cython
 from libc.errno cimport EINTR, errno
 from libc.math cimport INFINITY, ceil
-from libc.stdint cimport UINT32_MAX, int8_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.stdint cimport (
+    UINT32_MAX,
+    int8_t,
+    int32_t,
+    int64_t,
+    uint8_t,
+    uint16_t,
+    uint32_t,
+    uint64_t,
+)
 from libc.stdlib cimport calloc, free, malloc, qsort
 from libc.string cimport memcpy, memmove, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -54,6 +64,7 @@ from ._codec_c cimport (
     ck_qos,
     ck_read_batch_into,
     ck_read_header,
+    ck_read_header_int,
     ck_read_qos,
     ck_read_reply,
     ck_read_single_head,
@@ -67,6 +78,7 @@ from ._codec_c cimport (
     ck_strstatus,
     ck_submit,
     ck_submit_size,
+    ck_write_array,
     ck_write_batch_head,
     ck_write_header_int,
     ck_write_int,
@@ -95,6 +107,7 @@ from .includes.libzmq cimport (
 )
 from ._routing_c cimport Router
 from .includes.bytebuf cimport reserve
+from .includes.cursor cimport ck_load_be16, ck_load_be32, ck_store_be16, ck_store_be32
 from .includes.tables cimport ck_cells_for, ck_cells_remove, ck_cells_vacant, ck_mix64
 from .includes.ring cimport (
     ck_ring_drop,
@@ -119,6 +132,7 @@ from ._pd import (
     LEASE_EXPIRED,
     MEGATRON_DOMAIN,
     PD_COUNTS,
+    PREFILL_OVERRIDES,
     PROMPT_LOG_PROBS,
     TIMED_OUT_TEXT,
     UNEXPECTED_READINESS,
@@ -131,7 +145,6 @@ from ._pd import (
     refuses_prompt_log_probs,
     removed,
     restore_nixl_blobs,
-    rid_message,
     send_kv_message,
     str_prompt,
     uncached_tokens,
@@ -2238,10 +2251,12 @@ cdef class Loop:
         cdef bytes first = frames[0]
         cdef int64_t header
         cdef uint32_t length
-        cdef size_t end
+        cdef size_t end, size = 0
         if ck_read_header(<const uint8_t*><const char*>first, len(first), &header, &length, &end):
             header = -1
-        traffic_count(&self.traffic, SENT, header, sum(len(frame) for frame in frames))
+        for frame in frames:
+            size += len(<bytes>frame)
+        traffic_count(&self.traffic, SENT, header, size)
 
     cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header,
                           bint ends=False, str text=None):

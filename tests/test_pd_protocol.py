@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from coordkit import protocol
+from coordkit import _pd, protocol
 from coordkit.protocol import EngineRole, Header, ProtocolError
 from tests.support.peers import (
     ENGINE_ACK,
@@ -18,9 +18,14 @@ from tests.support.peers import (
     REGISTER_ROLE,
     REGISTER_ROLE_ACK,
     REQUEST_ABORTED,
+    RELEASE_KV,
     REQUEST_ERROR,
     SEND_KV,
     SUBMIT_KV,
+    RawClient,
+    RawEngine,
+    um,
+    wait_for,
 )
 
 
@@ -186,3 +191,35 @@ def test_the_codecs_read_the_decode_hop_a_coordkit_engine_is_sent(impl, rid):
     header, length, got, offset = impl.codec.read_submit(meta)
     assert (header, length, got) == (SUBMIT_KV, 4, rid)
     assert meta[offset:] == m(SP) + m({"k": 1})
+
+
+@pytest.mark.parametrize("n_keys", [0, 14, 15, 65534, 65535])
+def test_a_coordkit_engines_hops_are_the_reference_frames(make_cluster, n_keys):
+    """Hop 1, hop 2 and the release a coordkit prefill and decode are sent, byte for
+    byte as _pd writes them, on both loop cores; the client's params cross each width
+    of a map's head once the hop's override is spliced in (fixmap, map16, map32)."""
+    params = {f"k{i}": i for i in range(n_keys)}
+    prompt = list(range(40))
+    with make_cluster(pd_mode="always") as c:
+        prefill, decode = (
+            RawEngine(c.ctx, c.coord.address, role.encode()) for role in ("prefill", "decode")
+        )
+        c.peers += [prefill, decode]
+        for engine, role in ((prefill, "prefill"), (decode, "decode")):
+            engine.register().hello(role=role, capacity=4, transfer={"t": 1})
+        wait_for(lambda: len(c.coord.stats().get("pd", {}).get("engines", ())) == 2)
+        client = RawClient(c.ctx, c.coord.address, b"client").connect(coordkit=True)
+        c.peers.append(client)
+        client.send(m([20, 1, params]), m(prompt))
+        hop1 = prefill.recv()
+        rid = um(hop1[0])[1]
+        assert hop1 == _pd.prefill_frames(False, rid, m(prompt), m(params), False)
+        prefill.send(m([HANDOFF, [[rid, {"blocks": 2}]]]), m([3, 4]))
+        hop2 = decode.recv()
+        assert hop2 == _pd.decode_frames(
+            False, rid, m(prompt), m(params), m({"blocks": 2}), m([3, 4])
+        )
+        decode.send(m([KV_READ_DONE, rid]))
+        assert prefill.recv() == [_pd.rid_message(RELEASE_KV, rid)]
+        decode.send(m([21, [[rid, True]]]), m({"text": "x"}))
+        assert client.recv() == [m([21, 1]), m({"text": "x"})]  # the final: no flag

@@ -1,5 +1,59 @@
 # Disaggregated prefill/decode (loop/pd.pxd). Included by _loop_c.pyx.
 
+# A coordkit prefill's overrides as with_keys appends them: their packed pairs.
+cdef bytes COORDKIT_OVERRIDES = b"".join(
+    packb(key) + packb(value) for key, value in PREFILL_OVERRIDES["coordkit"].items()
+)
+cdef uint32_t N_COORDKIT_OVERRIDES = len(PREFILL_OVERRIDES["coordkit"])
+
+
+cdef inline bytes rid_frame(int64_t header, int64_t rid):
+    """``[header, rid]``, rid_message's bytes: RELEASE_KV and ABORT_REQUEST to an engine."""
+    cdef uint8_t out[CK_HEADER_INT_MAX]
+    return (<char*>out)[:ck_write_header_int(out, header, rid)]
+
+
+cdef object hop_head(int64_t header, int64_t rid, bytes params, bytes extra,
+                     uint32_t n_keys):
+    """A coordkit hop's first frame: ``[header, rid, params, ...]`` with ``extra``'s
+    bytes after the params. With ``n_keys``, ``extra`` is that many packed key-value
+    pairs spliced into the params map (with_keys's bytes: hop 1's overrides), else
+    the hop's last field (hop 2's kv_meta). None when the params are not a map's head
+    (prefill_frames says so)."""
+    cdef const uint8_t* p = <const uint8_t*><const char*>params
+    cdef size_t n = len(params), head, count, size
+    cdef uint8_t prefix[3 * CK_INT_MAX]
+    cdef size_t n_prefix = ck_write_array(prefix, 3 if n_keys else 4)
+    cdef uint8_t* out
+    n_prefix += ck_write_int(prefix + n_prefix, header)
+    n_prefix += ck_write_int(prefix + n_prefix, rid)
+    head = count = 0
+    if n_keys:
+        if n >= 1 and 0x80 <= p[0] <= 0x8F:
+            count, head = p[0] & 0x0F, 1
+        elif n >= 3 and p[0] == 0xDE:
+            count, head = ck_load_be16(p + 1), 3
+        elif n >= 5 and p[0] == 0xDF:
+            count, head = ck_load_be32(p + 1), 5
+        else:
+            return None
+        count += n_keys
+    size = n_prefix + (0 if not n_keys else 1 if count <= 0x0F else 3 if count <= 0xFFFF else 5)
+    frame = PyBytes_FromStringAndSize(NULL, size + n - head + len(extra))
+    out = <uint8_t*>PyBytes_AS_STRING(frame)
+    memcpy(out, prefix, n_prefix)
+    if n_keys and count <= 0x0F:
+        out[n_prefix] = 0x80 | count
+    elif n_keys and count <= 0xFFFF:
+        out[n_prefix] = 0xDE
+        ck_store_be16(out + n_prefix + 1, <uint16_t>count)
+    elif n_keys:
+        out[n_prefix] = 0xDF
+        ck_store_be32(out + n_prefix + 1, <uint32_t>count)
+    memcpy(out + size, p + head, n - head)
+    memcpy(out + size + n - head, <const char*>extra, len(extra))
+    return frame
+
 
 cdef class PD:
     """Disaggregated prefill/decode (docs/pd.md): a request's two hops, chained here.
@@ -269,8 +323,17 @@ cdef class PD:
         hop.stage = PD_STAGE_PREFILL
         request.rank = rank
         kept = self.kept[slot]
-        megatron = self.seats[rank].megatron
-        frames = prefill_frames(megatron, rid, kept[0], kept[1], megatron and str_prompt(kept[0]))
+        first = None
+        if not self.seats[rank].megatron:
+            first = hop_head(HEADER_SUBMIT_REQUEST, rid, kept[1], COORDKIT_OVERRIDES,
+                             N_COORDKIT_OVERRIDES)
+        if first is not None:
+            frames = [first, kept[0]]
+        else:  # a #6675 engine's single frame (or params that are not a map: its error)
+            megatron = self.seats[rank].megatron
+            frames = prefill_frames(
+                megatron, rid, kept[0], kept[1], megatron and str_prompt(kept[0])
+            )
         self._learn(rank, slot)
         self._send_to(rank, frames + self._trailer(rank, slot))
         return True
@@ -301,18 +364,25 @@ cdef class PD:
         hop.stage = PD_STAGE_DECODE
         request.rank = rank
         kept = self.kept[slot]
-        megatron = self.seats[rank].megatron
-        prompt = kept[5] if megatron and kept[5] else kept[0]
-        frames = decode_frames(megatron, rid, prompt, kept[1], kept[3], kept[4])
+        if self.seats[rank].megatron:
+            frames = decode_frames(True, rid, kept[5] or kept[0], kept[1], kept[3], kept[4])
+        else:
+            frames = [hop_head(HEADER_SUBMIT_REQUEST_WITH_KV, rid, kept[1], kept[3], 0),
+                      kept[0], kept[4]]
         self._learn(rank, slot)
         self._send_to(rank, frames + self._trailer(rank, slot))
         return True
 
     cdef list _trailer(self, int rank, uint32_t slot):
         """A rebuild engine's trailer: no client id (a hop is not rebuilt: docs/pd.md)."""
+        cdef Origin origin
+        cdef uint8_t out[TRAILER_MAX]
         if not self.loop.engines[rank].rebuild:
             return []
-        return [protocol.pack_trailer(self.loop.requests.pool[slot].client_rid, None, False)]
+        origin.client_rid = self.loop.requests.pool[slot].client_rid
+        origin.client_id = NULL
+        origin.hashes = NULL
+        return [(<char*>out)[:write_trailer(out, &origin)]]
 
     cdef _learn(self, int rank, uint32_t slot):
         """A hop sent to an engine that runs whole requests too: the whole-request router
@@ -337,7 +407,7 @@ cdef class PD:
         cdef Hop* hop
         if slot < 0 or self.hops[slot].stage != PD_STAGE_PREFILL or self.hops[slot].prefill != rank:
             self.counts["stray"] += 1
-            self._send_to(rank, [rid_message(HEADER_RELEASE_KV, rid)])
+            self._send_to(rank, [rid_frame(HEADER_RELEASE_KV, rid)])
             return
         hop = &self.hops[slot]
         hop.pins = True
@@ -363,7 +433,7 @@ cdef class PD:
         kept[3] = kept[4] = b""
         self.counts["pins_released"] += 1
         rid = self.loop.requests.pool[slot].server_rid
-        self._send_to(prefill, [rid_message(HEADER_RELEASE_KV, rid)])
+        self._send_to(prefill, [rid_frame(HEADER_RELEASE_KV, rid)])
         if prefill >= 0:
             self._release_seat(prefill, PD_PREFILL, hop.prefill_work,
                                self.seats[prefill].slot_cost)
@@ -414,7 +484,7 @@ cdef class PD:
     cdef _free_orphan(self, int64_t rid):
         prefill, _, _, client, client_rid = self.orphans.pop(rid)
         self.counts["pins_released"] += 1
-        self._send_to(prefill, [rid_message(HEADER_RELEASE_KV, rid)])
+        self._send_to(prefill, [rid_frame(HEADER_RELEASE_KV, rid)])
         if prefill >= 0 and self.seats[prefill].seated:
             self._release_seat(prefill, PD_PREFILL, 0, self.seats[prefill].slot_cost)
         if client is not None:
@@ -441,7 +511,7 @@ cdef class PD:
         if not final:
             return False
         self.counts["pins_released"] += 1
-        self._send_to(rank, [rid_message(HEADER_RELEASE_KV, rid)])
+        self._send_to(rank, [rid_frame(HEADER_RELEASE_KV, rid)])
         return True
 
     cdef bint _megatron_client(self, int32_t client):
@@ -489,14 +559,14 @@ cdef class PD:
         if stage == PD_QUEUED_PREFILL or stage == PD_QUEUED_DECODE:
             self._end(slot, ERROR_ABORTED, ABORTED_TEXT, True, True)
             return
-        self._send_to(request.rank, [rid_message(HEADER_ABORT_REQUEST, request.server_rid)])
+        self._send_to(request.rank, [rid_frame(HEADER_ABORT_REQUEST, request.server_rid)])
 
     cdef time_out(self, uint32_t slot):
         """Past request_timeout: ERROR(TIMED_OUT) (a #6675 client's REQUEST_ERROR), ABORT at
         the hop holding it; pins at a decode wait for its read (orphans)."""
         cdef ck_request* request = &self.loop.requests.pool[slot]
         if request.rank >= 0 and not request.flags & FLAG_ABORTED:
-            self._send_to(request.rank, [rid_message(HEADER_ABORT_REQUEST, request.server_rid)])
+            self._send_to(request.rank, [rid_frame(HEADER_ABORT_REQUEST, request.server_rid)])
         self._end(slot, ERROR_TIMED_OUT, TIMED_OUT_TEXT, False)
 
     cdef client_release(self, int32_t client, int64_t rid):
@@ -522,11 +592,11 @@ cdef class PD:
             record = None
         handoff = handoff_of(record)
         if self.loop.requests.pool[slot].flags & FLAG_ABORTED:
-            self._send_to(rank, [rid_message(HEADER_RELEASE_KV, rid)])
+            self._send_to(rank, [rid_frame(HEADER_RELEASE_KV, rid)])
             self._end(slot, ERROR_ABORTED, ABORTED_TEXT, True, True)
             return
         if isinstance(handoff, str):
-            self._send_to(rank, [rid_message(HEADER_RELEASE_KV, rid)])
+            self._send_to(rank, [rid_frame(HEADER_RELEASE_KV, rid)])
             self._end(slot, ERROR_ENGINE_FAILED, handoff, True)
             return
         kv_meta, blocks = handoff
@@ -535,7 +605,7 @@ cdef class PD:
             try:
                 kv_meta = restore_nixl_blobs(kv_meta, registration.instance_meta)
             except ValueError as error:
-                self._send_to(rank, [rid_message(HEADER_RELEASE_KV, rid)])
+                self._send_to(rank, [rid_frame(HEADER_RELEASE_KV, rid)])
                 self._end(slot, ERROR_ENGINE_FAILED, f"invalid NIXL handoff metadata: {error}",
                           True)
                 return
@@ -548,7 +618,7 @@ cdef class PD:
         if self.seats[rank].seated and self.seats[rank].megatron and (
             self.seats[rank].role & PD_PREFILL
         ):
-            self._send_to(rank, [rid_message(HEADER_RELEASE_KV, rid)])
+            self._send_to(rank, [rid_frame(HEADER_RELEASE_KV, rid)])
 
     cdef bint from_engine(self, int rank, int64_t header) except -1:
         """The P/D messages of an engine (False: not one)."""
@@ -602,11 +672,15 @@ cdef class PD:
         self._send_to(prefill, [frame])
 
     cdef _read_done(self, int rank):
-        cdef int64_t slot
-        message = self.loop._parse(protocol.KV_READ_DONE, -1, -1)
-        if message is None:
-            return
-        rid = message.rid
+        cdef int64_t slot, header, rid
+        # [28, rid] read in C; anything else as the spec parses it (or is malformed)
+        if self.loop.message.n_parts != 2 or ck_read_header_int(
+            self.loop._data(1), self.loop._size(1), &header, &rid
+        ) != CK_OK:
+            message = self.loop._parse(protocol.KV_READ_DONE, -1, -1)
+            if message is None:
+                return
+            rid = message.rid
         slot = self._hop_at(rid, rank)
         if slot >= 0:
             self.hops[slot].stage = PD_READ
@@ -679,7 +753,7 @@ cdef class PD:
                 ):
                     if hop.stage == PD_STAGE_DECODE:  # its KV is gone: the import stops
                         self._send_to(hop.decode, [
-                            rid_message(HEADER_ABORT_REQUEST, order[i].server_rid)
+                            rid_frame(HEADER_ABORT_REQUEST, order[i].server_rid)
                         ])
                         self._release_seat(hop.decode, PD_DECODE, hop.decode_work, hop.ssm)
                         hop.decode = -1  # its seat is free: not freed again if it ends here
@@ -762,7 +836,7 @@ cdef class PD:
                 continue
             self.counts["leases_expired"] += 1
             if hop.stage == PD_STAGE_DECODE:
-                self._send_to(hop.decode, [rid_message(HEADER_ABORT_REQUEST, rid)])
+                self._send_to(hop.decode, [rid_frame(HEADER_ABORT_REQUEST, rid)])
                 self._release_seat(hop.decode, PD_DECODE, hop.decode_work, hop.ssm)
                 hop.decode = -1  # its seat is free: not freed again if it ends here
             elif hop.stage == PD_QUEUED_DECODE:
