@@ -89,6 +89,7 @@ cdef class PD:
     cdef int _domain(self, str name)
     cdef bint _usable(self, int rank)
     cdef bint _free(self, int rank, int role)
+    cdef _place(self, Router router, int rank, bint accepting)
     cdef bint _live(self, int role, int domain)
     cdef int _choose(self, object router, uint32_t slot) except -2
     cdef _reserve(self, int rank, uint32_t ssm)

@@ -171,13 +171,17 @@ cdef class PD:
         """A rank in its role routers when it is usable with a free seat, else out."""
         cdef Seat* seat = &self.seats[rank]
         cdef bint usable = self._usable(rank)
-        for role, router in (
-            (PD_PREFILL, self.prefill_router), (PD_DECODE, self.decode_routers[seat.domain])
-        ):
-            if seat.role & role and usable and self._free(rank, role):
-                router.add_rank(rank)
-            else:
-                router.remove_rank(rank)
+        self._place(self.prefill_router, rank, usable and seat.role & PD_PREFILL
+                    and self._free(rank, PD_PREFILL))
+        self._place(self.decode_routers[seat.domain], rank, usable and seat.role & PD_DECODE
+                    and self._free(rank, PD_DECODE))
+
+    cdef _place(self, Router router, int rank, bint accepting):
+        """``rank`` in ``router``'s pool or out, a Python call only to join it."""
+        if not accepting:
+            router.remove_rank_c(rank)
+        elif not router.is_accepting[rank]:
+            router.add_rank(rank)
 
     cdef bint _live(self, int role, int domain):
         """Whether an engine of ``role`` (of ``domain``, -1: any) is up, full or not."""
