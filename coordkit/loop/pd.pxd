@@ -51,6 +51,7 @@ cdef class PD:
         Hop* hops  # by request slot
         uint32_t slots
         list kept  # by slot: [prompt, params, hashes, kv_meta, blocks, decode_prompt]
+        Kept** prompts  # by slot: a multipart request's prompt frame (kept[0] None), or NULL
         dict transfer  # by rank: a decode's metadata for SEND_KV
         list domains  # the domains' names, by index
         dict registrations  # #6675 engines, by identity
@@ -100,6 +101,8 @@ cdef class PD:
     cdef list _trailer(self, int rank, uint32_t slot)
     cdef _learn(self, int rank, uint32_t slot)
     cdef bint _send_to(self, int rank, list frames)
+    cdef bytes _prompt(self, uint32_t slot)
+    cdef bint _send_hop(self, int rank, uint32_t slot, int64_t header, bytes head, list tail)
     cdef _handed(self, int rank, int64_t rid, bytes kv_meta, bytes blocks, uint32_t ssm,
                  object tokens)
     cdef _release_pins(self, uint32_t slot)

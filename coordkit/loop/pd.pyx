@@ -83,7 +83,8 @@ cdef class PD:
         self.slots = options.max_inflight
         self.seats = <Seat*>calloc(self.max_engines, sizeof(Seat))
         self.hops = <Hop*>calloc(self.slots, sizeof(Hop))
-        if self.seats == NULL or self.hops == NULL:
+        self.prompts = <Kept**>calloc(self.slots, sizeof(Kept*))
+        if self.seats == NULL or self.hops == NULL or self.prompts == NULL:
             raise MemoryError()
         self.kept = [None] * self.slots
         self.transfer = {}
@@ -99,8 +100,13 @@ cdef class PD:
         self.counts = dict.fromkeys(PD_COUNTS, 0)
 
     def __dealloc__(self):
+        cdef uint32_t slot, small_shared = 0  # the loop's count: it may be gone first
+        if self.prompts != NULL:
+            for slot in range(self.slots):
+                release_kept(self.prompts[slot], &small_shared)
         free(self.seats)
         free(self.hops)
+        free(self.prompts)
 
     cdef object _new_router(self):
         router = self.loop.router
@@ -268,6 +274,11 @@ cdef class PD:
         if inbound.params != NULL:
             prompt = (<const char*>inbound.prompt)[:inbound.prompt_size]
             params = (<const char*>inbound.params)[:inbound.params_size]
+            if not inbound.single:  # its prompt frame kept as the loop keeps one: shared
+                self.prompts[slot] = keep(NULL, inbound.payload, False,
+                                          &self.loop.small_shared)
+                if self.prompts[slot] != NULL:
+                    prompt = None
         else:  # a single frame read as far as its rid
             data = <const uint8_t*>zmq_msg_data(inbound.payload)
             frame = (<const char*>data)[:zmq_msg_size(inbound.payload)]
@@ -331,14 +342,14 @@ cdef class PD:
         if not self.seats[rank].megatron:
             first = hop_head(HEADER_SUBMIT_REQUEST, rid, kept[1], COORDKIT_OVERRIDES,
                              N_COORDKIT_OVERRIDES)
-        if first is not None:
-            frames = [first, kept[0]]
-        else:  # a #6675 engine's single frame (or params that are not a map: its error)
-            megatron = self.seats[rank].megatron
-            frames = prefill_frames(
-                megatron, rid, kept[0], kept[1], megatron and str_prompt(kept[0])
-            )
         self._learn(rank, slot)
+        if first is not None:
+            self._send_hop(rank, slot, HEADER_SUBMIT_REQUEST, first, self._trailer(rank, slot))
+            return True
+        # a #6675 engine's single frame (or params that are not a map: its error)
+        megatron = self.seats[rank].megatron
+        prompt = self._prompt(slot)
+        frames = prefill_frames(megatron, rid, prompt, kept[1], megatron and str_prompt(prompt))
         self._send_to(rank, frames + self._trailer(rank, slot))
         return True
 
@@ -368,13 +379,15 @@ cdef class PD:
         hop.stage = PD_STAGE_DECODE
         request.rank = rank
         kept = self.kept[slot]
-        if self.seats[rank].megatron:
-            frames = decode_frames(True, rid, kept[5] or kept[0], kept[1], kept[3], kept[4])
-        else:
-            frames = [hop_head(HEADER_SUBMIT_REQUEST_WITH_KV, rid, kept[1], kept[3], 0),
-                      kept[0], kept[4]]
         self._learn(rank, slot)
-        self._send_to(rank, frames + self._trailer(rank, slot))
+        if self.seats[rank].megatron:
+            frames = decode_frames(True, rid, kept[5] or self._prompt(slot), kept[1], kept[3],
+                                   kept[4])
+            self._send_to(rank, frames + self._trailer(rank, slot))
+        else:
+            self._send_hop(rank, slot, HEADER_SUBMIT_REQUEST_WITH_KV,
+                           hop_head(HEADER_SUBMIT_REQUEST_WITH_KV, rid, kept[1], kept[3], 0),
+                           [kept[4]] + self._trailer(rank, slot))
         return True
 
     cdef list _trailer(self, int rank, uint32_t slot):
@@ -402,6 +415,46 @@ cdef class PD:
             return True
         self.loop.faults.lost(rank, GONE_UNREACHABLE)  # settled: engine_gone
         return False
+
+    cdef bytes _prompt(self, uint32_t slot):
+        """The request's prompt frame as bytes (a #6675 engine's frame splices it in)."""
+        cdef size_t size
+        cdef const uint8_t* data
+        if self.prompts[slot] == NULL:
+            return self.kept[slot][0]
+        data = kept_prompt(self.prompts[slot], &size)
+        return (<const char*>data)[:size]
+
+    cdef bint _send_hop(self, int rank, uint32_t slot, int64_t header, bytes head, list tail):
+        """A coordkit engine's hop: ``head``, the prompt frame (the kept one shared, not
+        copied), then ``tail``'s frames; as _send_to."""
+        cdef Loop loop = self.loop
+        cdef zmq_msg_t* shared
+        cdef const uint8_t* data
+        cdef size_t size
+        cdef Py_ssize_t i, n = len(tail)
+        cdef bytes frame
+        if self.prompts[slot] == NULL:
+            return self._send_to(rank, [head, self.kept[slot][0]] + tail)
+        if rank < 0 or loop.engines[rank].state == ENGINE_GONE:
+            return False
+        if loop._send_identity(&loop.engine_ids, rank) != 0:
+            loop.faults.lost(rank, GONE_UNREACHABLE)  # settled: engine_gone
+            return False
+        send_bytes(loop.sock, <const char*>head, len(head), ZMQ_SNDMORE)
+        data = kept_prompt(self.prompts[slot], &size)
+        shared = kept_shared(self.prompts[slot])
+        if shared != NULL:
+            send_shared(loop.sock, shared, ZMQ_SNDMORE if n else 0)
+        else:
+            send_bytes(loop.sock, data, size, ZMQ_SNDMORE if n else 0)
+        size += len(head)
+        for i in range(n):
+            frame = tail[i]
+            size += len(frame)
+            send_bytes(loop.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i + 1 < n else 0)
+        traffic_count(&loop.traffic, SENT, header, size)
+        return True
 
     cdef _handed(self, int rank, int64_t rid, bytes kv_meta, bytes blocks, uint32_t ssm,
                  object tokens):
@@ -471,6 +524,8 @@ cdef class PD:
             self._release_seat(hop.prefill, PD_PREFILL, hop.prefill_work,
                                self.seats[hop.prefill].slot_cost)
         self.kept[slot] = None
+        release_kept(self.prompts[slot], &self.loop.small_shared)
+        self.prompts[slot] = NULL
 
     cdef _orphan(self, uint32_t slot):
         cdef Hop* hop = &self.hops[slot]
@@ -613,7 +668,7 @@ cdef class PD:
                 self._end(slot, ERROR_ENGINE_FAILED, f"invalid NIXL handoff metadata: {error}",
                           True)
                 return
-        tokens = record.get("prompt_tokens") if str_prompt(self.kept[slot][0]) else None
+        tokens = record.get("prompt_tokens") if str_prompt(self._prompt(slot)) else None
         self._handed(rank, rid, packb(kv_meta), packb(blocks), decode_slots(kv_meta), tokens)
 
     cdef stray_reply(self, int rank, int64_t rid):
