@@ -545,6 +545,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
             args.lengths = [Prompt(n) for n in MEGATRON_LENGTHS]
         elif args.cost:
             args.lengths = standard_prompts(single_frame, fields)
+        elif args.pd and not args.latency:
+            args.lengths = [Prompt(n) for n in pd.PD_LENGTHS]
         else:
             args.lengths = [Prompt(n) for n in LATENCY_LENGTHS]
     args.scale_lengths = given_lengths or [Prompt(16)]
