@@ -223,3 +223,34 @@ def test_a_coordkit_engines_hops_are_the_reference_frames(make_cluster, n_keys):
         assert prefill.recv() == [_pd.rid_message(RELEASE_KV, rid)]
         decode.send(m([21, [[rid, True]]]), m({"text": "x"}))
         assert client.recv() == [m([21, 1]), m({"text": "x"})]  # the final: no flag
+
+
+def test_hops_past_the_small_share_bound_send_copied_prompts(make_cluster):
+    """Past SHARED_SMALL_MAX small prompt frames kept at once (2 048), the room keeps a
+    copy of each new one (a small frame shared pins its whole receive buffer): those
+    requests' hops carry the same bytes as the shared ones'."""
+    n = 2048 + 40
+    with make_cluster(pd_mode="always", max_inflight=4096) as c:
+        prefill, decode = (
+            RawEngine(c.ctx, c.coord.address, role.encode()) for role in ("prefill", "decode")
+        )
+        c.peers += [prefill, decode]
+        for engine, role in ((prefill, "prefill"), (decode, "decode")):
+            engine.register().hello(role=role, capacity=n, transfer={"t": 1})
+        wait_for(lambda: len(c.coord.stats().get("pd", {}).get("engines", ())) == 2)
+        client = RawClient(c.ctx, c.coord.address, b"client").connect(coordkit=True)
+        c.peers.append(client)
+        for rid in range(n):
+            client.send(m([20, rid, SP]), m([rid, 1, 2]))
+        rids = {}  # server id -> client id, each hop 1 as the reference writes it
+        for _ in range(n):
+            hop1 = prefill.recv()
+            rid = msgpack.unpackb(hop1[0])[1]
+            prompt = hop1[1]
+            rids[rid] = msgpack.unpackb(prompt)[0]
+            assert hop1 == _pd.prefill_frames(False, rid, prompt, m(SP), False)
+        last = max(rids)  # the newest: kept past the bound, a copy
+        prefill.send(m([HANDOFF, [[last, {"blocks": 1}]]]), m([5]))
+        assert decode.recv() == _pd.decode_frames(
+            False, last, m([rids[last], 1, 2]), m(SP), m({"blocks": 1}), m([5])
+        )
