@@ -272,13 +272,13 @@ cdef class PD:
                 self.counts["whole"] += 1
                 return False
         if inbound.params != NULL:
-            prompt = (<const char*>inbound.prompt)[:inbound.prompt_size]
             params = (<const char*>inbound.params)[:inbound.params_size]
             if not inbound.single:  # its prompt frame kept as the loop keeps one: shared
                 self.prompts[slot] = keep(NULL, inbound.payload, False,
                                           &self.loop.small_shared)
-                if self.prompts[slot] != NULL:
-                    prompt = None
+            prompt = None
+            if self.prompts[slot] == NULL:
+                prompt = (<const char*>inbound.prompt)[:inbound.prompt_size]
         else:  # a single frame read as far as its rid
             data = <const uint8_t*>zmq_msg_data(inbound.payload)
             frame = (<const char*>data)[:zmq_msg_size(inbound.payload)]
