@@ -541,12 +541,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if given_lengths is None:
         single_frame = args.dialect == "megatron-core"
         fields = SUBMIT_FIELDS[args.megatron_version]
-        if megatron and args.cost:
+        # --pd's: 16 tokens' prompt frame (73 bytes) below the size under which a kept
+        # frame may be copied (COPY_BELOW, 8 KiB), 2 000's (8 248) just above, 32 000 long.
+        if (megatron and args.cost) or (args.pd and not args.latency):
             args.lengths = [Prompt(n) for n in MEGATRON_LENGTHS]
         elif args.cost:
             args.lengths = standard_prompts(single_frame, fields)
-        elif args.pd and not args.latency:
-            args.lengths = [Prompt(n) for n in pd.PD_LENGTHS]
         else:
             args.lengths = [Prompt(n) for n in LATENCY_LENGTHS]
     args.scale_lengths = given_lengths or [Prompt(16)]

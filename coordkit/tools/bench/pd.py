@@ -20,11 +20,6 @@ from typing import Any
 
 from .session import Session, run_interleaved
 
-#: Prompt lengths (tokens): 16's prompt frame (73 bytes) lies below the size under which
-#: a kept frame may be copied (COPY_BELOW, 8 KiB), 2 000's (8 248) just above it, and
-#: 32 000's is a long prompt, its bytes sent to both hops.
-PD_LENGTHS = (16, 2000, 32000)
-
 #: Each mode's engine roles and coordinator options.
 MODES: dict[str, tuple[tuple[str | None, ...], dict[str, Any]]] = {
     "aggregated": ((None, None), {}),
