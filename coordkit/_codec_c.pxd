@@ -154,11 +154,16 @@ cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
                               ck_batch_entry* entries, uint32_t capacity,
                               uint32_t* count) noexcept nogil
 
+# HANDOFF `[104, [[rid, kv_meta], ...]]` (a coordkit prefill's), validated whole; as
+# ck_read_submit_batch of width 2, each kv_meta's span in params_offset/params_size.
+cdef int ck_read_handoff(const uint8_t* buf, size_t n, ck_batch_entry* entries,
+                         uint32_t capacity, uint32_t* count) noexcept nogil
+
 # REPLY_BATCH `[96, [[rid, final], ...]]`, validated whole; as ck_read_submit_batch.
 cdef int ck_read_reply_batch(const uint8_t* buf, size_t n, ck_batch_entry* entries,
                              uint32_t capacity, uint32_t* count) noexcept nogil
 
-# Either of the above (`header` HEADER_SUBMIT_BATCH or HEADER_REPLY_BATCH) into
+# Any of the above (`header` HEADER_SUBMIT_BATCH, HEADER_HANDOFF or HEADER_REPLY_BATCH) into
 # *entries, a malloc'd array of *capacity that is grown (reserve) to hold every entry
 # read, whether the batch reads whole or not. CK_TOO_MANY when memory ran out; *count
 # is then at most *capacity, the entries that could be held.

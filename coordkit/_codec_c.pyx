@@ -41,6 +41,7 @@ __all__ = [
     "read_header_int",
     "read_submit_batch",
     "read_reply_batch",
+    "read_handoff",
     # single frame
     "read_single_head",
     "read_single_submit",

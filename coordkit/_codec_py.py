@@ -31,6 +31,7 @@ __all__ = [
     "read_header_int",
     "read_submit_batch",
     "read_reply_batch",
+    "read_handoff",
     # single frame
     "read_single_head",
     "read_single_submit",
@@ -341,6 +342,13 @@ def read_header_int(frame: Buffer) -> tuple[int, int]:
     return header, value
 
 
+def _span(what: str, unpacker: msgpack.Unpacker) -> tuple[int, int]:
+    """``(offset, size)`` of the object skipped at the unpacker, any msgpack."""
+    offset = unpacker.tell()
+    _unpack(what, unpacker.skip)
+    return offset, unpacker.tell() - offset
+
+
 def _batch_entries(
     what: str,
     data: bytes,
@@ -394,9 +402,7 @@ def read_submit_batch(frame: Buffer, width: int = 3) -> list[tuple[Any, ...]]:
 
     def rest(unpacker: msgpack.Unpacker, fields: int) -> tuple[Any, ...]:
         qos = _qos(what, unpacker) if fields == QOS_WIDTH else (0, 0)
-        offset = unpacker.tell()
-        _unpack(what, unpacker.skip)
-        size = unpacker.tell() - offset
+        offset, size = _span(what, unpacker)
         hashed = _bool(what, _unpack(what, unpacker.unpack)) if width != 2 else False
         return (offset, size, hashed, *qos) if width == QOS_WIDTH else (offset, size, hashed)
 
@@ -413,6 +419,18 @@ def read_reply_batch(frame: Buffer) -> list[tuple[int, bool]]:
 
     entries = _batch_entries(what, _as_bytes(frame), Header.REPLY_BATCH, (2,), final)
     return cast(list[tuple[int, bool]], entries)
+
+
+def read_handoff(frame: Buffer) -> list[tuple[int, int, int]]:
+    """``[(rid, kv_meta_offset, kv_meta_size), ...]`` of a HANDOFF ``[104, [[rid,
+    kv_meta], ...]]``; each entry's kv_meta is ``frame[offset : offset + size]``,
+    verbatim (any msgpack object)."""
+    what = "malformed HANDOFF"
+
+    entries = _batch_entries(
+        what, _as_bytes(frame), Header.HANDOFF, (2,), lambda unpacker, _: _span(what, unpacker)
+    )
+    return cast(list[tuple[int, int, int]], entries)
 
 
 # -- single frame: Megatron-Core's single frames (0.19's, main's), as byte spans ------

@@ -820,8 +820,9 @@ cdef class Loop:
             with gil:
                 self._malformed(client, None, HEADER_SUBMIT_BATCH, "batches not granted")
             return
-        read = message_read_submit_batch(
-            &self.message, CK_QOS_WIDTH if self.clients[client].qos else 3, &count
+        read = message_read_batch(
+            &self.message, HEADER_SUBMIT_BATCH, CK_QOS_WIDTH if self.clients[client].qos else 3,
+            &count,
         )
         # Room for the entries bound for batched engines: their params are in frame 1.
         if read == CK_OK and not fanout_reserve(&self.fanout, count, self._size(1)):

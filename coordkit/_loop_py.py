@@ -2572,12 +2572,19 @@ class PD:
         return True
 
     def _handoff(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        message = self._loop._parse(protocol.HANDOFF, None, Header.HANDOFF, frames)
-        if message is None:
+        """A coordkit prefill's HANDOFF: each kv_meta and block-id frame goes to the
+        decode as it came."""
+        meta = frames[1].bytes
+        try:
+            entries = codec.read_handoff(meta)
+        except ProtocolError as exc:
+            self._loop._malformed(None, None, Header.HANDOFF, str(exc), frames)
             return
-        entries, blocks = message
-        for (rid, kv_meta), frame in zip(entries, blocks, strict=True):
-            self._handed(engine.rank, rid, packb(kv_meta), bytes(frame), 0, None)
+        if len(entries) != len(frames) - 2:
+            self._loop._malformed(None, None, Header.HANDOFF, "bad frame layout", frames)
+            return
+        for (rid, offset, size), frame in zip(entries, frames[2:], strict=True):
+            self._handed(engine.rank, rid, meta[offset : offset + size], frame.bytes, 0, None)
 
     def _hop_at(self, rid: int, rank: int) -> Hop | None:
         """The request's hop when ``rank`` is its decode (before its read), else None."""

@@ -21,7 +21,15 @@ from hypothesis import strategies as st
 
 from coordkit.protocol import PRIORITY_MAX, PRIORITY_MIN, ProtocolError, block_hashes
 from tests.support import codec_extras as py_codec_extras
-from tests.support.peers import PARTIAL, REPLY, REPLY_BATCH, SUBMIT, SUBMIT_BATCH, SUBMIT_KV
+from tests.support.peers import (
+    HANDOFF,
+    PARTIAL,
+    REPLY,
+    REPLY_BATCH,
+    SUBMIT,
+    SUBMIT_BATCH,
+    SUBMIT_KV,
+)
 
 SETTINGS = settings(max_examples=300, deadline=None)
 DIFFERENTIAL = settings(SETTINGS, max_examples=1000)
@@ -532,6 +540,43 @@ def test_a_long_batch_with_a_fault_at_its_end_names_every_entry(impl):
     with pytest.raises(ProtocolError) as info:
         impl.codec.read_reply_batch(packb([REPLY_BATCH, [[i, True] for i in range(5000)]])[:-1])
     assert info.value.rids == tuple(range(5000))
+
+
+@SETTINGS
+@given(entries=st.lists(st.tuples(int64s, anything), max_size=20))
+def test_handoff(impl, entries):
+    """A coordkit prefill's HANDOFF: each kv_meta found in place, as it came."""
+    frame = packb([HANDOFF, [list(e) for e in entries]])
+    read = impl.codec.read_handoff(frame)
+    assert [rid for rid, _, _ in read] == [rid for rid, _ in entries]
+    assert [frame[o : o + n] for _, o, n in read] == [packb(kv) for _, kv in entries]
+
+
+def test_a_handoffs_kv_meta_is_read_as_it_came(impl):
+    """Bytes msgpack would not write (a map16 of one key, a float32) are kept, not
+    re-encoded: the decode gets what the prefill sent."""
+    kv_meta = b"\xde\x00\x01\xa1k\xca\x3f\x80\x00\x00"  # {"k": 1.0}: map16, float32
+    frame = packb([HANDOFF, []])[:-1] + b"\x91\x92\x07" + kv_meta
+    assert impl.codec.read_handoff(frame) == [(7, 5, len(kv_meta))]
+
+
+@pytest.mark.parametrize(
+    ("frame", "rids"),
+    [
+        (b"", ()),
+        (packb([HANDOFF]), ()),
+        (packb([SUBMIT_BATCH, [[1, {}]]]), ()),  # another header
+        (packb([HANDOFF, [[1, {}, True]]]), ()),  # an entry of three
+        (packb([HANDOFF, [["1", {}]]]), ()),
+        (packb([HANDOFF, [[1, {}]]]) + b"\x00", (1,)),
+        (packb([HANDOFF, [[1, {}], [2, {}]]])[:-1], (1, 2)),
+        (b"\x92\x68\x91\x92\x01\xc1", (1,)),  # the reserved byte as kv_meta
+    ],
+)
+def test_handoff_errors(impl, frame, rids):
+    with pytest.raises(ProtocolError) as info:
+        impl.codec.read_handoff(frame)
+    assert info.value.rids == rids
 
 
 def test_submit_batch_width(impl):

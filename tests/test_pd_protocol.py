@@ -197,7 +197,8 @@ def test_the_codecs_read_the_decode_hop_a_coordkit_engine_is_sent(impl, rid):
 def test_a_coordkit_engines_hops_are_the_reference_frames(make_cluster, n_keys):
     """Hop 1, hop 2 and the release a coordkit prefill and decode are sent, byte for
     byte as _pd writes them, on both loop cores; the client's params cross each width
-    of a map's head once the hop's override is spliced in (fixmap, map16, map32)."""
+    of a map's head once the hop's override is spliced in (fixmap, map16, map32); the
+    prefill's kv_meta reaches the decode as it came."""
     params = {f"k{i}": i for i in range(n_keys)}
     prompt = list(range(40))
     with make_cluster(pd_mode="always") as c:
@@ -214,11 +215,12 @@ def test_a_coordkit_engines_hops_are_the_reference_frames(make_cluster, n_keys):
         hop1 = prefill.recv()
         rid = um(hop1[0])[1]
         assert hop1 == _pd.prefill_frames(False, rid, m(prompt), m(params), False)
-        prefill.send(m([HANDOFF, [[rid, {"blocks": 2}]]]), m([3, 4]))
+        # kv_meta as msgpack would not write it ({"k": 1.0} as map16 and float32): it
+        # reaches the decode as it came, not re-encoded
+        kv_meta = b"\xde\x00\x01\xa1k\xca\x3f\x80\x00\x00"
+        prefill.send(b"\x92" + m(HANDOFF) + b"\x91\x92" + m(rid) + kv_meta, m([3, 4]))
         hop2 = decode.recv()
-        assert hop2 == _pd.decode_frames(
-            False, rid, m(prompt), m(params), m({"blocks": 2}), m([3, 4])
-        )
+        assert hop2 == _pd.decode_frames(False, rid, m(prompt), m(params), kv_meta, m([3, 4]))
         decode.send(m([KV_READ_DONE, rid]))
         assert prefill.recv() == [_pd.rid_message(RELEASE_KV, rid)]
         decode.send(m([21, [[rid, True]]]), m({"text": "x"}))

@@ -14,6 +14,7 @@ from ._constants cimport (
     PRIORITY_MIN,
     HEADER_ENGINE_REPLY,
     HEADER_ENGINE_REPLY_PARTIAL,
+    HEADER_HANDOFF,
     HEADER_REPLY_BATCH,
     HEADER_SUBMIT_BATCH,
 )
@@ -199,9 +200,11 @@ cdef inline void _name_entry(ck_batch_entry* entries, uint32_t capacity, uint32_
     count[0] = i + 1
 
 
-cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
-                              ck_batch_entry* entries, uint32_t capacity,
-                              uint32_t* count) noexcept nogil:
+cdef inline int _read_params_batch(const uint8_t* buf, size_t n, int64_t header,
+                                   uint32_t width, ck_batch_entry* entries,
+                                   uint32_t capacity, uint32_t* count) noexcept nogil:
+    """``[header, [[rid, object, ...], ...]]``: a SUBMIT_BATCH's, or a HANDOFF's (width
+    2, its object the kv_meta), each object's span in params_offset/params_size."""
     cdef ck_cursor c
     cdef uint32_t length, i, fields
     cdef ck_batch_entry entry
@@ -210,7 +213,7 @@ cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
     c.end = buf + n
     count[0] = 0
     entry.flag = False
-    cdef int status = _read_batch_head(&c, HEADER_SUBMIT_BATCH, &length)
+    cdef int status = _read_batch_head(&c, header, &length)
     if status != CK_OK:
         return status
     for i in range(length):
@@ -243,6 +246,17 @@ cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
     if c.p != c.end:
         return CK_TRAILING
     return CK_TOO_MANY if length > capacity else CK_OK
+
+
+cdef int ck_read_submit_batch(const uint8_t* buf, size_t n, uint32_t width,
+                              ck_batch_entry* entries, uint32_t capacity,
+                              uint32_t* count) noexcept nogil:
+    return _read_params_batch(buf, n, HEADER_SUBMIT_BATCH, width, entries, capacity, count)
+
+
+cdef int ck_read_handoff(const uint8_t* buf, size_t n, ck_batch_entry* entries,
+                         uint32_t capacity, uint32_t* count) noexcept nogil:
+    return _read_params_batch(buf, n, HEADER_HANDOFF, 2, entries, capacity, count)
 
 
 cdef int ck_read_reply_batch(const uint8_t* buf, size_t n, ck_batch_entry* entries,
@@ -283,6 +297,8 @@ cdef inline int _read_batch(const uint8_t* buf, size_t n, int64_t header, uint32
                             uint32_t* count) noexcept nogil:
     if header == HEADER_SUBMIT_BATCH:
         return ck_read_submit_batch(buf, n, width, entries, capacity, count)
+    if header == HEADER_HANDOFF:
+        return ck_read_handoff(buf, n, entries, capacity, count)
     return ck_read_reply_batch(buf, n, entries, capacity, count)
 
 
@@ -479,6 +495,11 @@ cdef list _batch_entries(str what, object frame, int64_t header, uint32_t width)
                  entries[i].flag)
                 for i in range(count)
             ]
+        if header == HEADER_HANDOFF:
+            return [
+                (entries[i].rid, entries[i].params_offset, entries[i].params_size)
+                for i in range(count)
+            ]
         return [(entries[i].rid, entries[i].flag) for i in range(count)]
     finally:
         PyBuffer_Release(&view)
@@ -503,3 +524,10 @@ def read_submit_batch(frame, width=3) -> list[tuple]:
 def read_reply_batch(frame) -> list[tuple[int, bool]]:
     """``[(rid, final), ...]`` of a REPLY_BATCH ``[96, [[rid, final], ...]]``."""
     return _batch_entries("malformed REPLY_BATCH", frame, HEADER_REPLY_BATCH, 2)
+
+
+def read_handoff(frame) -> list[tuple[int, int, int]]:
+    """``[(rid, kv_meta_offset, kv_meta_size), ...]`` of a HANDOFF ``[104, [[rid,
+    kv_meta], ...]]``; each entry's kv_meta is ``frame[offset : offset + size]``,
+    verbatim (any msgpack object)."""
+    return _batch_entries("malformed HANDOFF", frame, HEADER_HANDOFF, 2)

@@ -115,12 +115,13 @@ cdef int message_read_single_replies(Message* self, int64_t* header,
     return status
 
 
-cdef inline int message_read_submit_batch(Message* self, int width,
-                                          uint32_t* count) noexcept nogil:
-    """Read a SUBMIT_BATCH's entries, ``width`` wide (3, or CK_QOS_WIDTH from a client
-    granted QoS), into ``batch_entries`` (the codec grows it)."""
+cdef inline int message_read_batch(Message* self, int64_t header, int width,
+                                   uint32_t* count) noexcept nogil:
+    """Read a batch's entries into ``batch_entries`` (the codec grows it): a
+    SUBMIT_BATCH's, ``width`` wide (3, or CK_QOS_WIDTH from a client granted QoS), or
+    a HANDOFF's (2)."""
     return ck_read_batch_into(
-        message_data(self, 1), message_size(self, 1), HEADER_SUBMIT_BATCH, width,
+        message_data(self, 1), message_size(self, 1), header, width,
         &self.batch_entries, &self.batch_entries_capacity, count,
     )
 

@@ -696,12 +696,24 @@ cdef class PD:
         return True
 
     cdef _handoff(self, int rank):
-        message = self.loop._parse(protocol.HANDOFF, -1, HEADER_HANDOFF)
-        if message is None:
+        """A coordkit prefill's HANDOFF, read in C: each kv_meta and block-id frame goes
+        to the decode as it came."""
+        cdef Loop loop = self.loop
+        cdef uint32_t count, i
+        cdef const uint8_t* meta = loop._data(1)
+        cdef ck_batch_entry entry
+        cdef int status = message_read_batch(&loop.message, HEADER_HANDOFF, 2, &count)
+        if status != CK_OK:
+            loop._malformed(-1, None, HEADER_HANDOFF, ck_strstatus(status).decode())
             return
-        entries, blocks = message
-        for (rid, kv_meta), frame in zip(entries, blocks, strict=True):
-            self._handed(rank, rid, packb(kv_meta), bytes(frame), 0, None)
+        if count != <uint32_t>(loop.message.n_parts - 2):
+            loop._malformed(-1, None, HEADER_HANDOFF, "bad frame layout")
+            return
+        for i in range(count):
+            entry = loop.message.batch_entries[i]
+            kv_meta = (<const char*>meta + entry.params_offset)[:entry.params_size]
+            blocks = (<const char*>loop._data(i + 2))[:loop._size(i + 2)]
+            self._handed(rank, entry.rid, kv_meta, blocks, 0, None)
 
     cdef int64_t _hop_at(self, int64_t rid, int rank):
         """The request's slot when ``rank`` is its decode (before its read), else -1."""
