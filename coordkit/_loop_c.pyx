@@ -131,6 +131,7 @@ from ._pd import (
     ABORTED_TEXT,
     LEASE_EXPIRED,
     MEGATRON_DOMAIN,
+    PARAMS_NOT_A_MAP,
     PD_COUNTS,
     PREFILL_OVERRIDES,
     PROMPT_LOG_PROBS,
@@ -1075,6 +1076,10 @@ cdef class Loop:
                     self._client_gone(to)
             fanout_done(fanout, i)
         fanout.n = 0
+        if self.holds_bodies:
+            self.holds_bodies = False
+            with gil:
+                self.held_bodies.clear()
 
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil:
         cdef int format = self.engines[engine].format
@@ -1250,10 +1255,6 @@ cdef class Loop:
                 with gil:
                     self._client_gone(client)
         self._send_batches(HEADER_REPLY_BATCH)
-        if self.holds_bodies:
-            self.holds_bodies = False
-            with gil:
-                self.held_bodies.clear()
 
     cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil:
         """A reply for the request at ``slot`` arrived: timed, counted, and a final
@@ -1977,8 +1978,9 @@ cdef class Loop:
         memcpy(zmq_msg_data(&self.message.parts[part]), <const char*>body, len(body))
 
     cdef const uint8_t* _held_body(self, bytes body, size_t* size):
-        """A reply body made on the way (detokenized, or continuing a stream), its size
-        in ``size``, alive until the replies are sent (in held_bodies)."""
+        """A frame made on the way (a reply body detokenized or continuing a stream, a
+        prefill hop's params), its size in ``size``, alive until the batches are sent
+        (in held_bodies)."""
         self.held_bodies.append(body)
         self.holds_bodies = True
         size[0] = len(body)

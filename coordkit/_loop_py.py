@@ -2234,8 +2234,11 @@ class PD:
         ):
             self._end(request, ErrorCode.ENGINE_FAILED, _pd.PROMPT_LOG_PROBS, True)
             return True
+        if _pd.map_head(hop.params) is None:  # the room cannot add its key: a clear error
+            self._end(request, ErrorCode.MALFORMED, _pd.PARAMS_NOT_A_MAP, True)
+            return True
         self.counts["requests"] += 1
-        self._hop1(request, hop, False)
+        self._hop1(request, hop, False, inbound.batched)
         return True
 
     def _cached_depth(self, hashes: bytes | None) -> int:
@@ -2253,9 +2256,10 @@ class PD:
             depth += 1
         return depth
 
-    def _hop1(self, request: _Request, hop: Hop, head: bool) -> bool:
+    def _hop1(self, request: _Request, hop: Hop, head: bool, batched: bool = False) -> bool:
         """Hop 1 to a prefill with a free seat; queued when every seat is taken (at the
-        head: it was the queue's), ended when no prefill is up. True when sent."""
+        head: it was the queue's), ended when no prefill is up. True when sent. A
+        request of a client's batch joins the batch a prefill granted batches is sent."""
         hop.stage = _pd.QUEUED_PREFILL
         request.rank = -1
         rank = self._choose(self.prefill_router, hop)
@@ -2271,11 +2275,19 @@ class PD:
         hop.prefill_work = self.prefill_router.charged
         self._reserve(rank, seat.slot_cost)
         hop.prefill, hop.stage, request.rank = rank, _pd.PREFILL, rank
+        self._learn(rank, hop)
+        engine = self._loop._engines[rank]
+        if batched and engine.batch and not seat.megatron:
+            # its entry in the ENGINE_SUBMIT_BATCH the loop sends once the client's
+            # batch is handled
+            params = _pd.with_keys(hop.params, _pd.PREFILL_OVERRIDES["coordkit"])
+            frames = [hop.prompt, *self._trailer(rank, request)]
+            self._loop._fanout.add(engine, request.server_rid, params, frames)
+            return True
         megatron_str = seat.megatron and _pd.str_prompt(hop.prompt)
         frames = _pd.prefill_frames(
             seat.megatron, request.server_rid, hop.prompt, hop.params, megatron_str
         )
-        self._learn(rank, hop)
         self._send_to(rank, frames + self._trailer(rank, request))
         return True
 

@@ -236,20 +236,33 @@ def transfer_signature(instance_meta: Any) -> tuple[Any, ...]:
     return next(iter(kv)), tuple(kinds)
 
 
+#: Why a P/D request whose sampling params are not a map ends (hop 1 adds a key to them).
+PARAMS_NOT_A_MAP = "sampling params: not a map"
+
+
+def map_head(params: bytes | memoryview) -> tuple[int, int] | None:
+    """``(count, head size)`` of the msgpack map head ``params`` starts with; None when
+    it starts with none (a P/D request's params then end it: PARAMS_NOT_A_MAP)."""
+    data = bytes(params[:5])
+    if data[:1] and 0x80 <= data[0] <= 0x8F:
+        return data[0] & 0x0F, 1
+    if data[:1] == b"\xde" and len(data) >= 3:
+        return int.from_bytes(data[1:3], "big"), 3
+    if data[:1] == b"\xdf" and len(data) >= 5:
+        return int.from_bytes(data[1:5], "big"), 5
+    return None
+
+
 def with_keys(params: bytes | memoryview, keys: Mapping[str, Any]) -> bytes:
     """A msgpack map's bytes with ``keys`` appended, the map itself not decoded: its
     head counts them, their pairs follow it. Decoded, each key appended wins over the
     same key in the map (a decoder keeps the last). ProtocolError when ``params`` is
     not a map's head. The C room splices the same bytes."""
     data = bytes(params)
-    if data[:1] and 0x80 <= data[0] <= 0x8F:
-        count, head = data[0] & 0x0F, 1
-    elif data[:1] == b"\xde" and len(data) >= 3:
-        count, head = int.from_bytes(data[1:3], "big"), 3
-    elif data[:1] == b"\xdf" and len(data) >= 5:
-        count, head = int.from_bytes(data[1:5], "big"), 5
-    else:
-        raise ProtocolError("sampling params: not a map")
+    found = map_head(data)
+    if found is None:
+        raise ProtocolError(PARAMS_NOT_A_MAP)
+    count, head = found
     count += len(keys)
     if count <= 0x0F:
         out = bytes([0x80 | count])

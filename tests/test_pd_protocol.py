@@ -8,9 +8,10 @@ import msgpack
 import pytest
 
 from coordkit import _pd, protocol
-from coordkit.protocol import EngineRole, Header, ProtocolError
+from coordkit.protocol import EngineRole, ErrorCode, Header, ProtocolError
 from tests.support.peers import (
     ENGINE_ACK,
+    ERROR,
     ENGINE_HELLO,
     HANDOFF,
     KV_READ_DONE,
@@ -21,6 +22,7 @@ from tests.support.peers import (
     REQUEST_ABORTED,
     REQUEST_ERROR,
     SEND_KV,
+    SUBMIT_BATCH,
     SUBMIT_KV,
     RawClient,
     RawEngine,
@@ -225,6 +227,78 @@ def test_a_coordkit_engines_hops_are_the_reference_frames(make_cluster, n_keys):
         assert prefill.recv() == [_pd.rid_message(RELEASE_KV, rid)]
         decode.send(m([21, [[rid, True]]]), m({"text": "x"}))
         assert client.recv() == [m([21, 1]), m({"text": "x"})]  # the final: no flag
+
+
+def pd_engines(c, capacity=4, **features):
+    """A coordkit prefill and decode registered with ``c``'s coordinator."""
+    prefill, decode = (
+        RawEngine(c.ctx, c.coord.address, role.encode()) for role in ("prefill", "decode")
+    )
+    c.peers += [prefill, decode]
+    for engine, role in ((prefill, "prefill"), (decode, "decode")):
+        engine.register().hello(role=role, capacity=capacity, transfer={"t": 1}, **features)
+        if features.get("ack"):
+            assert um(engine.recv()[0])[0] == ENGINE_ACK
+    wait_for(lambda: len(c.coord.stats().get("pd", {}).get("engines", ())) == 2)
+    return prefill, decode
+
+
+def test_a_client_batchs_hops_go_to_a_batched_prefill_as_one_batch(make_cluster):
+    """The prefill hops of a client's SUBMIT_BATCH leave as one ENGINE_SUBMIT_BATCH to a
+    prefill granted batches, each entry's params with the override spliced in (fixmap
+    to map16 at 15 keys), its prompt, its trailer to a rebuild engine; the requests go
+    on to their finals."""
+    params = [{}, {f"k{i}": i for i in range(15)}, SP]
+    with make_cluster(pd_mode="always") as c:
+        prefill, decode = pd_engines(c, batch=1, rebuild=1, base=1, ack=1)
+        client = RawClient(c.ctx, c.coord.address, b"client").connect(batch=True)
+        c.peers.append(client)
+        client.send(
+            m([SUBMIT_BATCH, [[i, p, False] for i, p in enumerate(params)]]),
+            *(m([i, 1, 2]) for i in range(3)),
+        )
+        batch = prefill.recv()
+        head = um(batch[0])
+        assert head[0] == SUBMIT_BATCH and len(head[1]) == 3
+        rids = [rid for rid, _ in head[1]]
+        entries = b"".join(
+            b"\x92" + m(rid) + _pd.with_keys(m(p), {protocol.HANDOFF_KEY: True})
+            for rid, p in zip(rids, params, strict=True)
+        )
+        assert batch[0] == b"\x92" + m(SUBMIT_BATCH) + b"\x93" + entries
+        for i in range(3):
+            assert batch[1 + 2 * i] == m([i, 1, 2])
+            assert batch[2 + 2 * i] == protocol.pack_trailer(i, None, False)
+        prefill.send(
+            m([HANDOFF, [[rid, {"b": 1}] for rid in rids]]), *(m([rid]) for rid in rids)
+        )
+        for rid, p in zip(rids, params, strict=True):
+            hop2 = decode.recv()
+            assert hop2[:3] == _pd.decode_frames(False, rid, m([rids.index(rid), 1, 2]), m(p),
+                                                 m({"b": 1}), m([rid]))
+        decode.send(m([21, [[rid, True] for rid in rids]]),
+                    *(m({"t": rid}) for rid in rids))
+        finals = [um(f[0]) for f in client.recv_all()]
+        assert sorted(i for f in finals for i, _ in f[1]) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_pd_request_whose_params_are_not_a_map_ends_with_an_error(make_cluster, batched):
+    """Hop 1 adds a key to the params: params that are not a map end the request with
+    a malformed-message error, and the loop serves the next request."""
+    with make_cluster(pd_mode="always") as c:
+        prefill, _ = pd_engines(c, batch=1)
+        client = RawClient(c.ctx, c.coord.address, b"client").connect(True, batch=batched)
+        c.peers.append(client)
+        if batched:
+            client.send(m([SUBMIT_BATCH, [[1, 5, False]]]), m([1, 2]))
+        else:
+            client.send(m([20, 1, 5]), m([1, 2]))
+        error = um(client.recv()[0])
+        assert error[:3] == [ERROR, 1, ErrorCode.MALFORMED]
+        client.send(m([20, 2, SP]), m([1, 2]))
+        assert um(prefill.recv()[0])[0] in (20, SUBMIT_BATCH)
+        assert c.coord.stats()["pd"]["counts"]["requests"] == 1
 
 
 def test_hops_past_the_small_share_bound_send_copied_prompts(make_cluster):

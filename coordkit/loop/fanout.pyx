@@ -58,7 +58,7 @@ cdef size_t fanout_send(Fanout* self, void* sock, int64_t header, uint32_t first
     cdef uint32_t j, count = 0
     cdef uint8_t* out = self.head
     cdef size_t size, frames = 0
-    cdef int more
+    cdef int more, framed
     for j in range(first, self.n):
         if entries[j].to == to:
             count += 1
@@ -76,10 +76,11 @@ cdef size_t fanout_send(Fanout* self, void* sock, int64_t header, uint32_t first
         if entries[j].to == to:
             count -= 1
             more = ZMQ_SNDMORE if count else 0
+            framed = ZMQ_SNDMORE if entries[j].trailed else more  # its trailer follows
             if entries[j].frame:
-                send_msg(sock, entries[j].frame, ZMQ_SNDMORE if entries[j].trailed else more)
+                send_msg(sock, entries[j].frame, framed)
             else:
-                send_bytes(sock, entries[j].data, entries[j].size, more)
+                send_bytes(sock, entries[j].data, entries[j].size, framed)
             if entries[j].trailed:
                 frames += send_trailer(sock, &entries[j].origin, more)
     return size + frames

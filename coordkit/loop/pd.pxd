@@ -96,13 +96,16 @@ cdef class PD:
     cdef _reserve(self, int rank, uint32_t ssm)
     cdef _release_seat(self, int rank, int role, int64_t work, uint32_t ssm)
     cdef int64_t _cached_depth(self, bytes hashes) except -1
-    cdef bint _hop1(self, uint32_t slot, bint head) except -1
+    cdef bint _hop1(self, uint32_t slot, bint head, bint batched=*) except -1
+    cdef bint _join_batch(self, int rank, uint32_t slot) except -1
     cdef bint _hop2(self, uint32_t slot, bint head) except -1
     cdef list _trailer(self, int rank, uint32_t slot)
+    cdef void _origin(self, uint32_t slot, Origin* origin) noexcept
     cdef _learn(self, int rank, uint32_t slot)
     cdef bint _send_to(self, int rank, list frames)
     cdef bytes _prompt(self, uint32_t slot)
-    cdef bint _send_hop(self, int rank, uint32_t slot, int64_t header, bytes head, list tail)
+    cdef bint _send_rid(self, int rank, int64_t header, int64_t rid)
+    cdef bint _send_hop(self, int rank, uint32_t slot, int64_t header, bytes head, bytes last)
     cdef _handed(self, int rank, int64_t rid, bytes kv_meta, bytes blocks, uint32_t ssm,
                  object tokens)
     cdef _release_pins(self, uint32_t slot)

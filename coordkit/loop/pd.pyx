@@ -7,26 +7,31 @@ cdef bytes COORDKIT_OVERRIDES = b"".join(
 cdef uint32_t N_COORDKIT_OVERRIDES = len(PREFILL_OVERRIDES["coordkit"])
 
 
-cdef inline bytes rid_frame(int64_t header, int64_t rid):
-    """``[header, rid]``, rid_message's bytes: RELEASE_KV and ABORT_REQUEST to an engine."""
-    cdef uint8_t out[CK_HEADER_INT_MAX]
-    return (<char*>out)[:ck_write_header_int(out, header, rid)]
+cdef inline bint is_map_head(bytes params):
+    """Whether ``params`` starts as a msgpack map (with_keys can splice into it)."""
+    cdef const uint8_t* p = <const uint8_t*><const char*>params
+    cdef size_t n = len(params)
+    return (n >= 1 and 0x80 <= p[0] <= 0x8F) or (n >= 3 and p[0] == 0xDE) or (
+        n >= 5 and p[0] == 0xDF
+    )
 
 
 cdef object hop_head(int64_t header, int64_t rid, bytes params, bytes extra,
                      uint32_t n_keys):
     """A coordkit hop's first frame: ``[header, rid, params, ...]`` with ``extra``'s
-    bytes after the params. With ``n_keys``, ``extra`` is that many packed key-value
-    pairs spliced into the params map (with_keys's bytes: hop 1's overrides), else
-    the hop's last field (hop 2's kv_meta). None when the params are not a map's head
-    (prefill_frames says so)."""
+    bytes after the params; with a negative ``header`` the params alone (a batch
+    entry's tail). With ``n_keys``, ``extra`` is that many packed key-value pairs
+    spliced into the params map (with_keys's bytes: hop 1's overrides), else the
+    hop's last field (hop 2's kv_meta). None when the params are not a map's head."""
     cdef const uint8_t* p = <const uint8_t*><const char*>params
     cdef size_t n = len(params), head, count, size
     cdef uint8_t prefix[3 * CK_INT_MAX]
-    cdef size_t n_prefix = ck_write_array(prefix, 3 if n_keys else 4)
+    cdef size_t n_prefix = 0
     cdef uint8_t* out
-    n_prefix += ck_write_int(prefix + n_prefix, header)
-    n_prefix += ck_write_int(prefix + n_prefix, rid)
+    if header >= 0:
+        n_prefix = ck_write_array(prefix, 3 if n_keys else 4)
+        n_prefix += ck_write_int(prefix + n_prefix, header)
+        n_prefix += ck_write_int(prefix + n_prefix, rid)
     head = count = 0
     if n_keys:
         if n >= 1 and 0x80 <= p[0] <= 0x8F:
@@ -295,8 +300,12 @@ cdef class PD:
             hop.stage = PD_QUEUED_PREFILL
             self._end(slot, ERROR_ENGINE_FAILED, PROMPT_LOG_PROBS, True)
             return True
+        if not is_map_head(params):  # the room cannot add its key: a clear error
+            hop.stage = PD_QUEUED_PREFILL
+            self._end(slot, ERROR_MALFORMED, PARAMS_NOT_A_MAP, True)
+            return True
         self.counts["requests"] += 1
-        self._hop1(slot, False)
+        self._hop1(slot, False, inbound.batched)
         return True
 
     cdef int64_t _cached_depth(self, bytes hashes) except -1:
@@ -314,9 +323,10 @@ cdef class PD:
             depth += 1
         return depth
 
-    cdef bint _hop1(self, uint32_t slot, bint head) except -1:
+    cdef bint _hop1(self, uint32_t slot, bint head, bint batched=False) except -1:
         """Hop 1 to a prefill with a free seat; queued when every seat is taken (at the
-        head: it was the queue's), ended when no prefill is up. True when sent."""
+        head: it was the queue's), ended when no prefill is up. True when sent. A
+        request of a client's batch joins the batch a prefill granted batches is sent."""
         cdef Hop* hop = &self.hops[slot]
         cdef ck_request* request = &self.loop.requests.pool[slot]
         cdef int rank
@@ -338,19 +348,44 @@ cdef class PD:
         hop.stage = PD_STAGE_PREFILL
         request.rank = rank
         kept = self.kept[slot]
-        first = None
+        self._learn(rank, slot)
         if not self.seats[rank].megatron:
+            if batched and self.loop.engines[rank].batch and self._join_batch(rank, slot):
+                return True
             first = hop_head(HEADER_SUBMIT_REQUEST, rid, kept[1], COORDKIT_OVERRIDES,
                              N_COORDKIT_OVERRIDES)
-        self._learn(rank, slot)
-        if first is not None:
-            self._send_hop(rank, slot, HEADER_SUBMIT_REQUEST, first, self._trailer(rank, slot))
+            self._send_hop(rank, slot, HEADER_SUBMIT_REQUEST, first, None)
             return True
-        # a #6675 engine's single frame (or params that are not a map: its error)
+        # a #6675 engine's single frame
         megatron = self.seats[rank].megatron
         prompt = self._prompt(slot)
         frames = prefill_frames(megatron, rid, prompt, kept[1], megatron and str_prompt(prompt))
         self._send_to(rank, frames + self._trailer(rank, slot))
+        return True
+
+    cdef bint _join_batch(self, int rank, uint32_t slot) except -1:
+        """Hop 1 as an entry of the ENGINE_SUBMIT_BATCH the loop sends ``rank`` once the
+        client's batch is handled: its params with the override (held until sent), its
+        prompt copied (the kept frame stays the room's). False when memory is short."""
+        cdef Loop loop = self.loop
+        cdef Origin origin
+        cdef size_t tail_size, size
+        cdef const uint8_t* tail
+        cdef const uint8_t* prompt
+        params = hop_head(-1, 0, self.kept[slot][1], COORDKIT_OVERRIDES, N_COORDKIT_OVERRIDES)
+        if not fanout_grow(&loop.fanout, len(params)):
+            return False
+        tail = loop._held_body(params, &tail_size)
+        if self.prompts[slot] == NULL:
+            prompt = <const uint8_t*><const char*>self.kept[slot][0]
+            size = len(self.kept[slot][0])
+        else:
+            prompt = kept_prompt(self.prompts[slot], &size)
+        fanout_add(&loop.fanout, rank, loop.requests.pool[slot].server_rid, tail, tail_size,
+                   NULL, prompt, size)
+        if loop.engines[rank].rebuild:
+            self._origin(slot, &origin)
+            fanout_trail(&loop.fanout, &origin)
         return True
 
     cdef bint _hop2(self, uint32_t slot, bint head) except -1:
@@ -387,7 +422,7 @@ cdef class PD:
         else:
             self._send_hop(rank, slot, HEADER_SUBMIT_REQUEST_WITH_KV,
                            hop_head(HEADER_SUBMIT_REQUEST_WITH_KV, rid, kept[1], kept[3], 0),
-                           [kept[4]] + self._trailer(rank, slot))
+                           kept[4])
         return True
 
     cdef list _trailer(self, int rank, uint32_t slot):
@@ -396,10 +431,13 @@ cdef class PD:
         cdef uint8_t out[TRAILER_MAX]
         if not self.loop.engines[rank].rebuild:
             return []
+        self._origin(slot, &origin)
+        return [(<char*>out)[:write_trailer(out, &origin)]]
+
+    cdef void _origin(self, uint32_t slot, Origin* origin) noexcept:
         origin.client_rid = self.loop.requests.pool[slot].client_rid
         origin.client_id = NULL
         origin.hashes = NULL
-        return [(<char*>out)[:write_trailer(out, &origin)]]
 
     cdef _learn(self, int rank, uint32_t slot):
         """A hop sent to an engine that runs whole requests too: the whole-request router
@@ -416,6 +454,22 @@ cdef class PD:
         self.loop.faults.lost(rank, GONE_UNREACHABLE)  # settled: engine_gone
         return False
 
+    cdef bint _send_rid(self, int rank, int64_t header, int64_t rid):
+        """``[header, rid]`` (rid_message's bytes: RELEASE_KV, ABORT_REQUEST) to an
+        engine, written in C; as _send_to."""
+        cdef Loop loop = self.loop
+        cdef uint8_t out[CK_HEADER_INT_MAX]
+        cdef size_t size
+        if rank < 0 or loop.engines[rank].state == ENGINE_GONE:
+            return False
+        if loop._send_identity(&loop.engine_ids, rank) != 0:
+            loop.faults.lost(rank, GONE_UNREACHABLE)  # settled: engine_gone
+            return False
+        size = ck_write_header_int(out, header, rid)
+        send_bytes(loop.sock, out, size, 0)
+        traffic_count(&loop.traffic, SENT, header, size)
+        return True
+
     cdef bytes _prompt(self, uint32_t slot):
         """The request's prompt frame as bytes (a #6675 engine's frame splices it in)."""
         cdef size_t size
@@ -425,17 +479,22 @@ cdef class PD:
         data = kept_prompt(self.prompts[slot], &size)
         return (<const char*>data)[:size]
 
-    cdef bint _send_hop(self, int rank, uint32_t slot, int64_t header, bytes head, list tail):
+    cdef bint _send_hop(self, int rank, uint32_t slot, int64_t header, bytes head, bytes last):
         """A coordkit engine's hop: ``head``, the prompt frame (the kept one shared, not
-        copied), then ``tail``'s frames; as _send_to."""
+        copied), ``last`` unless None (hop 2's block ids), and a rebuild engine's trailer;
+        as _send_to."""
         cdef Loop loop = self.loop
         cdef zmq_msg_t* shared
         cdef const uint8_t* data
         cdef size_t size
-        cdef Py_ssize_t i, n = len(tail)
-        cdef bytes frame
+        cdef Origin origin
+        cdef bint trailed = loop.engines[rank].rebuild if rank >= 0 else False
+        cdef int after_prompt = ZMQ_SNDMORE if last is not None or trailed else 0
         if self.prompts[slot] == NULL:
-            return self._send_to(rank, [head, self.kept[slot][0]] + tail)
+            frames = [head, self.kept[slot][0]]
+            if last is not None:
+                frames.append(last)
+            return self._send_to(rank, frames + self._trailer(rank, slot))
         if rank < 0 or loop.engines[rank].state == ENGINE_GONE:
             return False
         if loop._send_identity(&loop.engine_ids, rank) != 0:
@@ -445,14 +504,16 @@ cdef class PD:
         data = kept_prompt(self.prompts[slot], &size)
         shared = kept_shared(self.prompts[slot])
         if shared != NULL:
-            send_shared(loop.sock, shared, ZMQ_SNDMORE if n else 0)
+            send_shared(loop.sock, shared, after_prompt)
         else:
-            send_bytes(loop.sock, data, size, ZMQ_SNDMORE if n else 0)
+            send_bytes(loop.sock, data, size, after_prompt)
         size += len(head)
-        for i in range(n):
-            frame = tail[i]
-            size += len(frame)
-            send_bytes(loop.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i + 1 < n else 0)
+        if last is not None:
+            size += len(last)
+            send_bytes(loop.sock, <const char*>last, len(last), ZMQ_SNDMORE if trailed else 0)
+        if trailed:
+            self._origin(slot, &origin)
+            size += send_trailer(loop.sock, &origin, 0)
         traffic_count(&loop.traffic, SENT, header, size)
         return True
 
@@ -464,7 +525,7 @@ cdef class PD:
         cdef Hop* hop
         if slot < 0 or self.hops[slot].stage != PD_STAGE_PREFILL or self.hops[slot].prefill != rank:
             self.counts["stray"] += 1
-            self._send_to(rank, [rid_frame(HEADER_RELEASE_KV, rid)])
+            self._send_rid(rank, HEADER_RELEASE_KV, rid)
             return
         hop = &self.hops[slot]
         hop.pins = True
@@ -489,8 +550,7 @@ cdef class PD:
         kept = self.kept[slot]
         kept[3] = kept[4] = b""
         self.counts["pins_released"] += 1
-        rid = self.loop.requests.pool[slot].server_rid
-        self._send_to(prefill, [rid_frame(HEADER_RELEASE_KV, rid)])
+        self._send_rid(prefill, HEADER_RELEASE_KV, self.loop.requests.pool[slot].server_rid)
         if prefill >= 0:
             self._release_seat(prefill, PD_PREFILL, hop.prefill_work,
                                self.seats[prefill].slot_cost)
@@ -543,7 +603,7 @@ cdef class PD:
     cdef _free_orphan(self, int64_t rid):
         prefill, _, _, client, client_rid = self.orphans.pop(rid)
         self.counts["pins_released"] += 1
-        self._send_to(prefill, [rid_frame(HEADER_RELEASE_KV, rid)])
+        self._send_rid(prefill, HEADER_RELEASE_KV, rid)
         if prefill >= 0 and self.seats[prefill].seated:
             self._release_seat(prefill, PD_PREFILL, 0, self.seats[prefill].slot_cost)
         if client is not None:
@@ -570,7 +630,7 @@ cdef class PD:
         if not final:
             return False
         self.counts["pins_released"] += 1
-        self._send_to(rank, [rid_frame(HEADER_RELEASE_KV, rid)])
+        self._send_rid(rank, HEADER_RELEASE_KV, rid)
         return True
 
     cdef bint _megatron_client(self, int32_t client):
@@ -618,14 +678,14 @@ cdef class PD:
         if stage == PD_QUEUED_PREFILL or stage == PD_QUEUED_DECODE:
             self._end(slot, ERROR_ABORTED, ABORTED_TEXT, True, True)
             return
-        self._send_to(request.rank, [rid_frame(HEADER_ABORT_REQUEST, request.server_rid)])
+        self._send_rid(request.rank, HEADER_ABORT_REQUEST, request.server_rid)
 
     cdef time_out(self, uint32_t slot):
         """Past request_timeout: ERROR(TIMED_OUT) (a #6675 client's REQUEST_ERROR), ABORT at
         the hop holding it; pins at a decode wait for its read (orphans)."""
         cdef ck_request* request = &self.loop.requests.pool[slot]
         if request.rank >= 0 and not request.flags & FLAG_ABORTED:
-            self._send_to(request.rank, [rid_frame(HEADER_ABORT_REQUEST, request.server_rid)])
+            self._send_rid(request.rank, HEADER_ABORT_REQUEST, request.server_rid)
         self._end(slot, ERROR_TIMED_OUT, TIMED_OUT_TEXT, False)
 
     cdef client_release(self, int32_t client, int64_t rid):
@@ -651,11 +711,11 @@ cdef class PD:
             record = None
         handoff = handoff_of(record)
         if self.loop.requests.pool[slot].flags & FLAG_ABORTED:
-            self._send_to(rank, [rid_frame(HEADER_RELEASE_KV, rid)])
+            self._send_rid(rank, HEADER_RELEASE_KV, rid)
             self._end(slot, ERROR_ABORTED, ABORTED_TEXT, True, True)
             return
         if isinstance(handoff, str):
-            self._send_to(rank, [rid_frame(HEADER_RELEASE_KV, rid)])
+            self._send_rid(rank, HEADER_RELEASE_KV, rid)
             self._end(slot, ERROR_ENGINE_FAILED, handoff, True)
             return
         kv_meta, blocks = handoff
@@ -664,7 +724,7 @@ cdef class PD:
             try:
                 kv_meta = restore_nixl_blobs(kv_meta, registration.instance_meta)
             except ValueError as error:
-                self._send_to(rank, [rid_frame(HEADER_RELEASE_KV, rid)])
+                self._send_rid(rank, HEADER_RELEASE_KV, rid)
                 self._end(slot, ERROR_ENGINE_FAILED, f"invalid NIXL handoff metadata: {error}",
                           True)
                 return
@@ -677,7 +737,7 @@ cdef class PD:
         if self.seats[rank].seated and self.seats[rank].megatron and (
             self.seats[rank].role & PD_PREFILL
         ):
-            self._send_to(rank, [rid_frame(HEADER_RELEASE_KV, rid)])
+            self._send_rid(rank, HEADER_RELEASE_KV, rid)
 
     cdef bint from_engine(self, int rank, int64_t header) except -1:
         """The P/D messages of an engine (False: not one)."""
@@ -823,9 +883,7 @@ cdef class PD:
                     or hop.stage == PD_STAGE_DECODE
                 ):
                     if hop.stage == PD_STAGE_DECODE:  # its KV is gone: the import stops
-                        self._send_to(hop.decode, [
-                            rid_frame(HEADER_ABORT_REQUEST, order[i].server_rid)
-                        ])
+                        self._send_rid(hop.decode, HEADER_ABORT_REQUEST, order[i].server_rid)
                         self._release_seat(hop.decode, PD_DECODE, hop.decode_work, hop.ssm)
                         hop.decode = -1  # its seat is free: not freed again if it ends here
                     elif hop.stage == PD_QUEUED_DECODE:
@@ -907,7 +965,7 @@ cdef class PD:
                 continue
             self.counts["leases_expired"] += 1
             if hop.stage == PD_STAGE_DECODE:
-                self._send_to(hop.decode, [rid_frame(HEADER_ABORT_REQUEST, rid)])
+                self._send_rid(hop.decode, HEADER_ABORT_REQUEST, rid)
                 self._release_seat(hop.decode, PD_DECODE, hop.decode_work, hop.ssm)
                 hop.decode = -1  # its seat is free: not freed again if it ends here
             elif hop.stage == PD_QUEUED_DECODE:
