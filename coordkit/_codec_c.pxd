@@ -142,6 +142,12 @@ cdef int ck_read_reply(const uint8_t* buf, size_t n, int64_t* header, ck_entry* 
 cdef int ck_read_header_int(const uint8_t* buf, size_t n, int64_t* header,
                             int64_t* value) noexcept nogil
 
+# `[header, rid, ...]`: an int64 header and at least one int64 rid, validated whole
+# (RELEASE_KV to a coordkit prefill, KV_READ_DONE from a coordkit decode); *count rids,
+# the first at buf[*first] (read them with ck_read_int).
+cdef int ck_read_rids(const uint8_t* buf, size_t n, int64_t* header, uint32_t* count,
+                      size_t* first) noexcept nogil
+
 # SUBMIT_BATCH `[95, [entry, ...]]`, validated whole: each entry `[rid, params, hashed]`
 # (width 3, from a client) or `[rid, params]` (width 2, to an engine), the params any
 # msgpack object, skipped structurally; with CK_QOS_WIDTH, a client granted QoS: each

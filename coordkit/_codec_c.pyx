@@ -39,6 +39,7 @@ __all__ = [
     "read_reply",
     "prompt_tokens",
     "read_header_int",
+    "read_rids",
     "read_submit_batch",
     "read_reply_batch",
     "read_handoff",

@@ -29,6 +29,7 @@ __all__ = [
     "read_reply",
     "prompt_tokens",
     "read_header_int",
+    "read_rids",
     "read_submit_batch",
     "read_reply_batch",
     "read_handoff",
@@ -340,6 +341,17 @@ def read_header_int(frame: Buffer) -> tuple[int, int]:
     if unpacker.tell() != len(data):
         raise ProtocolError(f"{_METADATA}: trailing bytes")
     return header, value
+
+
+def read_rids(frame: Buffer) -> tuple[int, list[int]]:
+    """``(header, [rid, ...])`` of ``[header, rid, ...]``, at least one rid, int64s,
+    validated whole."""
+    data = _as_bytes(frame)
+    unpacker, length, header = _start(data, 2)
+    rids = [_int(_METADATA, _unpack(_METADATA, unpacker.unpack)) for _ in range(length - 1)]
+    if unpacker.tell() != len(data):
+        raise ProtocolError(f"{_METADATA}: trailing bytes")
+    return header, rids
 
 
 def _span(what: str, unpacker: msgpack.Unpacker) -> tuple[int, int]:

@@ -44,6 +44,8 @@ from ._codec_c cimport (
     ck_read_batch_into,
     ck_read_header,
     ck_read_header_int,
+    ck_read_int,
+    ck_read_rids,
     ck_read_submit,
     ck_strstatus,
     ck_submit,
@@ -52,6 +54,7 @@ from ._codec_c cimport (
 )
 from ._constants cimport *
 from .includes.bytebuf cimport Buf, buf_reserve
+from .includes.cursor cimport ck_cursor
 from .includes.libzmq cimport (
     ZMQ_POLLIN,
     ZMQ_SNDMORE,
@@ -331,10 +334,11 @@ cdef class EngineCore:
 
     cdef int _parse(self, list events) except -1:
         cdef const uint8_t* data = <const uint8_t*>zmq_msg_data(&self.parts[0])
-        cdef size_t size = zmq_msg_size(&self.parts[0]), end
+        cdef size_t size = zmq_msg_size(&self.parts[0]), end, first
         cdef int64_t header, rid
-        cdef uint32_t length, count, i
+        cdef uint32_t length, count, i, _i
         cdef ck_submit submit
+        cdef ck_cursor cursor
         cdef int status = ck_read_header(data, size, &header, &length, &end)
         cdef list layout = None
         held = self.held if self.held is not None and self.held.granted else None
@@ -389,15 +393,24 @@ cdef class EngineCore:
             if layout is not None:
                 held.track(submit.rid, layout[0][1], layout[0][2])
             self.pending += 1
-        elif header == HEADER_ABORT_REQUEST or header == HEADER_RELEASE_KV:
+        elif header == HEADER_ABORT_REQUEST:
             status = ck_read_header_int(data, size, &header, &rid)
             if status != CK_OK or self.n_parts != 1:
-                raise ProtocolError(f"{protocol.header_name(header)}: bad layout")
-            PyList_Append(events, Abort(rid) if header == HEADER_ABORT_REQUEST else ReleaseKV(rid))
-            if self.held is not None and header == HEADER_ABORT_REQUEST:
+                raise ProtocolError("ABORT_REQUEST: bad layout")
+            PyList_Append(events, Abort(rid))
+            if self.held is not None:
                 self.held.aborted(rid)
-            elif self.held is not None:  # RELEASE_KV
-                self.held.released(rid)
+        elif header == HEADER_RELEASE_KV:  # one request's, or several
+            status = ck_read_rids(data, size, &header, &count, &first)
+            if status != CK_OK or self.n_parts != 1:
+                raise ProtocolError("RELEASE_KV: bad layout")
+            cursor.p = data + first
+            cursor.end = data + size
+            for _i in range(count):
+                ck_read_int(&cursor, &rid)
+                PyList_Append(events, ReleaseKV(rid))
+                if self.held is not None:
+                    self.held.released(rid)
         else:
             self._parse_rarely(header, events)
         return 0

@@ -132,11 +132,13 @@ class EngineCore:
             events.append(Abort(rid))
             if self.held is not None:
                 self.held.aborted(rid)
-        elif header == Header.RELEASE_KV:
-            rid = protocol.RELEASE_KV.parse(frames).rid
-            events.append(ReleaseKV(rid))
-            if self.held is not None:
-                self.held.released(rid)
+        elif header == Header.RELEASE_KV:  # one request's, or several
+            if len(frames) != 1:
+                raise ProtocolError("RELEASE_KV: bad layout")
+            for rid in _codec_py.read_rids(frames[0].buffer)[1]:
+                events.append(ReleaseKV(rid))
+                if self.held is not None:
+                    self.held.released(rid)
         elif header == Header.SEND_KV:
             send = protocol.SEND_KV.parse(frames)
             events.append(SendKV(send.rid, send.decode_meta, send.cached_prefix_blocks or 0))

@@ -208,7 +208,7 @@ cdef class Loop:
         # The message at hand, and its entries bound for peers that take batches.
         Message message
         Fanout fanout
-        list held_bodies  # frames made on the way (bodies, hop params) Batched points into, until sent
+        list held_bodies  # frames made on the way (bodies, hop params) a batch points into
         bint holds_bodies  # held_bodies has some
 
     # the hot path (no GIL)

@@ -47,6 +47,7 @@ from libc.string cimport memcpy, memmove, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from ._codec_c cimport (
+    CK_ARRAY_MAX,
     CK_BATCH_HEAD_MAX,
     CK_HEADER_INT_MAX,
     CK_INT_MAX,
@@ -64,9 +65,10 @@ from ._codec_c cimport (
     ck_qos,
     ck_read_batch_into,
     ck_read_header,
-    ck_read_header_int,
+    ck_read_int,
     ck_read_qos,
     ck_read_reply,
+    ck_read_rids,
     ck_read_single_head,
     ck_read_single_reply,
     ck_read_single_submit,
@@ -107,7 +109,13 @@ from .includes.libzmq cimport (
 )
 from ._routing_c cimport Router
 from .includes.bytebuf cimport reserve
-from .includes.cursor cimport ck_load_be16, ck_load_be32, ck_store_be16, ck_store_be32
+from .includes.cursor cimport (
+    ck_cursor,
+    ck_load_be16,
+    ck_load_be32,
+    ck_store_be16,
+    ck_store_be32,
+)
 from .includes.tables cimport ck_cells_for, ck_cells_remove, ck_cells_vacant, ck_mix64
 from .includes.ring cimport (
     ck_ring_drop,

@@ -2083,6 +2083,8 @@ class PD:
         self.leases: deque[tuple[float, int]] = deque()  # (deadline, server id): pinned
         self.orphans: dict[int, Orphan] = {}  # by server id
         self.orphan_order: deque[tuple[float, int]] = deque()
+        # while a KV_READ_DONE of several is read: by prefill, (server id, work) released
+        self.releasing: dict[int, list[tuple[int, int]]] | None = None
         self.counts = dict.fromkeys(_pd.PD_COUNTS, 0)
 
     def _new_router(self) -> Router:
@@ -2349,7 +2351,7 @@ class PD:
         hop = self.hops.get(rid)
         if request is None or hop is None or hop.stage != _pd.PREFILL or hop.prefill != rank:
             self.counts["stray"] += 1
-            self._send_to(rank, [_pd.rid_message(Header.RELEASE_KV, rid)])
+            self._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
             return
         hop.pins = True
         hop.kv_meta, hop.blocks, hop.ssm = kv_meta, blocks, ssm
@@ -2368,11 +2370,30 @@ class PD:
         hop.pins = False
         hop.kv_meta = hop.blocks = b""
         self.counts["pins_released"] += 1
-        self._send_to(hop.prefill, [_pd.rid_message(Header.RELEASE_KV, rid)])
-        seat = self.seats.get(hop.prefill)
-        self._release_seat(
-            hop.prefill, EngineRole.PREFILL, hop.prefill_work, 0 if seat is None else seat.slot_cost
-        )
+        self._release(hop.prefill, rid, hop.prefill_work)
+
+    def _release(self, prefill: int, rid: int, work: int) -> None:
+        """RELEASE_KV of ``rid`` to its prefill, then its seat free: at once, or, while a
+        KV_READ_DONE of several is read, with the others of that coordkit prefill at its
+        end (_send_releases: a seat is freed after its release is sent)."""
+        seat = self.seats.get(prefill)
+        if self.releasing is not None and seat is not None and not seat.megatron:
+            self.releasing.setdefault(prefill, []).append((rid, work))
+            return
+        self._send_to(prefill, [protocol.rids_message(Header.RELEASE_KV, rid)])
+        if seat is not None:
+            self._release_seat(prefill, EngineRole.PREFILL, work, seat.slot_cost)
+
+    def _send_releases(self, releases: dict[int, list[tuple[int, int]]]) -> None:
+        """The releases a KV_READ_DONE of several made: one RELEASE_KV per prefill, its
+        rids in order, then their seats freed."""
+        for prefill, pins in releases.items():
+            rids = (rid for rid, _ in pins)
+            self._send_to(prefill, [protocol.rids_message(Header.RELEASE_KV, *rids)])
+            for _, work in pins:
+                seat = self.seats.get(prefill)
+                if seat is not None:
+                    self._release_seat(prefill, EngineRole.PREFILL, work, seat.slot_cost)
 
     # -- what the loop calls -------------------------------------------------------------
 
@@ -2422,10 +2443,7 @@ class PD:
     def _free_orphan(self, rid: int) -> None:
         orphan = self.orphans.pop(rid)
         self.counts["pins_released"] += 1
-        self._send_to(orphan.prefill, [_pd.rid_message(Header.RELEASE_KV, rid)])
-        seat = self.seats.get(orphan.prefill)
-        if seat is not None:
-            self._release_seat(orphan.prefill, EngineRole.PREFILL, 0, seat.slot_cost)
+        self._release(orphan.prefill, rid, 0)
         if orphan.client is not None:
             self._tell(orphan.client, protocol.REQUEST_ABORTED.pack(orphan.client_rid, True))
 
@@ -2449,7 +2467,7 @@ class PD:
         if not final:
             return False
         self.counts["pins_released"] += 1
-        self._send_to(rank, [_pd.rid_message(Header.RELEASE_KV, rid)])
+        self._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
         return True
 
     def _megatron_client(self, client: _Client) -> bool:
@@ -2492,14 +2510,15 @@ class PD:
         if hop.stage in (_pd.QUEUED_PREFILL, _pd.QUEUED_DECODE):
             self._end(request, ErrorCode.ABORTED, _pd.ABORTED_TEXT, True, aborted=True)
             return
-        self._send_to(request.rank, [_pd.rid_message(Header.ABORT_REQUEST, request.server_rid)])
+        abort = protocol.rids_message(Header.ABORT_REQUEST, request.server_rid)
+        self._send_to(request.rank, [abort])
 
     def time_out(self, request: _Request) -> None:
         """Past request_timeout: ERROR(TIMED_OUT) (a #6675 client's REQUEST_ERROR), ABORT at
         the hop holding it; pins at a decode wait for its read (orphans)."""
         rank = request.rank
         if rank >= 0 and not request.flags & ABORTED:
-            self._send_to(rank, [_pd.rid_message(Header.ABORT_REQUEST, request.server_rid)])
+            self._send_to(rank, [protocol.rids_message(Header.ABORT_REQUEST, request.server_rid)])
         self._end(request, ErrorCode.TIMED_OUT, _pd.TIMED_OUT_TEXT, False)
 
     def client_release(self, client: _Client, rid: int) -> None:
@@ -2534,11 +2553,11 @@ class PD:
             record = None
         handoff = _pd.handoff_of(record)
         if request.flags & ABORTED:
-            self._send_to(rank, [_pd.rid_message(Header.RELEASE_KV, rid)])
+            self._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
             self._end(request, ErrorCode.ABORTED, _pd.ABORTED_TEXT, True, aborted=True)
             return
         if isinstance(handoff, str):
-            self._send_to(rank, [_pd.rid_message(Header.RELEASE_KV, rid)])
+            self._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
             self._end(request, ErrorCode.ENGINE_FAILED, handoff, True)
             return
         kv_meta, blocks = handoff
@@ -2547,7 +2566,7 @@ class PD:
             try:
                 kv_meta = _pd.restore_nixl_blobs(kv_meta, registration.instance_meta)
             except ValueError as error:
-                self._send_to(rank, [_pd.rid_message(Header.RELEASE_KV, rid)])
+                self._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
                 self._end(
                     request,
                     ErrorCode.ENGINE_FAILED,
@@ -2563,7 +2582,7 @@ class PD:
         have pinned for it goes."""
         seat = self.seats.get(engine.rank)
         if seat is not None and seat.megatron and seat.role & EngineRole.PREFILL:
-            self._send_to(engine.rank, [_pd.rid_message(Header.RELEASE_KV, rid)])
+            self._send_to(engine.rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
 
     def from_engine(self, engine: _Engine, header: int, frames: list[zmq.Frame]) -> bool:
         """The P/D messages of an engine (False: not one)."""
@@ -2624,10 +2643,25 @@ class PD:
         self._send_to(hop.prefill, [frame])
 
     def _read_done(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        message = self._loop._parse(protocol.KV_READ_DONE, None, -1, frames)
-        if message is None:
+        """KV_READ_DONE: a request's read, or the reads of a coordkit decode's step; the
+        pins of those a coordkit prefill holds released in one RELEASE_KV per prefill."""
+        try:
+            if len(frames) != 2:
+                raise ProtocolError("bad frame layout")
+            _, rids = codec.read_rids(frames[1].bytes)
+        except ProtocolError as exc:
+            self._loop._malformed(None, None, Header.KV_READ_DONE, str(exc), frames)
             return
-        rid = message.rid
+        self.releasing = {} if len(rids) > 1 else None
+        try:
+            for rid in rids:
+                self._read_one(engine, rid)
+        finally:
+            releases, self.releasing = self.releasing, None
+            if releases:
+                self._send_releases(releases)
+
+    def _read_one(self, engine: _Engine, rid: int) -> None:
         hop = self._hop_at(rid, engine.rank)
         if hop is not None:
             hop.stage = _pd.READ
@@ -2688,7 +2722,7 @@ class PD:
                 continue
             if hop.prefill == rank and hop.stage in (_pd.PREFILL, _pd.QUEUED_DECODE, _pd.DECODE):
                 if hop.stage == _pd.DECODE:  # its KV is gone: the import stops
-                    self._send_to(hop.decode, [_pd.rid_message(Header.ABORT_REQUEST, rid)])
+                    self._send_to(hop.decode, [protocol.rids_message(Header.ABORT_REQUEST, rid)])
                     self._release_seat(hop.decode, EngineRole.DECODE, hop.decode_work, hop.ssm)
                     hop.decode = -1  # its seat is free: not freed again if it ends here
                 elif hop.stage == _pd.QUEUED_DECODE:
@@ -2760,7 +2794,7 @@ class PD:
                 continue
             self.counts["leases_expired"] += 1
             if hop.stage == _pd.DECODE:
-                self._send_to(hop.decode, [_pd.rid_message(Header.ABORT_REQUEST, rid)])
+                self._send_to(hop.decode, [protocol.rids_message(Header.ABORT_REQUEST, rid)])
                 self._release_seat(hop.decode, EngineRole.DECODE, hop.decode_work, hop.ssm)
                 hop.decode = -1  # its seat is free: not freed again if it ends here
             elif hop.stage == _pd.QUEUED_DECODE:

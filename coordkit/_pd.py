@@ -472,11 +472,6 @@ def decode_frames(
     return [_array_head(4) + packb(24) + packb(rid) + params + kv_meta, prompt, blocks]
 
 
-def rid_message(header: int, rid: int) -> bytes:
-    """``[header, rid]``: RELEASE_KV and ABORT_REQUEST to an engine."""
-    return _array_head(2) + packb(header) + packb(rid)
-
-
 def send_kv_message(rid: int, decode_meta: Any, cached: int) -> bytes:
     """SEND_KV to a pushing prefill: ``[26, rid, decode_meta, cached_prefix_blocks]``."""
     return packb([26, rid, decode_meta, cached])

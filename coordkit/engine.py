@@ -385,9 +385,14 @@ class Engine(Following):
             protocol.KV_TRANSFER_READY.pack(server_rid, cached_prefix_blocks)
         )
 
-    def kv_read_done(self, server_rid: int) -> None:
-        """A decode engine read the request's KV: its prefill may unpin it (KV_READ_DONE)."""
-        self._socket.send_multipart(protocol.KV_READ_DONE.pack(server_rid))
+    def kv_read_done(self, *server_rids: int) -> None:
+        """A decode engine read these requests' KV: their prefills may unpin it, in ONE
+        KV_READ_DONE (the reads of one step together)."""
+        if not server_rids:
+            return
+        for rid in server_rids:
+            protocol.KV_READ_DONE.fields[0].check("KV_READ_DONE", rid)
+        self._socket.send(protocol.rids_message(protocol.Header.KV_READ_DONE, *server_rids))
 
     def request_error(self, server_rid: int, reason: str, source_safe: bool = True) -> None:
         """A hop failed here (REQUEST_ERROR): a handoff that could not be imported, a

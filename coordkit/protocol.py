@@ -76,6 +76,7 @@ __all__ = [
     "rejoin_covers",
     "Trailer",
     "pack_trailer",
+    "rids_message",
     "parse_trailer",
     "block_hashes",
     "packb",
@@ -871,6 +872,8 @@ CLIENT_REPLY_PARTIAL = MessageSpec(
     "CLIENT_REPLY_PARTIAL", Header.ENGINE_REPLY_PARTIAL, [_rid], ["body"]
 )
 ABORT_REQUEST = MessageSpec("ABORT_REQUEST", Header.ABORT_REQUEST, [_rid])
+#: A client's RELEASE_KV (Megatron main's); to a coordkit prefill the coordinator may
+#: name several requests in one: rids_message.
 RELEASE_KV = MessageSpec("RELEASE_KV", Header.RELEASE_KV, [_rid])
 SET_GENERATION_EPOCH = MessageSpec(
     "SET_GENERATION_EPOCH", Header.SET_GENERATION_EPOCH, [Field("epoch", int)]
@@ -960,8 +963,18 @@ SEND_KV = MessageSpec(
     optional_fields=[Field("cached_prefix_blocks", int)],
 )
 #: From a decode engine: it imported request ``rid``'s KV; the prefill's blocks may
-#: be released.
+#: be released. A coordkit decode may name several requests in one: rids_message.
 KV_READ_DONE = MessageSpec("KV_READ_DONE", Header.KV_READ_DONE, [_rid])
+
+
+def rids_message(header: int, *rids: int) -> bytes:
+    """``[header, rid, ...]``: ABORT_REQUEST and RELEASE_KV to an engine, KV_READ_DONE
+    from one. One rid is #6675's and main's layout; a coordkit prefill takes several in
+    a RELEASE_KV and a coordkit decode sends several in a KV_READ_DONE, which the
+    codec's read_rids reads."""
+    return packb([header, *rids])
+
+
 #: From a decode engine whose prefill pushes: its receives for ``rid`` are posted; its
 #: leading ``cached_prefix_blocks`` need not be sent (the coordinator sends SEND_KV).
 KV_TRANSFER_READY = MessageSpec(

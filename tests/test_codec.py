@@ -466,6 +466,32 @@ def test_header_int_errors(impl, frame):
 
 
 @SETTINGS
+@given(header=int64s, rids=st.lists(int64s, min_size=1, max_size=40))
+def test_rids(impl, header, rids):
+    """[header, rid, ...]: a coordkit engine's RELEASE_KV and KV_READ_DONE."""
+    assert impl.codec.read_rids(packb([header, *rids])) == (header, rids)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        packb([REPLY]),
+        packb([REPLY, 1, None]),
+        packb([REPLY, 1, 2.0]),
+        packb([REPLY, 1, INT64_MAX + 1]),
+        packb([True, 1]),
+        packb([REPLY, 1, 2]) + b"\x00",
+        packb([REPLY, 1, 2])[:-1],
+        b"\xdd\xff\xff\xff\xff\x15\x01",  # claims 2**32-1 elements
+    ],
+)
+def test_rids_errors(impl, frame):
+    with pytest.raises(ProtocolError):
+        impl.codec.read_rids(frame)
+
+
+@SETTINGS
 @given(entries=st.lists(st.tuples(int64s, anything, st.booleans()), max_size=20))
 def test_submit_batch(impl, entries):
     for width in (2, 3):

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from coordkit.engine import Engine, ReleaseKV, Request, SendKV
-from coordkit.protocol import packb, unpackb
+from coordkit.protocol import ProtocolError, packb, unpackb
 from tests.support.cluster import bind_address
 from tests.support.peers import (
     ENGINE_ACK,
@@ -143,11 +143,17 @@ def test_a_prefill_takes_send_kv_and_release_kv(router, impl):
         socket.send_multipart([ident, packb([SEND_KV, 6, decode_meta])])  # main's layout
         socket.send_multipart([ident, packb([SEND_KV, 7, decode_meta, "2"])])  # dropped
         socket.send_multipart([ident, packb([RELEASE_KV, 5])])
-        assert collect(engine, 3) == [
+        socket.send_multipart([ident, packb([RELEASE_KV, 8, 9])])  # several, in order
+        socket.send_multipart([ident, packb([RELEASE_KV])])  # dropped: no rid
+        socket.send_multipart([ident, packb([RELEASE_KV, 10, "11"])])  # dropped whole
+        assert collect(engine, 5) == [
             SendKV(5, decode_meta, 2),
             SendKV(6, decode_meta, 0),
             ReleaseKV(5),
+            ReleaseKV(8),
+            ReleaseKV(9),
         ]
+        assert engine.poll(0.3) == []
 
 
 def test_handoff_is_one_message_for_the_step(router, impl):
@@ -182,11 +188,16 @@ def test_a_decode_says_ready_read_done_or_failed(router, impl):
         collect(engine, 2)
         engine.kv_transfer_ready(5, 1)
         engine.kv_read_done(5)
+        engine.kv_read_done(5, 6)  # the reads of one step: one message
+        engine.kv_read_done()  # none: no message
+        with pytest.raises(ProtocolError, match="KV_READ_DONE"):
+            engine.kv_read_done(5, "6")
         engine.request_error(6, "transfer failed", source_safe=False)
         assert engine.pending == 1
-        assert [socket.recv_multipart()[1:] for _ in range(3)] == [
+        assert [socket.recv_multipart()[1:] for _ in range(4)] == [
             [packb([KV_TRANSFER_READY, 5, 1])],
             [packb([KV_READ_DONE, 5])],
+            [packb([KV_READ_DONE, 5, 6])],
             [packb([REQUEST_ERROR, 6, "transfer failed", False])],
         ]
 

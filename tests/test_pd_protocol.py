@@ -11,8 +11,8 @@ from coordkit import _pd, protocol
 from coordkit.protocol import EngineRole, ErrorCode, Header, ProtocolError
 from tests.support.peers import (
     ENGINE_ACK,
-    ERROR,
     ENGINE_HELLO,
+    ERROR,
     HANDOFF,
     KV_READ_DONE,
     KV_TRANSFER_READY,
@@ -224,7 +224,7 @@ def test_a_coordkit_engines_hops_are_the_reference_frames(make_cluster, n_keys):
         hop2 = decode.recv()
         assert hop2 == _pd.decode_frames(False, rid, m(prompt), m(params), kv_meta, m([3, 4]))
         decode.send(m([KV_READ_DONE, rid]))
-        assert prefill.recv() == [_pd.rid_message(RELEASE_KV, rid)]
+        assert prefill.recv() == [protocol.rids_message(RELEASE_KV, rid)]
         decode.send(m([21, [[rid, True]]]), m({"text": "x"}))
         assert client.recv() == [m([21, 1]), m({"text": "x"})]  # the final: no flag
 
@@ -269,17 +269,38 @@ def test_a_client_batchs_hops_go_to_a_batched_prefill_as_one_batch(make_cluster)
         for i in range(3):
             assert batch[1 + 2 * i] == m([i, 1, 2])
             assert batch[2 + 2 * i] == protocol.pack_trailer(i, None, False)
-        prefill.send(
-            m([HANDOFF, [[rid, {"b": 1}] for rid in rids]]), *(m([rid]) for rid in rids)
-        )
+        prefill.send(m([HANDOFF, [[rid, {"b": 1}] for rid in rids]]), *(m([rid]) for rid in rids))
         for rid, p in zip(rids, params, strict=True):
             hop2 = decode.recv()
-            assert hop2[:3] == _pd.decode_frames(False, rid, m([rids.index(rid), 1, 2]), m(p),
-                                                 m({"b": 1}), m([rid]))
-        decode.send(m([21, [[rid, True] for rid in rids]]),
-                    *(m({"t": rid}) for rid in rids))
+            assert hop2[:3] == _pd.decode_frames(
+                False, rid, m([rids.index(rid), 1, 2]), m(p), m({"b": 1}), m([rid])
+            )
+        decode.send(m([21, [[rid, True] for rid in rids]]), *(m({"t": rid}) for rid in rids))
         finals = [um(f[0]) for f in client.recv_all()]
         assert sorted(i for f in finals for i, _ in f[1]) == [0, 1, 2]
+
+
+def test_a_decodes_reads_of_a_step_release_in_one_message_per_prefill(make_cluster):
+    """A coordkit decode's KV_READ_DONE naming several requests: their prefill gets one
+    RELEASE_KV naming them, before the hop its freed seat takes; a rid of no read of
+    that decode is skipped, and a malformed one drops the message whole."""
+    with make_cluster(pd_mode="always") as c:
+        prefill, decode = pd_engines(c, capacity=2)
+        client = RawClient(c.ctx, c.coord.address, b"client").connect(coordkit=True)
+        c.peers.append(client)
+        for rid in range(3):
+            client.send(m([20, rid, SP]), m([rid, 1]))
+        rids = [um(prefill.recv()[0])[1] for _ in range(2)]  # the third waits for a seat
+        prefill.send(m([HANDOFF, [[rid, {"b": 1}] for rid in rids]]), m([1]), m([2]))
+        for _ in rids:
+            decode.recv()
+        decode.send(m([KV_READ_DONE, rids[0], "x"]))  # malformed: nothing released
+        assert not prefill.sock.poll(300)
+        decode.send(m([KV_READ_DONE, rids[0], 999, rids[1]]))
+        assert prefill.recv() == [protocol.rids_message(RELEASE_KV, *rids)]
+        third = prefill.recv()
+        assert um(third[0])[0] == 20 and third[1] == m([2, 1])
+        assert c.coord.stats()["pd"]["counts"]["pins_released"] == 2
 
 
 @pytest.mark.parametrize("batched", [False, True])

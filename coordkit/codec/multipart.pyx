@@ -175,6 +175,30 @@ cdef int ck_read_header_int(const uint8_t* buf, size_t n, int64_t* header,
     return CK_OK if c.p == c.end else CK_TRAILING
 
 
+cdef int ck_read_rids(const uint8_t* buf, size_t n, int64_t* header, uint32_t* count,
+                      size_t* first) noexcept nogil:
+    cdef ck_cursor c
+    cdef uint32_t length, _i
+    cdef int64_t rid
+    c.p = buf
+    c.end = buf + n
+    cdef int status = _read_array(&c, &length)
+    if status != CK_OK:
+        return status
+    if length < 2:
+        return CK_BAD_LENGTH
+    status = _read_int(&c, header)
+    if status != CK_OK:
+        return status
+    first[0] = <size_t>(c.p - buf)
+    for _i in range(length - 1):
+        status = _read_int(&c, &rid)
+        if status != CK_OK:
+            return status
+    count[0] = length - 1
+    return CK_OK if c.p == c.end else CK_TRAILING
+
+
 cdef inline int _read_batch_head(ck_cursor* c, int64_t expected, uint32_t* length) noexcept nogil:
     """``[expected, [`` up to the entries; *length is their count."""
     cdef int64_t header
@@ -465,6 +489,31 @@ def read_header_int(frame) -> tuple[int, int]:
     if status != CK_OK:
         raise _error("malformed metadata frame", status)
     return header, value
+
+
+def read_rids(frame) -> tuple[int, list[int]]:
+    """``(header, [rid, ...])`` of ``[header, rid, ...]``, at least one rid, int64s,
+    validated whole."""
+    cdef Py_buffer view
+    cdef int64_t header, rid
+    cdef uint32_t count, _i
+    cdef size_t first
+    cdef ck_cursor c
+    cdef int status
+    _acquire(frame, &view)
+    try:
+        status = ck_read_rids(<const uint8_t*>view.buf, view.len, &header, &count, &first)
+        if status != CK_OK:
+            raise _error("malformed metadata frame", status)
+        c.p = <const uint8_t*>view.buf + first
+        c.end = <const uint8_t*>view.buf + view.len
+        rids = []
+        for _i in range(count):
+            _read_int(&c, &rid)
+            rids.append(rid)
+        return header, rids
+    finally:
+        PyBuffer_Release(&view)
 
 
 cdef list _batch_entries(str what, object frame, int64_t header, uint32_t width):

@@ -37,6 +37,17 @@ cdef struct Hop:  # a request of the room, by slot (stage 0: not the room's)
     uint64_t tokens
 
 
+cdef struct Lease:  # pins handed off: their deadline (leases are taken in time order)
+    double deadline
+    int64_t rid
+
+
+cdef struct Release:  # a prefill's pins a KV_READ_DONE of several freed, sent at its end
+    int prefill
+    int64_t rid
+    int64_t work  # the prefill router's charge, released with its seat
+
+
 cdef class PD:
     cdef:
         Loop loop  # whose tables it works on
@@ -52,6 +63,9 @@ cdef class PD:
         uint32_t slots
         list kept  # by slot: [prompt, params, hashes, kv_meta, blocks, decode_prompt]
         Kept** prompts  # by slot: a multipart request's prompt frame (kept[0] None), or NULL
+        Release* releases  # while a KV_READ_DONE of several is read (releasing)
+        size_t n_releases, releases_capacity
+        bint releasing
         dict transfer  # by rank: a decode's metadata for SEND_KV
         list domains  # the domains' names, by index
         dict registrations  # #6675 engines, by identity
@@ -59,7 +73,8 @@ cdef class PD:
         list decode_routers  # by domain index
         object prefill_queue  # deque of server ids waiting for a prefill seat
         list decode_queues  # by domain index
-        object leases  # deque of (deadline, server id): pinned
+        Lease* leases  # a FIFO ring of the pins handed off, oldest at leases_head
+        size_t leases_head, n_leases, leases_capacity
         dict orphans  # by server id: [prefill, decode, deadline, client id or None, rid]
         object orphan_order
         dict counts
@@ -92,7 +107,7 @@ cdef class PD:
     cdef bint _free(self, int rank, int role)
     cdef _place(self, Router router, int rank, bint accepting)
     cdef bint _live(self, int role, int domain)
-    cdef int _choose(self, object router, uint32_t slot) except -2
+    cdef int _choose(self, Router router, uint32_t slot) except -2
     cdef _reserve(self, int rank, uint32_t ssm)
     cdef _release_seat(self, int rank, int role, int64_t work, uint32_t ssm)
     cdef int64_t _cached_depth(self, bytes hashes) except -1
@@ -105,6 +120,10 @@ cdef class PD:
     cdef bint _send_to(self, int rank, list frames)
     cdef bytes _prompt(self, uint32_t slot)
     cdef bint _send_rid(self, int rank, int64_t header, int64_t rid)
+    cdef _lease(self, double deadline, int64_t rid)
+    cdef _release(self, int prefill, int64_t rid, int64_t work)
+    cdef _send_releases(self)
+    cdef _read_one(self, int rank, int64_t rid)
     cdef bint _send_hop(self, int rank, uint32_t slot, int64_t header, bytes head, bytes last)
     cdef _handed(self, int rank, int64_t rid, bytes kv_meta, bytes blocks, uint32_t ssm,
                  object tokens)

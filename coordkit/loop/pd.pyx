@@ -99,7 +99,6 @@ cdef class PD:
         self.decode_routers = []
         self.prefill_queue = deque()
         self.decode_queues = []
-        self.leases = deque()
         self.orphans = {}
         self.orphan_order = deque()
         self.counts = dict.fromkeys(PD_COUNTS, 0)
@@ -112,6 +111,8 @@ cdef class PD:
         free(self.seats)
         free(self.hops)
         free(self.prompts)
+        free(self.releases)
+        free(self.leases)
 
     cdef object _new_router(self):
         router = self.loop.router
@@ -163,9 +164,9 @@ cdef class PD:
         return (seat.role & PD_DECODE) != 0
 
     cdef bint _usable(self, int rank):
-        return (
-            self.loop.engines[rank].state == ENGINE_ALIVE
-            and self.loop.engines[rank].quarantined_until <= monotonic()
+        return self.loop.engines[rank].state == ENGINE_ALIVE and (
+            self.loop.engines[rank].quarantined_until <= 0  # never quarantined: no clock read
+            or self.loop.engines[rank].quarantined_until <= monotonic()
         )
 
     cdef bint _free(self, int rank, int role):
@@ -207,17 +208,22 @@ cdef class PD:
                 return True
         return False
 
-    cdef int _choose(self, object router, uint32_t slot) except -2:
+    cdef int _choose(self, Router router, uint32_t slot) except -2:
         """A rank of a role pool with a free seat for the request (-1: none); a rank found
         unusable since (away, quarantined) leaves the pool until the tick's sync."""
         cdef int rank
-        hashes = self.kept[slot][2]
+        cdef bytes hashes = self.kept[slot][2]
+        cdef const uint8_t* data = NULL
+        cdef size_t n_hashes = 0
+        if hashes:
+            data = <const uint8_t*><const char*>hashes
+            n_hashes = len(hashes) // BLOCK_HASH_SIZE
         while True:
-            rank = router.choose(hashes, monotonic(), self.hops[slot].tokens)
+            rank = router.choose_c(data, n_hashes, self.hops[slot].tokens, monotonic())
             if rank < 0 or self._usable(rank):
                 return rank
-            router.release(rank, router.charged)
-            router.remove_rank(rank)
+            router.release_c(rank, router.charged)
+            router.remove_rank_c(rank)
 
     cdef _reserve(self, int rank, uint32_t ssm):
         self.seats[rank].reserved += 1
@@ -231,10 +237,8 @@ cdef class PD:
             return
         seat.reserved -= 1
         seat.ssm_used -= ssm
-        if role == PD_PREFILL:
-            self.prefill_router.release(rank, work)
-        else:
-            self.decode_routers[seat.domain].release(rank, work)
+        router = self.prefill_router if role == PD_PREFILL else self.decode_routers[seat.domain]
+        (<Router>router).release_c(rank, work)
         self.sync(rank)
         self.drain()
 
@@ -455,7 +459,7 @@ cdef class PD:
         return False
 
     cdef bint _send_rid(self, int rank, int64_t header, int64_t rid):
-        """``[header, rid]`` (rid_message's bytes: RELEASE_KV, ABORT_REQUEST) to an
+        """``[header, rid]`` (rids_message's bytes: RELEASE_KV, ABORT_REQUEST) to an
         engine, written in C; as _send_to."""
         cdef Loop loop = self.loop
         cdef uint8_t out[CK_HEADER_INT_MAX]
@@ -533,7 +537,7 @@ cdef class PD:
         kept[3], kept[4] = kv_meta, blocks
         hop.ssm = ssm
         hop.lease = monotonic() + self.lease
-        self.leases.append((hop.lease, rid))
+        self._lease(hop.lease, rid)
         if isinstance(tokens, list):
             kept[5] = packb(tokens)
         self.counts["handoffs"] += 1
@@ -550,10 +554,72 @@ cdef class PD:
         kept = self.kept[slot]
         kept[3] = kept[4] = b""
         self.counts["pins_released"] += 1
-        self._send_rid(prefill, HEADER_RELEASE_KV, self.loop.requests.pool[slot].server_rid)
-        if prefill >= 0:
-            self._release_seat(prefill, PD_PREFILL, hop.prefill_work,
-                               self.seats[prefill].slot_cost)
+        self._release(prefill, self.loop.requests.pool[slot].server_rid, hop.prefill_work)
+
+    cdef _lease(self, double deadline, int64_t rid):
+        """A lease at the ring's tail (grown, oldest first, when full)."""
+        cdef Lease* grown
+        cdef size_t i, capacity
+        if self.n_leases == self.leases_capacity:
+            capacity = self.leases_capacity * 2 if self.leases_capacity else 64
+            grown = <Lease*>malloc(capacity * sizeof(Lease))
+            if grown == NULL:
+                raise MemoryError()
+            for i in range(self.n_leases):
+                grown[i] = self.leases[(self.leases_head + i) % self.leases_capacity]
+            free(self.leases)
+            self.leases, self.leases_head, self.leases_capacity = grown, 0, capacity
+        i = (self.leases_head + self.n_leases) % self.leases_capacity
+        self.leases[i].deadline = deadline
+        self.leases[i].rid = rid
+        self.n_leases += 1
+
+    cdef _release(self, int prefill, int64_t rid, int64_t work):
+        """RELEASE_KV of ``rid`` to its prefill, then its seat free: at once, or, while a
+        KV_READ_DONE of several is read, with the others of that coordkit prefill at its
+        end (_send_releases: a seat is freed after its release is sent)."""
+        cdef bint seated = prefill >= 0 and self.seats[prefill].seated
+        if self.releasing and seated and not self.seats[prefill].megatron:
+            if not reserve(<void**>&self.releases, &self.releases_capacity,
+                           self.n_releases + 1, sizeof(Release)):
+                raise MemoryError()
+            self.releases[self.n_releases].prefill = prefill
+            self.releases[self.n_releases].rid = rid
+            self.releases[self.n_releases].work = work
+            self.n_releases += 1
+            return
+        self._send_rid(prefill, HEADER_RELEASE_KV, rid)
+        if seated:
+            self._release_seat(prefill, PD_PREFILL, work, self.seats[prefill].slot_cost)
+
+    cdef _send_releases(self):
+        """The releases a KV_READ_DONE of several made: one RELEASE_KV per prefill, its
+        rids in order, then their seats freed."""
+        cdef size_t i, j, count, size, n = self.n_releases
+        cdef int prefill
+        cdef uint8_t* out
+        self.n_releases = 0
+        for i in range(n):
+            prefill = self.releases[i].prefill
+            if prefill < 0:
+                continue
+            count = 0
+            for j in range(i, n):
+                count += self.releases[j].prefill == prefill
+            frame = PyBytes_FromStringAndSize(NULL, CK_ARRAY_MAX + CK_INT_MAX * (1 + count))
+            out = <uint8_t*>PyBytes_AS_STRING(frame)
+            size = ck_write_array(out, <uint32_t>(1 + count))
+            size += ck_write_int(out + size, HEADER_RELEASE_KV)
+            for j in range(i, n):
+                if self.releases[j].prefill == prefill:
+                    size += ck_write_int(out + size, self.releases[j].rid)
+            self._send_to(prefill, [frame[:size]])
+            for j in range(i, n):
+                if self.releases[j].prefill == prefill:
+                    self.releases[j].prefill = -1
+                    if self.seats[prefill].seated:
+                        self._release_seat(prefill, PD_PREFILL, self.releases[j].work,
+                                           self.seats[prefill].slot_cost)
 
     # -- what the loop calls -------------------------------------------------------------
 
@@ -603,9 +669,7 @@ cdef class PD:
     cdef _free_orphan(self, int64_t rid):
         prefill, _, _, client, client_rid = self.orphans.pop(rid)
         self.counts["pins_released"] += 1
-        self._send_rid(prefill, HEADER_RELEASE_KV, rid)
-        if prefill >= 0 and self.seats[prefill].seated:
-            self._release_seat(prefill, PD_PREFILL, 0, self.seats[prefill].slot_cost)
+        self._release(prefill, rid, 0)
         if client is not None:
             self._tell(client, protocol.REQUEST_ABORTED.pack(client_rid, True))
 
@@ -803,16 +867,31 @@ cdef class PD:
         self._send_to(prefill, [frame])
 
     cdef _read_done(self, int rank):
-        cdef int64_t slot, header, rid
-        # [28, rid] read in C; anything else as the spec parses it (or is malformed)
-        if self.loop.message.n_parts != 2 or ck_read_header_int(
-            self.loop._data(1), self.loop._size(1), &header, &rid
-        ) != CK_OK:
-            message = self.loop._parse(protocol.KV_READ_DONE, -1, -1)
-            if message is None:
-                return
-            rid = message.rid
-        slot = self._hop_at(rid, rank)
+        """KV_READ_DONE: a request's read, or the reads of a coordkit decode's step; the
+        pins of those a coordkit prefill holds released in one RELEASE_KV per prefill."""
+        cdef Loop loop = self.loop
+        cdef int64_t header, rid
+        cdef uint32_t count, _i
+        cdef size_t first
+        cdef ck_cursor cursor
+        cdef int status = ck_read_rids(loop._data(1), loop._size(1), &header, &count, &first)
+        if status != CK_OK or loop.message.n_parts != 2:
+            detail = ck_strstatus(status).decode() if status != CK_OK else "bad frame layout"
+            loop._malformed(-1, None, HEADER_KV_READ_DONE, detail)
+            return
+        cursor.p = loop._data(1) + first
+        cursor.end = loop._data(1) + loop._size(1)
+        self.releasing = count > 1
+        try:
+            for _i in range(count):
+                ck_read_int(&cursor, &rid)
+                self._read_one(rank, rid)
+        finally:
+            self.releasing = False
+            self._send_releases()
+
+    cdef _read_one(self, int rank, int64_t rid):
+        cdef int64_t slot = self._hop_at(rid, rank)
         if slot >= 0:
             self.hops[slot].stage = PD_READ
             if self.hops[slot].pins:
@@ -952,11 +1031,15 @@ cdef class PD:
     cdef tick(self, double now):
         """Leases due (pins a read never came for), orphans' leases, and the seats synced
         (an engine back, or out of quarantine, takes hops again)."""
-        cdef int64_t slot
+        cdef int64_t slot, rid
+        cdef double deadline
         cdef Hop* hop
         cdef int rank
-        while self.leases and self.leases[0][0] <= now:
-            deadline, rid = self.leases.popleft()
+        while self.n_leases and self.leases[self.leases_head].deadline <= now:
+            deadline = self.leases[self.leases_head].deadline
+            rid = self.leases[self.leases_head].rid
+            self.leases_head = (self.leases_head + 1) % self.leases_capacity
+            self.n_leases -= 1
             slot = ck_requests_find(&self.loop.requests, rid)
             if slot < 0:
                 continue

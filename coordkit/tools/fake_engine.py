@@ -563,23 +563,33 @@ class FakeEngine(Engine):
         return min(max(self._transfers[0][0] - time.monotonic(), 0.0), _IDLE_WAIT)
 
     def _land_imports(self) -> None:
-        """Imports whose transfer ended: KV_READ_DONE, the first token when streaming,
-        and into the batch (or ended, when the first token was all it wanted)."""
+        """Imports whose transfer ended, together: one KV_READ_DONE, the first token
+        when streaming, and into the batch (or ended, when the first token was all it
+        wanted)."""
         now = time.monotonic()
+        landed = []
         while self._transfers and self._transfers[0][0] <= now:
             _, rid = heapq.heappop(self._transfers)
             job = self._importing.pop(rid, None)
-            if job is None:
-                continue  # aborted meanwhile
-            self.kv_read_done(rid)
-            self._pd["read_done"] += 1
-            if len(job.tokens) >= job.output_tokens:
-                self._finish([job], "finished")
-                continue
+            if job is not None:  # else aborted meanwhile
+                landed.append((rid, job))
+        if not landed:
+            return
+        self.kv_read_done(*(rid for rid, _ in landed))
+        self._pd["read_done"] += len(landed)
+        going = [(rid, job) for rid, job in landed if len(job.tokens) < job.output_tokens]
+        if len(going) < len(landed):
+            self._finish(
+                [job for _, job in landed if len(job.tokens) >= job.output_tokens], "finished"
+            )
+        partials = []
+        for rid, job in going:
             if job.tokens and job.stream:  # max_partials is at least 1
                 job.partials += 1
-                self.reply_partial([(rid, self._partial(job))])
+                partials.append((rid, self._partial(job)))
             self._waiting[rid] = job
+        if partials:
+            self.reply_partial(partials)
 
     def _body(self, job: _Job, status: str) -> dict[str, Any]:
         body: dict[str, Any] = {
