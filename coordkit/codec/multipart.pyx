@@ -155,18 +155,24 @@ cdef inline int _read_entry(ck_cursor* c, bint full, ck_entry* entry) noexcept n
     return CK_OK
 
 
+cdef inline int _read_head(ck_cursor* c, const uint8_t* buf, size_t n, uint32_t least,
+                           uint32_t most, uint32_t* length, int64_t* header) noexcept nogil:
+    """``[header, ...`` of ``least`` to ``most`` elements, the cursor past the header."""
+    c.p = buf
+    c.end = buf + n
+    cdef int status = _read_array(c, length)
+    if status != CK_OK:
+        return status
+    if not least <= length[0] <= most:
+        return CK_BAD_LENGTH
+    return _read_int(c, header)
+
+
 cdef int ck_read_header_int(const uint8_t* buf, size_t n, int64_t* header,
                             int64_t* value) noexcept nogil:
     cdef ck_cursor c
     cdef uint32_t length
-    c.p = buf
-    c.end = buf + n
-    cdef int status = _read_array(&c, &length)
-    if status != CK_OK:
-        return status
-    if length != 2:
-        return CK_BAD_LENGTH
-    status = _read_int(&c, header)
+    cdef int status = _read_head(&c, buf, n, 2, 2, &length, header)
     if status != CK_OK:
         return status
     status = _read_int(&c, value)
@@ -180,14 +186,7 @@ cdef int ck_read_rids(const uint8_t* buf, size_t n, int64_t* header, uint32_t* c
     cdef ck_cursor c
     cdef uint32_t length, _i
     cdef int64_t rid
-    c.p = buf
-    c.end = buf + n
-    cdef int status = _read_array(&c, &length)
-    if status != CK_OK:
-        return status
-    if length < 2:
-        return CK_BAD_LENGTH
-    status = _read_int(&c, header)
+    cdef int status = _read_head(&c, buf, n, 2, UINT32_MAX, &length, header)
     if status != CK_OK:
         return status
     first[0] = <size_t>(c.p - buf)
@@ -495,7 +494,7 @@ def read_rids(frame) -> tuple[int, list[int]]:
     """``(header, [rid, ...])`` of ``[header, rid, ...]``, at least one rid, int64s,
     validated whole."""
     cdef Py_buffer view
-    cdef int64_t header, rid
+    cdef int64_t header, rid = 0
     cdef uint32_t count, _i
     cdef size_t first
     cdef ck_cursor c
