@@ -133,9 +133,13 @@ class EngineCore:
             if self.held is not None:
                 self.held.aborted(rid)
         elif header == Header.RELEASE_KV:  # one request's, or several
-            if len(frames) != 1:
+            try:
+                rids = _codec_py.read_rids(frames[0].buffer)[1]
+            except ProtocolError:
+                rids = None
+            if rids is None or len(frames) != 1:  # the C twin's words
                 raise ProtocolError("RELEASE_KV: bad layout")
-            for rid in _codec_py.read_rids(frames[0].buffer)[1]:
+            for rid in rids:
                 events.append(ReleaseKV(rid))
                 if self.held is not None:
                     self.held.released(rid)

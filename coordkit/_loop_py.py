@@ -2646,11 +2646,12 @@ class PD:
         """KV_READ_DONE: a request's read, or the reads of a coordkit decode's step; the
         pins of those a coordkit prefill holds released in one RELEASE_KV per prefill."""
         try:
-            if len(frames) != 2:
-                raise ProtocolError("bad frame layout")
             _, rids = codec.read_rids(frames[1].bytes)
         except ProtocolError as exc:
             self._loop._malformed(None, None, Header.KV_READ_DONE, str(exc), frames)
+            return
+        if len(frames) != 2:
+            self._loop._malformed(None, None, Header.KV_READ_DONE, "bad frame layout", frames)
             return
         self.releasing = {} if len(rids) > 1 else None
         try:

@@ -119,6 +119,7 @@ cdef class PD:
     cdef _learn(self, int rank, uint32_t slot)
     cdef bint _send_to(self, int rank, list frames)
     cdef bytes _prompt(self, uint32_t slot)
+    cdef bint _open(self, int rank)
     cdef bint _send_rid(self, int rank, int64_t header, int64_t rid)
     cdef _lease(self, double deadline, int64_t rid)
     cdef _release(self, int prefill, int64_t rid, int64_t work)

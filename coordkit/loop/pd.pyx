@@ -7,13 +7,20 @@ cdef bytes COORDKIT_OVERRIDES = b"".join(
 cdef uint32_t N_COORDKIT_OVERRIDES = len(PREFILL_OVERRIDES["coordkit"])
 
 
-cdef inline bint is_map_head(bytes params):
-    """Whether ``params`` starts as a msgpack map (with_keys can splice into it)."""
+cdef inline bint map_head(bytes params, size_t* count, size_t* head):
+    """The msgpack map head ``params`` starts with, as _pd.map_head reads it: its
+    ``count`` of pairs and its ``head`` size; False when it starts with none."""
     cdef const uint8_t* p = <const uint8_t*><const char*>params
     cdef size_t n = len(params)
-    return (n >= 1 and 0x80 <= p[0] <= 0x8F) or (n >= 3 and p[0] == 0xDE) or (
-        n >= 5 and p[0] == 0xDF
-    )
+    if n >= 1 and 0x80 <= p[0] <= 0x8F:
+        count[0], head[0] = p[0] & 0x0F, 1
+    elif n >= 3 and p[0] == 0xDE:
+        count[0], head[0] = ck_load_be16(p + 1), 3
+    elif n >= 5 and p[0] == 0xDF:
+        count[0], head[0] = ck_load_be32(p + 1), 5
+    else:
+        return False
+    return True
 
 
 cdef object hop_head(int64_t header, int64_t rid, bytes params, bytes extra,
@@ -34,13 +41,7 @@ cdef object hop_head(int64_t header, int64_t rid, bytes params, bytes extra,
         n_prefix += ck_write_int(prefix + n_prefix, rid)
     head = count = 0
     if n_keys:
-        if n >= 1 and 0x80 <= p[0] <= 0x8F:
-            count, head = p[0] & 0x0F, 1
-        elif n >= 3 and p[0] == 0xDE:
-            count, head = ck_load_be16(p + 1), 3
-        elif n >= 5 and p[0] == 0xDF:
-            count, head = ck_load_be32(p + 1), 5
-        else:
+        if not map_head(params, &count, &head):
             return None
         count += n_keys
     size = n_prefix + (0 if not n_keys else 1 if count <= 0x0F else 3 if count <= 0xFFFF else 5)
@@ -268,6 +269,7 @@ cdef class PD:
         cdef Hop* hop = &self.hops[slot]
         cdef ck_request* request = &self.loop.requests.pool[slot]
         cdef const uint8_t* data
+        cdef size_t count, head
         if inbound.header != HEADER_SUBMIT_REQUEST:
             return False
         if not self._live(PD_PREFILL, -1) or not self._live(PD_DECODE, -1):
@@ -304,7 +306,7 @@ cdef class PD:
             hop.stage = PD_QUEUED_PREFILL
             self._end(slot, ERROR_ENGINE_FAILED, PROMPT_LOG_PROBS, True)
             return True
-        if not is_map_head(params):  # the room cannot add its key: a clear error
+        if not map_head(params, &count, &head):  # the room cannot add its key: a clear error
             hop.stage = PD_QUEUED_PREFILL
             self._end(slot, ERROR_MALFORMED, PARAMS_NOT_A_MAP, True)
             return True
@@ -458,20 +460,26 @@ cdef class PD:
         self.loop.faults.lost(rank, GONE_UNREACHABLE)  # settled: engine_gone
         return False
 
+    cdef bint _open(self, int rank):
+        """A message to an engine started (its routing id sent); False when it is gone,
+        as _send_to."""
+        if rank < 0 or self.loop.engines[rank].state == ENGINE_GONE:
+            return False
+        if self.loop._send_identity(&self.loop.engine_ids, rank) != 0:
+            self.loop.faults.lost(rank, GONE_UNREACHABLE)  # settled: engine_gone
+            return False
+        return True
+
     cdef bint _send_rid(self, int rank, int64_t header, int64_t rid):
         """``[header, rid]`` (rids_message's bytes: RELEASE_KV, ABORT_REQUEST) to an
         engine, written in C; as _send_to."""
-        cdef Loop loop = self.loop
         cdef uint8_t out[CK_HEADER_INT_MAX]
         cdef size_t size
-        if rank < 0 or loop.engines[rank].state == ENGINE_GONE:
-            return False
-        if loop._send_identity(&loop.engine_ids, rank) != 0:
-            loop.faults.lost(rank, GONE_UNREACHABLE)  # settled: engine_gone
+        if not self._open(rank):
             return False
         size = ck_write_header_int(out, header, rid)
-        send_bytes(loop.sock, out, size, 0)
-        traffic_count(&loop.traffic, SENT, header, size)
+        send_bytes(self.loop.sock, out, size, 0)
+        traffic_count(&self.loop.traffic, SENT, header, size)
         return True
 
     cdef bytes _prompt(self, uint32_t slot):
@@ -499,10 +507,7 @@ cdef class PD:
             if last is not None:
                 frames.append(last)
             return self._send_to(rank, frames + self._trailer(rank, slot))
-        if rank < 0 or loop.engines[rank].state == ENGINE_GONE:
-            return False
-        if loop._send_identity(&loop.engine_ids, rank) != 0:
-            loop.faults.lost(rank, GONE_UNREACHABLE)  # settled: engine_gone
+        if not self._open(rank):
             return False
         send_bytes(loop.sock, <const char*>head, len(head), ZMQ_SNDMORE)
         data = kept_prompt(self.prompts[slot], &size)
@@ -579,10 +584,9 @@ cdef class PD:
         KV_READ_DONE of several is read, with the others of that coordkit prefill at its
         end (_send_releases: a seat is freed after its release is sent)."""
         cdef bint seated = prefill >= 0 and self.seats[prefill].seated
-        if self.releasing and seated and not self.seats[prefill].megatron:
-            if not reserve(<void**>&self.releases, &self.releases_capacity,
-                           self.n_releases + 1, sizeof(Release)):
-                raise MemoryError()
+        if self.releasing and seated and not self.seats[prefill].megatron and reserve(
+            <void**>&self.releases, &self.releases_capacity, self.n_releases + 1, sizeof(Release)
+        ):  # (memory short: sent at once)
             self.releases[self.n_releases].prefill = prefill
             self.releases[self.n_releases].rid = rid
             self.releases[self.n_releases].work = work
@@ -598,6 +602,7 @@ cdef class PD:
         cdef size_t i, j, count, size, n = self.n_releases
         cdef int prefill
         cdef uint8_t* out
+        cdef bytes frame
         self.n_releases = 0
         for i in range(n):
             prefill = self.releases[i].prefill
@@ -613,7 +618,9 @@ cdef class PD:
             for j in range(i, n):
                 if self.releases[j].prefill == prefill:
                     size += ck_write_int(out + size, self.releases[j].rid)
-            self._send_to(prefill, [frame[:size]])
+            if self._open(prefill):
+                send_bytes(self.loop.sock, out, size, 0)
+                traffic_count(&self.loop.traffic, SENT, HEADER_RELEASE_KV, size)
             for j in range(i, n):
                 if self.releases[j].prefill == prefill:
                     self.releases[j].prefill = -1
@@ -828,7 +835,8 @@ cdef class PD:
         cdef ck_batch_entry entry
         cdef int status = message_read_batch(&loop.message, HEADER_HANDOFF, 2, &count)
         if status != CK_OK:
-            loop._malformed(-1, None, HEADER_HANDOFF, ck_strstatus(status).decode())
+            loop._malformed(-1, None, HEADER_HANDOFF,
+                            f"malformed HANDOFF: {ck_strstatus(status).decode()}")
             return
         if count != <uint32_t>(loop.message.n_parts - 2):
             loop._malformed(-1, None, HEADER_HANDOFF, "bad frame layout")
@@ -875,9 +883,12 @@ cdef class PD:
         cdef size_t first
         cdef ck_cursor cursor
         cdef int status = ck_read_rids(loop._data(1), loop._size(1), &header, &count, &first)
-        if status != CK_OK or loop.message.n_parts != 2:
-            detail = ck_strstatus(status).decode() if status != CK_OK else "bad frame layout"
-            loop._malformed(-1, None, HEADER_KV_READ_DONE, detail)
+        if status != CK_OK:
+            loop._malformed(-1, None, HEADER_KV_READ_DONE,
+                            f"malformed metadata frame: {ck_strstatus(status).decode()}")
+            return
+        if loop.message.n_parts != 2:
+            loop._malformed(-1, None, HEADER_KV_READ_DONE, "bad frame layout")
             return
         cursor.p = loop._data(1) + first
         cursor.end = loop._data(1) + loop._size(1)

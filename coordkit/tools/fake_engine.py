@@ -577,13 +577,13 @@ class FakeEngine(Engine):
             return
         self.kv_read_done(*(rid for rid, _ in landed))
         self._pd["read_done"] += len(landed)
-        going = [(rid, job) for rid, job in landed if len(job.tokens) < job.output_tokens]
-        if len(going) < len(landed):
-            self._finish(
-                [job for _, job in landed if len(job.tokens) >= job.output_tokens], "finished"
-            )
+        done = [job for _, job in landed if len(job.tokens) >= job.output_tokens]
+        if done:
+            self._finish(done, "finished")
         partials = []
-        for rid, job in going:
+        for rid, job in landed:
+            if len(job.tokens) >= job.output_tokens:
+                continue  # finished above
             if job.tokens and job.stream:  # max_partials is at least 1
                 job.partials += 1
                 partials.append((rid, self._partial(job)))
