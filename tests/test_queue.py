@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordkit import Coordinator
-from coordkit._loop_py import Queue as PyQueue
+from coordkit._loop_py.queue import Queue as PyQueue
 from coordkit._shared import LATENCY_BUCKETS, QUEUE_TENANTS, QueueOutcome
 from coordkit.metrics import scrape
 from coordkit.protocol import PRIORITY_MAX, PRIORITY_MIN

@@ -8,7 +8,11 @@ attributes, which the behavioural tests compare).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+
+import coordkit
 
 ROLES = ("codec", "routing", "loop", "client", "engine")
 
@@ -43,3 +47,14 @@ def test_no_core_imports_its_twin(c_impl, py_impl):
         assert py not in vars(c).values(), role
         assert not any(getattr(v, "__module__", None) == py.__name__ for v in vars(c).values())
         assert c not in vars(py).values(), role
+
+
+def test_every_room_of_the_c_loop_has_its_python_module():
+    """``loop/X.pyx`` and ``_loop_py/X.py`` come in pairs: a reader of one opens the other.
+    The Python package adds only its ``Loop`` (``loop.py``, _loop_c.pyx's twin) and the
+    records of the tables (``tables.py``, _loop_c.pxd's structs)."""
+    package = Path(coordkit.__file__).parent
+    rooms = {path.stem for path in (package / "loop").glob("*.pyx")}
+    modules = {path.stem for path in (package / "_loop_py").glob("*.py")}
+    assert rooms == modules - {"__init__", "loop", "tables"}
+    assert {path.stem for path in (package / "loop").glob("*.pxd")} == rooms

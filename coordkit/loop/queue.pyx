@@ -8,7 +8,7 @@
 # first come first served, but for a request re-queued at its head (its engine died
 # before it produced anything). A request with a deadline is also in a heap by
 # deadline. Every operation is O(log n) in the flows or the deadlines waiting, and
-# allocates nothing: the tables are sized by the limit once. _loop_py.Queue
+# allocates nothing: the tables are sized by the limit once. _loop_py/queue.py's Queue
 # is the twin (the comment above it says why requests, not tokens). Included by _loop_c.pyx,
 # after latency.pyx (histogram_observe).
 

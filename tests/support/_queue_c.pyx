@@ -4,7 +4,7 @@
 The loop includes its concepts into one extension; this includes the queue (and the
 parts it is written on: the latency histograms, the dialect's Inbound) into one of
 its own, as ``_loop_c.pyx`` does, so that its struct and functions are held against
-the Python twin (``coordkit._loop_py.Queue``) without a loop around them.
+the Python twin (``coordkit._loop_py.queue.Queue``) without a loop around them.
 ``Room`` is the C queue under the twin's method names. ``held_spans`` puts a request
 read from real frames through queue_push and queue_inbound and gives back its spans.
 No product code uses it. Compiled once per session (extension.py).

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 from coordkit import Coordinator, coordinator
-from coordkit._loop_py import Queue as PyQueue
+from coordkit._loop_py.queue import Queue as PyQueue
 from coordkit.curve import keygen
 from tests.support import codec_extras as py_codec_extras
 from tests.support import extension, vendoring

@@ -1,0 +1,173 @@
+"""An engine's faults (loop/faults.pyx)."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from .. import _codec_py as codec
+from .._shared import (
+    BACKOFF_MAX,
+    GONE_REASONS,
+    Counter,
+    GoneReason,
+    Options,
+    RouteStatus,
+    continued,
+    resumed,
+)
+from ..protocol import (
+    Buffer,
+    ProtocolError,
+)
+from .kept import Kept, kept_prompt
+from .tables import ALIVE, AWAY, MIGRATED, UNCONFIRMED, _Client, _Engine, _Request
+
+if TYPE_CHECKING:
+    from .loop import Loop
+
+
+class Faults:
+    """An engine's faults cost no double work and no stream (docs/failure-model.md).
+
+    The grace: an engine whose connection ends (the monitor says so, or a send finds
+    no peer) takes no new work at once, but what it holds waits for it (AWAY) for
+    ``engine_grace`` seconds; back in time (any message from its identity, or a hello
+    of the same session), its replies are the answers and nothing ran twice; not
+    back, it is gone. The breaker: an engine that fails ``breaker_failures`` times
+    within ``breaker_window`` is quarantined (no work) for a backoff that doubles
+    while it keeps failing. The migration: a request that streamed tokens before its
+    engine died goes on at another, its prompt extended by them (``streamed``, read
+    from its partials) and its budget reduced; its replies then continue the stream.
+    """
+
+    def __init__(self, loop: Loop, options: Options):
+        self._loop = loop
+        self.grace = options.engine_grace
+        self.failures = options.breaker_failures
+        self.window = options.breaker_window
+        self.backoff = options.breaker_backoff
+        # server id -> the tokens it streamed at the engines before its present one
+        self.migrated: dict[int, list[int]] = {}
+
+    # -- the grace -----------------------------------------------------------------------
+
+    def lost(self, engine: _Engine, reason: GoneReason) -> None:
+        """Its connection ended, or a send found no peer: AWAY for the grace, or gone
+        (no grace, or it was not taking work); AWAY already, nothing more."""
+        if engine.state == AWAY:
+            return
+        if engine.state != ALIVE or not self.grace:
+            self._loop._mark_gone(engine, reason)
+            return
+        now = time.monotonic()
+        self.strike(engine, reason, now)
+        engine.state = AWAY
+        engine.away_until = now + self.grace
+        self._loop._router.remove_rank(engine.rank)
+
+    def back(self, engine: _Engine, fd: int) -> None:
+        """An engine AWAY (or whose connection changed unseen) heard from again on
+        connection ``fd``: its requests are its own again, and it takes work (unless
+        quarantined). A request may have been lost with the old connection on its way
+        to it: a rebuild engine's HELD says which it holds (UNCONFIRMED until then)."""
+        if engine.state == AWAY:
+            engine.state = ALIVE
+            self._loop._counters[Counter.ENGINES_BACK] += 1
+            self.admit(engine)
+        self._loop._watch(engine, fd)
+        if engine.rebuild:
+            for request in self._loop._in_order(lambda r: r.rank == engine.rank):
+                request.flags |= UNCONFIRMED
+
+    def not_held(self, engine: _Engine) -> None:
+        """After an engine's HELD: its requests it did not list never reached it."""
+        resend: dict[_Client, list[int]] = defaultdict(list)
+        for request in self._loop._in_order(
+            lambda r: r.rank == engine.rank and r.flags & UNCONFIRMED
+        ):
+            self._loop._unrun(request, resend)
+        self._loop._rebuild.send_resends(resend)
+
+    def admit(self, engine: _Engine) -> None:
+        """An engine ALIVE takes work, unless quarantined."""
+        if engine.quarantined_until <= time.monotonic() and self._whole(engine.rank):
+            self._loop._router.add_rank(engine.rank)
+
+    def tick(self, now: float) -> None:
+        """The grace over (gone), and the quarantines over (work again)."""
+        for engine in self._loop._engines:
+            if engine.state == AWAY and now >= engine.away_until:
+                self._loop._mark_gone(engine, GoneReason.GRACE_OVER)
+            if engine.quarantined_until and now >= engine.quarantined_until:
+                engine.quarantined_until = 0.0
+                if engine.state == ALIVE and self._whole(engine.rank):
+                    self._loop._router.add_rank(engine.rank)
+
+    def _whole(self, rank: int) -> bool:
+        """Whether a rank takes whole requests (a P/D role may say it does not)."""
+        return self._loop._pd is None or self._loop._pd.whole(rank)
+
+    # -- the breaker ---------------------------------------------------------------------
+
+    def strike(self, engine: _Engine, reason: GoneReason, now: float) -> None:
+        """An engine failed: one more in its window; at ``failures`` it is quarantined,
+        for a backoff doubled from the last one's unless it stayed up a window since."""
+        engine.last_failure = reason
+        if not self.failures or now < engine.quarantined_until:
+            return  # the breaker is open: failing meanwhile is what it is open for
+        if now - engine.failures_since > self.window:
+            engine.failures, engine.failures_since = 0, now
+        engine.failures += 1
+        if engine.failures < self.failures:
+            return
+        if now - engine.quarantined_until > self.window:
+            engine.quarantines = 0  # it stayed up since the last one: start over
+        backoff = min(self.backoff * 2**engine.quarantines, BACKOFF_MAX)
+        engine.quarantined_until = now + backoff
+        engine.quarantines += 1
+        engine.failures = 0
+        self._loop._router.remove_rank(engine.rank)
+        self._loop._counters[Counter.QUARANTINES] += 1
+        what = f"engine {engine.rank} quarantined for {backoff:g} s ({GONE_REASONS[reason]})"
+        self._loop._log.warn("quarantine", what)
+
+    # -- the migration -------------------------------------------------------------------
+
+    def streamed(self, request: _Request, body: Buffer) -> None:
+        """A partial of a request whose prompt is kept: the tokens it carries (a partial
+        without them, or a bad one: the request cannot go on elsewhere)."""
+        try:
+            kind, tokens = codec.streamed_tokens(body)
+        except ProtocolError:
+            kind = codec.NO_TOKENS
+        assert request.streamed is not None
+        if kind == codec.NEW_TOKENS:
+            request.streamed += tokens
+        elif kind == codec.ALL_TOKENS:
+            request.streamed = tokens
+        else:
+            request.streamed = None
+
+    def migrate(self, request: _Request) -> RouteStatus | None:
+        """A request that streamed before its engine died, on to another: its prompt
+        extended by the tokens streamed and its budget reduced (see _shared.resumed);
+        None when it cannot go on (tokens not known, its params opt out, a str prompt)."""
+        kept = request.kept
+        if request.streamed is None or kept is None:
+            return None
+        new = resumed(kept.meta, kept_prompt(kept), request.streamed)
+        if new is None:
+            return None
+        self._loop._small_shared -= kept.small
+        request.kept = Kept(*new, kept.single, False)
+        before = self.migrated.get(request.server_rid, [])
+        self.migrated[request.server_rid] = before + request.streamed
+        request.streamed = []
+        request.flags |= MIGRATED
+        return self._loop._resend(request)
+
+    def continued(self, request: _Request, body: Buffer) -> bytes:
+        """A reply of a request that went on at another engine, continuing its stream."""
+        return continued(body, self.migrated[request.server_rid])
