@@ -9,7 +9,10 @@ ones with the parts they ``include`` -- is read for its imports and cimports:
 * the graph of imports between the package's modules must have no cycle.
   ``_implementation`` loads the ``_<role>_c`` and ``_<role>_py`` cores by name
   at run time: those edges are counted too. Imports under ``if TYPE_CHECKING:``
-  are not run, and not counted.
+  count as well (a cycle of types is a cycle for a reader), but for one kind:
+  the rooms of the Python loop core naming their ``Loop`` (``_loop_py/X.py``
+  importing ``.loop``), which are parts of one loop as ``loop/*.pyx`` are parts
+  of ``_loop_c``.
 
     python buildutils/imports.py            # print what is wrong; exit 1 if anything is
 """
@@ -52,25 +55,28 @@ def _resolve(name: str, level: int, directory: tuple[str, ...]) -> str:
     return ".".join(filter(None, [*base, name]))
 
 
-def _python_imports(source: str) -> list[tuple[str, int, list[str]]]:
-    """(module, level, names) of each import in a module, minus the TYPE_CHECKING ones."""
+#: A package whose modules are the parts of one: their TYPE_CHECKING import of it is no edge.
+PARTS_OF = {"_loop_py": "_loop_py.loop"}
+
+
+def _python_imports(source: str) -> list[tuple[str, int, list[str], bool]]:
+    """(module, level, names, only for type checking) of each import in a module."""
     tree = ast.parse(source)
-    skipped: set[int] = set()
+    typing_only: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
-    found = []
+            typing_only.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    found: list[tuple[str, int, list[str], bool]] = []
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+        only = id(node) in typing_only
         if isinstance(node, ast.Import):
-            found += [(alias.name, 0, []) for alias in node.names]
+            found += [(alias.name, 0, [], only) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            found.append((node.module or "", node.level, [a.name for a in node.names]))
+            found.append((node.module or "", node.level, [a.name for a in node.names], only))
     return found
 
 
-def _cython_imports(path: Path) -> list[tuple[str, int, list[str]]]:
+def _cython_imports(path: Path) -> list[tuple[str, int, list[str], bool]]:
     """The same for a .pyx or .pxd and the files it includes (its parts)."""
     text = path.read_text()
     for include in _INCLUDE.findall(text):
@@ -79,13 +85,13 @@ def _cython_imports(path: Path) -> list[tuple[str, int, list[str]]]:
     found = []
     for match in _CYTHON_IMPORT.finditer(text):
         if match["module"]:
-            found.append((match["module"], 0, []))
+            found.append((match["module"], 0, [], False))
             continue
         source = match["source"]
         level = len(source) - len(source.lstrip("."))
         names = [n.strip() for n in re.sub(r"#.*", "", match["names"]).strip("()").split(",")]
         names = [n for n in names if n]
-        found.append((source[level:], level, [n.split()[0] for n in names]))
+        found.append((source[level:], level, [n.split()[0] for n in names], False))
     return found
 
 
@@ -115,7 +121,7 @@ def graph(package: Path) -> tuple[dict[str, set[str]], list[str]]:
                 imports = _python_imports(path.read_text())
             else:
                 imports = _cython_imports(path)
-            for module, level, names in imports:
+            for module, level, names, typing_only in imports:
                 if level == 0 and (module == top or module.startswith(top + ".")):
                     absolute.append(f"{path.relative_to(package.parent)}: {module}")
                     module = module[len(top) + 1 :]
@@ -126,7 +132,10 @@ def graph(package: Path) -> tuple[dict[str, set[str]], list[str]]:
                     module = _resolve(module, level, directory)
                 # `from . import protocol` imports a module; `from .x import y`, the module x
                 submodules = {".".join(filter(None, [module, n])) for n in names} & edges.keys()
-                edges[name] |= submodules or ({module} & edges.keys())
+                targets = submodules or ({module} & edges.keys())
+                if typing_only and name.partition(".")[0] in PARTS_OF:
+                    targets -= {PARTS_OF[name.partition(".")[0]]}
+                edges[name] |= targets
         edges[name] |= set(DYNAMIC.get(name, ())) & edges.keys()
         edges[name].discard(name)
     return edges, absolute

@@ -112,6 +112,12 @@ include "loop/tally.pxd"
 cdef class Loop
 include "loop/rebuild.pxd"
 include "loop/faults.pxd"
+include "loop/answers.pxd"
+include "loop/control.pxd"
+include "loop/peers.pxd"
+include "loop/refusals.pxd"
+include "loop/report.pxd"
+include "loop/timers.pxd"
 include "loop/pd.pxd"
 include "loop/traces.pxd"
 
@@ -151,6 +157,12 @@ cdef class Loop:
         int64_t epoch  # what it announces to rebuild peers
         int64_t first_server_id  # this life's first server id: it drew those from here on
         Rebuild rebuild  # the rebuild after a coordinator's loss, and clients' blips
+        Answers answers  # the rare paths' frames as python bytes
+        Control control  # a client's rare requests
+        Peers peers  # the peers' life
+        Refusals refusals  # the refusals and terminal errors
+        Report report  # what the loop reports
+        Timers timers  # the loop's timers, every tick
         Faults faults  # an engine's faults: the grace, the breaker, the migration
         PD pd  # disaggregated prefill/decode: made by the first engine with a role (None)
         bint pr6675  # serves #6675's P/D peers (megatron_version "pr6675")
@@ -214,8 +226,6 @@ cdef class Loop:
     # the hot path (no GIL)
     cdef bint _serve_for(self, double timeout) noexcept nogil
     cdef bint _woken(self) noexcept nogil
-    cdef void _tick(self, double now) noexcept nogil
-    cdef bint _oldest_submitted_before(self, double deadline) noexcept nogil
     cdef void _drain(self) noexcept nogil
     cdef void _handle(self) noexcept nogil
     cdef void _from_client(self, int32_t client, int64_t header) noexcept nogil
@@ -240,68 +250,14 @@ cdef class Loop:
     cdef void _unqueue(self, uint32_t slot, int outcome) noexcept nogil
     cdef void _dispatch(self) noexcept nogil
     cdef void _seen(self, int32_t client) noexcept nogil
-    cdef void _mark_gone(self, int rank, int reason) noexcept nogil
     cdef int _send_identity(self, ck_ids* table, int32_t index) noexcept nogil
     cdef const uint8_t* _data(self, int part) noexcept nogil
     cdef size_t _size(self, int part) noexcept nogil
 
     # rare paths (with the GIL)
-    cdef _from_client_rarely(self, int32_t client, int64_t header)
-    cdef _from_engine_rarely(self, int32_t engine, int64_t header)
-    cdef _register(self, int32_t engine)
-    cdef _engine_hello(self, int32_t engine)
-    cdef _count_formats(self)
-    cdef PD _pd_room(self)
-    cdef _register_role(self, int32_t engine)
-    cdef _restarted(self, int32_t engine, int fd)
-    cdef _watch(self, int rank, int fd)
-    cdef int32_t _new_engine(self, int32_t engine, int fd) except -2
-    cdef _connect(self, int32_t client)
-    cdef int32_t _tenant(self, str name)
-    cdef int32_t _vacant_client(self) except -2
-    cdef _remove_client(self, int32_t client)
-    cdef _connection_events(self)
-    cdef _end(self, bytes identity, int fd)
     cdef bytes _identity(self, int32_t client)
     cdef bytes _engine_identity(self, int rank)
-    cdef _drop_ended(self)
-    cdef _goodbye(self, int32_t client)
-    cdef _heartbeat(self, int32_t engine)
-    cdef _disconnect(self, int32_t engine)
-    cdef _abort(self, int32_t client)
-    cdef _abort_at_engine(self, int rank, int64_t server_rid)
-    cdef _release_kv(self, int32_t client)
-    cdef _control(self, int32_t client, int64_t header)
-    cdef _shutdown_signal(self, int32_t client)
-    cdef _stats_request(self, int32_t client)
-    cdef object _parse(self, object spec, int32_t client, int64_t header)
-    cdef _broadcast(self, int64_t header)
-    cdef _replace(self, int part, bytes body)
-    cdef const uint8_t* _held_body(self, bytes body, size_t* size)
-    cdef bytes _detokenized(self, const uint8_t* body, size_t size)
 
     # failures
-    cdef _settle(self)
-    cdef _settle_engine(self, int rank)
-    cdef _unrun(self, uint32_t slot, dict resend)
-    cdef int _resend(self, uint32_t slot) noexcept nogil
-    cdef RequestOrder* _in_order(self, int rank, int32_t client, uint32_t* count) except NULL
-    cdef _fail_request(self, uint32_t slot, int code, int64_t header)
-    cdef _time_out(self, uint32_t slot)
-    cdef _no_engines_left(self)
-    cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header)
-    cdef _client_gone(self, int32_t client, bint unreachable=*, bint closed=*)
-    cdef _drop_client(self, int32_t client)
 
     # answers and malformed input
-    cdef list _frames(self)
-    cdef bytes _frame_bytes(self, int part)
-    cdef bint _send_frames(self, ck_ids* table, int32_t index, list frames)
-    cdef _reply_to_sender(self, list frames)
-    cdef _count_frames_out(self, list frames)
-    cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header,
-                          bint ends=*, str text=*)
-    cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter,
-                 bint ends=*)
-    cdef _malformed(self, int32_t client, object rid, int64_t header, str detail)
-    cdef _malformed_batch(self, int32_t client, uint32_t count, str detail)

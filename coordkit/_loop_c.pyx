@@ -275,6 +275,12 @@ include "loop/queue.pyx"
 include "loop/tally.pyx"
 include "loop/rebuild.pyx"
 include "loop/faults.pyx"
+include "loop/answers.pyx"
+include "loop/control.pyx"
+include "loop/peers.pyx"
+include "loop/refusals.pyx"
+include "loop/report.pyx"
+include "loop/timers.pyx"
 include "loop/pd.pyx"
 include "loop/traces.pyx"
 
@@ -341,6 +347,12 @@ cdef class Loop:
         self.first_server_id = options.first_server_id
         self.rebuild = Rebuild(self, options)
         self.faults = Faults(self, options)
+        self.answers = Answers(self)
+        self.control = Control(self)
+        self.peers = Peers(self)
+        self.refusals = Refusals(self)
+        self.report = Report(self)
+        self.timers = Timers(self)
         self.pd = None
         self.pr6675 = options.megatron_version == "pr6675"
         self._options = options
@@ -431,79 +443,23 @@ cdef class Loop:
     def shutdown(self) -> None:
         """End every request still in flight with ERROR(SHUTTING_DOWN): its terminal reply."""
         cdef uint32_t i, n
-        cdef RequestOrder* order = self._in_order(-1, -1, &n)
+        cdef RequestOrder* order = self.faults.in_order(-1, -1, &n)
         try:
             for i in range(n):
                 if self.requests.pool[order[i].slot].server_rid == order[i].server_rid:
                     self._unqueue(order[i].slot, OUTCOME_REFUSED)
-                    self._fail_request(order[i].slot, ERROR_SHUTTING_DOWN, HEADER_SHUTDOWN)
+                    self.refusals.fail_request(order[i].slot, ERROR_SHUTTING_DOWN, HEADER_SHUTDOWN)
         finally:
             free(order)
-        self._settle()
+        self.faults.settle()
         if self.traces.n_ending:
             self.traces.end()
 
     def stats(self) -> dict:
-        cdef int rank
-        cdef uint32_t client
-        cdef int64_t least = 0  # requests in flight of the last of the busiest so far
-        cdef size_t n
-        cdef const uint8_t* identity
-        cdef Engine* engine
-        cdef double now = monotonic()
-        engines = []
-        for rank in range(self.n_engines):
-            identity = ck_ids_get(&self.engine_ids, rank, &n)
-            engine = &self.engines[rank]
-            engines.append((
-                rank, identity[:n], engine.state, self.router.pending(rank),
-                max(engine.quarantined_until - now, 0.0), engine.failures, engine.last_failure,
-                *tally_engine(&self.tally, rank, self.measure_latency),
-                now - engine.last_heartbeat if engine.heartbeats else None,
-            ))
-        clients = []  # the busiest so far, pruned as it grows
-        for client in range(self.clients_used):
-            if not self.clients[client].used or self.clients[client].inflight < least:
-                continue
-            clients.append((
-                self._identity(client), self.clients[client].inflight,
-                self.tally.submitted[client] if self.measure_latency else None,
-                self.clients[client].rebuild, not self.clients[client].present,
-            ))
-            if len(clients) == 2 * STATS_CLIENTS:
-                clients = busiest(clients)
-                least = clients[-1][1]
-        result = stats_map(
-            implementation=self.implementation,
-            policy=self.router.policy,
-            epoch=self.epoch,
-            messages=self.messages,
-            inflight=self.requests.live,
-            clients=self.n_clients - self.rebuild.absent(),
-            control_state=self.control_state,
-            counters=[self.counters[i] for i in range(N_COUNTERS)],
-            engines=engines,
-            queue=queue_stats(&self.queue),
-            busiest_clients=busiest(clients),
-        )
-        if DEBUG:
-            result["debug"] = {"polls": self.debug_polls}
-        if self.pd is not None:
-            result["pd"] = self.pd.stats()
-        return result
+        return self.report.stats()
 
     def metrics(self) -> dict:
-        """Traffic by header and direction, outcomes by error code, latencies."""
-        return metrics_map(
-            traffic=traffic_metrics(&self.traffic),
-            failed=list(self.failed),
-            refused=list(self.refused),
-            latency=latency_metrics(&self.latency) if self.measure_latency else None,
-            prefix=self.router.prefix_counts,
-            queue=queue_metrics(&self.queue),
-            engine_latency=tally_latency(&self.tally, self.n_engines)
-            if self.tally.final != NULL else None,
-        )
+        return self.report.metrics()
 
     # -- the hot path (no GIL) -----------------------------------------------------------
 
@@ -538,17 +494,17 @@ cdef class Loop:
             self.latency.since = now
             if now >= self.next_tick:
                 self.next_tick = now + TICK_SECONDS
-                self._tick(now)
+                self.timers.tick(now)
             if fds[2].revents:
                 with gil:
-                    self._connection_events()
+                    self.peers.connection_events()
             if fds[1].revents and self._woken():
                 self.stopping = True
             self._drain()
             while self.n_ended and not self.stopping:
                 # what they sent before their connections ended went first (the drain)
                 with gil:
-                    self._drop_ended()
+                    self.peers.drop_ended()
                 if self.traces.n_ending:
                     self.traces.end()
                 self._drain()
@@ -578,67 +534,6 @@ cdef class Loop:
             zmq_msg_close(&wake)
             woken = True
 
-    cdef void _tick(self, double now) noexcept nogil:
-        """The timers: engines whose drain or heartbeat timed out declared gone, the
-        requests in flight longer than request_timeout ended, the rebuild window
-        closed, HANDLED to rebuild engines, and what that left settled. The GIL is
-        taken only for what is due."""
-        cdef int rank
-        cdef int64_t slot
-        cdef double deadline = now - self.request_timeout
-        for rank in range(self.n_engines):
-            if self.engines[rank].state == ENGINE_GONE:
-                continue
-            if self.engines[rank].state == ENGINE_DRAINING:
-                if now >= self.engines[rank].drain_deadline:
-                    self._mark_gone(rank, GONE_DRAIN_TIMED_OUT)
-            elif (
-                self.heartbeat_timeout
-                and self.engines[rank].heartbeats
-                and now - self.engines[rank].last_heartbeat > self.heartbeat_timeout
-            ):
-                self._mark_gone(rank, GONE_NO_HEARTBEAT)
-        self.faults.tick(now)
-        if self.pd is not None:
-            with gil:
-                self.pd.tick(now)
-        # The oldest first: only the requests that are due are touched.
-        if self.request_timeout and self._oldest_submitted_before(deadline):
-            with gil:
-                while self._oldest_submitted_before(deadline):
-                    self._time_out(self.deadlines.oldest)
-        if self.queue.n_due and self.queue.entries[self.queue.due[0]].deadline <= now:
-            with gil:
-                while True:
-                    slot = queue_expired(&self.queue, now)
-                    if slot < 0:
-                        break
-                    self.counters[COUNTER_TIMED_OUT] += 1  # its own deadline, while it waited
-                    self._fail_request(slot, ERROR_TIMED_OUT, HEADER_SUBMIT_REQUEST)
-        if self.rebuild.rebuilding and now >= self.rebuild.until:
-            with gil:
-                self.rebuild.end_window()
-        if self.rebuild.n_deferred and (self.router.n_members or not self.rebuild.rebuilding):
-            with gil:
-                self.rebuild.resend_deferred()
-        if self.rebuild.n_away or self.rebuild.n_holding:
-            with gil:
-                self.rebuild.end_holds(now)
-                self.rebuild.mark_holding()
-        self.rebuild.acknowledge()
-        if self.n_gone:
-            with gil:
-                self._settle()
-        if self.dispatch_due or self.queue.depth:  # an engine back from quarantine, ...
-            self._dispatch()
-        if self.traces.n_ending:
-            self.traces.end()
-
-    cdef inline bint _oldest_submitted_before(self, double deadline) noexcept nogil:
-        return self.deadlines.oldest != UINT32_MAX and (
-            self.submitted[self.deadlines.oldest] < deadline
-        )
-
     cdef void _drain(self) noexcept nogil:
         """Handle every message waiting, one at a time; the term's deadline is read
         again every 256 (a freeze in a long burst)."""
@@ -657,7 +552,7 @@ cdef class Loop:
             message_close(&self.message)
             if self.n_gone:
                 with gil:
-                    self._settle()
+                    self.faults.settle()
             if self.dispatch_due:
                 self._dispatch()
             if self.traces.n_ending:  # what the message ended was sent
@@ -674,7 +569,7 @@ cdef class Loop:
         cdef size_t end
         if self.message.n_parts == 2 and self._size(1) == 0:
             with gil:
-                self._register(engine)
+                self.peers.register(engine)
             return
         client = ck_ids_find(&self.client_ids, identity, identity_size)
         if self.message.oversized or ck_read_header(
@@ -682,7 +577,7 @@ cdef class Loop:
         ) != CK_OK:
             traffic_count(&self.traffic, RECEIVED, -1, message_bytes(&self.message))
             with gil:
-                self._malformed(client, None, -1, "malformed metadata frame")
+                self.refusals.malformed(client, None, -1, "malformed metadata frame")
             return
         traffic_count(&self.traffic, RECEIVED, header, message_bytes(&self.message))
         if engine >= 0:
@@ -691,13 +586,13 @@ cdef class Loop:
                 latency_handled(&self.latency, STAGE_REPLY, header)
         elif header == HEADER_CONNECT:
             with gil:
-                self._connect(client)
+                self.peers.connect(client)
         elif header == HEADER_ENGINE_HELLO and client < 0:
             with gil:
-                self._engine_hello(-1)
+                self.peers.engine_hello(-1)
         elif header == HEADER_REGISTER_ROLE and client < 0:
             with gil:
-                self._register_role(-1)
+                self.peers.register_role(-1)
         elif client < 0 or not self.clients[client].present:
             # A client known only from an engine's report, or away after a blip: what
             # its socket queued before it lost us comes ahead of its CONNECT, stale
@@ -730,7 +625,7 @@ cdef class Loop:
             self._submit_batch(client)
         else:
             with gil:
-                self._from_client_rarely(client, header)
+                self.control.from_client(client, header)
 
     cdef void _submit(self, int32_t client, int64_t header) noexcept nogil:
         """A new request in frames: metadata, payload, and maybe its block hashes."""
@@ -744,26 +639,26 @@ cdef class Loop:
         qos.priority = qos.deadline_ms = 0
         if read != CK_OK:
             with gil:
-                self._malformed(client, submit.rid if submit.offset else None, header,
+                self.refusals.malformed(client, submit.rid if submit.offset else None, header,
                                 ck_strstatus(read).decode())
             return
         if submit.length != <uint32_t>(2 + n_payload):  # QoS, from a client granted it
             if submit.length != <uint32_t>(4 + n_payload) or not self.clients[client].qos:
                 with gil:
-                    self._malformed(client, submit.rid, header, "bad frame layout")
+                    self.refusals.malformed(client, submit.rid, header, "bad frame layout")
                 return
             # The QoS fields come off here: the params span starts after them.
             read = ck_read_qos(self._data(1), self._size(1), &submit, &qos)
             if read != CK_OK:
                 with gil:
-                    self._malformed(client, submit.rid, header, ck_strstatus(read).decode())
+                    self.refusals.malformed(client, submit.rid, header, ck_strstatus(read).decode())
                 return
         if (
             not n_payload <= n_frames <= n_payload + 1
             or (hashed and self._size(2 + n_payload) % BLOCK_HASH_SIZE)
         ):
             with gil:
-                self._malformed(client, submit.rid, header, "bad frame layout")
+                self.refusals.malformed(client, submit.rid, header, "bad frame layout")
             return
         multipart_inbound(
             &inbound, header, &self.message.parts[2], n_payload,
@@ -793,7 +688,7 @@ cdef class Loop:
             self.message.n_parts != 2 or not single_layout(header, single.length)
         ):
             with gil:
-                self._malformed(client, single.rid, header, "bad frame layout")
+                self.refusals.malformed(client, single.rid, header, "bad frame layout")
             return
         if read == CK_OK and single.length > 4:
             self.clients[client].format = FORMAT_SINGLE_FRAME_MAIN
@@ -803,7 +698,7 @@ cdef class Loop:
             read = ck_read_single_submit(frame, size, &single)
         if read != CK_OK:
             with gil:
-                self._malformed(client, single.rid if single.prompt else None, header,
+                self.refusals.malformed(client, single.rid if single.prompt else None, header,
                                 ck_strstatus(read).decode())
             return
         single_inbound(&inbound, frame, size, &single)
@@ -827,7 +722,7 @@ cdef class Loop:
         cdef int read
         if not self.clients[client].batch:
             with gil:
-                self._malformed(client, None, HEADER_SUBMIT_BATCH, "batches not granted")
+                self.refusals.malformed(client, None, HEADER_SUBMIT_BATCH, "batches not granted")
             return
         read = message_read_batch(
             &self.message, HEADER_SUBMIT_BATCH, CK_QOS_WIDTH if self.clients[client].qos else 3,
@@ -838,13 +733,13 @@ cdef class Loop:
             read = CK_TOO_MANY
         if read != CK_OK:
             with gil:
-                self._malformed_batch(client, count, ck_strstatus(read).decode())
+                self.refusals.malformed_batch(client, count, ck_strstatus(read).decode())
             return
         for i in range(count):
             needed += 1 + self.message.batch_entries[i].flag
         if needed != <size_t>(self.message.n_parts - 2):
             with gil:
-                self._malformed_batch(client, count, "bad frame layout")
+                self.refusals.malformed_batch(client, count, "bad frame layout")
             return
         for i in range(count):
             if not self.clients[client].used:
@@ -852,7 +747,7 @@ cdef class Loop:
             entry = &self.message.batch_entries[i]
             if entry.flag and self._size(part + 1) % BLOCK_HASH_SIZE:
                 with gil:
-                    self._malformed(client, entry.rid, HEADER_SUBMIT_BATCH, "bad frame layout")
+                    self.refusals.malformed(client, entry.rid, HEADER_SUBMIT_BATCH, "bad frame layout")
             else:
                 multipart_inbound(
                     &inbound, HEADER_SUBMIT_REQUEST, &self.message.parts[part], 1,
@@ -876,13 +771,13 @@ cdef class Loop:
         cdef int status
         if ck_requests_find_client(&self.requests, client, rid) >= 0:
             with gil:
-                self._refuse(
+                self.refusals.refuse(
                     client, rid, ERROR_DUPLICATE_REQUEST, header, COUNTER_DUPLICATE_REQUEST
                 )
             return
         if self.requests.live >= self.max_inflight:
             with gil:
-                self._refuse(client, rid, ERROR_BUSY, header, COUNTER_BUSY)
+                self.refusals.refuse(client, rid, ERROR_BUSY, header, COUNTER_BUSY)
             return
         slot = ck_requests_add(&self.requests, client, rid)
         self._admit(slot, client)
@@ -922,7 +817,7 @@ cdef class Loop:
             self.traces.fail(slot, refusal(status))
         self._forget(slot)
         with gil:
-            self._refuse(
+            self.refusals.refuse(
                 client,
                 rid,
                 refusal(status),
@@ -969,7 +864,7 @@ cdef class Loop:
         while status == ROUTE_ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
             with gil:
-                self._settle()
+                self.faults.settle()
             if request.server_rid != server_rid:  # its client went away meanwhile
                 break
             status = self._route(slot, inbound)
@@ -1081,7 +976,7 @@ cdef class Loop:
                 self.faults.lost(to, GONE_UNREACHABLE)
             else:
                 with gil:
-                    self._client_gone(to)
+                    self.peers.client_gone(to)
             fanout_done(fanout, i)
         fanout.n = 0
         if self.holds_bodies:
@@ -1104,7 +999,7 @@ cdef class Loop:
                 self._forward_replies(engine)
         else:
             with gil:
-                self._from_engine_rarely(engine, header)
+                self.control.from_engine(engine, header)
 
     cdef void _forward_replies(self, int32_t engine) noexcept nogil:
         """Each entry of an engine's batch to its request's client, the body as itself;
@@ -1123,11 +1018,11 @@ cdef class Loop:
             &self.fanout, count, count
         ):
             with gil:
-                self._malformed(-1, None, -1, "bad ENGINE_REPLY metadata")
+                self.refusals.malformed(-1, None, -1, "bad ENGINE_REPLY metadata")
             return
         if count != <uint32_t>(self.message.n_parts - 2):
             with gil:
-                self._malformed(
+                self.refusals.malformed(
                     -1, None, header,
                     f"{count} entries but {self.message.n_parts - 2} payload frames",
                 )
@@ -1139,7 +1034,7 @@ cdef class Loop:
         for i in range(count):
             if not entries[i].valid:
                 with gil:
-                    self._reject_entry(engine, None, ERROR_MALFORMED, header)
+                    self.refusals.reject_entry(engine, None, ERROR_MALFORMED, header)
                 continue
             slot = ck_requests_find(&self.requests, entries[i].rid)
             if slot < 0 or self.requests.pool[slot].rank != engine:
@@ -1149,7 +1044,7 @@ cdef class Loop:
                 self.tally.engines[engine].unknown_request += 1
                 if self.engines[engine].coordkit:
                     with gil:
-                        self._reject_entry(engine, entries[i].rid, ERROR_UNKNOWN_REQUEST, header)
+                        self.refusals.reject_entry(engine, entries[i].rid, ERROR_UNKNOWN_REQUEST, header)
                 continue
             if self.requests.pool[slot].flags & FLAG_REPLAYING:
                 continue  # the engine's REPLAYED brings it again, in its place
@@ -1157,7 +1052,7 @@ cdef class Loop:
                 self.faults.stream(<uint32_t>slot, self._data(2 + i), self._size(2 + i))
             if self.requests.pool[slot].flags & FLAG_MIGRATED:  # it continues a stream
                 with gil:
-                    self._replace(2 + i, self.faults.continued(
+                    self.answers.replace(2 + i, self.faults.continued(
                         entries[i].rid, self._data(2 + i), self._size(2 + i)
                     ))
             client = self.requests.pool[slot].client
@@ -1168,7 +1063,7 @@ cdef class Loop:
                 self._finish(<uint32_t>slot, final, now)
             if entries[i].needs_detokenize and self.has_detokenizer:
                 with gil:
-                    self._replace(2 + i, self._detokenized(self._data(2 + i), self._size(2 + i)))
+                    self.answers.replace(2 + i, self.answers.detokenized(self._data(2 + i), self._size(2 + i)))
             if self.clients[client].batch:
                 fanout_add(&self.fanout, client, client_rid,
                            <const uint8_t*>MSGPACK_BOOLS + final, 1,
@@ -1177,7 +1072,7 @@ cdef class Loop:
                 client, header, client_rid, NULL, 0, &self.message.parts[2 + i]
             ):
                 with gil:
-                    self._client_gone(client)
+                    self.peers.client_gone(client)
         self._send_batches(HEADER_REPLY_BATCH)
         if deferred:
             self._sent_finals(engine, count, now)
@@ -1220,7 +1115,7 @@ cdef class Loop:
             or not fanout_reserve(&self.fanout, count, count)
         ):
             with gil:
-                self._malformed(-1, None, HEADER_ENGINE_REPLY, "bad single-frame ENGINE_REPLY")
+                self.refusals.malformed(-1, None, HEADER_ENGINE_REPLY, "bad single-frame ENGINE_REPLY")
             return
         final = header == HEADER_ENGINE_REPLY
         if self.measure_latency:
@@ -1229,7 +1124,7 @@ cdef class Loop:
             entry = &self.message.single_entries[i]
             if entry.status != CK_OK:
                 with gil:
-                    self._reject_entry(engine, None, ERROR_MALFORMED, header)
+                    self.refusals.reject_entry(engine, None, ERROR_MALFORMED, header)
                 continue
             slot = ck_requests_find(&self.requests, entry.rid)
             if slot < 0 or self.requests.pool[slot].rank != engine:
@@ -1251,17 +1146,17 @@ cdef class Loop:
                 self.faults.stream(<uint32_t>slot, body, size)
             if self.requests.pool[slot].flags & FLAG_MIGRATED:  # it continues a stream
                 with gil:
-                    body = self._held_body(self.faults.continued(entry.rid, body, size), &size)
+                    body = self.answers.held_body(self.faults.continued(entry.rid, body, size), &size)
             self._finish(<uint32_t>slot, final, now)
             if final and self.has_detokenizer:  # as Megatron's coordinator: every final
                 with gil:
-                    body = self._held_body(self._detokenized(body, size), &size)
+                    body = self.answers.held_body(self.answers.detokenized(body, size), &size)
             if self.clients[client].batch:
                 fanout_add(&self.fanout, client, client_rid,
                            <const uint8_t*>MSGPACK_BOOLS + final, 1, NULL, body, size)
             elif not self._deliver(client, header, client_rid, body, size, NULL):
                 with gil:
-                    self._client_gone(client)
+                    self.peers.client_gone(client)
         self._send_batches(HEADER_REPLY_BATCH)
 
     cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil:
@@ -1376,13 +1271,13 @@ cdef class Loop:
                 counter, code = COUNTER_SUBMITTED, ERROR_MALFORMED
             else:  # re-queued when its engine died: sent from what it kept
                 queue_pop(&self.queue, monotonic())
-                status = self._resend(slot)
+                status = self.faults.resend(slot)
                 counter, code = COUNTER_REROUTED, ERROR_ENGINE_FAILED
             if status == ROUTE_SENT:
                 self.counters[counter] += 1
             elif status != ROUTE_ENGINE_GONE:  # ENGINE_GONE: its client went away
                 with gil:
-                    self._fail_request(
+                    self.refusals.fail_request(
                         slot, code if status == ROUTE_UNSENDABLE else refusal(status),
                         HEADER_SUBMIT_REQUEST,
                     )
@@ -1390,29 +1285,13 @@ cdef class Loop:
         queue_sent(&self.queue)  # now what they held may go
         if self.queue.depth and self.router.n_members == 0:
             with gil:
-                self._no_engines_left()
+                self.refusals.no_engines_left()
 
     cdef inline void _seen(self, int32_t client) noexcept nogil:
         """A message from ``client``: with nothing in flight, it is the idle one seen last."""
         if self.clients[client].inflight == 0:
             list_remove(&self.idle_links, &self.idle, client)
             list_push(&self.idle_links, &self.idle, client)
-
-    cdef void _mark_gone(self, int rank, int reason) noexcept nogil:
-        """Take ``rank`` out of the pool now; its requests are settled after the
-        message at hand (see _settle), so a failure never recurses into routing."""
-        if self.engines[rank].state == ENGINE_GONE:
-            return
-        if self.engines[rank].state != ENGINE_AWAY:  # counted when it went away
-            self.faults.strike(rank, reason, monotonic())
-        if self.engines[rank].state == ENGINE_ALIVE:
-            self.router.remove_rank_c(rank)
-        self.engines[rank].state = ENGINE_GONE
-        self.engines[rank].last_failure = reason
-        self.counters[COUNTER_ENGINE_FAILURES] += 1
-        self.tally.engines[rank].gone += 1
-        self.gone[self.n_gone] = rank
-        self.n_gone += 1
 
     cdef int _send_identity(self, ck_ids* table, int32_t index) noexcept nogil:
         """Start a message to a peer; -1 when it is gone (ROUTER_MANDATORY)."""
@@ -1428,388 +1307,6 @@ cdef class Loop:
 
     # -- rare paths (with the GIL) -------------------------------------------------------
 
-    cdef _from_client_rarely(self, int32_t client, int64_t header):
-        if header == HEADER_ABORT_REQUEST:
-            self._abort(client)
-        elif header == HEADER_RELEASE_KV:
-            self._release_kv(client)
-        elif HEADER_PAUSE <= header <= HEADER_STOP_CUDA_PROFILER:
-            self._control(client, header)
-        elif header == HEADER_SHUTDOWN:
-            self._shutdown_signal(client)
-        elif header == HEADER_STATS:
-            self._stats_request(client)
-        elif header == HEADER_REJOIN and self.clients[client].rebuild:
-            self.rebuild.rejoin(client)
-        elif header == HEADER_DISCONNECT:
-            self._goodbye(client)
-        else:
-            self._refuse(client, None, ERROR_UNKNOWN_HEADER, header, COUNTER_UNKNOWN_HEADER)
-
-    cdef _from_engine_rarely(self, int32_t engine, int64_t header):
-        if header == HEADER_HEARTBEAT:
-            self._heartbeat(engine)
-        elif header == HEADER_ENGINE_HELLO:
-            self._engine_hello(engine)
-        elif header == HEADER_DISCONNECT:
-            self._disconnect(engine)
-        elif header == HEADER_HELD and self.engines[engine].rebuild:
-            self.rebuild.held(engine)
-        elif header == HEADER_REPLAYED and self.engines[engine].rebuild:
-            self.engines[engine].handled += 1
-            self.rebuild.replayed(engine)
-        elif header == HEADER_REGISTER_ROLE:
-            self._register_role(engine)
-        elif self.pd is not None and self.pd.from_engine(engine, header):
-            pass
-        else:
-            self.counters[COUNTER_UNKNOWN_HEADER] += 1
-            self._log.warn("unknown_header", unknown_from_engine(
-                header, engine, self.engines[engine].format
-            ))
-
-    cdef _register(self, int32_t engine):
-        """An engine announced itself (one empty frame) on a connection: a new rank, or
-        one coming back after it left or was declared gone. Under an identity alive, it
-        is a repeat on the same connection, or, on another, a new process (Megatron's
-        engines register once, at their start) -- unless a hello named its process: then
-        the hello that follows says which."""
-        cdef int fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
-        if engine < 0 or self.engines[engine].state in (ENGINE_GONE, ENGINE_DRAINING):
-            self._new_engine(engine, fd)
-        elif fd == self.engines[engine].fd or self.engines[engine].session:
-            self.counters[COUNTER_DUPLICATE_REGISTER] += 1
-        else:
-            self._restarted(engine, fd)
-
-    cdef _engine_hello(self, int32_t engine):
-        """ENGINE_HELLO: a coordkit engine registers, or says so once registered; a
-        hello naming another process than the one registered under its identity is a
-        new process (the old one's requests are handled as its death)."""
-        cdef int fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
-        try:
-            hello = parse_engine_hello(self._frames())
-        except ProtocolError as exc:
-            self._malformed(-1, None, HEADER_ENGINE_HELLO, str(exc))
-            return
-        if engine < 0 or self.engines[engine].state in (ENGINE_GONE, ENGINE_DRAINING):
-            engine = self._new_engine(engine, fd)
-        elif self.engines[engine].session and hello.session != self.engines[engine].session:
-            self._restarted(engine, fd)
-        elif self.engines[engine].state == ENGINE_AWAY or fd != self.engines[engine].fd:
-            self.faults.back(engine, fd)  # the same process, a new connection
-        if engine >= 0:
-            self.engines[engine].session = hello.session
-            self.engines[engine].coordkit = hello.coordkit
-            self.engines[engine].batch = hello.batch
-            self.engines[engine].format = FORMAT_MULTIPART
-            # Its reply messages are numbered anew from its base: a registration each time.
-            self.engines[engine].rebuild = hello.rebuild
-            self.engines[engine].base = hello.base
-            self.engines[engine].handled = self.engines[engine].mark = 0
-            self.engines[engine].acked = 0
-            self.router.set_capacity(engine, hello.capacity)
-            self.dispatch_due = True
-            self._count_formats()
-            if hello.role:
-                self._pd_room().seat(engine, hello.role, False, hello.domain, hello.capacity)
-                self.pd.transfer[engine] = hello.transfer
-            elif self.pd is not None and self.pd.seats[engine].seated:
-                self.pd.unseat(engine)
-                self.faults.admit(engine)
-            if hello.ack or hello.rebuild:  # it is in the pool: say so, and what it was granted
-                self._reply_to_sender(protocol.engine_ack(hello, self.epoch, roles=True))
-            if self.pd is not None:
-                self.pd.drain()
-
-    cdef PD _pd_room(self):
-        """The P/D room, made when the first engine takes a role."""
-        if self.pd is None:
-            self.pd = PD(self, self._options)
-        return self.pd
-
-    cdef _register_role(self, int32_t engine):
-        """A #6675 engine's REGISTER_ROLE: judged as #6675 judges it (a registered identity
-        is replaced first: its requests as at its death), then acknowledged ([2]) and
-        seated, or refused ([29, reason])."""
-        cdef int fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
-        cdef PD pd
-        cdef int32_t rank
-        identity = self._frame_bytes(0)
-        try:
-            message = unpackb(self._frame_bytes(1))
-        except ProtocolError as exc:
-            self._malformed(-1, None, HEADER_REGISTER_ROLE, str(exc))
-            return
-        pd = self._pd_room() if self.pr6675 else self.pd
-        fleet = {} if pd is None else pd.registrations
-        if not isinstance(message, list):
-            message = [message]
-        check = check_register_role(message, identity, fleet, self.pr6675)
-        if check.replaces and engine >= 0 and self.engines[engine].state != ENGINE_GONE:
-            self._mark_gone(engine, GONE_RESTARTED)
-            self._settle()
-        registration = check.registration
-        if registration is None or pd is None:
-            if pd is not None:
-                pd.counts["roles_refused"] += 1
-            self._reply_to_sender(protocol.ROLE_REFUSED.pack(check.refusal))
-            return
-        rank = self._new_engine(ck_ids_find(&self.engine_ids, self._data(0), self._size(0)), fd)
-        if rank < 0:
-            return
-        self.engines[rank].format = FORMAT_SINGLE_FRAME_MAIN  # main's frames, four SUBMIT fields
-        self._count_formats()
-        pd.seat(rank, ROLE_NAMES[registration.role], True, MEGATRON_DOMAIN,
-                registration.request_capacity)
-        pd.seats[rank].ssm_capacity = registration.ssm_capacity or 0
-        pd.seats[rank].slot_cost = registration.slot_cost
-        pd.seats[rank].nccl = registration.transport == "nccl"
-        pd.transfer[rank] = registration.instance_meta
-        pd.registrations[identity] = registration
-        self._reply_to_sender(protocol.REGISTER_ROLE_ACK.pack())
-        pd.drain()
-
-    cdef _count_formats(self):
-        """How many engines not gone speak each format: which checks a SUBMIT needs."""
-        cdef int rank
-        self.n_single_engines = self.n_main_engines = self.n_multipart_engines = 0
-        for rank in range(self.n_engines):
-            if self.engines[rank].state == ENGINE_GONE:
-                continue
-            if self.engines[rank].format == FORMAT_SINGLE_FRAME:
-                self.n_single_engines += 1
-            elif self.engines[rank].format == FORMAT_SINGLE_FRAME_MAIN:
-                self.n_main_engines += 1
-            else:
-                self.n_multipart_engines += 1
-
-    cdef _restarted(self, int32_t engine, int fd):
-        """A new process registered under an engine's identity: the old one's requests
-        are handled as its death (re-sent or failed), and the rank starts anew."""
-        self.counters[COUNTER_ENGINE_RESTARTS] += 1
-        self._mark_gone(engine, GONE_RESTARTED)
-        self._new_engine(engine, fd)  # first: the new one may take them
-        self._settle()
-
-    cdef int32_t _new_engine(self, int32_t engine, int fd) except -2:
-        """Put the sender in the pool: ``engine`` coming back, or a new rank (reusing
-        a gone rank with nothing left in flight once the table is full). Its rank,
-        or -1 when there is no room or the sender is, or was, a client."""
-        cdef int32_t rank
-        cdef size_t n = self._size(0)
-        cdef const uint8_t* retired
-        cdef size_t retired_n
-        if engine < 0:
-            if ck_ids_find(&self.client_ids, self._data(0), n) >= 0 or (
-                roles_of(&self.roles, self._data(0), n) == ROLE_CLIENT
-            ):
-                self._malformed(-1, None, -1, "a client sent an engine registration")
-                return -1
-            rank = self.n_engines
-            if rank == self.max_engines:
-                rank = -1
-                for engine in range(self.n_engines):
-                    if self.engines[engine].state == ENGINE_GONE:
-                        if self.router.pending(engine) == 0:
-                            rank = engine
-                            break
-                if rank < 0:
-                    self.counters[COUNTER_TABLE_FULL] += 1
-                    self._log.warn("engines_full", "engine table full: registration dropped")
-                    return -1
-                retired = ck_ids_get(&self.engine_ids, rank, &retired_n)
-                roles_remember(&self.roles, retired, retired_n, ROLE_ENGINE)
-                ck_ids_remove(&self.engine_ids, rank)
-            else:
-                self.n_engines += 1
-            memset(&self.engines[rank], 0, sizeof(Engine))
-            tally_reset(&self.tally, rank)
-            self.engines[rank].fd = -1
-            self.engines[rank].last_failure = -1
-            ck_ids_insert(&self.engine_ids, rank, self._data(0), n)
-            engine = rank
-        self.engines[engine].state = ENGINE_ALIVE
-        self._watch(engine, fd)
-        self.engines[engine].session = 0
-        self.engines[engine].coordkit = False
-        self.engines[engine].batch = False
-        self.engines[engine].format = self.single_format if self.megatron_core else FORMAT_MULTIPART
-        self.engines[engine].heartbeats = False
-        self.engines[engine].rebuild = False
-        self.engines[engine].handled = self.engines[engine].mark = self.engines[engine].acked = 0
-        self.router.set_capacity(engine, 0)  # until a hello says otherwise
-        self.faults.admit(engine)
-        self.dispatch_due = True
-        self._count_formats()
-        return engine
-
-    cdef _watch(self, int rank, int fd):
-        """An engine's connection is ``fd`` (-1: inproc, not watched): when it ends, the
-        engine is lost (Faults.lost)."""
-        if self.engine_fds.get(self.engines[rank].fd, -1) == rank:
-            del self.engine_fds[self.engines[rank].fd]
-        self.engines[rank].fd = fd
-        if fd < 0:
-            return
-        self._connection_events()  # what the monitor said first
-        if fd in self.connections:
-            self.engine_fds[fd] = rank
-        else:  # it ended already
-            self._end(self._engine_identity(rank), fd)
-
-    cdef _connect(self, int32_t client):
-        """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
-        cdef int32_t index
-        try:
-            hello = parse_connect(self._frames())
-        except ProtocolError as exc:
-            self._malformed(-1, None, HEADER_CONNECT, str(exc))
-            return
-        fd = zmq_msg_get(&self.message.parts[1], ZMQ_SRCFD)
-        if client >= 0 and self.clients[client].present and fd != self.clients[client].fd:
-            # Its routing id on a new connection (libzmq hands it over: nothing reaches
-            # the old one any more): it reconnected before its old connection's end was
-            # seen, or another process took its name: either way the old one is gone
-            # (away, with a hold: a blip).
-            if self.clients[client].hold > 0:
-                self.rebuild.go_away(client)
-            else:
-                self._client_gone(client, False)
-            # -1: forgotten (nothing in flight kept)
-            client = ck_ids_find(&self.client_ids, self._data(0), self._size(0))
-        if client < 0 and roles_of(&self.roles, self._data(0), self._size(0)) == ROLE_ENGINE:
-            self._malformed(-1, None, HEADER_CONNECT, "an engine sent CONNECT")
-            return
-        if client >= 0:
-            if self.clients[client].present:
-                self.counters[COUNTER_DUPLICATE_CONNECT] += 1
-            else:  # known from an engine's report only, or away: this is its connection
-                self._connection_events()  # as for a new client: what the monitor said first
-                self.clients[client].fd = fd
-                self.rebuild.returned(client)
-            index = client
-            self._seen(client)
-        else:
-            # What the monitor said first: a connection that ended on this CONNECT's fd
-            # before this one opened is not to be taken for this one's end.
-            self._connection_events()
-            index = self._vacant_client()
-            if index < 0:
-                self.counters[COUNTER_TABLE_FULL] += 1
-                self.refused[ERROR_BUSY] += 1
-                if hello.coordkit:
-                    self.counters[COUNTER_ERRORS_SENT] += 1
-                    text = error_text(ERROR_BUSY, HEADER_CONNECT)
-                    self._reply_to_sender(protocol.ERROR.pack(None, ERROR_BUSY, text))
-                return
-            self.clients[index].used = True
-            self.clients[index].inflight = 0
-            self.clients[index].tenant = -1
-            ends_init(&self.clients[index].requests)
-            list_push(&self.idle_links, &self.idle, index)
-            self.clients[index].fd = fd
-            ck_ids_insert(&self.client_ids, index, self._data(0), self._size(0))
-            self.n_clients += 1
-        self.clients[index].coordkit = hello.coordkit
-        self.clients[index].batch = hello.batch
-        self.clients[index].rebuild = hello.rebuild
-        self.clients[index].hold = hello.hold
-        self.clients[index].qos = hello.qos
-        tenant = self._tenant(hello.tenant)  # the one it names now (None: its own)
-        if self.clients[index].tenant >= 0:
-            queue_leave(&self.queue, self.clients[index].tenant)
-        self.clients[index].tenant = tenant
-        self.clients[index].present = self.clients[index].fresh = True
-        self.clients[index].rejoined = False  # until its REJOIN, the requests adopted wait
-        self.clients[index].format = FORMAT_MULTIPART
-        if self.megatron_core and not hello.coordkit:
-            self.clients[index].format = (
-                FORMAT_SINGLE_FRAME_MAIN if self.pr6675 else FORMAT_SINGLE_FRAME
-            )
-        features = {BATCH_FEATURE: 1} if hello.batch else {}
-        if hello.qos:
-            features[QOS_FEATURE] = 1
-        if hello.rebuild:
-            features.update({REBUILD_FEATURE: 1, EPOCH_KEY: self.epoch})
-        if features:
-            self._reply_to_sender(protocol.CONNECT_ACK_BATCH.pack(features))
-        else:
-            self._reply_to_sender(protocol.CONNECT_ACK.pack())
-        fd = self.clients[index].fd
-        if fd >= 0:
-            if fd in self.connections:
-                self.connections[fd] = index
-            else:  # the monitor said its connection ended already
-                self._end(self._identity(index), fd)
-
-    cdef int32_t _tenant(self, str name):
-        """The queue's tenant named ``name`` (None: a new one of its own)."""
-        cdef bytes encoded
-        if name is None:
-            return queue_tenant(&self.queue, NULL, 0)
-        encoded = name.encode()
-        return queue_tenant(&self.queue, encoded, len(encoded))
-
-    cdef int32_t _vacant_client(self) except -2:
-        """A free client index; when all are used, the client idle longest gives up
-        its own; -1 when none is idle."""
-        cdef int32_t index
-        if self.vacant.newest == UINT32_MAX and self.clients_used < <uint32_t>self.max_clients:
-            self.clients_used += 1
-            return self.clients_used - 1
-        if self.vacant.newest == UINT32_MAX:
-            if self.idle.oldest == UINT32_MAX:
-                return -1
-            self._remove_client(self.idle.oldest)
-        index = self.vacant.newest
-        list_remove(&self.idle_links, &self.vacant, index)
-        return index
-
-    cdef _remove_client(self, int32_t client):
-        """A client with nothing in flight leaves the tables (its identity stays a
-        client's)."""
-        cdef size_t n
-        cdef const uint8_t* identity = ck_ids_get(&self.client_ids, client, &n)
-        roles_remember(&self.roles, identity, n, ROLE_CLIENT)
-        if self.clients[client].tenant >= 0:
-            queue_leave(&self.queue, self.clients[client].tenant)
-            self.clients[client].tenant = -1
-        self.rebuild.away.pop(self._identity(client), None)
-        self.rebuild.n_away = len(self.rebuild.away)
-        ck_ids_remove(&self.client_ids, client)
-        self.tally.submitted[client] = 0
-        self.clients[client].used = False
-        self.n_clients -= 1
-        list_remove(&self.idle_links, &self.idle, client)
-        list_push(&self.idle_links, &self.vacant, client)
-        fd = self.clients[client].fd
-        if self.connections.get(fd, -1) == client:
-            self.connections[fd] = -1
-
-    cdef _connection_events(self):
-        """The ROUTER's monitor: connections opened and ended (a client whose connection
-        ended has left: nothing can reach its routing id again), handshakes refused."""
-        cdef int32_t client
-        cdef int rank
-        for event, value in monitor_events(self._monitor_socket):
-            if event == zmq.EVENT_ACCEPTED:
-                self.connections[value] = -1
-            elif event == zmq.EVENT_DISCONNECTED:
-                client = self.connections.pop(value, -1)
-                rank = self.engine_fds.pop(value, -1)
-                if client >= 0:
-                    self._end(self._identity(client), value)
-                elif rank >= 0:
-                    self._end(self._engine_identity(rank), value)
-            elif event & REFUSAL_EVENTS:
-                self.counters[COUNTER_AUTH_REFUSED] += 1
-
-    cdef _end(self, bytes identity, int fd):
-        """A peer's connection ended: dealt with once what it sent before is handled."""
-        self.ended.append((identity, fd))
-        self.n_ended = len(self.ended)
-
     cdef bytes _identity(self, int32_t client):
         """A client's routing id."""
         cdef size_t n
@@ -1822,505 +1319,5 @@ cdef class Loop:
         cdef const uint8_t* identity = ck_ids_get(&self.engine_ids, rank, &n)
         return identity[:n]
 
-    cdef _drop_ended(self):
-        """Forget the clients whose connection ended (those still known by that routing
-        id on that connection), and abort their requests; an engine whose connection
-        ended is lost (Faults.lost: away for the grace, or gone)."""
-        cdef int32_t client, rank
-        cdef bytes identity
-        ended, self.ended = self.ended, []
-        self.n_ended = 0
-        for identity, fd in ended:
-            client = ck_ids_find(&self.client_ids, <const uint8_t*><const char*>identity,
-                                 len(identity))
-            rank = ck_ids_find(&self.engine_ids, <const uint8_t*><const char*>identity,
-                               len(identity))
-            if client >= 0 and self.clients[client].fd == fd:
-                self._client_gone(client, False)
-            elif rank >= 0 and self.engines[rank].fd == fd and (
-                self.engines[rank].state != ENGINE_GONE
-            ):
-                self.faults.lost(rank, GONE_DISCONNECTED)
-        if self.n_gone:
-            self._settle()
-
-    cdef _goodbye(self, int32_t client):
-        """DISCONNECT from a client: it closes; forget it and abort what it left."""
-        if self._parse(protocol.DISCONNECT, client, HEADER_DISCONNECT) is not None:
-            self._client_gone(client, False, True)
-
-    cdef _heartbeat(self, int32_t engine):
-        message = self._parse(protocol.HEARTBEAT, -1, HEADER_HEARTBEAT)
-        if message is None:
-            return
-        if self.engines[engine].state != ENGINE_GONE:
-            self.engines[engine].heartbeats = True
-            self.engines[engine].last_heartbeat = monotonic()
-            tally_heartbeat(&self.tally, engine, message.pending, message.capacity)
-
-    cdef _disconnect(self, int32_t engine):
-        """DISCONNECT: no new work; its requests in flight may finish, for a while."""
-        if self._parse(protocol.DISCONNECT, -1, HEADER_DISCONNECT) is None:
-            return
-        if self.engines[engine].state != ENGINE_ALIVE:
-            return
-        if self.pd is not None and self.pd.seats[engine].seated:
-            # a role engine leaves as #6675's do: its hops go on elsewhere now
-            self._mark_gone(engine, GONE_DISCONNECTED)
-            return
-        self.router.remove_rank(engine)
-        self.engines[engine].state = ENGINE_DRAINING
-        self.engines[engine].drain_deadline = monotonic() + self.drain_timeout
-        if self.router.pending(engine) == 0:
-            self.engines[engine].state = ENGINE_GONE
-
-    cdef _abort(self, int32_t client):
-        """ABORT_REQUEST: on to the owning engine, once, with the server id."""
-        cdef int64_t slot
-        cdef ck_request* request
-        message = self._parse(protocol.ABORT_REQUEST, client, HEADER_ABORT_REQUEST)
-        if message is None:
-            return
-        slot = ck_requests_find_client(&self.requests, client, message.rid)
-        if slot < 0 and (self._identity(client), message.rid) in self.rebuild.awaiting:
-            # REJOINed, no engine claimed it yet: aborted when one does (_held), else
-            # ended at the window's end, never sent again (_end_rebuild)
-            self.counters[COUNTER_ABORTS] += 1
-            self.rebuild.aborting.add((self._identity(client), message.rid))
-            return
-        if slot < 0:
-            self._refuse(
-                client,
-                message.rid,
-                ERROR_UNKNOWN_REQUEST,
-                HEADER_ABORT_REQUEST,
-                COUNTER_UNKNOWN_REQUEST,
-            )
-            return
-        self.counters[COUNTER_ABORTS] += 1
-        request = &self.requests.pool[slot]
-        if request.rank < 0 and (self.pd is None or not self.pd.hops[slot].stage):
-            self._forget(slot)  # it waits: it ends here, no engine has it
-            self.failed[ERROR_ABORTED] += 1
-            if not self._send_error(client, message.rid, ERROR_ABORTED,
-                                    HEADER_ABORT_REQUEST, True, never_ran(message.rid)):
-                self._client_gone(client)
-            return
-        if request.flags & FLAG_ABORTED:
-            return
-        request.flags |= FLAG_ABORTED
-        if self.pd is not None and self.pd.hops[slot].stage:
-            self.pd.abort(<uint32_t>slot)  # at the hop holding it, or ended waiting for one
-            return
-        self._abort_at_engine(request.rank, request.server_rid)
-
-    cdef _abort_at_engine(self, int rank, int64_t server_rid):
-        """ABORT_REQUEST to an engine; a 0.19 engine has none: the request runs to its end."""
-        if not engine_parses(self.engines[rank].format, HEADER_ABORT_REQUEST):
-            return
-        abort = protocol.ABORT_REQUEST.pack(server_rid)
-        if not self._send_frames(&self.engine_ids, rank, abort):
-            self.faults.lost(rank, GONE_UNREACHABLE)
-
-    cdef _release_kv(self, int32_t client):
-        message = self._parse(protocol.RELEASE_KV, client, HEADER_RELEASE_KV)
-        if message is None:
-            return
-        self.counters[COUNTER_RELEASE_KV] += 1
-        if self.pd is not None:  # its own requests' pins, at their prefill only
-            self.pd.client_release(client, message.rid)
-        else:
-            self._broadcast(HEADER_RELEASE_KV)
-
-    cdef _control(self, int32_t client, int64_t header):
-        """A control signal: through the state machine, then to every engine."""
-        if self._parse(protocol.CONTROL[header], client, header) is None:
-            return
-        state = CONTROL_TRANSITIONS.get((self.control_state, header))
-        if state is None:
-            self._refuse(client, None, ERROR_INVALID_STATE, header, COUNTER_INVALID_CONTROL)
-            return
-        self.counters[COUNTER_CONTROL] += 1
-        self.control_state = state
-        self._broadcast(header)
-
-    cdef _shutdown_signal(self, int32_t client):
-        if self._parse(protocol.SHUTDOWN, client, HEADER_SHUTDOWN) is not None:
-            self.stopping = True
-
-    cdef _stats_request(self, int32_t client):
-        """STATS: stats(), and with {"metrics": 1} metrics() in it too, to a coordkit client."""
-        message = self._parse(protocol.STATS, client, HEADER_STATS)
-        if message is not None and self.clients[client].coordkit:
-            stats = self.stats()
-            if asks_metrics(message.asked):
-                stats["metrics"] = self.metrics()
-            self._send_frames(&self.client_ids, client, protocol.STATS_REPLY.pack(packb(stats)))
-
-    cdef object _parse(self, object spec, int32_t client, int64_t header):
-        """The message parsed by ``spec``, or None after handling it as malformed."""
-        try:
-            return spec.parse(self._frames())
-        except ProtocolError as exc:
-            self._malformed(client, exc.rid, header, str(exc))
-            return None
-
-    cdef _broadcast(self, int64_t header):
-        """The metadata frame as it came (refcounted copies) to every engine not gone."""
-        cdef int rank
-        for rank in range(self.n_engines):
-            if self.engines[rank].state == ENGINE_GONE:
-                continue
-            if not engine_parses(self.engines[rank].format, header):
-                continue  # 0.19 has no KV transfer
-            if self._send_identity(&self.engine_ids, rank) != 0:
-                self.faults.lost(rank, GONE_UNREACHABLE)
-            else:
-                traffic_count(&self.traffic, SENT, header, self._size(1))
-                send_shared(self.sock, &self.message.parts[1], 0)
-
-    cdef _replace(self, int part, bytes body):
-        """Replace a reply body frame by ``body`` (detokenized, or continuing a stream)."""
-        zmq_msg_close(&self.message.parts[part])
-        zmq_msg_init_size(&self.message.parts[part], len(body))
-        memcpy(zmq_msg_data(&self.message.parts[part]), <const char*>body, len(body))
-
-    cdef const uint8_t* _held_body(self, bytes body, size_t* size):
-        """A frame made on the way (a reply body detokenized or continuing a stream, a
-        prefill hop's params), its size in ``size``, alive until the batches are sent
-        (in held_bodies)."""
-        self.held_bodies.append(body)
-        self.holds_bodies = True
-        size[0] = len(body)
-        return <const uint8_t*><const char*>body
-
-    cdef bytes _detokenized(self, const uint8_t* body, size_t size):
-        """A reply body with its generated_text; on failure the body as it is."""
-        cdef bytes original = (<const char*>body)[:size]
-        try:
-            result = detokenize(self._detokenizer, original)
-        except Exception as exc:  # a bad body or a failing detokenizer
-            self.counters[COUNTER_DETOKENIZE_ERRORS] += 1
-            self._log.warn("detokenize", f"detokenize failed, body forwarded as is: {exc!r}")
-            return original
-        self.counters[COUNTER_DETOKENIZED] += 1
-        return result
-
-    # -- failures ------------------------------------------------------------------------
-
-    cdef _settle(self):
-        """Re-send or fail the requests of the engines found gone, oldest first.
-
-        Settling one engine may find others gone (a re-send that cannot reach
-        its engine): they join the queue, so the work stays a loop, not a recursion.
-        """
-        cdef int i = 0
-        while i < self.n_gone:
-            self._settle_engine(self.gone[i])
-            i += 1
-        self.n_gone = 0
-
-    cdef _settle_engine(self, int rank):
-        """Each request of a gone engine, by server id, lost there (_unrun)."""
-        cdef uint32_t i, n, slot
-        cdef RequestOrder* order
-        reason = GONE_REASONS[self.engines[rank].last_failure]
-        self._log.warn("engine_failed", f"engine {rank} gone ({reason})")
-        if self.pd is not None:
-            self.pd.engine_gone(rank)  # its P/D requests go on elsewhere, or end
-        resend = {}
-        order = self._in_order(rank, -1, &n)
-        try:
-            for i in range(n):
-                slot = order[i].slot
-                if self.requests.pool[slot].server_rid != order[i].server_rid or (
-                    self.requests.pool[slot].rank != rank
-                ):
-                    continue  # ended meanwhile: its client went away
-                self._unrun(slot, resend)
-        finally:
-            free(order)
-        self.rebuild.send_resends(resend)
-
-    cdef _unrun(self, uint32_t slot, dict resend):
-        """A request its engine will never answer (it died, or does not hold it): re-sent
-        from what was kept when it produced nothing (a rebuild client's: RESEND), moved on
-        with the tokens it streamed when it did (Faults.migrate), otherwise ended with
-        ERROR(ENGINE_FAILED)."""
-        cdef ck_request* request = &self.requests.pool[slot]
-        cdef int32_t client = request.client
-        cdef int status
-        cdef int counter = COUNTER_REROUTED
-        tally_failed(&self.tally, request.rank)  # whatever comes of it, that engine lost it
-        self.router.release_c(request.rank, self.work[slot])
-        request.rank = -1
-        request.flags &= ~FLAG_UNCONFIRMED
-        if request.flags & (FLAG_ABORTED | FLAG_PINNED) or (
-            request.kept == NULL and not self.clients[client].rebuild
-        ):
-            self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
-            return
-        if request.flags & FLAG_PRODUCED:
-            status = self.faults.migrate(slot)
-            if status < 0:  # it cannot go on elsewhere
-                self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
-                return
-            counter = COUNTER_MIGRATED
-        elif request.kept == NULL:  # a rebuild client sends it again itself
-            resend.setdefault(client, []).append(request.client_rid)
-            if self.traces.on:
-                self.traces.drop(slot)
-            self._forget(slot)
-            return
-        else:
-            status = self._resend(slot)
-        if status == ROUTE_ALL_BUSY and self.queue.limit and self._queued(slot, NULL, True):
-            return  # it waits at the head, sent from what it kept (moved on: its tokens)
-        if status == ROUTE_SENT:
-            self.counters[counter] += 1
-        elif status == ROUTE_UNSENDABLE:  # no engine left that speaks its format
-            self._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
-        else:
-            self._fail_request(slot, refusal(status), HEADER_SUBMIT_REQUEST)
-
-    cdef int _resend(self, uint32_t slot) noexcept nogil:
-        """Send a request whose engine died to another, from what it kept, as a new
-        request is sent (_route); a RouteStatus."""
-        cdef Inbound inbound
-        cdef zmq_msg_t messages[2]
-        cdef int status = ROUTE_ENGINE_GONE
-        kept_inbound(<Kept*>self.requests.pool[slot].kept, &inbound, messages,
-                     self.n_multipart_engines, self.n_single_engines)
-        carriers(&inbound, self.n_single_engines + self.n_main_engines > 0)
-        while status == ROUTE_ENGINE_GONE:  # that one waits in the queue of gone engines
-            status = self._route(slot, &inbound)
-        zmq_msg_close(&messages[0])
-        zmq_msg_close(&messages[1])
-        return status
-
-    cdef RequestOrder* _in_order(self, int rank, int32_t client, uint32_t* count) except NULL:
-        """The requests in flight (of ``rank`` / ``client`` when >= 0) by server id;
-        the caller frees the array."""
-        cdef RequestOrder* order = <RequestOrder*>malloc(
-            (self.requests.live + 1) * sizeof(RequestOrder)
-        )
-        cdef ck_request* request
-        cdef uint32_t slot, n = 0
-        if order == NULL:
-            raise MemoryError()
-        if client >= 0:  # its own list
-            slot = self.clients[client].requests.oldest
-            while slot != UINT32_MAX:
-                order[n].server_rid = self.requests.pool[slot].server_rid
-                order[n].slot = slot
-                n += 1
-                slot = self.client_links.newer[slot]
-        else:
-            for slot in range(self.requests.used):
-                request = &self.requests.pool[slot]
-                if request.server_rid < 0 or (rank >= 0 and request.rank != rank):
-                    continue
-                order[n].server_rid = request.server_rid
-                order[n].slot = slot
-                n += 1
-        qsort(order, n, sizeof(RequestOrder), compare_server_rids)
-        count[0] = n
-        return order
-
-    cdef _fail_request(self, uint32_t slot, int code, int64_t header):
-        """End the request at ``slot`` with ERROR(code): its one terminal reply."""
-        cdef int32_t client = self.requests.pool[slot].client
-        rid = self.requests.pool[slot].client_rid
-        tally_failed(&self.tally, self.requests.pool[slot].rank)
-        if self.traces.on:
-            self.traces.fail(slot, code)
-        self._forget(slot)
-        self.failed[code] += 1
-        if code == ERROR_ENGINE_FAILED:
-            self.counters[COUNTER_ENGINE_FAILED] += 1
-        if not self._send_error(client, rid, code, header, True):
-            self._client_gone(client)
-
-    cdef _time_out(self, uint32_t slot):
-        """End a request in flight longer than request_timeout: ERROR(TIMED_OUT) to
-        its client, ABORT to its engine (whose late final is then unknown, dropped); one
-        that waits leaves the queue; a P/D request's hops are its room's."""
-        cdef ck_request* request = &self.requests.pool[slot]
-        cdef int rank = request.rank
-        self.counters[COUNTER_TIMED_OUT] += 1
-        if self.pd is not None and self.pd.hops[slot].stage:
-            self.pd.time_out(slot)
-            return
-        if rank < 0:
-            self._unqueue(slot, OUTCOME_TIMED_OUT)
-        elif not request.flags & FLAG_ABORTED and self.engines[rank].state != ENGINE_GONE:
-            self._abort_at_engine(rank, request.server_rid)
-        self._fail_request(slot, ERROR_TIMED_OUT, HEADER_SUBMIT_REQUEST)
-
-    cdef _no_engines_left(self):
-        """The waiting requests, with no engine left to wait for: ERROR(NO_ENGINES)."""
-        cdef uint32_t i, n
-        cdef uint32_t slot
-        cdef RequestOrder* order = self._in_order(-1, -1, &n)
-        try:
-            for i in range(n):
-                slot = order[i].slot
-                if (
-                    self.requests.pool[slot].server_rid == order[i].server_rid
-                    and self.requests.pool[slot].rank < 0 and queue_holds(&self.queue, slot)
-                ):
-                    self._unqueue(slot, OUTCOME_REFUSED)
-                    self._fail_request(slot, ERROR_NO_ENGINES, HEADER_SUBMIT_REQUEST)
-        finally:
-            free(order)
-
-    cdef _reject_entry(self, int32_t engine, object rid, int code, int64_t header):
-        """An entry of an engine's batch that was not delivered: malformed ones are
-        counted and logged, and a coordkit engine is told with an ERROR."""
-        if code == ERROR_MALFORMED:
-            self.counters[COUNTER_MALFORMED_ENTRIES] += 1
-            self.tally.engines[engine].malformed_entries += 1
-            what = f"malformed entry in {header_name(header)} from engine {engine}"
-            self._log.warn("malformed", what)
-        if self.engines[engine].coordkit:
-            error = protocol.ERROR.pack(rid, code, error_text(code, header))
-            if not self._send_frames(&self.engine_ids, engine, error):
-                self.faults.lost(engine, GONE_UNREACHABLE)
-
-    cdef _client_gone(self, int32_t client, bint unreachable=True, bint closed=False):
-        """A client that cannot be reached, or that left (DISCONNECT: ``closed``, or its
-        connection ended): its requests are aborted at their engines and forgotten, and
-        so is the client; but a rebuild client with a hold that did not close may come
-        back (a blip): it is only away (_go_away)."""
-        if not self.clients[client].used:
-            return
-        self.counters[COUNTER_CLIENTS_DEPARTED] += 1
-        if unreachable:
-            self.counters[COUNTER_CLIENT_GONE] += 1
-        if self.clients[client].present and self.clients[client].hold > 0 and not closed:
-            self.rebuild.go_away(client)
-        else:
-            self._drop_client(client)
-
-    cdef _drop_client(self, int32_t client):
-        """Abort a client's requests at their engines, and forget them and it."""
-        cdef uint32_t i, n, slot
-        cdef RequestOrder* order
-        cdef ck_request* request
-        cdef int rank
-        cdef bint aborted
-        order = self._in_order(-1, client, &n)
-        try:
-            for i in range(n):
-                slot = order[i].slot
-                request = &self.requests.pool[slot]
-                if request.server_rid != order[i].server_rid:
-                    continue
-                rank = request.rank
-                aborted = request.flags & FLAG_ABORTED
-                self._forget(slot)
-                if aborted or rank < 0 or self.engines[rank].state == ENGINE_GONE:
-                    continue
-                self._abort_at_engine(rank, order[i].server_rid)
-        finally:
-            free(order)
-        self._remove_client(client)
-
     # -- answers and malformed input ------------------------------------------------------
 
-    cdef list _frames(self):
-        """The current message's frames after the routing id, as bytes."""
-        return [self._frame_bytes(part) for part in range(1, self.message.n_parts)]
-
-    cdef bytes _frame_bytes(self, int part):
-        return (<const char*>self._data(part))[:self._size(part)]
-
-    cdef bint _send_frames(self, ck_ids* table, int32_t index, list frames):
-        """Send ``frames`` (bytes) to a peer; False when it is gone."""
-        cdef bytes frame
-        cdef Py_ssize_t i, last = len(frames) - 1
-        if self._send_identity(table, index) != 0:
-            return False
-        self._count_frames_out(frames)
-        for i in range(last + 1):
-            frame = frames[i]
-            send_bytes(self.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i < last else 0)
-        return True
-
-    cdef _reply_to_sender(self, list frames):
-        """Send ``frames`` to the sender of the current message, in no table perhaps."""
-        cdef bytes frame
-        cdef Py_ssize_t i, last = len(frames) - 1
-        if send_bytes(self.sock, self._data(0), self._size(0), ZMQ_SNDMORE) != 0:
-            return
-        self._count_frames_out(frames)
-        for i in range(last + 1):
-            frame = frames[i]
-            send_bytes(self.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i < last else 0)
-
-    cdef _count_frames_out(self, list frames):
-        cdef bytes first = frames[0]
-        cdef int64_t header
-        cdef uint32_t length
-        cdef size_t end, size = 0
-        if ck_read_header(<const uint8_t*><const char*>first, len(first), &header, &length, &end):
-            header = -1
-        for frame in frames:
-            size += len(<bytes>frame)
-        traffic_count(&self.traffic, SENT, header, size)
-
-    cdef bint _send_error(self, int32_t client, object rid, int code, int64_t header,
-                          bint ends=False, str text=None):
-        """ERROR to a coordkit client (its text ``text``, else error_text's); to a
-        Megatron main client, when the error ends a request of its (``ends``), the
-        FAILED final it takes (0.19's clients get nothing). False when the client is
-        gone."""
-        cdef bint coordkit = self.clients[client].coordkit
-        if not self.clients[client].present or (
-            not coordkit and not (ends and self.clients[client].format == FORMAT_SINGLE_FRAME_MAIN)
-        ):
-            return True  # away, its REJOIN then finds it ended; or it takes no ERROR
-        self.counters[COUNTER_ERRORS_SENT] += 1
-        text = error_text(code, header) if text is None else text
-        if self.pr6675 and not coordkit:  # #6675's client: its REQUEST_ERROR
-            error = protocol.REQUEST_ERROR.pack(rid, text, True)
-            return self._send_frames(&self.client_ids, client, error)
-        if not coordkit:
-            self._log.warn("failed_final", f"a Megatron main client's request {rid} failed: {text}")
-            return self._send_frames(&self.client_ids, client, [megatron_failed_reply(rid)])
-        error = protocol.ERROR.pack(rid, code, text)
-        return self._send_frames(&self.client_ids, client, error)
-
-    cdef _refuse(self, int32_t client, object rid, int code, int64_t header, int counter,
-                 bint ends=False):
-        """Count a refused message and answer its client with ERROR(code); ``ends``:
-        it was a request that parsed (see _send_error)."""
-        self.counters[counter] += 1
-        self.refused[code] += 1
-        if not self._send_error(client, rid, code, header, ends):
-            self._client_gone(client)
-
-    cdef _malformed(self, int32_t client, object rid, int64_t header, str detail):
-        """A message that does not parse: counted, logged (rate-limited), and
-        answered when its sender is a client (``client`` >= 0)."""
-        self._log.warn(
-            "malformed", f"malformed {header_name(header)} from {self._frame_bytes(0)!r}: {detail}"
-        )
-        if client < 0:
-            self.counters[COUNTER_MALFORMED] += 1
-        else:
-            self._refuse(client, rid, ERROR_MALFORMED, header, COUNTER_MALFORMED)
-
-    cdef _malformed_batch(self, int32_t client, uint32_t count, str detail):
-        """A SUBMIT_BATCH whose entries cannot all go on: no prompt can be told from
-        another, so each of the ``count`` requests named ends here; when none is,
-        one ERROR without an id says so."""
-        cdef uint32_t i
-        if count == 0:
-            self._malformed(client, None, HEADER_SUBMIT_BATCH, detail)
-        for i in range(count):
-            if not self.clients[client].used:
-                return  # found gone meanwhile
-            self._malformed(
-                client, self.message.batch_entries[i].rid, HEADER_SUBMIT_BATCH, detail
-            )

@@ -15,16 +15,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from . import _policies, protocol
 from .protocol import Buffer, ControlState, packb, unpackb
-
-if TYPE_CHECKING:
-    from .tracing import TraceSink
 
 #: The package's logger, by the name the package lives under (a vendored copy logs apart).
 logger = logging.getLogger(__package__)
@@ -291,8 +288,9 @@ class Options:
     breaker_failures: int = 0  # failures within breaker_window that quarantine (0: never)
     breaker_window: float = 30.0
     breaker_backoff: float = 5.0  # the first quarantine; doubled each next, to BACKOFF_MAX
-    # Where the requests it traces go (every and follow: which), None: none traced.
-    tracing: TraceSink | None = None
+    # Where the requests it traces go (every and follow: which), None: none traced: a
+    # tracing.TraceSink, named and not imported (tracing imports this module).
+    tracing: Any = None
     # With measure_latency: each engine's time to first reply and request duration.
     engine_histograms: bool = False
     queue_limit: int = DEFAULT_QUEUE_LIMIT  # requests waiting at most (0: none wait)

@@ -39,7 +39,6 @@ def test_a_cycle_through_a_pyx_and_its_parts_is_found(tmp_path):
             "b.pyx": 'include "parts/one.pyx"\n',
             "parts/one.pyx": "from .c cimport thing\n",
             "c.pxd": "from .a import x\n",
-            "d.py": "if TYPE_CHECKING:\n    from . import a\n",
         },
     )
     assert imports.problems(package) == ["import cycle: a -> b -> c"]
@@ -70,3 +69,20 @@ def test_the_dynamic_imports_of_the_implementations_count(tmp_path):
         },
     )
     assert imports.problems(package) == ["import cycle: _implementation -> _loop_c"]
+
+
+def test_a_cycle_through_type_checking_is_found_but_a_loop_room_naming_its_loop(tmp_path):
+    """A cycle of types is one for a reader (``_shared`` naming ``tracing.TraceSink`` was
+    one); a room of ``_loop_py`` naming its ``Loop`` is a part of one loop, as C's are."""
+    package = write(
+        tmp_path / "coordkit",
+        {
+            "__init__.py": "",
+            "a.py": "from . import b\n",
+            "b.py": "if TYPE_CHECKING:\n    from .a import x\n",
+            "_loop_py/__init__.py": "from .loop import Loop\n",
+            "_loop_py/loop.py": "from .room import Room\n",
+            "_loop_py/room.py": "if TYPE_CHECKING:\n    from .loop import Loop\n",
+        },
+    )
+    assert imports.problems(package) == ["import cycle: a -> b"]

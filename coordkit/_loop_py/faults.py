@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from .. import _codec_py as codec
 from .._shared import (
@@ -19,10 +20,27 @@ from .._shared import (
 )
 from ..protocol import (
     Buffer,
+    ErrorCode,
+    Header,
     ProtocolError,
 )
-from .kept import Kept, kept_prompt
-from .tables import ALIVE, AWAY, MIGRATED, UNCONFIRMED, _Client, _Engine, _Request
+from .dialect import carriers
+from .kept import kept_inbound, kept_prompt
+from .refusals import _refusal
+from .tables import (
+    ABORTED,
+    ALIVE,
+    AWAY,
+    GONE,
+    MIGRATED,
+    PINNED,
+    PRODUCED,
+    UNCONFIRMED,
+    Kept,
+    _Client,
+    _Engine,
+    _Request,
+)
 
 if TYPE_CHECKING:
     from .loop import Loop
@@ -59,7 +77,7 @@ class Faults:
         if engine.state == AWAY:
             return
         if engine.state != ALIVE or not self.grace:
-            self._loop._mark_gone(engine, reason)
+            self.mark_gone(engine, reason)
             return
         now = time.monotonic()
         self.strike(engine, reason, now)
@@ -76,18 +94,16 @@ class Faults:
             engine.state = ALIVE
             self._loop._counters[Counter.ENGINES_BACK] += 1
             self.admit(engine)
-        self._loop._watch(engine, fd)
+        self._loop._peers.watch(engine, fd)
         if engine.rebuild:
-            for request in self._loop._in_order(lambda r: r.rank == engine.rank):
+            for request in self.in_order(lambda r: r.rank == engine.rank):
                 request.flags |= UNCONFIRMED
 
     def not_held(self, engine: _Engine) -> None:
         """After an engine's HELD: its requests it did not list never reached it."""
         resend: dict[_Client, list[int]] = defaultdict(list)
-        for request in self._loop._in_order(
-            lambda r: r.rank == engine.rank and r.flags & UNCONFIRMED
-        ):
-            self._loop._unrun(request, resend)
+        for request in self.in_order(lambda r: r.rank == engine.rank and r.flags & UNCONFIRMED):
+            self.unrun(request, resend)
         self._loop._rebuild.send_resends(resend)
 
     def admit(self, engine: _Engine) -> None:
@@ -99,7 +115,7 @@ class Faults:
         """The grace over (gone), and the quarantines over (work again)."""
         for engine in self._loop._engines:
             if engine.state == AWAY and now >= engine.away_until:
-                self._loop._mark_gone(engine, GoneReason.GRACE_OVER)
+                self.mark_gone(engine, GoneReason.GRACE_OVER)
             if engine.quarantined_until and now >= engine.quarantined_until:
                 engine.quarantined_until = 0.0
                 if engine.state == ALIVE and self._whole(engine.rank):
@@ -166,8 +182,115 @@ class Faults:
         self.migrated[request.server_rid] = before + request.streamed
         request.streamed = []
         request.flags |= MIGRATED
-        return self._loop._resend(request)
+        return self.resend(request)
 
     def continued(self, request: _Request, body: Buffer) -> bytes:
         """A reply of a request that went on at another engine, continuing its stream."""
         return continued(body, self.migrated[request.server_rid])
+
+    # -- a gone engine's requests settled --------------------------------------------
+
+    def mark_gone(self, engine: _Engine, reason: GoneReason) -> None:
+        """Take an engine out of the pool now; its requests are settled after the
+        message at hand (see _settle), so a failure never recurses into routing."""
+        if engine.state == GONE:
+            return
+        if engine.state != AWAY:  # counted when it went away
+            self.strike(engine, reason, time.monotonic())
+        if engine.state == ALIVE:
+            self._loop._router.remove_rank(engine.rank)
+        engine.state = GONE
+        self._loop._counters[Counter.ENGINE_FAILURES] += 1
+        self._loop._tally.engines[engine.rank].gone += 1
+        self._loop._gone.append((engine, reason))
+
+    def settle(self) -> None:
+        """Re-send or fail the requests of the engines found gone, oldest first.
+
+        Settling one engine may find others gone (a re-send that cannot reach
+        its engine): they join the queue, so the work stays a loop, not a recursion.
+        """
+        i = 0
+        while i < len(self._loop._gone):
+            self.settle_engine(*self._loop._gone[i])
+            i += 1
+        self._loop._gone.clear()
+
+    def settle_engine(self, engine: _Engine, reason: GoneReason) -> None:
+        """Each request of a gone engine, by server id, lost there (_unrun)."""
+        self._loop._log.warn("engine_failed", f"engine {engine.rank} gone ({GONE_REASONS[reason]})")
+        if self._loop._pd is not None:
+            self._loop._pd.engine_gone(engine)  # its P/D requests go on elsewhere, or end
+        resend: dict[_Client, list[int]] = defaultdict(list)
+        for request in self.in_order(lambda r: r.rank == engine.rank):
+            if self._loop._find(request.server_rid) is not request or request.rank != engine.rank:
+                continue  # ended meanwhile: its client went away
+            self.unrun(request, resend)
+        self._loop._rebuild.send_resends(resend)
+
+    def unrun(self, request: _Request, resend: dict[_Client, list[int]]) -> None:
+        """A request its engine will never answer (it died, or does not hold it): re-sent
+        from what was kept when it produced nothing (a rebuild client's: RESEND), moved on
+        with the tokens it streamed when it did (Faults.migrate), otherwise ended with
+        ERROR(ENGINE_FAILED)."""
+        self._loop._tally.failed(request.rank)  # whatever comes of it, that engine lost it
+        self._loop._router.release(request.rank, request.work)
+        request.rank = -1
+        request.flags &= ~UNCONFIRMED
+        if request.flags & (ABORTED | PINNED) or (
+            request.kept is None and not request.client.rebuild
+        ):
+            self._loop._refusals.fail_request(
+                request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST
+            )
+            return
+        if request.flags & PRODUCED:
+            migrated = self.migrate(request)
+            if migrated is None:  # it cannot go on elsewhere
+                self._loop._refusals.fail_request(
+                    request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST
+                )
+                return
+            status, counter = migrated, Counter.MIGRATED
+        elif request.kept is None:  # a rebuild client sends it again itself
+            if self._loop._traces is not None:
+                self._loop._traces.drop(request)
+            self._loop._forget(request)
+            resend[request.client].append(request.client_rid)
+            return
+        else:
+            status, counter = self.resend(request), Counter.REROUTED
+        if (
+            status == RouteStatus.ALL_BUSY
+            and self._loop._queue.limit
+            and self._loop._queued(request, None, True)
+        ):
+            return  # it waits at the head, sent from what it kept (moved on: its tokens)
+        if status == RouteStatus.SENT:
+            self._loop._counters[counter] += 1
+        elif status == RouteStatus.UNSENDABLE:  # no engine left that speaks its format
+            self._loop._refusals.fail_request(
+                request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST
+            )
+        else:
+            self._loop._refusals.fail_request(request, _refusal(status), Header.SUBMIT_REQUEST)
+
+    def resend(self, request: _Request) -> RouteStatus:
+        """Send a request whose engine died to another, from what it kept, as a new
+        request is sent (_route); a RouteStatus."""
+        assert request.kept is not None
+        inbound = kept_inbound(
+            request.kept, self._loop._n_multipart_engines, self._loop._n_single_engines
+        )
+        carriers(inbound, self._loop._n_single_engines + self._loop._n_main_engines > 0)
+        status = RouteStatus.ENGINE_GONE
+        while status == RouteStatus.ENGINE_GONE:  # that one waits in the queue of gone engines
+            status = self._loop._route(request, inbound)
+        return status
+
+    def in_order(self, keep: Any, among: Iterable[_Request] | None = None) -> list[_Request]:
+        """The requests in flight (of ``among``, else all) for which ``keep`` holds, by
+        server id."""
+        if among is None:
+            among = [*self._loop._requests.values(), *self._loop._adopted.values()]
+        return sorted((r for r in among if keep(r)), key=lambda r: r.server_rid)

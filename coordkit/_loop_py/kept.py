@@ -15,20 +15,7 @@ from ..protocol import (
 )
 from .dialect import Inbound, multipart_inbound, single_inbound, single_walks
 from .message import _view
-
-
-class Kept:
-    """What re-sends a request whose engine died: its metadata (the server id in it
-    already) and its prompt, or (``single``, no metadata) the whole frame it came in;
-    ``small``: a prompt below COPY_BELOW shared, not copied."""
-
-    __slots__ = ("meta", "prompt", "single", "small")
-
-    def __init__(self, meta: bytes | None, prompt: zmq.Frame | bytes, single: bool, small: bool):
-        self.meta = meta
-        self.prompt = prompt
-        self.single = single
-        self.small = small
+from .tables import Kept
 
 
 def keep(meta: bytes | None, prompt: zmq.Frame, single: bool, small_shared: int) -> Kept:

@@ -19,68 +19,42 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from .. import _codec_py as codec
-from .. import _pd, protocol
 from .._shared import (
     ERROR_SLOTS,
-    GONE_REASONS,
     INDEX_WINDOW_MIN,
-    REFUSAL_EVENTS,
     RETIRED_IDS,
     TICK,
     Counter,
     GoneReason,
     Options,
-    PeerRole,
     QueueOutcome,
     RateLimitedLog,
     RouteStatus,
-    busiest,
-    detokenize,
-    megatron_failed_reply,
-    metrics_map,
-    monitor_events,
-    never_ran,
-    stats_map,
-    unknown_from_engine,
 )
 from ..protocol import (
-    BATCH_FEATURE,
     BLOCK_HASH_SIZE,
-    CONTROL_HEADERS,
-    CONTROL_TRANSITIONS,
-    EPOCH_KEY,
     MAX_PARTS,
-    QOS_FEATURE,
-    REBUILD_FEATURE,
-    ROLE_NAMES,
     Buffer,
     ControlState,
     ErrorCode,
     Header,
-    MessageSpec,
     ProtocolError,
-    asks_metrics,
-    error_text,
     header_name,
-    packb,
-    parse_connect,
-    parse_engine_hello,
-    unpackb,
 )
+from .answers import Answers
+from .control import Control
 from .dialect import (
     CARRIED,
     NOT_A_MAP,
     Inbound,
     carriers,
     carries,
-    engine_parses,
     multipart_inbound,
     reply_carried,
     rewrite_meta,
@@ -95,58 +69,39 @@ from .dialect import (
 )
 from .fanout import Fanout
 from .faults import Faults
-from .kept import keep, kept_inbound
+from .kept import keep
 from .latency import STAGE_REPLY, STAGE_REQUEST, Latency
 from .lists import Deadlines
-from .message import _send_all, _source_fd, message_bytes
+from .message import _source_fd, message_bytes
 from .pd import PD
+from .peers import Peers
 from .queue import Queue
 from .rebuild import Rebuild
+from .refusals import _REFUSAL_COUNTERS, Refusals, _refusal
+from .report import Report
 from .roles import Roles
 from .tables import (
-    ABORTED,
-    ALIVE,
     AWAY,
     DRAINING,
     GONE,
     MIGRATED,
     MSGPACK_BOOLS,
-    MULTIPART,
     PINNED,
     PRODUCED,
     REPLAYING,
     SINGLE_FRAME,
     SINGLE_FRAME_MAIN,
-    UNCONFIRMED,
     _Client,
     _Engine,
     _Request,
 )
 from .tally import Tally
+from .timers import Timers
 from .traces import Traces
 from .traffic import RECEIVED, SENT, Traffic
 
 if TYPE_CHECKING:
     from .._routing_py import Router
-
-
-def _refusal(status: RouteStatus) -> ErrorCode:
-    """The ErrorCode for a new request no engine took (a RouteStatus other than SENT)."""
-    if status == RouteStatus.NO_ENGINES:
-        return ErrorCode.NO_ENGINES
-    return ErrorCode.MALFORMED if status == RouteStatus.UNSENDABLE else ErrorCode.BUSY
-
-
-_REFUSAL_COUNTERS = {
-    RouteStatus.NO_ENGINES: Counter.NO_ENGINES,
-    RouteStatus.ALL_BUSY: Counter.BUSY,
-    RouteStatus.UNSENDABLE: Counter.MALFORMED,
-}
-
-
-def _buffers(frames: list[zmq.Frame]) -> list[memoryview]:
-    """A message's frames after the routing id, for the specs to parse."""
-    return [frame.buffer for frame in frames[1:]]
 
 
 class Loop:
@@ -192,6 +147,12 @@ class Loop:
         self._n_single_engines = self._n_main_engines = self._n_multipart_engines = 0
         self._gone: list[tuple[_Engine, GoneReason]] = []  # found gone, not settled yet
         self._faults = Faults(self, options)
+        self._answers = Answers(self)
+        self._control = Control(self)
+        self._peers = Peers(self)
+        self._refusals = Refusals(self)
+        self._report = Report(self)
+        self._timers = Timers(self)
         self._pd: PD | None = None  # made by the first engine with a P/D role (_pd_room)
         self._pr6675 = options.megatron_version == "pr6675"  # serves #6675's P/D peers
         # The connections engines registered on, by fd: a connection that ends is theirs.
@@ -258,9 +219,9 @@ class Loop:
                 break
             if now >= self._next_tick:
                 self._next_tick = now + TICK
-                self._tick(now)
+                self._timers.tick(now)
             if self._monitor in ready:
-                self._connection_events()
+                self._peers.connection_events()
             if self._wake in ready:
                 self._wake.recv()
                 self._stopping = True
@@ -268,117 +229,26 @@ class Loop:
                 self._drain(deadline)
             while self._ended and not self._stopping:
                 self._drain(deadline)  # what they sent before their connections ended goes first
-                self._drop_ended()
+                self._peers.drop_ended()
                 if self._traces is not None and self._traces.ending:
                     self._traces.end()
         return False
 
-    def _tick(self, now: float) -> None:
-        """The timers: engines whose drain or heartbeat timed out declared gone (an
-        engine that heartbeats and stops is dead, whatever the grace), the grace and
-        the quarantines that are over, the requests in flight longer than
-        request_timeout ended, the rebuild window closed, HANDLED to rebuild engines,
-        and what that left settled."""
-        timeout = self._options.heartbeat_timeout
-        for engine in self._engines:
-            if engine.state == GONE:
-                continue
-            if engine.state == DRAINING:
-                if now >= engine.drain_deadline:
-                    self._mark_gone(engine, GoneReason.DRAIN_TIMED_OUT)
-            elif timeout and engine.heartbeats and now - engine.last_heartbeat > timeout:
-                self._mark_gone(engine, GoneReason.NO_HEARTBEAT)
-        self._faults.tick(now)
-        if self._pd is not None:
-            self._pd.tick(now)
-        # The oldest first: only the requests that are due are touched.
-        deadline = now - self._options.request_timeout
-        while self._deadlines is not None and (oldest := self._deadlines.oldest) is not None:
-            if oldest.submitted >= deadline:
-                break
-            self._time_out(oldest)
-        while self._queue.depth and (handle := self._queue.expired(now)) >= 0:
-            self._counters[Counter.TIMED_OUT] += 1  # its own deadline, while it waited
-            self._fail_request(self._requests[handle], ErrorCode.TIMED_OUT, Header.SUBMIT_REQUEST)
-        if self._rebuild.rebuilding and now >= self._rebuild.until:
-            self._rebuild.end_window()
-        if self._rebuild.deferred and (self._router.n_accepting or not self._rebuild.rebuilding):
-            self._rebuild.resend_deferred()
-        if self._rebuild.away:
-            self._rebuild.end_holds(now)
-        self._rebuild.acknowledge()
-        self._settle()
-        if self._dispatch_due or self._queue.depth:  # an engine back from quarantine, ...
-            self._dispatch()
-        if self._traces is not None and self._traces.ending:
-            self._traces.end()
-
     def shutdown(self) -> None:
         """End every request still in flight with ERROR(SHUTTING_DOWN): its terminal reply."""
-        for request in self._in_order(lambda r: True):
+        for request in self._faults.in_order(lambda r: True):
             if self._find(request.server_rid) is request:
                 self._unqueue(request, QueueOutcome.REFUSED)
-                self._fail_request(request, ErrorCode.SHUTTING_DOWN, Header.SHUTDOWN)
-        self._settle()
+                self._refusals.fail_request(request, ErrorCode.SHUTTING_DOWN, Header.SHUTDOWN)
+        self._faults.settle()
         if self._traces is not None and self._traces.ending:
             self._traces.end()
 
     def stats(self) -> dict[str, Any]:
-        now = time.monotonic()
-        measured = self._latency is not None
-        stats = stats_map(
-            implementation=self.implementation,
-            policy=self._router.policy,
-            epoch=self._epoch,
-            messages=self._messages,
-            inflight=self._live,
-            clients=len(self._clients)
-            - sum(not self._clients[i].present for i in self._rebuild.away),
-            control_state=self._control_state,
-            counters=list(self._counters),
-            engines=[
-                (
-                    e.rank,
-                    e.identity,
-                    e.state,
-                    self._router.pending(e.rank),
-                    max(e.quarantined_until - now, 0.0),
-                    e.failures,
-                    e.last_failure,
-                    *self._tally.engine(e.rank, measured),
-                    now - e.last_heartbeat if e.heartbeats else None,
-                )
-                for e in list(self._engines)
-            ],
-            queue=self._queue.stats(),
-            busiest_clients=busiest(
-                [
-                    (
-                        c.identity,
-                        len(c.requests),
-                        self._tally.submitted.get(c, 0) if measured else None,
-                        c.rebuild,
-                        not c.present,
-                    )
-                    for c in list(self._clients.values())
-                ]
-            ),
-        )
-        if self._pd is not None:
-            stats["pd"] = self._pd.stats()
-        return stats
+        return self._report.stats()
 
     def metrics(self) -> dict[str, Any]:
-        """Traffic by header and direction, outcomes by error code, latencies."""
-        return metrics_map(
-            traffic=self._traffic.metrics(),
-            failed=list(self._failed),
-            refused=list(self._refused),
-            latency=None if self._latency is None else self._latency.metrics(),
-            prefix=self._router.prefix_counts,
-            queue=self._queue.metrics(),
-            engine_latency=None if self._tally.final is None else self._tally.latency(),
-        )
+        return self._report.metrics()
 
     # -- the hot path --------------------------------------------------------------------
 
@@ -398,7 +268,7 @@ class Loop:
             self._messages += 1
             self._handle(frames)
             if self._gone:
-                self._settle()
+                self._faults.settle()
             if self._dispatch_due:
                 self._dispatch()
             if self._traces is not None and self._traces.ending:  # what it ended was sent
@@ -409,7 +279,7 @@ class Loop:
         identity = frames[0].bytes
         engine = self._engine_by_identity.get(identity)
         if len(frames) == 2 and len(frames[1]) == 0:
-            self._register(identity, engine, _source_fd(frames[1]))
+            self._peers.register(identity, engine, _source_fd(frames[1]))
             return
         client = self._clients.get(identity)
         try:
@@ -418,7 +288,7 @@ class Loop:
             header = codec.read_header(frames[1].buffer)[0]
         except ProtocolError as exc:
             self._traffic.count(RECEIVED, -1, message_bytes(frames))
-            self._malformed(client, None, -1, str(exc), frames)
+            self._refusals.malformed(client, None, -1, str(exc), frames)
             return
         self._traffic.count(RECEIVED, header, message_bytes(frames))
         if engine is not None:
@@ -426,11 +296,11 @@ class Loop:
             if self._latency is not None:
                 self._latency.handled(STAGE_REPLY, header)
         elif header == Header.CONNECT:
-            self._connect(identity, client, frames)
+            self._peers.connect(identity, client, frames)
         elif header == Header.ENGINE_HELLO and client is None:
-            self._engine_hello(identity, None, frames)
+            self._peers.engine_hello(identity, None, frames)
         elif header == Header.REGISTER_ROLE and client is None:
-            self._register_role(identity, None, frames)
+            self._peers.register_role(identity, None, frames)
         elif client is None or not client.present:
             # A client known only from an engine's report, or away after a blip: what
             # its socket queued before it lost us comes ahead of its CONNECT, stale
@@ -456,7 +326,7 @@ class Loop:
         elif header == Header.SUBMIT_BATCH:
             self._submit_batch(client, frames)
         else:
-            self._from_client_rarely(client, header, frames)
+            self._control.from_client(client, header, frames)
 
     def _submit(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
         """A new request in frames: metadata, payload, and maybe its block hashes."""
@@ -464,7 +334,7 @@ class Loop:
         try:
             _, length, rid, offset = codec.read_submit(meta)
         except ProtocolError as exc:
-            self._malformed(client, exc.rid, header, str(exc), frames)
+            self._refusals.malformed(client, exc.rid, header, str(exc), frames)
             return
         n_payload = 1 if header == Header.SUBMIT_REQUEST else 2
         n_frames = len(frames) - 2
@@ -472,17 +342,17 @@ class Loop:
         priority = deadline_ms = 0
         if length != 2 + n_payload:  # QoS, from a client granted it, or a bad layout
             if length != 4 + n_payload or not client.qos:
-                self._malformed(client, rid, header, "bad frame layout", frames)
+                self._refusals.malformed(client, rid, header, "bad frame layout", frames)
                 return
             try:  # the QoS fields come off here: the params span starts after them
                 priority, deadline_ms, offset = codec.read_qos(meta, offset)
             except ProtocolError as exc:
-                self._malformed(client, rid, header, str(exc), frames)
+                self._refusals.malformed(client, rid, header, str(exc), frames)
                 return
         if not n_payload <= n_frames <= n_payload + 1 or (
             hashes is not None and len(hashes) % BLOCK_HASH_SIZE
         ):
-            self._malformed(client, rid, header, "bad frame layout", frames)
+            self._refusals.malformed(client, rid, header, "bad frame layout", frames)
             return
         inbound = multipart_inbound(header, frames[2 : 2 + n_payload], meta[offset:], hashes)
         inbound.priority, inbound.deadline_ms = priority, deadline_ms
@@ -509,7 +379,7 @@ class Loop:
             if hashes or single_walks(length, self._n_multipart_engines, self._n_single_engines):
                 *_, params, extra = codec.read_single_submit(data)
         except ProtocolError as exc:
-            self._malformed(client, exc.rid, header, str(exc), frames)
+            self._refusals.malformed(client, exc.rid, header, str(exc), frames)
             return
         inbound = single_inbound(data, header, length, prompt, params, extra)
         inbound.payload = [frames[1]]  # kept whole
@@ -526,16 +396,18 @@ class Loop:
         every entry is routed (see _send_batches)."""
         header = Header.SUBMIT_BATCH
         if not client.batch:
-            self._malformed(client, None, header, "batches not granted", frames)
+            self._refusals.malformed(client, None, header, "batches not granted", frames)
             return
         meta = frames[1].buffer
         try:
             entries = codec.read_submit_batch(meta, codec.QOS_WIDTH if client.qos else 3)
         except ProtocolError as exc:
-            self._malformed_batch(client, exc.rids, str(exc), frames)
+            self._refusals.malformed_batch(client, exc.rids, str(exc), frames)
             return
         if sum(1 + entry[3] for entry in entries) != len(frames) - 2:
-            self._malformed_batch(client, [rid for rid, *_ in entries], "bad frame layout", frames)
+            self._refusals.malformed_batch(
+                client, [rid for rid, *_ in entries], "bad frame layout", frames
+            )
             return
         part = 2
         for rid, offset, size, hashed, *qos in entries:
@@ -543,7 +415,7 @@ class Loop:
                 break  # found gone meanwhile
             hashes = frames[part + 1] if hashed else None
             if hashes is not None and len(hashes) % BLOCK_HASH_SIZE:
-                self._malformed(client, rid, header, "bad frame layout", frames)
+                self._refusals.malformed(client, rid, header, "bad frame layout", frames)
             else:
                 params = meta[offset : offset + size]
                 inbound = multipart_inbound(Header.SUBMIT_REQUEST, [frames[part]], params, hashes)
@@ -560,12 +432,12 @@ class Loop:
         others do (it overtakes none), or when no engine has room."""
         header = inbound.header
         if rid in client.requests:
-            self._refuse(
+            self._refusals.refuse(
                 client, rid, ErrorCode.DUPLICATE_REQUEST, header, Counter.DUPLICATE_REQUEST
             )
             return
         if self._live >= self._options.max_inflight:
-            self._refuse(client, rid, ErrorCode.BUSY, header, Counter.BUSY)
+            self._refusals.refuse(client, rid, ErrorCode.BUSY, header, Counter.BUSY)
             return
         request = self._add(client, rid)
         self._admit(request)
@@ -599,7 +471,9 @@ class Loop:
             # one has (RESEND), not refused.
             self._rebuild.defer(client, rid)
             return
-        self._refuse(client, rid, _refusal(status), header, _REFUSAL_COUNTERS[status], True)
+        self._refusals.refuse(
+            client, rid, _refusal(status), header, _REFUSAL_COUNTERS[status], True
+        )
 
     def _send_new(self, request: _Request, inbound: Inbound) -> RouteStatus:
         """A new request (or one that waited) out to an engine: its metadata with its
@@ -626,7 +500,7 @@ class Loop:
         status = self._route(request, inbound)
         while status == RouteStatus.ENGINE_GONE:
             # The gone engine's requests are older than this one: they go first.
-            self._settle()
+            self._faults.settle()
             if self._find(request.server_rid) is not request:  # its client went away meanwhile
                 return RouteStatus.ENGINE_GONE
             status = self._route(request, inbound)
@@ -726,7 +600,7 @@ class Loop:
             elif to_engines:
                 self._faults.lost(to, GoneReason.UNREACHABLE)
             else:
-                self._client_gone(to)
+                self._peers.client_gone(to)
 
     def _from_engine(self, engine: _Engine, header: int, frames: list[zmq.Frame]) -> None:
         if engine.state == AWAY and header != Header.ENGINE_HELLO:  # back on a new connection
@@ -740,7 +614,7 @@ class Loop:
                 engine.handled += 1
                 self._forward_replies(engine, frames)
         else:
-            self._from_engine_rarely(engine, header, frames)
+            self._control.from_engine(engine, header, frames)
 
     def _forward_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         """Each entry of an engine's batch to its request's client, the body as itself;
@@ -750,19 +624,19 @@ class Loop:
         try:
             header, entries = codec.read_reply(frames[1].buffer)
         except ProtocolError as exc:
-            self._malformed(None, None, -1, str(exc), frames)
+            self._refusals.malformed(None, None, -1, str(exc), frames)
             return
         bodies = frames[2:]
         if len(entries) != len(bodies):
             detail = f"{len(entries)} entries but {len(bodies)} payload frames"
-            self._malformed(None, None, header, detail, frames)
+            self._refusals.malformed(None, None, header, detail, frames)
             return
         final = header == Header.ENGINE_REPLY
         now = time.monotonic() if self._latency is not None else 0.0
         deferred = 0  # finals to clients with a hold, forgotten once sent (_sent_finals)
         for entry, body in zip(entries, bodies, strict=True):
             if entry is None:
-                self._reject_entry(engine, None, ErrorCode.MALFORMED, header)
+                self._refusals.reject_entry(engine, None, ErrorCode.MALFORMED, header)
                 continue
             server_rid, needs_detokenize = entry
             request = self._find(server_rid)
@@ -772,7 +646,9 @@ class Loop:
                 self._counters[Counter.UNKNOWN_REQUEST] += 1
                 self._tally.engines[engine.rank].unknown_request += 1
                 if engine.coordkit:
-                    self._reject_entry(engine, server_rid, ErrorCode.UNKNOWN_REQUEST, header)
+                    self._refusals.reject_entry(
+                        engine, server_rid, ErrorCode.UNKNOWN_REQUEST, header
+                    )
                 continue
             if request.flags & REPLAYING:
                 continue  # the engine's REPLAYED brings it again, in its place
@@ -782,11 +658,11 @@ class Loop:
             else:
                 self._finish(request, final, now)
             if needs_detokenize and self._options.detokenizer is not None:
-                out = self._detokenized(out.buffer if isinstance(out, zmq.Frame) else out)
+                out = self._answers.detokenized(out.buffer if isinstance(out, zmq.Frame) else out)
             if request.client.batch:
                 self._fanout.add(request.client, request.client_rid, MSGPACK_BOOLS[final], [out])
             elif not self._deliver(request.client, header, request.client_rid, out):
-                self._client_gone(request.client)
+                self._peers.client_gone(request.client)
         self._send_batches(Header.REPLY_BATCH)
         if deferred:
             self._sent_finals(engine, entries, now)
@@ -814,13 +690,13 @@ class Loop:
                 raise ProtocolError("bad frame layout")
             header, entries = codec.read_single_reply(data)
         except ProtocolError as exc:
-            self._malformed(None, None, Header.ENGINE_REPLY, str(exc), frames)
+            self._refusals.malformed(None, None, Header.ENGINE_REPLY, str(exc), frames)
             return
         final = header == Header.ENGINE_REPLY
         now = time.monotonic() if self._latency is not None else 0.0
         for start, end, server_rid, error in entries:
             if error is not None:
-                self._reject_entry(engine, None, ErrorCode.MALFORMED, header)
+                self._refusals.reject_entry(engine, None, ErrorCode.MALFORMED, header)
                 continue
             assert server_rid is not None  # read whenever there is no error
             request = self._find(server_rid)
@@ -836,11 +712,11 @@ class Loop:
             body: Buffer = self._continued(request, data[start:end], final) or data[start:end]
             self._finish(request, final, now)
             if final and self._options.detokenizer is not None:  # as Megatron's: every final
-                body = self._detokenized(body)
+                body = self._answers.detokenized(body)
             if request.client.batch:
                 self._fanout.add(request.client, request.client_rid, MSGPACK_BOOLS[final], [body])
             elif not self._deliver(request.client, header, request.client_rid, body):
-                self._client_gone(request.client)
+                self._peers.client_gone(request.client)
         self._send_batches(Header.REPLY_BATCH)
 
     def _continued(self, request: _Request, body: Buffer, final: bool) -> bytes | None:
@@ -990,7 +866,7 @@ class Loop:
             queue.pop(time.monotonic())
             request = self._requests[handle]
             if inbound is None:  # re-queued when its engine died: sent from what it kept
-                status, counter = self._resend(request), Counter.REROUTED
+                status, counter = self._faults.resend(request), Counter.REROUTED
                 code = ErrorCode.ENGINE_FAILED  # no engine left that speaks its format
             else:
                 # A whole multipart request joins its engine's batch.
@@ -1001,35 +877,23 @@ class Loop:
                 self._counters[counter] += 1
             elif status != RouteStatus.ENGINE_GONE:  # ENGINE_GONE: its client went away
                 failed = code if status == RouteStatus.UNSENDABLE else _refusal(status)
-                self._fail_request(request, failed, Header.SUBMIT_REQUEST)
+                self._refusals.fail_request(request, failed, Header.SUBMIT_REQUEST)
         self._send_batches(Header.SUBMIT_BATCH)
         if queue.depth and not self._router.n_accepting:
             mask = self._mask
-            for request in self._in_order(
+            for request in self._faults.in_order(
                 lambda r: r.rank < 0 and queue.holds(r.server_rid & mask)
             ):
                 if self._find(request.server_rid) is request:
                     self._unqueue(request, QueueOutcome.REFUSED)
-                    self._fail_request(request, ErrorCode.NO_ENGINES, Header.SUBMIT_REQUEST)
+                    self._refusals.fail_request(
+                        request, ErrorCode.NO_ENGINES, Header.SUBMIT_REQUEST
+                    )
 
     def _seen(self, client: _Client) -> None:
         """A message from ``client``: with nothing in flight, it is the idle one seen last."""
         if not client.requests:
             self._idle.move_to_end(client.identity)
-
-    def _mark_gone(self, engine: _Engine, reason: GoneReason) -> None:
-        """Take an engine out of the pool now; its requests are settled after the
-        message at hand (see _settle), so a failure never recurses into routing."""
-        if engine.state == GONE:
-            return
-        if engine.state != AWAY:  # counted when it went away
-            self._faults.strike(engine, reason, time.monotonic())
-        if engine.state == ALIVE:
-            self._router.remove_rank(engine.rank)
-        engine.state = GONE
-        self._counters[Counter.ENGINE_FAILURES] += 1
-        self._tally.engines[engine.rank].gone += 1
-        self._gone.append((engine, reason))
 
     def _send_identity(self, identity: bytes) -> bool:
         """Start a message to a peer; False when it is gone (ROUTER_MANDATORY)."""
@@ -1041,727 +905,6 @@ class Loop:
             raise
         return True
 
-    # -- rare paths ----------------------------------------------------------------------
-
-    def _from_client_rarely(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
-        if header == Header.ABORT_REQUEST:
-            self._abort(client, frames)
-        elif header == Header.RELEASE_KV:
-            self._release_kv(client, frames)
-        elif header in CONTROL_HEADERS:
-            self._control(client, header, frames)
-        elif header == Header.SHUTDOWN:
-            self._shutdown_signal(client, frames)
-        elif header == Header.STATS:
-            self._stats_request(client, frames)
-        elif header == Header.REJOIN and client.rebuild:
-            self._rebuild.rejoin(client, frames)
-        elif header == Header.DISCONNECT:
-            self._goodbye(client, frames)
-        else:
-            self._refuse(client, None, ErrorCode.UNKNOWN_HEADER, header, Counter.UNKNOWN_HEADER)
-
-    def _from_engine_rarely(self, engine: _Engine, header: int, frames: list[zmq.Frame]) -> None:
-        if header == Header.HEARTBEAT:
-            self._heartbeat(engine, frames)
-        elif header == Header.ENGINE_HELLO:
-            self._engine_hello(engine.identity, engine, frames)
-        elif header == Header.DISCONNECT:
-            self._disconnect(engine, frames)
-        elif header == Header.HELD and engine.rebuild:
-            self._rebuild.held(engine, frames)
-        elif header == Header.REPLAYED and engine.rebuild:
-            engine.handled += 1
-            self._rebuild.replayed(engine, frames)
-        elif header == Header.REGISTER_ROLE:
-            self._register_role(engine.identity, engine, frames)
-        elif self._pd is not None and self._pd.from_engine(engine, header, frames):
-            pass
-        else:
-            self._counters[Counter.UNKNOWN_HEADER] += 1
-            self._log.warn(
-                "unknown_header", unknown_from_engine(header, engine.rank, engine.format)
-            )
-
-    def _register(self, identity: bytes, engine: _Engine | None, fd: int) -> None:
-        """An engine announced itself (one empty frame) on connection ``fd``: a new rank,
-        or one coming back after it left or was declared gone. Under an identity alive,
-        it is a repeat on the same connection, or, on another, a new process (Megatron's
-        engines register once, at their start) -- unless a hello named its process: then
-        the hello that follows says which."""
-        if engine is None or engine.state in (GONE, DRAINING):
-            self._new_engine(identity, engine, fd)
-        elif fd == engine.fd or engine.session:
-            self._counters[Counter.DUPLICATE_REGISTER] += 1
-        else:
-            self._restarted(engine, fd)
-
-    def _engine_hello(self, identity: bytes, engine: _Engine | None, frames: list[Any]) -> None:
-        """ENGINE_HELLO: a coordkit engine registers, or says so once registered; a
-        hello naming another process than the one registered under its identity is a
-        new process (the old one's requests are handled as its death)."""
-        try:
-            hello = parse_engine_hello(_buffers(frames))
-        except ProtocolError as exc:
-            self._malformed(None, None, Header.ENGINE_HELLO, str(exc), frames)
-            return
-        fd = _source_fd(frames[1])
-        if engine is None or engine.state in (GONE, DRAINING):
-            engine = self._new_engine(identity, engine, fd)
-        elif engine.session and hello.session != engine.session:
-            self._restarted(engine, fd)
-        elif engine.state == AWAY or fd != engine.fd:  # the same process, a new connection
-            self._faults.back(engine, fd)
-        if engine is not None:
-            engine.session = hello.session
-            engine.coordkit = hello.coordkit
-            engine.batch = hello.batch
-            engine.format = MULTIPART
-            # Its reply messages are numbered anew from its base: a registration each time.
-            engine.rebuild, engine.base = hello.rebuild, hello.base
-            engine.handled = engine.mark = engine.acked = 0
-            self._router.set_capacity(engine.rank, hello.capacity)
-            self._dispatch_due = True
-            self._count_formats()
-            if hello.role:
-                pd = self._pd_room()
-                pd.seat(
-                    engine, hello.role, False, hello.domain, hello.capacity
-                ).transfer = hello.transfer
-            elif self._pd is not None and engine.rank in self._pd.seats:
-                self._pd.unseat(engine.rank)
-                self._faults.admit(engine)
-            if hello.ack or hello.rebuild:  # it is in the pool: say so, and what it was granted
-                self._send(identity, protocol.engine_ack(hello, self._epoch, roles=True))
-            if self._pd is not None:
-                self._pd.drain()
-
-    def _pd_room(self) -> PD:
-        """The P/D room, made when the first engine takes a role."""
-        if self._pd is None:
-            self._pd = PD(self, self._options)
-        return self._pd
-
-    def _register_role(self, identity: bytes, engine: _Engine | None, frames: list[Any]) -> None:
-        """A #6675 engine's REGISTER_ROLE: judged as #6675 judges it (a registered identity
-        is replaced first: its requests as at its death), then acknowledged ([2]) and
-        seated, or refused ([29, reason])."""
-        try:
-            message = unpackb(frames[1].buffer)
-        except ProtocolError as exc:
-            self._malformed(None, None, Header.REGISTER_ROLE, str(exc), frames)
-            return
-        pd = self._pd_room() if self._pr6675 else self._pd
-        fleet = {} if pd is None else pd.registrations
-        if not isinstance(message, list):
-            message = [message]
-        check = _pd.check_register_role(message, identity, fleet, self._pr6675)
-        if check.replaces and engine is not None and engine.state != GONE:
-            self._mark_gone(engine, GoneReason.RESTARTED)
-            self._settle()
-        registration = check.registration
-        if registration is None or pd is None:
-            if pd is not None:
-                pd.counts["roles_refused"] += 1
-            self._send(identity, protocol.ROLE_REFUSED.pack(check.refusal))
-            return
-        engine = self._new_engine(
-            identity, self._engine_by_identity.get(identity), _source_fd(frames[1])
-        )
-        if engine is None:
-            return
-        engine.format = SINGLE_FRAME_MAIN  # main's single frames, four SUBMIT fields
-        self._count_formats()
-        seat = pd.seat(
-            engine,
-            ROLE_NAMES[registration.role],
-            True,
-            _pd.MEGATRON_DOMAIN,
-            registration.request_capacity,
-        )
-        seat.ssm_capacity = registration.ssm_capacity or 0
-        seat.slot_cost = registration.slot_cost
-        seat.nccl = registration.transport == "nccl"
-        seat.transfer = registration.instance_meta
-        pd.registrations[identity] = registration
-        self._send(identity, protocol.REGISTER_ROLE_ACK.pack())
-        pd.drain()
-
-    def _count_formats(self) -> None:
-        """How many engines not gone speak each format: which checks a SUBMIT needs."""
-        live = [engine for engine in self._engines if engine.state != GONE]
-        self._n_single_engines = sum(engine.format == SINGLE_FRAME for engine in live)
-        self._n_main_engines = sum(engine.format == SINGLE_FRAME_MAIN for engine in live)
-        self._n_multipart_engines = len(live) - self._n_single_engines - self._n_main_engines
-
-    def _restarted(self, engine: _Engine, fd: int) -> None:
-        """A new process registered under an engine's identity: the old one's requests
-        are handled as its death (re-sent or failed), and the rank starts anew."""
-        self._counters[Counter.ENGINE_RESTARTS] += 1
-        self._mark_gone(engine, GoneReason.RESTARTED)
-        self._new_engine(engine.identity, engine, fd)  # first: the new one may take them
-        self._settle()
-
-    def _new_engine(self, identity: bytes, engine: _Engine | None, fd: int) -> _Engine | None:
-        """Put the sender in the pool: ``engine`` coming back, or a new rank (reusing
-        a gone rank with nothing left in flight once the table is full); None when
-        there is no room or the sender is, or was, a client."""
-        if engine is None:
-            if identity in self._clients or self._roles.of(identity) == PeerRole.CLIENT:
-                self._malformed(None, None, -1, "a client sent an engine registration", [identity])
-                return None
-            rank = len(self._engines)
-            if rank == self._options.max_engines:
-                rank = next(
-                    (
-                        e.rank
-                        for e in self._engines
-                        if e.state == GONE and not self._router.pending(e.rank)
-                    ),
-                    -1,
-                )
-                if rank < 0:
-                    self._counters[Counter.TABLE_FULL] += 1
-                    self._log.warn("engines_full", "engine table full: registration dropped")
-                    return None
-                retired = self._engines[rank].identity
-                del self._engine_by_identity[retired]
-                self._roles.remember(retired, PeerRole.ENGINE)
-                self._engines[rank] = _Engine(rank, identity)
-            else:
-                self._engines.append(_Engine(rank, identity))
-            self._tally.reset(rank)
-            engine = self._engine_by_identity[identity] = self._engines[rank]
-        engine.state = ALIVE
-        self._watch(engine, fd)
-        engine.session = 0
-        engine.coordkit = False
-        engine.batch = False
-        engine.format = self._single_format if self._megatron_core else MULTIPART
-        engine.heartbeats = False
-        engine.rebuild = False
-        engine.handled = engine.mark = engine.acked = 0
-        self._router.set_capacity(engine.rank, 0)  # until a hello says otherwise
-        self._faults.admit(engine)
-        self._dispatch_due = True
-        self._count_formats()
-        return engine
-
-    def _watch(self, engine: _Engine, fd: int) -> None:
-        """An engine's connection is ``fd`` (-1: inproc, not watched): when it ends, the
-        engine is lost (Faults.lost)."""
-        if self._engine_fds.get(engine.fd) is engine:
-            del self._engine_fds[engine.fd]
-        engine.fd = fd
-        if fd < 0:
-            return
-        self._connection_events()  # what the monitor said first
-        if fd in self._connections:
-            self._engine_fds[fd] = engine
-        else:  # it ended already
-            self._ended.append((engine.identity, fd))
-
-    def _connect(self, identity: bytes, client: _Client | None, frames: list[zmq.Frame]) -> None:
-        """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
-        try:
-            hello = parse_connect(_buffers(frames))
-        except ProtocolError as exc:
-            self._malformed(None, None, Header.CONNECT, str(exc), frames)
-            return
-        fd = _source_fd(frames[1])
-        if client is not None and client.present and fd != client.fd:
-            # Its routing id on a new connection (libzmq hands it over: nothing reaches
-            # the old one any more): it reconnected before its old connection's end was
-            # seen, or another process took its name: either way the old one is gone
-            # (away, with a hold: a blip).
-            if client.hold > 0:
-                self._rebuild.go_away(client)
-            else:
-                self._client_gone(client, unreachable=False)
-            client = self._clients.get(identity)  # None: forgotten (nothing in flight kept)
-        if client is None and self._roles.of(identity) == PeerRole.ENGINE:
-            self._malformed(None, None, Header.CONNECT, "an engine sent CONNECT", frames)
-            return
-        if client is not None:
-            if client.present:
-                self._counters[Counter.DUPLICATE_CONNECT] += 1
-            else:  # known from an engine's report only, or away: this is its connection
-                self._connection_events()  # as for a new client: what the monitor said first
-                client.fd = fd
-                self._rebuild.returned(client)
-            self._seen(client)
-        else:
-            # What the monitor said first: a connection that ended on this CONNECT's fd
-            # before this one opened is not to be taken for this one's end.
-            self._connection_events()
-            if len(self._clients) >= self._options.max_clients and not self._vacant_client():
-                self._counters[Counter.TABLE_FULL] += 1
-                self._refused[ErrorCode.BUSY] += 1
-                if hello.coordkit:
-                    self._counters[Counter.ERRORS_SENT] += 1
-                    text = error_text(ErrorCode.BUSY, Header.CONNECT)
-                    self._send(identity, protocol.ERROR.pack(None, ErrorCode.BUSY, text))
-                return
-            client = self._clients[identity] = self._idle[identity] = _Client(identity)
-            client.fd = fd
-        client.coordkit = hello.coordkit
-        client.batch = hello.batch
-        client.rebuild = hello.rebuild
-        client.hold = hello.hold
-        client.qos = hello.qos
-        tenant = self._queue.tenant(hello.tenant)  # the one it names now (None: its own)
-        if client.tenant >= 0:
-            self._queue.leave(client.tenant)
-        client.tenant = tenant
-        client.present = client.fresh = True
-        client.rejoined = False  # until its REJOIN, the requests adopted for it wait
-        client.format = MULTIPART
-        if self._megatron_core and not hello.coordkit:
-            client.format = SINGLE_FRAME_MAIN if self._pr6675 else SINGLE_FRAME
-        features: dict[str, int] = {BATCH_FEATURE: 1} if hello.batch else {}
-        if hello.qos:
-            features[QOS_FEATURE] = 1
-        if hello.rebuild:
-            features.update({REBUILD_FEATURE: 1, EPOCH_KEY: self._epoch})
-        if features:
-            self._send(identity, protocol.CONNECT_ACK_BATCH.pack(features))
-        else:
-            self._send(identity, protocol.CONNECT_ACK.pack())
-        if client.fd >= 0:
-            if client.fd in self._connections:
-                self._connections[client.fd] = client
-            else:  # the monitor said its connection ended already
-                self._ended.append((client.identity, client.fd))
-
-    def _vacant_client(self) -> bool:
-        """Make room for a client: the one idle longest gives up its place."""
-        if not self._idle:
-            return False
-        self._remove_client(next(iter(self._idle.values())))
-        return True
-
-    def _remove_client(self, client: _Client) -> None:
-        """A client with nothing in flight leaves the tables (its identity stays a
-        client's)."""
-        self._roles.remember(client.identity, PeerRole.CLIENT)
-        if client.tenant >= 0:
-            self._queue.leave(client.tenant)
-        del self._clients[client.identity]
-        self._tally.submitted.pop(client, None)
-        del self._idle[client.identity]
-        self._rebuild.away.pop(client.identity, None)
-        if self._connections.get(client.fd) is client:
-            self._connections[client.fd] = None
-
-    def _connection_events(self) -> None:
-        """The ROUTER's monitor: connections opened and ended (a client whose connection
-        ended has left: nothing can reach its routing id again), handshakes refused."""
-        for event, value in monitor_events(self._monitor):
-            if event == zmq.EVENT_ACCEPTED:
-                self._connections[value] = None
-            elif event == zmq.EVENT_DISCONNECTED:
-                client = self._connections.pop(value, None)
-                engine = self._engine_fds.pop(value, None)
-                if client is not None:
-                    self._ended.append((client.identity, value))
-                elif engine is not None:
-                    self._ended.append((engine.identity, value))
-            elif event & REFUSAL_EVENTS:
-                self._counters[Counter.AUTH_REFUSED] += 1
-
-    def _drop_ended(self) -> None:
-        """Forget the clients whose connection ended (those still known by that routing
-        id on that connection), and abort their requests."""
-        ended, self._ended = self._ended, []
-        for identity, fd in ended:
-            client = self._clients.get(identity)
-            engine = self._engine_by_identity.get(identity)
-            if client is not None and client.fd == fd:
-                self._client_gone(client, unreachable=False)
-            elif engine is not None and engine.fd == fd and engine.state != GONE:
-                self._faults.lost(engine, GoneReason.DISCONNECTED)
-        if self._gone:
-            self._settle()
-
-    def _goodbye(self, client: _Client, frames: list[zmq.Frame]) -> None:
-        """DISCONNECT from a client: it closes; forget it and abort what it left."""
-        if self._parse(protocol.DISCONNECT, client, Header.DISCONNECT, frames) is not None:
-            self._client_gone(client, unreachable=False, closed=True)
-
-    def _heartbeat(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        message = self._parse(protocol.HEARTBEAT, None, Header.HEARTBEAT, frames)
-        if message is None:
-            return
-        if engine.state != GONE:
-            engine.heartbeats = True
-            engine.last_heartbeat = time.monotonic()
-            self._tally.heartbeat(engine.rank, message.pending, message.capacity)
-
-    def _disconnect(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        """DISCONNECT: no new work; its requests in flight may finish, for a while."""
-        if self._parse(protocol.DISCONNECT, None, Header.DISCONNECT, frames) is None:
-            return
-        if engine.state != ALIVE:
-            return
-        if self._pd is not None and engine.rank in self._pd.seats:
-            # a role engine leaves as #6675's do: its hops go on elsewhere now
-            self._mark_gone(engine, GoneReason.DISCONNECTED)
-            return
-        self._router.remove_rank(engine.rank)
-        engine.state = DRAINING
-        engine.drain_deadline = time.monotonic() + self._options.drain_timeout
-        if self._router.pending(engine.rank) == 0:
-            engine.state = GONE
-
-    def _abort(self, client: _Client, frames: list[zmq.Frame]) -> None:
-        """ABORT_REQUEST: on to the owning engine, once, with the server id."""
-        message = self._parse(protocol.ABORT_REQUEST, client, Header.ABORT_REQUEST, frames)
-        if message is None:
-            return
-        request = client.requests.get(message.rid)
-        if request is None and (client.identity, message.rid) in self._rebuild.awaiting:
-            # REJOINed, no engine claimed it yet: aborted when one does (Rebuild.held), else
-            # ended at the window's end, never sent again (Rebuild.end_window)
-            self._counters[Counter.ABORTS] += 1
-            self._rebuild.aborting.add((client.identity, message.rid))
-            return
-        if request is None:
-            self._refuse(
-                client,
-                message.rid,
-                ErrorCode.UNKNOWN_REQUEST,
-                Header.ABORT_REQUEST,
-                Counter.UNKNOWN_REQUEST,
-            )
-            return
-        self._counters[Counter.ABORTS] += 1
-        pd = self._pd if self._pd is not None and request.server_rid in self._pd.hops else None
-        if request.rank < 0 and pd is None:  # it waits: it ends here, no engine has it
-            self._forget(request)
-            self._failed[ErrorCode.ABORTED] += 1
-            code, text = ErrorCode.ABORTED, never_ran(request.client_rid)
-            if not self._send_error(client, message.rid, code, Header.ABORT_REQUEST, True, text):
-                self._client_gone(client)
-            return
-        if request.flags & ABORTED:
-            return
-        request.flags |= ABORTED
-        if pd is not None:
-            pd.abort(request)  # at the hop holding it, or ended waiting for one
-            return
-        self._abort_at_engine(self._engines[request.rank], request.server_rid)
-
-    def _abort_at_engine(self, engine: _Engine, server_rid: int) -> None:
-        """ABORT_REQUEST to an engine; a 0.19 engine has none: the request runs to its end."""
-        if not engine_parses(engine.format, Header.ABORT_REQUEST):
-            return
-        if not self._send(engine.identity, protocol.ABORT_REQUEST.pack(server_rid)):
-            self._faults.lost(engine, GoneReason.UNREACHABLE)
-
-    def _release_kv(self, client: _Client, frames: list[zmq.Frame]) -> None:
-        message = self._parse(protocol.RELEASE_KV, client, Header.RELEASE_KV, frames)
-        if message is None:
-            return
-        self._counters[Counter.RELEASE_KV] += 1
-        if self._pd is not None:  # its own requests' pins, at their prefill only
-            self._pd.client_release(client, message.rid)
-        else:
-            self._broadcast(Header.RELEASE_KV, frames[1])
-
-    def _control(self, client: _Client, header: int, frames: list[zmq.Frame]) -> None:
-        """A control signal: through the state machine, then to every engine."""
-        if self._parse(protocol.CONTROL[header], client, header, frames) is None:
-            return
-        state = CONTROL_TRANSITIONS.get((self._control_state, header))
-        if state is None:
-            self._refuse(client, None, ErrorCode.INVALID_STATE, header, Counter.INVALID_CONTROL)
-            return
-        self._counters[Counter.CONTROL] += 1
-        self._control_state = ControlState(state)
-        self._broadcast(header, frames[1])
-
-    def _shutdown_signal(self, client: _Client, frames: list[zmq.Frame]) -> None:
-        if self._parse(protocol.SHUTDOWN, client, Header.SHUTDOWN, frames) is not None:
-            self._stopping = True
-
-    def _stats_request(self, client: _Client, frames: list[zmq.Frame]) -> None:
-        """STATS: stats(), and with {"metrics": 1} metrics() in it too, to a coordkit client."""
-        message = self._parse(protocol.STATS, client, Header.STATS, frames)
-        if message is not None and client.coordkit:
-            stats = self.stats()
-            if asks_metrics(message.asked):
-                stats["metrics"] = self.metrics()
-            self._send(client.identity, protocol.STATS_REPLY.pack(packb(stats)))
-
-    def _parse(
-        self,
-        spec: MessageSpec | protocol.BatchedMessageSpec | protocol.HeldSpec | protocol.ReplayedSpec,
-        client: _Client | None,
-        header: int,
-        frames: list[zmq.Frame],
-    ) -> Any:
-        """The message parsed by ``spec``, or None after handling it as malformed."""
-        try:
-            return spec.parse(_buffers(frames))
-        except ProtocolError as exc:
-            self._malformed(client, exc.rid, header, str(exc), frames)
-            return None
-
-    def _broadcast(self, header: int, frame: zmq.Frame) -> None:
-        """The metadata frame as it came to every engine not gone."""
-        for engine in self._engines:
-            if engine.state == GONE:
-                continue
-            if not engine_parses(engine.format, header):
-                continue  # 0.19 has no KV transfer
-            if not self._send(engine.identity, [frame]):
-                self._faults.lost(engine, GoneReason.UNREACHABLE)
-
-    def _detokenized(self, body: Buffer) -> Buffer:
-        """A reply body with its generated_text; on failure the body as it is."""
-        try:
-            out = detokenize(self._options.detokenizer, body)  # type: ignore[arg-type]
-        except Exception as exc:  # a bad body or a failing detokenizer
-            self._counters[Counter.DETOKENIZE_ERRORS] += 1
-            self._log.warn("detokenize", f"detokenize failed, body forwarded as is: {exc!r}")
-            return body
-        self._counters[Counter.DETOKENIZED] += 1
-        return out
-
     # -- failures ------------------------------------------------------------------------
 
-    def _settle(self) -> None:
-        """Re-send or fail the requests of the engines found gone, oldest first.
-
-        Settling one engine may find others gone (a re-send that cannot reach
-        its engine): they join the queue, so the work stays a loop, not a recursion.
-        """
-        i = 0
-        while i < len(self._gone):
-            self._settle_engine(*self._gone[i])
-            i += 1
-        self._gone.clear()
-
-    def _settle_engine(self, engine: _Engine, reason: GoneReason) -> None:
-        """Each request of a gone engine, by server id, lost there (_unrun)."""
-        self._log.warn("engine_failed", f"engine {engine.rank} gone ({GONE_REASONS[reason]})")
-        if self._pd is not None:
-            self._pd.engine_gone(engine)  # its P/D requests go on elsewhere, or end
-        resend: dict[_Client, list[int]] = defaultdict(list)
-        for request in self._in_order(lambda r: r.rank == engine.rank):
-            if self._find(request.server_rid) is not request or request.rank != engine.rank:
-                continue  # ended meanwhile: its client went away
-            self._unrun(request, resend)
-        self._rebuild.send_resends(resend)
-
-    def _unrun(self, request: _Request, resend: dict[_Client, list[int]]) -> None:
-        """A request its engine will never answer (it died, or does not hold it): re-sent
-        from what was kept when it produced nothing (a rebuild client's: RESEND), moved on
-        with the tokens it streamed when it did (Faults.migrate), otherwise ended with
-        ERROR(ENGINE_FAILED)."""
-        self._tally.failed(request.rank)  # whatever comes of it, that engine lost it
-        self._router.release(request.rank, request.work)
-        request.rank = -1
-        request.flags &= ~UNCONFIRMED
-        if request.flags & (ABORTED | PINNED) or (
-            request.kept is None and not request.client.rebuild
-        ):
-            self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
-            return
-        if request.flags & PRODUCED:
-            migrated = self._faults.migrate(request)
-            if migrated is None:  # it cannot go on elsewhere
-                self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
-                return
-            status, counter = migrated, Counter.MIGRATED
-        elif request.kept is None:  # a rebuild client sends it again itself
-            if self._traces is not None:
-                self._traces.drop(request)
-            self._forget(request)
-            resend[request.client].append(request.client_rid)
-            return
-        else:
-            status, counter = self._resend(request), Counter.REROUTED
-        if (
-            status == RouteStatus.ALL_BUSY
-            and self._queue.limit
-            and self._queued(request, None, True)
-        ):
-            return  # it waits at the head, sent from what it kept (moved on: its tokens)
-        if status == RouteStatus.SENT:
-            self._counters[counter] += 1
-        elif status == RouteStatus.UNSENDABLE:  # no engine left that speaks its format
-            self._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
-        else:
-            self._fail_request(request, _refusal(status), Header.SUBMIT_REQUEST)
-
-    def _resend(self, request: _Request) -> RouteStatus:
-        """Send a request whose engine died to another, from what it kept, as a new
-        request is sent (_route); a RouteStatus."""
-        assert request.kept is not None
-        inbound = kept_inbound(request.kept, self._n_multipart_engines, self._n_single_engines)
-        carriers(inbound, self._n_single_engines + self._n_main_engines > 0)
-        status = RouteStatus.ENGINE_GONE
-        while status == RouteStatus.ENGINE_GONE:  # that one waits in the queue of gone engines
-            status = self._route(request, inbound)
-        return status
-
-    def _in_order(self, keep: Any, among: Iterable[_Request] | None = None) -> list[_Request]:
-        """The requests in flight (of ``among``, else all) for which ``keep`` holds, by
-        server id."""
-        if among is None:
-            among = [*self._requests.values(), *self._adopted.values()]
-        return sorted((r for r in among if keep(r)), key=lambda r: r.server_rid)
-
-    def _fail_request(self, request: _Request, code: ErrorCode, header: int) -> None:
-        """End ``request`` with ERROR(code): its one terminal reply."""
-        self._tally.failed(request.rank)
-        if self._traces is not None:
-            self._traces.fail(request, code)
-        self._forget(request)
-        self._failed[code] += 1
-        if code == ErrorCode.ENGINE_FAILED:
-            self._counters[Counter.ENGINE_FAILED] += 1
-        if not self._send_error(request.client, request.client_rid, code, header, True):
-            self._client_gone(request.client)
-
-    def _time_out(self, request: _Request) -> None:
-        """End a request in flight longer than request_timeout: ERROR(TIMED_OUT) to
-        its client, ABORT to its engine (whose late final is then unknown, dropped); one
-        that waits leaves the queue; a P/D request's hops are its room's."""
-        self._counters[Counter.TIMED_OUT] += 1
-        if self._pd is not None and request.server_rid in self._pd.hops:
-            self._pd.time_out(request)
-            return
-        if request.rank < 0:
-            self._unqueue(request, QueueOutcome.TIMED_OUT)
-        elif not request.flags & ABORTED and self._engines[request.rank].state != GONE:
-            self._abort_at_engine(self._engines[request.rank], request.server_rid)
-        self._fail_request(request, ErrorCode.TIMED_OUT, Header.SUBMIT_REQUEST)
-
-    def _reject_entry(self, engine: _Engine, rid: int | None, code: int, header: int) -> None:
-        """An entry of an engine's batch that was not delivered: malformed ones are
-        counted and logged, and a coordkit engine is told with an ERROR."""
-        if code == ErrorCode.MALFORMED:
-            self._counters[Counter.MALFORMED_ENTRIES] += 1
-            self._tally.engines[engine.rank].malformed_entries += 1
-            what = f"malformed entry in {header_name(header)} from engine {engine.rank}"
-            self._log.warn("malformed", what)
-        if engine.coordkit:
-            error = protocol.ERROR.pack(rid, code, error_text(code, header))
-            if not self._send(engine.identity, error):
-                self._faults.lost(engine, GoneReason.UNREACHABLE)
-
-    def _client_gone(self, client: _Client, unreachable: bool = True, closed: bool = False) -> None:
-        """A client that cannot be reached, or that left (DISCONNECT: ``closed``, or its
-        connection ended): its requests are aborted at their engines and forgotten, and
-        so is the client; but a rebuild client with a hold that did not close may come
-        back (a blip): it is only away (Rebuild.go_away)."""
-        if self._clients.get(client.identity) is not client:
-            return
-        self._counters[Counter.CLIENTS_DEPARTED] += 1
-        if unreachable:
-            self._counters[Counter.CLIENT_GONE] += 1
-        if client.present and client.hold > 0 and not closed:
-            self._rebuild.go_away(client)
-        else:
-            self._drop_client(client)
-
-    def _drop_client(self, client: _Client) -> None:
-        """Abort a client's requests at their engines, and forget them and it."""
-        for request in self._in_order(lambda r: True, client.requests.values()):
-            if self._find(request.server_rid) is not request:
-                continue
-            rank = request.rank
-            self._forget(request)
-            if request.flags & ABORTED or rank < 0 or self._engines[rank].state == GONE:
-                continue
-            self._abort_at_engine(self._engines[rank], request.server_rid)
-        self._remove_client(client)
-
     # -- answers and malformed input ------------------------------------------------------
-
-    def _send(self, identity: bytes, frames: list[Any]) -> bool:
-        """Send one message to a peer; False when it is gone."""
-        if not self._send_identity(identity):
-            return False
-        try:
-            header = codec.read_header(frames[0])[0]
-        except ProtocolError:
-            header = -1
-        self._traffic.count(SENT, header, _send_all(self._sock, frames))
-        return True
-
-    def _send_error(
-        self,
-        client: _Client,
-        rid: int | None,
-        code: int,
-        header: int,
-        ends: bool = False,
-        text: str | None = None,
-    ) -> bool:
-        """ERROR to a coordkit client (its text ``text``, else error_text's); to a
-        Megatron main client, when the error ends a request of its (``ends``), the
-        FAILED final it takes (0.19's clients get nothing). False when the client is
-        gone."""
-        if not client.present or (
-            not client.coordkit and not (ends and client.format == SINGLE_FRAME_MAIN)
-        ):
-            return True  # away, its REJOIN then finds it ended; or it takes no ERROR
-        self._counters[Counter.ERRORS_SENT] += 1
-        text = error_text(code, header) if text is None else text
-        if self._pr6675 and not client.coordkit:  # #6675's client: its REQUEST_ERROR
-            assert rid is not None
-            return self._send(client.identity, protocol.REQUEST_ERROR.pack(rid, text, True))
-        if not client.coordkit:
-            assert rid is not None
-            self._log.warn("failed_final", f"a Megatron main client's request {rid} failed: {text}")
-            return self._send(client.identity, [megatron_failed_reply(rid)])
-        return self._send(client.identity, protocol.ERROR.pack(rid, code, text))
-
-    def _refuse(
-        self,
-        client: _Client,
-        rid: int | None,
-        code: int,
-        header: int,
-        counter: Counter,
-        ends: bool = False,
-    ) -> None:
-        """Count a refused message and answer its client with ERROR(code); ``ends``:
-        it was a request that parsed (see _send_error)."""
-        self._counters[counter] += 1
-        self._refused[code] += 1
-        if not self._send_error(client, rid, code, header, ends):
-            self._client_gone(client)
-
-    def _malformed(
-        self,
-        client: _Client | None,
-        rid: int | None,
-        header: int,
-        detail: str,
-        frames: list[Any],
-    ) -> None:
-        """A message that does not parse: counted, logged (rate-limited), and
-        answered when its sender is a client."""
-        sender = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
-        self._log.warn("malformed", f"malformed {header_name(header)} from {sender!r}: {detail}")
-        if client is None:
-            self._counters[Counter.MALFORMED] += 1
-        else:
-            self._refuse(client, rid, ErrorCode.MALFORMED, header, Counter.MALFORMED)
-
-    def _malformed_batch(
-        self, client: _Client, rids: Sequence[int], detail: str, frames: list[zmq.Frame]
-    ) -> None:
-        """A SUBMIT_BATCH whose entries cannot all go on: no prompt can be told from
-        another, so each request named ends here; when none is, one ERROR without
-        an id says so."""
-        if not rids:
-            self._malformed(client, None, Header.SUBMIT_BATCH, detail, frames)
-        for rid in rids:
-            if self._clients.get(client.identity) is not client:
-                return  # found gone meanwhile
-            self._malformed(client, rid, Header.SUBMIT_BATCH, detail, frames)

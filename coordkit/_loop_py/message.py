@@ -47,3 +47,8 @@ def _parses(check: Callable[[Buffer], object], frame: Buffer) -> bool:
 def message_bytes(frames: list[zmq.Frame]) -> int:
     """Its size after the routing id, as the traffic counters count it."""
     return sum(len(frame) for frame in frames[1:])
+
+
+def _buffers(frames: list[zmq.Frame]) -> list[memoryview]:
+    """A message's frames after the routing id, for the specs to parse."""
+    return [frame.buffer for frame in frames[1:]]

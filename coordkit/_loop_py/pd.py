@@ -404,7 +404,7 @@ class PD:
         engine = self._loop._engines[rank]
         if engine.state == GONE:
             return False
-        if self._loop._send(engine.identity, frames):
+        if self._loop._answers.send(engine.identity, frames):
             return True
         self._loop._faults.lost(engine, GoneReason.UNREACHABLE)  # settled: engine_gone
         return False
@@ -542,8 +542,8 @@ class PD:
 
     def _tell(self, identity: bytes, frames: list[bytes]) -> None:
         client = self._loop._clients.get(identity)
-        if client is not None and client.present and not self._loop._send(identity, frames):
-            self._loop._client_gone(client)
+        if client is not None and client.present and not self._loop._answers.send(identity, frames):
+            self._loop._peers.client_gone(client)
 
     def _end(
         self, request: _Request, code: int, reason: str, safe: bool, aborted: bool = False
@@ -560,7 +560,7 @@ class PD:
             hop.unsafe = not safe
         client = request.client
         if not self._megatron_client(client):
-            self._loop._fail_request(request, ErrorCode(code), Header.SUBMIT_REQUEST)
+            self._loop._refusals.fail_request(request, ErrorCode(code), Header.SUBMIT_REQUEST)
             return
         self._loop._forget(request)
         self._loop._failed[code] += 1
@@ -664,7 +664,7 @@ class PD:
         elif header == Header.REQUEST_ABORTED:
             self._request_aborted(engine, frames)
         elif header == Header.REGISTER_ROLE:
-            self._loop._register_role(engine.identity, engine, frames)
+            self._loop._peers.register_role(engine.identity, engine, frames)
         else:
             return False
         return True
@@ -676,10 +676,10 @@ class PD:
         try:
             entries = codec.read_handoff(meta)
         except ProtocolError as exc:
-            self._loop._malformed(None, None, Header.HANDOFF, str(exc), frames)
+            self._loop._refusals.malformed(None, None, Header.HANDOFF, str(exc), frames)
             return
         if len(entries) != len(frames) - 2:
-            self._loop._malformed(None, None, Header.HANDOFF, "bad frame layout", frames)
+            self._loop._refusals.malformed(None, None, Header.HANDOFF, "bad frame layout", frames)
             return
         for (rid, offset, size), frame in zip(entries, frames[2:], strict=True):
             self._handed(engine.rank, rid, meta[offset : offset + size], frame.bytes, 0, None)
@@ -692,7 +692,7 @@ class PD:
         return hop
 
     def _transfer_ready(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        message = self._loop._parse(protocol.KV_TRANSFER_READY, None, -1, frames)
+        message = self._loop._answers.parse(protocol.KV_TRANSFER_READY, None, -1, frames)
         if message is None:
             return
         hop = self._hop_at(message.rid, engine.rank)
@@ -715,10 +715,12 @@ class PD:
         try:
             _, rids = codec.read_rids(frames[1].bytes)
         except ProtocolError as exc:
-            self._loop._malformed(None, None, Header.KV_READ_DONE, str(exc), frames)
+            self._loop._refusals.malformed(None, None, Header.KV_READ_DONE, str(exc), frames)
             return
         if len(frames) != 2:
-            self._loop._malformed(None, None, Header.KV_READ_DONE, "bad frame layout", frames)
+            self._loop._refusals.malformed(
+                None, None, Header.KV_READ_DONE, "bad frame layout", frames
+            )
             return
         self.releasing = {} if len(rids) > 1 else None
         try:
@@ -745,7 +747,7 @@ class PD:
     def _request_error(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         """An engine's REQUEST_ERROR for a request it holds: it ends with the engine's
         reason; not safe, its pins wait for the read."""
-        message = self._loop._parse(protocol.REQUEST_ERROR, None, -1, frames)
+        message = self._loop._answers.parse(protocol.REQUEST_ERROR, None, -1, frames)
         if message is None:
             return
         request = self._loop._find(message.rid)
@@ -762,7 +764,7 @@ class PD:
         self._end(request, ErrorCode.ENGINE_FAILED, message.reason, message.source_safe)
 
     def _request_aborted(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        message = self._loop._parse(protocol.REQUEST_ABORTED, None, -1, frames)
+        message = self._loop._answers.parse(protocol.REQUEST_ABORTED, None, -1, frames)
         if message is None or not message.source_safe:
             return  # unsafe: a safe one follows
         request = self._loop._find(message.rid)

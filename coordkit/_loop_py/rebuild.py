@@ -71,7 +71,7 @@ class Rebuild:
         coordinator has at that engine (a blip) is replayed whole; one it does not know
         is adopted under its server id while the window lasts, for a client that may
         still REJOIN it; any other is aborted at the engine, which must not run it on."""
-        parsed = self._loop._parse(protocol.HELD, None, Header.HELD, frames)
+        parsed = self._loop._answers.parse(protocol.HELD, None, Header.HELD, frames)
         if parsed is None:
             return
         entries, hashes = parsed
@@ -117,7 +117,7 @@ class Rebuild:
         self._refuse_claims(engine, "HELD", len(aborts))
         for server_rid in aborts:
             if engine.state != GONE:
-                self._loop._abort_at_engine(engine, server_rid)
+                self._loop._control.abort_at_engine(engine, server_rid)
         self._send_replays(replays)
         self._loop._faults.not_held(engine)
 
@@ -168,7 +168,7 @@ class Rebuild:
             return None
         if (
             len(self._loop._clients) >= self._loop._options.max_clients
-            and not self._loop._vacant_client()
+            and not self._loop._peers.vacant_client()
         ):
             return None
         client = self._loop._clients[identity] = self._loop._idle[identity] = _Client(identity)
@@ -183,19 +183,21 @@ class Rebuild:
         (RESEND, or ERROR(ENGINE_FAILED) when it got partials: it cannot start over).
         Its adopted requests it did not list are not awaited: aborted."""
         if not client.fresh:  # what it waits for was settled by its first message
-            self._loop._malformed(client, None, Header.REJOIN, "not the connection's first", frames)
+            self._loop._refusals.malformed(
+                client, None, Header.REJOIN, "not the connection's first", frames
+            )
             return
-        parsed = self._loop._parse(protocol.REJOIN, client, Header.REJOIN, frames)
+        parsed = self._loop._answers.parse(protocol.REJOIN, client, Header.REJOIN, frames)
         if parsed is None:
             return
         entries, _ = parsed
         if any(partials < 0 for _, partials in entries):
-            self._loop._malformed(
+            self._loop._refusals.malformed(
                 client, None, Header.REJOIN, "a negative count of partials", frames
             )
             return
         if len(entries) > self._loop._options.max_inflight:
-            self._loop._malformed(
+            self._loop._refusals.malformed(
                 client, None, Header.REJOIN, "more entries than max_inflight", frames
             )
             return
@@ -213,7 +215,9 @@ class Rebuild:
                 self.awaiting[(client.identity, rid)] = partials
             else:
                 self._unclaimed(client, rid, partials, resend)
-        for request in self._loop._in_order(lambda r: r.client is client and r.flags & ORPHAN):
+        for request in self._loop._faults.in_order(
+            lambda r: r.client is client and r.flags & ORPHAN
+        ):
             self._drop_orphan(request)
         self._send_replays(replays)
         self.send_resends(resend)
@@ -223,7 +227,7 @@ class Rebuild:
         client as CLIENT_REPLAYED (which drops what it has); its normal replies flow
         again. A request the engine does not hold is sent back to its client when
         nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
-        parsed = self._loop._parse(protocol.REPLAYED, None, Header.REPLAYED, frames)
+        parsed = self._loop._answers.parse(protocol.REPLAYED, None, Header.REPLAYED, frames)
         if parsed is None:
             return
         entries, _ = parsed
@@ -251,8 +255,8 @@ class Rebuild:
         self._refuse_claims(engine, "REPLAYED", refused)
         for client, replies in out.items():
             message = protocol.CLIENT_REPLAYED.pack(*zip(*replies, strict=True))
-            if not self._loop._send(client.identity, message):
-                self._loop._client_gone(client)
+            if not self._loop._answers.send(client.identity, message):
+                self._loop._peers.client_gone(client)
         self.send_resends(resend)
 
     def _replay(self, request: _Request, start: int, replays: dict[_Engine, Any]) -> None:
@@ -268,7 +272,7 @@ class Rebuild:
     def _send_replays(self, replays: dict[_Engine, list[list[int]]]) -> None:
         for engine, entries in replays.items():
             self._loop._counters[Counter.REPLAYED] += len(entries)
-            if not self._loop._send(engine.identity, protocol.REPLAY.pack(entries)):
+            if not self._loop._answers.send(engine.identity, protocol.REPLAY.pack(entries)):
                 self._loop._faults.lost(engine, GoneReason.UNREACHABLE)
 
     def send_resends(self, resend: dict[_Client, list[int]]) -> None:
@@ -277,8 +281,8 @@ class Rebuild:
             if not client.present or self._loop._clients.get(client.identity) is not client:
                 continue
             self._loop._counters[Counter.RESENT] += len(rids)
-            if not self._loop._send(client.identity, protocol.RESEND.pack(rids)):
-                self._loop._client_gone(client)
+            if not self._loop._answers.send(client.identity, protocol.RESEND.pack(rids)):
+                self._loop._peers.client_gone(client)
 
     def rejoins_nothing(self, client: _Client) -> None:
         """A connected client's first message is not a REJOIN: it waits for nothing an
@@ -286,7 +290,7 @@ class Rebuild:
         message is handled: one of its new requests may have the id of one)."""
         client.fresh = False
         if client.requests:
-            for request in self._loop._in_order(
+            for request in self._loop._faults.in_order(
                 lambda r: r.flags & ORPHAN, client.requests.values()
             ):
                 self._drop_orphan(request)
@@ -301,14 +305,18 @@ class Rebuild:
             return
         self._loop._failed[ErrorCode.ENGINE_FAILED] += 1
         self._loop._counters[Counter.ENGINE_FAILED] += 1
-        if not self._loop._send_error(client, rid, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST):
-            self._loop._client_gone(client)
+        if not self._loop._refusals.send_error(
+            client, rid, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST
+        ):
+            self._loop._peers.client_gone(client)
 
     def _unheld(self, request: _Request, resend: dict[_Client, list[int]]) -> None:
         """A request its engine says it does not hold (any more): sent back to its
         client when nothing of it was delivered, else ended with ERROR(ENGINE_FAILED)."""
         if request.flags & (PRODUCED | ABORTED | PINNED) or not request.client.rebuild:
-            self._loop._fail_request(request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST)
+            self._loop._refusals.fail_request(
+                request, ErrorCode.ENGINE_FAILED, Header.SUBMIT_REQUEST
+            )
             return
         if self._loop._traces is not None:
             self._loop._traces.drop(request)
@@ -321,9 +329,9 @@ class Rebuild:
         rank, client = request.rank, request.client
         self._loop._forget(request)
         if rank >= 0 and self._loop._engines[rank].state != GONE:
-            self._loop._abort_at_engine(self._loop._engines[rank], request.server_rid)
+            self._loop._control.abort_at_engine(self._loop._engines[rank], request.server_rid)
         if not client.present and not client.requests and client.identity in self._loop._clients:
-            self._loop._remove_client(client)
+            self._loop._peers.remove_client(client)
 
     def defer(self, client: _Client, rid: int) -> None:
         """Keep a request for RESEND once an engine registered (see Loop._accept)."""
@@ -354,7 +362,7 @@ class Rebuild:
             if client is None:
                 continue
             if (identity, rid) in aborting:  # aborted before anyone ran it: not sent again
-                self._loop._refuse(
+                self._loop._refusals.refuse(
                     client,
                     rid,
                     ErrorCode.UNKNOWN_REQUEST,
@@ -365,7 +373,7 @@ class Rebuild:
                 self._unclaimed(client, rid, partials, resend)
         self.send_resends(resend)
         # The orphans of a client away from a blip wait for it till its hold ends.
-        for request in self._loop._in_order(
+        for request in self._loop._faults.in_order(
             lambda r: r.flags & ORPHAN and r.client.identity not in self.away
         ):
             if self._loop._find(request.server_rid) is request:
@@ -387,7 +395,7 @@ class Rebuild:
             ):
                 engine.acked = engine.mark
                 count = engine.base + engine.acked - 1
-                if not self._loop._send(engine.identity, protocol.HANDLED.pack(count)):
+                if not self._loop._answers.send(engine.identity, protocol.HANDLED.pack(count)):
                     self._loop._faults.lost(engine, GoneReason.UNREACHABLE)
             engine.mark = engine.handled
 
@@ -404,7 +412,7 @@ class Rebuild:
             self._loop._connections[client.fd] = None
         client.fd = -1
         self.away[client.identity] = time.monotonic() + client.hold
-        for request in self._loop._in_order(lambda r: True, client.requests.values()):
+        for request in self._loop._faults.in_order(lambda r: True, client.requests.values()):
             rank = request.rank
             if (
                 rank >= 0
@@ -419,9 +427,9 @@ class Rebuild:
                 and rank >= 0
                 and self._loop._engines[rank].state != GONE
             ):
-                self._loop._abort_at_engine(self._loop._engines[rank], request.server_rid)
+                self._loop._control.abort_at_engine(self._loop._engines[rank], request.server_rid)
         if not client.requests:
-            self._loop._remove_client(client)
+            self._loop._peers.remove_client(client)
 
     def returned(self, client: _Client) -> None:
         """A client not connected (away, or known from an engine's report) sent CONNECT:
@@ -441,9 +449,9 @@ class Rebuild:
             del self.away[identity]
             client = self._loop._clients[identity]
             if not client.present:
-                self._loop._drop_client(client)
+                self._loop._peers.drop_client(client)
                 continue
-            for request in self._loop._in_order(
+            for request in self._loop._faults.in_order(
                 lambda r: r.flags & ORPHAN, client.requests.values()
             ):
                 self._drop_orphan(request)

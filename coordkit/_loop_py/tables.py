@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import msgpack
+import zmq
 
 from .._shared import (
     EngineState,
     PeerFormat,
     RequestFlag,
 )
-
-if TYPE_CHECKING:
-    from .kept import Kept
-
 
 ALIVE, DRAINING, GONE, AWAY = (
     EngineState.ALIVE,
@@ -35,6 +31,20 @@ MSGPACK_NIL = 0xC0  # Megatron main's multi_modal_data of a text request
 # at or past this (the year 2116) is no earlier life's, and would leave no ids to draw.
 MAX_ADOPTED = 1 << 62
 TRACEPARENT_SIZE = 55  # a W3C traceparent's characters
+
+
+class Kept:
+    """What re-sends a request whose engine died: its metadata (the server id in it
+    already) and its prompt, or (``single``, no metadata) the whole frame it came in;
+    ``small``: a prompt below COPY_BELOW shared, not copied."""
+
+    __slots__ = ("meta", "prompt", "single", "small")
+
+    def __init__(self, meta: bytes | None, prompt: zmq.Frame | bytes, single: bool, small: bool):
+        self.meta = meta
+        self.prompt = prompt
+        self.single = single
+        self.small = small
 
 
 class _Client:

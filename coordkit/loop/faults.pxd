@@ -37,3 +37,10 @@ cdef class Faults:
     cdef void forget(self, uint32_t slot) noexcept nogil
     cdef int migrate(self, uint32_t slot) except -2
     cdef bytes continued(self, int64_t server_rid, const uint8_t* body, size_t size)
+    # a gone engine's requests settled
+    cdef void mark_gone(self, int rank, int reason) noexcept nogil
+    cdef settle(self)
+    cdef settle_engine(self, int rank)
+    cdef unrun(self, uint32_t slot, dict resend)
+    cdef int resend(self, uint32_t slot) noexcept nogil
+    cdef RequestOrder* in_order(self, int rank, int32_t client, uint32_t* count) except NULL

@@ -45,7 +45,7 @@ cdef class Faults:
         if engine.state == ENGINE_AWAY:
             return
         if engine.state != ENGINE_ALIVE or self.grace == 0:
-            self.loop._mark_gone(rank, reason)
+            self.mark_gone(rank, reason)
             return
         now = monotonic()
         self.strike(rank, reason, now)
@@ -64,10 +64,10 @@ cdef class Faults:
             self.loop.engines[rank].state = ENGINE_ALIVE
             self.loop.counters[COUNTER_ENGINES_BACK] += 1
             self.admit(rank)
-        self.loop._watch(rank, fd)
+        self.loop.peers.watch(rank, fd)
         if not self.loop.engines[rank].rebuild:
             return
-        order = self.loop._in_order(rank, -1, &n)
+        order = self.in_order(rank, -1, &n)
         for i in range(n):
             self.loop.requests.pool[order[i].slot].flags |= FLAG_UNCONFIRMED
         free(order)
@@ -75,7 +75,7 @@ cdef class Faults:
     cdef not_held(self, int rank):
         """After an engine's HELD: its requests it did not list never reached it."""
         cdef uint32_t i, n, slot
-        cdef RequestOrder* order = self.loop._in_order(rank, -1, &n)
+        cdef RequestOrder* order = self.in_order(rank, -1, &n)
         resend = {}
         try:
             for i in range(n):
@@ -83,7 +83,7 @@ cdef class Faults:
                 if self.loop.requests.pool[slot].server_rid == order[i].server_rid and (
                     self.loop.requests.pool[slot].rank == rank
                 ) and self.loop.requests.pool[slot].flags & FLAG_UNCONFIRMED:
-                    self.loop._unrun(slot, resend)
+                    self.unrun(slot, resend)
         finally:
             free(order)
         self.loop.rebuild.send_resends(resend)
@@ -101,7 +101,7 @@ cdef class Faults:
         for rank in range(self.loop.n_engines):
             engine = &self.loop.engines[rank]
             if engine.state == ENGINE_AWAY and now >= engine.away_until:
-                self.loop._mark_gone(rank, GONE_GRACE_OVER)
+                self.mark_gone(rank, GONE_GRACE_OVER)
             if engine.quarantined_until != 0 and now >= engine.quarantined_until:
                 engine.quarantined_until = 0
                 if engine.state == ENGINE_ALIVE and self._whole(rank):
@@ -219,8 +219,148 @@ cdef class Faults:
         self.migrated[request.server_rid] = self.migrated.get(request.server_rid, []) + tokens
         s.count = 0
         request.flags |= FLAG_MIGRATED
-        return self.loop._resend(slot)
+        return self.resend(slot)
 
     cdef bytes continued(self, int64_t server_rid, const uint8_t* body, size_t size):
         """A reply of a request that went on at another engine, continuing its stream."""
         return continued(body[:size], self.migrated[server_rid])
+
+    # -- a gone engine's requests settled --------------------------------------------
+
+    cdef void mark_gone(self, int rank, int reason) noexcept nogil:
+        """Take ``rank`` out of the pool now; its requests are settled after the
+        message at hand (see settle), so a failure never recurses into routing."""
+        cdef Engine* engine = &self.loop.engines[rank]
+        cdef uint64_t* counters = self.loop.counters
+        cdef EngineTally* tally = &self.loop.tally.engines[rank]
+        if engine.state == ENGINE_GONE:
+            return
+        if engine.state != ENGINE_AWAY:  # counted when it went away
+            self.strike(rank, reason, monotonic())
+        if engine.state == ENGINE_ALIVE:
+            self.loop.router.remove_rank_c(rank)
+        engine.state = ENGINE_GONE
+        engine.last_failure = reason
+        counters[COUNTER_ENGINE_FAILURES] += 1
+        tally.gone += 1
+        self.loop.gone[self.loop.n_gone] = rank
+        self.loop.n_gone = self.loop.n_gone + 1
+
+    cdef settle(self):
+        """Re-send or fail the requests of the engines found gone, oldest first.
+
+        Settling one engine may find others gone (a re-send that cannot reach
+        its engine): they join the queue, so the work stays a loop, not a recursion.
+        """
+        cdef int i = 0
+        while i < self.loop.n_gone:
+            self.settle_engine(self.loop.gone[i])
+            i += 1
+        self.loop.n_gone = 0
+
+    cdef settle_engine(self, int rank):
+        """Each request of a gone engine, by server id, lost there (_unrun)."""
+        cdef uint32_t i, n, slot
+        cdef RequestOrder* order
+        reason = GONE_REASONS[self.loop.engines[rank].last_failure]
+        self.loop._log.warn("engine_failed", f"engine {rank} gone ({reason})")
+        if self.loop.pd is not None:
+            self.loop.pd.engine_gone(rank)  # its P/D requests go on elsewhere, or end
+        resend = {}
+        order = self.in_order(rank, -1, &n)
+        try:
+            for i in range(n):
+                slot = order[i].slot
+                if self.loop.requests.pool[slot].server_rid != order[i].server_rid or (
+                    self.loop.requests.pool[slot].rank != rank
+                ):
+                    continue  # ended meanwhile: its client went away
+                self.unrun(slot, resend)
+        finally:
+            free(order)
+        self.loop.rebuild.send_resends(resend)
+
+    cdef unrun(self, uint32_t slot, dict resend):
+        """A request its engine will never answer (it died, or does not hold it): re-sent
+        from what was kept when it produced nothing (a rebuild client's: RESEND), moved on
+        with the tokens it streamed when it did (Faults.migrate), otherwise ended with
+        ERROR(ENGINE_FAILED)."""
+        cdef ck_request* request = &self.loop.requests.pool[slot]
+        cdef int32_t client = request.client
+        cdef int status
+        cdef int counter = COUNTER_REROUTED
+        tally_failed(&self.loop.tally, request.rank)  # whatever comes of it, that engine lost it
+        self.loop.router.release_c(request.rank, self.loop.work[slot])
+        request.rank = -1
+        request.flags &= ~FLAG_UNCONFIRMED
+        if request.flags & (FLAG_ABORTED | FLAG_PINNED) or (
+            request.kept == NULL and not self.loop.clients[client].rebuild
+        ):
+            self.loop.refusals.fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
+            return
+        if request.flags & FLAG_PRODUCED:
+            status = self.migrate(slot)
+            if status < 0:  # it cannot go on elsewhere
+                self.loop.refusals.fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
+                return
+            counter = COUNTER_MIGRATED
+        elif request.kept == NULL:  # a rebuild client sends it again itself
+            resend.setdefault(client, []).append(request.client_rid)
+            if self.loop.traces.on:
+                self.loop.traces.drop(slot)
+            self.loop._forget(slot)
+            return
+        else:
+            status = self.resend(slot)
+        if status == ROUTE_ALL_BUSY and self.loop.queue.limit and self.loop._queued(slot, NULL, True):
+            return  # it waits at the head, sent from what it kept (moved on: its tokens)
+        if status == ROUTE_SENT:
+            self.loop.counters[counter] += 1
+        elif status == ROUTE_UNSENDABLE:  # no engine left that speaks its format
+            self.loop.refusals.fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
+        else:
+            self.loop.refusals.fail_request(slot, refusal(status), HEADER_SUBMIT_REQUEST)
+
+    cdef int resend(self, uint32_t slot) noexcept nogil:
+        """Send a request whose engine died to another, from what it kept, as a new
+        request is sent (_route); a RouteStatus."""
+        cdef Inbound inbound
+        cdef zmq_msg_t messages[2]
+        cdef int status = ROUTE_ENGINE_GONE
+        kept_inbound(<Kept*>self.loop.requests.pool[slot].kept, &inbound, messages,
+                     self.loop.n_multipart_engines, self.loop.n_single_engines)
+        carriers(&inbound, self.loop.n_single_engines + self.loop.n_main_engines > 0)
+        while status == ROUTE_ENGINE_GONE:  # that one waits in the queue of gone engines
+            status = self.loop._route(slot, &inbound)
+        zmq_msg_close(&messages[0])
+        zmq_msg_close(&messages[1])
+        return status
+
+    cdef RequestOrder* in_order(self, int rank, int32_t client, uint32_t* count) except NULL:
+        """The requests in flight (of ``rank`` / ``client`` when >= 0) by server id;
+        the caller frees the array."""
+        cdef RequestOrder* order = <RequestOrder*>malloc(
+            (self.loop.requests.live + 1) * sizeof(RequestOrder)
+        )
+        cdef ck_request* request
+        cdef uint32_t slot, n = 0
+        if order == NULL:
+            raise MemoryError()
+        if client >= 0:  # its own list
+            slot = self.loop.clients[client].requests.oldest
+            while slot != UINT32_MAX:
+                order[n].server_rid = self.loop.requests.pool[slot].server_rid
+                order[n].slot = slot
+                n += 1
+                slot = self.loop.client_links.newer[slot]
+        else:
+            for slot in range(self.loop.requests.used):
+                request = &self.loop.requests.pool[slot]
+                if request.server_rid < 0 or (rank >= 0 and request.rank != rank):
+                    continue
+                order[n].server_rid = request.server_rid
+                order[n].slot = slot
+                n += 1
+        qsort(order, n, sizeof(RequestOrder), compare_server_rids)
+        count[0] = n
+        return order

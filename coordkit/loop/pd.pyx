@@ -381,7 +381,7 @@ cdef class PD:
         params = hop_head(-1, 0, self.kept[slot][1], COORDKIT_OVERRIDES, N_COORDKIT_OVERRIDES)
         if not fanout_grow(&loop.fanout, len(params)):
             return False
-        tail = loop._held_body(params, &tail_size)
+        tail = loop.answers.held_body(params, &tail_size)
         if self.prompts[slot] == NULL:
             prompt = <const uint8_t*><const char*>self.kept[slot][0]
             size = len(self.kept[slot][0])
@@ -455,7 +455,7 @@ cdef class PD:
     cdef bint _send_to(self, int rank, list frames):
         if rank < 0 or self.loop.engines[rank].state == ENGINE_GONE:
             return False
-        if self.loop._send_frames(&self.loop.engine_ids, rank, frames):
+        if self.loop.answers.send_frames(&self.loop.engine_ids, rank, frames):
             return True
         self.loop.faults.lost(rank, GONE_UNREACHABLE)  # settled: engine_gone
         return False
@@ -711,8 +711,8 @@ cdef class PD:
         cdef int32_t client = ck_ids_find(&self.loop.client_ids, identity, len(identity))
         if client < 0 or not self.loop.clients[client].present:
             return
-        if not self.loop._send_frames(&self.loop.client_ids, client, frames):
-            self.loop._client_gone(client)
+        if not self.loop.answers.send_frames(&self.loop.client_ids, client, frames):
+            self.loop.peers.client_gone(client)
 
     cdef _end(self, uint32_t slot, int code, str reason, bint safe, bint aborted=False):
         """The room ends a request: its one terminal reply (a #6675 client's REQUEST_ERROR
@@ -730,7 +730,7 @@ cdef class PD:
         if hop.stage:
             hop.unsafe = not safe
         if not self._megatron_client(client):
-            self.loop._fail_request(slot, code, HEADER_SUBMIT_REQUEST)
+            self.loop.refusals.fail_request(slot, code, HEADER_SUBMIT_REQUEST)
             return
         identity = self.loop._identity(client)
         self.loop._forget(slot)
@@ -835,11 +835,11 @@ cdef class PD:
         cdef ck_batch_entry entry
         cdef int status = message_read_batch(&loop.message, HEADER_HANDOFF, 2, &count)
         if status != CK_OK:
-            loop._malformed(-1, None, HEADER_HANDOFF,
+            loop.refusals.malformed(-1, None, HEADER_HANDOFF,
                             f"malformed HANDOFF: {ck_strstatus(status).decode()}")
             return
         if count != <uint32_t>(loop.message.n_parts - 2):
-            loop._malformed(-1, None, HEADER_HANDOFF, "bad frame layout")
+            loop.refusals.malformed(-1, None, HEADER_HANDOFF, "bad frame layout")
             return
         for i in range(count):
             entry = loop.message.batch_entries[i]
@@ -857,7 +857,7 @@ cdef class PD:
     cdef _transfer_ready(self, int rank):
         cdef int64_t slot
         cdef int prefill
-        message = self.loop._parse(protocol.KV_TRANSFER_READY, -1, -1)
+        message = self.loop.answers.parse(protocol.KV_TRANSFER_READY, -1, -1)
         if message is None:
             return
         slot = self._hop_at(message.rid, rank)
@@ -884,11 +884,11 @@ cdef class PD:
         cdef ck_cursor cursor
         cdef int status = ck_read_rids(loop._data(1), loop._size(1), &header, &count, &first)
         if status != CK_OK:
-            loop._malformed(-1, None, HEADER_KV_READ_DONE,
+            loop.refusals.malformed(-1, None, HEADER_KV_READ_DONE,
                             f"malformed metadata frame: {ck_strstatus(status).decode()}")
             return
         if loop.message.n_parts != 2:
-            loop._malformed(-1, None, HEADER_KV_READ_DONE, "bad frame layout")
+            loop.refusals.malformed(-1, None, HEADER_KV_READ_DONE, "bad frame layout")
             return
         cursor.p = loop._data(1) + first
         cursor.end = loop._data(1) + loop._size(1)
@@ -918,7 +918,7 @@ cdef class PD:
         """An engine's REQUEST_ERROR for a request it holds: it ends with the engine's
         reason; not safe, its pins wait for the read."""
         cdef int64_t slot
-        message = self.loop._parse(protocol.REQUEST_ERROR, -1, -1)
+        message = self.loop.answers.parse(protocol.REQUEST_ERROR, -1, -1)
         if message is None:
             return
         slot = ck_requests_find(&self.loop.requests, message.rid)
@@ -936,7 +936,7 @@ cdef class PD:
 
     cdef _request_aborted(self, int rank):
         cdef int64_t slot
-        message = self.loop._parse(protocol.REQUEST_ABORTED, -1, -1)
+        message = self.loop.answers.parse(protocol.REQUEST_ABORTED, -1, -1)
         if message is None or not message.source_safe:
             return  # unsafe: a safe one follows
         slot = ck_requests_find(&self.loop.requests, message.rid)
@@ -959,7 +959,7 @@ cdef class PD:
         if not self.seats[rank].seated:
             return
         name = self.loop._engine_identity(rank)
-        order = self.loop._in_order(-1, -1, &n)
+        order = self.loop.faults.in_order(-1, -1, &n)
         try:
             for i in range(n):
                 slot = order[i].slot

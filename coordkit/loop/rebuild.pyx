@@ -31,7 +31,7 @@ cdef class Rebuild:
         cdef ck_request* request
         cdef const uint8_t* identity
         cdef size_t n
-        parsed = self.loop._parse(protocol.HELD, -1, HEADER_HELD)
+        parsed = self.loop.answers.parse(protocol.HELD, -1, HEADER_HELD)
         if parsed is None:
             return
         entries, hashes = parsed
@@ -86,7 +86,7 @@ cdef class Rebuild:
         self._refuse_claims(engine, "HELD", len(aborts))
         for server_rid in aborts:
             if self.loop.engines[engine].state != ENGINE_GONE:
-                self.loop._abort_at_engine(engine, server_rid)
+                self.loop.control.abort_at_engine(engine, server_rid)
         self._send_replays(replays)
         self.loop.faults.not_held(engine)
 
@@ -140,7 +140,7 @@ cdef class Rebuild:
             roles_of(&self.loop.roles, identity, n) == ROLE_ENGINE
         ):
             return -1
-        client = self.loop._vacant_client()
+        client = self.loop.peers.vacant_client()
         if client < 0:
             return -1
         memset(&self.loop.clients[client], 0, sizeof(Client))
@@ -164,21 +164,21 @@ cdef class Rebuild:
         Its adopted requests it did not list are not awaited: aborted."""
         cdef int64_t slot
         if not self.loop.clients[client].fresh:  # its first message settled what it waits for
-            self.loop._malformed(client, None, HEADER_REJOIN, "not the connection's first")
+            self.loop.refusals.malformed(client, None, HEADER_REJOIN, "not the connection's first")
             return
-        parsed = self.loop._parse(protocol.REJOIN, client, HEADER_REJOIN)
+        parsed = self.loop.answers.parse(protocol.REJOIN, client, HEADER_REJOIN)
         if parsed is None:
             return
         entries, _ = parsed
         if any(partials < 0 for _, partials in entries):
-            self.loop._malformed(client, None, HEADER_REJOIN, "a negative count of partials")
+            self.loop.refusals.malformed(client, None, HEADER_REJOIN, "a negative count of partials")
             return
         if len(entries) > self.loop.max_inflight:
-            self.loop._malformed(client, None, HEADER_REJOIN, "more entries than max_inflight")
+            self.loop.refusals.malformed(client, None, HEADER_REJOIN, "more entries than max_inflight")
             return
         self.loop.clients[client].fresh = False
         self.loop.clients[client].rejoined = True
-        identity = self.loop._frame_bytes(0)
+        identity = self.loop.answers.frame_bytes(0)
         self.away.pop(identity, None)  # back from a blip: its requests carry on
         self.n_away = len(self.away)
         replays = {}
@@ -206,7 +206,7 @@ cdef class Rebuild:
         cdef int part
         cdef double now = 0.0
         cdef size_t size
-        parsed = self.loop._parse(protocol.REPLAYED, -1, HEADER_REPLAYED)
+        parsed = self.loop.answers.parse(protocol.REPLAYED, -1, HEADER_REPLAYED)
         if parsed is None:
             return
         entries, _ = parsed
@@ -241,7 +241,7 @@ cdef class Rebuild:
         self._refuse_claims(engine, "REPLAYED", refused)
         for client, (replied, parts) in out.items():
             if self.loop._send_identity(&self.loop.client_ids, client) != 0:
-                self.loop._client_gone(client)
+                self.loop.peers.client_gone(client)
                 continue
             meta = packb([HEADER_REPLAYED, replied])
             send_bytes(self.loop.sock, <const char*>meta, len(meta), ZMQ_SNDMORE)
@@ -268,7 +268,7 @@ cdef class Rebuild:
         for rank, entries in replays.items():
             self.loop.counters[COUNTER_REPLAYED] += len(entries)
             replay = protocol.REPLAY.pack(entries)
-            if not self.loop._send_frames(&self.loop.engine_ids, rank, replay):
+            if not self.loop.answers.send_frames(&self.loop.engine_ids, rank, replay):
                 self.loop.faults.lost(rank, GONE_UNREACHABLE)
 
     cdef send_resends(self, dict resend):
@@ -279,8 +279,8 @@ cdef class Rebuild:
                 continue
             self.loop.counters[COUNTER_RESENT] += len(rids)
             message = protocol.RESEND.pack(rids)
-            if not self.loop._send_frames(&self.loop.client_ids, client, message):
-                self.loop._client_gone(client)
+            if not self.loop.answers.send_frames(&self.loop.client_ids, client, message):
+                self.loop.peers.client_gone(client)
 
     cdef rejoins_nothing(self, int32_t client):
         """A connected client's first message is not a REJOIN: it waits for nothing an
@@ -297,8 +297,8 @@ cdef class Rebuild:
             return
         self.loop.failed[ERROR_ENGINE_FAILED] += 1
         self.loop.counters[COUNTER_ENGINE_FAILED] += 1
-        if not self.loop._send_error(client, rid, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST):
-            self.loop._client_gone(client)
+        if not self.loop.refusals.send_error(client, rid, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST):
+            self.loop.peers.client_gone(client)
 
     cdef _unheld(self, uint32_t slot, dict resend):
         """A request its engine says it does not hold (any more): sent back to its
@@ -309,7 +309,7 @@ cdef class Rebuild:
         if request.flags & (FLAG_PRODUCED | FLAG_ABORTED | FLAG_PINNED) or (
             not self.loop.clients[client].rebuild
         ):
-            self.loop._fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
+            self.loop.refusals.fail_request(slot, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST)
             return
         if self.loop.traces.on:
             self.loop.traces.drop(slot)
@@ -324,9 +324,9 @@ cdef class Rebuild:
         cdef int64_t server_rid = self.loop.requests.pool[slot].server_rid
         self.loop._forget(slot)
         if rank >= 0 and self.loop.engines[rank].state != ENGINE_GONE:
-            self.loop._abort_at_engine(rank, server_rid)
+            self.loop.control.abort_at_engine(rank, server_rid)
         if not self.loop.clients[client].present and self.loop.clients[client].inflight == 0:
-            self.loop._remove_client(client)
+            self.loop.peers.remove_client(client)
 
     cdef defer(self, int32_t client, int64_t rid):
         """Keep a request for RESEND once an engine registered (see _submit)."""
@@ -361,7 +361,7 @@ cdef class Rebuild:
             if client < 0:
                 continue
             if (identity, rid) in aborting:  # aborted before anyone ran it: not sent again
-                self.loop._refuse(
+                self.loop.refusals.refuse(
                     client, rid, ERROR_UNKNOWN_REQUEST, HEADER_ABORT_REQUEST,
                     COUNTER_UNKNOWN_REQUEST,
                 )
@@ -382,7 +382,7 @@ cdef class Rebuild:
             self.n_away = len(self.away)
             client = ck_ids_find(&self.loop.client_ids, identity, len(identity))
             if not self.loop.clients[client].present:
-                self.loop._drop_client(client)
+                self.loop.peers.drop_client(client)
             else:
                 self._drop_orphans(client)
 
@@ -391,7 +391,7 @@ cdef class Rebuild:
         those of clients away), by server id: aborted at their engines and forgotten
         (_drop_orphan)."""
         cdef uint32_t i, n, slot
-        cdef RequestOrder* order = self.loop._in_order(-1, client, &n)
+        cdef RequestOrder* order = self.loop.faults.in_order(-1, client, &n)
         try:
             for i in range(n):
                 slot = order[i].slot
@@ -468,7 +468,7 @@ cdef class Rebuild:
         self.loop.clients[client].fd = -1
         self.away[self.loop._identity(client)] = monotonic() + self.loop.clients[client].hold
         self.n_away = len(self.away)
-        order = self.loop._in_order(-1, client, &n)
+        order = self.loop.faults.in_order(-1, client, &n)
         try:
             for i in range(n):
                 slot = order[i].slot
@@ -482,11 +482,11 @@ cdef class Rebuild:
                 aborted = request.flags & FLAG_ABORTED
                 self.loop._forget(slot)
                 if not aborted and rank >= 0 and self.loop.engines[rank].state != ENGINE_GONE:
-                    self.loop._abort_at_engine(rank, order[i].server_rid)
+                    self.loop.control.abort_at_engine(rank, order[i].server_rid)
         finally:
             free(order)
         if self.loop.clients[client].inflight == 0:
-            self.loop._remove_client(client)
+            self.loop.peers.remove_client(client)
 
     cdef int absent(self):
         """The clients away and not back yet (stats: they are not connected)."""

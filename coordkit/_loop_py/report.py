@@ -1,0 +1,79 @@
+"""What the loop reports (loop/report.pyx)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from .._shared import (
+    busiest,
+    metrics_map,
+    stats_map,
+)
+
+if TYPE_CHECKING:
+    from .loop import Loop
+
+
+class Report:
+    """What the loop reports: stats() and metrics(), read from its tables and counters."""
+
+    def __init__(self, loop: Loop):
+        self._loop = loop
+
+    def stats(self) -> dict[str, Any]:
+        now = time.monotonic()
+        measured = self._loop._latency is not None
+        stats = stats_map(
+            implementation=self._loop.implementation,
+            policy=self._loop._router.policy,
+            epoch=self._loop._epoch,
+            messages=self._loop._messages,
+            inflight=self._loop._live,
+            clients=len(self._loop._clients)
+            - sum(not self._loop._clients[i].present for i in self._loop._rebuild.away),
+            control_state=self._loop._control_state,
+            counters=list(self._loop._counters),
+            engines=[
+                (
+                    e.rank,
+                    e.identity,
+                    e.state,
+                    self._loop._router.pending(e.rank),
+                    max(e.quarantined_until - now, 0.0),
+                    e.failures,
+                    e.last_failure,
+                    *self._loop._tally.engine(e.rank, measured),
+                    now - e.last_heartbeat if e.heartbeats else None,
+                )
+                for e in list(self._loop._engines)
+            ],
+            queue=self._loop._queue.stats(),
+            busiest_clients=busiest(
+                [
+                    (
+                        c.identity,
+                        len(c.requests),
+                        self._loop._tally.submitted.get(c, 0) if measured else None,
+                        c.rebuild,
+                        not c.present,
+                    )
+                    for c in list(self._loop._clients.values())
+                ]
+            ),
+        )
+        if self._loop._pd is not None:
+            stats["pd"] = self._loop._pd.stats()
+        return stats
+
+    def metrics(self) -> dict[str, Any]:
+        """Traffic by header and direction, outcomes by error code, latencies."""
+        return metrics_map(
+            traffic=self._loop._traffic.metrics(),
+            failed=list(self._loop._failed),
+            refused=list(self._loop._refused),
+            latency=None if self._loop._latency is None else self._loop._latency.metrics(),
+            prefix=self._loop._router.prefix_counts,
+            queue=self._loop._queue.metrics(),
+            engine_latency=None if self._loop._tally.final is None else self._loop._tally.latency(),
+        )
