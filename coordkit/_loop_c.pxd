@@ -157,12 +157,12 @@ cdef class Loop:
         int64_t epoch  # what it announces to rebuild peers
         int64_t first_server_id  # this life's first server id: it drew those from here on
         Rebuild rebuild  # the rebuild after a coordinator's loss, and clients' blips
-        Answers answers  # the rare paths' frames as python bytes
-        Control control  # a client's rare requests
-        Peers peers  # the peers' life
+        Answers answers  # the rare paths' frames as Python bytes: read, parsed, sent
+        Control control  # a peer's rare messages: aborts, KV releases, control signals, stats
+        Peers peers  # the peers' life: engines and clients joining, living and leaving
         Refusals refusals  # the refusals and terminal errors
-        Report report  # what the loop reports
-        Timers timers  # the loop's timers, every tick
+        Report report  # what the loop reports: stats() and metrics()
+        Timers timers  # the loop's timers, every TICK
         Faults faults  # an engine's faults: the grace, the breaker, the migration
         PD pd  # disaggregated prefill/decode: made by the first engine with a role (None)
         bint pr6675  # serves #6675's P/D peers (megatron_version "pr6675")
@@ -240,7 +240,6 @@ cdef class Loop:
     cdef void _send_batches(self, int64_t header) noexcept nogil
     cdef void _from_engine(self, int32_t engine, int64_t header) noexcept nogil
     cdef void _forward_replies(self, int32_t engine) noexcept nogil
-    cdef void _sent_finals(self, int32_t engine, uint32_t count, double now) noexcept nogil
     cdef void _forward_single_replies(self, int32_t engine) noexcept nogil
     cdef void _finish(self, uint32_t slot, bint final, double now) noexcept nogil
     cdef bint _deliver(self, int32_t client, int64_t header, int64_t client_rid,

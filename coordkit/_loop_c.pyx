@@ -441,19 +441,7 @@ cdef class Loop:
         return not stop
 
     def shutdown(self) -> None:
-        """End every request still in flight with ERROR(SHUTTING_DOWN): its terminal reply."""
-        cdef uint32_t i, n
-        cdef RequestOrder* order = self.faults.in_order(-1, -1, &n)
-        try:
-            for i in range(n):
-                if self.requests.pool[order[i].slot].server_rid == order[i].server_rid:
-                    self._unqueue(order[i].slot, OUTCOME_REFUSED)
-                    self.refusals.fail_request(order[i].slot, ERROR_SHUTTING_DOWN, HEADER_SHUTDOWN)
-        finally:
-            free(order)
-        self.faults.settle()
-        if self.traces.n_ending:
-            self.traces.end()
+        self.refusals.shut_down()
 
     def stats(self) -> dict:
         return self.report.stats()
@@ -640,7 +628,7 @@ cdef class Loop:
         if read != CK_OK:
             with gil:
                 self.refusals.malformed(client, submit.rid if submit.offset else None, header,
-                                ck_strstatus(read).decode())
+                                        ck_strstatus(read).decode())
             return
         if submit.length != <uint32_t>(2 + n_payload):  # QoS, from a client granted it
             if submit.length != <uint32_t>(4 + n_payload) or not self.clients[client].qos:
@@ -699,7 +687,7 @@ cdef class Loop:
         if read != CK_OK:
             with gil:
                 self.refusals.malformed(client, single.rid if single.prompt else None, header,
-                                ck_strstatus(read).decode())
+                                        ck_strstatus(read).decode())
             return
         single_inbound(&inbound, frame, size, &single)
         inbound.payload = &self.message.parts[1]  # kept whole
@@ -747,7 +735,9 @@ cdef class Loop:
             entry = &self.message.batch_entries[i]
             if entry.flag and self._size(part + 1) % BLOCK_HASH_SIZE:
                 with gil:
-                    self.refusals.malformed(client, entry.rid, HEADER_SUBMIT_BATCH, "bad frame layout")
+                    self.refusals.malformed(
+                        client, entry.rid, HEADER_SUBMIT_BATCH, "bad frame layout"
+                    )
             else:
                 multipart_inbound(
                     &inbound, HEADER_SUBMIT_REQUEST, &self.message.parts[part], 1,
@@ -1008,7 +998,7 @@ cdef class Loop:
         gone by its send waits, with the client's other requests, for its REJOIN."""
         cdef int64_t header, slot, client_rid
         cdef uint32_t count, i
-        cdef uint32_t deferred = 0  # finals to clients with a hold (_sent_finals)
+        cdef uint32_t deferred = 0  # finals to clients with a hold (Rebuild.sent_finals)
         cdef int32_t client
         cdef bint final
         cdef double now = 0.0
@@ -1044,7 +1034,9 @@ cdef class Loop:
                 self.tally.engines[engine].unknown_request += 1
                 if self.engines[engine].coordkit:
                     with gil:
-                        self.refusals.reject_entry(engine, entries[i].rid, ERROR_UNKNOWN_REQUEST, header)
+                        self.refusals.reject_entry(
+                            engine, entries[i].rid, ERROR_UNKNOWN_REQUEST, header
+                        )
                 continue
             if self.requests.pool[slot].flags & FLAG_REPLAYING:
                 continue  # the engine's REPLAYED brings it again, in its place
@@ -1063,7 +1055,9 @@ cdef class Loop:
                 self._finish(<uint32_t>slot, final, now)
             if entries[i].needs_detokenize and self.has_detokenizer:
                 with gil:
-                    self.answers.replace(2 + i, self.answers.detokenized(self._data(2 + i), self._size(2 + i)))
+                    self.answers.replace(
+                        2 + i, self.answers.detokenized(self._data(2 + i), self._size(2 + i))
+                    )
             if self.clients[client].batch:
                 fanout_add(&self.fanout, client, client_rid,
                            <const uint8_t*>MSGPACK_BOOLS + final, 1,
@@ -1075,27 +1069,7 @@ cdef class Loop:
                     self.peers.client_gone(client)
         self._send_batches(HEADER_REPLY_BATCH)
         if deferred:
-            self._sent_finals(engine, count, now)
-
-    cdef void _sent_finals(self, int32_t engine, uint32_t count, double now) noexcept nogil:
-        """The finals to clients with a hold, sent: forgotten now, but those whose client
-        went away meanwhile (REPLAYING since: its REJOIN replays them)."""
-        cdef uint32_t i
-        cdef int64_t slot
-        cdef ck_request* request
-        for i in range(count):
-            if not self.message.entries[i].valid:
-                continue
-            slot = ck_requests_find(&self.requests, self.message.entries[i].rid)
-            if slot < 0:
-                continue
-            request = &self.requests.pool[slot]
-            if (
-                request.rank == engine
-                and self.clients[request.client].hold > 0
-                and not request.flags & FLAG_REPLAYING
-            ):
-                self._finish(<uint32_t>slot, True, now)
+            self.rebuild.sent_finals(engine, count, now)
 
     cdef void _forward_single_replies(self, int32_t engine) noexcept nogil:
         """A Megatron engine's finished requests (or main's partial replies), each map to
@@ -1115,7 +1089,8 @@ cdef class Loop:
             or not fanout_reserve(&self.fanout, count, count)
         ):
             with gil:
-                self.refusals.malformed(-1, None, HEADER_ENGINE_REPLY, "bad single-frame ENGINE_REPLY")
+                what = "bad single-frame ENGINE_REPLY"
+                self.refusals.malformed(-1, None, HEADER_ENGINE_REPLY, what)
             return
         final = header == HEADER_ENGINE_REPLY
         if self.measure_latency:
@@ -1146,7 +1121,9 @@ cdef class Loop:
                 self.faults.stream(<uint32_t>slot, body, size)
             if self.requests.pool[slot].flags & FLAG_MIGRATED:  # it continues a stream
                 with gil:
-                    body = self.answers.held_body(self.faults.continued(entry.rid, body, size), &size)
+                    body = self.answers.held_body(
+                        self.faults.continued(entry.rid, body, size), &size
+                    )
             self._finish(<uint32_t>slot, final, now)
             if final and self.has_detokenizer:  # as Megatron's coordinator: every final
                 with gil:
@@ -1318,6 +1295,3 @@ cdef class Loop:
         cdef size_t n
         cdef const uint8_t* identity = ck_ids_get(&self.engine_ids, rank, &n)
         return identity[:n]
-
-    # -- answers and malformed input ------------------------------------------------------
-

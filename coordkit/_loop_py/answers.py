@@ -1,4 +1,4 @@
-"""The rare paths' frames as Python bytes (loop/answers.pyx)."""
+"""The rare paths' frames as Python bytes: read, parsed, sent (loop/answers.pyx)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,10 @@ import zmq
 
 from .. import _codec_py as codec
 from .. import protocol
-from .._shared import (
-    Counter,
-    detokenize,
-)
-from ..protocol import (
-    Buffer,
-    MessageSpec,
-    ProtocolError,
-)
+from .._shared import Counter, detokenize
+from ..protocol import Buffer, MessageSpec, ProtocolError
 from .message import _buffers, _send_all
-from .tables import (
-    _Client,
-)
+from .tables import _Client
 from .traffic import SENT
 
 if TYPE_CHECKING:

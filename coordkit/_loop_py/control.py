@@ -1,4 +1,4 @@
-"""A client's rare requests (loop/control.pyx)."""
+"""A peer's rare messages: aborts, KV releases, control signals, stats (loop/control.pyx)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from .. import protocol
-from .._shared import (
-    Counter,
-    GoneReason,
-    never_ran,
-    unknown_from_engine,
-)
+from .._shared import Counter, GoneReason, never_ran, unknown_from_engine
 from ..protocol import (
     CONTROL_HEADERS,
     CONTROL_TRANSITIONS,
@@ -22,22 +17,16 @@ from ..protocol import (
     asks_metrics,
     packb,
 )
-from .dialect import (
-    engine_parses,
-)
-from .tables import (
-    ABORTED,
-    GONE,
-    _Client,
-    _Engine,
-)
+from .dialect import engine_parses
+from .tables import ABORTED, GONE, _Client, _Engine
 
 if TYPE_CHECKING:
     from .loop import Loop
 
 
 class Control:
-    """A client's rare requests: aborts, KV releases, the control signals, shutdown and stats."""
+    """A peer's rare messages, dispatched; a client's: aborts, KV releases, the control
+    signals, shutdown and stats."""
 
     def __init__(self, loop: Loop):
         self._loop = loop

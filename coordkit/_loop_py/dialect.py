@@ -8,10 +8,7 @@ import zmq
 
 from .. import _codec_py as codec
 from .. import protocol
-from ..protocol import (
-    Buffer,
-    Header,
-)
+from ..protocol import Buffer, Header
 from .message import _parses, _send_all, _view
 from .tables import MSGPACK_NIL, MULTIPART, SINGLE_FRAME, SINGLE_FRAME_MAIN
 

@@ -6,9 +6,7 @@ from typing import Any
 
 import zmq
 
-from ..protocol import (
-    Buffer,
-)
+from ..protocol import Buffer
 from .message import _send_all
 from .tables import _packer
 

@@ -18,12 +18,7 @@ from .._shared import (
     continued,
     resumed,
 )
-from ..protocol import (
-    Buffer,
-    ErrorCode,
-    Header,
-    ProtocolError,
-)
+from ..protocol import Buffer, ErrorCode, Header, ProtocolError
 from .dialect import carriers
 from .kept import kept_inbound, kept_prompt
 from .refusals import _refusal

@@ -5,14 +5,8 @@ from __future__ import annotations
 import zmq
 
 from .. import _codec_py as codec
-from .._shared import (
-    COPY_BELOW,
-    SHARED_SMALL_MAX,
-)
-from ..protocol import (
-    Header,
-    ProtocolError,
-)
+from .._shared import COPY_BELOW, SHARED_SMALL_MAX
+from ..protocol import Header, ProtocolError
 from .dialect import Inbound, multipart_inbound, single_inbound, single_walks
 from .message import _view
 from .tables import Kept

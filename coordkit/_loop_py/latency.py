@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import time
 
-from .._shared import (
-    DECISION_BUCKETS,
-    DECISION_SAMPLE,
-    LATENCY_BUCKETS,
-    latency_bucket,
-)
-from ..protocol import (
-    Header,
-)
+from .._shared import DECISION_BUCKETS, DECISION_SAMPLE, LATENCY_BUCKETS, latency_bucket
+from ..protocol import Header
 
 
 class Histogram:

@@ -235,14 +235,7 @@ class Loop:
         return False
 
     def shutdown(self) -> None:
-        """End every request still in flight with ERROR(SHUTTING_DOWN): its terminal reply."""
-        for request in self._faults.in_order(lambda r: True):
-            if self._find(request.server_rid) is request:
-                self._unqueue(request, QueueOutcome.REFUSED)
-                self._refusals.fail_request(request, ErrorCode.SHUTTING_DOWN, Header.SHUTDOWN)
-        self._faults.settle()
-        if self._traces is not None and self._traces.ending:
-            self._traces.end()
+        self._refusals.shut_down()
 
     def stats(self) -> dict[str, Any]:
         return self._report.stats()
@@ -633,7 +626,7 @@ class Loop:
             return
         final = header == Header.ENGINE_REPLY
         now = time.monotonic() if self._latency is not None else 0.0
-        deferred = 0  # finals to clients with a hold, forgotten once sent (_sent_finals)
+        deferred = 0  # finals to clients with a hold, forgotten once sent (Rebuild.sent_finals)
         for entry, body in zip(entries, bodies, strict=True):
             if entry is None:
                 self._refusals.reject_entry(engine, None, ErrorCode.MALFORMED, header)
@@ -665,20 +658,7 @@ class Loop:
                 self._peers.client_gone(request.client)
         self._send_batches(Header.REPLY_BATCH)
         if deferred:
-            self._sent_finals(engine, entries, now)
-
-    def _sent_finals(self, engine: _Engine, entries: list[Any], now: float) -> None:
-        """The finals to clients with a hold, sent: forgotten now, but those whose client
-        went away meanwhile (REPLAYING since: its REJOIN replays them)."""
-        for entry in entries:
-            request = None if entry is None else self._find(entry[0])
-            if (
-                request is not None
-                and request.rank == engine.rank
-                and request.client.hold > 0
-                and not request.flags & REPLAYING
-            ):
-                self._finish(request, True, now)
+            self._rebuild.sent_finals(engine, entries, now)
 
     def _forward_single_replies(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
         """A Megatron engine's finished requests (or main's partial replies), each map to

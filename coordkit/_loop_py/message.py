@@ -7,10 +7,7 @@ from typing import Any
 
 import zmq
 
-from ..protocol import (
-    Buffer,
-    ProtocolError,
-)
+from ..protocol import Buffer, ProtocolError
 
 
 def _send_all(sock: zmq.Socket, frames: list[Any]) -> int:

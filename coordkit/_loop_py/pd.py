@@ -11,20 +11,8 @@ import zmq
 
 from .. import _codec_py as codec
 from .. import _pd, protocol
-from .._shared import (
-    Counter,
-    GoneReason,
-    Options,
-)
-from ..protocol import (
-    Buffer,
-    EngineRole,
-    ErrorCode,
-    Header,
-    ProtocolError,
-    packb,
-    unpackb,
-)
+from .._shared import Counter, GoneReason, Options
+from ..protocol import Buffer, EngineRole, ErrorCode, Header, ProtocolError, packb, unpackb
 from .dialect import Inbound
 from .tables import ABORTED, ALIVE, GONE, PRODUCED, UNCONFIRMED, _Client, _Engine, _Request
 

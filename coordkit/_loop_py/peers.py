@@ -1,4 +1,4 @@
-"""The peers' life (loop/peers.pyx)."""
+"""The peers' life: engines and clients joining, living and leaving (loop/peers.pyx)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from .. import _pd, protocol
-from .._shared import (
-    REFUSAL_EVENTS,
-    Counter,
-    GoneReason,
-    PeerRole,
-    monitor_events,
-)
+from .._shared import REFUSAL_EVENTS, Counter, GoneReason, PeerRole, monitor_events
 from ..protocol import (
     BATCH_FEATURE,
     EPOCH_KEY,

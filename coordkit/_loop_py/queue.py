@@ -16,9 +16,7 @@ from .._shared import (
     latency_bucket,
     tenant_stride,
 )
-from ..protocol import (
-    PRIORITY_MIN,
-)
+from ..protocol import PRIORITY_MIN
 
 #
 # Requests that find no engine with room wait here, at the coordinator, until one has

@@ -9,16 +9,8 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from .. import protocol
-from .._shared import (
-    Counter,
-    GoneReason,
-    Options,
-    PeerRole,
-)
-from ..protocol import (
-    ErrorCode,
-    Header,
-)
+from .._shared import Counter, GoneReason, Options, PeerRole
+from ..protocol import ErrorCode, Header
 from .tables import (
     ABORTED,
     ASKED,
@@ -455,3 +447,16 @@ class Rebuild:
                 lambda r: r.flags & ORPHAN, client.requests.values()
             ):
                 self._drop_orphan(request)
+
+    def sent_finals(self, engine: _Engine, entries: list[Any], now: float) -> None:
+        """The finals to clients with a hold, sent: forgotten now, but those whose client
+        went away meanwhile (REPLAYING since: its REJOIN replays them)."""
+        for entry in entries:
+            request = None if entry is None else self._loop._find(entry[0])
+            if (
+                request is not None
+                and request.rank == engine.rank
+                and request.client.hold > 0
+                and not request.flags & REPLAYING
+            ):
+                self._loop._finish(request, True, now)

@@ -8,27 +8,9 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from .. import protocol
-from .._shared import (
-    Counter,
-    GoneReason,
-    QueueOutcome,
-    RouteStatus,
-    megatron_failed_reply,
-)
-from ..protocol import (
-    ErrorCode,
-    Header,
-    error_text,
-    header_name,
-)
-from .tables import (
-    ABORTED,
-    GONE,
-    SINGLE_FRAME_MAIN,
-    _Client,
-    _Engine,
-    _Request,
-)
+from .._shared import Counter, GoneReason, QueueOutcome, RouteStatus, megatron_failed_reply
+from ..protocol import ErrorCode, Header, error_text, header_name
+from .tables import ABORTED, GONE, SINGLE_FRAME_MAIN, _Client, _Engine, _Request
 
 if TYPE_CHECKING:
     from .loop import Loop
@@ -175,3 +157,13 @@ class Refusals:
             if self._loop._clients.get(client.identity) is not client:
                 return  # found gone meanwhile
             self.malformed(client, rid, Header.SUBMIT_BATCH, detail, frames)
+
+    def shut_down(self) -> None:
+        """End every request still in flight with ERROR(SHUTTING_DOWN): its terminal reply."""
+        for request in self._loop._faults.in_order(lambda r: True):
+            if self._loop._find(request.server_rid) is request:
+                self._loop._unqueue(request, QueueOutcome.REFUSED)
+                self.fail_request(request, ErrorCode.SHUTTING_DOWN, Header.SHUTDOWN)
+        self._loop._faults.settle()
+        if self._loop._traces is not None and self._loop._traces.ending:
+            self._loop._traces.end()

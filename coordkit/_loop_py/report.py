@@ -1,15 +1,11 @@
-"""What the loop reports (loop/report.pyx)."""
+"""What the loop reports: stats() and metrics() (loop/report.pyx)."""
 
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING, Any
 
-from .._shared import (
-    busiest,
-    metrics_map,
-    stats_map,
-)
+from .._shared import busiest, metrics_map, stats_map
 
 if TYPE_CHECKING:
     from .loop import Loop

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .._shared import (
-    PeerRole,
-)
+from .._shared import PeerRole
 
 
 def made_up(identity: bytes) -> bool:

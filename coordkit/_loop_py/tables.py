@@ -7,11 +7,7 @@ import math
 import msgpack
 import zmq
 
-from .._shared import (
-    EngineState,
-    PeerFormat,
-    RequestFlag,
-)
+from .._shared import EngineState, PeerFormat, RequestFlag
 
 ALIVE, DRAINING, GONE, AWAY = (
     EngineState.ALIVE,

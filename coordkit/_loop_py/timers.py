@@ -1,21 +1,12 @@
-"""The loop's timers (loop/timers.pyx)."""
+"""The loop's timers, every TICK (loop/timers.pyx)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._shared import (
-    Counter,
-    GoneReason,
-)
-from ..protocol import (
-    ErrorCode,
-    Header,
-)
-from .tables import (
-    DRAINING,
-    GONE,
-)
+from .._shared import Counter, GoneReason
+from ..protocol import ErrorCode, Header
+from .tables import DRAINING, GONE
 
 if TYPE_CHECKING:
     from .loop import Loop

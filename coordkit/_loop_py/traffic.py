@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from .._shared import (
-    HEADER_SLOTS,
-    header_slot,
-)
+from .._shared import HEADER_SLOTS, header_slot
 
 RECEIVED, SENT = 0, 1
 

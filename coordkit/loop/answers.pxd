@@ -1,4 +1,4 @@
-# The rare paths' frames as Python bytes: the message at hand read and parsed by its spec, (its methods: answers.pyx).
+# The rare paths' frames as Python bytes: read, parsed, sent (its methods: answers.pyx).
 # Included by _loop_c.pxd.
 
 cdef class Answers:

@@ -1,5 +1,4 @@
-# The rare paths' frames as Python bytes: the message at hand read and parsed by its spec,
-# (its declarations: answers.pxd).
+# The rare paths' frames as Python bytes: read, parsed, sent (its declarations: answers.pxd).
 
 
 @cython.final
@@ -61,7 +60,9 @@ cdef class Answers:
         self.count_frames_out(frames)
         for i in range(last + 1):
             frame = frames[i]
-            send_bytes(self.loop.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i < last else 0)
+            send_bytes(
+                self.loop.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i < last else 0
+            )
         return True
 
     cdef reply_to_sender(self, list frames):
@@ -73,7 +74,9 @@ cdef class Answers:
         self.count_frames_out(frames)
         for i in range(last + 1):
             frame = frames[i]
-            send_bytes(self.loop.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i < last else 0)
+            send_bytes(
+                self.loop.sock, <const char*>frame, len(frame), ZMQ_SNDMORE if i < last else 0
+            )
 
     cdef count_frames_out(self, list frames):
         cdef bytes first = frames[0]

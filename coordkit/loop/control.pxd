@@ -1,4 +1,4 @@
-# A client's rare requests: aborts, KV releases, the control signals, shutdown and stats. (its methods: control.pyx).
+# A peer's rare messages: aborts, KV releases, control signals, stats (its methods: control.pyx).
 # Included by _loop_c.pxd.
 
 cdef class Control:

@@ -1,10 +1,11 @@
-# A client's rare requests: aborts, KV releases, the control signals, shutdown and stats.
+# A peer's rare messages: aborts, KV releases, control signals, stats
 # (its declarations: control.pxd).
 
 
 @cython.final
 cdef class Control:
-    """A client's rare requests: aborts, KV releases, the control signals, shutdown and stats."""
+    """A peer's rare messages, dispatched; a client's: aborts, KV releases, the control
+    signals, shutdown and stats."""
 
     def __cinit__(self, Loop loop):
         self.loop = loop
@@ -25,7 +26,9 @@ cdef class Control:
         elif header == HEADER_DISCONNECT:
             self.loop.peers.goodbye(client)
         else:
-            self.loop.refusals.refuse(client, None, ERROR_UNKNOWN_HEADER, header, COUNTER_UNKNOWN_HEADER)
+            self.loop.refusals.refuse(
+                client, None, ERROR_UNKNOWN_HEADER, header, COUNTER_UNKNOWN_HEADER
+            )
 
     cdef from_engine(self, int32_t engine, int64_t header):
         if header == HEADER_HEARTBEAT:
@@ -78,7 +81,8 @@ cdef class Control:
             self.loop._forget(slot)  # it waits: it ends here, no engine has it
             self.loop.failed[ERROR_ABORTED] += 1
             if not self.loop.refusals.send_error(client, message.rid, ERROR_ABORTED,
-                                    HEADER_ABORT_REQUEST, True, never_ran(message.rid)):
+                                                 HEADER_ABORT_REQUEST, True,
+                                                 never_ran(message.rid)):
                 self.loop.peers.client_gone(client)
             return
         if request.flags & FLAG_ABORTED:
@@ -113,7 +117,9 @@ cdef class Control:
             return
         state = CONTROL_TRANSITIONS.get((self.loop.control_state, header))
         if state is None:
-            self.loop.refusals.refuse(client, None, ERROR_INVALID_STATE, header, COUNTER_INVALID_CONTROL)
+            self.loop.refusals.refuse(
+                client, None, ERROR_INVALID_STATE, header, COUNTER_INVALID_CONTROL
+            )
             return
         self.loop.counters[COUNTER_CONTROL] += 1
         self.loop.control_state = state
@@ -130,7 +136,8 @@ cdef class Control:
             stats = self.loop.report.stats()
             if asks_metrics(message.asked):
                 stats["metrics"] = self.loop.report.metrics()
-            self.loop.answers.send_frames(&self.loop.client_ids, client, protocol.STATS_REPLY.pack(packb(stats)))
+            reply = protocol.STATS_REPLY.pack(packb(stats))
+            self.loop.answers.send_frames(&self.loop.client_ids, client, reply)
 
     cdef broadcast(self, int64_t header):
         """The metadata frame as it came (refcounted copies) to every engine not gone."""

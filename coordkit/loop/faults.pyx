@@ -312,7 +312,10 @@ cdef class Faults:
             return
         else:
             status = self.resend(slot)
-        if status == ROUTE_ALL_BUSY and self.loop.queue.limit and self.loop._queued(slot, NULL, True):
+        if (
+            status == ROUTE_ALL_BUSY and self.loop.queue.limit
+            and self.loop._queued(slot, NULL, True)
+        ):
             return  # it waits at the head, sent from what it kept (moved on: its tokens)
         if status == ROUTE_SENT:
             self.loop.counters[counter] += 1

@@ -836,7 +836,7 @@ cdef class PD:
         cdef int status = message_read_batch(&loop.message, HEADER_HANDOFF, 2, &count)
         if status != CK_OK:
             loop.refusals.malformed(-1, None, HEADER_HANDOFF,
-                            f"malformed HANDOFF: {ck_strstatus(status).decode()}")
+                                    f"malformed HANDOFF: {ck_strstatus(status).decode()}")
             return
         if count != <uint32_t>(loop.message.n_parts - 2):
             loop.refusals.malformed(-1, None, HEADER_HANDOFF, "bad frame layout")
@@ -884,8 +884,10 @@ cdef class PD:
         cdef ck_cursor cursor
         cdef int status = ck_read_rids(loop._data(1), loop._size(1), &header, &count, &first)
         if status != CK_OK:
-            loop.refusals.malformed(-1, None, HEADER_KV_READ_DONE,
-                            f"malformed metadata frame: {ck_strstatus(status).decode()}")
+            loop.refusals.malformed(
+                -1, None, HEADER_KV_READ_DONE,
+                f"malformed metadata frame: {ck_strstatus(status).decode()}",
+            )
             return
         if loop.message.n_parts != 2:
             loop.refusals.malformed(-1, None, HEADER_KV_READ_DONE, "bad frame layout")

@@ -1,4 +1,4 @@
-# The peers' life: engines registering, saying hello and their role, new and restarted; (its methods: peers.pyx).
+# The peers' life: engines and clients joining, living and leaving (its methods: peers.pyx).
 # Included by _loop_c.pxd.
 
 cdef class Peers:

@@ -1,5 +1,4 @@
-# The peers' life: engines registering, saying hello and their role, new and restarted;
-# (its declarations: peers.pxd).
+# The peers' life: engines and clients joining, living and leaving (its declarations: peers.pxd).
 
 
 @cython.final
@@ -37,7 +36,10 @@ cdef class Peers:
             return
         if engine < 0 or self.loop.engines[engine].state in (ENGINE_GONE, ENGINE_DRAINING):
             engine = self.new_engine(engine, fd)
-        elif self.loop.engines[engine].session and hello.session != self.loop.engines[engine].session:
+        elif (
+            self.loop.engines[engine].session
+            and hello.session != self.loop.engines[engine].session
+        ):
             self.restarted(engine, fd)
         elif self.loop.engines[engine].state == ENGINE_AWAY or fd != self.loop.engines[engine].fd:
             self.loop.faults.back(engine, fd)  # the same process, a new connection
@@ -61,7 +63,8 @@ cdef class Peers:
                 self.loop.pd.unseat(engine)
                 self.loop.faults.admit(engine)
             if hello.ack or hello.rebuild:  # it is in the pool: say so, and what it was granted
-                self.loop.answers.reply_to_sender(protocol.engine_ack(hello, self.loop.epoch, roles=True))
+                ack = protocol.engine_ack(hello, self.loop.epoch, roles=True)
+                self.loop.answers.reply_to_sender(ack)
             if self.loop.pd is not None:
                 self.loop.pd.drain()
 
@@ -98,10 +101,12 @@ cdef class Peers:
                 pd.counts["roles_refused"] += 1
             self.loop.answers.reply_to_sender(protocol.ROLE_REFUSED.pack(check.refusal))
             return
-        rank = self.new_engine(ck_ids_find(&self.loop.engine_ids, self.loop._data(0), self.loop._size(0)), fd)
+        rank = ck_ids_find(&self.loop.engine_ids, self.loop._data(0), self.loop._size(0))
+        rank = self.new_engine(rank, fd)
         if rank < 0:
             return
-        self.loop.engines[rank].format = FORMAT_SINGLE_FRAME_MAIN  # main's frames, four SUBMIT fields
+        # main's frames, four SUBMIT fields
+        self.loop.engines[rank].format = FORMAT_SINGLE_FRAME_MAIN
         self.count_formats()
         pd.seat(rank, ROLE_NAMES[registration.role], True, MEGATRON_DOMAIN,
                 registration.request_capacity)
@@ -177,10 +182,14 @@ cdef class Peers:
         self.loop.engines[engine].session = 0
         self.loop.engines[engine].coordkit = False
         self.loop.engines[engine].batch = False
-        self.loop.engines[engine].format = self.loop.single_format if self.loop.megatron_core else FORMAT_MULTIPART
+        self.loop.engines[engine].format = (
+            self.loop.single_format if self.loop.megatron_core else FORMAT_MULTIPART
+        )
         self.loop.engines[engine].heartbeats = False
         self.loop.engines[engine].rebuild = False
-        self.loop.engines[engine].handled = self.loop.engines[engine].mark = self.loop.engines[engine].acked = 0
+        self.loop.engines[engine].handled = 0
+        self.loop.engines[engine].mark = 0
+        self.loop.engines[engine].acked = 0
         self.loop.router.set_capacity(engine, 0)  # until a hello says otherwise
         self.loop.faults.admit(engine)
         self.loop.dispatch_due = True
@@ -221,7 +230,10 @@ cdef class Peers:
                 self.client_gone(client, False)
             # -1: forgotten (nothing in flight kept)
             client = ck_ids_find(&self.loop.client_ids, self.loop._data(0), self.loop._size(0))
-        if client < 0 and roles_of(&self.loop.roles, self.loop._data(0), self.loop._size(0)) == ROLE_ENGINE:
+        if (
+            client < 0
+            and roles_of(&self.loop.roles, self.loop._data(0), self.loop._size(0)) == ROLE_ENGINE
+        ):
             self.loop.refusals.malformed(-1, None, HEADER_CONNECT, "an engine sent CONNECT")
             return
         if client >= 0:
@@ -298,7 +310,10 @@ cdef class Peers:
         """A free client index; when all are used, the client idle longest gives up
         its own; -1 when none is idle."""
         cdef int32_t index
-        if self.loop.vacant.newest == UINT32_MAX and self.loop.clients_used < <uint32_t>self.loop.max_clients:
+        if (
+            self.loop.vacant.newest == UINT32_MAX
+            and self.loop.clients_used < <uint32_t>self.loop.max_clients
+        ):
             self.loop.clients_used += 1
             return self.loop.clients_used - 1
         if self.loop.vacant.newest == UINT32_MAX:

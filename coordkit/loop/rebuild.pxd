@@ -51,3 +51,4 @@ cdef class Rebuild:
     cdef _unheld(self, uint32_t slot, dict resend)
     cdef _drop_orphan(self, uint32_t slot)
     cdef _drop_orphans(self, int32_t client)
+    cdef void sent_finals(self, int32_t engine, uint32_t count, double now) noexcept nogil

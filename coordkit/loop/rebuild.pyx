@@ -171,10 +171,12 @@ cdef class Rebuild:
             return
         entries, _ = parsed
         if any(partials < 0 for _, partials in entries):
-            self.loop.refusals.malformed(client, None, HEADER_REJOIN, "a negative count of partials")
+            what = "a negative count of partials"
+            self.loop.refusals.malformed(client, None, HEADER_REJOIN, what)
             return
         if len(entries) > self.loop.max_inflight:
-            self.loop.refusals.malformed(client, None, HEADER_REJOIN, "more entries than max_inflight")
+            what = "more entries than max_inflight"
+            self.loop.refusals.malformed(client, None, HEADER_REJOIN, what)
             return
         self.loop.clients[client].fresh = False
         self.loop.clients[client].rejoined = True
@@ -297,7 +299,9 @@ cdef class Rebuild:
             return
         self.loop.failed[ERROR_ENGINE_FAILED] += 1
         self.loop.counters[COUNTER_ENGINE_FAILED] += 1
-        if not self.loop.refusals.send_error(client, rid, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST):
+        if not self.loop.refusals.send_error(
+            client, rid, ERROR_ENGINE_FAILED, HEADER_SUBMIT_REQUEST
+        ):
             self.loop.peers.client_gone(client)
 
     cdef _unheld(self, uint32_t slot, dict resend):
@@ -506,3 +510,23 @@ cdef class Rebuild:
             if self.loop.clients[client].inflight == 0:
                 del self.away[identity]
                 self.n_away = len(self.away)
+
+    cdef void sent_finals(self, int32_t engine, uint32_t count, double now) noexcept nogil:
+        """The finals to clients with a hold, sent: forgotten now, but those whose client
+        went away meanwhile (REPLAYING since: its REJOIN replays them)."""
+        cdef uint32_t i
+        cdef int64_t slot
+        cdef ck_request* request
+        for i in range(count):
+            if not self.loop.message.entries[i].valid:
+                continue
+            slot = ck_requests_find(&self.loop.requests, self.loop.message.entries[i].rid)
+            if slot < 0:
+                continue
+            request = &self.loop.requests.pool[slot]
+            if (
+                request.rank == engine
+                and self.loop.clients[request.client].hold > 0
+                and not request.flags & FLAG_REPLAYING
+            ):
+                self.loop._finish(<uint32_t>slot, True, now)

@@ -1,4 +1,4 @@
-# The refusals and terminal errors: a request failed, timed out or refused; ERROR to a (its methods: refusals.pyx).
+# The refusals and terminal errors (its methods: refusals.pyx).
 # Included by _loop_c.pxd.
 
 cdef class Refusals:
@@ -9,8 +9,9 @@ cdef class Refusals:
     cdef no_engines_left(self)
     cdef reject_entry(self, int32_t engine, object rid, int code, int64_t header)
     cdef bint send_error(self, int32_t client, object rid, int code, int64_t header,
-                          bint ends=*, str text=*)
+                         bint ends=*, str text=*)
     cdef refuse(self, int32_t client, object rid, int code, int64_t header, int counter,
-                 bint ends=*)
+                bint ends=*)
     cdef malformed(self, int32_t client, object rid, int64_t header, str detail)
     cdef malformed_batch(self, int32_t client, uint32_t count, str detail)
+    cdef shut_down(self)

@@ -1,5 +1,4 @@
-# The refusals and terminal errors: a request failed, timed out or refused; ERROR to a
-# (its declarations: refusals.pxd).
+# The refusals and terminal errors (its declarations: refusals.pxd).
 
 
 @cython.final
@@ -50,7 +49,8 @@ cdef class Refusals:
                 slot = order[i].slot
                 if (
                     self.loop.requests.pool[slot].server_rid == order[i].server_rid
-                    and self.loop.requests.pool[slot].rank < 0 and queue_holds(&self.loop.queue, slot)
+                    and self.loop.requests.pool[slot].rank < 0
+                    and queue_holds(&self.loop.queue, slot)
                 ):
                     self.loop._unqueue(slot, OUTCOME_REFUSED)
                     self.fail_request(slot, ERROR_NO_ENGINES, HEADER_SUBMIT_REQUEST)
@@ -71,14 +71,15 @@ cdef class Refusals:
                 self.loop.faults.lost(engine, GONE_UNREACHABLE)
 
     cdef bint send_error(self, int32_t client, object rid, int code, int64_t header,
-                          bint ends=False, str text=None):
+                         bint ends=False, str text=None):
         """ERROR to a coordkit client (its text ``text``, else error_text's); to a
         Megatron main client, when the error ends a request of its (``ends``), the
         FAILED final it takes (0.19's clients get nothing). False when the client is
         gone."""
         cdef bint coordkit = self.loop.clients[client].coordkit
         if not self.loop.clients[client].present or (
-            not coordkit and not (ends and self.loop.clients[client].format == FORMAT_SINGLE_FRAME_MAIN)
+            not coordkit
+            and not (ends and self.loop.clients[client].format == FORMAT_SINGLE_FRAME_MAIN)
         ):
             return True  # away, its REJOIN then finds it ended; or it takes no ERROR
         self.loop.counters[COUNTER_ERRORS_SENT] += 1
@@ -87,13 +88,15 @@ cdef class Refusals:
             error = protocol.REQUEST_ERROR.pack(rid, text, True)
             return self.loop.answers.send_frames(&self.loop.client_ids, client, error)
         if not coordkit:
-            self.loop._log.warn("failed_final", f"a Megatron main client's request {rid} failed: {text}")
-            return self.loop.answers.send_frames(&self.loop.client_ids, client, [megatron_failed_reply(rid)])
+            what = f"a Megatron main client's request {rid} failed: {text}"
+            self.loop._log.warn("failed_final", what)
+            reply = [megatron_failed_reply(rid)]
+            return self.loop.answers.send_frames(&self.loop.client_ids, client, reply)
         error = protocol.ERROR.pack(rid, code, text)
         return self.loop.answers.send_frames(&self.loop.client_ids, client, error)
 
     cdef refuse(self, int32_t client, object rid, int code, int64_t header, int counter,
-                 bint ends=False):
+                bint ends=False):
         """Count a refused message and answer its client with ERROR(code); ``ends``:
         it was a request that parsed (see _send_error)."""
         self.loop.counters[counter] += 1
@@ -105,7 +108,8 @@ cdef class Refusals:
         """A message that does not parse: counted, logged (rate-limited), and
         answered when its sender is a client (``client`` >= 0)."""
         self.loop._log.warn(
-            "malformed", f"malformed {header_name(header)} from {self.loop.answers.frame_bytes(0)!r}: {detail}"
+            "malformed",
+            f"malformed {header_name(header)} from {self.loop.answers.frame_bytes(0)!r}: {detail}"
         )
         if client < 0:
             self.loop.counters[COUNTER_MALFORMED] += 1
@@ -125,3 +129,18 @@ cdef class Refusals:
             self.malformed(
                 client, self.loop.message.batch_entries[i].rid, HEADER_SUBMIT_BATCH, detail
             )
+
+    cdef shut_down(self):
+        """End every request still in flight with ERROR(SHUTTING_DOWN): its terminal reply."""
+        cdef uint32_t i, n
+        cdef RequestOrder* order = self.loop.faults.in_order(-1, -1, &n)
+        try:
+            for i in range(n):
+                if self.loop.requests.pool[order[i].slot].server_rid == order[i].server_rid:
+                    self.loop._unqueue(order[i].slot, OUTCOME_REFUSED)
+                    self.fail_request(order[i].slot, ERROR_SHUTTING_DOWN, HEADER_SHUTDOWN)
+        finally:
+            free(order)
+        self.loop.faults.settle()
+        if self.loop.traces.n_ending:
+            self.loop.traces.end()

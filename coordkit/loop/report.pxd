@@ -1,6 +1,5 @@
-# What the loop reports: stats() and metrics(), read from its tables and counters. (its methods: report.pyx).
+# What the loop reports: stats() and metrics() (its methods: report.pyx).
 # Included by _loop_c.pxd.
 
 cdef class Report:
     cdef Loop loop  # whose tables it works on
-

@@ -1,5 +1,4 @@
-# What the loop reports: stats() and metrics(), read from its tables and counters.
-# (its declarations: report.pxd).
+# What the loop reports: stats() and metrics() (its declarations: report.pxd).
 
 
 @cython.final

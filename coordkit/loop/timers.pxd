@@ -1,4 +1,4 @@
-# The loop's timers, every TICK: engines whose drain or heartbeat timed out, the grace (its methods: timers.pyx).
+# The loop's timers, every TICK (its methods: timers.pyx).
 # Included by _loop_c.pxd.
 
 cdef class Timers:

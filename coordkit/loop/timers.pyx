@@ -1,5 +1,4 @@
-# The loop's timers, every TICK: engines whose drain or heartbeat timed out, the grace
-# (its declarations: timers.pxd).
+# The loop's timers, every TICK (its declarations: timers.pxd).
 
 
 @cython.final
@@ -40,7 +39,8 @@ cdef class Timers:
             with gil:
                 while self.oldest_submitted_before(deadline):
                     self.loop.refusals.time_out(self.loop.deadlines.oldest)
-        if self.loop.queue.n_due and self.loop.queue.entries[self.loop.queue.due[0]].deadline <= now:
+        cdef Queue* queue = &self.loop.queue
+        if queue.n_due and queue.entries[queue.due[0]].deadline <= now:
             with gil:
                 while True:
                     slot = queue_expired(&self.loop.queue, now)
@@ -51,7 +51,9 @@ cdef class Timers:
         if self.loop.rebuild.rebuilding and now >= self.loop.rebuild.until:
             with gil:
                 self.loop.rebuild.end_window()
-        if self.loop.rebuild.n_deferred and (self.loop.router.n_members or not self.loop.rebuild.rebuilding):
+        if self.loop.rebuild.n_deferred and (
+            self.loop.router.n_members or not self.loop.rebuild.rebuilding
+        ):
             with gil:
                 self.loop.rebuild.resend_deferred()
         if self.loop.rebuild.n_away or self.loop.rebuild.n_holding:
