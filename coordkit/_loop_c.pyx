@@ -1089,8 +1089,9 @@ cdef class Loop:
             or not fanout_reserve(&self.fanout, count, count)
         ):
             with gil:
-                what = "bad single-frame ENGINE_REPLY"
-                self.refusals.malformed(-1, None, HEADER_ENGINE_REPLY, what)
+                self.refusals.malformed(
+                    -1, None, HEADER_ENGINE_REPLY, "bad single-frame ENGINE_REPLY"
+                )
             return
         final = header == HEADER_ENGINE_REPLY
         if self.measure_latency:
