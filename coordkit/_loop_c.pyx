@@ -1801,6 +1801,7 @@ cdef class Loop:
                 if client >= 0:
                     self._end(self._identity(client), value)
                 elif rank >= 0:
+                    self.faults.ended(rank)
                     self._end(self._engine_identity(rank), value)
             elif event & REFUSAL_EVENTS:
                 self.counters[COUNTER_AUTH_REFUSED] += 1
