@@ -80,15 +80,30 @@ class Faults:
         engine.away_until = now + self.grace
         self._loop._router.remove_rank(engine.rank)
 
+    def ended(self, engine: _Engine) -> None:
+        """The monitor says its connection ended: from now on no new work, whatever the
+        grace (a Megatron engine cannot say what reached it). What it sent before is
+        handled first (its late replies routed), then it is lost (Peers.drop_ended)."""
+        if engine.state != ALIVE:
+            return
+        if self.grace:
+            self.lost(engine, GoneReason.DISCONNECTED)
+        else:  # gone once its last messages are handled
+            self._loop._router.remove_rank(engine.rank)
+
     def back(self, engine: _Engine, fd: int) -> None:
         """An engine AWAY (or whose connection changed unseen) heard from again on
         connection ``fd``: its requests are its own again, and it takes work (unless
         quarantined). A request may have been lost with the old connection on its way
-        to it: a rebuild engine's HELD says which it holds (UNCONFIRMED until then)."""
+        to it: a rebuild engine's HELD says which it holds (UNCONFIRMED until then).
+        A message from a connection that ended is what it sent before: not its return."""
+        self._loop._peers.connection_events()  # what the monitor said first
+        if fd >= 0 and fd not in self._loop._connections:
+            return
         if engine.state == AWAY:
             engine.state = ALIVE
             self._loop._counters[Counter.ENGINES_BACK] += 1
-            self.admit(engine)
+        self.admit(engine)  # out of the pool since its connection ended (ended)
         self._loop._peers.watch(engine, fd)
         if engine.rebuild:
             for request in self.in_order(lambda r: r.rank == engine.rank):

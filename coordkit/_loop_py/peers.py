@@ -345,6 +345,7 @@ class Peers:
                 if client is not None:
                     self._loop._ended.append((client.identity, value))
                 elif engine is not None:
+                    self._loop._faults.ended(engine)
                     self._loop._ended.append((engine.identity, value))
             elif event & REFUSAL_EVENTS:
                 self._loop._counters[Counter.AUTH_REFUSED] += 1

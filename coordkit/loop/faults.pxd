@@ -23,6 +23,7 @@ cdef class Faults:
 
     # the grace
     cdef void lost(self, int rank, int reason) noexcept nogil
+    cdef ended(self, int rank)
     cdef back(self, int rank, int fd)
     cdef not_held(self, int rank)
     cdef void admit(self, int rank) noexcept nogil

@@ -53,17 +53,32 @@ cdef class Faults:
         engine.away_until = now + self.grace
         self.loop.router.remove_rank_c(rank)
 
+    cdef ended(self, int rank):
+        """The monitor says its connection ended: from now on no new work, whatever the
+        grace (a Megatron engine cannot say what reached it). What it sent before is
+        handled first (its late replies routed), then it is lost (Peers.drop_ended)."""
+        if self.loop.engines[rank].state != ENGINE_ALIVE:
+            return
+        if self.grace != 0:
+            self.lost(rank, GONE_DISCONNECTED)
+        else:  # gone once its last messages are handled
+            self.loop.router.remove_rank_c(rank)
+
     cdef back(self, int rank, int fd):
         """An engine AWAY (or whose connection changed unseen) heard from again on
         connection ``fd``: its requests are its own again, and it takes work (unless
         quarantined). A request may have been lost with the old connection on its way
-        to it: a rebuild engine's HELD says which it holds (UNCONFIRMED until then)."""
+        to it: a rebuild engine's HELD says which it holds (UNCONFIRMED until then).
+        A message from a connection that ended is what it sent before: not its return."""
         cdef uint32_t i, n
         cdef RequestOrder* order
+        self.loop.peers.connection_events()  # what the monitor said first
+        if fd >= 0 and fd not in self.loop.connections:
+            return
         if self.loop.engines[rank].state == ENGINE_AWAY:
             self.loop.engines[rank].state = ENGINE_ALIVE
             self.loop.counters[COUNTER_ENGINES_BACK] += 1
-            self.admit(rank)
+        self.admit(rank)  # out of the pool since its connection ended (ended)
         self.loop.peers.watch(rank, fd)
         if not self.loop.engines[rank].rebuild:
             return

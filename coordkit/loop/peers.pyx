@@ -359,6 +359,7 @@ cdef class Peers:
                 if client >= 0:
                     self.end(self.loop._identity(client), value)
                 elif rank >= 0:
+                    self.loop.faults.ended(rank)
                     self.end(self.loop._engine_identity(rank), value)
             elif event & REFUSAL_EVENTS:
                 self.loop.counters[COUNTER_AUTH_REFUSED] += 1

@@ -419,10 +419,13 @@ def wait_for(condition: Callable[[], bool], timeout: float = WAIT) -> None:
 # -- a single-frame engine process ---------------------------------------------------
 
 
-def serve_single_frame_engine(address: str, identity: bytes, hold: bool, batch: int = 4) -> None:
+def serve_single_frame_engine(
+    address: str, identity: bytes, hold: bool, batch: int = 4, main: bool = False
+) -> None:
     """Register, then answer each SUBMIT with a finished request echoing its prompt
     (``batch`` of them per ENGINE_REPLY, or fewer when no more are waiting) — or,
-    with ``hold``, keep every request and answer none, until killed."""
+    with ``hold``, keep every request and answer none, until killed. ``main``: a
+    Megatron main engine, which takes main's five-field SUBMIT too."""
     ctx = zmq.Context()
     engine = SingleFrameEngine(ctx, address, identity).register()
     waiting: list[bytes] = []
@@ -435,8 +438,8 @@ def serve_single_frame_engine(address: str, identity: bytes, hold: bool, batch: 
         frame = engine.recv_frame()
         if um(frame)[0] != SUBMIT or hold:
             continue
-        rid, prompt, _ = submit_parts(frame)
-        waiting.append(m(finished_request(rid, um(prompt))))
+        rid, prompt = parse_main_engine(frame)[1:3] if main else parse_019_engine(frame)[1:3]
+        waiting.append(m(finished_request(rid, prompt)))
         if len(waiting) >= batch:
             engine.reply(*waiting)
             waiting.clear()
@@ -447,8 +450,9 @@ def _main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--address", required=True)
     parser.add_argument("--identity", required=True)
     parser.add_argument("--hold", action="store_true", help="keep every request, answer none")
+    parser.add_argument("--main", action="store_true", help="Megatron main's (five-field SUBMIT)")
     args = parser.parse_args(argv)
-    serve_single_frame_engine(args.address, args.identity.encode(), args.hold)
+    serve_single_frame_engine(args.address, args.identity.encode(), args.hold, main=args.main)
 
 
 if __name__ == "__main__":

@@ -64,13 +64,14 @@ def engine_processes(
 
 @contextlib.contextmanager
 def single_frame_engine_process(
-    address: str, identity: bytes, *, hold: bool = False
+    address: str, identity: bytes, *, hold: bool = False, main: bool = False
 ) -> Iterator[subprocess.Popen]:
     """A Megatron-Core 0.19 engine rank on the wire (``tests/support/peers.py`` run as
-    a script, no coordkit in it): it echoes each prompt back, or with ``hold``
-    keeps every request unanswered. Killed at exit."""
+    a script, no coordkit in it), or with ``main`` Megatron main's: it echoes each
+    prompt back, or with ``hold`` keeps every request unanswered. Killed at exit."""
     command = [sys.executable, "-m", "tests.support.peers", "--address", address]
     command += ["--identity", identity.decode()] + (["--hold"] if hold else [])
+    command += ["--main"] if main else []
     process = subprocess.Popen(command, env=python_env(), cwd=ROOT)
     try:
         yield process
