@@ -2118,13 +2118,12 @@ class PD:
 
     def whole(self, rank: int) -> bool:
         """Whether a rank runs whole requests: no role, a coordkit decode (a short prompt
-        prefilled where it decodes), a #6675 prefill (its engine runs them)."""
+        prefilled where it decodes); never a #6675 engine, which registered for one hop
+        (its replies would not be a decode's: #6675 gives every request both hops)."""
         seat = self.seats.get(rank)
         if seat is None:
             return True
-        if seat.megatron:
-            return seat.role == EngineRole.PREFILL
-        return bool(seat.role & EngineRole.DECODE)
+        return not seat.megatron and bool(seat.role & EngineRole.DECODE)
 
     def _usable(self, rank: int) -> bool:
         engine = self._loop._engines[rank]
@@ -2574,7 +2573,7 @@ class PD:
                     True,
                 )
                 return
-        tokens = record.get("prompt_tokens") if _pd.str_prompt(hop.prompt) else None
+        tokens = _pd.prompt_tokens_of(record) if _pd.str_prompt(hop.prompt) else None
         self._handed(rank, rid, packb(kv_meta), packb(blocks), _pd.decode_slots(kv_meta), tokens)
 
     def stray_reply(self, engine: _Engine, rid: int) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "with_keys",
     "refuses_prompt_log_probs",
     "handoff_of",
+    "prompt_tokens_of",
     "restore_nixl_blobs",
     "decode_slots",
     "cannot_route",
@@ -435,6 +436,18 @@ def _array_head(count: int) -> bytes:
     if count <= 0x0F:
         return bytes([0x90 | count])
     return b"\xdc" + count.to_bytes(2, "big")
+
+
+def prompt_tokens_of(record: Any) -> list[int] | None:
+    """A #6675 prefill's record read for its prompt's tokens (asked for a str prompt):
+    a list of ints, or a tensor as Megatron's ``serialize()`` writes one,
+    ``["tensor", [ids...]]``; None when it carries none a decode could read."""
+    tokens = record.get("prompt_tokens") if isinstance(record, dict) else None
+    if isinstance(tokens, list) and len(tokens) == 2 and tokens[0] == "tensor":
+        tokens = tokens[1]
+    if isinstance(tokens, list) and all(type(token) is int for token in tokens):
+        return tokens
+    return None
 
 
 def str_prompt(prompt: bytes | memoryview) -> bool:

@@ -156,13 +156,12 @@ cdef class PD:
 
     cdef bint whole(self, int rank) noexcept nogil:
         """Whether a rank runs whole requests: no role, a coordkit decode (a short prompt
-        prefilled where it decodes), a #6675 prefill (its engine runs them)."""
+        prefilled where it decodes); never a #6675 engine, which registered for one hop
+        (its replies would not be a decode's: #6675 gives every request both hops)."""
         cdef Seat* seat = &self.seats[rank]
         if not seat.seated:
             return True
-        if seat.megatron:
-            return seat.role == PD_PREFILL
-        return (seat.role & PD_DECODE) != 0
+        return not seat.megatron and (seat.role & PD_DECODE) != 0
 
     cdef bint _usable(self, int rank):
         return self.loop.engines[rank].state == ENGINE_ALIVE and (
@@ -799,7 +798,7 @@ cdef class PD:
                 self._end(slot, ERROR_ENGINE_FAILED, f"invalid NIXL handoff metadata: {error}",
                           True)
                 return
-        tokens = record.get("prompt_tokens") if str_prompt(self._prompt(slot)) else None
+        tokens = prompt_tokens_of(record) if str_prompt(self._prompt(slot)) else None
         self._handed(rank, rid, packb(kv_meta), packb(blocks), decode_slots(kv_meta), tokens)
 
     cdef stray_reply(self, int rank, int64_t rid):
