@@ -2212,7 +2212,8 @@ class PD:
         short enough, or cached enough where it would run whole)."""
         if inbound.header != Header.SUBMIT_REQUEST:
             return False
-        if not self._live(EngineRole.PREFILL) or not self._live(EngineRole.DECODE):
+        decode_up = self._live(EngineRole.DECODE)
+        if (not self._live(EngineRole.PREFILL) or not decode_up) and not self._hops_only():
             return False
         hashes = None if inbound.hashes is None else bytes(inbound.hashes)
         if self.mode == "conditional" and self._loop._router.n_accepting:
@@ -2238,9 +2239,20 @@ class PD:
         if _pd.map_head(hop.params) is None:  # the room cannot add its key: a clear error
             self._end(request, ErrorCode.MALFORMED, _pd.PARAMS_NOT_A_MAP, True)
             return True
+        if not decode_up and self._live(EngineRole.PREFILL):  # nothing prefilled for nothing
+            self._end(request, ErrorCode.NO_ENGINES, _pd.cannot_route("decode"), True)
+            return True
         self.counts["requests"] += 1
         self._hop1(request, hop, False, inbound.batched)
         return True
+
+    def _hops_only(self) -> bool:
+        """Whether only role engines that run no whole request are up: a #6675 fleet
+        missing a role (its requests end: the room says which role is missing)."""
+        engines = self._loop._engines
+        if any(self._usable(e.rank) and self.whole(e.rank) for e in engines):
+            return False
+        return bool(self.seats)
 
     def _cached_depth(self, hashes: bytes | None) -> int:
         """The leading blocks of a prompt the most cached whole-request engine holds."""

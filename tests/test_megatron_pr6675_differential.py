@@ -107,7 +107,7 @@ class Fleet:
             result.engines[name] = [_message(msg, labels) for msg in engine.received()]
             result.over_capacity[name] = [labels.get(rid, rid) for rid in engine.over_capacity]
             result.violations[name] = list(engine.violations)
-            result.pins[name] = engine.pins()
+            result.pins[name] = {} if engine._dead else engine.pins()  # a killed one's froze
         return result
 
     def close(self) -> None:
@@ -221,6 +221,14 @@ def assert_sound(run: Run) -> None:
     assert {k: v for k, v in run.pins.items() if v} == {}
 
 
+def per_kind(inbox: list[Any]) -> dict[Any, list[Any]]:
+    """An engine's messages by header, each kind in the order it came."""
+    kinds: dict[Any, list[Any]] = {}
+    for msg in inbox:
+        kinds.setdefault(msg[0], []).append(msg)
+    return kinds
+
+
 def two_hops_each(run: Run, labels: list[Any]) -> None:
     """Every request went through exactly one prefill and one decode."""
     for label in labels:
@@ -239,43 +247,54 @@ def two_hops_each(run: Run, labels: list[Any]) -> None:
         assert (len(prefills), len(decodes)) == (1, 1), (label, prefills, decodes)
 
 
-def fifo(run: Run, role: str, header: int) -> None:
-    """Each engine of ``role`` got its hops in submission (label) order."""
+def fifo(run: Run, role: str, header: int, clients: int = 1) -> None:
+    """Each engine of ``role`` got each client's hops in its submission order (client
+    ``c``'s labels are ``1000 * (c + 1) + i``)."""
     for name, inbox in run.role_inboxes(role).items():
-        order = [msg[1] for msg in inbox if msg[0] == header]
-        assert order == sorted(order), (name, order)
+        for c in range(clients):
+            mine = range(1000 * (c + 1), 1000 * (c + 2))
+            order = [msg[1] for msg in inbox if msg[0] == header and msg[1] in mine]
+            assert order == sorted(order), (name, order)
 
 
 # -- scenarios ------------------------------------------------------------------------------
 
 
 def unequal_capacities_under_load(fleet: Fleet) -> None:
-    """Four engines of unequal capacity; 24 short requests (below any threshold), one in
-    two streaming, more than the fleet holds at once."""
+    """Four engines of unequal capacity; two clients' 24 short requests each (below any
+    threshold), interleaved, one in two streaming, more than the fleet holds at once;
+    then PAUSE and STOP."""
     fleet.engine("prefill", 0, capacity=2, prefill_seconds=0.01)
     fleet.engine("prefill", 1, capacity=3, prefill_seconds=0.01)
     fleet.engine("decode", 0, capacity=2, step_seconds=0.005)
     fleet.engine("decode", 1, capacity=4, step_seconds=0.005)
-    peer = fleet.client()
-    rids = []
+    peers = [fleet.client(), fleet.client()]
+    rids: list[tuple[pd.PDClient, int]] = []
     for i in range(24):
-        submit = peer.submit_streaming if i % 2 else peer.submit
-        rids.append(submit(prompt(1000 + i), num_tokens_to_generate=4))
-    for rid in rids:
+        for c, peer in enumerate(peers):
+            submit = peer.submit_streaming if i % 2 else peer.submit
+            rids.append((peer, submit(prompt(1000 * (c + 1) + i), num_tokens_to_generate=4)))
+    for peer, rid in rids:
         peer.wait(rid, 30)
+    peers[0].signal(pd.PAUSE)
+    peers[0].signal(pd.STOP)
+    wait_for(lambda: all(e.received(pd.STOP) for e in fleet.engines))
 
 
 def test_registration_unequal_capacities_and_a_load_above_capacity(compare: Compare) -> None:
     """Point 1-3: every request of a #6675 fleet gets both hops (never run whole on a
     role engine, however short), a decode's reply; capacity counted as the PR does
-    (prompts and pinned handoffs until RELEASE_KV); FIFO per role."""
+    (prompts and pinned handoffs until RELEASE_KV); FIFO per role and client; PAUSE
+    then STOP reach every engine."""
     oracle, ours = compare(unequal_capacities_under_load)
     assert ours.clients == oracle.clients
-    labels = [1000 + i for i in range(24)]
+    labels = [1000 * c + i for c in (1, 2) for i in range(24)]
     for run in (oracle, ours):
         two_hops_each(run, labels)
-        fifo(run, "prefill", pd.SUBMIT)
+        fifo(run, "prefill", pd.SUBMIT, clients=2)
         assert_sound(run)
+        for inbox in run.engines.values():
+            assert [m for m in inbox if m[0] in pd.CONTROL] == [(pd.PAUSE,), (pd.STOP,)]
     for name in oracle.engines:  # registration: one ACK each, first
         assert ours.engines[name][0] == oracle.engines[name][0] == (pd.REGISTER_ROLE_ACK,)
 
@@ -370,8 +389,9 @@ def test_refusals_and_a_decodes_request_error(compare: Compare) -> None:
 
 
 def pause_cycle_and_stop(fleet: Fleet) -> None:
-    fleet.engine("prefill", 0, capacity=2)
-    fleet.engine("decode", 0, capacity=3, step_seconds=0.005)
+    """Over NCCL: KV_TRANSFER_READY, then SEND_KV to the prefill."""
+    fleet.engine("prefill", 0, capacity=2, transport="nccl")
+    fleet.engine("decode", 0, capacity=3, step_seconds=0.005, transport="nccl")
     peer = fleet.client()
     first = peer.submit(prompt(100), num_tokens_to_generate=3)
     peer.wait(first)
@@ -391,7 +411,8 @@ def pause_cycle_and_stop(fleet: Fleet) -> None:
 def test_pause_cycle_then_stop_reaches_every_engine(compare: Compare) -> None:
     """Point 6: PAUSE, SUSPEND, SET_GENERATION_EPOCH, RESUME, UNPAUSE reach each engine
     in order; the 12 requests submitted meanwhile complete with decode replies; PAUSE
-    then STOP reach every live engine, prefills and decodes alike."""
+    then STOP reach every live engine, prefills and decodes alike. Over NCCL: each
+    SEND_KV after its decode's KV_TRANSFER_READY, in the same order."""
     oracle, ours = compare(pause_cycle_and_stop)
     assert ours.clients == oracle.clients
     for run in (oracle, ours):
@@ -399,7 +420,15 @@ def test_pause_cycle_then_stop_reaches_every_engine(compare: Compare) -> None:
         for inbox in run.engines.values():
             controls = [msg for msg in inbox if msg[0] in pd.CONTROL]
             assert controls == [(40,), (42,), (44, 7), (43,), (41,), (40,), (45,)]
-    assert ours.engines == oracle.engines
+        for inbox in run.role_inboxes("prefill").values():  # each SEND_KV between them
+            for label in [100, *range(200, 212)]:
+                kinds = [m[0] for m in inbox if m[0] in (20, 25, 26) and m[1] == label]
+                assert kinds == [pd.SUBMIT, pd.SEND_KV, pd.RELEASE_KV], (label, kinds)
+    # Each kind of message in the same order; how kinds interleave is the peers' timing
+    # (a SEND_KV waits for the decode, a control signal for the client).
+    assert {k: per_kind(v) for k, v in ours.engines.items()} == {
+        k: per_kind(v) for k, v in oracle.engines.items()
+    }
 
 
 def str_prompt(fleet: Fleet) -> None:

@@ -271,7 +271,8 @@ cdef class PD:
         cdef size_t count, head
         if inbound.header != HEADER_SUBMIT_REQUEST:
             return False
-        if not self._live(PD_PREFILL, -1) or not self._live(PD_DECODE, -1):
+        cdef bint decode_up = self._live(PD_DECODE, -1)
+        if (not self._live(PD_PREFILL, -1) or not decode_up) and not self._hops_only():
             return False
         hashes = None
         if inbound.hashes != NULL:
@@ -309,9 +310,25 @@ cdef class PD:
             hop.stage = PD_QUEUED_PREFILL
             self._end(slot, ERROR_MALFORMED, PARAMS_NOT_A_MAP, True)
             return True
+        if not decode_up and self._live(PD_PREFILL, -1):  # nothing prefilled for nothing
+            hop.stage = PD_QUEUED_PREFILL
+            self._end(slot, ERROR_NO_ENGINES, cannot_route("decode"), True)
+            return True
         self.counts["requests"] += 1
         self._hop1(slot, False, inbound.batched)
         return True
+
+    cdef bint _hops_only(self):
+        """Whether only role engines that run no whole request are up: a #6675 fleet
+        missing a role (its requests end: the room says which role is missing)."""
+        cdef int rank
+        cdef bint seated = False
+        for rank in range(self.loop.n_engines):
+            if self.seats[rank].seated:
+                seated = True
+            if self._usable(rank) and self.whole(rank):
+                return False
+        return seated
 
     cdef int64_t _cached_depth(self, bytes hashes) except -1:
         """The leading blocks of a prompt the most cached whole-request engine holds."""
