@@ -2575,7 +2575,9 @@ class PD:
         registration = self.registrations.get(engine.identity)
         if registration is not None and registration.transport == "nixl":
             try:
-                kv_meta = _pd.restore_nixl_blobs(kv_meta, registration.instance_meta)
+                kv_meta = _pd.restore_nixl_blobs(
+                    kv_meta, registration.instance_meta, registration.agents
+                )
             except ValueError as error:
                 self._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
                 self._end(

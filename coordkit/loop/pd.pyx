@@ -809,7 +809,8 @@ cdef class PD:
         registration = self.registrations.get(self.loop._engine_identity(rank))
         if registration is not None and registration.transport == "nixl":
             try:
-                kv_meta = restore_nixl_blobs(kv_meta, registration.instance_meta)
+                kv_meta = restore_nixl_blobs(kv_meta, registration.instance_meta,
+                                             registration.agents)
             except ValueError as error:
                 self._send_rid(rank, HEADER_RELEASE_KV, rid)
                 self._end(slot, ERROR_ENGINE_FAILED, f"invalid NIXL handoff metadata: {error}",
