@@ -362,6 +362,34 @@ def test_aborts_at_every_point(compare: Compare) -> None:
     assert ours.engines == oracle.engines
 
 
+def hybrid_ssm_capacity(fleet: Fleet) -> None:
+    """A hybrid (Mamba) fleet: each engine's SSM slots as many as its requests, a
+    prefill's handoff holding a slot until RELEASE_KV, a decode's one per import."""
+    hybrid = pd.Geometry(hybrid=True)
+    fleet.engine("prefill", capacity=2, geometry=hybrid, prefill_seconds=0.01)
+    fleet.engine("decode", capacity=2, geometry=hybrid, step_seconds=0.005)
+    peer = fleet.client()
+    rids = [peer.submit(prompt(1000 + i), num_tokens_to_generate=5) for i in range(8)]
+    for rid in rids:
+        peer.wait(rid, 30)
+
+
+def test_a_hybrid_fleets_ssm_slots(compare: Compare) -> None:
+    """Point 2 for a hybrid model: SSM slots reserved as the PR's flow control reserves
+    them (a prefill's until RELEASE_KV, a decode's from its handoff), every message the
+    same, in order, and no engine past its slots."""
+    oracle, ours = compare(hybrid_ssm_capacity)
+    assert ours.clients == oracle.clients
+    assert all(o["terminals"] == [pd.REPLY] for o in ours.clients[0].values())
+    for run in (oracle, ours):
+        two_hops_each(run, [1000 + i for i in range(8)])
+        fifo(run, "prefill", pd.SUBMIT)
+        assert_sound(run)
+    assert {k: per_kind(v) for k, v in ours.engines.items()} == {
+        k: per_kind(v) for k, v in oracle.engines.items()
+    }
+
+
 def refusals_and_engine_errors(fleet: Fleet) -> None:
     fleet.engine("prefill")
     fleet.engine("decode")
