@@ -183,7 +183,7 @@ def _play(scenario: Scenario, address: str, kv_dir: str) -> Run:
 
 
 @pytest.fixture
-def compare(impl: Any, reference_tree: Path, kv_dir: str) -> Iterator[Compare]:
+def compare(reference_tree: Path, impl: Any, kv_dir: str) -> Iterator[Compare]:
     """``compare(scenario)``: (the PR's run, coordkit's run) of one scripted scenario;
     the PR's is played once per session."""
     from coordkit import Coordinator
@@ -511,3 +511,34 @@ def test_a_prefills_death(compare: Compare) -> None:
     failed = [o for o in oracle.clients[0].values() if o["terminals"] == [pd.REQUEST_ERROR]]
     assert failed and all("removed" in o["error"][0] for o in failed)
     assert_sound(ours)
+
+
+def decode_death(fleet: Fleet) -> None:
+    fleet.engine("prefill", 0, capacity=8)
+    first = fleet.engine("decode", 0, capacity=4, step_seconds=0.05)
+    fleet.engine("decode", 1, capacity=4, step_seconds=0.05)
+    peer = fleet.client()
+    rids = [peer.submit(prompt(10 + i), num_tokens_to_generate=60) for i in range(6)]
+    wait_for(lambda: len(first.sent(pd.KV_READ_DONE)) >= 2)  # some imported at the first
+    first.kill()
+    time.sleep(0.2)
+    rids += [peer.submit(prompt(20 + i), num_tokens_to_generate=3) for i in range(4)]
+    deadline = time.monotonic() + 8  # the PR's lost ones never end
+    while time.monotonic() < deadline and not all(peer.outcomes[r].done for r in rids):
+        peer.pump(0.05)
+
+
+def test_a_decodes_death(compare: Compare) -> None:
+    """BEYOND the PR: a decode dies (killed, no DISCONNECT) while generating requests it
+    imported. The PR sees it only when a later send to it fails; the requests it held
+    end then with REQUEST_ERROR (source_safe False), or never where no send fails.
+    coordkit sees the connection end: each of them prefills again (nothing of it was
+    streamed) and completes at the live decode, one terminal reply each, no pin left."""
+    oracle, ours = compare(decode_death)
+    outcomes = ours.clients[0]
+    assert len(outcomes) == 10
+    assert all(o["terminals"] == [pd.REPLY] for o in outcomes.values()), outcomes
+    assert_sound(ours)
+    lost = [o for o in oracle.clients[0].values() if o["terminals"] != [pd.REPLY]]
+    assert lost  # what the PR's fleet lost to the death
+    assert all(o["terminals"] in ([], [pd.REQUEST_ERROR]) for o in lost)
