@@ -25,7 +25,8 @@ prefill's pinned handoffs counted until RELEASE_KV).
 Deliberate differences are named in the tests that show them (``BEYOND``): a str
 prompt, which the PR's decode cannot read and coordkit serves; a prefill's death, after
 which the PR fails the requests a live decode had already imported and coordkit lets
-them complete.
+them complete; a decode's death, whose requests the PR ends (or loses) and coordkit
+prefills again.
 """
 
 from __future__ import annotations
