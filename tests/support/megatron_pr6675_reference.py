@@ -135,12 +135,9 @@ def require_reference() -> Path:
     path = reference_dir()
     if path is None:
         pytest.skip(f"{ENV} is unset: no PR #6675 coordinator to compare with")
-    if not (path / FILES_KEY).is_file():
+    if not (path / "disaggregation__coordinator_runtime.py").is_file():
         pytest.skip(f"{ENV} has no {RELEASE}/ with the PR's coordinator")
     return path
-
-
-FILES_KEY = "disaggregation__coordinator_runtime.py"
 
 
 def build_tree(source: Path, root: Path) -> Path:
