@@ -2208,8 +2208,10 @@ class PD:
 
     def takes(self, request: _Request, inbound: Inbound) -> bool:
         """A new request: both hops (the first sent or queued), or False: it runs whole,
-        as any request (no prefill or no decode engine up; conditional P/D and a prompt
-        short enough, or cached enough where it would run whole)."""
+        as any request (no prefill or no decode engine up, and an engine that runs whole
+        requests is; conditional P/D and a prompt short enough, or cached enough where
+        it would run whole). Where only engines of one hop are up, it ends here with the
+        missing role named, nothing prefilled."""
         if inbound.header != Header.SUBMIT_REQUEST:
             return False
         decode_up = self._live(EngineRole.DECODE)

@@ -263,8 +263,10 @@ cdef class PD:
 
     cdef bint takes(self, uint32_t slot, Inbound* inbound) except -1:
         """A new request: both hops (the first sent or queued), or False: it runs whole,
-        as any request (no prefill or no decode engine up; conditional P/D and a prompt
-        short enough, or cached enough where it would run whole)."""
+        as any request (no prefill or no decode engine up, and an engine that runs whole
+        requests is; conditional P/D and a prompt short enough, or cached enough where
+        it would run whole). Where only engines of one hop are up, it ends here with the
+        missing role named, nothing prefilled."""
         cdef Hop* hop = &self.hops[slot]
         cdef ck_request* request = &self.loop.requests.pool[slot]
         cdef const uint8_t* data
