@@ -543,3 +543,31 @@ def test_a_decodes_death(compare: Compare) -> None:
     lost = [o for o in oracle.clients[0].values() if o["terminals"] != [pd.REPLY]]
     assert lost  # what the PR's fleet lost to the death
     assert all(o["terminals"] in ([], [pd.REQUEST_ERROR]) for o in lost)
+
+
+def a_role_missing(fleet: Fleet) -> None:
+    decode = fleet.engine("decode")
+    peer = fleet.client()
+    peer.wait(peer.submit(prompt(1), num_tokens_to_generate=3))  # no prefill
+    decode.stop()
+    fleet.engine("prefill")
+    time.sleep(0.2)
+    peer.wait(peer.submit(prompt(2), num_tokens_to_generate=3))  # no decode
+
+
+def test_a_fleet_missing_a_role(compare: Compare) -> None:
+    """No prefill registered, then no decode: each request ends with the PR's own
+    ``[29, crid, "cannot route to ...: no ... engines registered", True]``, never run
+    whole on the engine of the other role. Deliberately different: with no decode, the
+    PR prefills the request first (and releases it); coordkit sends nothing."""
+    oracle, ours = compare(a_role_missing)
+    assert ours.clients == oracle.clients
+    assert [o["error"] for o in ours.clients[0].values()] == [
+        ("cannot route to prefill: no prefill engines registered", True),
+        ("cannot route to decode: no decode engines registered", True),
+    ]
+    assert ours.engines["decode_s0_dp0"] == oracle.engines["decode_s0_dp0"] == [(2,)]
+    hops = [m[:2] for m in oracle.engines["prefill_s0_dp0"]]
+    assert hops == [(2,), (pd.SUBMIT, 2), (pd.RELEASE_KV, 2)]
+    assert ours.engines["prefill_s0_dp0"] == [(2,)]
+    assert_sound(ours)
