@@ -151,6 +151,7 @@ from ._pd import (
     decode_slots,
     handoff_of,
     prefill_frames,
+    prompt_tokens_of,
     refuses_prompt_log_probs,
     removed,
     restore_nixl_blobs,

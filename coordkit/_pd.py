@@ -36,6 +36,7 @@ __all__ = [
     "with_keys",
     "refuses_prompt_log_probs",
     "handoff_of",
+    "prompt_tokens_of",
     "restore_nixl_blobs",
     "decode_slots",
     "cannot_route",
@@ -95,6 +96,8 @@ class Registration:
     request_capacity: int  # requests it holds at most (a prefill's pinned ones counted)
     ssm_capacity: int | None  # live SSM slots of a hybrid model, None for attention only
     slot_cost: int  # a prefill's SSM slots per request (0: none, and for a decode)
+    # its NIXL agents and their blobs, read once (None: conflicting, refused per handoff)
+    agents: dict[Any, Any] | None = None
 
 
 class RoleCheck(NamedTuple):
@@ -159,7 +162,9 @@ def _register(
     requests = _least(meta, "request_capacity", "Request capacity", required=True)
     assert requests is not None  # required
     cost = _slot_cost(meta) if role == "prefill" else 0
-    return Registration(role, transport, meta, signature, requests, slots, cost)
+    return Registration(
+        role, transport, meta, signature, requests, slots, cost, _agents_or_none(meta)
+    )
 
 
 def _least(entries: list[dict[Any, Any]], key: str, what: str, required: bool) -> int | None:
@@ -258,19 +263,28 @@ def with_keys(params: bytes | memoryview, keys: Mapping[str, Any]) -> bytes:
     head counts them, their pairs follow it. Decoded, each key appended wins over the
     same key in the map (a decoder keeps the last). ProtocolError when ``params`` is
     not a map's head. The C room splices the same bytes."""
+    return _splice(params, _packed_pairs(keys))
+
+
+def _packed_pairs(keys: Mapping[str, Any]) -> tuple[int, bytes]:
+    return len(keys), b"".join(packb(key) + packb(value) for key, value in keys.items())
+
+
+def _splice(params: bytes | memoryview, pairs: tuple[int, bytes]) -> bytes:
+    """with_keys of pairs packed once (their count, their bytes)."""
     data = bytes(params)
     found = map_head(data)
     if found is None:
         raise ProtocolError(PARAMS_NOT_A_MAP)
     count, head = found
-    count += len(keys)
+    count += pairs[0]
     if count <= 0x0F:
         out = bytes([0x80 | count])
     elif count <= 0xFFFF:
         out = b"\xde" + count.to_bytes(2, "big")
     else:
         out = b"\xdf" + count.to_bytes(4, "big")
-    return out + data[head:] + b"".join(packb(key) + packb(value) for key, value in keys.items())
+    return out + data[head:] + pairs[1]
 
 
 def refuses_prompt_log_probs(params: Any) -> bool:
@@ -349,34 +363,58 @@ def _agents(instance_meta: Any) -> dict[Any, Any]:
     return agents
 
 
-def restore_nixl_blobs(kv_meta: Any, instance_meta: Any) -> Any:
-    """A NIXL prefill's ``kv_meta`` with each agent's metadata blob put back from the
-    prefill's registration (the prefill leaves them out of every handoff). ValueError
-    when an agent was not registered or its blob differs; the room ends the request
-    with ``"invalid NIXL handoff metadata: " + str(error)``, as #6675 does. Metadata
-    nested past Python's recursion limit (msgpack decodes deeper) is a ValueError too:
-    a peer's message never stops the loop."""
+def _agents_or_none(instance_meta: Any) -> dict[Any, Any] | None:
+    """A registration's agents, or None where they conflict (or nest too deeply):
+    restore_nixl_blobs then reads them again and refuses each handoff, as #6675 does."""
     try:
-        return _restored(kv_meta, _agents(instance_meta))
+        return _agents(instance_meta)
+    except (ValueError, RecursionError):
+        return None
+
+
+def restore_nixl_blobs(
+    kv_meta: Any, instance_meta: Any, agents: dict[Any, Any] | None = None
+) -> Any:
+    """A NIXL prefill's ``kv_meta`` with each agent's metadata blob put back from the
+    prefill's registration (the prefill leaves them out of every handoff); ``agents``:
+    the registration's, read once (Registration.agents). ValueError when an agent was
+    not registered or its blob differs; the room ends the request with
+    ``"invalid NIXL handoff metadata: " + str(error)``, as #6675 does. Metadata nested
+    past Python's recursion limit (msgpack decodes deeper) is a ValueError too: a
+    peer's message never stops the loop. What names no agent is returned as it came,
+    not copied (the room packs it at once)."""
+    try:
+        return _restored(kv_meta, _agents(instance_meta) if agents is None else agents)
     except RecursionError:
         raise ValueError("metadata nested too deeply") from None
 
 
+_NESTED = (dict, list, tuple)
+
+
 def _restored(value: Any, agents: dict[Any, Any]) -> Any:
-    if isinstance(value, list):
-        return [_restored(item, agents) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_restored(item, agents) for item in value)
+    if isinstance(value, (list, tuple)):
+        items = [_restored(item, agents) if isinstance(item, _NESTED) else item for item in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        return items if isinstance(value, list) else tuple(items)
     if not isinstance(value, dict):
         return value
-    out = {key: _restored(item, agents) for key, item in value.items()}
-    name = out.get(_AGENT)
+    out: dict[Any, Any] | None = None
+    for key, item in value.items():
+        if isinstance(item, _NESTED):
+            new = _restored(item, agents)
+            if new is not item:
+                out = dict(value) if out is None else out
+                out[key] = new
+    name = value.get(_AGENT)
     if name is None:
-        return out
+        return value if out is None else out
     if name not in agents:
         raise ValueError(f"NIXL agent {name!r} is absent from instance registration")
-    if out.get(_BLOB) is not None and out[_BLOB] != agents[name]:
+    if value.get(_BLOB) is not None and value[_BLOB] != agents[name]:
         raise ValueError(f"NIXL agent {name!r} handoff metadata differs from its registration")
+    out = dict(value) if out is None else out
     out[_BLOB] = agents[name]
     return out
 
@@ -437,6 +475,18 @@ def _array_head(count: int) -> bytes:
     return b"\xdc" + count.to_bytes(2, "big")
 
 
+def prompt_tokens_of(record: Any) -> list[int] | None:
+    """A #6675 prefill's record read for its prompt's tokens (asked for a str prompt):
+    a list of ints, or a tensor as Megatron's ``serialize()`` writes one,
+    ``["tensor", [ids...]]``; None when it carries none a decode could read."""
+    tokens = record.get("prompt_tokens") if isinstance(record, dict) else None
+    if isinstance(tokens, list) and len(tokens) == 2 and tokens[0] == "tensor":
+        tokens = tokens[1]
+    if isinstance(tokens, list) and all(type(token) is int for token in tokens):
+        return tokens
+    return None
+
+
 def str_prompt(prompt: bytes | memoryview) -> bool:
     """Whether a packed prompt is a msgpack str (a #6675 decode cannot take one)."""
     first = prompt[0] if len(prompt) else 0
@@ -451,13 +501,19 @@ def prefill_frames(
     whose tokens the record brings back for hop 2), to a coordkit engine
     ``[20, rid, params + do_kv_handoff]`` and the prompt frame."""
     if megatron:
-        keys = dict(PREFILL_OVERRIDES["megatron"])
-        if tokens_back:
-            keys["return_prompt_tokens"] = True
-        body = prompt + with_keys(params, keys)
+        body = prompt + _splice(params, _MEGATRON_PAIRS[tokens_back])
         return [_array_head(4) + packb(20) + packb(rid) + body]
     head = _array_head(3) + packb(20) + packb(rid)
     return [head + with_keys(params, PREFILL_OVERRIDES["coordkit"]), prompt]
+
+
+# #6675's prefill overrides packed once, a str prompt's with return_prompt_tokens too.
+_MEGATRON_PAIRS = {
+    tokens_back: _packed_pairs(
+        {**PREFILL_OVERRIDES["megatron"], **({"return_prompt_tokens": True} if tokens_back else {})}
+    )
+    for tokens_back in (False, True)
+}
 
 
 def decode_frames(

@@ -396,3 +396,23 @@ def test_the_coordinators_own_reasons():
         _pd.decode_slots({}),
         _pd.decode_slots(None),
     ) == (1, 0, 0)
+
+
+def test_a_registrations_nixl_agents_are_read_once():
+    """check_register_role keeps the agents it read (the room restores each handoff's
+    blobs from them); where they conflict it keeps none, and every handoff is refused
+    as #6675 refuses it. What names no agent comes back as it came, not copied."""
+    registered = [meta(agent_name="p0", agent_metadata_b64="blob0")]
+    check = check_register_role([27, "prefill", "nixl", registered], b"p", {})
+    assert check.registration is not None and check.registration.agents == {"p0": "blob0"}
+    kv_meta = {"agent_name": "p0", "resume_tokens": [3]}
+    restored = _pd.restore_nixl_blobs(kv_meta, registered, check.registration.agents)
+    assert restored == {**kv_meta, "agent_metadata_b64": "blob0"}
+    assert "agent_metadata_b64" not in kv_meta  # a copy: what came is not changed
+    plain = {"resume_tokens": [3], "tp_metas": [{"head_dim": 128}]}
+    assert _pd.restore_nixl_blobs(plain, registered, check.registration.agents) is plain
+    conflicting = [registered[0], meta(1, agent_name="p0", agent_metadata_b64="other")]
+    check = check_register_role([27, "prefill", "nixl", conflicting], b"q", {})
+    assert check.registration is not None and check.registration.agents is None
+    with pytest.raises(ValueError, match="NIXL agent 'p0' has conflicting registered metadata"):
+        _pd.restore_nixl_blobs(kv_meta, conflicting, check.registration.agents)

@@ -173,13 +173,12 @@ class PD:
 
     def whole(self, rank: int) -> bool:
         """Whether a rank runs whole requests: no role, a coordkit decode (a short prompt
-        prefilled where it decodes), a #6675 prefill (its engine runs them)."""
+        prefilled where it decodes); never a #6675 engine, which registered for one hop
+        (its replies would not be a decode's: #6675 gives every request both hops)."""
         seat = self.seats.get(rank)
         if seat is None:
             return True
-        if seat.megatron:
-            return seat.role == EngineRole.PREFILL
-        return bool(seat.role & EngineRole.DECODE)
+        return not seat.megatron and bool(seat.role & EngineRole.DECODE)
 
     def _usable(self, rank: int) -> bool:
         engine = self._loop._engines[rank]
@@ -264,11 +263,14 @@ class PD:
 
     def takes(self, request: _Request, inbound: Inbound) -> bool:
         """A new request: both hops (the first sent or queued), or False: it runs whole,
-        as any request (no prefill or no decode engine up; conditional P/D and a prompt
-        short enough, or cached enough where it would run whole)."""
+        as any request (no prefill or no decode engine up, and an engine that runs whole
+        requests is; conditional P/D and a prompt short enough, or cached enough where
+        it would run whole). Where only engines of one hop are up, it ends here with the
+        missing role named, nothing prefilled."""
         if inbound.header != Header.SUBMIT_REQUEST:
             return False
-        if not self._live(EngineRole.PREFILL) or not self._live(EngineRole.DECODE):
+        decode_up = self._live(EngineRole.DECODE)
+        if (not self._live(EngineRole.PREFILL) or not decode_up) and not self._hops_only():
             return False
         hashes = None if inbound.hashes is None else bytes(inbound.hashes)
         if self.mode == "conditional" and self._loop._router.n_accepting:
@@ -294,9 +296,20 @@ class PD:
         if _pd.map_head(hop.params) is None:  # the room cannot add its key: a clear error
             self._end(request, ErrorCode.MALFORMED, _pd.PARAMS_NOT_A_MAP, True)
             return True
+        if not decode_up and self._live(EngineRole.PREFILL):  # nothing prefilled for nothing
+            self._end(request, ErrorCode.NO_ENGINES, _pd.cannot_route("decode"), True)
+            return True
         self.counts["requests"] += 1
         self._hop1(request, hop, False, inbound.batched)
         return True
+
+    def _hops_only(self) -> bool:
+        """Whether only role engines that run no whole request are up: a #6675 fleet
+        missing a role (its requests end: the room says which role is missing)."""
+        engines = self._loop._engines
+        if any(self._usable(e.rank) and self.whole(e.rank) for e in engines):
+            return False
+        return bool(self.seats)
 
     def _cached_depth(self, hashes: bytes | None) -> int:
         """The leading blocks of a prompt the most cached whole-request engine holds."""
@@ -619,7 +632,9 @@ class PD:
         registration = self.registrations.get(engine.identity)
         if registration is not None and registration.transport == "nixl":
             try:
-                kv_meta = _pd.restore_nixl_blobs(kv_meta, registration.instance_meta)
+                kv_meta = _pd.restore_nixl_blobs(
+                    kv_meta, registration.instance_meta, registration.agents
+                )
             except ValueError as error:
                 self._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
                 self._end(
@@ -629,7 +644,7 @@ class PD:
                     True,
                 )
                 return
-        tokens = record.get("prompt_tokens") if _pd.str_prompt(hop.prompt) else None
+        tokens = _pd.prompt_tokens_of(record) if _pd.str_prompt(hop.prompt) else None
         self._handed(rank, rid, packb(kv_meta), packb(blocks), _pd.decode_slots(kv_meta), tokens)
 
     def stray_reply(self, engine: _Engine, rid: int) -> None:

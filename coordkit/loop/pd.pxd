@@ -107,6 +107,7 @@ cdef class PD:
     cdef bint _free(self, int rank, int role)
     cdef _place(self, Router router, int rank, bint accepting)
     cdef bint _live(self, int role, int domain)
+    cdef bint _hops_only(self)
     cdef int _choose(self, Router router, uint32_t slot) except -2
     cdef _reserve(self, int rank, uint32_t ssm)
     cdef _release_seat(self, int rank, int role, int64_t work, uint32_t ssm)

@@ -156,13 +156,12 @@ cdef class PD:
 
     cdef bint whole(self, int rank) noexcept nogil:
         """Whether a rank runs whole requests: no role, a coordkit decode (a short prompt
-        prefilled where it decodes), a #6675 prefill (its engine runs them)."""
+        prefilled where it decodes); never a #6675 engine, which registered for one hop
+        (its replies would not be a decode's: #6675 gives every request both hops)."""
         cdef Seat* seat = &self.seats[rank]
         if not seat.seated:
             return True
-        if seat.megatron:
-            return seat.role == PD_PREFILL
-        return (seat.role & PD_DECODE) != 0
+        return not seat.megatron and (seat.role & PD_DECODE) != 0
 
     cdef bint _usable(self, int rank):
         return self.loop.engines[rank].state == ENGINE_ALIVE and (
@@ -264,15 +263,18 @@ cdef class PD:
 
     cdef bint takes(self, uint32_t slot, Inbound* inbound) except -1:
         """A new request: both hops (the first sent or queued), or False: it runs whole,
-        as any request (no prefill or no decode engine up; conditional P/D and a prompt
-        short enough, or cached enough where it would run whole)."""
+        as any request (no prefill or no decode engine up, and an engine that runs whole
+        requests is; conditional P/D and a prompt short enough, or cached enough where
+        it would run whole). Where only engines of one hop are up, it ends here with the
+        missing role named, nothing prefilled."""
         cdef Hop* hop = &self.hops[slot]
         cdef ck_request* request = &self.loop.requests.pool[slot]
         cdef const uint8_t* data
         cdef size_t count, head
         if inbound.header != HEADER_SUBMIT_REQUEST:
             return False
-        if not self._live(PD_PREFILL, -1) or not self._live(PD_DECODE, -1):
+        cdef bint decode_up = self._live(PD_DECODE, -1)
+        if (not self._live(PD_PREFILL, -1) or not decode_up) and not self._hops_only():
             return False
         hashes = None
         if inbound.hashes != NULL:
@@ -310,9 +312,25 @@ cdef class PD:
             hop.stage = PD_QUEUED_PREFILL
             self._end(slot, ERROR_MALFORMED, PARAMS_NOT_A_MAP, True)
             return True
+        if not decode_up and self._live(PD_PREFILL, -1):  # nothing prefilled for nothing
+            hop.stage = PD_QUEUED_PREFILL
+            self._end(slot, ERROR_NO_ENGINES, cannot_route("decode"), True)
+            return True
         self.counts["requests"] += 1
         self._hop1(slot, False, inbound.batched)
         return True
+
+    cdef bint _hops_only(self):
+        """Whether only role engines that run no whole request are up: a #6675 fleet
+        missing a role (its requests end: the room says which role is missing)."""
+        cdef int rank
+        cdef bint seated = False
+        for rank in range(self.loop.n_engines):
+            if self.seats[rank].seated:
+                seated = True
+            if self._usable(rank) and self.whole(rank):
+                return False
+        return seated
 
     cdef int64_t _cached_depth(self, bytes hashes) except -1:
         """The leading blocks of a prompt the most cached whole-request engine holds."""
@@ -793,13 +811,14 @@ cdef class PD:
         registration = self.registrations.get(self.loop._engine_identity(rank))
         if registration is not None and registration.transport == "nixl":
             try:
-                kv_meta = restore_nixl_blobs(kv_meta, registration.instance_meta)
+                kv_meta = restore_nixl_blobs(kv_meta, registration.instance_meta,
+                                             registration.agents)
             except ValueError as error:
                 self._send_rid(rank, HEADER_RELEASE_KV, rid)
                 self._end(slot, ERROR_ENGINE_FAILED, f"invalid NIXL handoff metadata: {error}",
                           True)
                 return
-        tokens = record.get("prompt_tokens") if str_prompt(self._prompt(slot)) else None
+        tokens = prompt_tokens_of(record) if str_prompt(self._prompt(slot)) else None
         self._handed(rank, rid, packb(kv_meta), packb(blocks), decode_slots(kv_meta), tokens)
 
     cdef stray_reply(self, int rank, int64_t rid):

@@ -379,6 +379,7 @@ class PDEngine:
     be refused; "both" serves either hop). ``transport`` is "nixl" (the decode reads)
     or "nccl" (the prefill pushes on SEND_KV). ``capacity`` is the request capacity
     it declares (``context.max_requests``; a hybrid's SSM slot capacity too).
+    ``tensor_prompt_tokens``: its records' ``prompt_tokens`` in Megatron's tensor form.
     ``prefill_seconds`` / ``step_seconds`` pace its work; ``import_delay`` holds a
     NIXL read back; ``hold()`` stops all progress until ``proceed()``.
 
@@ -409,9 +410,13 @@ class PDEngine:
         read_timeout: float = 2.0,
         max_sequence_length: int = 256,
         instance_meta: list[Any] | None = None,
+        tensor_prompt_tokens: bool = False,
         ctx: zmq.Context | None = None,
     ):
         self.role = role
+        # a record's prompt_tokens as Megatron's serialize() writes a tensor,
+        # ["tensor", [ids...]], rather than a plain list
+        self.tensor_prompt_tokens = tensor_prompt_tokens
         self.transport = transport
         self.capacity = capacity
         self.geometry = geometry or Geometry()
@@ -1140,7 +1145,8 @@ class PDEngine:
             "disaggregated_params": disaggregated_params,
         }
         if job.params.get("return_prompt_tokens"):
-            record["prompt_tokens"] = list(job.tokens)
+            tokens = list(job.tokens)
+            record["prompt_tokens"] = ["tensor", tokens] if self.tensor_prompt_tokens else tokens
         return record
 
 

@@ -8,7 +8,10 @@ dispatched once; ``pd``, a prefill and a decode engine with ``pd_mode="always"``
 each request taking both hops (the prefill's handoff intercepted, the decode
 chosen, the import, the release to the prefill). Issue #29's bound is two
 dispatches: ``pd`` at most twice ``aggregated``, which the cost table puts at the
-floor.
+floor. With ``--dialect megatron-core --megatron-version pr6675`` both modes are served
+by Megatron-LM PR #6675's engines as the coordinator sees them (pd6675.py): its
+single-frame hops, a record decoded per handoff, one id per KV_READ_DONE and
+RELEASE_KV; aggregated, engines without a role.
 """
 
 from __future__ import annotations
@@ -27,6 +30,17 @@ MODES: dict[str, tuple[tuple[str | None, ...], dict[str, Any]]] = {
 }
 
 
+#: A #6675 fleet's (``--megatron-version pr6675``): no option set, its engines' roles
+#: alone give every request both hops.
+MODES_6675: dict[str, tuple[tuple[str | None, ...], dict[str, Any]]] = {
+    "aggregated": ((None, None), {}),
+    "pd": (("prefill", "decode"), {}),
+}
+
+
+ENGINES = {False: "FakeEngine", True: "PR #6675 engine"}
+
+
 def measure_pd(
     args: argparse.Namespace,
     directory: str,
@@ -34,9 +48,10 @@ def measure_pd(
     failures: dict[str, str],
 ) -> None:
     """Each mode's session, interleaved within each repetition."""
+    modes = MODES_6675 if args.megatron_version == "pr6675" else MODES
     starts = {
         mode: functools.partial(Session, "c", args, directory, options, roles=roles)
-        for mode, (roles, options) in MODES.items()
+        for mode, (roles, options) in modes.items()
     }
     run_interleaved(args, starts, runs, failures, "mode", prefix="pd ")
 
@@ -62,7 +77,8 @@ def print_pd(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         return
     print(
         f"\ncoordinator CPU per request, aggregated and disaggregated, median of "
-        f"{args.repeat} ({args.transport}, c, two FakeEngine ranks free of model time, "
+        f"{args.repeat} ({args.transport}, c, two {ENGINES[args.megatron_version == 'pr6675']} "
+        f"ranks free of model time, "
         f"window {args.window})"
     )
     print(f"{'tokens':>6}  {'aggregated µs':>13} {'user':>7}  {'pd µs':>8} {'user':>7}  pd/agg")

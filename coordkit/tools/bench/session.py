@@ -24,6 +24,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from .load import client_child, engine_child, fake_engines_child
+from .pd6675 import megatron_pd_engines_child
 from .servers import coordinator_child
 from .workload import (
     DIRECT,
@@ -233,7 +234,11 @@ class Session(Processes):
 
         def engine(address: str) -> str:
             if self.roles is not None:
-                self.engine = self._start("engine", fake_engines_child, address, self.roles)
+                # a #6675 fleet: the PR's engines' frames; else coordkit's FakeEngines
+                child = megatron_pd_engines_child if args.megatron_version == "pr6675" else None
+                self.engine = self._start(
+                    "engine", child or fake_engines_child, address, self.roles
+                )
                 return str(self._receive(self.engine)[1])
             self.engine = self._start(
                 "engine",

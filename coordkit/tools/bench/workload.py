@@ -80,7 +80,7 @@ RANGE_LENGTHS = (16, 2000)  # list(range(n)) prompts of the cost table: small id
 #: Fields of a single-frame SUBMIT by the Megatron-Core release the load speaks
 #: (--megatron-version): 0.19's ``[20, rid, prompt, sampling_params]``, and main's
 #: with its ``multi_modal_data`` after them (nil: a text request).
-SUBMIT_FIELDS = {"0.19": 4, "main": 5}
+SUBMIT_FIELDS = {"0.19": 4, "main": 5, "pr6675": 4}  # #6675's client has no multimodal field
 
 TIMEOUT = 60.0  # seconds without progress before a point is declared failed
 # Plain ints: the loops compare them per message.
