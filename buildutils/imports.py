@@ -10,8 +10,8 @@ ones with the parts they ``include`` -- is read for its imports and cimports:
   ``_implementation`` loads the ``_<role>_c`` and ``_<role>_py`` cores by name
   at run time: those edges are counted too. Imports under ``if TYPE_CHECKING:``
   count as well (a cycle of types is a cycle for a reader), but for one kind:
-  the rooms of the Python loop core naming their ``Loop`` (``_loop_py/X.py``
-  importing ``.loop``), which are parts of one loop as ``loop/*.pyx`` are parts
+  the rooms of the Python loop core naming each other's types (``_loop_py/X.py``
+  naming its ``Loop``), which are parts of one loop as ``loop/*.pyx`` are parts
   of ``_loop_c``.
 
     python buildutils/imports.py            # print what is wrong; exit 1 if anything is
@@ -55,8 +55,9 @@ def _resolve(name: str, level: int, directory: tuple[str, ...]) -> str:
     return ".".join(filter(None, [*base, name]))
 
 
-#: A package whose modules are the parts of one: their TYPE_CHECKING import of it is no edge.
-PARTS_OF = {"_loop_py": "_loop_py.loop"}
+#: The packages whose modules are the parts of one module (as loop/*.pyx are _loop_c's):
+#: their TYPE_CHECKING imports of each other are no edges.
+PARTS_OF = {"_loop_py"}
 
 
 def _python_imports(source: str) -> list[tuple[str, int, list[str], bool]]:
@@ -133,8 +134,9 @@ def graph(package: Path) -> tuple[dict[str, set[str]], list[str]]:
                 # `from . import protocol` imports a module; `from .x import y`, the module x
                 submodules = {".".join(filter(None, [module, n])) for n in names} & edges.keys()
                 targets = submodules or ({module} & edges.keys())
-                if typing_only and name.partition(".")[0] in PARTS_OF:
-                    targets -= {PARTS_OF[name.partition(".")[0]]}
+                home = name.partition(".")[0]
+                if typing_only and home in PARTS_OF:  # the parts of one module, typed
+                    targets = {t for t in targets if t.partition(".")[0] != home}
                 edges[name] |= targets
         edges[name] |= set(DYNAMIC.get(name, ())) & edges.keys()
         edges[name].discard(name)

@@ -119,6 +119,7 @@ include "loop/refusals.pxd"
 include "loop/report.pxd"
 include "loop/timers.pxd"
 include "loop/pd.pxd"
+include "loop/pdmessages.pxd"
 include "loop/traces.pxd"
 
 

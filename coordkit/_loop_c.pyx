@@ -283,6 +283,7 @@ include "loop/refusals.pyx"
 include "loop/report.pyx"
 include "loop/timers.pyx"
 include "loop/pd.pyx"
+include "loop/pdmessages.pyx"
 include "loop/traces.pyx"
 
 

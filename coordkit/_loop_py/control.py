@@ -65,7 +65,9 @@ class Control:
             self._loop._rebuild.replayed(engine, frames)
         elif header == Header.REGISTER_ROLE:
             self._loop._peers.register_role(engine.identity, engine, frames)
-        elif self._loop._pd is not None and self._loop._pd.from_engine(engine, header, frames):
+        elif self._loop._pd is not None and self._loop._pd.messages.from_engine(
+            engine, header, frames
+        ):
             pass
         else:
             self._loop._counters[Counter.UNKNOWN_HEADER] += 1

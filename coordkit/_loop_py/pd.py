@@ -7,13 +7,12 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-import zmq
-
 from .. import _codec_py as codec
 from .. import _pd, protocol
 from .._shared import Counter, GoneReason, Options
 from ..protocol import Buffer, EngineRole, ErrorCode, Header, ProtocolError, packb, unpackb
 from .dialect import Inbound
+from .pdmessages import PDMessages
 from .tables import ABORTED, ALIVE, GONE, PRODUCED, UNCONFIRMED, _Client, _Engine, _Request
 
 if TYPE_CHECKING:
@@ -121,6 +120,7 @@ class PD:
 
     def __init__(self, loop: Loop, options: Options):
         self._loop = loop
+        self.messages = PDMessages(self)
         self.mode = options.pd_mode
         self.threshold = options.pd_threshold
         self.lease = options.pd_lease
@@ -653,130 +653,6 @@ class PD:
         seat = self.seats.get(engine.rank)
         if seat is not None and seat.megatron and seat.role & EngineRole.PREFILL:
             self._send_to(engine.rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
-
-    def from_engine(self, engine: _Engine, header: int, frames: list[zmq.Frame]) -> bool:
-        """The P/D messages of an engine (False: not one)."""
-        if header == Header.HANDOFF:
-            self._handoff(engine, frames)
-        elif header == Header.KV_TRANSFER_READY:
-            self._transfer_ready(engine, frames)
-        elif header == Header.KV_READ_DONE:
-            self._read_done(engine, frames)
-        elif header == Header.REQUEST_ERROR:
-            self._request_error(engine, frames)
-        elif header == Header.REQUEST_ABORTED:
-            self._request_aborted(engine, frames)
-        elif header == Header.REGISTER_ROLE:
-            self._loop._peers.register_role(engine.identity, engine, frames)
-        else:
-            return False
-        return True
-
-    def _handoff(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        """A coordkit prefill's HANDOFF: each kv_meta and block-id frame goes to the
-        decode as it came."""
-        meta = frames[1].bytes
-        try:
-            entries = codec.read_handoff(meta)
-        except ProtocolError as exc:
-            self._loop._refusals.malformed(None, None, Header.HANDOFF, str(exc), frames)
-            return
-        if len(entries) != len(frames) - 2:
-            self._loop._refusals.malformed(None, None, Header.HANDOFF, "bad frame layout", frames)
-            return
-        for (rid, offset, size), frame in zip(entries, frames[2:], strict=True):
-            self._handed(engine.rank, rid, meta[offset : offset + size], frame.bytes, 0, None)
-
-    def _hop_at(self, rid: int, rank: int) -> Hop | None:
-        """The request's hop when ``rank`` is its decode (before its read), else None."""
-        hop = self.hops.get(rid)
-        if hop is None or hop.stage != _pd.DECODE or hop.decode != rank:
-            return None
-        return hop
-
-    def _transfer_ready(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        message = self._loop._answers.parse(protocol.KV_TRANSFER_READY, None, -1, frames)
-        if message is None:
-            return
-        hop = self._hop_at(message.rid, engine.rank)
-        if hop is None:
-            self.counts["stray"] += 1
-            return
-        prefill = self.seats.get(hop.prefill)
-        if prefill is not None and prefill.megatron and not prefill.nccl:
-            request = self._loop._find(message.rid)
-            assert request is not None
-            self._end(request, ErrorCode.ENGINE_FAILED, _pd.UNEXPECTED_READINESS, False)
-            return
-        decode_meta = self.seats[engine.rank].transfer
-        frame = _pd.send_kv_message(message.rid, decode_meta, message.cached_prefix_blocks)
-        self._send_to(hop.prefill, [frame])
-
-    def _read_done(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        """KV_READ_DONE: a request's read, or the reads of a coordkit decode's step; the
-        pins of those a coordkit prefill holds released in one RELEASE_KV per prefill."""
-        try:
-            _, rids = codec.read_rids(frames[1].bytes)
-        except ProtocolError as exc:
-            self._loop._refusals.malformed(None, None, Header.KV_READ_DONE, str(exc), frames)
-            return
-        if len(frames) != 2:
-            self._loop._refusals.malformed(
-                None, None, Header.KV_READ_DONE, "bad frame layout", frames
-            )
-            return
-        self.releasing = {} if len(rids) > 1 else None
-        try:
-            for rid in rids:
-                self._read_one(engine, rid)
-        finally:
-            releases, self.releasing = self.releasing, None
-            if releases:
-                self._send_releases(releases)
-
-    def _read_one(self, engine: _Engine, rid: int) -> None:
-        hop = self._hop_at(rid, engine.rank)
-        if hop is not None:
-            hop.stage = _pd.READ
-            if hop.pins:
-                self._release_pins(rid, hop)
-            return
-        orphan = self.orphans.get(rid)
-        if orphan is not None and orphan.decode == engine.rank:
-            self._free_orphan(rid)
-            return
-        self.counts["stray"] += 1
-
-    def _request_error(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        """An engine's REQUEST_ERROR for a request it holds: it ends with the engine's
-        reason; not safe, its pins wait for the read."""
-        message = self._loop._answers.parse(protocol.REQUEST_ERROR, None, -1, frames)
-        if message is None:
-            return
-        request = self._loop._find(message.rid)
-        if request is None or request.rank != engine.rank:
-            orphan = self.orphans.get(message.rid)
-            if message.source_safe and orphan is not None and orphan.decode == engine.rank:
-                self._free_orphan(message.rid)
-            else:
-                self.counts["stray"] += 1
-            return
-        if request.server_rid not in self.hops:  # a whole request its engine failed
-            self._end(request, ErrorCode.ENGINE_FAILED, message.reason, True)
-            return
-        self._end(request, ErrorCode.ENGINE_FAILED, message.reason, message.source_safe)
-
-    def _request_aborted(self, engine: _Engine, frames: list[zmq.Frame]) -> None:
-        message = self._loop._answers.parse(protocol.REQUEST_ABORTED, None, -1, frames)
-        if message is None or not message.source_safe:
-            return  # unsafe: a safe one follows
-        request = self._loop._find(message.rid)
-        if request is not None and request.rank == engine.rank:
-            self._end(request, ErrorCode.ABORTED, _pd.ABORTED_TEXT, True, aborted=True)
-            return
-        orphan = self.orphans.get(message.rid)
-        if orphan is not None and orphan.decode == engine.rank:
-            self._free_orphan(message.rid)
 
     # -- deaths, leases ------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ cdef class Control:
             self.loop.rebuild.replayed(engine)
         elif header == HEADER_REGISTER_ROLE:
             self.loop.peers.register_role(engine)
-        elif self.loop.pd is not None and self.loop.pd.from_engine(engine, header):
+        elif self.loop.pd is not None and self.loop.pd.messages.from_engine(engine, header):
             pass
         else:
             self.loop.counters[COUNTER_UNKNOWN_HEADER] += 1

@@ -48,9 +48,13 @@ cdef struct Release:  # a prefill's pins a KV_READ_DONE of several freed, sent a
     int64_t work  # the prefill router's charge, released with its seat
 
 
+cdef class PDMessages
+
+
 cdef class PD:
     cdef:
         Loop loop  # whose tables it works on
+        PDMessages messages  # what its engines send, read
         str mode
         int64_t threshold
         double lease
@@ -94,7 +98,6 @@ cdef class PD:
     cdef client_release(self, int32_t client, int64_t rid)
     cdef prefilled(self, uint32_t slot, int rank, bytes body)
     cdef stray_reply(self, int rank, int64_t rid)
-    cdef bint from_engine(self, int rank, int64_t header) except -1
     cdef engine_gone(self, int rank)
     cdef bint reported(self, int rank, int64_t rid, bint final) except -1
     cdef tick(self, double now)
@@ -125,7 +128,6 @@ cdef class PD:
     cdef _lease(self, double deadline, int64_t rid)
     cdef _release(self, int prefill, int64_t rid, int64_t work)
     cdef _send_releases(self)
-    cdef _read_one(self, int rank, int64_t rid)
     cdef bint _send_hop(self, int rank, uint32_t slot, int64_t header, bytes head, bytes last)
     cdef _handed(self, int rank, int64_t rid, bytes kv_meta, bytes blocks, uint32_t ssm,
                  object tokens)
@@ -135,11 +137,5 @@ cdef class PD:
     cdef bint _megatron_client(self, int32_t client)
     cdef _tell(self, bytes identity, list frames)
     cdef _end(self, uint32_t slot, int code, str reason, bint safe, bint aborted=*)
-    cdef _handoff(self, int rank)
-    cdef int64_t _hop_at(self, int64_t rid, int rank)
-    cdef _transfer_ready(self, int rank)
-    cdef _read_done(self, int rank)
-    cdef _request_error(self, int rank)
-    cdef _request_aborted(self, int rank)
     cdef _again(self, uint32_t slot, str reason, bint prefill)
     cdef _fail_stranded(self)
