@@ -24,7 +24,12 @@ from typing import Any
 import pytest
 import zmq
 
-from tests.support.megatron_reference import build_tree, reference_coordinator, release_dir
+from tests.support.megatron_reference import (
+    RELEASES,
+    build_tree,
+    reference_coordinator,
+    release_dir,
+)
 from tests.support.peers import (
     REPLY,
     SUBMIT,
@@ -39,7 +44,6 @@ from tests.support.processes import single_frame_engine_process
 
 SP = {"num_tokens_to_generate": 4}
 GRACE = 30.0  # far longer than any wait below: a request left at the departed engine shows
-RELEASES = {"0.19": "megatron-core-0.19", "main": "megatron-main-d98e8a6"}
 
 
 def _client(version: str, ctx: zmq.Context, address: str) -> SingleFrameClient:
@@ -199,10 +203,7 @@ def _submitted(version: str, rids: Any) -> list[Any]:
 def _compare(make_cluster: Any, tmp_path: Any, version: str, grace: float, hold: bool) -> Any:
     """The departure through Megatron's own coordinator (its real zmq loop, in its own
     process), then through coordkit: theirs, ours, coordkit's stats."""
-    release = release_dir(RELEASES[version])
-    if release is None:
-        pytest.skip("COORDKIT_MEGATRON_REFERENCE is not set: no Megatron coordinator to compare")
-    tree = build_tree(release, tmp_path / "reference")
+    tree = build_tree(release_dir(RELEASES[version]), tmp_path / "reference")
     ctx = zmq.Context()
     try:
         with reference_coordinator(tree, 3) as (process, address):
@@ -265,11 +266,8 @@ def test_what_a_departed_engine_held_is_answered_where_megatrons_waits(
 def test_the_reference_tree_imports_each_release(tmp_path):
     """Each release's coordinator package imports from the tree (a shim missing shows
     here first, not as a coordinator process that never said its address)."""
-    for name in [*RELEASES.values(), "megatron-pr6675-b0a1727"]:
-        release = release_dir(name)
-        if release is None:
-            pytest.skip("COORDKIT_MEGATRON_REFERENCE is not set")
-        tree = build_tree(release, tmp_path / name)
+    for name in RELEASES.values():
+        tree = build_tree(release_dir(name), tmp_path / name)
         command = "import megatron.core.inference.data_parallel_inference_coordinator.coordinator"
         done = subprocess.run(
             [sys.executable, "-c", command], cwd=tree, capture_output=True, text=True

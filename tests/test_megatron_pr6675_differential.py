@@ -1,6 +1,6 @@
 """coordkit against PR #6675's own coordinator (b0a1727), scenario by scenario.
 
-The oracle is the PR's real coordinator process (tests/support/megatron_pr6675_reference.py:
+The oracle is the PR's real coordinator process (tests/support/megatron_reference.py:
 its ``DataParallelInferenceCoordinator`` with ``disaggregated=True``, its zmq loop, its
 ``DisaggCoordinatorRuntime``, flow control and routing, unmodified, from
 ``$COORDKIT_MEGATRON_REFERENCE``; the tests skip without it). Each scenario is one
@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 
 from tests.support import megatron_pd as pd
-from tests.support import megatron_pr6675_reference as reference
+from tests.support import megatron_reference as reference
 from tests.support.peers import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -169,8 +169,8 @@ _ORACLE: dict[str, Run] = {}
 
 @pytest.fixture(scope="session")
 def reference_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    source = reference.require_reference()
-    return reference.build_tree(source, tmp_path_factory.mktemp("pr6675"))
+    release = reference.release_dir(reference.RELEASES["pr6675"])
+    return reference.build_tree(release, tmp_path_factory.mktemp("pr6675"))
 
 
 def _play(scenario: Scenario, address: str, kv_dir: str) -> Run:
@@ -194,12 +194,10 @@ def compare(reference_tree: Path, impl: Any, kv_dir: str) -> Iterator[Compare]:
     def play(scenario: Scenario) -> tuple[Run, Run]:
         name = scenario.__name__
         if name not in _ORACLE:
-            oracle = reference.ReferenceCoordinator(reference_tree)
-            try:
-                _ORACLE[name] = _play(scenario, oracle.address, kv_dir + "/pr")
-                assert oracle.alive(), "the PR's coordinator died"
-            finally:
-                oracle.close()
+            oracle = reference.reference_coordinator(reference_tree, 0, disaggregated=True)
+            with oracle as (process, address):
+                _ORACLE[name] = _play(scenario, address, kv_dir + "/pr")
+                assert process.poll() is None, "the PR's coordinator died"
         coord = Coordinator(
             f"ipc://{kv_dir}/coord",
             implementation=impl.name,

@@ -1,16 +1,24 @@
 """Megatron-LM's own coordinator, from reference copies of its files, as an oracle.
 
 The copies are not in the repository: ``COORDKIT_MEGATRON_REFERENCE`` names a
-directory of releases (``megatron-core-0.19/``, ``megatron-main-d98e8a6/``, ...),
-each holding the files of ``megatron/core/inference/`` with their subdirectory
-joined by ``__`` (``data_parallel_inference_coordinator__handlers.py``).
-:func:`build_tree` lays a release out as the package it came from, beside small
-shims for what the coordinator imports and its logic does not use (the prefix
-policy enum, block hashing, the detokenizer, and ``torch`` where it is not
-installed: the coordinator only asks whether a prompt is a tensor); the path it
-returns goes on ``sys.path``. Run as a script, this module serves the release's
-``DataParallelInferenceCoordinator`` on its own zmq loop and prints its address
-(:func:`reference_coordinator` starts one).
+directory of releases (``RELEASES``), each holding files of ``megatron/core/inference/``
+with their subdirectory joined by ``__`` (``data_parallel_inference_coordinator__handlers.py``);
+:func:`release_dir` finds one, and the test skips without the variable.
+:func:`build_tree` lays a release out, unmodified, as the package it came from,
+beside shims for what the coordinators import and their logic does not use:
+
+* ``torch``: a ``Tensor`` no prompt is an instance of (a prompt comes through
+  msgpack; the handlers only ask ``isinstance(prompt, torch.Tensor)``) and a
+  ``tensor`` that raises (only block hashing builds one);
+* ``megatron.core.inference.config``: the ``PrefixCachingCoordinatorPolicy`` enum;
+* ``megatron.core.inference.inference_request``: ``compute_block_hashes_batched``,
+  which raises (prefix caching is off);
+* ``...text_generation_controller.TextGenerationController.detokenize``: ``None``
+  (the coordinator has no tokenizer), so a final keeps the engine's ``generated_text``.
+
+Run as a script, this module serves the release's ``DataParallelInferenceCoordinator``
+on its own zmq loop and prints its address, then ``ready`` once its engines registered;
+:func:`reference_coordinator` starts one.
 """
 
 from __future__ import annotations
@@ -18,18 +26,32 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import importlib.util
 import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import pytest
+
 ENV = "COORDKIT_MEGATRON_REFERENCE"
 
-#: Modules the coordinators import for what none of the tests drive (prefix routing
-#: hashes prompts only with prefix caching on; a detokenizer only with a tokenizer).
+#: The releases the tests compare with: the version coordkit is told -> its directory.
+RELEASES = {
+    "0.19": "megatron-core-0.19",
+    "main": "megatron-main-d98e8a6",
+    "pr6675": "megatron-pr6675-b0a1727",
+}
+
+#: Module path -> source, laid over the release's files.
 SHIMS = {
+    "torch.py": """
+class Tensor:
+    pass
+
+def tensor(*args, **kwargs):
+    raise NotImplementedError("torch is shimmed: prefix caching is off")
+""",
     "megatron/core/inference/config.py": """
 from enum import Enum
 
@@ -40,35 +62,28 @@ class PrefixCachingCoordinatorPolicy(str, Enum):
 """,
     "megatron/core/inference/inference_request.py": """
 def compute_block_hashes_batched(tokens, block_size):
-    raise NotImplementedError("prefix caching is not shimmed")
+    raise NotImplementedError("prefix caching is off")
 """,
     "megatron/core/inference/text_generation_controllers/text_generation_controller.py": """
 class TextGenerationController:
     @staticmethod
     def detokenize(tokenizer, tokens, remove_EOD=True):
-        return None if tokenizer is None else tokenizer.detokenize(tokens)
+        return None
 """,
 }
 
-#: torch, where it is not installed: the coordinators test prompts against torch.Tensor.
-TORCH_SHIM = """
-class Tensor:
-    pass
 
-def tensor(*args, **kwargs):
-    raise NotImplementedError("torch is not installed")
-"""
-
-
-def release_dir(name: str) -> Path | None:
-    """The reference copies of release ``name``, or None when they are not given."""
+def release_dir(name: str) -> Path:
+    """The reference copies of release ``name``; the test skips (one line) without them."""
     root = os.environ.get(ENV)
-    return Path(root) / name if root else None
+    if not root:
+        pytest.skip(f"{ENV} is unset: no Megatron coordinator to compare with")
+    return Path(root) / name
 
 
-def build_tree(release: Path, into: Path, shims: dict[str, str] | None = None) -> str:
+def build_tree(release: Path, into: Path) -> Path:
     """``release``'s files as ``megatron/core/inference/...`` under ``into``, with the
-    shims (``SHIMS``, then ``shims``: path -> source); the sys.path entry to import it."""
+    shims; ``into``, the sys.path entry to import them."""
     package = into / "megatron" / "core" / "inference"
     for source in release.glob("*.py"):
         if source.name.startswith("tests__"):
@@ -76,15 +91,13 @@ def build_tree(release: Path, into: Path, shims: dict[str, str] | None = None) -
         target = package.joinpath(*source.name.split("__"))
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(source.read_bytes())
-    for path, text in {**SHIMS, **(shims or {})}.items():
+    for path, text in SHIMS.items():
         (into / path).parent.mkdir(parents=True, exist_ok=True)
         (into / path).write_text(text)
-    if importlib.util.find_spec("torch") is None:
-        (into / "torch.py").write_text(TORCH_SHIM)
     for directory in [into / "megatron", *(into / "megatron").rglob("*")]:
         if directory.is_dir() and not (directory / "__init__.py").exists():
             (directory / "__init__.py").write_text("")
-    return str(into)
+    return into
 
 
 class _Pipe:
@@ -107,23 +120,29 @@ def _main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tree", required=True, help="a path build_tree returned")
     parser.add_argument("--engines", type=int, required=True, help="data_parallel_size")
     parser.add_argument("--max-requests", type=int, default=64)
+    parser.add_argument("--disaggregated", action="store_true", help="#6675's P/D runtime")
     args = parser.parse_args(argv)
     sys.path.insert(0, args.tree)
     module = importlib.import_module(
         "megatron.core.inference.data_parallel_inference_coordinator.coordinator"
     )
+    # Only #6675's entrypoint takes disaggregated: the releases' is called as they call it.
+    options = {"disaggregated": True} if args.disaggregated else {}
     module.DataParallelInferenceCoordinator.entrypoint(
-        _Pipe(), _Ready(), args.engines, None, args.max_requests, hostname="127.0.0.1"
+        _Pipe(), _Ready(), args.engines, None, args.max_requests, hostname="127.0.0.1", **options
     )
 
 
 @contextlib.contextmanager
-def reference_coordinator(tree: str, engines: int) -> Iterator[tuple[subprocess.Popen, str]]:
+def reference_coordinator(
+    tree: Path, engines: int, disaggregated: bool = False
+) -> Iterator[tuple[subprocess.Popen, str]]:
     """The coordinator of the tree at ``tree`` in a process of its own, waiting for
-    ``engines`` registrations (it sets ready once they came): the process and its
-    address. Killed at exit."""
+    ``engines`` registrations (it says ready once they came; with 0, at once): the
+    process and its address. Killed at exit."""
     command = [sys.executable, "-m", "tests.support.megatron_reference"]
-    command += ["--tree", tree, "--engines", str(engines)]
+    command += ["--tree", str(tree), "--engines", str(engines)]
+    command += ["--disaggregated"] if disaggregated else []
     root = Path(__file__).parent.parent.parent
     process = subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, text=True)
     try:
@@ -134,6 +153,8 @@ def reference_coordinator(tree: str, engines: int) -> Iterator[tuple[subprocess.
     finally:
         process.kill()
         process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 if __name__ == "__main__":
