@@ -277,6 +277,7 @@ include "loop/rebuild.pyx"
 include "loop/faults.pyx"
 include "loop/pd.pyx"
 include "loop/traces.pyx"
+include "loop/kvindex.pyx"
 
 
 # -- the rare paths' helpers -----------------------------------------------------------
@@ -345,6 +346,10 @@ cdef class Loop:
         self.pr6675 = options.megatron_version == "pr6675"
         self._options = options
         self.traces = Traces(self, options)
+        self.kv_events = options.kv_events
+        if self.kv_events is not None:
+            self.kv = KVIndex(self.max_engines, options.block_size)
+            router.attach_kv_c(&self.kv.t)
         self.engine_fds = {}
         self.forwards_hashes = router.policy == "prefix"
         latency_init(&self.latency)
@@ -490,6 +495,8 @@ cdef class Loop:
             result["debug"] = {"polls": self.debug_polls}
         if self.pd is not None:
             result["pd"] = self.pd.stats()
+        if self.kv is not None:
+            result["kv_events"] = _kvevents.kv_stats(self.kv.stats(), self.kv_events.stats())
         return result
 
     def metrics(self) -> dict:
@@ -544,6 +551,10 @@ cdef class Loop:
                     self._connection_events()
             if fds[1].revents and self._woken():
                 self.stopping = True
+            if self.kv_due:
+                self.kv_due = False
+                with gil:
+                    self.kv.take(self.kv_events, self.router)
             self._drain()
             while self.n_ended and not self.stopping:
                 # what they sent before their connections ended went first (the drain)
@@ -575,8 +586,12 @@ cdef class Loop:
             if zmq_msg_recv(&wake, self.wake, ZMQ_DONTWAIT) < 0:
                 zmq_msg_close(&wake)
                 return woken
+            # stop() sends an empty frame; the KV events' thread, a byte (records wait).
+            if zmq_msg_size(&wake):
+                self.kv_due = True
+            else:
+                woken = True
             zmq_msg_close(&wake)
-            woken = True
 
     cdef void _tick(self, double now) noexcept nogil:
         """The timers: engines whose drain or heartbeat timed out declared gone, the

@@ -34,6 +34,8 @@ import zmq
 
 from . import _codec_py as codec
 from . import _pd, protocol
+from ._kvevents import kv_stats
+from ._kvindex_py import KVIndex
 from ._shared import (
     BACKOFF_MAX,
     COPY_BELOW,
@@ -2957,6 +2959,12 @@ class Loop:
         self._poller.register(router_socket, zmq.POLLIN)
         self._poller.register(wake_socket, zmq.POLLIN)
         self._poller.register(monitor_socket, zmq.POLLIN)
+        # The engines' KV-cache events: their thread (None: none read), the index they make.
+        self._kv_events = options.kv_events
+        self._kv: KVIndex | None = None
+        if self._kv_events is not None:
+            self._kv = KVIndex(options.block_size)
+            router.attach_kv(self._kv)
 
     # -- what the Coordinator calls ------------------------------------------------------
 
@@ -2986,8 +2994,7 @@ class Loop:
                 self._tick(now)
             if self._monitor in ready:
                 self._connection_events()
-            if self._wake in ready:
-                self._wake.recv()
+            if self._wake in ready and self._woken():
                 self._stopping = True
             elif self._sock in ready:
                 self._drain(deadline)
@@ -2997,6 +3004,21 @@ class Loop:
                 if self._traces is not None and self._traces.ending:
                     self._traces.end()
         return False
+
+    def _woken(self) -> bool:
+        """Whether stop() wrote to the wake socket (an empty frame); the KV events'
+        thread writes a byte there when it has records waiting: they are applied."""
+        woken = False
+        while True:
+            try:
+                frame = self._wake.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return woken
+            if frame:
+                assert self._kv is not None and self._kv_events is not None
+                self._kv.take(self._kv_events, self._router)
+            else:
+                woken = True
 
     def _tick(self, now: float) -> None:
         """The timers: engines whose drain or heartbeat timed out declared gone (an
@@ -3091,6 +3113,8 @@ class Loop:
         )
         if self._pd is not None:
             stats["pd"] = self._pd.stats()
+        if self._kv is not None and self._kv_events is not None:
+            stats["kv_events"] = kv_stats(self._kv.stats(), self._kv_events.stats())
         return stats
 
     def metrics(self) -> dict[str, Any]:

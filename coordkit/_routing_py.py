@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._policies import (
     DEFAULT_BLOCK_SIZE,
@@ -24,6 +24,9 @@ from ._policies import (
     check_args,
 )
 from .protocol import BLOCK_HASH_SIZE
+
+if TYPE_CHECKING:
+    from ._kvindex_py import KVIndex
 
 __all__ = ["Router"]
 
@@ -73,6 +76,7 @@ class Router:
         "_leaves",
         "_ranking",
         "_eligible_mask",
+        "_kv",
     )
 
     def __init__(
@@ -140,6 +144,7 @@ class Router:
         if policy != "power_of_two" or rank_cap:
             self._ranking = [-1, -1]
         self._eligible_mask = 0  # prefix: the eligible ranks as bits
+        self._kv: KVIndex | None = None  # the engines' own events, when they publish
 
     @property
     def policy(self) -> str:
@@ -198,6 +203,11 @@ class Router:
             members[pos] = last
             self._member_pos[last] = pos
         self._update(rank)
+        self.forget(rank)
+
+    def forget(self, rank: int) -> None:
+        """``rank`` is no longer listed in the prefix table (it left, or its own events
+        say what it holds from now on)."""
         bit = 1 << rank
         table = self._table
         for h, entry in list(table.items()):
@@ -205,6 +215,11 @@ class Router:
                 entry[0] ^= bit
                 if not entry[0]:
                     del table[h]
+
+    def attach_kv(self, index: KVIndex) -> None:
+        """Under ``prefix``, price the ranks ``index`` knows by their own events: the
+        approximate table neither credits nor records a rank that publishes."""
+        self._kv = index
 
     def accepting(self, rank: int) -> bool:
         self._check_rank(rank)
@@ -441,6 +456,13 @@ class Router:
             best = self._consider(None, self._first_from(start), 0, start, size)
         else:
             best = self._affine(chain, start, size) or self._scan(hashes, now, start, size)
+        kv = self._kv
+        if kv is not None and m:
+            # The table priced every rank that publishes as holding nothing: those its
+            # events say hold a prefix are priced again, by that.
+            for r in kv.known:
+                if r < n and self._eligible(r) and (d := kv.held(r, hashes)):
+                    best = self._consider(best, r, d, start, size)
         _, rank, new, depth = best
         if m:
             counts = self._prefix_counts
@@ -576,6 +598,8 @@ class Router:
         return depth
 
     def _record(self, hashes: tuple[int, ...], rank: int, now: float) -> None:
+        if self._kv is not None and self._kv.publishes(rank):
+            return  # its events say what it holds: no guess
         table, ttl = self._table, self._ttl
         while table:
             oldest = next(iter(table.values()))

@@ -24,6 +24,7 @@ from . import _policies, protocol
 from .protocol import Buffer, ControlState, packb, unpackb
 
 if TYPE_CHECKING:
+    from ._kvevents import Subscriber
     from .tracing import TraceSink
 
 #: The package's logger, by the name the package lives under (a vendored copy logs apart).
@@ -303,6 +304,9 @@ class Options:
     pd_threshold: int = 256  # conditional: uncached prompt tokens at most run whole
     pd_lease: float = 60.0  # seconds a prefill's pins wait for their decode's read
     pd_retries: int = 2  # re-prefills and re-handoffs after an engine's death
+    # The thread that reads the engines' KV-cache events (_kvevents.Subscriber), None:
+    # no engine's are read, the prefix policy guesses for all.
+    kv_events: Subscriber | None = None
 
     @property
     def index_size(self) -> int:
