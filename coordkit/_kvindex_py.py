@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ._kvevents import (
     HEAD,
@@ -35,14 +35,11 @@ from ._kvevents import (
 
 if TYPE_CHECKING:
     from ._kvevents import Subscriber
+    from ._routing_py import Router
 
 __all__ = ["KVIndex", "STATE_NAMES"]
 
 STATE_NAMES = {STATE_NONE: "none", STATE_UNKNOWN: "unknown", STATE_KNOWN: "exact"}
-
-
-class Forgets(Protocol):
-    def forget(self, rank: int) -> None: ...
 
 
 class KVIndex:
@@ -59,6 +56,10 @@ class KVIndex:
         self.known: list[int] = []
         self.unresolved = 0  # stores whose parent the engine's events never named
         self.applied = 0  # records applied
+
+    def attach(self, router: Router) -> None:
+        """``router`` reads this index (``Router.attach_kv``)."""
+        router.attach_kv(self)
 
     def publishes(self, rank: int) -> bool:
         """``rank`` has a publisher: the approximate table is not to credit it."""
@@ -80,12 +81,12 @@ class KVIndex:
             d += 1
         return d
 
-    def take(self, events: Subscriber, router: Forgets) -> None:
+    def take(self, events: Subscriber, router: Router) -> None:
         """The records the events' thread has waiting, applied in order."""
         for record in events.take():
             self.apply(record, router)
 
-    def apply(self, record: bytes, router: Forgets) -> None:
+    def apply(self, record: bytes, router: Router) -> None:
         """One record of the events' thread; a malformed one is ignored (it made them)."""
         if len(record) < HEAD.size:
             return
@@ -105,7 +106,7 @@ class KVIndex:
             if len(record) == REMOVE.size + 8 * n:
                 self._remove(rank, struct.unpack_from(f"<{n}Q", record, REMOVE.size))
 
-    def _set_state(self, rank: int, state: int, router: Forgets) -> None:
+    def _set_state(self, rank: int, state: int, router: Router) -> None:
         was = self._state.get(rank, STATE_NONE)
         if state == STATE_NONE:
             self._state.pop(rank, None)

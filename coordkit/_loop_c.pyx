@@ -349,7 +349,7 @@ cdef class Loop:
         self.kv_events = options.kv_events
         if self.kv_events is not None:
             self.kv = KVIndex(self.max_engines, options.block_size)
-            router.attach_kv_c(&self.kv.t)
+            router.attach_kv(self.kv)
         self.engine_fds = {}
         self.forwards_hashes = router.policy == "prefix"
         latency_init(&self.latency)

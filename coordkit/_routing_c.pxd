@@ -87,6 +87,7 @@ cdef class Router:
         # The engines' own events (loop/kvindex.pyx's index), NULL when none publish:
         # the ranks it knows are priced by it, and the table never lists a publisher.
         const ck_kvindex* kv
+        object kv_owner  # what holds kv's tables (the loop's KVIndex): alive while read
 
     cdef int choose_c(self, const uint8_t* hashes, size_t n_hashes, uint64_t prompt_tokens,
                       double now) noexcept nogil

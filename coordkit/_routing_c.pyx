@@ -293,8 +293,21 @@ cdef class Router:
                     self._delete(e)
             e = newer
 
+    def forget(self, int rank) -> None:
+        """``rank`` is no longer listed in the prefix table (its own events say what it
+        holds from now on)."""
+        _check_rank(self, rank)
+        self.forget_c(rank)
+
+    def attach_kv(self, index) -> None:
+        """Under ``prefix``, price the ranks ``index`` (the loop's KVIndex) knows by their
+        own events: the approximate table neither credits nor records a rank that
+        publishes."""
+        index.attach(self)
+        self.kv_owner = index
+
     cdef void attach_kv_c(self, const ck_kvindex* kv) noexcept nogil:
-        """Under ``prefix``, price the ranks ``kv`` knows by their own events."""
+        """``attach_kv`` of the index whose tables are ``kv``."""
         self.kv = kv
 
     def accepting(self, int rank) -> bool:

@@ -64,6 +64,10 @@ cdef class KVIndex:
     def __dealloc__(self):
         ck_kvindex_free(&self.t)
 
+    def attach(self, Router router not None) -> None:
+        """``router`` reads this index (``Router.attach_kv``)."""
+        router.attach_kv_c(&self.t)
+
     @property
     def known(self) -> list:
         return [self.t.known[i] for i in range(self.t.n_known)]

@@ -1,0 +1,348 @@
+"""The prefix index from the engines' own KV-cache events (issue 41), on both cores:
+publishers written to vLLM's wire format (tests/support/vllm_publisher.py), real
+sockets, a coordinator that never routed the prefixes it is asked about."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from coordkit.protocol import block_hashes
+from tests.support.peers import m, um, wait_for
+from tests.support.vllm_publisher import Publisher, batch_payload, cleared, removed, stored
+
+SUBMIT, REPLY = 20, 21
+BS = 16
+
+
+def tokens(seed: int, blocks: int) -> list[int]:
+    return [seed * 1000 + i for i in range(blocks * BS)]
+
+
+def engine_hash(kind: str, n: int) -> Any:
+    """An engine's own hash of a block: a u64 above 2**63, an i64, or 32 bytes."""
+    if kind == "u64":
+        return (1 << 63) + n
+    if kind == "i64":
+        return -n - 1
+    return hashlib.sha256(n.to_bytes(8, "little")).digest()
+
+
+def store_chain(kind: str, prompt: list[int], first: int, per_event: int = 2) -> list[dict]:
+    """BlockStored events for the full blocks of ``prompt``, ``per_event`` blocks each,
+    chained by parent; engine hashes numbered from ``first``."""
+    events = []
+    parent = None
+    n = len(prompt) // BS
+    for start in range(0, n, per_event):
+        ids = [engine_hash(kind, first + i) for i in range(start, min(start + per_event, n))]
+        events.append(stored(ids, parent, prompt[start * BS : (start + len(ids)) * BS], BS))
+        parent = ids[-1]
+    return events
+
+
+@pytest.fixture
+def publishers() -> Iterator[Any]:
+    ctx = zmq.Context()
+    made: list[Publisher] = []
+
+    def make(**options: Any) -> Publisher:
+        made.append(Publisher(ctx, **options))
+        return made[-1]
+
+    yield make
+    for publisher in made:
+        publisher.close()
+    ctx.term()
+
+
+def kv(c: Any) -> dict[str, Any]:
+    return c.coord.stats()["kv_events"]
+
+
+def blocks(c: Any, rank: int) -> int | None:
+    """The blocks ``rank`` holds per its events, None while its state is not known."""
+    for line in kv(c)["engines"]:
+        if line["rank"] == rank:
+            return line["blocks"] if line["state"] == "exact" else None
+    return None
+
+
+def route(c: Any, client: Any, prompt: list[int], rid: int = 0) -> int:
+    """The rank a request carrying ``prompt``'s hashes went to (its reply sent, so every
+    engine is idle again)."""
+    poller = zmq.Poller()
+    for engine in c.engines:
+        poller.register(engine.sock, zmq.POLLIN)
+    client.send(m([SUBMIT, rid, {}]), b"prompt", block_hashes(prompt, BS))
+    ready = dict(poller.poll(5000))
+    rank = next(i for i, e in enumerate(c.engines) if e.sock in ready)
+    engine = c.engines[rank]
+    sid = um(engine.recv()[0])[1]
+    engine.send(m([REPLY, [[sid, False]]]), b"done")
+    assert um(client.recv()[0])[1] == rid
+    return rank
+
+
+def cluster_of(make_cluster: Any, pubs: list[Publisher], **options: Any) -> Any:
+    specs = {rank: p.spec for rank, p in enumerate(pubs)}
+    options.setdefault("policy", "prefix")
+    return make_cluster(n_engines=len(pubs), block_size=BS, kv_events=specs, **options)
+
+
+@pytest.mark.parametrize(
+    ("events", "batch", "kind", "shape"),
+    [
+        ("array", "array", "u64", "bare"),
+        ("map", "map", "i64", "topic"),
+        ("array", "map", "bytes", "topic"),
+        ("map", "array", "u64", None),
+    ],
+)
+def test_events_route_a_prefix_never_routed_to_its_holder(
+    make_cluster, publishers, events, batch, kind, shape
+):
+    pubs = [publishers(events=events, batch=batch, replay=shape, rank=r) for r in range(2)]
+    prompt = tokens(1, 4)
+    if shape is not None:  # published before the coordinator: its replay from 0 tells
+        pubs[1].publish(*store_chain(kind, prompt, 0))
+    with cluster_of(make_cluster, pubs) as c:
+        if shape is None:
+            wait_for(lambda: blocks(c, 1) == 0)
+            for _ in range(50):  # the subscription takes a while to reach the publisher
+                pubs[1].publish()
+                if kv(c)["batches"]:
+                    break
+                time.sleep(0.05)
+            pubs[1].publish(*store_chain(kind, prompt, 0))
+        wait_for(lambda: blocks(c, 1) == 4)
+        client = c.client(coordkit=True)
+        # Without the events the first request would go to rank 0 (the rotating start).
+        assert route(c, client, prompt) == 1
+        if shape is not None:
+            assert kv(c)["resets"] == 0 and kv(c)["gaps"] == 0
+
+
+@pytest.mark.parametrize("kind", ["u64", "i64", "bytes"])
+def test_removed_and_cleared_blocks_no_longer_attract(make_cluster, publishers, kind):
+    pubs = [publishers(rank=r) for r in range(2)]
+    prompt = tokens(2, 4)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 0) == 0 and blocks(c, 1) == 0)
+        client = c.client(coordkit=True)
+        pubs[1].publish(*store_chain(kind, prompt, 0))
+        wait_for(lambda: blocks(c, 1) == 4)
+        assert route(c, client, prompt, 0) == 1  # rotation would say 0
+        # Rank 1 evicts them, rank 0 stores them: rotation would say 1.
+        pubs[1].publish(removed([engine_hash(kind, i) for i in range(4)]))
+        pubs[0].publish(*store_chain(kind, prompt, 100))
+        wait_for(lambda: blocks(c, 1) == 0 and blocks(c, 0) == 4)
+        assert route(c, client, prompt, 1) == 0
+        # Rank 0 drops everything, rank 1 holds them again: a stale rank 0 would tie
+        # with it, and rotation would say 0.
+        pubs[0].publish(cleared())
+        pubs[1].publish(*store_chain(kind, prompt, 200))
+        wait_for(lambda: blocks(c, 0) == 0 and blocks(c, 1) == 4)
+        assert route(c, client, prompt, 2) == 1
+
+
+def test_a_block_stored_twice_goes_when_removed_twice(make_cluster, publishers):
+    pubs = [publishers(rank=r) for r in range(2)]
+    prompt = tokens(3, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        pubs[1].publish(*store_chain("u64", prompt, 0))
+        pubs[1].publish(*store_chain("u64", prompt, 0))
+        pubs[1].publish(removed([engine_hash("u64", 0), engine_hash("u64", 1)]))
+        wait_for(lambda: kv(c)["batches"] >= 3)
+        assert blocks(c, 1) == 2
+        pubs[1].publish(removed([engine_hash("u64", 1)]))
+        wait_for(lambda: blocks(c, 1) == 1)
+
+
+def test_another_medium_group_or_lora_does_not_count(make_cluster, publishers):
+    pubs = [publishers(events="map", rank=r) for r in range(2)]
+    prompt = tokens(4, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        ids = [engine_hash("u64", i) for i in range(2)]
+        pubs[1].publish(
+            stored(ids, None, prompt, BS, medium="CPU"),
+            stored(ids, None, prompt, BS, group_idx=1),
+            stored(ids, None, prompt, BS, lora_name="adapter"),
+            stored(ids, None, prompt[: BS // 2], BS // 2),  # another block size
+        )
+        wait_for(lambda: kv(c)["batches"] >= 1)
+        assert blocks(c, 1) == 0
+        pubs[1].publish(stored(ids, None, prompt, BS, medium=None, unknown_field=7))
+        wait_for(lambda: blocks(c, 1) == 2)
+
+
+@pytest.mark.parametrize("shape", ["bare", "topic"])
+def test_a_dropped_batch_is_recovered_through_replay(make_cluster, publishers, shape):
+    pubs = [publishers(replay=shape, rank=r) for r in range(2)]
+    a, b, d = tokens(5, 3), tokens(6, 2), tokens(7, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        client = c.client(coordkit=True)
+        pubs[1].publish(*store_chain("u64", a, 0))
+        pubs[1].publish(*store_chain("u64", b, 10))
+        wait_for(lambda: blocks(c, 1) == 5)
+        # (Those two may have come before the subscription did: replayed, then.)
+        before = kv(c)
+        # Lost on the way: a's blocks removed, d's stored.
+        pubs[1].publish(
+            removed([engine_hash("u64", i) for i in range(3)]),
+            *store_chain("u64", d, 20),
+            send=False,
+        )
+        pubs[1].publish(removed([engine_hash("u64", 10)]))
+        # As an index that saw every batch: b's second block and d's two.
+        wait_for(lambda: kv(c)["gaps"] == before["gaps"] + 1 and blocks(c, 1) == 3)
+        stats = kv(c)
+        assert stats["resets"] == 0 and stats["replays"] == before["replays"] + 1
+        assert pubs[1].replays[-1] == 2  # from the batch after the last one applied
+        assert route(c, client, a, 0) == 0  # removed: a stale rank 1 would have it
+        assert route(c, client, tokens(99, 1), 1) == 1  # (rotation back to 0)
+        assert route(c, client, d, 2) == 1  # stored in the batch it missed
+
+
+def test_a_publisher_restart_clears_its_engine(make_cluster, publishers):
+    pubs = [publishers(rank=r) for r in range(2)]
+    a, b = tokens(8, 3), tokens(9, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        for _ in range(3):
+            pubs[1].publish(*store_chain("u64", a, 0))
+        wait_for(lambda: blocks(c, 1) == 3)
+        pubs[1].restart()  # seq back to 0: the new process holds none of a
+        pubs[1].publish(*store_chain("u64", b, 50))
+        wait_for(lambda: kv(c)["resets"] == 1 and blocks(c, 1) == 2)
+
+
+def test_lost_history_clears_instead_of_going_stale(make_cluster, publishers):
+    pubs = [publishers(rank=r, buffer_steps=2) for r in range(2)]
+    a, b = tokens(10, 3), tokens(11, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        client = c.client(coordkit=True)
+        pubs[1].publish(*store_chain("u64", a, 0))
+        wait_for(lambda: blocks(c, 1) == 3)
+        gaps = kv(c)["gaps"]
+        # Missed, and more than the replay buffer holds: one of them removed a's blocks.
+        pubs[1].publish(removed([engine_hash("u64", i) for i in range(3)]), send=False)
+        for _ in range(3):
+            pubs[1].publish(send=False)
+        pubs[1].publish(*store_chain("u64", b, 50))
+        wait_for(lambda: kv(c)["resets"] == 1)
+        wait_for(lambda: blocks(c, 1) == 2)  # b's, not a's
+        assert kv(c)["gaps"] == gaps + 1
+        assert route(c, client, a, 0) == 0  # a stale rank 1 would have it
+        assert route(c, client, b, 1) == 1
+
+
+def test_without_replay_a_gap_clears(make_cluster, publishers):
+    pubs = [publishers(rank=r, replay=None) for r in range(2)]
+    a = tokens(12, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        for _ in range(50):  # until the subscription reaches the publisher
+            pubs[1].publish(*store_chain("u64", a, 0))
+            if blocks(c, 1):
+                break
+            time.sleep(0.05)
+        resets = kv(c)["resets"]
+        pubs[1].publish(send=False)
+        pubs[1].publish(removed([engine_hash("u64", 0)]))
+        wait_for(lambda: kv(c)["resets"] == resets + 1 and blocks(c, 1) == 0)
+
+
+def test_garbage_on_the_event_socket_never_stops_the_loop(make_cluster, publishers):
+    pubs = [publishers(rank=r) for r in range(2)]
+    prompt = tokens(13, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        pub = pubs[1].pub
+        pub.send(b"one frame")
+        pub.send_multipart([b"", b"short", b"x"])
+        pub.send_multipart([b"", b"\0" * 8, b"x", b"four"])
+        ok = stored([1], None, prompt[:BS], BS)
+        # A batch with malformed events among good ones: those skipped, the rest applied.
+        bad_events = [
+            ["BlockStored", "not a list", None, [], BS],
+            {"type": "BlockStored", "block_hashes": [True], "token_ids": [], "block_size": BS},
+            {"type": "BlockRemoved", "block_hashes": [1.5]},
+            {"type": 7},
+            "a string",
+            ["BlockStored", [2], None, [-1] * BS, BS],
+            {"type": "SomethingNew", "x": 1},
+            {"type": "BlockStored", **{k: v for k, v in ok.items() if k != "type"}},
+        ]
+        pubs[1].publish_raw(msgpack.packb([0.0, bad_events, 1]))
+        wait_for(lambda: blocks(c, 1) == 1)
+        assert kv(c)["events_malformed"] == 6
+        pubs[1].publish_raw(b"\xc1 not msgpack")  # a whole batch lost: anew
+        pubs[1].publish_raw(msgpack.packb({"events": 3}))
+        wait_for(lambda: kv(c)["resets"] == 2 and blocks(c, 1) == 0)
+        assert kv(c)["malformed"] >= 2
+        pubs[1].publish(stored([9, 10], None, prompt, BS))
+        wait_for(lambda: blocks(c, 1) == 2)
+        client = c.client(coordkit=True)
+        assert route(c, client, prompt) == 1
+
+
+def test_an_engine_without_events_keeps_the_approximate_table(make_cluster, publishers):
+    pub = publishers(rank=0)
+    prompt = tokens(14, 3)
+    with make_cluster(n_engines=2, policy="prefix", block_size=BS, kv_events={0: pub.spec}) as c:
+        wait_for(lambda: blocks(c, 0) == 0)
+        client = c.client(coordkit=True)
+        engines = kv(c)["engines"]
+        assert [(e["rank"], e["state"]) for e in engines] == [(0, "exact")]
+        assert route(c, client, prompt, 0) == 0  # no match: the rotating start
+        # Rank 0 publishes: what was routed there is not guessed. Rotation says 1 now,
+        # and rank 1 is recorded for what it is sent...
+        assert route(c, client, prompt, 1) == 1
+        # ...so the table sends the prefix back to it, wherever rotation stands.
+        assert route(c, client, prompt, 2) == 1
+        assert route(c, client, prompt, 3) == 1
+
+
+def test_the_index_twins_agree(c_impl, py_impl):
+    """Both cores' index rooms, fed the same records, answer the same depths."""
+    from coordkit._loop_c import KVIndex as CIndex
+    from coordkit._routing_c import Router as CRouter
+
+    from coordkit._kvevents import OP_STATE, STATE, STATE_KNOWN, Filter, decode_batch
+    from coordkit._kvindex_py import KVIndex as PyIndex
+    from coordkit._routing_py import Router as PyRouter
+
+    a, b = tokens(15, 4), tokens(16, 3)
+    batches = [
+        store_chain("u64", a, 0, 3),
+        store_chain("bytes", b, 10, 1),
+        [removed([engine_hash("u64", 2)])],
+        store_chain("u64", a, 0, 4),
+        [removed([engine_hash("bytes", 10)]), stored([5], 999, b[:BS], BS)],
+    ]
+    records = [STATE.pack(OP_STATE, 3, STATE_KNOWN)]
+    for events in batches:
+        records += decode_batch(batch_payload(events, "map", "array", 3), 3, Filter(BS))[0]
+    cores = [(PyIndex(BS), PyRouter("prefix", 8)), (CIndex(8, BS), CRouter("prefix", 8))]
+    answers = []
+    for index, router in cores:
+        for record in records:
+            index.apply(record, router)
+        frames = [block_hashes(p, BS) for p in (a, b, a[: 2 * BS], tokens(17, 2))]
+        answers.append(
+            ([index.depth(3, f) for f in frames], index.stats(), index.publishes(3), index.known)
+        )
+    assert answers[0] == answers[1]
+    assert answers[0][0] == [4, 0, 2, 0]  # a's third block removed, then stored again
+    assert answers[0][1]["unresolved"] == 1
