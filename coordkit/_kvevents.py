@@ -237,6 +237,7 @@ class _Feed:
     rank: int
     endpoint: str
     replay: str | None
+    announced: bool  # by its engine's hello (not the coordinator's options)
     sub: zmq.Socket
     dealer: zmq.Socket | None = None
     last: int = -1  # the last batch applied (-1: none yet)
@@ -270,7 +271,10 @@ class Subscriber:
         self._nudge = nudge
         self._topic = topic
         self._keep = Filter(block_size, tuple(media), tuple(groups))
-        self._commands: collections.deque[tuple[int, str | None, str | None]] = collections.deque()
+        # (rank, endpoint or None: drop, replay, announced by its engine)
+        self._commands: collections.deque[tuple[int, str | None, str | None, bool]] = (
+            collections.deque()
+        )
         self._out: collections.deque[bytes] = collections.deque()
         self._feeds: dict[int, _Feed] = {}
         self._by_socket: dict[zmq.Socket, _Feed] = {}
@@ -296,13 +300,15 @@ class Subscriber:
         if self._thread.is_alive():
             self._thread.join()
 
-    def add(self, rank: int, endpoint: str, replay: str | None) -> None:
-        """Subscribe to ``rank``'s publisher (again: its state is then asked anew)."""
-        self._commands.append((rank, endpoint, replay))
+    def add(self, rank: int, endpoint: str, replay: str | None, announced: bool = False) -> None:
+        """Subscribe to ``rank``'s publisher (again: its state is then asked anew);
+        ``announced`` by its engine's hello."""
+        self._commands.append((rank, endpoint, replay, announced))
 
-    def drop(self, rank: int) -> None:
-        """``rank``'s engine is gone: its publisher with it."""
-        self._commands.append((rank, None, None))
+    def unannounce(self, rank: int) -> None:
+        """``rank``'s engine said hello without a publisher: one its predecessor
+        announced is dropped (one the coordinator was given stays)."""
+        self._commands.append((rank, None, None, True))
 
     def take(self) -> list[bytes]:
         """The records waiting, in order."""
@@ -350,9 +356,14 @@ class Subscriber:
     def _emit(self, record: bytes) -> None:
         self._out.append(record)
 
-    def _command(self, rank: int, endpoint: str | None, replay: str | None) -> None:
-        old = self._feeds.pop(rank, None)
+    def _command(
+        self, rank: int, endpoint: str | None, replay: str | None, announced: bool
+    ) -> None:
+        old = self._feeds.get(rank)
+        if endpoint is None and (old is None or not old.announced):
+            return
         if old is not None:
+            del self._feeds[rank]
             self._close(old)
         self._emit(HEAD.pack(OP_CLEAR, rank))
         if endpoint is None:
@@ -363,7 +374,7 @@ class Subscriber:
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         sub.connect(endpoint)
-        feed = _Feed(rank, endpoint, replay, sub)
+        feed = _Feed(rank, endpoint, replay, announced, sub)
         self._feeds[rank] = feed
         self._by_socket[sub] = feed
         self._poller.register(sub, zmq.POLLIN)

@@ -1532,6 +1532,13 @@ cdef class Loop:
             elif self.pd is not None and self.pd.seats[engine].seated:
                 self.pd.unseat(engine)
                 self.faults.admit(engine)
+            if self.kv_events is not None:  # its publisher, or none (its predecessor's go)
+                if hello.kv_events is None:
+                    self.kv_events.unannounce(engine)
+                else:
+                    self.kv_events.add(
+                        engine, hello.kv_events, hello.kv_events_replay, announced=True
+                    )
             if hello.ack or hello.rebuild:  # it is in the pool: say so, and what it was granted
                 self._reply_to_sender(protocol.engine_ack(hello, self.epoch, roles=True))
             if self.pd is not None:

@@ -3880,6 +3880,13 @@ class Loop:
             elif self._pd is not None and engine.rank in self._pd.seats:
                 self._pd.unseat(engine.rank)
                 self._faults.admit(engine)
+            if self._kv_events is not None:  # its publisher, or none (its predecessor's go)
+                if hello.kv_events is None:
+                    self._kv_events.unannounce(engine.rank)
+                else:
+                    self._kv_events.add(
+                        engine.rank, hello.kv_events, hello.kv_events_replay, announced=True
+                    )
             if hello.ack or hello.rebuild:  # it is in the pool: say so, and what it was granted
                 self._send(identity, protocol.engine_ack(hello, self._epoch, roles=True))
             if self._pd is not None:

@@ -13,8 +13,13 @@ import msgpack
 import pytest
 import zmq
 
+from coordkit import Client, Coordinator
+from coordkit.engine import Engine
+from coordkit.kvpublish import KVPublisher
 from coordkit.protocol import block_hashes
 from tests.support.peers import m, um, wait_for
+from tests.support.scripted import run
+from tests.support.threads import fake_engines
 from tests.support.vllm_publisher import Publisher, batch_payload, cleared, removed, stored
 
 SUBMIT, REPLY = 20, 21
@@ -346,3 +351,80 @@ def test_the_index_twins_agree(c_impl, py_impl):
     assert answers[0] == answers[1]
     assert answers[0][0] == [4, 0, 2, 0]  # a's third block removed, then stored again
     assert answers[0][1]["unresolved"] == 1
+
+
+# -- coordkit's own engines publish ------------------------------------------------------
+
+
+def test_a_coordinator_that_never_routed_a_prefix_finds_it_by_fake_engines_events(impl, tmp_path):
+    """FakeEngines publish their caches' events and announce them at their hello: a
+    coordinator started after the prefix was cached (engines keep no hashes to report)
+    sends its first request carrying it to the engine that caches it."""
+    address = f"ipc://{tmp_path}/coord.sock"
+    prompt = tokens(20, 4)
+
+    def coordinator() -> Coordinator:
+        coord = Coordinator(
+            address, implementation=impl.name, policy="prefix", block_size=BS, kv_events={}
+        )
+        coord.start()
+        return coord
+
+    async def ask(prompts: list[list[int]]) -> list[dict]:
+        async with await Client.connect(address, timeout=10, implementation=impl.name) as client:
+            await client.wait_for_engines(2, timeout=10)
+            return [await client.submit(p, block_size=BS) for p in prompts]
+
+    first = coordinator()
+    with fake_engines(address, 2, kv_events=True, held_hashes=0, cache_blocks=64):
+        try:
+            # A dummy first (rank 0), then the prompt: rank 1 caches it.
+            replies = run(ask([tokens(21, 1), prompt]))
+            assert [r["rank"] for r in replies] == [0, 1]
+        finally:
+            first.stop()
+        second = coordinator()
+        try:
+            wait_for(lambda: len(second.stats().get("kv_events", {}).get("engines", [])) == 2)
+            wait_for(
+                lambda: [e["blocks"] for e in second.stats()["kv_events"]["engines"]] == [1, 4]
+            )
+            (reply,) = run(ask([prompt]))
+            assert reply["rank"] == 1 and reply["cached_blocks"] == 4
+            assert all(e["state"] == "exact" for e in second.stats()["kv_events"]["engines"])
+        finally:
+            second.stop()
+
+
+def test_an_engine_announces_its_publisher_and_publishes_through_it(make_cluster):
+    with make_cluster(policy="prefix", block_size=BS, kv_events={}) as c:
+        with KVPublisher(block_size=BS, rank=0) as publisher:
+            engine = Engine(c.coord.address, 0, kv_events=publisher, context=c.ctx)
+            try:
+                wait_for(lambda: blocks(c, 0) == 0)
+                line = kv(c)["engines"][0]
+                assert (line["endpoint"], line["replay"]) == (
+                    publisher.endpoint,
+                    publisher.replay_endpoint,
+                )
+                prompt = tokens(22, 3)
+                ids = [engine_hash("bytes", i) for i in range(3)]
+                engine.kv_stored(ids[:2], None, prompt[: 2 * BS])
+                engine.kv_stored(ids[2:], ids[1], prompt[2 * BS :])
+                wait_for(lambda: blocks(c, 0) == 3)
+                engine.kv_removed(ids[2:])
+                wait_for(lambda: blocks(c, 0) == 2)
+                engine.kv_cleared()
+                wait_for(lambda: blocks(c, 0) == 0)
+            finally:
+                engine.close()
+
+
+def test_an_engine_without_a_publisher_cannot_publish(make_cluster):
+    with make_cluster() as c:
+        engine = Engine(c.coord.address, 0, context=c.ctx)
+        try:
+            with pytest.raises(RuntimeError, match="publishes no events"):
+                engine.kv_stored([1], None, list(range(16)))
+        finally:
+            engine.close()
