@@ -17,6 +17,7 @@ from coordkit import Client, Coordinator
 from coordkit.engine import Engine
 from coordkit.kvpublish import KVPublisher
 from coordkit.protocol import block_hashes
+from coordkit.tools.top import History, Snapshot, engine_rows
 from tests.support.peers import m, um, wait_for
 from tests.support.scripted import run
 from tests.support.threads import fake_engines
@@ -317,6 +318,10 @@ def test_an_engine_without_events_keeps_the_approximate_table(make_cluster, publ
         # ...so the table sends the prefix back to it, wherever rotation stands.
         assert route(c, client, prompt, 2) == 1
         assert route(c, client, prompt, 3) == 1
+        # coordkit top says which is which.
+        history = History(10.0)
+        history.add(Snapshot(0.0, c.coord.stats(), None))
+        assert [row[-1] for row in engine_rows(history)] == ["exact", "guessed"]
 
 
 def test_the_index_twins_agree(c_impl, py_impl):
