@@ -16,6 +16,7 @@ import zmq
 from coordkit import Client, Coordinator
 from coordkit.engine import Engine
 from coordkit.kvpublish import KVPublisher
+from coordkit.metrics import scrape
 from coordkit.protocol import block_hashes
 from coordkit.tools.top import History, Snapshot, engine_rows
 from tests.support.peers import m, um, wait_for
@@ -297,6 +298,9 @@ def test_garbage_on_the_event_socket_never_stops_the_loop(make_cluster, publishe
         pubs[1].publish_raw(msgpack.packb({"events": 3}))
         wait_for(lambda: kv(c)["resets"] == 2 and blocks(c, 1) == 0)
         assert kv(c)["malformed"] >= 2
+        text = scrape(c.coord)
+        assert "coordkit_kv_events_resets_total 2.0" in text
+        assert 'coordkit_kv_index_blocks{rank="1",state="exact"} 0.0' in text
         pubs[1].publish(stored([9, 10], None, prompt, BS))
         wait_for(lambda: blocks(c, 1) == 2)
         client = c.client(coordkit=True)

@@ -210,7 +210,7 @@ def engine_rows(history: History) -> list[tuple[str, ...]]:
                 f"{100 * engine['pending'] / total:.0f}%",
                 per_second(rate),
                 str(sum(now[k] - then[k] for k in ENGINE_ERRORS)),
-                _CACHE_KNOWN.get(published.get(engine["rank"]), "guessed"),
+                _CACHE_KNOWN.get(published.get(engine["rank"], ""), "guessed"),
             )
         )
     return rows
