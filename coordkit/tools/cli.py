@@ -344,6 +344,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--stream", action="store_true", help="stream partial replies")
     demo.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the engines publish their prefix caches' events and the coordinator reads "
+        "them: prefix knows what each caches instead of guessing",
+    )
+    demo.add_argument(
         "--shared-prefixes",
         type=_positive_int,
         metavar="N",
@@ -454,6 +460,12 @@ def _parser() -> argparse.ArgumentParser:
         help="max requests running per engine (default: the cost model's)",
     )
     _add_prefix_model(replay)
+    replay.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="token-id prompts whose engines publish their caches' events; prefix runs "
+        "guessing, then reading the events (not with --pd or --failover-at)",
+    )
     replay.add_argument(
         "--failover-at",
         type=_fraction,
