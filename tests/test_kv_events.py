@@ -5,6 +5,7 @@ sockets, a coordinator that never routed the prefixes it is asked about."""
 from __future__ import annotations
 
 import hashlib
+import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,9 +21,11 @@ from coordkit.metrics import scrape
 from coordkit.protocol import block_hashes
 from coordkit.tools.top import History, Snapshot, engine_rows
 from tests.support.peers import m, um, wait_for
+from tests.support.processes import coordkit_command, python_env
 from tests.support.scripted import run
 from tests.support.threads import fake_engines
 from tests.support.vllm_publisher import Publisher, batch_payload, cleared, removed, stored
+from tests.test_demo import demo, hit_rate, table
 
 SUBMIT, REPLY = 20, 21
 BS = 16
@@ -437,3 +440,40 @@ def test_an_engine_without_a_publisher_cannot_publish(make_cluster):
                 engine.kv_stored([1], None, list(range(16)))
         finally:
             engine.close()
+
+
+def test_the_demo_runs_on_the_engines_events(impl):
+    """``coordkit demo --kv-events``: fake engine processes publish, the coordinator reads."""
+    args = ["--kv-events", "--shared-prefixes", "4", "--policy", "prefix", "--engines", "3"]
+    result = demo(*args, "--requests", "200", "--implementation", impl.name)
+    assert result.returncode == 0, result.stderr
+    rows = table(result.stdout)
+    assert (rows["requests"], rows["errors"]) == ("200 of 200", "none")
+    assert rows["prefix index"] == "the engines' KV events"
+    assert hit_rate(rows["prefix cache hit rate"]) > 50
+
+
+@pytest.mark.parametrize(
+    ("spec", "parsed"),
+    [
+        ("0=tcp://h:5557", (0, "tcp://h:5557")),
+        ("3=tcp://h:5557,tcp://h:5558", (3, "tcp://h:5557,tcp://h:5558")),
+        ("engines", None),
+    ],
+)
+def test_serve_takes_kv_events(spec, parsed):
+    from coordkit.tools.cli import _kv_events_spec
+
+    assert _kv_events_spec(spec) == parsed
+
+
+def test_serve_refuses_a_bad_kv_events():
+    result = subprocess.run(
+        coordkit_command("serve", "--kv-events", "tcp://h:5557"),
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "RANK=ENDPOINT[,REPLAY]" in result.stderr
