@@ -85,6 +85,10 @@ DEFAULT_MEDIA = ("GPU",)
 DEFAULT_GROUPS = (0,)
 #: Seconds a replay may take to end before its history is taken as lost.
 REPLAY_TIMEOUT = 2.0
+#: Seconds after subscribing when the replay is asked once more, from the batch after
+#: the last one applied: a subscription reaches its publisher a little after it is made,
+#: and a batch published in between, the last for a while, would not show as a gap.
+RECHECK_AFTER = 0.5
 END_SEQ = -1
 POLL_MS = 20  # the thread's wait between looks at its commands
 
@@ -244,6 +248,8 @@ class _Feed:
     replaying: bool = False
     asked: int = 0  # the replay's start
     replied: bool = False  # a batch of this replay came
+    quiet: bool = False  # this replay is the recheck: the engine stays known meanwhile
+    recheck: float = 0.0  # when to ask the recheck (0: done, or no replay endpoint)
     until: float = 0.0  # the replay's deadline
     fresh: bool = False  # history lost: the next live batch starts the sequence anew
     buffered: list[tuple[int, bytes]] = field(default_factory=list)  # live, while replaying
@@ -347,6 +353,9 @@ class Subscriber:
                 for feed in list(self._feeds.values()):
                     if feed.replaying and now >= feed.until:
                         self._replay_lost(feed)
+                    elif feed.recheck and now >= feed.recheck and not feed.replaying:
+                        feed.recheck = 0.0
+                        self._ask(feed, feed.last + 1, quiet=True)
                 if self._out:
                     self._nudge()
         finally:
@@ -382,6 +391,7 @@ class Subscriber:
             self._emit(STATE.pack(OP_STATE, rank, STATE_KNOWN))
         else:
             self._ask(feed, 0)
+            feed.recheck = time.monotonic() + RECHECK_AFTER
 
     def _close(self, feed: _Feed) -> None:
         for socket in (feed.sub, feed.dealer):
@@ -391,8 +401,9 @@ class Subscriber:
                 socket.close(linger=0)
         feed.dealer = None
 
-    def _ask(self, feed: _Feed, start: int) -> None:
-        """Ask ``feed``'s replay from ``start``; live batches wait meanwhile."""
+    def _ask(self, feed: _Feed, start: int, quiet: bool = False) -> None:
+        """Ask ``feed``'s replay from ``start``; live batches wait meanwhile. Unless
+        ``quiet`` (the recheck: not counted), the engine is not known until it ends."""
         if feed.dealer is None:
             assert feed.replay is not None
             feed.dealer = self._context.socket(zmq.DEALER)
@@ -401,10 +412,11 @@ class Subscriber:
             self._by_socket[feed.dealer] = feed
             self._poller.register(feed.dealer, zmq.POLLIN)
         feed.dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        feed.replaying, feed.asked, feed.replied = True, start, False
+        feed.replaying, feed.asked, feed.replied, feed.quiet = True, start, False, quiet
         feed.until = time.monotonic() + REPLAY_TIMEOUT
-        self.counts["replays"] += 1
-        self._emit(STATE.pack(OP_STATE, feed.rank, STATE_UNKNOWN))
+        if not quiet:
+            self.counts["replays"] += 1
+            self._emit(STATE.pack(OP_STATE, feed.rank, STATE_UNKNOWN))
 
     def _reset(self, feed: _Feed) -> None:
         """``feed``'s history is lost: its engine's entries cleared, counted."""
@@ -494,7 +506,7 @@ class Subscriber:
         self._apply(feed, seq, payload)
 
     def _replay_end(self, feed: _Feed) -> None:
-        if not feed.replied and feed.asked > 0:
+        if not feed.replied and feed.asked > 0 and not feed.quiet:
             # Nothing from where it was asked: that history is lost too.
             self._reset(feed)
             feed.fresh = True

@@ -204,7 +204,9 @@ def test_a_dropped_batch_is_recovered_through_replay(make_cluster, publishers, s
         pubs[1].publish(*store_chain("u64", a, 0))
         pubs[1].publish(*store_chain("u64", b, 10))
         wait_for(lambda: blocks(c, 1) == 5)
-        # (Those two may have come before the subscription did: replayed, then.)
+        # (Those two may have come before the subscription did: replayed, then.) The
+        # recheck after subscribing asked, from the batch after the last one applied.
+        wait_for(lambda: len(pubs[1].replays) == 2)
         before = kv(c)
         # Lost on the way: a's blocks removed, d's stored.
         pubs[1].publish(
@@ -397,7 +399,8 @@ def test_a_coordinator_that_never_routed_a_prefix_finds_it_by_fake_engines_event
             first.stop()
         second = coordinator()
         try:
-            wait_for(lambda: len(second.stats().get("kv_events", {}).get("engines", [])) == 2)
+            # (The engines find the new coordinator when libzmq reconnects them.)
+            wait_for(lambda: len(second.stats()["kv_events"]["engines"]) == 2, 30)
             wait_for(
                 lambda: [e["blocks"] for e in second.stats()["kv_events"]["engines"]] == [1, 4]
             )
