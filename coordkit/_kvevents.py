@@ -43,6 +43,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from ._shared import logger
+
 __all__ = [
     "OP_CLEAR",
     "OP_STORE",
@@ -382,16 +384,23 @@ class Subscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-        sub.connect(endpoint)
         feed = _Feed(rank, endpoint, replay, announced, sub)
         self._feeds[rank] = feed
         self._by_socket[sub] = feed
         self._poller.register(sub, zmq.POLLIN)
-        if replay is None:
-            self._emit(STATE.pack(OP_STATE, rank, STATE_KNOWN))
-        else:
-            self._ask(feed, 0)
-            feed.recheck = time.monotonic() + RECHECK_AFTER
+        try:
+            sub.connect(endpoint)
+            if replay is None:
+                self._emit(STATE.pack(OP_STATE, rank, STATE_KNOWN))
+            else:
+                self._ask(feed, 0)
+                feed.recheck = time.monotonic() + RECHECK_AFTER
+        except zmq.ZMQError as exc:  # an endpoint no socket can connect to: none read
+            logger.warning("coordkit: engine %d's KV events at %s: %s", rank, endpoint, exc)
+            self.counts["malformed"] += 1
+            del self._feeds[rank]
+            self._close(feed)
+            self._emit(STATE.pack(OP_STATE, rank, STATE_NONE))
 
     def _close(self, feed: _Feed) -> None:
         for socket in (feed.sub, feed.dealer):
@@ -408,9 +417,9 @@ class Subscriber:
             assert feed.replay is not None
             feed.dealer = self._context.socket(zmq.DEALER)
             feed.dealer.setsockopt(zmq.LINGER, 0)
-            feed.dealer.connect(feed.replay)
             self._by_socket[feed.dealer] = feed
             self._poller.register(feed.dealer, zmq.POLLIN)
+            feed.dealer.connect(feed.replay)
         feed.dealer.send_multipart([b"", start.to_bytes(8, "big")])
         feed.replaying, feed.asked, feed.replied, feed.quiet = True, start, False, quiet
         feed.until = time.monotonic() + REPLAY_TIMEOUT

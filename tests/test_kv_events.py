@@ -480,3 +480,20 @@ def test_serve_refuses_a_bad_kv_events():
     )
     assert result.returncode != 0
     assert "RANK=ENDPOINT[,REPLAY]" in result.stderr
+
+
+def test_a_publisher_out_of_reach_never_stops_the_thread(make_cluster, publishers):
+    """An endpoint no socket takes is not read (counted); one that never answers has its
+    replay time out: cleared, counted, priced as caching nothing. The others read on."""
+    pub = publishers(rank=1)
+    away = "tcp://no-such-host.invalid:5557"
+    bad = {0: "tcp://127.0.0.1:not-a-port", 2: f"{away},{away}"}
+    with make_cluster(
+        n_engines=3, policy="prefix", block_size=BS, kv_events={**bad, 1: pub.spec}
+    ) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        pub.publish(*store_chain("u64", tokens(23, 2), 0))
+        wait_for(lambda: blocks(c, 1) == 2)
+        wait_for(lambda: blocks(c, 2) == 0)  # its replay timed out (2 s)
+        assert [e["rank"] for e in kv(c)["engines"]] == [1, 2]
+        assert kv(c)["malformed"] == 1 and kv(c)["resets"] == 1
