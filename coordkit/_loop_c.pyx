@@ -2050,6 +2050,8 @@ cdef class Loop:
         self._log.warn("engine_failed", f"engine {rank} gone ({reason})")
         if self.pd is not None:
             self.pd.engine_gone(rank)  # its P/D requests go on elsewhere, or end
+        if self.kv_events is not None and self.engines[rank].state == ENGINE_GONE:
+            self.kv_events.unannounce(rank)  # the publisher it announced goes too (not back)
         resend = {}
         order = self._in_order(rank, -1, &n)
         try:

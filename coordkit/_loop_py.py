@@ -4303,6 +4303,8 @@ class Loop:
         self._log.warn("engine_failed", f"engine {engine.rank} gone ({GONE_REASONS[reason]})")
         if self._pd is not None:
             self._pd.engine_gone(engine)  # its P/D requests go on elsewhere, or end
+        if self._kv_events is not None and engine.state == GONE:  # (not back already)
+            self._kv_events.unannounce(engine.rank)  # the publisher it announced goes too
         resend: dict[_Client, list[int]] = defaultdict(list)
         for request in self._in_order(lambda r: r.rank == engine.rank):
             if self._find(request.server_rid) is not request or request.rank != engine.rank:

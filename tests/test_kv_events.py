@@ -440,6 +440,8 @@ def test_an_engine_announces_its_publisher_and_publishes_through_it(make_cluster
                 wait_for(lambda: blocks(c, 0) == 0)
             finally:
                 engine.close()
+            # Gone (over ipc, its connection's end): the publisher it announced with it.
+            wait_for(lambda: kv(c)["engines"] == [])
 
 
 def test_an_engine_without_a_publisher_cannot_publish(make_cluster):
