@@ -506,3 +506,62 @@ def test_a_publisher_out_of_reach_never_stops_the_thread(make_cluster, publisher
         wait_for(lambda: blocks(c, 2) == 0)  # its replay timed out (2 s)
         assert [e["rank"] for e in kv(c)["engines"]] == [1, 2]
         assert kv(c)["malformed"] == 1 and kv(c)["resets"] == 1
+
+
+def test_the_routers_decide_alike_on_the_engines_events(c_impl, py_impl):
+    """Both routers, each reading its core's index, fed the same events and requests,
+    make the same decisions: the contract's, exact ranks priced by their events."""
+    import random
+
+    from coordkit._loop_c import KVIndex as CIndex
+    from coordkit._routing_c import Router as CRouter
+
+    from coordkit._kvevents import OP_STATE, STATE, STATE_KNOWN, STATE_UNKNOWN, Filter
+    from coordkit._kvevents import decode_batch as decode
+    from coordkit._kvindex_py import KVIndex as PyIndex
+    from coordkit._routing_py import Router as PyRouter
+
+    rng = random.Random(41)
+    size = 4
+    pairs = [(PyRouter("prefix", 16, block_size=size), PyIndex(size))]
+    pairs.append((CRouter("prefix", 16, block_size=size), CIndex(16, size)))
+    for router, index in pairs:
+        router.attach_kv(index)
+        for rank in range(8):
+            router.add_rank(rank)
+    prefixes = [[rng.randrange(50) for _ in range(size * rng.randrange(1, 6))] for _ in range(12)]
+    held: dict[int, list[int]] = {}  # rank -> keys stored
+
+    def feed(record: bytes) -> None:
+        for router, index in pairs:
+            index.apply(record, router)
+
+    for rank in range(4):
+        feed(STATE.pack(OP_STATE, rank, STATE_KNOWN))
+    feed(STATE.pack(OP_STATE, 4, STATE_UNKNOWN))
+    decisions = []
+    for step in range(600):
+        kind = rng.random()
+        rank = rng.randrange(5)
+        if kind < 0.3:
+            prompt = rng.choice(prefixes)
+            keys = [rng.getrandbits(64) for _ in range(len(prompt) // size)]
+            held.setdefault(rank, []).extend(keys)
+            events = [stored(keys, None, prompt, size)]
+        elif kind < 0.4 and held.get(rank):
+            events = [removed(rng.sample(held[rank], min(3, len(held[rank]))))]
+        elif kind < 0.42:
+            events, held[rank] = [cleared()], []
+        else:
+            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(size)]
+            frame = block_hashes(prompt, size)
+            chosen = [(r.choose(frame, float(step)), r.charged) for r, _ in pairs]
+            assert chosen[0] == chosen[1], step
+            decisions.append(chosen[0][0])
+            if rng.random() < 0.7:
+                for router, _ in pairs:
+                    router.release(chosen[0][0], chosen[0][1])
+            continue
+        for record in decode(batch_payload(events, "array", "array", rank), rank, Filter(size))[0]:
+            feed(record)
+    assert len(set(decisions)) > 4  # the load and the events spread them
