@@ -121,6 +121,7 @@ include "loop/timers.pxd"
 include "loop/pd.pxd"
 include "loop/pdmessages.pxd"
 include "loop/traces.pxd"
+include "loop/kvindex.pxd"
 
 
 cdef class Loop:
@@ -138,6 +139,11 @@ cdef class Loop:
         Py_ssize_t n_ended  # len(ended), read without the GIL
         ck_buffer_pool* buffers  # large outgoing single frames, reused
         bint stopping  # SHUTDOWN arrived, or stop() woke us
+        # The engines' KV-cache events: their thread (None: none read), the index they
+        # make, and whether the thread said it has records waiting (on the wake socket).
+        object kv_events
+        KVIndex kv
+        bint kv_due
 
         int64_t max_inflight
         double heartbeat_timeout

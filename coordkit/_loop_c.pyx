@@ -285,6 +285,7 @@ include "loop/timers.pyx"
 include "loop/pd.pyx"
 include "loop/pdmessages.pyx"
 include "loop/traces.pyx"
+include "loop/kvindex.pyx"
 
 
 # -- the rare paths' helpers -----------------------------------------------------------
@@ -359,6 +360,10 @@ cdef class Loop:
         self.pr6675 = options.megatron_version == "pr6675"
         self._options = options
         self.traces = Traces(self, options)
+        self.kv_events = options.kv_events
+        if self.kv_events is not None:
+            self.kv = KVIndex(self.max_engines, options.block_size)
+            router.attach_kv(self.kv)
         self.engine_fds = {}
         self.forwards_hashes = router.policy == "prefix"
         latency_init(&self.latency)
@@ -490,6 +495,10 @@ cdef class Loop:
                     self.peers.connection_events()
             if fds[1].revents and self._woken():
                 self.stopping = True
+            if self.kv_due:
+                self.kv_due = False
+                with gil:
+                    self.kv.take(self.kv_events, self.router)
             self._drain()
             while self.n_ended and not self.stopping:
                 # what they sent before their connections ended went first (the drain)
@@ -521,8 +530,12 @@ cdef class Loop:
             if zmq_msg_recv(&wake, self.wake, ZMQ_DONTWAIT) < 0:
                 zmq_msg_close(&wake)
                 return woken
+            # stop() sends an empty frame; the KV events' thread, a byte (records wait).
+            if zmq_msg_size(&wake):
+                self.kv_due = True
+            else:
+                woken = True
             zmq_msg_close(&wake)
-            woken = True
 
     cdef void _drain(self) noexcept nogil:
         """Handle every message waiting, one at a time; the term's deadline is read

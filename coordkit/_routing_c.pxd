@@ -9,6 +9,7 @@ coordkit._policies, which its twin _routing_py follows too.
 cimport cython
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 
+from .includes.kvindex cimport ck_kvindex
 from .includes.tables cimport ck_prefix, ck_prefix_entry
 
 
@@ -83,12 +84,18 @@ cdef class Router:
         int* depth           # scratch: matched depth per rank
         uint32_t* chain      # scratch: the live entries leading a request's chain
         int* hidden          # scratch: the ranks a walk took out of the ranking
+        # The engines' own events (loop/kvindex.pyx's index), NULL when none publish:
+        # the ranks it knows are priced by it, and the table never lists a publisher.
+        const ck_kvindex* kv
+        object kv_owner  # what holds kv's tables (the loop's KVIndex): alive while read
 
     cdef int choose_c(self, const uint8_t* hashes, size_t n_hashes, uint64_t prompt_tokens,
                       double now) noexcept nogil
     cdef void release_c(self, int rank, int64_t work) noexcept nogil
     cdef bint accepting_c(self, int rank) noexcept nogil
     cdef void remove_rank_c(self, int rank) noexcept nogil
+    cdef void forget_c(self, int rank) noexcept nogil
+    cdef void attach_kv_c(self, const ck_kvindex* kv) noexcept nogil
 
     # Internals (a cdef class declared in a .pxd declares all its C methods here).
     cdef bint _eligible(self, int rank) noexcept nogil

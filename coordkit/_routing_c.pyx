@@ -29,6 +29,7 @@ from ._constants cimport (
     WEIGHT_SCALE,
     generated_constants,
 )
+from .includes.kvindex cimport CK_KV_NONE, ck_kvindex, ck_kvindex_depth
 from .includes.sysdep cimport ck_ctz64, ck_load_le64
 from .includes.tables cimport (
     CK_GOLDEN,
@@ -252,11 +253,6 @@ cdef class Router:
     cdef void remove_rank_c(self, int rank) noexcept nogil:
         """``remove_rank`` of a rank in range."""
         cdef int pos, last
-        cdef uint32_t e, newer
-        cdef uint64_t* mask
-        cdef uint64_t bit = (<uint64_t>1) << (rank & 63)
-        cdef size_t word = rank >> 6, group = word // self.group, w
-        cdef bint empty
         if not self.is_accepting[rank]:
             return
         self.is_accepting[rank] = 0
@@ -266,6 +262,16 @@ cdef class Router:
         self.members[pos] = last
         self.member_pos[last] = pos
         self._update(rank)
+        self.forget_c(rank)
+
+    cdef void forget_c(self, int rank) noexcept nogil:
+        """``rank`` is no longer listed in the prefix table (it left, or its own events
+        say what it holds from now on)."""
+        cdef uint32_t e, newer
+        cdef uint64_t* mask
+        cdef uint64_t bit = (<uint64_t>1) << (rank & 63)
+        cdef size_t word = rank >> 6, group = word // self.group, w
+        cdef bint empty
         # Walk oldest to newest: deleting an entry leaves the others' order alone.
         e = self.lru_oldest
         while e != CK_NIL:
@@ -286,6 +292,23 @@ cdef class Router:
                 if not self.entries[e].count:
                     self._delete(e)
             e = newer
+
+    def forget(self, int rank) -> None:
+        """``rank`` is no longer listed in the prefix table (its own events say what it
+        holds from now on)."""
+        _check_rank(self, rank)
+        self.forget_c(rank)
+
+    def attach_kv(self, index) -> None:
+        """Under ``prefix``, price the ranks ``index`` (the loop's KVIndex) knows by their
+        own events: the approximate table neither credits nor records a rank that
+        publishes."""
+        index.attach(self)
+        self.kv_owner = index
+
+    cdef void attach_kv_c(self, const ck_kvindex* kv) noexcept nogil:
+        """``attach_kv`` of the index whose tables are ``kv``."""
+        self.kv = kv
 
     def accepting(self, int rank) -> bool:
         _check_rank(self, rank)
@@ -544,7 +567,8 @@ cdef class Router:
         the affine decision over the chain's live entries, or when it cannot settle
         it, the scan of the first entry's ranks."""
         cdef Choice best
-        cdef int n = self.n_ranks, start, length = 0
+        cdef int n = self.n_ranks, start, length = 0, i, r
+        cdef int64_t d
         # A request's blocks: its hashes, else its prompt's (new_blocks, capped already).
         cdef int64_t size = <int64_t>n_hashes if n_hashes else self.new_blocks
         if self.ranking[1] < 0:
@@ -559,6 +583,15 @@ cdef class Router:
         elif length < 0 or not self._affine(start, length, size, &best):
             best.rank = -1
             self._scan(hashes, n_hashes, now, start, size, &best)
+        if self.kv != NULL and n_hashes:
+            # The table priced every rank that publishes as holding nothing: those its
+            # events say hold a prefix are priced again, by that.
+            for i in range(self.kv.n_known):
+                r = self.kv.known[i]
+                if r < n and self._eligible(r):
+                    d = ck_kvindex_depth(self.kv, r, hashes, n_hashes)
+                    if d:
+                        self._consider(&best, r, d, start, size)
         self.new_blocks = best.new
         if n_hashes:
             self._count_prefix(n_hashes, best.depth)
@@ -757,6 +790,8 @@ cdef class Router:
         cdef uint64_t group_bit = (<uint64_t>1) << (word // self.group)
         cdef uint64_t h
         cdef uint32_t e
+        if self.kv != NULL and self.kv.state[rank] != CK_KV_NONE:
+            return  # its events say what it holds: no guess
         while (self.lru_oldest != CK_NIL
                and now - self.entries[self.lru_oldest].last_used > self.prefix_ttl):
             self._delete(self.lru_oldest)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ._policies import (
     DEFAULT_BLOCK_SIZE,
@@ -44,6 +44,17 @@ def _hash_frame(block_hashes: Buffer | None) -> memoryview:
     return frame
 
 
+class PrefixIndex(Protocol):
+    """What the router reads of the exact prefix index (``_loop_py/kvindex.py``'s KVIndex,
+    named and not imported: the index tells the router what it forgets)."""
+
+    known: list[int]  # the ranks whose events are known, in order
+
+    def publishes(self, rank: int) -> bool: ...
+
+    def held(self, rank: int, hashes: tuple[int, ...]) -> int: ...
+
+
 class Router:
     """Picks a rank per request; see the module docstring for the exact rules."""
 
@@ -73,6 +84,7 @@ class Router:
         "_leaves",
         "_ranking",
         "_eligible_mask",
+        "_kv",
     )
 
     def __init__(
@@ -140,6 +152,7 @@ class Router:
         if policy != "power_of_two" or rank_cap:
             self._ranking = [-1, -1]
         self._eligible_mask = 0  # prefix: the eligible ranks as bits
+        self._kv: PrefixIndex | None = None  # the engines' own events, when they publish
 
     @property
     def policy(self) -> str:
@@ -198,6 +211,11 @@ class Router:
             members[pos] = last
             self._member_pos[last] = pos
         self._update(rank)
+        self.forget(rank)
+
+    def forget(self, rank: int) -> None:
+        """``rank`` is no longer listed in the prefix table (it left, or its own events
+        say what it holds from now on)."""
         bit = 1 << rank
         table = self._table
         for h, entry in list(table.items()):
@@ -205,6 +223,11 @@ class Router:
                 entry[0] ^= bit
                 if not entry[0]:
                     del table[h]
+
+    def attach_kv(self, index: PrefixIndex) -> None:
+        """Under ``prefix``, price the ranks ``index`` knows by their own events: the
+        approximate table neither credits nor records a rank that publishes."""
+        self._kv = index
 
     def accepting(self, rank: int) -> bool:
         self._check_rank(rank)
@@ -441,6 +464,13 @@ class Router:
             best = self._consider(None, self._first_from(start), 0, start, size)
         else:
             best = self._affine(chain, start, size) or self._scan(hashes, now, start, size)
+        kv = self._kv
+        if kv is not None and m:
+            # The table priced every rank that publishes as holding nothing: those its
+            # events say hold a prefix are priced again, by that.
+            for r in kv.known:
+                if r < n and self._eligible(r) and (d := kv.held(r, hashes)):
+                    best = self._consider(best, r, d, start, size)
         _, rank, new, depth = best
         if m:
             counts = self._prefix_counts
@@ -576,6 +606,8 @@ class Router:
         return depth
 
     def _record(self, hashes: tuple[int, ...], rank: int, now: float) -> None:
+        if self._kv is not None and self._kv.publishes(rank):
+            return  # its events say what it holds: no guess
         table, ttl = self._table, self._ttl
         while table:
             oldest = next(iter(table.values()))

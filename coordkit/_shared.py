@@ -301,6 +301,9 @@ class Options:
     pd_threshold: int = 256  # conditional: uncached prompt tokens at most run whole
     pd_lease: float = 60.0  # seconds a prefill's pins wait for their decode's read
     pd_retries: int = 2  # re-prefills and re-handoffs after an engine's death
+    # The thread that reads the engines' KV-cache events (a _kvevents.Subscriber, named
+    # and not imported: it imports this module), None: the prefix policy guesses for all.
+    kv_events: Any = None
 
     @property
     def index_size(self) -> int:

@@ -28,6 +28,7 @@ import zmq
 
 from ._checks import check_address, check_tenant_weights
 from ._implementation import load_implementation, selected
+from ._kvevents import Subscriber, parse_endpoints
 from ._pd import DEFAULT_PD_LEASE, DEFAULT_PD_RETRIES, DEFAULT_PD_THRESHOLD
 from ._pd import check_options as check_pd_options
 from ._policies import DEFAULT_BLOCK_SIZE, DEFAULT_DECODE_TOKENS, DEFAULT_PREFILL_WEIGHT
@@ -203,6 +204,13 @@ class _Sockets:
         monitor.connect(address)
         return monitor
 
+    def nudge(self) -> None:
+        """Tell the loop the KV events' thread has records waiting (a byte, where stop()
+        sends an empty frame); safe from any thread, a no-op once closed."""
+        with self._lock:
+            if not self.closed:
+                self._wake_send.send(b"k")
+
     def wake(self) -> None:
         """Ask the loop to stop; safe from any thread, a no-op once closed."""
         with self._lock:
@@ -280,6 +288,12 @@ class Coordinator:
     it; by default the ``OTEL_*`` variables decide (:func:`coordkit.tracing.sampling`).
     Its spans go to ``trace_exporter`` (an OpenTelemetry ``SpanExporter``), by default to
     the exporters the ``OTEL_*`` variables configure (docs/deploying.md, "Traces").
+
+    ``kv_events`` reads the engines' own KV-cache events (vLLM's wire format,
+    docs/routing.md): a map of rank to ``"ENDPOINT"`` or ``"ENDPOINT,REPLAY"`` for the
+    engines that cannot say (an empty map: only those a coordkit engine announces at
+    its hello); the ``prefix`` policy then prices an engine that publishes by what its
+    events say it holds. ``kv_events_topic`` filters their topic (a prefix).
     """
 
     def __init__(
@@ -325,6 +339,8 @@ class Coordinator:
         curve_authorized_keys: str | os.PathLike[str] | None = None,
         context: zmq.Context | None = None,
         implementation: str | None = None,
+        kv_events: Mapping[int, str] | None = None,
+        kv_events_topic: str = "",
         **removed: Any,
     ):
         if removed:
@@ -398,6 +414,7 @@ class Coordinator:
             pd_retries=pd_retries,
             engine_histograms=engine_histograms,
         )
+        publishers = [parse_endpoints(f"{r}={spec}") for r, spec in (kv_events or {}).items()]
         self._term = term
         router = impl.Router(
             policy,
@@ -425,6 +442,18 @@ class Coordinator:
             self._sockets.close()
             raise
         self.options = dataclasses.replace(self.options, tracing=sink)
+        self._kv_events: Subscriber | None = None
+        if kv_events is not None:
+            self._kv_events = Subscriber(
+                context, self._sockets.nudge, block_size, kv_events_topic.encode()
+            )
+            for rank, endpoint, replay in publishers:
+                if not 0 <= rank < max_engines:
+                    self._sockets.close()
+                    self._close_tracing()
+                    raise ValueError(f"kv_events: rank {rank} is out of range [0, {max_engines})")
+                self._kv_events.add(rank, endpoint, replay)
+            self.options = dataclasses.replace(self.options, kv_events=self._kv_events)
         self._loop = impl.loop.Loop(
             self.options,
             router,
@@ -442,6 +471,8 @@ class Coordinator:
                 raise
         if self.options.tracing is not None:
             self.options.tracing.start()
+        if self._kv_events is not None:
+            self._kv_events.start()
         self._thread: threading.Thread | None = None
         self._started = False
         if term is not None:
@@ -522,6 +553,8 @@ class Coordinator:
             if not handover:
                 self._loop.shutdown()
             self._sockets.close()
+        if self._kv_events is not None:
+            self._kv_events.stop()
         if self._metrics is not None:
             self._metrics.close()
         self._close_tracing()

@@ -48,7 +48,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -68,6 +68,7 @@ from ._liveness import (
     prepare,
 )
 from .curve import KeySource, ServerKey
+from .kvpublish import KVPublisher
 from .protocol import (
     ACK_FEATURE,
     BASE_KEY,
@@ -75,6 +76,8 @@ from .protocol import (
     CAPACITY_KEY,
     COORDKIT_HELLO,
     DOMAIN_KEY,
+    KV_EVENTS_KEY,
+    KV_EVENTS_REPLAY_KEY,
     REBUILD_FEATURE,
     ROLE_KEY,
     ROLE_NAMES,
@@ -175,6 +178,14 @@ class Engine(Following):
     decode of its prefill's domain) and ``transfer``, what a prefill is sent of this
     decode in SEND_KV when it pushes. :attr:`role_granted` says whether the
     coordinator took the role (one that does not run P/D sends whole requests).
+
+    ``kv_events`` announces, in the hello, where the engine's KV-cache events are
+    published in vLLM's wire format (a vLLM or SGLang engine's own PUB endpoint, with
+    ``kv_events_replay`` its replay ROUTER), so that a coordinator reading events
+    prices this rank by them (docs/routing.md); or it is a
+    :class:`coordkit.kvpublish.KVPublisher` the adapter publishes through:
+    :meth:`kv_stored`, :meth:`kv_removed` and :meth:`kv_cleared` (the engine does not
+    close it).
     """
 
     def __init__(
@@ -197,7 +208,15 @@ class Engine(Following):
         role: str | None = None,
         domain: str = "",
         transfer: Any = None,
+        kv_events: str | KVPublisher | None = None,
+        kv_events_replay: str | None = None,
     ):
+        self._kv_publisher = kv_events if isinstance(kv_events, KVPublisher) else None
+        #: Where its KV-cache events are published, said in its hello (None: nowhere).
+        self.kv_events = kv_events.endpoint if isinstance(kv_events, KVPublisher) else kv_events
+        self.kv_events_replay = (
+            kv_events.replay_endpoint if isinstance(kv_events, KVPublisher) else kv_events_replay
+        )
         if role is not None:
             if role not in ROLE_NAMES:
                 raise ValueError(
@@ -406,6 +425,26 @@ class Engine(Following):
         """Tell the coordinator this rank takes no new work (send finals for what it holds)."""
         self._socket.send_multipart(protocol.DISCONNECT.pack())
 
+    def _publisher(self) -> KVPublisher:
+        if self._kv_publisher is None:
+            raise RuntimeError("coordkit: this Engine publishes no events (kv_events=KVPublisher)")
+        return self._kv_publisher
+
+    def kv_stored(
+        self, hashes: Sequence[int | bytes], parent: int | bytes | None, tokens: Sequence[int]
+    ) -> None:
+        """Blocks the engine cached: their hashes (its own), the block before the first
+        (None: they start a prompt) and their tokens (KVPublisher.stored)."""
+        self._publisher().stored(hashes, parent, tokens)
+
+    def kv_removed(self, hashes: Sequence[int | bytes]) -> None:
+        """Blocks the engine evicted, by the hashes they were stored under."""
+        self._publisher().removed(hashes)
+
+    def kv_cleared(self) -> None:
+        """The engine dropped every cached block."""
+        self._publisher().cleared()
+
     def close(self) -> None:
         self._watch.close()
         self._socket.close(linger=_CLOSE_LINGER_MS)
@@ -435,6 +474,10 @@ class Engine(Following):
                 hello[DOMAIN_KEY] = self.domain
             if self.transfer is not None:
                 hello[TRANSFER_KEY] = self.transfer
+        if self.kv_events is not None:
+            hello[KV_EVENTS_KEY] = self.kv_events
+            if self.kv_events_replay is not None:
+                hello[KV_EVENTS_REPLAY_KEY] = self.kv_events_replay
         if self._rebuild is not None:
             # Until the answer says the rebuild is granted, requests carry no trailer.
             self._rebuild.granted = False

@@ -226,6 +226,37 @@ class CoordinatorCollector:
         if "queue" in stats:
             yield from _queue_families(stats["queue"], metrics["queue"], metrics["latency_bounds"])
 
+        if "kv_events" in stats:
+            yield from _kv_event_families(stats["kv_events"])
+
+
+#: stats()["kv_events"]'s counts, as counters: (key, help).
+_KV_EVENT_COUNTS = (
+    ("batches", "KV-cache event batches applied to the prefix index."),
+    ("gaps", "Gaps in an engine's event sequence (a batch missed)."),
+    ("resets", "Engines' indexes cleared: history lost, no replay, a restart, a batch lost."),
+    ("replays", "Replays asked of the engines' publishers."),
+    ("malformed", "Event messages or batches malformed, dropped."),
+    ("events_malformed", "Events malformed in a batch otherwise applied, skipped."),
+)
+
+
+def _kv_event_families(kv: dict[str, Any]) -> Iterator[Metric]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for key, text in _KV_EVENT_COUNTS:
+        family = CounterMetricFamily(_PREFIX + "kv_events_" + key, text)
+        family.add_metric([], kv[key])
+        yield family
+    blocks = GaugeMetricFamily(
+        _PREFIX + "kv_index_blocks",
+        "Blocks an engine holds according to its KV-cache events, by whether they are known.",
+        labels=["rank", "state"],
+    )
+    for engine in kv["engines"]:
+        blocks.add_metric([str(engine["rank"]), engine["state"]], engine["blocks"])
+    yield blocks
+
 
 def _engine_families(engines: list[dict[str, Any]]) -> Iterator[Metric]:
     """Each engine's requests (when the loop measures), errors, and what its heartbeats

@@ -163,6 +163,12 @@ PRIORITY_MIN, PRIORITY_MAX = -128, 127
 ROLE_KEY = "role"
 DOMAIN_KEY = "domain"
 TRANSFER_KEY = "transfer"
+#: The keys of a coordkit engine's ENGINE_HELLO map that announce its KV-cache events'
+#: publisher (vLLM's wire format: a PUB endpoint, and optionally its replay ROUTER's),
+#: which a coordinator reading events subscribes to (docs/routing.md).
+KV_EVENTS_KEY = "kv_events"
+KV_EVENTS_REPLAY_KEY = "kv_events_replay"
+ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 #: The sampling-params key that makes a SUBMIT the prefill hop of a P/D request: the
 #: engine computes the prompt's KV, pins it and hands it off instead of generating
@@ -814,6 +820,8 @@ class Hello(NamedTuple):
     role: EngineRole = EngineRole.AGGREGATED  # a coordkit engine's P/D role
     domain: str = ""  # with a role: the transfer domain it moves KV within
     transfer: Any = None  # with a role: what a pushing prefill is sent of it (SEND_KV)
+    kv_events: str | None = None  # a coordkit engine: its KV events' publisher (PUB)
+    kv_events_replay: str | None = None  # and that publisher's replay ROUTER
 
 
 _rid = Field("rid", int)
@@ -1054,6 +1062,11 @@ def _hello(hello: dict[Any, Any]) -> Hello:
     capacity = hello.get(CAPACITY_KEY, 0)
     if type(capacity) is not int or not 0 < capacity <= MAX_CAPACITY or not coordkit:
         capacity = 0
+    kv_events, kv_replay = hello.get(KV_EVENTS_KEY), hello.get(KV_EVENTS_REPLAY_KEY)
+    if not coordkit or not _endpoint(kv_events):
+        kv_events = kv_replay = None  # none, or one no socket could connect to
+    elif not _endpoint(kv_replay):
+        kv_replay = None
     return Hello(
         coordkit,
         coordkit and _feature(hello.get(BATCH_FEATURE)),
@@ -1065,7 +1078,13 @@ def _hello(hello: dict[Any, Any]) -> Hello:
         coordkit and _feature(hello.get(QOS_FEATURE)),
         tenant if coordkit and valid_tenant(tenant) else None,
         capacity,
+        kv_events=kv_events,
+        kv_events_replay=kv_replay,
     )
+
+
+def _endpoint(value: object) -> bool:
+    return isinstance(value, str) and value.startswith(ENDPOINT_SCHEMES) and len(value) < 1024
 
 
 def parse_connect(frames: Sequence[Frame]) -> Hello:

@@ -231,6 +231,8 @@ class Faults:
         self._loop._log.warn("engine_failed", f"engine {engine.rank} gone ({GONE_REASONS[reason]})")
         if self._loop._pd is not None:
             self._loop._pd.engine_gone(engine)  # its P/D requests go on elsewhere, or end
+        if self._loop._kv_events is not None and engine.state == GONE:  # (not back already)
+            self._loop._kv_events.unannounce(engine.rank)  # the publisher it announced goes too
         resend: dict[_Client, list[int]] = defaultdict(list)
         for request in self.in_order(lambda r: r.rank == engine.rank):
             if self._loop._find(request.server_rid) is not request or request.rank != engine.rank:

@@ -70,6 +70,7 @@ from .dialect import (
 from .fanout import Fanout
 from .faults import Faults
 from .kept import keep
+from .kvindex import KVIndex
 from .latency import STAGE_REPLY, STAGE_REQUEST, Latency
 from .lists import Deadlines
 from .message import _source_fd, message_bytes
@@ -193,6 +194,12 @@ class Loop:
         self._poller.register(router_socket, zmq.POLLIN)
         self._poller.register(wake_socket, zmq.POLLIN)
         self._poller.register(monitor_socket, zmq.POLLIN)
+        # The engines' KV-cache events: their thread (None: none read), the index they make.
+        self._kv_events = options.kv_events
+        self._kv: KVIndex | None = None
+        if self._kv_events is not None:
+            self._kv = KVIndex(options.block_size)
+            router.attach_kv(self._kv)
 
     # -- what the Coordinator calls ------------------------------------------------------
 
@@ -222,8 +229,7 @@ class Loop:
                 self._timers.tick(now)
             if self._monitor in ready:
                 self._peers.connection_events()
-            if self._wake in ready:
-                self._wake.recv()
+            if self._wake in ready and self._woken():
                 self._stopping = True
             elif self._sock in ready:
                 self._drain(deadline)
@@ -233,6 +239,21 @@ class Loop:
                 if self._traces is not None and self._traces.ending:
                     self._traces.end()
         return False
+
+    def _woken(self) -> bool:
+        """Whether stop() wrote to the wake socket (an empty frame); the KV events'
+        thread writes a byte there when it has records waiting: they are applied."""
+        woken = False
+        while True:
+            try:
+                frame = self._wake.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return woken
+            if frame:
+                assert self._kv is not None and self._kv_events is not None
+                self._kv.take(self._kv_events, self._router)
+            else:
+                woken = True
 
     def shutdown(self) -> None:
         self._refusals.shut_down()

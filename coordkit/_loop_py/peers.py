@@ -98,6 +98,13 @@ class Peers:
             elif self._loop._pd is not None and engine.rank in self._loop._pd.seats:
                 self._loop._pd.unseat(engine.rank)
                 self._loop._faults.admit(engine)
+            if self._loop._kv_events is not None:  # its publisher, or none (its predecessor's)
+                if hello.kv_events is None:
+                    self._loop._kv_events.unannounce(engine.rank)
+                else:
+                    self._loop._kv_events.add(
+                        engine.rank, hello.kv_events, hello.kv_events_replay, announced=True
+                    )
             if hello.ack or hello.rebuild:  # it is in the pool: say so, and what it was granted
                 self._loop._answers.send(
                     identity, protocol.engine_ack(hello, self._loop._epoch, roles=True)

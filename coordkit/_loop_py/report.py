@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from .._kvevents import kv_stats
 from .._shared import busiest, metrics_map, stats_map
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class Report:
         )
         if self._loop._pd is not None:
             stats["pd"] = self._loop._pd.stats()
+        if self._loop._kv is not None and self._loop._kv_events is not None:
+            stats["kv_events"] = kv_stats(self._loop._kv.stats(), self._loop._kv_events.stats())
         return stats
 
     def metrics(self) -> dict[str, Any]:

@@ -281,6 +281,8 @@ cdef class Faults:
         self.loop._log.warn("engine_failed", f"engine {rank} gone ({reason})")
         if self.loop.pd is not None:
             self.loop.pd.engine_gone(rank)  # its P/D requests go on elsewhere, or end
+        if self.loop.kv_events is not None and self.loop.engines[rank].state == ENGINE_GONE:
+            self.loop.kv_events.unannounce(rank)  # the publisher it announced goes too (not back)
         resend = {}
         order = self.in_order(rank, -1, &n)
         try:

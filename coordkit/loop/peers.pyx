@@ -62,6 +62,13 @@ cdef class Peers:
             elif self.loop.pd is not None and self.loop.pd.seats[engine].seated:
                 self.loop.pd.unseat(engine)
                 self.loop.faults.admit(engine)
+            if self.loop.kv_events is not None:  # its publisher, or none (its predecessor's go)
+                if hello.kv_events is None:
+                    self.loop.kv_events.unannounce(engine)
+                else:
+                    self.loop.kv_events.add(
+                        engine, hello.kv_events, hello.kv_events_replay, announced=True
+                    )
             if hello.ack or hello.rebuild:  # it is in the pool: say so, and what it was granted
                 ack = protocol.engine_ack(hello, self.loop.epoch, roles=True)
                 self.loop.answers.reply_to_sender(ack)

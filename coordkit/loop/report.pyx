@@ -55,6 +55,10 @@ cdef class Report:
             result["debug"] = {"polls": self.loop.debug_polls}
         if self.loop.pd is not None:
             result["pd"] = self.loop.pd.stats()
+        if self.loop.kv is not None:
+            result["kv_events"] = _kvevents.kv_stats(
+                self.loop.kv.stats(), self.loop.kv_events.stats()
+            )
         return result
 
     def metrics(self) -> dict:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from .. import IMPLEMENTATION, Coordinator, Implementation, __version__, load_implementation
 from .._checks import ADDRESS_FORMS
 from .._held import DEFAULT_HELD_HASHES
+from .._kvevents import parse_endpoints
 from .._liveness import DEFAULT_COORDINATOR_TIMEOUT
 from .._pd import PD_MODES
 from .._policies import POLICIES
@@ -317,6 +318,18 @@ def _parser() -> argparse.ArgumentParser:
         "N",
         "prefix: block hashes remembered at most (least recently used go first)",
     )
+    serve.add_argument(
+        "--kv-events",
+        action="append",
+        type=_kv_events_spec,
+        metavar="RANK=ENDPOINT[,REPLAY]",
+        help="read the KV-cache events engine RANK publishes in vLLM's wire format at "
+        "ENDPOINT (its replay ROUTER at REPLAY), repeatable; 'engines': only those coordkit "
+        "engines announce. prefix then prices each engine that publishes by its events",
+    )
+    serve.add_argument(
+        "--kv-events-topic", default="", metavar="TOPIC", help="their topic filter (a prefix)"
+    )
 
     demo = commands.add_parser("demo", help="run a local cluster under a client load")
     demo.set_defaults(command=_demo)
@@ -330,6 +343,12 @@ def _parser() -> argparse.ArgumentParser:
         "--latency", type=float, default=0.0, metavar="S", help="seconds per engine step"
     )
     demo.add_argument("--stream", action="store_true", help="stream partial replies")
+    demo.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the engines publish their prefix caches' events and the coordinator reads "
+        "them: prefix knows what each caches instead of guessing",
+    )
     demo.add_argument(
         "--shared-prefixes",
         type=_positive_int,
@@ -441,6 +460,12 @@ def _parser() -> argparse.ArgumentParser:
         help="max requests running per engine (default: the cost model's)",
     )
     _add_prefix_model(replay)
+    replay.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="token-id prompts whose engines publish their caches' events; prefix runs "
+        "guessing, then reading the events (not with --pd or --failover-at)",
+    )
     replay.add_argument(
         "--failover-at",
         type=_fraction,
@@ -628,6 +653,12 @@ def _parser() -> argparse.ArgumentParser:
         help="prefix cache capacity in blocks",
     )
     fake.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="publish its prefix cache's events in vLLM's wire format (free ports, "
+        "announced in its hello)",
+    )
+    fake.add_argument(
         "--held-hashes",
         type=_non_negative_int,
         default=DEFAULT_HELD_HASHES,
@@ -756,6 +787,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _kv_events_spec(text: str) -> tuple[int, str] | None:
+    """``RANK=ENDPOINT[,REPLAY]`` as (rank, "ENDPOINT[,REPLAY]"); ``engines``: None."""
+    if text == "engines":
+        return None
+    try:
+        rank, endpoint, replay = parse_endpoints(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return rank, endpoint if replay is None else f"{endpoint},{replay}"
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -843,6 +885,12 @@ def _serve(args: argparse.Namespace) -> int:
         if len(weights) < len(options["tenant_weights"]):
             raise ValueError("a tenant is given --tenant-weight twice")
         options["tenant_weights"] = weights
+    if args.kv_events is not None:
+        publishers = [spec for spec in args.kv_events if spec is not None]
+        options["kv_events"] = dict(publishers)
+        if len(options["kv_events"]) < len(publishers):
+            raise ValueError("an engine rank is given --kv-events twice")
+        options["kv_events_topic"] = args.kv_events_topic
     if args.ha is None:
         return _serve_term(args, impl, options, None)
     try:

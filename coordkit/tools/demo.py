@@ -216,6 +216,8 @@ def _run_cluster(
             options.update(coordinator_options(results.pd))
         if traces is not None:
             options.update(trace_sample=args.trace_sample, trace_exporter=traces.coordinator)
+        if args.kv_events:  # the engines announce their publishers at their hello
+            options.update(kv_events={})
         coord = Coordinator(address, implementation=impl.name, policy=policy, **options)
         coord.start()
         env = traces.env if traces is not None else None
@@ -234,7 +236,7 @@ def _run_cluster(
 
 
 def _engine_options(args: argparse.Namespace) -> list[str]:
-    return [
+    return ["--kv-events"] * args.kv_events + [
         "--latency",
         str(args.latency),
         "--output-tokens",
@@ -358,6 +360,7 @@ def _rows(
     if args.shared_prefixes is not None or args.compare_policies:
         rows["prefix cache"] = f"{args.cache_blocks} blocks of {args.block_size} tokens"
         rows["prefix cache hit rate"] = _hit_rate(results)
+        rows["prefix index"] = "the engines' KV events" if args.kv_events else "guessed"
     return rows
 
 

@@ -38,6 +38,7 @@ from .._liveness import DEFAULT_COORDINATOR_TIMEOUT
 from .._shared import logger
 from ..curve import KeySource, ServerKey
 from ..engine import Abort, Control, Engine, Event, ReleaseKV, Request, SendKV
+from ..kvpublish import KVPublisher, block_stored
 from ..protocol import BLOCK_HASH_SIZE, Header, block_hashes, unpackb
 from ..tracing import asked, configure, end_span, engine_span, tracer_of
 
@@ -134,6 +135,7 @@ class _Job:
     span: Any = None  # its trace span when its client traced it: from arrival to its final
     handoff: bool = False  # a prefill hop: its KV handed off, pinned, after its first token
     imported: bool = False  # a decode hop: its KV imported, not prefilled
+    prompt: list[int] | None = None  # its token ids, when the engine publishes what it caches
 
 
 #: A P/D role's FakeEngine counters (FakeEngine.stats()).
@@ -219,6 +221,12 @@ class FakeEngine(Engine):
     whole or disaggregated. Its bodies' ``cached_blocks`` are the prefill's hits.
     It imports by reading (NIXL's way): a SEND_KV is counted, nothing more.
     :meth:`stats` counts the pins, handoffs, releases and transfers.
+
+    With ``kv_events`` it publishes its prefix cache's events in vLLM's wire format
+    (:class:`coordkit.kvpublish.KVPublisher` on free ports of ``kv_events_host``,
+    announced in its hello): a BlockStored, the block's chained hash as its own hash,
+    for each block of a token-id prompt it caches, a BlockRemoved for each it evicts;
+    a coordinator reading events then knows exactly what it caches.
     """
 
     def __init__(
@@ -246,6 +254,8 @@ class FakeEngine(Engine):
         tracer_provider: Any = None,
         role: str | None = None,
         domain: str = "",
+        kv_events: bool = False,
+        kv_events_host: str = "127.0.0.1",
     ):
         # latency and max_batch, when given, override the cost model's.
         cost = cost._replace(
@@ -261,6 +271,12 @@ class FakeEngine(Engine):
             raise ValueError("the cost model's times and rates must be >= 0")
         if cost.prefill_chunk < 1 or not speedup > 0:
             raise ValueError("prefill_chunk must be at least 1 and speedup above 0")
+        self._kv_publisher: KVPublisher | None = None
+        if kv_events:
+            address_host = f"tcp://{kv_events_host}:0"
+            self._kv_publisher = KVPublisher(
+                address_host, address_host, block_size=prefix_block_size, rank=rank
+            )
         super().__init__(
             address,
             rank,
@@ -277,6 +293,7 @@ class FakeEngine(Engine):
             held_hashes=held_hashes,
             role=role,
             domain=domain,
+            kv_events=self._kv_publisher,
         )
         self.cost = cost
         self.speedup = speedup
@@ -378,6 +395,8 @@ class FakeEngine(Engine):
                     _prompt_tokens(prompt),
                     _positive(params.get("max_partials")),
                 )
+                if self._kv_publisher is not None and not _int_list(ids):
+                    job.prompt = prompt if _int_list(prompt) else None
                 if event.prefill_hop() and job.output_tokens > 1:
                     job.handoff, job.output_tokens = True, 1
                 if event.decode_hop():
@@ -465,14 +484,42 @@ class FakeEngine(Engine):
             cache = self._prefix_cache
             if not job.imported:  # an import reports its prefill's hits
                 job.cached_blocks = self._cached_prefix(job.blocks)
-            for block in job.blocks:
+            stored = []  # (index in the prompt, block) of those it did not hold
+            for i, block in enumerate(job.blocks):
+                if block not in cache:
+                    stored.append((i, block))
                 cache[block] = None
                 cache.move_to_end(block)
+            evicted = []
             while len(cache) > self.cache_blocks:
-                cache.popitem(last=False)
+                evicted.append(cache.popitem(last=False)[0])
+            if self._kv_publisher is not None:
+                self._publish(job, stored, evicted)
         if self.cost.prefill_rate and not job.imported:
             cached = job.cached_blocks * self.prefix_block_size
             job.prefill_left = max(job.prompt_tokens - cached, 1)
+
+    def _publish(self, job: _Job, stored: list[tuple[int, Any]], evicted: list[Any]) -> None:
+        """The cache's events of one admission: its blocks stored, then those evicted
+        (a request longer than the cache evicts some of its own)."""
+        assert self._kv_publisher is not None and job.blocks is not None
+        size = self.prefix_block_size
+        events = []
+        if job.prompt is not None:
+            for i, block in stored:  # chained hashes, as the protocol's: parent, then tokens
+                parent = None if i == 0 else _key(job.blocks[i - 1])
+                tokens = job.prompt[i * size : (i + 1) * size]
+                events.append(block_stored([_key(block)], parent, tokens, size))
+        gone = [_key(block) for block in evicted if isinstance(block, bytes)]
+        if gone:
+            events.append({"type": "BlockRemoved", "block_hashes": gone, "medium": "GPU"})
+        if events:
+            self._kv_publisher.publish(events)
+
+    def close(self) -> None:
+        super().close()
+        if self._kv_publisher is not None:
+            self._kv_publisher.close()
 
     def _cached_prefix(self, blocks: list[Any]) -> int:
         """The leading blocks the prefix cache holds: a cache reuses KV up to its first miss."""
@@ -608,6 +655,11 @@ class FakeEngine(Engine):
         return body
 
 
+def _key(block: bytes) -> int:
+    """A block's chained hash as the u64 the engine publishes it under."""
+    return int.from_bytes(block, "little")
+
+
 def _decode_prompt(frame: zmq.Frame) -> list[int] | str | bytes:
     """A prompt frame as token ids or text if it is msgpack of either, else its bytes."""
     try:
@@ -696,6 +748,7 @@ def run(args: argparse.Namespace) -> int:
         tracer_provider=provider,
         role=args.role,
         domain=args.domain,
+        kv_events=args.kv_events,
     ) as engine:
         engine.run(stop)
     if provider is not None:

@@ -30,6 +30,13 @@ engines prefill, the others decode) and conditionally disaggregated (prompts of 
 most ``--pd-threshold`` uncached tokens run whole on a decode engine), side by side
 (:mod:`coordkit.tools.pd`, docs/pd.md). Every run reports the inter-token latency:
 per request, the time from its first token to its last over the tokens between.
+
+``--kv-events`` runs the engines' KV-cache events: each prompt is token ids (block
+``j``'s tokens all ``hash_ids[j]``, so that equal ids make equal chained hashes), the
+fake engines cache by those hashes and publish what they store and evict, and the
+prefix policy runs twice: guessing (its own table), then exact (the coordinator reads
+the events). Every run reports the prediction: the blocks the coordinator expected
+the chosen engines to hold, against those they held.
 :mod:`coordkit.tools.cli` parses the options.
 """
 
@@ -57,6 +64,7 @@ import msgpack
 from .. import Coordinator, Implementation, __version__
 from .._policies import POLICIES
 from ..client import Client, CoordinatorError
+from ..protocol import block_hashes
 from .engines import CoordinatorProcess, fake_engine_processes
 from .fake_engine import COST_MODELS
 from .pd import PDRun, coordinator_options, pd_runs
@@ -113,6 +121,8 @@ class _Results:
     policy: str
     failover: int | None = None  # the request before which the coordinator was killed
     pd: PDRun | None = None  # --pd: which of its clusters
+    exact: bool = False  # --kv-events: the coordinator reads the engines' events
+    predicted_blocks: int = 0  # the blocks the prefix policy expected its choices to hold
     ttft: list[float] = field(default_factory=list)  # trace seconds, completed requests
     latency: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)  # of the requests of 2 tokens or more
@@ -130,6 +140,8 @@ class _Results:
     def label(self) -> str:
         if self.pd is not None:
             return self.pd.label
+        if self.exact:
+            return f"{self.policy} + KV events"
         return self.policy if self.failover is None else f"{self.policy} + failover"
 
 
@@ -185,15 +197,19 @@ def run(impl: Implementation, args: argparse.Namespace) -> int:
     failovers: list[int | None] = [None]
     if args.failover_at is not None:
         failovers.append(min(max(round(args.failover_at * len(trace)), 1), len(trace) - 1))
-    plan: list[tuple[str, int | None, PDRun | None]]
-    plan = [(policy, failover, None) for policy in policies for failover in failovers]
+    plan: list[tuple[str, int | None, PDRun | None, bool]]
+    plan = [(policy, failover, None, False) for policy in policies for failover in failovers]
     if pd_plan:
-        plan = [(args.policy, None, run_pd) for run_pd in pd_plan]
+        plan = [(args.policy, None, run_pd, False) for run_pd in pd_plan]
+    if args.kv_events:
+        if pd_plan or args.failover_at is not None:
+            raise ValueError("--kv-events runs without --pd and --failover-at")
+        plan += [("prefix", None, None, True)] if "prefix" in policies else []
     progress = _Progress(len(trace) * len(plan), not args.no_progress)
     runs: list[_Results] = []
     try:
-        for policy, failover, cluster in plan:
-            results = _Results(policy, failover, cluster)
+        for policy, failover, cluster, exact in plan:
+            results = _Results(policy, failover, cluster, exact)
             progress.describe(f"coordkit replay {results.label}")
             runs.append(results)
             try:
@@ -248,6 +264,7 @@ def _run_cluster(
         fail_over = None
         if results.failover is None:
             pd = {} if results.pd is None else coordinator_options(results.pd)
+            events: dict[str, Any] = {"kv_events": {}} if results.exact else {}
             coord = Coordinator(
                 address,
                 implementation=impl.name,
@@ -256,6 +273,7 @@ def _run_cluster(
                 prefix_ttl=prefix_ttl,
                 **router,
                 **pd,
+                **events,
             )
             coord.start()
         else:  # a process, to be SIGKILLed: the same options on its command line
@@ -270,6 +288,8 @@ def _run_cluster(
             options = _engine_options(args)
             with fake_engine_processes(address, args.engines, options, roles) as engines:
                 asyncio.run(_replay(address, trace, args, results, engines, progress, fail_over))
+            if isinstance(coord, Coordinator):
+                results.predicted_blocks = coord.metrics()["prefix"]["matched_blocks"]
         except KeyboardInterrupt:
             results.interrupted = True
         finally:
@@ -284,7 +304,18 @@ def _engine_options(args: argparse.Namespace) -> list[str]:
         options += ["--held-hashes", str(args.held_hashes)]
     if args.engine_batch is not None:
         options += ["--batch", str(args.engine_batch)]
+    if args.kv_events:
+        options.append("--kv-events")
     return options
+
+
+def _token_prompt(request: TraceRequest, block_size: int) -> list[int]:
+    """--kv-events: the prompt as token ids, block j's all hash_ids[j] (u32), the rest 0."""
+    ids = request.hash_ids
+    return [
+        ids[i // block_size] & 0xFFFFFFFF if i // block_size < len(ids) else 0
+        for i in range(request.input_length)
+    ]
 
 
 def _prompt(tokens: int) -> bytes:
@@ -306,15 +337,20 @@ async def _replay(
 
     async def one(client: Client, request: TraceRequest) -> None:
         tokens = max(1, min(request.output_length, cap or request.output_length))
-        params = {"block_ids": list(request.hash_ids), "output_tokens": tokens, "max_partials": 1}
-        hashes = struct.pack(f"<{len(request.hash_ids)}Q", *request.hash_ids)
+        params: dict[str, Any] = {"output_tokens": tokens, "max_partials": 1}
+        prompt: Any
+        if args.kv_events:  # the engines cache by the prompt's chained hashes, and say so
+            ids = _token_prompt(request, args.block_size)
+            prompt, hashes = msgpack.packb(ids), block_hashes(ids, args.block_size)
+        else:
+            params["block_ids"] = list(request.hash_ids)
+            prompt = _prompt(request.input_length)
+            hashes = struct.pack(f"<{len(request.hash_ids)}Q", *request.hash_ids)
         sent = time.perf_counter()
         first = None
         body: Any = None
         try:
-            stream = client.stream(
-                _prompt(request.input_length), params, block_hashes=hashes or None
-            )
+            stream = client.stream(prompt, params, block_hashes=hashes or None)
             async for part in stream:
                 if first is None:
                     first = time.perf_counter()
@@ -387,6 +423,10 @@ def _metrics(results: _Results, args: argparse.Namespace) -> dict[str, Any]:
         "hit_rate": results.cached_blocks / results.prompt_blocks
         if results.prompt_blocks
         else None,
+        # The blocks the prefix policy expected its choices to hold, per block they held.
+        "predicted_per_cached": results.predicted_blocks / results.cached_blocks
+        if results.cached_blocks and results.policy == "prefix"
+        else None,
         "ttft_p50": _percentile(ttft, 50),
         "ttft_p99": _percentile(ttft, 99),
         "latency_p50": _percentile(latency, 50),
@@ -456,6 +496,7 @@ def _table(
             "latency p99": _seconds(m["latency_p99"]),
             "ITL p50": _milliseconds(m["itl_p50"]),
             "ITL p99": _milliseconds(m["itl_p99"]),
+            "predicted / held blocks": _ratio(m["predicted_per_cached"]),
             "max/mean requests": _ratio(m["imbalance_requests"]),
             "max/mean busy": _ratio(m["imbalance_busy"]),
         }
@@ -515,6 +556,7 @@ def _report(
             "pd": args.pd,
             "prefill_engines": args.prefill_engines,
             "pd_threshold": args.pd_threshold,
+            "kv_events": args.kv_events,
             "implementation": implementation,
         },
         "environment": {

@@ -177,15 +177,19 @@ def figures(history: History) -> list[tuple[str, str]]:
     return rows
 
 
-ENGINE_COLUMNS = ("rank", "engine", "state", "in flight", "share", "req/s", "errors")
+ENGINE_COLUMNS = ("rank", "engine", "state", "in flight", "share", "req/s", "errors", "cache")
 
 
 def engine_rows(history: History) -> list[tuple[str, ...]]:
     """One row per engine: rank, routing id, state, in flight, share of the load, the
     requests routed to it per second and its errors (requests failed, bad or unknown
     reply entries, times gone) over the window; since it took its rank when that is
-    shorter. Its requests/s are "–" when the coordinator does not measure them."""
+    shorter. Its requests/s are "–" when the coordinator does not measure them. Its
+    cache is what the prefix policy knows of it: "exact" (its KV-cache events),
+    "replaying" (its events' state being asked: priced as caching nothing), "guessed"
+    (the coordinator's own table)."""
     stats = history.newest.stats
+    published = {e["rank"]: e["state"] for e in stats.get("kv_events", {}).get("engines", [])}
     total = max(stats["inflight"], 1)
     before = {(e["rank"], e["identity"]): _counts(e) for e in history.oldest.stats["engines"]}
     rows: list[tuple[str, ...]] = []
@@ -206,9 +210,13 @@ def engine_rows(history: History) -> list[tuple[str, ...]]:
                 f"{100 * engine['pending'] / total:.0f}%",
                 per_second(rate),
                 str(sum(now[k] - then[k] for k in ENGINE_ERRORS)),
+                _CACHE_KNOWN.get(published.get(engine["rank"], ""), "guessed"),
             )
         )
     return rows
+
+
+_CACHE_KNOWN = {"exact": "exact", "unknown": "replaying"}
 
 
 def _counts(engine: dict[str, Any]) -> dict[str, int]:

@@ -1,0 +1,181 @@
+"""The prefix index built from the engines' own KV-cache events, in Python.
+
+The twin of ``loop/kvindex.pyx``. It applies the records of
+:mod:`coordkit._kvevents` (the thread that reads the publishers makes them) and
+answers the prefix policy: how many leading blocks of a request's chain an engine
+holds, according to that engine's events.
+
+Per engine it keeps the blocks it holds, keyed by coordkit's own chained block
+hashes (:func:`coordkit.protocol.block_hashes` over each stored block's tokens,
+chained from its parent's), each counted once per engine key that names it; and
+the engine's keys (its own block hashes, opaque), each mapped to its block and
+counted as often as it was stored, so that a BlockRemoved finds what it removes
+and a block stored twice goes when removed twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import TYPE_CHECKING, Any
+
+from .._kvevents import (
+    HEAD,
+    OP_CLEAR,
+    OP_REMOVE,
+    OP_STATE,
+    OP_STORE,
+    REMOVE,
+    STATE,
+    STATE_KNOWN,
+    STATE_NONE,
+    STATE_UNKNOWN,
+    STORE,
+)
+
+if TYPE_CHECKING:
+    from .._kvevents import Subscriber
+    from .._routing_py import Router
+
+__all__ = ["KVIndex", "STATE_NAMES"]
+
+STATE_NAMES = {STATE_NONE: "none", STATE_UNKNOWN: "unknown", STATE_KNOWN: "exact"}
+
+
+class KVIndex:
+    """Every publishing engine's blocks, from its events."""
+
+    __slots__ = ("_block_size", "_blocks", "_keys", "_state", "known", "unresolved", "applied")
+
+    def __init__(self, block_size: int) -> None:
+        self._block_size = block_size
+        self._blocks: dict[int, dict[int, int]] = {}  # rank -> block hash -> keys naming it
+        self._keys: dict[int, dict[int, list[int]]] = {}  # rank -> key -> [block hash, count]
+        self._state: dict[int, int] = {}  # rank -> STATE_* (absent: STATE_NONE)
+        #: The ranks whose index is known, ascending: the prefix policy prices them by it.
+        self.known: list[int] = []
+        self.unresolved = 0  # stores whose parent the engine's events never named
+        self.applied = 0  # records applied
+
+    def attach(self, router: Router) -> None:
+        """``router`` reads this index (``Router.attach_kv``)."""
+        router.attach_kv(self)
+
+    def publishes(self, rank: int) -> bool:
+        """``rank`` has a publisher: the approximate table is not to credit it."""
+        return self._state.get(rank, STATE_NONE) != STATE_NONE
+
+    def depth(self, rank: int, hashes: bytes) -> int:
+        """The leading blocks of ``hashes`` (one LE u64 each) that ``rank`` holds."""
+        return self.held(rank, struct.unpack(f"<{len(hashes) // 8}Q", hashes))
+
+    def held(self, rank: int, hashes: tuple[int, ...]) -> int:
+        """The leading blocks of the chain ``hashes`` that ``rank`` holds: O(len(hashes))."""
+        blocks = self._blocks.get(rank)
+        if not blocks:
+            return 0
+        d = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            d += 1
+        return d
+
+    def take(self, events: Subscriber, router: Router) -> None:
+        """The records the events' thread has waiting, applied in order."""
+        for record in events.take():
+            self.apply(record, router)
+
+    def apply(self, record: bytes, router: Router) -> None:
+        """One record of the events' thread; a malformed one is ignored (it made them)."""
+        if len(record) < HEAD.size:
+            return
+        op, rank = HEAD.unpack_from(record)
+        self.applied += 1
+        if op == OP_CLEAR:
+            self._blocks.pop(rank, None)
+            self._keys.pop(rank, None)
+        elif op == OP_STATE and len(record) == STATE.size:
+            self._set_state(rank, STATE.unpack(record)[2], router)
+        elif op == OP_STORE and len(record) >= STORE.size:
+            _, _, has_parent, parent, n, size = STORE.unpack_from(record)
+            if len(record) == STORE.size + 8 * n + 4 * n * size:
+                self._store(rank, has_parent, parent, n, size, memoryview(record)[STORE.size :])
+        elif op == OP_REMOVE and len(record) >= REMOVE.size:
+            n = REMOVE.unpack_from(record)[2]
+            if len(record) == REMOVE.size + 8 * n:
+                self._remove(rank, struct.unpack_from(f"<{n}Q", record, REMOVE.size))
+
+    def _set_state(self, rank: int, state: int, router: Router) -> None:
+        was = self._state.get(rank, STATE_NONE)
+        if state == STATE_NONE:
+            self._state.pop(rank, None)
+        else:
+            self._state[rank] = state
+            if was == STATE_NONE:
+                router.forget(rank)  # its guesses go: its events say what it holds
+        if (was == STATE_KNOWN) != (state == STATE_KNOWN):
+            if state == STATE_KNOWN:
+                self.known.append(rank)
+                self.known.sort()
+            else:
+                self.known.remove(rank)
+
+    def _store(
+        self, rank: int, has_parent: int, parent: int, n: int, size: int, data: memoryview
+    ) -> None:
+        if size != self._block_size:
+            return  # (the thread passes the coordinator's block size only)
+        keys = self._keys.setdefault(rank, {})
+        blocks = self._blocks.setdefault(rank, {})
+        prev = 0
+        if has_parent:
+            node = keys.get(parent)
+            if node is None:
+                self.unresolved += 1
+                return
+            prev = node[0]
+        stored = struct.unpack_from(f"<{n}Q", data)
+        tokens = data[8 * n :]
+        step = 4 * size
+        for i, key in enumerate(stored):
+            block = tokens[i * step : (i + 1) * step]
+            digest = hashlib.blake2b(prev.to_bytes(8, "little") + block, digest_size=8).digest()
+            prev = int.from_bytes(digest, "little")
+            node = keys.get(key)
+            if node is not None:
+                node[1] += 1  # the same key stored again: removed as often
+                continue
+            keys[key] = [prev, 1]
+            blocks[prev] = blocks.get(prev, 0) + 1
+
+    def _unname(self, blocks: dict[int, int], block: int) -> None:
+        left = blocks[block] - 1
+        if left:
+            blocks[block] = left
+        else:
+            del blocks[block]
+
+    def _remove(self, rank: int, removed: tuple[int, ...]) -> None:
+        keys = self._keys.get(rank)
+        if keys is None:
+            return
+        blocks = self._blocks[rank]
+        for key in removed:
+            node = keys.get(key)
+            if node is None:
+                continue  # stored before its history was known, or never counted
+            node[1] -= 1
+            if node[1] == 0:
+                del keys[key]
+                self._unname(blocks, node[0])
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "engines": {
+                rank: {"state": STATE_NAMES[state], "blocks": len(self._blocks.get(rank, ()))}
+                for rank, state in sorted(self._state.items())
+            },
+            "unresolved": self.unresolved,
+            "applied": self.applied,
+        }

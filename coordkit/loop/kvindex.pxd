@@ -1,0 +1,23 @@
+# The prefix index from the engines' own KV-cache events (its methods: kvindex.pyx).
+# Included by _loop_c.pxd.
+
+from .includes.kvindex cimport ck_kvindex
+
+cdef enum:  # the records of coordkit._kvevents (checked at import)
+    KV_CLEAR = 0
+    KV_STORE = 1
+    KV_REMOVE = 2
+    KV_STATE = 3
+    KV_HEAD = 5  # <B I>: op, rank
+    KV_STORE_HEAD = 22  # <B I B Q I I>: op, rank, has_parent, parent, n, block_size
+    KV_REMOVE_HEAD = 9  # <B I I>: op, rank, n
+    KV_STATE_SIZE = 6  # <B I B>: op, rank, state
+
+
+cdef class KVIndex:
+    cdef ck_kvindex t  # what the router reads (Router.attach_kv_c)
+
+    cdef void apply_c(self, const uint8_t* record, size_t n, Router router) noexcept nogil
+    cdef void _set_state(self, int rank, int state, Router router) noexcept nogil
+    cdef void _store(self, int rank, const uint8_t* record, size_t n) noexcept nogil
+    cdef void _remove(self, int rank, const uint8_t* record, size_t n) noexcept nogil

@@ -1,0 +1,203 @@
+# The prefix index from the engines' own KV-cache events (loop/kvindex.pxd). Included
+# by _loop_c.pyx. The rules are coordkit/_loop_py/kvindex.py's, its twin.
+
+from .includes.blake2b cimport (
+    ck_blake2b_final,
+    ck_blake2b_init,
+    ck_blake2b_state,
+    ck_blake2b_update,
+)
+from .includes.kvindex cimport (
+    CK_KV_KNOWN,
+    CK_KV_NONE,
+    ck_kvcell,
+    ck_kvindex_depth,
+    ck_kvindex_free,
+    ck_kvindex_init,
+    ck_kvmap,
+    ck_kvmap_clear,
+    ck_kvmap_delete,
+    ck_kvmap_find,
+    ck_kvmap_vacant,
+)
+from .includes.sysdep cimport ck_load_le64, ck_store_le64
+
+from . import _kvevents
+
+if (
+    (_kvevents.OP_CLEAR, _kvevents.OP_STORE, _kvevents.OP_REMOVE, _kvevents.OP_STATE)
+    != (KV_CLEAR, KV_STORE, KV_REMOVE, KV_STATE)
+    or (_kvevents.HEAD.size, _kvevents.STORE.size, _kvevents.REMOVE.size, _kvevents.STATE.size)
+    != (KV_HEAD, KV_STORE_HEAD, KV_REMOVE_HEAD, KV_STATE_SIZE)
+    or (_kvevents.STATE_NONE, _kvevents.STATE_KNOWN) != (CK_KV_NONE, CK_KV_KNOWN)
+):
+    raise ImportError("loop/kvindex.pxd's records differ from coordkit._kvevents': rebuild")
+
+
+cdef inline uint32_t kv_u32(const uint8_t* p) noexcept nogil:
+    return p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
+
+
+cdef inline void kv_unname(ck_kvmap* blocks, uint64_t block) noexcept nogil:
+    """A key no longer names ``block``: it goes with the last one."""
+    cdef ck_kvcell* cell = ck_kvmap_find(blocks, block)
+    if cell == NULL:
+        return
+    cell.count -= 1
+    if cell.count == 0:
+        ck_kvmap_delete(blocks, cell)
+
+
+@cython.final
+cdef class KVIndex:
+    """Every publishing engine's blocks, from its events (coordkit._loop_py.kvindex.KVIndex).
+
+    ``apply`` takes the records of the events' thread (with the GIL, between two
+    messages); the router reads ``t`` without it (``ck_kvindex_depth``).
+    """
+
+    def __cinit__(self, int max_ranks, uint64_t block_size):
+        if ck_kvindex_init(&self.t, max_ranks, block_size) < 0:
+            ck_kvindex_free(&self.t)
+            raise MemoryError()
+
+    def __dealloc__(self):
+        ck_kvindex_free(&self.t)
+
+    def attach(self, Router router not None) -> None:
+        """``router`` reads this index (``Router.attach_kv``)."""
+        router.attach_kv_c(&self.t)
+
+    @property
+    def known(self) -> list:
+        return [self.t.known[i] for i in range(self.t.n_known)]
+
+    def publishes(self, int rank) -> bool:
+        return 0 <= rank < self.t.max_ranks and self.t.state[rank] != CK_KV_NONE
+
+    def depth(self, int rank, hashes) -> int:
+        """The leading blocks of ``hashes`` (one LE u64 each) that ``rank`` holds."""
+        cdef const uint8_t[::1] frame = hashes
+        if not 0 <= rank < self.t.max_ranks or frame.shape[0] == 0:
+            return 0
+        return ck_kvindex_depth(&self.t, rank, &frame[0], <size_t>frame.shape[0] >> 3)
+
+    def apply(self, bytes record, Router router not None) -> None:
+        self.apply_c(<const uint8_t*>PyBytes_AS_STRING(record), len(record), router)
+
+    def take(self, events, Router router not None) -> None:
+        """The records the events' thread has waiting, applied in order."""
+        cdef bytes record
+        for record in events.take():
+            self.apply_c(<const uint8_t*>PyBytes_AS_STRING(record), len(record), router)
+
+    def stats(self) -> dict:
+        cdef int rank
+        names = {1: "unknown", 2: "exact"}
+        return {
+            "engines": {
+                rank: {"state": names[self.t.state[rank]], "blocks": self.t.blocks[rank].used}
+                for rank in range(self.t.max_ranks) if self.t.state[rank] != CK_KV_NONE
+            },
+            "unresolved": self.t.unresolved,
+            "applied": self.t.applied,
+        }
+
+    cdef void apply_c(self, const uint8_t* record, size_t n, Router router) noexcept nogil:
+        """One record; a malformed one is ignored (the events' thread made them)."""
+        cdef int rank
+        if n < KV_HEAD:
+            return
+        rank = <int>kv_u32(record + 1)
+        if rank < 0 or rank >= self.t.max_ranks:
+            return
+        self.t.applied += 1
+        if record[0] == KV_CLEAR:
+            ck_kvmap_clear(&self.t.blocks[rank])
+            ck_kvmap_clear(&self.t.keys[rank])
+        elif record[0] == KV_STATE and n == KV_STATE_SIZE and record[5] <= CK_KV_KNOWN:
+            self._set_state(rank, record[5], router)
+        elif record[0] == KV_STORE and n >= KV_STORE_HEAD:
+            self._store(rank, record, n)
+        elif record[0] == KV_REMOVE and n >= KV_REMOVE_HEAD:
+            self._remove(rank, record, n)
+
+    cdef void _set_state(self, int rank, int state, Router router) noexcept nogil:
+        cdef int was = self.t.state[rank], i, j
+        self.t.state[rank] = state
+        if was == CK_KV_NONE and state != CK_KV_NONE:
+            router.forget_c(rank)  # its guesses go: its events say what it holds
+        if (was == CK_KV_KNOWN) == (state == CK_KV_KNOWN):
+            return
+        if state == CK_KV_KNOWN:  # into the list, kept ascending
+            i = self.t.n_known
+            while i > 0 and self.t.known[i - 1] > rank:
+                self.t.known[i] = self.t.known[i - 1]
+                i -= 1
+            self.t.known[i] = rank
+            self.t.n_known += 1
+        else:
+            for i in range(self.t.n_known):
+                if self.t.known[i] == rank:
+                    for j in range(i + 1, self.t.n_known):
+                        self.t.known[j - 1] = self.t.known[j]
+                    self.t.n_known -= 1
+                    break
+
+    cdef void _store(self, int rank, const uint8_t* record, size_t n) noexcept nogil:
+        cdef uint32_t blocks = kv_u32(record + 14), size = kv_u32(record + 18), i
+        cdef const uint8_t* keys = record + KV_STORE_HEAD
+        cdef const uint8_t* tokens
+        cdef uint64_t prev = 0, key
+        cdef uint8_t digest[8]
+        cdef ck_blake2b_state state
+        cdef ck_kvcell* cell
+        if size != self.t.block_size or n != KV_STORE_HEAD + (8 + 4 * <size_t>size) * blocks:
+            return
+        tokens = keys + 8 * <size_t>blocks
+        if record[5]:  # its parent: a block the engine's events named
+            cell = ck_kvmap_find(&self.t.keys[rank], ck_load_le64(record + 6))
+            if cell == NULL:
+                self.t.unresolved += 1
+                return
+            prev = cell.value
+        for i in range(blocks):
+            ck_blake2b_init(&state, 8)
+            ck_store_le64(digest, prev)
+            ck_blake2b_update(&state, digest, 8)
+            ck_blake2b_update(&state, tokens + 4 * <size_t>size * i, 4 * <size_t>size)
+            ck_blake2b_final(&state, digest)
+            prev = ck_load_le64(digest)
+            key = ck_load_le64(keys + 8 * <size_t>i)
+            cell = ck_kvmap_find(&self.t.keys[rank], key)
+            if cell != NULL:
+                cell.count += 1  # the same key stored again: removed as often
+                continue
+            cell = ck_kvmap_vacant(&self.t.keys[rank], key)
+            if cell == NULL:
+                return  # memory short: the block is not listed (priced as uncached)
+            cell.value = prev
+            cell.count = 1
+            cell = ck_kvmap_find(&self.t.blocks[rank], prev)
+            if cell == NULL:
+                cell = ck_kvmap_vacant(&self.t.blocks[rank], prev)
+                if cell == NULL:
+                    ck_kvmap_delete(&self.t.keys[rank], ck_kvmap_find(&self.t.keys[rank], key))
+                    return
+            cell.count += 1
+
+    cdef void _remove(self, int rank, const uint8_t* record, size_t n) noexcept nogil:
+        cdef uint32_t count = kv_u32(record + 5), i
+        cdef ck_kvcell* cell
+        cdef uint64_t block
+        if n != KV_REMOVE_HEAD + 8 * <size_t>count:
+            return
+        for i in range(count):
+            cell = ck_kvmap_find(&self.t.keys[rank], ck_load_le64(record + KV_REMOVE_HEAD + 8 * i))
+            if cell == NULL:
+                continue  # stored before its history was known, or never counted
+            cell.count -= 1
+            if cell.count == 0:
+                block = cell.value
+                ck_kvmap_delete(&self.t.keys[rank], cell)
+                kv_unname(&self.t.blocks[rank], block)

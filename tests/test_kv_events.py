@@ -1,0 +1,567 @@
+"""The prefix index from the engines' own KV-cache events (issue 41), on both cores:
+publishers written to vLLM's wire format (tests/support/vllm_publisher.py), real
+sockets, a coordinator that never routed the prefixes it is asked about."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from coordkit import Client, Coordinator
+from coordkit.engine import Engine
+from coordkit.kvpublish import KVPublisher
+from coordkit.metrics import scrape
+from coordkit.protocol import block_hashes
+from coordkit.tools.top import History, Snapshot, engine_rows
+from tests.support.peers import m, um, wait_for
+from tests.support.processes import coordkit_command, python_env
+from tests.support.scripted import run
+from tests.support.threads import fake_engines
+from tests.support.vllm_publisher import Publisher, batch_payload, cleared, removed, stored
+from tests.test_demo import demo, hit_rate, table
+
+SUBMIT, REPLY = 20, 21
+BS = 16
+
+
+def tokens(seed: int, blocks: int) -> list[int]:
+    return [seed * 1000 + i for i in range(blocks * BS)]
+
+
+def engine_hash(kind: str, n: int) -> Any:
+    """An engine's own hash of a block: a u64 above 2**63, an i64, or 32 bytes."""
+    if kind == "u64":
+        return (1 << 63) + n
+    if kind == "i64":
+        return -n - 1
+    return hashlib.sha256(n.to_bytes(8, "little")).digest()
+
+
+def store_chain(kind: str, prompt: list[int], first: int, per_event: int = 2) -> list[dict]:
+    """BlockStored events for the full blocks of ``prompt``, ``per_event`` blocks each,
+    chained by parent; engine hashes numbered from ``first``."""
+    events = []
+    parent = None
+    n = len(prompt) // BS
+    for start in range(0, n, per_event):
+        ids = [engine_hash(kind, first + i) for i in range(start, min(start + per_event, n))]
+        events.append(stored(ids, parent, prompt[start * BS : (start + len(ids)) * BS], BS))
+        parent = ids[-1]
+    return events
+
+
+@pytest.fixture
+def publishers() -> Iterator[Any]:
+    ctx = zmq.Context()
+    made: list[Publisher] = []
+
+    def make(**options: Any) -> Publisher:
+        made.append(Publisher(ctx, **options))
+        return made[-1]
+
+    yield make
+    for publisher in made:
+        publisher.close()
+    ctx.term()
+
+
+def kv(c: Any) -> dict[str, Any]:
+    return c.coord.stats()["kv_events"]
+
+
+def blocks(c: Any, rank: int) -> int | None:
+    """The blocks ``rank`` holds per its events, None while its state is not known."""
+    for line in kv(c)["engines"]:
+        if line["rank"] == rank:
+            return line["blocks"] if line["state"] == "exact" else None
+    return None
+
+
+def route(c: Any, client: Any, prompt: list[int], rid: int = 0) -> int:
+    """The rank a request carrying ``prompt``'s hashes went to (its reply sent, so every
+    engine is idle again)."""
+    poller = zmq.Poller()
+    for engine in c.engines:
+        poller.register(engine.sock, zmq.POLLIN)
+    client.send(m([SUBMIT, rid, {}]), b"prompt", block_hashes(prompt, BS))
+    ready = dict(poller.poll(5000))
+    rank = next(i for i, e in enumerate(c.engines) if e.sock in ready)
+    engine = c.engines[rank]
+    sid = um(engine.recv()[0])[1]
+    engine.send(m([REPLY, [[sid, False]]]), b"done")
+    assert um(client.recv()[0])[1] == rid
+    return rank
+
+
+def cluster_of(make_cluster: Any, pubs: list[Publisher], **options: Any) -> Any:
+    specs = {rank: p.spec for rank, p in enumerate(pubs)}
+    options.setdefault("policy", "prefix")
+    return make_cluster(n_engines=len(pubs), block_size=BS, kv_events=specs, **options)
+
+
+@pytest.mark.parametrize(
+    ("events", "batch", "kind", "shape"),
+    [
+        ("array", "array", "u64", "bare"),
+        ("map", "map", "i64", "topic"),
+        ("array", "map", "bytes", "topic"),
+        ("map", "array", "u64", None),
+    ],
+)
+def test_events_route_a_prefix_never_routed_to_its_holder(
+    make_cluster, publishers, events, batch, kind, shape
+):
+    pubs = [publishers(events=events, batch=batch, replay=shape, rank=r) for r in range(2)]
+    prompt = tokens(1, 4)
+    if shape is not None:  # published before the coordinator: its replay from 0 tells
+        pubs[1].publish(*store_chain(kind, prompt, 0))
+    with cluster_of(make_cluster, pubs) as c:
+        if shape is None:
+            wait_for(lambda: blocks(c, 1) == 0)
+            for _ in range(50):  # the subscription takes a while to reach the publisher
+                pubs[1].publish()
+                if kv(c)["batches"]:
+                    break
+                time.sleep(0.05)
+            pubs[1].publish(*store_chain(kind, prompt, 0))
+        wait_for(lambda: blocks(c, 1) == 4)
+        client = c.client(coordkit=True)
+        # Without the events the first request would go to rank 0 (the rotating start).
+        assert route(c, client, prompt) == 1
+        if shape is not None:
+            assert kv(c)["resets"] == 0 and kv(c)["gaps"] == 0
+
+
+@pytest.mark.parametrize("kind", ["u64", "i64", "bytes"])
+def test_removed_and_cleared_blocks_no_longer_attract(make_cluster, publishers, kind):
+    pubs = [publishers(rank=r) for r in range(2)]
+    prompt = tokens(2, 4)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 0) == 0 and blocks(c, 1) == 0)
+        client = c.client(coordkit=True)
+        pubs[1].publish(*store_chain(kind, prompt, 0))
+        wait_for(lambda: blocks(c, 1) == 4)
+        assert route(c, client, prompt, 0) == 1  # rotation would say 0
+        # Rank 1 evicts them, rank 0 stores them: rotation would say 1.
+        pubs[1].publish(removed([engine_hash(kind, i) for i in range(4)]))
+        pubs[0].publish(*store_chain(kind, prompt, 100))
+        wait_for(lambda: blocks(c, 1) == 0 and blocks(c, 0) == 4)
+        assert route(c, client, prompt, 1) == 0
+        # Rank 0 drops everything, rank 1 holds them again: a stale rank 0 would tie
+        # with it, and rotation would say 0.
+        pubs[0].publish(cleared())
+        pubs[1].publish(*store_chain(kind, prompt, 200))
+        wait_for(lambda: blocks(c, 0) == 0 and blocks(c, 1) == 4)
+        assert route(c, client, prompt, 2) == 1
+
+
+def test_a_block_stored_twice_goes_when_removed_twice(make_cluster, publishers):
+    pubs = [publishers(rank=r) for r in range(2)]
+    prompt = tokens(3, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        pubs[1].publish(*store_chain("u64", prompt, 0))
+        pubs[1].publish(*store_chain("u64", prompt, 0))
+        pubs[1].publish(removed([engine_hash("u64", 0), engine_hash("u64", 1)]))
+        wait_for(lambda: kv(c)["batches"] >= 3)
+        assert blocks(c, 1) == 2
+        pubs[1].publish(removed([engine_hash("u64", 1)]))
+        wait_for(lambda: blocks(c, 1) == 1)
+
+
+def test_another_medium_group_or_lora_does_not_count(make_cluster, publishers):
+    pubs = [publishers(events="map", rank=r) for r in range(2)]
+    prompt = tokens(4, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        ids = [engine_hash("u64", i) for i in range(2)]
+        pubs[1].publish(
+            stored(ids, None, prompt, BS, medium="CPU"),
+            stored(ids, None, prompt, BS, group_idx=1),
+            stored(ids, None, prompt, BS, lora_name="adapter"),
+            stored(ids, None, prompt[: BS // 2], BS // 2),  # another block size
+        )
+        wait_for(lambda: kv(c)["batches"] >= 1)
+        assert blocks(c, 1) == 0
+        pubs[1].publish(stored(ids, None, prompt, BS, medium=None, unknown_field=7))
+        wait_for(lambda: blocks(c, 1) == 2)
+
+
+@pytest.mark.parametrize("shape", ["bare", "topic"])
+def test_a_dropped_batch_is_recovered_through_replay(make_cluster, publishers, shape):
+    pubs = [publishers(replay=shape, rank=r) for r in range(2)]
+    a, b, d = tokens(5, 3), tokens(6, 2), tokens(7, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        client = c.client(coordkit=True)
+        pubs[1].publish(*store_chain("u64", a, 0))
+        pubs[1].publish(*store_chain("u64", b, 10))
+        wait_for(lambda: blocks(c, 1) == 5)
+        # (Those two may have come before the subscription did: replayed, then.) The
+        # recheck after subscribing asked, from the batch after the last one applied.
+        wait_for(lambda: len(pubs[1].replays) == 2)
+        before = kv(c)
+        # Lost on the way: a's blocks removed, d's stored.
+        pubs[1].publish(
+            removed([engine_hash("u64", i) for i in range(3)]),
+            *store_chain("u64", d, 20),
+            send=False,
+        )
+        pubs[1].publish(removed([engine_hash("u64", 10)]))
+        # As an index that saw every batch: b's second block and d's two.
+        wait_for(lambda: kv(c)["gaps"] == before["gaps"] + 1 and blocks(c, 1) == 3)
+        stats = kv(c)
+        assert stats["resets"] == 0 and stats["replays"] == before["replays"] + 1
+        assert pubs[1].replays[-1] == 2  # from the batch after the last one applied
+        assert route(c, client, a, 0) == 0  # removed: a stale rank 1 would have it
+        assert route(c, client, tokens(99, 1), 1) == 1  # (rotation back to 0)
+        assert route(c, client, d, 2) == 1  # stored in the batch it missed
+
+
+def test_a_publisher_restart_clears_its_engine(make_cluster, publishers):
+    pubs = [publishers(rank=r) for r in range(2)]
+    a, b = tokens(8, 3), tokens(9, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        for _ in range(3):
+            pubs[1].publish(*store_chain("u64", a, 0))
+        wait_for(lambda: blocks(c, 1) == 3)
+        pubs[1].restart()  # seq back to 0: the new process holds none of a
+        pubs[1].publish(*store_chain("u64", b, 50))
+        wait_for(lambda: kv(c)["resets"] == 1 and blocks(c, 1) == 2)
+
+
+def test_lost_history_clears_instead_of_going_stale(make_cluster, publishers):
+    pubs = [publishers(rank=r, buffer_steps=2) for r in range(2)]
+    a, b = tokens(10, 3), tokens(11, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        client = c.client(coordkit=True)
+        pubs[1].publish(*store_chain("u64", a, 0))
+        wait_for(lambda: blocks(c, 1) == 3)
+        gaps = kv(c)["gaps"]
+        # Missed, and more than the replay buffer holds: one of them removed a's blocks.
+        pubs[1].publish(removed([engine_hash("u64", i) for i in range(3)]), send=False)
+        for _ in range(3):
+            pubs[1].publish(send=False)
+        pubs[1].publish(*store_chain("u64", b, 50))
+        wait_for(lambda: kv(c)["resets"] == 1)
+        wait_for(lambda: blocks(c, 1) == 2)  # b's, not a's
+        assert kv(c)["gaps"] == gaps + 1
+        assert route(c, client, a, 0) == 0  # a stale rank 1 would have it
+        assert route(c, client, b, 1) == 1
+
+
+def test_without_replay_a_gap_clears(make_cluster, publishers):
+    pubs = [publishers(rank=r, replay=None) for r in range(2)]
+    a = tokens(12, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        for _ in range(50):  # until the subscription reaches the publisher
+            pubs[1].publish(*store_chain("u64", a, 0))
+            if blocks(c, 1):
+                break
+            time.sleep(0.05)
+        resets = kv(c)["resets"]
+        pubs[1].publish(send=False)
+        pubs[1].publish(removed([engine_hash("u64", 0)]))
+        wait_for(lambda: kv(c)["resets"] == resets + 1 and blocks(c, 1) == 0)
+
+
+def test_garbage_on_the_event_socket_never_stops_the_loop(make_cluster, publishers):
+    pubs = [publishers(rank=r) for r in range(2)]
+    prompt = tokens(13, 2)
+    with cluster_of(make_cluster, pubs) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        pub = pubs[1].pub
+        pub.send(b"one frame")
+        pub.send_multipart([b"", b"short", b"x"])
+        pub.send_multipart([b"", b"\0" * 8, b"x", b"four"])
+        ok = stored([1], None, prompt[:BS], BS)
+        # A batch with malformed events among good ones: those skipped, the rest applied.
+        bad_events = [
+            ["BlockStored", "not a list", None, [], BS],
+            {"type": "BlockStored", "block_hashes": [True], "token_ids": [], "block_size": BS},
+            {"type": "BlockRemoved", "block_hashes": [1.5]},
+            {"type": 7},
+            "a string",
+            ["BlockStored", [2], None, [-1] * BS, BS],
+            {"type": "SomethingNew", "x": 1},
+            {"type": "BlockStored", **{k: v for k, v in ok.items() if k != "type"}},
+        ]
+        pubs[1].publish_raw(msgpack.packb([0.0, bad_events, 1]))
+        wait_for(lambda: blocks(c, 1) == 1)
+        assert kv(c)["events_malformed"] == 6
+        pubs[1].publish_raw(b"\xc1 not msgpack")  # a whole batch lost: anew
+        pubs[1].publish_raw(msgpack.packb({"events": 3}))
+        wait_for(lambda: kv(c)["resets"] == 2 and blocks(c, 1) == 0)
+        assert kv(c)["malformed"] >= 2
+        text = scrape(c.coord)
+        assert "coordkit_kv_events_resets_total 2.0" in text
+        assert 'coordkit_kv_index_blocks{rank="1",state="exact"} 0.0' in text
+        pubs[1].publish(stored([9, 10], None, prompt, BS))
+        wait_for(lambda: blocks(c, 1) == 2)
+        client = c.client(coordkit=True)
+        assert route(c, client, prompt) == 1
+
+
+def test_an_engine_without_events_keeps_the_approximate_table(make_cluster, publishers):
+    pub = publishers(rank=0)
+    prompt = tokens(14, 3)
+    with make_cluster(n_engines=2, policy="prefix", block_size=BS, kv_events={0: pub.spec}) as c:
+        wait_for(lambda: blocks(c, 0) == 0)
+        client = c.client(coordkit=True)
+        engines = kv(c)["engines"]
+        assert [(e["rank"], e["state"]) for e in engines] == [(0, "exact")]
+        assert route(c, client, prompt, 0) == 0  # no match: the rotating start
+        # Rank 0 publishes: what was routed there is not guessed. Rotation says 1 now,
+        # and rank 1 is recorded for what it is sent...
+        assert route(c, client, prompt, 1) == 1
+        # ...so the table sends the prefix back to it, wherever rotation stands.
+        assert route(c, client, prompt, 2) == 1
+        assert route(c, client, prompt, 3) == 1
+        # coordkit top says which is which.
+        history = History(10.0)
+        history.add(Snapshot(0.0, c.coord.stats(), None))
+        assert [row[-1] for row in engine_rows(history)] == ["exact", "guessed"]
+
+
+def test_the_index_twins_agree(c_impl, py_impl):
+    """Both cores' index rooms, fed the same records, answer the same depths."""
+    from coordkit._loop_c import KVIndex as CIndex
+    from coordkit._routing_c import Router as CRouter
+
+    from coordkit._kvevents import OP_STATE, STATE, STATE_KNOWN, Filter, decode_batch
+    from coordkit._loop_py.kvindex import KVIndex as PyIndex
+    from coordkit._routing_py import Router as PyRouter
+
+    a, b = tokens(15, 4), tokens(16, 3)
+    batches = [
+        store_chain("u64", a, 0, 3),
+        store_chain("bytes", b, 10, 1),
+        [removed([engine_hash("u64", 2)])],
+        store_chain("u64", a, 0, 4),
+        [removed([engine_hash("bytes", 10)]), stored([5], 999, b[:BS], BS)],
+    ]
+    records = [STATE.pack(OP_STATE, 3, STATE_KNOWN)]
+    for events in batches:
+        records += decode_batch(batch_payload(events, "map", "array", 3), 3, Filter(BS))[0]
+    cores = [(PyIndex(BS), PyRouter("prefix", 8)), (CIndex(8, BS), CRouter("prefix", 8))]
+    answers = []
+    for index, router in cores:
+        for record in records:
+            index.apply(record, router)
+        frames = [block_hashes(p, BS) for p in (a, b, a[: 2 * BS], tokens(17, 2))]
+        answers.append(
+            ([index.depth(3, f) for f in frames], index.stats(), index.publishes(3), index.known)
+        )
+    assert answers[0] == answers[1]
+    assert answers[0][0] == [4, 0, 2, 0]  # a's third block removed, then stored again
+    assert answers[0][1]["unresolved"] == 1
+
+
+# -- coordkit's own engines publish ------------------------------------------------------
+
+
+def test_a_coordinator_that_never_routed_a_prefix_finds_it_by_fake_engines_events(impl, tmp_path):
+    """FakeEngines publish their caches' events and announce them at their hello: a
+    coordinator started after the prefix was cached (engines keep no hashes to report)
+    sends its first request carrying it to the engine that caches it."""
+    address = f"ipc://{tmp_path}/coord.sock"
+    prompt = tokens(20, 4)
+
+    def coordinator() -> Coordinator:
+        coord = Coordinator(
+            address, implementation=impl.name, policy="prefix", block_size=BS, kv_events={}
+        )
+        coord.start()
+        return coord
+
+    async def ask(prompts: list[list[int]]) -> list[dict]:
+        async with await Client.connect(address, timeout=10, implementation=impl.name) as client:
+            await client.wait_for_engines(2, timeout=10)
+            return [await client.submit(p, block_size=BS) for p in prompts]
+
+    first = coordinator()
+    with fake_engines(address, 2, kv_events=True, held_hashes=0, cache_blocks=64):
+        try:
+            # A dummy first, then the prompt: the other engine caches it.
+            dummy, held = run(ask([tokens(21, 1), prompt]))
+            assert dummy["rank"] != held["rank"]  # (an engine's own rank, in its bodies)
+        finally:
+            first.stop()
+        second = coordinator()
+        try:
+            # (The engines find the new coordinator when libzmq reconnects them; its ranks
+            # are in the order they came back.)
+            wait_for(lambda: len(second.stats()["kv_events"]["engines"]) == 2, 30)
+            wait_for(
+                lambda: (
+                    sorted(e["blocks"] for e in second.stats()["kv_events"]["engines"]) == [1, 4]
+                )
+            )
+            engines = second.stats()["kv_events"]["engines"]
+            holder = next(e["rank"] for e in engines if e["blocks"] == 4)
+            # Where rotation would send a request no table knows: away from the holder.
+            unknown = [tokens(24, 1)] if holder == 0 else []
+            *_, reply = run(ask([*unknown, prompt]))
+            assert (reply["rank"], reply["cached_blocks"]) == (held["rank"], 4)
+            assert all(e["state"] == "exact" for e in second.stats()["kv_events"]["engines"])
+        finally:
+            second.stop()
+
+
+def test_an_engine_announces_its_publisher_and_publishes_through_it(make_cluster):
+    with make_cluster(policy="prefix", block_size=BS, kv_events={}) as c:
+        with KVPublisher(block_size=BS, rank=0) as publisher:
+            engine = Engine(c.coord.address, 0, kv_events=publisher, context=c.ctx)
+            try:
+                wait_for(lambda: blocks(c, 0) == 0)
+                line = kv(c)["engines"][0]
+                assert (line["endpoint"], line["replay"]) == (
+                    publisher.endpoint,
+                    publisher.replay_endpoint,
+                )
+                prompt = tokens(22, 3)
+                ids = [engine_hash("bytes", i) for i in range(3)]
+                engine.kv_stored(ids[:2], None, prompt[: 2 * BS])
+                engine.kv_stored(ids[2:], ids[1], prompt[2 * BS :])
+                wait_for(lambda: blocks(c, 0) == 3)
+                engine.kv_removed(ids[2:])
+                wait_for(lambda: blocks(c, 0) == 2)
+                engine.kv_cleared()
+                wait_for(lambda: blocks(c, 0) == 0)
+            finally:
+                engine.close()
+            # Gone (over ipc, its connection's end): the publisher it announced with it.
+            wait_for(lambda: kv(c)["engines"] == [])
+
+
+def test_an_engine_without_a_publisher_cannot_publish(make_cluster):
+    with make_cluster() as c:
+        engine = Engine(c.coord.address, 0, context=c.ctx)
+        try:
+            with pytest.raises(RuntimeError, match="publishes no events"):
+                engine.kv_stored([1], None, list(range(16)))
+        finally:
+            engine.close()
+
+
+def test_the_demo_runs_on_the_engines_events(impl):
+    """``coordkit demo --kv-events``: fake engine processes publish, the coordinator reads."""
+    args = ["--kv-events", "--shared-prefixes", "4", "--policy", "prefix", "--engines", "3"]
+    result = demo(*args, "--requests", "200", "--implementation", impl.name)
+    assert result.returncode == 0, result.stderr
+    rows = table(result.stdout)
+    assert (rows["requests"], rows["errors"]) == ("200 of 200", "none")
+    assert rows["prefix index"] == "the engines' KV events"
+    assert hit_rate(rows["prefix cache hit rate"]) > 50
+
+
+@pytest.mark.parametrize(
+    ("spec", "parsed"),
+    [
+        ("0=tcp://h:5557", (0, "tcp://h:5557")),
+        ("3=tcp://h:5557,tcp://h:5558", (3, "tcp://h:5557,tcp://h:5558")),
+        ("engines", None),
+    ],
+)
+def test_serve_takes_kv_events(spec, parsed):
+    from coordkit.tools.cli import _kv_events_spec
+
+    assert _kv_events_spec(spec) == parsed
+
+
+def test_serve_refuses_a_bad_kv_events():
+    result = subprocess.run(
+        coordkit_command("serve", "--kv-events", "tcp://h:5557"),
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "RANK=ENDPOINT[,REPLAY]" in result.stderr
+
+
+def test_a_publisher_out_of_reach_never_stops_the_thread(make_cluster, publishers):
+    """An endpoint no socket takes is not read (counted); one that never answers has its
+    replay time out: cleared, counted, priced as caching nothing. The others read on."""
+    pub = publishers(rank=1)
+    away = "tcp://no-such-host.invalid:5557"
+    bad = {0: "tcp://127.0.0.1:not-a-port", 2: f"{away},{away}"}
+    with make_cluster(
+        n_engines=3, policy="prefix", block_size=BS, kv_events={**bad, 1: pub.spec}
+    ) as c:
+        wait_for(lambda: blocks(c, 1) == 0)
+        pub.publish(*store_chain("u64", tokens(23, 2), 0))
+        wait_for(lambda: blocks(c, 1) == 2)
+        wait_for(lambda: blocks(c, 2) == 0)  # its replay timed out (2 s)
+        assert [e["rank"] for e in kv(c)["engines"]] == [1, 2]
+        assert kv(c)["malformed"] == 1 and kv(c)["resets"] == 1
+
+
+def test_the_routers_decide_alike_on_the_engines_events(c_impl, py_impl):
+    """Both routers, each reading its core's index, fed the same events and requests,
+    make the same decisions: the contract's, exact ranks priced by their events."""
+    import random
+
+    from coordkit._loop_c import KVIndex as CIndex
+    from coordkit._routing_c import Router as CRouter
+
+    from coordkit._kvevents import OP_STATE, STATE, STATE_KNOWN, STATE_UNKNOWN, Filter
+    from coordkit._kvevents import decode_batch as decode
+    from coordkit._loop_py.kvindex import KVIndex as PyIndex
+    from coordkit._routing_py import Router as PyRouter
+
+    rng = random.Random(41)
+    size = 4
+    pairs = [(PyRouter("prefix", 16, block_size=size), PyIndex(size))]
+    pairs.append((CRouter("prefix", 16, block_size=size), CIndex(16, size)))
+    for router, index in pairs:
+        router.attach_kv(index)
+        for rank in range(8):
+            router.add_rank(rank)
+    prefixes = [[rng.randrange(50) for _ in range(size * rng.randrange(1, 6))] for _ in range(12)]
+    held: dict[int, list[int]] = {}  # rank -> keys stored
+
+    def feed(record: bytes) -> None:
+        for router, index in pairs:
+            index.apply(record, router)
+
+    for rank in range(4):
+        feed(STATE.pack(OP_STATE, rank, STATE_KNOWN))
+    feed(STATE.pack(OP_STATE, 4, STATE_UNKNOWN))
+    decisions = []
+    for step in range(600):
+        kind = rng.random()
+        rank = rng.randrange(5)
+        if kind < 0.3:
+            prompt = rng.choice(prefixes)
+            keys = [rng.getrandbits(64) for _ in range(len(prompt) // size)]
+            held.setdefault(rank, []).extend(keys)
+            events = [stored(keys, None, prompt, size)]
+        elif kind < 0.4 and held.get(rank):
+            events = [removed(rng.sample(held[rank], min(3, len(held[rank]))))]
+        elif kind < 0.42:
+            events, held[rank] = [cleared()], []
+        else:
+            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(size)]
+            frame = block_hashes(prompt, size)
+            chosen = [(r.choose(frame, float(step)), r.charged) for r, _ in pairs]
+            assert chosen[0] == chosen[1], step
+            decisions.append(chosen[0][0])
+            if rng.random() < 0.7:
+                for router, _ in pairs:
+                    router.release(chosen[0][0], chosen[0][1])
+            continue
+        for record in decode(batch_payload(events, "array", "array", rank), rank, Filter(size))[0]:
+            feed(record)
+    assert len(set(decisions)) > 4  # the load and the events spread them
