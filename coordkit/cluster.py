@@ -45,6 +45,7 @@ from ._liveness import Candidates
 from .election import (
     EtcdEndpoint,
     _etcd3gw,
+    _lease_not_found,
     _reason,
     _unreachable,
     parse_endpoint,
@@ -234,7 +235,12 @@ class Member:
         while not self._stop.wait(self.ttl / 3):
             assert self._lease_id is not None
             try:
-                left = _etcd3gw().Lease(self._lease_id, self._client).refresh()
+                try:
+                    left = _etcd3gw().Lease(self._lease_id, self._client).refresh()
+                except _errors() as exc:
+                    if not _lease_not_found(exc):
+                        raise
+                    left = 0
                 if left <= 0:  # lapsed while etcd was away: in again
                     log.warning("coordkit: member %s: its lease lapsed; joining again", self.id)
                     self._put()

@@ -147,7 +147,7 @@ def test_members_share_engines_and_spread_clients(tmp_path, impl, etcd: EtcdServ
     logs = [tmp_path / f"engine-{rank}.log" for rank in range(2)]
 
     async def body():
-        with contextlib.ExitStack() as stack:
+        async with contextlib.AsyncExitStack() as stack:
             for i in range(3):
                 stack.enter_context(member(addresses[i], impl.name, tmp_path / f"m{i}.log", name))
             wait_for(lambda: len(live(name)) == 3, SETTLE)
@@ -199,7 +199,7 @@ def test_a_member_killed_under_load(tmp_path, impl, etcd: EtcdServer):
     per_client = 20
 
     async def body():
-        with contextlib.ExitStack() as stack:
+        async with contextlib.AsyncExitStack() as stack:
             members = [
                 stack.enter_context(member(addresses[i], impl.name, tmp_path / f"m{i}.log", name))
                 for i in range(3)
@@ -268,26 +268,27 @@ def test_members_serve_on_while_etcd_is_down(tmp_path, impl):
     logs = [tmp_path / "engine-0.log"]
 
     async def body():
-        with etcd_server(tmp_path / "etcd") as server, contextlib.ExitStack() as stack:
-            name = server.endpoint("outage")
-            stack.enter_context(member(addresses[0], impl.name, tmp_path / "m0.log", name))
-            stack.enter_context(member(addresses[1], impl.name, tmp_path / "m1.log", name))
-            wait_for(lambda: len(live(name)) == 2, SETTLE)
-            stack.enter_context(steady_engines(name, impl.name, logs))
-            clients = await connect(name, impl.name, 6)
-            for client in clients:
-                stack.push_async_callback(client.close)
-                await engines_at(client, 1)
-            server.process.send_signal(signal.SIGSTOP)
-            try:
-                time.sleep(3 * TTL)  # every lease lapsed, were etcd counting
-                futures = [client.submit([n, 1]) for n, client in enumerate(clients)]
-                finals = await asyncio.wait_for(asyncio.gather(*futures), SETTLE)
-                assert [final["n"] for final in finals] == list(range(len(clients)))
-                with pytest.raises(ConnectionError):  # and nobody joins meanwhile
-                    Member(name, free_tcp_address(), ttl=TTL).join()
-            finally:
-                server.process.send_signal(signal.SIGCONT)
-            wait_for(lambda: live(name) == set(addresses), SETTLE)
+        with etcd_server(tmp_path) as server:
+            async with contextlib.AsyncExitStack() as stack:
+                name = server.endpoint("outage")
+                stack.enter_context(member(addresses[0], impl.name, tmp_path / "m0.log", name))
+                stack.enter_context(member(addresses[1], impl.name, tmp_path / "m1.log", name))
+                wait_for(lambda: len(live(name)) == 2, SETTLE)
+                stack.enter_context(steady_engines(name, impl.name, logs))
+                clients = await connect(name, impl.name, 6)
+                for client in clients:
+                    stack.push_async_callback(client.close)
+                    await engines_at(client, 1)
+                server.process.send_signal(signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(3 * TTL)  # every lease lapsed, were etcd counting
+                    futures = [client.submit([n, 1]) for n, client in enumerate(clients)]
+                    finals = await asyncio.wait_for(asyncio.gather(*futures), SETTLE)
+                    assert [final["n"] for final in finals] == list(range(len(clients)))
+                    with pytest.raises(ConnectionError):  # and nobody joins meanwhile
+                        Member(name, free_tcp_address(), ttl=TTL).join()
+                finally:
+                    server.process.send_signal(signal.SIGCONT)
+                wait_for(lambda: live(name) == set(addresses), SETTLE)
 
     run(body(), timeout=4 * SETTLE)
