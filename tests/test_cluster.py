@@ -261,9 +261,10 @@ def test_a_member_killed_under_load(tmp_path, impl, etcd: EtcdServer):
 
 
 def test_members_serve_on_while_etcd_is_down(tmp_path, impl):
-    """etcd stopped: the members serve their clients on, through the engines they know;
-    a client of the cluster still moves on its last view. etcd back: the members are
-    there again."""
+    """etcd stopped: the members serve their clients on, through the engines they know,
+    and no member joins; a member killed meanwhile: its clients move to the other on
+    their last view. etcd back: the live member is there (again, if its lease lapsed),
+    the dead one gone."""
     addresses = [free_tcp_address() for _ in range(2)]
     logs = [tmp_path / "engine-0.log"]
 
@@ -271,7 +272,9 @@ def test_members_serve_on_while_etcd_is_down(tmp_path, impl):
         with etcd_server(tmp_path) as server:
             async with contextlib.AsyncExitStack() as stack:
                 name = server.endpoint("outage")
-                stack.enter_context(member(addresses[0], impl.name, tmp_path / "m0.log", name))
+                first = stack.enter_context(
+                    member(addresses[0], impl.name, tmp_path / "m0.log", name)
+                )
                 stack.enter_context(member(addresses[1], impl.name, tmp_path / "m1.log", name))
                 wait_for(lambda: len(live(name)) == 2, SETTLE)
                 stack.enter_context(steady_engines(name, impl.name, logs))
@@ -287,8 +290,16 @@ def test_members_serve_on_while_etcd_is_down(tmp_path, impl):
                     assert [final["n"] for final in finals] == list(range(len(clients)))
                     with pytest.raises(ConnectionError):  # and nobody joins meanwhile
                         Member(name, free_tcp_address(), ttl=TTL).join()
+                    # A member lost meanwhile: its clients move on their last view.
+                    first.kill()
+                    first.wait()
+                    await asyncio.sleep(1.0)
+                    futures = [client.submit([10 + n, 1]) for n, client in enumerate(clients)]
+                    finals = await asyncio.wait_for(asyncio.gather(*futures), SETTLE)
+                    assert [final["n"] for final in finals] == [10 + n for n in range(6)]
+                    assert {client.address for client in clients} == {addresses[1]}
                 finally:
                     server.process.send_signal(signal.SIGCONT)
-                wait_for(lambda: live(name) == set(addresses), SETTLE)
+                wait_for(lambda: live(name) == {addresses[1]}, SETTLE)
 
     run(body(), timeout=4 * SETTLE)
