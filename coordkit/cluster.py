@@ -39,8 +39,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
+from . import protocol
 from ._checks import check_address
 from ._events import Event, Request
+from ._held import Held
 from ._liveness import Candidates
 from .election import (
     EtcdEndpoint,
@@ -61,9 +63,10 @@ class Link(Protocol):
     (not imported: engine.py imports this module)."""
 
     _socket: zmq.Socket
+    _rebuild: Held | None
+    connected: bool
+    pending: int
 
-    @property
-    def pending(self) -> int: ...
     @property
     def registered(self) -> bool: ...
 
@@ -97,6 +100,9 @@ VIEW_INTERVAL = 0.5
 READ_TIMEOUT = 1.0
 #: Seconds an idle engine waits on its links at most before it looks at each again.
 _LINK_WATCH = 0.1
+#: Seconds a link to a member of a static list stays lost before what it holds is
+#: handed to the other members (a member in etcd: once it left the view).
+HAND_OVER_AFTER = 1.0
 
 
 def is_cluster(address: object) -> bool:
@@ -422,6 +428,7 @@ class SharedLinks:
             addresses = [check_address(a) for a in address]
         self._links: dict[str, Link] = {}
         self._origin: dict[int, Link] = {}
+        self._lost_at: dict[str, float] = {}  # links lost, since when
         self._sync(addresses)
 
     @property
@@ -445,8 +452,13 @@ class SharedLinks:
             self._links[address] = self._make(address, self._share(len(wanted)))
 
     def poll(self, timeout: float) -> list[Event]:
+        members = None
         if self._view is not None:
-            self._sync(self._view.members.values())
+            members = set(self._view.members.values())
+            self._hand_over(members)
+            self._sync(members)
+        else:
+            self._hand_over(None)
         deadline = time.monotonic() + timeout
         poller = zmq.Poller()
         for link in self._links.values():
@@ -463,6 +475,51 @@ class SharedLinks:
             if events or left <= 0:
                 return events
             poller.poll(round(min(left, _LINK_WATCH) * 1000))
+
+    def _hand_over(self, members: set[str] | None) -> None:
+        """A member lost (its link's connection ended, and it left the view, or a
+        static list's stayed lost HAND_OVER_AFTER): what its link holds for rebuild
+        clients goes to each client's next choice, the first of its rendezvous among
+        the links registered, in a HELD there (that member opens its window again, and
+        adopts them for the client's REJOIN); their replies go there from now on."""
+        now = time.monotonic()
+        for address, lost in list(self._links.items()):
+            if lost.connected:
+                self._lost_at.pop(address, None)
+                continue
+            since = self._lost_at.setdefault(address, now)
+            gone = address not in members if members is not None else now - since >= HAND_OVER_AFTER
+            held = lost._rebuild
+            if not gone or held is None or not held.requests:
+                continue
+            others = {
+                a: link for a, link in self._links.items() if a != address and link.registered
+            }
+            if not others:
+                continue  # nobody to hand them to yet
+            moved: dict[str, list[list[Any]]] = {}
+            for rid, kept in list(held.requests.items()):
+                if kept.client_id is None:
+                    continue
+                target = rendezvous(kept.client_id, others)[0]
+                destination = others[target]._rebuild
+                if destination is None:
+                    continue
+                destination.requests[rid] = held.requests.pop(rid)
+                self._origin[rid] = others[target]
+                entry = [rid, kept.client_rid, kept.client_id, kept.partials, kept.final]
+                moved.setdefault(target, []).append(entry)
+            for target, entries in moved.items():
+                link = others[target]
+                link._socket.send_multipart(protocol.HELD.pack(entries, b""))
+                link.pending += len(entries)
+                lost.pending = max(lost.pending - len(entries), 0)
+                log.warning(
+                    "coordkit engine: the member at %s is lost: %d requests handed to %s",
+                    address,
+                    len(entries),
+                    target,
+                )
 
     def reply(self, finished: Iterable[Any], partial: bool = False) -> None:
         by_link: dict[int, tuple[Link, list[Any]]] = {}

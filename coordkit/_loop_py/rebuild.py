@@ -48,7 +48,9 @@ class Rebuild:
 
     def __init__(self, loop: Loop, options: Options):
         self._loop = loop
-        self.until = time.monotonic() + options.rebuild_window
+        self.window = options.rebuild_window
+        self.cluster = options.cluster
+        self.until = time.monotonic() + self.window
         self.rebuilding = True
         # REJOIN entries no engine claimed yet: (client identity, rid) -> partials got
         self.awaiting: dict[tuple[bytes, int], int] = {}
@@ -74,6 +76,7 @@ class Rebuild:
         parsed = self._loop._answers.parse(protocol.HELD, None, Header.HELD, frames)
         if parsed is None:
             return
+        self.reopen()
         entries, hashes = parsed
         self._loop._router.learn(engine.rank, hashes, time.monotonic())
         replays: dict[_Engine, list[list[int]]] = defaultdict(list)
@@ -120,6 +123,14 @@ class Rebuild:
                 self._loop._control.abort_at_engine(engine, server_rid)
         self._send_replays(replays)
         self._loop._faults.not_held(engine)
+
+    def reopen(self) -> None:
+        """A cluster's member, a HELD or a REJOIN at hand: the window (again, or longer)
+        for what a member lost leaves (its clients' REJOINs, the engines' claims of
+        their requests, in either order, within a window of each other)."""
+        if self.cluster:
+            self.rebuilding = True
+            self.until = max(self.until, time.monotonic() + self.window)
 
     def _claimable(self, server_rid: int, client_id: bytes, client_rid: int) -> bool:
         """Whether an engine's report may be adopted under ``server_rid``: not an id this
@@ -203,6 +214,7 @@ class Rebuild:
             return
         client.fresh = False
         client.rejoined = True
+        self.reopen()
         self.away.pop(client.identity, None)  # back from a blip: its requests carry on
         replays: dict[_Engine, list[list[int]]] = defaultdict(list)
         resend: dict[_Client, list[int]] = defaultdict(list)

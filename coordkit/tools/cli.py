@@ -908,7 +908,12 @@ def _serve_term(
     """Serve at ``args.bind`` until stopped (a signal, SHUTDOWN) or ``term`` ends."""
     # A bad option, a bad address, one in use: one line from run().
     coord = Coordinator(
-        args.bind, implementation=impl.name, policy=args.policy, term=term, **options
+        args.bind,
+        implementation=impl.name,
+        policy=args.policy,
+        term=term,
+        cluster=args.cluster is not None,
+        **options,
     )
 
     failures: list[BaseException] = []
