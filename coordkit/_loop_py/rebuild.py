@@ -136,9 +136,14 @@ class Rebuild:
         """Whether an engine's report may be adopted under ``server_rid``: not an id this
         life drew (those are all known, in flight or ended), nor one past MAX_ADOPTED,
         and claimed by nobody before in the window (by server id, or by its client's
-        id), even if it has ended since."""
+        id), even if it has ended since. A cluster's member skips the first test: a
+        member lost drew its ids from its own start, among or past this one's, and an
+        adoption moves the next id past the one adopted; a claim of its own ended
+        request is adopted only for a client that is absent or has not REJOINed yet,
+        and its REJOIN, which does not list it, has it aborted."""
         if not 0 <= server_rid < MAX_ADOPTED or (
-            self._loop._options.first_server_id <= server_rid < self._loop._next_rid
+            not self.cluster
+            and self._loop._options.first_server_id <= server_rid < self._loop._next_rid
         ):
             return False
         if server_rid in self.claimed_ids or (client_id, client_rid) in self.claimed_rids:
