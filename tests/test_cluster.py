@@ -25,7 +25,12 @@ from coordkit.cluster import Member, Spread, read_members, rendezvous
 from coordkit.tools.etcd_server import free_port
 from tests.support.etcd import EtcdServer, etcd_server
 from tests.support.peers import wait_for
-from tests.support.processes import coordkit_command, free_tcp_address, python_env
+from tests.support.processes import (
+    coordkit_command,
+    engine_processes,
+    free_tcp_address,
+    python_env,
+)
 from tests.support.scripted import run
 from tests.support.steady_engine import started, steady_engines
 
@@ -186,6 +191,33 @@ def test_members_share_engines_and_spread_clients(tmp_path, impl, etcd: EtcdServ
                     break
 
     run(body(), timeout=4 * SETTLE)
+
+
+def test_a_fake_engine_serves_every_member(tmp_path, impl, etcd: EtcdServer):
+    """``coordkit fake-engine --address etcd://...``: one process registered at both
+    members (of ``impl``; the engine's core the one selected at import), answering
+    each member's clients."""
+    name = etcd.endpoint(f"fake/{impl.name}-{time.monotonic_ns()}")
+    addresses = [free_tcp_address() for _ in range(2)]
+
+    async def body():
+        async with contextlib.AsyncExitStack() as stack:
+            for i in range(2):
+                stack.enter_context(member(addresses[i], impl.name, tmp_path / f"m{i}.log", name))
+            wait_for(lambda: len(live(name)) == 2, SETTLE)
+            stack.enter_context(engine_processes(name, 1))
+            clients = await connect(name, impl.name, 8)
+            for client in clients:
+                stack.push_async_callback(client.close)
+                await engines_at(client, 1)
+            assert {client.address for client in clients} == set(addresses)
+            replies = await asyncio.wait_for(
+                asyncio.gather(*[c.submit([1, 2, 3], {"max_tokens": 2}) for c in clients]),
+                SETTLE,
+            )
+            assert all(reply["status"] == "finished" for reply in replies)
+
+    run(body(), timeout=2 * SETTLE)
 
 
 def test_a_member_killed_under_load(tmp_path, impl, etcd: EtcdServer):
