@@ -240,6 +240,9 @@ class Engine(Following):
                     held_hashes=held_hashes,
                 )
 
+            self._rebuild: Held | None = None
+            self._registered = False
+            self.granted: dict[Any, Any] = {}
             self._links = SharedLinks(address, link, capacity)
             return
         self._candidates = Candidates(address)
@@ -286,7 +289,7 @@ class Engine(Following):
         self.connected = True  # the registration below is queued for the first connection
         self._registered = False
         #: What the coordinator granted in its last ENGINE_ACK (``{"batch": 1}``), or {}.
-        self.granted: dict[Any, Any] = {}
+        self.granted = {}
         self._held: list[Event] = []  # received by wait_registered(), for the next poll()
         self._rebuild = Held(self._socket, held_hashes) if rebuild and hello else None
         # Several addresses: what came from a coordinator not (yet) admitted, the reason
