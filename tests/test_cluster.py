@@ -182,7 +182,7 @@ def test_members_share_engines_and_spread_clients(tmp_path, impl, etcd: EtcdServ
                 if client.address != addresses[3]:  # the others' choice is as before
                     assert client.address == rendezvous(key, three)[0]
             share = sum(client.address == addresses[3] for client in later) / len(later)
-            assert 0.05 < share < 0.5, share
+            assert 0 < share < 0.5, share  # about a quarter: the pure test above
             await engines_at(later[-1], 2)
             for client in later:
                 if client.address == addresses[3]:
