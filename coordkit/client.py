@@ -992,6 +992,8 @@ async def _choose(
         granted = await _attempt(socket, watch, candidates, batch, failover, ack_timeout, tenant)
         if granted is not None:
             return granted
+        # A cluster's members read again (a member may have joined since); off the loop.
+        await asyncio.get_running_loop().run_in_executor(None, candidates.refresh)
         candidates.move(socket, discard=True)
 
 
