@@ -272,7 +272,6 @@ class View:
         self._lock = threading.Lock()
         #: The view's members (raises ConnectionError here when etcd is not reachable).
         self._members = read_members(self.endpoint)
-        self.reachable = True
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="coordkit-view", daemon=True)
         self._thread.start()
@@ -291,9 +290,7 @@ class View:
             try:
                 members = read_members(self.endpoint, min(self.interval, READ_TIMEOUT))
             except (ConnectionError, RuntimeError):
-                self.reachable = False  # the last view stands
-                continue
-            self.reachable = True
+                continue  # the last view stands
             with self._lock:
                 self._members = members
 

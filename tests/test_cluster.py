@@ -93,6 +93,21 @@ def test_members_hold_leases_and_a_lapsed_one_is_gone(etcd: EtcdServer):
     assert read_members(name) == {}  # left: revoked at once
 
 
+def test_a_member_whose_lease_lapsed_joins_again(etcd: EtcdServer):
+    """Its lease gone behind its back (as when etcd was away past the TTL): its next
+    keepalive puts its key under a new lease."""
+    name = etcd.endpoint(f"lapsed-{time.monotonic_ns()}")
+    with Member(name, "tcp://127.0.0.1:7003", ttl=TTL) as one:
+        assert one.joins == 1 and one._lease_id is not None
+        revoked = one._lease_id
+        etcd3gw = pytest.importorskip("etcd3gw")
+        client = etcd3gw.client(host="127.0.0.1", port=etcd.port, api_path="/v3/")
+        etcd3gw.Lease(revoked, client).revoke()
+        wait_for(lambda: one.joins == 2, 10 * TTL)
+        assert one._lease_id != revoked
+        assert read_members(name) == {one.id: "tcp://127.0.0.1:7003"}
+
+
 def test_no_member_joins_without_etcd(tmp_path):
     nowhere = f"etcd://127.0.0.1:{free_port()}/nobody"
     with pytest.raises(ConnectionError, match="not reachable"):
