@@ -165,6 +165,9 @@ class Candidates:
         self.epoch = epoch
         return None
 
+    def refresh(self) -> None:
+        """Nothing: the addresses given are all there is (a cluster's are read again)."""
+
     def move(self, socket: zmq.Socket, discard: bool = False) -> None:
         """Leave the current coordinator for the next one (after the last: the first);
         ``discard`` drops what the one left sent that was not read yet (a refused one's)."""

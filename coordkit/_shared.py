@@ -282,6 +282,9 @@ class Options:
     epoch: int  # what the coordinator announces to rebuild peers (see coordinator.py)
     first_server_id: int  # its server ids start here: above any of an earlier life's
     rebuild_window: float  # seconds after the start during which peers report
+    # A cluster's member: a REJOIN or HELD opens the window again, or makes it last a
+    # window from then (the clients and engine reports of a member lost: docs/scaling.md).
+    cluster: bool = False
     megatron_version: str = "0.19"  # of the single-frame engines (MEGATRON_VERSIONS)
     # An engine whose connection ends waits this long for it (0: dead at once; tcp only)
     engine_grace: float = 0.0

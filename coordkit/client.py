@@ -44,7 +44,9 @@ from ._liveness import (
     prepare,
 )
 from ._shared import never_ran
+from .cluster import client_candidates, is_cluster
 from .curve import KeySource, ServerKey
+from .election import parse_endpoint
 from .protocol import (
     BATCH_FEATURE,
     COORDKIT_HELLO,
@@ -278,7 +280,7 @@ class Client(Following):
     @classmethod
     async def connect(
         cls,
-        address: str,
+        address: str | Sequence[str],
         *,
         timeout: float = 10.0,
         context: zmq.Context | None = None,
@@ -312,6 +314,12 @@ class Client(Following):
         if shorter) with an epoch no older than the highest it has seen; when
         the connection ends it looks again among all of them. This needs the
         rebuild (the epoch comes with it): ValueError with ``failover_timeout=0``.
+        A cluster (coordinators serving at once: docs/scaling.md) is
+        ``"etcd://HOST:PORT/NAME"``, whose live members are read from etcd, or a
+        list of its members' addresses: the client follows the first member of its
+        rendezvous order (a hash of its routing id and each member's address) that
+        admits it, and when that one is gone, its next choice among the members
+        then live, where it REJOINs. This needs the rebuild too.
         Raises :class:`ConnectionError` if no CONNECT_ACK comes within
         ``timeout`` seconds (also what a CURVE coordinator that refuses the
         key looks like), or at once if the coordinator refuses the client.
@@ -334,10 +342,29 @@ class Client(Following):
         ``tracer_provider`` (an OpenTelemetry ``TracerProvider``) traces its requests
         (see :class:`Client`); by default the global one, if the application set one.
         """
-        candidates = Candidates(address)
         check_tenant(tenant)
         if not failover_timeout >= 0:
             raise ValueError(f"failover_timeout must be >= 0 seconds, got {failover_timeout!r}")
+        # A routing id of its own, the same at every coordinator: the one a ROUTER would
+        # generate is its count of peers, which a restarted coordinator hands out again,
+        # in another order. Hex text, so that stats, traces and `coordkit top` show every
+        # client's the same way. A cluster's members are ordered by it (rendezvous).
+        identity = b"c" + os.urandom(7).hex().encode()
+        cluster = is_cluster(address)
+        candidates: Candidates
+        if cluster:
+            if failover_timeout == 0:
+                raise ValueError(
+                    "coordkit: a client of a cluster needs failover_timeout > 0: "
+                    "it moves to its next member with the rebuild"
+                )
+            if isinstance(address, str):
+                parse_endpoint(address)  # a malformed one fails before etcd is asked
+            candidates = await asyncio.get_running_loop().run_in_executor(
+                None, client_candidates, address, identity
+            )
+        else:
+            candidates = Candidates(cast(str, address))
         if candidates.several and failover_timeout == 0:
             raise ValueError(
                 "coordkit: a client given several coordinator addresses needs "
@@ -350,11 +377,7 @@ class Client(Following):
         try:
             prepare(socket, coordinator_timeout, curve_server_key, curve_keys)
             if failover_timeout > 0:
-                # A routing id of its own, the same at every coordinator: the one a
-                # ROUTER would generate is its count of peers, which a restarted
-                # coordinator hands out again, in another order. Hex text, so that
-                # stats, traces and `coordkit top` show every client's the same way.
-                socket.setsockopt(zmq.IDENTITY, b"c" + os.urandom(7).hex().encode())
+                socket.setsockopt(zmq.IDENTITY, identity)
             watch = ConnectionWatch(socket)  # before connect(): the first events count too
             socket.connect(candidates.current)
             if candidates.several:
@@ -375,7 +398,7 @@ class Client(Following):
             raise
         return cls(
             socket,
-            address,
+            candidates.current,
             on_error,
             batch=granted.batch,
             implementation=implementation,
@@ -873,6 +896,8 @@ class Client(Following):
         watch = cast(ConnectionWatch, self._watch)
         self._loop.remove_reader(watch.fd)
         try:
+            # A cluster's live members read again (etcd's answer awaited off the loop).
+            await self._loop.run_in_executor(None, self._candidates.refresh)
             self._candidates.move(self._socket)
             return await _choose(
                 self._socket,
@@ -967,6 +992,8 @@ async def _choose(
         granted = await _attempt(socket, watch, candidates, batch, failover, ack_timeout, tenant)
         if granted is not None:
             return granted
+        # A cluster's members read again (a member may have joined since); off the loop.
+        await asyncio.get_running_loop().run_in_executor(None, candidates.refresh)
         candidates.move(socket, discard=True)
 
 

@@ -264,11 +264,14 @@ class Coordinator:
     deadline passes (checked at each wake-up) or the term is lost, and it then
     closes without failing what is in flight (the next leader takes it over).
     ``rebuild_window`` is how long after its start it waits for engines to
-    report what they hold (docs/failover.md). ``engine_grace`` is how long an
-    engine whose tcp connection ended keeps what it holds (over ipc, none: the
-    connection's end is its process's), and ``breaker_failures`` failures of an
-    engine within ``breaker_window`` seconds quarantine it for ``breaker_backoff``
-    seconds, doubled while it keeps failing (docs/failure-model.md).
+    report what they hold (docs/failover.md); a ``cluster`` member (``coordkit serve
+    --cluster``) keeps it open a window past each REJOIN and HELD:
+    those of another member's clients and engines, that member lost (docs/scaling.md).
+    ``engine_grace`` is how long an engine whose tcp connection ended keeps what it
+    holds (over ipc, none: the connection's end is its process's), and
+    ``breaker_failures`` failures of an engine within ``breaker_window`` seconds
+    quarantine it for ``breaker_backoff`` seconds, doubled while it keeps failing
+    (docs/failure-model.md).
 
     Engines that register a role run disaggregated prefill/decode (docs/pd.md):
     ``pd_mode`` ``"conditional"`` runs a request whose prompt, less what the engine
@@ -326,6 +329,7 @@ class Coordinator:
         pd_retries: int = DEFAULT_PD_RETRIES,
         block_size: int = DEFAULT_BLOCK_SIZE,
         rebuild_window: float = REBUILD_WINDOW,
+        cluster: bool = False,
         engine_grace: float = ENGINE_GRACE,
         breaker_failures: int = BREAKER_FAILURES,
         breaker_window: float = BREAKER_WINDOW,
@@ -400,6 +404,7 @@ class Coordinator:
             epoch=term.epoch if term is not None else _clock_ns(),
             first_server_id=_clock_ns(),
             rebuild_window=rebuild_window,
+            cluster=cluster,
             megatron_version=megatron_version,
             # Over ipc a connection that ends is its process's end: no blip to wait for.
             engine_grace=engine_grace if bind.startswith("tcp://") else 0.0,

@@ -67,6 +67,7 @@ from ._liveness import (
     Following,
     prepare,
 )
+from .cluster import SharedLinks, is_cluster
 from .curve import KeySource, ServerKey
 from .kvpublish import KVPublisher
 from .protocol import (
@@ -228,6 +229,41 @@ class Engine(Following):
                 raise ValueError(
                     f"a {role} engine declares its capacity (at least 1), not {capacity}"
                 )
+        self._links: SharedLinks | None = None
+        if is_cluster(address):
+            # One Engine per member, each its own socket and core (docs/scaling.md).
+            if role is not None:
+                raise ValueError("coordkit: an engine shared by a cluster runs no P/D role")
+            named = identity or f"engine-{rank}"
+            self.rank, self.capacity, self.role, self.hello = rank, capacity, role, hello
+            self.identity = named.encode() if isinstance(named, str) else named
+            self._shared_impl = (
+                load_implementation(implementation) if implementation else selected()
+            ).name
+
+            def link(member: str, share: int) -> Engine:
+                return Engine(
+                    member,
+                    rank,
+                    self.identity,
+                    heartbeat_interval=heartbeat_interval,
+                    capacity=share,
+                    context=context,
+                    batch=batch,
+                    implementation=implementation,
+                    coordinator_timeout=coordinator_timeout,
+                    curve_server_key=curve_server_key,
+                    curve_keys=curve_keys,
+                    hello=hello,
+                    rebuild=rebuild,
+                    held_hashes=held_hashes,
+                )
+
+            self._rebuild: Held | None = None
+            self._registered = False
+            self.granted: dict[Any, Any] = {}
+            self._links = SharedLinks(address, link, capacity)
+            return
         self._candidates = Candidates(address)
         if self._candidates.several and not (rebuild and hello):
             raise ValueError(
@@ -272,7 +308,7 @@ class Engine(Following):
         self.connected = True  # the registration below is queued for the first connection
         self._registered = False
         #: What the coordinator granted in its last ENGINE_ACK (``{"batch": 1}``), or {}.
-        self.granted: dict[Any, Any] = {}
+        self.granted = {}
         self._held: list[Event] = []  # received by wait_registered(), for the next poll()
         self._rebuild = Held(self._socket, held_hashes) if rebuild and hello else None
         # Several addresses: what came from a coordinator not (yet) admitted, the reason
@@ -287,6 +323,8 @@ class Engine(Following):
     @property
     def implementation(self) -> str:
         """``"c"`` or ``"py"``: the core this engine runs on."""
+        if self._links is not None:
+            return self._shared_impl
         return str(self._core.implementation)
 
     @property
@@ -297,11 +335,14 @@ class Engine(Following):
     @property
     def pending(self) -> int:
         """Requests received and not yet answered with a final reply."""
+        if self._links is not None:
+            return self._links.pending
         return int(self._core.pending)
 
     @pending.setter
     def pending(self, value: int) -> None:
-        self._core.pending = value
+        if self._links is None:  # a shared engine's links count their own
+            self._core.pending = value
 
     @property
     def role_granted(self) -> bool:
@@ -314,7 +355,9 @@ class Engine(Following):
     @property
     def registered(self) -> bool:
         """Whether a coordinator acknowledged this engine on the current connection
-        (ENGINE_ACK; see :class:`Engine`)."""
+        (ENGINE_ACK; see :class:`Engine`); shared by a cluster: every member's link."""
+        if self._links is not None:
+            return self._links.registered
         return self._registered
 
     def poll(self, timeout: float = 0.0) -> list[Event]:
@@ -324,6 +367,8 @@ class Engine(Following):
         (a step's worth: at most 4096 messages); an empty list on timeout.
         Sends a HEARTBEAT whenever one is due.
         """
+        if self._links is not None:
+            return self._links.poll(timeout)
         if self._held:
             events, self._held = self._held, []
             return events
@@ -343,6 +388,8 @@ class Engine(Following):
                 "nothing can tell that it was registered"
             )
         deadline = time.monotonic() + timeout
+        if self._links is not None:
+            return self._links.wait_registered(timeout)
         while not self._registered:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -370,12 +417,19 @@ class Engine(Following):
         """Send the final replies of one step as ONE batched ENGINE_REPLY.
 
         A body that is not bytes-like is msgpack-packed; a bytes-like one is
-        sent as it is (copied when small; above 8 KiB, held until sent).
+        sent as it is (copied when small; above 8 KiB, held until sent). Shared by a
+        cluster: each on the link its request came in on.
         """
+        if self._links is not None:
+            self._links.reply(finished)
+            return
         self._core.reply(finished)
 
     def reply_partial(self, partial: Iterable[tuple[int, Any]]) -> None:
         """Send the partial replies of one step as ONE batched ENGINE_REPLY_PARTIAL."""
+        if self._links is not None:
+            self._links.reply(partial, partial=True)
+            return
         self._core.reply_partial(partial)
 
     def handoff(self, handoffs: Iterable[HandoffEntry]) -> None:
@@ -423,6 +477,9 @@ class Engine(Following):
 
     def disconnect(self) -> None:
         """Tell the coordinator this rank takes no new work (send finals for what it holds)."""
+        if self._links is not None:
+            self._links.disconnect()
+            return
         self._socket.send_multipart(protocol.DISCONNECT.pack())
 
     def _publisher(self) -> KVPublisher:
@@ -446,6 +503,9 @@ class Engine(Following):
         self._publisher().cleared()
 
     def close(self) -> None:
+        if self._links is not None:
+            self._links.close()
+            return
         self._watch.close()
         self._socket.close(linger=_CLOSE_LINGER_MS)
         if self._own_context:

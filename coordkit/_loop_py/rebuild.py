@@ -40,7 +40,9 @@ class Rebuild:
 
     def __init__(self, loop: Loop, options: Options):
         self._loop = loop
-        self.until = time.monotonic() + options.rebuild_window
+        self.window = options.rebuild_window
+        self.cluster = options.cluster
+        self.until = time.monotonic() + self.window
         self.rebuilding = True
         # REJOIN entries no engine claimed yet: (client identity, rid) -> partials got
         self.awaiting: dict[tuple[bytes, int], int] = {}
@@ -66,6 +68,7 @@ class Rebuild:
         parsed = self._loop._answers.parse(protocol.HELD, None, Header.HELD, frames)
         if parsed is None:
             return
+        self.reopen()
         entries, hashes = parsed
         self._loop._router.learn(engine.rank, hashes, time.monotonic())
         replays: dict[_Engine, list[list[int]]] = defaultdict(list)
@@ -113,13 +116,26 @@ class Rebuild:
         self._send_replays(replays)
         self._loop._faults.not_held(engine)
 
+    def reopen(self) -> None:
+        """A cluster's member, a HELD or a REJOIN at hand: the window (again, or longer)
+        for what a member lost leaves (its clients' REJOINs, the engines' claims of
+        their requests, in either order, within a window of each other)."""
+        if self.cluster:
+            self.rebuilding = True
+            self.until = max(self.until, time.monotonic() + self.window)
+
     def _claimable(self, server_rid: int, client_id: bytes, client_rid: int) -> bool:
         """Whether an engine's report may be adopted under ``server_rid``: not an id this
         life drew (those are all known, in flight or ended), nor one past MAX_ADOPTED,
         and claimed by nobody before in the window (by server id, or by its client's
-        id), even if it has ended since."""
+        id), even if it has ended since. A cluster's member skips the first test: a
+        member lost drew its ids from its own start, among or past this one's, and an
+        adoption moves the next id past the one adopted; a claim of its own ended
+        request is adopted only for a client that is absent or has not REJOINed yet,
+        and its REJOIN, which does not list it, has it aborted."""
         if not 0 <= server_rid < MAX_ADOPTED or (
-            self._loop._options.first_server_id <= server_rid < self._loop._next_rid
+            not self.cluster
+            and self._loop._options.first_server_id <= server_rid < self._loop._next_rid
         ):
             return False
         if server_rid in self.claimed_ids or (client_id, client_rid) in self.claimed_rids:
@@ -195,6 +211,7 @@ class Rebuild:
             return
         client.fresh = False
         client.rejoined = True
+        self.reopen()
         self.away.pop(client.identity, None)  # back from a blip: its requests carry on
         replays: dict[_Engine, list[list[int]]] = defaultdict(list)
         resend: dict[_Client, list[int]] = defaultdict(list)

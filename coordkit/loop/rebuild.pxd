@@ -8,6 +8,8 @@ cdef class Rebuild:
         # wait for; meanwhile no HANDLED goes out (a replay may need it all).
         double until
         bint rebuilding
+        double window  # its length, from the start (and from a reopen)
+        bint cluster  # a cluster's member: reopen() opens it again
         dict awaiting  # REJOIN entries no engine claimed yet: (client, rid) -> partials got
         set aborting  # REJOIN entries aborted before an engine claimed them: (client, rid)
         # What engines' reports adopted in the window, ended or not: a second claim of a
@@ -26,6 +28,7 @@ cdef class Rebuild:
         int n_holding  # engines holding requests of clients away (mark_holding)
 
     # what the loop calls
+    cdef reopen(self)
     cdef held(self, int32_t engine)
     cdef rejoin(self, int32_t client)
     cdef replayed(self, int32_t engine)

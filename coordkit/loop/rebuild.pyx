@@ -12,7 +12,9 @@ cdef class Rebuild:
 
     def __cinit__(self, Loop loop not None, options):
         self.loop = loop
-        self.until = monotonic() + options.rebuild_window
+        self.window = options.rebuild_window
+        self.cluster = options.cluster
+        self.until = monotonic() + self.window
         self.rebuilding = True
         self.awaiting = {}
         self.aborting = set()
@@ -20,6 +22,14 @@ cdef class Rebuild:
         self.claimed_rids = set()
         self.deferred = {}
         self.away = {}
+
+    cdef reopen(self):
+        """A cluster's member, a HELD or a REJOIN at hand: the window (again, or longer)
+        for what a member lost leaves (its clients' REJOINs, the engines' claims of
+        their requests, in either order, within a window of each other)."""
+        if self.cluster:
+            self.rebuilding = True
+            self.until = max(self.until, monotonic() + self.window)
 
     cdef held(self, int32_t engine):
         """HELD: what a rebuild engine holds, after its registration. A request this
@@ -34,6 +44,7 @@ cdef class Rebuild:
         parsed = self.loop.answers.parse(protocol.HELD, -1, HEADER_HELD)
         if parsed is None:
             return
+        self.reopen()
         entries, hashes = parsed
         self.loop.router.learn(engine, hashes, monotonic())
         replays = {}
@@ -94,9 +105,14 @@ cdef class Rebuild:
         """Whether an engine's report may be adopted under ``server_rid``: not an id this
         life drew (those are all known, in flight or ended), nor one past MAX_ADOPTED,
         and claimed by nobody before in the window (by server id, or by its client's
-        id), even if it has ended since."""
+        id), even if it has ended since. A cluster's member skips the first test: a
+        member lost drew its ids from its own start, among or past this one's, and an
+        adoption moves the next id past the one adopted; a claim of its own ended
+        request is adopted only for a client that is absent or has not REJOINed yet,
+        and its REJOIN, which does not list it, has it aborted."""
         if not 0 <= server_rid < MAX_ADOPTED or (
-            self.loop.first_server_id <= server_rid < <int64_t>self.loop.requests.next_rid
+            not self.cluster
+            and self.loop.first_server_id <= server_rid < <int64_t>self.loop.requests.next_rid
         ):
             return False
         if server_rid in self.claimed_ids or (client_id, client_rid) in self.claimed_rids:
@@ -180,6 +196,7 @@ cdef class Rebuild:
             return
         self.loop.clients[client].fresh = False
         self.loop.clients[client].rejoined = True
+        self.reopen()
         identity = self.loop.answers.frame_bytes(0)
         self.away.pop(identity, None)  # back from a blip: its requests carry on
         self.n_away = len(self.away)

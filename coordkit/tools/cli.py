@@ -43,6 +43,7 @@ from .._pd import PD_MODES
 from .._policies import POLICIES
 from .._shared import DIALECTS, MEGATRON_VERSIONS
 from ..client import Client
+from ..cluster import Member
 from ..coordinator import REMOVED_OPTIONS
 from ..curve import keygen
 from ..election import DEFAULT_TTL, Election
@@ -67,7 +68,8 @@ __all__ = ["main"]
 #: The --address of a command that connects to a coordinator as a client or an engine.
 _COORDINATOR_ADDRESS_HELP = (
     f"the coordinator's: {ADDRESS_FORMS}; or several, split by commas (the --ha "
-    "candidates of one NAME: it follows the one that serves)"
+    "candidates of one NAME: it follows the one that serves); or etcd://HOST:PORT/NAME, "
+    "a --cluster's members (a fake engine serves them all)"
 )
 
 
@@ -288,11 +290,19 @@ def _parser() -> argparse.ArgumentParser:
         "NAME's etcd lease (pip install 'coordkit[ha]'; default: serve alone)",
     )
     serve.add_argument(
+        "--cluster",
+        metavar="etcd://HOST:PORT/NAME",
+        help="serve as one of NAME's members, all serving at once: a lease on "
+        "/coordkit/NAME/members/ID holds this one's address while it serves; clients "
+        "spread over the members, engines serve them all (pip install 'coordkit[ha]'; "
+        "docs/scaling.md; default: serve alone)",
+    )
+    serve.add_argument(
         "--ha-ttl",
         type=_positive_int,
         metavar="S",
         default=DEFAULT_TTL,
-        help=f"the lease's TTL in whole seconds (default {DEFAULT_TTL})",
+        help=f"the lease's TTL in whole seconds, --ha's or --cluster's (default {DEFAULT_TTL})",
     )
     serve.add_argument(
         "--detokenizer",
@@ -891,6 +901,10 @@ def _serve(args: argparse.Namespace) -> int:
         if len(options["kv_events"]) < len(publishers):
             raise ValueError("an engine rank is given --kv-events twice")
         options["kv_events_topic"] = args.kv_events_topic
+    if args.ha is not None and args.cluster is not None:
+        raise ValueError(
+            "--ha (one serves, standbys wait) and --cluster (all serve) exclude each other"
+        )
     if args.ha is None:
         return _serve_term(args, impl, options, None)
     try:
@@ -942,7 +956,12 @@ def _serve_term(
     """Serve at ``args.bind`` until stopped (a signal, SHUTDOWN) or ``term`` ends."""
     # A bad option, a bad address, one in use: one line from run().
     coord = Coordinator(
-        args.bind, implementation=impl.name, policy=args.policy, term=term, **options
+        args.bind,
+        implementation=impl.name,
+        policy=args.policy,
+        term=term,
+        cluster=args.cluster is not None,
+        **options,
     )
 
     failures: list[BaseException] = []
@@ -964,12 +983,23 @@ def _serve_term(
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop)
+    member = None
+    if args.cluster is not None:
+        # Joins once bound (its address known); no etcd, no member: one line, status 2.
+        member = Member(args.cluster, coord.address, ttl=args.ha_ttl)
+        try:
+            member.join()
+        except BaseException:
+            coord.stop()  # not started: closed
+            raise
     thread.start()
     print(
         f"coordkit listening on {coord.address} (implementation {impl.name}, policy {args.policy})",
         file=sys.stderr,
         flush=True,
     )
+    if member is not None:
+        print(f"coordkit: member {member.id} of {member.endpoint}", file=sys.stderr, flush=True)
     if coord.address.startswith("tcp://") and not coord.curve:
         print(
             f"coordkit: warning: {coord.address} is open to anyone who can reach it: "
@@ -978,6 +1008,8 @@ def _serve_term(
             flush=True,
         )
     thread.join()
+    if member is not None:
+        member.leave()
     return 1 if failures else 0
 
 
