@@ -93,6 +93,7 @@ REPLAY_TIMEOUT = 2.0
 RECHECK_AFTER = 0.5
 END_SEQ = -1
 POLL_MS = 20  # the thread's wait between looks at its commands
+THREAD_NAME = "coordkit-kv-events"  # (``coordkit bench`` reads its CPU time by it)
 
 
 def key_of(h: object) -> int:
@@ -296,7 +297,7 @@ class Subscriber:
             "replays": 0,
         }
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="coordkit-kv-events", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
     # -- what the loop and the coordinator call ----------------------------------------
 

@@ -99,7 +99,15 @@ class KVPublisher:
 
     def publish(self, events: list[dict[str, Any]]) -> None:
         """One batch of events (maps with a ``"type"``), numbered and buffered for replay."""
-        payload = msgpack.packb([time.time(), events, self.rank])
+        self.publish_packed([msgpack.packb(event) for event in events])
+
+    def publish_packed(self, events: Sequence[bytes]) -> None:
+        """The same, each event already msgpack (an engine that re-sends the same
+        token ids need not pack them again)."""
+        packer = msgpack.Packer()
+        head = packer.pack_array_header(3) + packer.pack(time.time())
+        payload = b"".join((head, packer.pack_array_header(len(events)), *events))
+        payload += packer.pack(self.rank)
         with self._lock:
             seq = self._seq
             self._seq += 1
