@@ -118,6 +118,36 @@ def test_quick_run_of_the_megatron_workload(tmp_path):
         assert point["c"]["reply_batch"] >= 1  # the engine's replies, grouped as they came
 
 
+def test_quick_run_with_kv_events_flowing(tmp_path, capsys):
+    """c-kv-events beside c: the engine's events reach the coordinator (a BlockStored per
+    request, each of its full blocks new; evictions once its LRU is full), the CPU of the
+    thread decoding them is counted, and both rows are in the table."""
+    if "c-kv-events" not in _variants():
+        pytest.skip("c-kv-events runs on the C core")
+    path = tmp_path / "kv.json"
+    argv = ["--quick", "--lengths", "16", "2000", "--inflight", "0"]
+    argv += ["--variants", "floor", "c", "c-kv-events", "--json", str(path)]
+    assert bench.main(argv) == 0
+
+    result = json.loads(path.read_text())
+    assert not result["failures"]
+    for key in ("16", "2000"):
+        point = result["summary"][key]
+        assert sorted(point) == ["c", "c-kv-events", "floor"], key
+        kv = point["c-kv-events"]
+        assert kv["total_us"] > 0 and point["c"]["total_us"] > 0
+        assert "kv_records_per_request" not in point["c"]
+        # one BlockStored per request, and a BlockRemoved for most once the LRU is full;
+        # a batch per reply of 8 (short ones at the end of a load)
+        assert 1 <= kv["kv_records_per_request"] <= 3, key
+        assert 1 / 8 <= kv["kv_batches_per_request"] <= 1 / 4, key
+        assert 0 < kv["kv_thread_us_per_request"] < kv["total_us"]
+    table = capsys.readouterr().out
+    for key in ("16", "2000"):
+        rows = {line.split()[3] for line in table.splitlines() if line.split()[:1] == [key]}
+        assert {"c", "c-kv-events"} <= rows, table
+
+
 def test_quick_run_of_the_pd_cost(tmp_path):
     """--pd: the same client load through a prefill and a decode FakeEngine (both hops
     per request) and through two engines without a role, side by side."""

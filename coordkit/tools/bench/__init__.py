@@ -17,7 +17,10 @@ process (``RANKS`` engine ranks) as lean raw-pyzmq load generators:
 * ``c-trace-1``, ``c-trace-100`` (by name only, the otel extra) -- ``c`` tracing 1%
   and 100% of its requests (``trace_sample``), its spans exported over OTLP/HTTP to a
   receiver in the bench's own process (or to ``OTEL_EXPORTER_OTLP_ENDPOINT``): the
-  coordinator's CPU then includes making and exporting them.
+  coordinator's CPU then includes making and exporting them;
+* ``c-kv-events`` (by name only) -- ``c`` reading each engine rank's KV-cache events
+  (vLLM's wire format, the publishers named as ``serve --kv-events`` names them), which
+  the engine process publishes as if every prompt missed its cache (:mod:`.kvevents`).
 
 ``--dialect megatron-core`` makes every variant's load speak Megatron-Core's
 single frames (``c``, ``py`` serving them with ``dialect="megatron-core"``):

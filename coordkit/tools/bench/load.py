@@ -31,6 +31,7 @@ import zmq
 
 from ...protocol import block_hashes, packb
 from ..fake_engine import FakeEngine
+from . import kvevents
 from .workload import (
     BATCH,
     BLOCK_SIZE,
@@ -304,11 +305,14 @@ def engine_child(
     hold_after: int | None,
     held: Any,
     workload: str = "standard",
+    kv_events: bool = False,
 ) -> None:
     """``ranks`` engine ranks connected to ``address``, or (``direct``) one bound there,
-    answering with ``workload``'s reply body."""
+    answering with ``workload``'s reply body; with ``kv_events``, once registered, each
+    rank publishing its KV-cache events where the bench then says (:mod:`.kvevents`)."""
     raise_fd_limit()
     context = zmq.Context()
+    caches: list[kvevents.RankCache] = []
     try:
         sock = _routed(context)
         if variant in DIRECT:
@@ -320,10 +324,25 @@ def engine_child(
                 for route in routes:
                     sock.send_multipart([route, b""])
         conn.send(("ready", address))
+        if kv_events:  # the endpoints of the rank each route registered as
+            command, where = conn.recv()
+            if command != "publish":
+                return
+            caches = kvevents.publishers(context, where)
+            conn.send(("publishing",))
         _serve_engine(
-            conn, variant, single_frame, sock, at_once, hold_after, held, reply_body(workload)
+            conn,
+            variant,
+            single_frame,
+            sock,
+            at_once,
+            hold_after,
+            held,
+            reply_body(workload),
+            {i.to_bytes(4, "big"): cache for i, cache in enumerate(caches)},
         )
     finally:
+        kvevents.close(caches)
         context.destroy(linger=0)
 
 
@@ -336,9 +355,11 @@ def _serve_engine(
     hold_after: int | None,
     held: Any,
     body: bytes,
+    caches: dict[bytes, kvevents.RankCache],
 ) -> None:
     """Answer requests with ``body`` in batches of BATCH per rank, or at once; after
-    ``hold_after`` requests, hold them.
+    ``hold_after`` requests, hold them. A rank with a cache in ``caches`` (by route)
+    stores each prompt there and publishes its events with each reply.
 
     A batch waits until it is full, so every coordinator sees the same
     messages; what is left goes out short once no request came for a while.
@@ -353,7 +374,10 @@ def _serve_engine(
     envelope = 2 if variant == "floor" else 1
     echo = variant == "floor" or variant in DIRECT
     received = answered = messages = 0
-    send, receive = frames_sender(sock), head_receiver(sock, envelope + 1)
+    # A cache reads the prompt: the frame after the metadata, or the single frame.
+    prompt_frame = bool(caches) and not single_frame
+    send, receive = frames_sender(sock), head_receiver(sock, envelope + 1 + prompt_frame)
+    caches_get = caches.get
     pending: dict[bytes, list[int]] = {}
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
@@ -361,6 +385,9 @@ def _serve_engine(
 
     def reply(route: bytes, rids: list[int]) -> None:
         nonlocal answered, messages
+        cache = caches_get(route)
+        if cache is not None:
+            cache.flush()
         if single_frame:  # [21, [finished_request, ...]], one whole message
             send([route, megatron_reply(rids, body)])
         else:
@@ -381,15 +408,21 @@ def _serve_engine(
             flush()
         for item, _ in events:
             if item == conn.fileno():
-                if conn.recv()[0] != "stats":
+                command = conn.recv()[0]
+                if command == "kv_batches":
+                    conn.send(("kv_batches", sum(c.batches for c in caches.values())))
+                    continue
+                if command != "stats":
                     return
                 conn.send(("stats", messages, answered))
                 continue
             for _ in range(_DRAIN):
                 try:
-                    *peer, metadata = receive()
+                    *peer, metadata = frames = receive()
                 except zmq.Again:
                     break
+                if prompt_frame:
+                    *peer, metadata, prompt = frames
                 received += 1
                 if hold_after is not None and received > hold_after:
                     held.value += 1
@@ -406,6 +439,9 @@ def _serve_engine(
                     messages += 1
                     continue
                 route = peer[0]
+                cache = caches_get(route)
+                if cache is not None:
+                    cache.store(metadata if single_frame else prompt, single_frame)
                 rids = pending.setdefault(route, [])
                 rids.append(rid)
                 if len(rids) == batch:

@@ -21,6 +21,8 @@ from .workload import (
     BLOCK_SIZE,
     DIRECT,
     ECHO_BATCH,
+    KV_CACHE_BLOCKS,
+    KV_EVENTS,
     MEGATRON_OUTPUT_TOKENS,
     MEMORY_PROMPT_TOKENS,
     OUTPUT_TOKENS,
@@ -52,6 +54,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
             point["switches_per_request"] = statistics.median(
                 r["switches_per_request"] for r in group
             )
+            for key in _KV_KEYS:  # c-kv-events': the events applied, per request
+                if key in group[0]:
+                    point[key] = statistics.median(r[key] for r in group)
             point["min_total_us"] = min(r["total_us"] for r in group)
             point["max_total_us"] = max(r["total_us"] for r in group)
             point["repetitions"] = len(group)
@@ -61,6 +66,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
 
 
 _PROMPT_KEYS = ("tokens", "ids", "prompt_bytes", "frame_bytes")
+_KV_KEYS = ("kv_batches_per_request", "kv_records_per_request", "kv_thread_us_per_request")
 
 
 def _ratio(point: dict[str, dict[str, float]], a: str, b: str, key: str = "total_us") -> str:
@@ -124,7 +130,9 @@ def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, A
             )
     ratios = f"{'c/floor':>8} {'py/c':>8} {'py/c user':>10} {'mono/c':>8} {'c-metrics/c':>12}"
     traced = [
-        v for v in ("c-queued", *TRACE_SAMPLES) if any(v in point for point in summary.values())
+        v
+        for v in ("c-queued", *TRACE_SAMPLES, *KV_EVENTS)
+        if any(v in point for point in summary.values())
     ]
     ratios += "".join(f" {v + '/c':>14}" for v in traced)
     print(f"\n{head}  {ratios}")
@@ -135,6 +143,39 @@ def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, A
             f"{_ratio(point, 'mono', 'c'):>8} {_ratio(point, 'c-metrics', 'c'):>12}"
             + "".join(f" {_ratio(point, v, 'c'):>14}" for v in traced)
         )
+    _print_kv_events(summary)
+
+
+def _print_kv_events(summary: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """c-kv-events' events per request beside its cost over c's."""
+    rows = [(point, point[v], v) for point in summary.values() for v in KV_EVENTS if v in point]
+    if not rows:
+        return
+    print(
+        f"\nKV events (every prompt's full blocks stored, an LRU of {KV_CACHE_BLOCKS} blocks "
+        "per rank evicting; a batch per reply), per request: the batches and events, the "
+        "CPU of the thread decoding them (µs), the rest of the process's over c's (the loop "
+        "applying them, the wake-ups), and the whole excess over c's per event and per block "
+        "stored"
+    )
+    print(
+        f"{'tokens':>6} {'ids':<6} {'bytes':>7}  {'variant':<11} {'batches':>8} "
+        f"{'events':>8} {'thread':>8} {'rest>c':>8} {'µs/event':>9} {'µs/block':>9}"
+    )
+    for point, p, variant in rows:
+        events, blocks = p["kv_records_per_request"], p["tokens"] // BLOCK_SIZE
+        thread = p["kv_thread_us_per_request"]
+        extra = p["total_us"] - point["c"]["total_us"] if "c" in point else None
+        rest = "-" if extra is None else f"{extra - thread:.2f}"
+        print(
+            f"{_prompt_label(p)}  {variant:<11} {p['kv_batches_per_request']:8.3f} "
+            f"{events:8.3f} {thread:8.2f} {rest:>8} {_per(extra, events):>9} "
+            f"{_per(extra, blocks):>9}"
+        )
+
+
+def _per(extra: float | None, count: float) -> str:
+    return "-" if extra is None or not count else f"{extra / count:.2f}"
 
 
 def keyed(summary: dict[tuple[Any, ...], Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ... import Coordinator
+from ..._kvevents import THREAD_NAME
 from ...protocol import packb, unpackb
 from .load import raise_fd_limit
 from .workload import CONNECT, CONNECT_ACK, IMPLEMENTATIONS, REPLY, SUBMIT
@@ -34,6 +35,7 @@ def _usage() -> dict[str, float]:
         "user": usage.ru_utime,
         "sys": usage.ru_stime,
         "io": _io_threads_cpu(),
+        "kv": _kv_thread_cpu(),
         "switches": usage.ru_nvcsw + usage.ru_nivcsw,
         "involuntary": usage.ru_nivcsw,
         "page_faults": usage.ru_minflt + usage.ru_majflt,
@@ -56,6 +58,17 @@ def _io_threads_cpu() -> float:
         except OSError:  # a thread that ended meanwhile
             continue
     return seconds
+
+
+def _kv_thread_cpu() -> float:
+    """CPU seconds of the thread that reads and decodes the KV events (0: none)."""
+    for thread in threading.enumerate():
+        if thread.name == THREAD_NAME and thread.native_id is not None:
+            try:
+                return time.clock_gettime((~thread.native_id << 3) | 6)  # as above
+            except OSError:  # it ended meanwhile
+                return 0.0
+    return 0.0
 
 
 def coordinator_child(
@@ -93,6 +106,10 @@ def _answer(conn: Connection, server: _Server) -> None:
             conn.send(("usage", _usage()))
         elif command == "engines":
             conn.send(("engines", server.engines()))
+        elif command == "identities" and isinstance(server, _Coordkit):
+            conn.send(("identities", server.identities()))
+        elif command == "kv_events" and isinstance(server, _Coordkit):
+            conn.send(("kv_events", server.kv_events()))
         else:
             server.stop()
             return
@@ -147,6 +164,16 @@ class _Coordkit:
 
     def engines(self) -> int:
         return len(self.coord.stats()["engines"])
+
+    def identities(self) -> list[str]:
+        """The registered engines' identities, by rank."""
+        engines = sorted(self.coord.stats()["engines"], key=lambda e: e["rank"])
+        return [engine["identity"] for engine in engines]
+
+    def kv_events(self) -> dict[str, int]:
+        """The KV events' batches and records (an event's each) applied so far."""
+        kv = self.coord.stats()["kv_events"]
+        return {"batches": kv["batches"], "records": kv["records"]}
 
 
 class _Floor:

@@ -23,12 +23,14 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from . import kvevents
 from .load import client_child, engine_child, fake_engines_child
 from .pd6675 import megatron_pd_engines_child
 from .servers import coordinator_child
 from .workload import (
     DIRECT,
     IMPLEMENTATIONS,
+    KV_EVENTS,
     MEMORY_PROMPT_TOKENS,
     QUEUED_CAPACITY,
     RANKS,
@@ -251,6 +253,7 @@ class Session(Processes):
                 hold_after,
                 self.held,
                 getattr(args, "workload", "standard"),
+                self.variant in KV_EVENTS,
             )
             return str(self._receive(self.engine)[1])
 
@@ -268,6 +271,10 @@ class Session(Processes):
             options["trace_sample"] = TRACE_SAMPLES[self.variant]
         elif self.variant in IMPLEMENTATIONS:  # untraced, whatever OTEL_* the run set
             options["trace_sample"] = 0
+        where: list[tuple[str, str]] = []
+        if self.variant in KV_EVENTS:  # each rank's publisher, as `serve --kv-events` names it
+            where = kvevents.endpoints(directory, f"{self.variant}-{next(_SESSIONS)}", ranks)
+            options["kv_events"] = {rank: ",".join(pair) for rank, pair in enumerate(where)}
         self.coordinator = self._start(
             "coordinator", coordinator_child, self.variant, endpoints, args.policy, options
         )
@@ -278,6 +285,13 @@ class Session(Processes):
             lambda: self._call(self.coordinator, ("engines",))[1] >= ranks,
             f"the {ranks} engine ranks to register",
         )
+        if self.variant in KV_EVENTS:
+            # The ranks are given in the order the registrations came: each route of the
+            # engine process (its identities engine_child's) publishes where the
+            # coordinator reads its rank's events.
+            identities = self._call(self.coordinator, ("identities",))[1]
+            ranked = [where[identities.index(f"mp-coord-{i}")] for i in range(ranks)]
+            self._call(self.engine, ("publish", ranked))
         return str(client_address)
 
     def run(self, prompt: Prompt, n: int, warmup: int, window: int) -> dict[str, Any]:
@@ -285,12 +299,17 @@ class Session(Processes):
         self.client.conn.send(("load", prompt, n, warmup, window))
         self._receive(self.client, timeout=None)  # warm: the client progresses or says why not
         _, messages0, entries0 = self._call(self.engine, ("stats",))
+        kv0 = self._kv_events()
         with SyscallCounter(self.coordinator.process.pid) as syscalls:
             before = self._call(self.coordinator, ("sample",))[1]
             self.client.conn.send(("go",))
             wall = self._receive(self.client, timeout=None)[1]
+            self._kv_events()  # the events of the load all applied: their CPU counted
             after = self._call(self.coordinator, ("sample",))[1]
         _, messages1, entries1 = self._call(self.engine, ("stats",))
+        kv: dict[str, float] = {k: count - kv0[k] for k, count in self._kv_events().items()}
+        if kv:  # the thread that reads and decodes them, apart
+            kv["thread_us"] = (after["kv"] - before["kv"]) * 1e6
         switches = after["switches"] - before["switches"]
         user, sys_ = after["user"] - before["user"], after["sys"] - before["sys"]
         io = after["io"] - before["io"]
@@ -312,7 +331,23 @@ class Session(Processes):
             "page_faults": after["page_faults"] - before["page_faults"],
             "rss_before": before["rss"],
             "rss_after": after["rss"],
+            **{f"kv_{key}_per_request": count / n for key, count in kv.items()},
         }
+
+    def _kv_events(self) -> dict[str, int]:
+        """The coordinator's KV-event counts (none but c-kv-events'), once it has decoded
+        every batch the engine published (it may lag behind the replies)."""
+        if self.variant not in KV_EVENTS:
+            return {}
+        published = self._call(self.engine, ("kv_batches",))[1]
+        counts: dict[str, int] = {}
+
+        def caught_up() -> bool:
+            counts.update(self._call(self.coordinator, ("kv_events",))[1])
+            return counts["batches"] >= published
+
+        self._wait(caught_up, f"the coordinator to read the {published} batches of KV events")
+        return counts
 
     def fill(self, n: int, warmup: int, window: int) -> dict[str, Any]:
         """Hold ``n`` requests at the engine; the coordinator's RSS before and with them."""

@@ -15,7 +15,17 @@ from dataclasses import dataclass
 from ..._shared import COPY_BELOW
 from ...protocol import Header, packb
 
-VARIANTS = ("floor", "c", "c-metrics", "py", "mono", "c-queued", "c-trace-1", "c-trace-100")
+VARIANTS = (
+    "floor",
+    "c",
+    "c-metrics",
+    "py",
+    "mono",
+    "c-queued",
+    "c-trace-1",
+    "c-trace-100",
+    "c-kv-events",
+)
 #: The variants run when none is named (the traced ones are asked for by name).
 DEFAULT_VARIANTS = VARIANTS[:5]
 #: ``c-queued``'s cap per engine rank: of the client's window (512) the rest waits in
@@ -23,6 +33,12 @@ DEFAULT_VARIANTS = VARIANTS[:5]
 QUEUED_CAPACITY = 32
 #: The traced variants: ``c`` tracing that share of its requests (``trace_sample``).
 TRACE_SAMPLES = {"c-trace-1": 0.01, "c-trace-100": 1.0}
+#: ``c-kv-events``: ``c`` subscribed to each engine rank's KV-cache events (vLLM's wire
+#: format), which the engine process publishes as if every prompt missed its cache: a
+#: BlockStored per full block of each prompt (under ids of its own, so each is new) and a
+#: BlockRemoved per block its LRU of KV_CACHE_BLOCKS per rank evicts, a batch per reply.
+KV_EVENTS = ("c-kv-events",)
+KV_CACHE_BLOCKS = 4096
 #: The variants that need an optional dependency: its module, and the extra installing it.
 REQUIRES = {
     "c-metrics": ("prometheus_client", "metrics"),
@@ -35,6 +51,7 @@ IMPLEMENTATIONS = {
     "c-queued": "c",
     "py": "py",
     **dict.fromkeys(TRACE_SAMPLES, "c"),
+    **dict.fromkeys(KV_EVENTS, "c"),
 }
 #: No coordinator: the clients on the engine itself (--latency's baselines; ``-sf``:
 #: in single frames, mono's, whatever the dialect).
