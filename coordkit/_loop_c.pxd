@@ -261,8 +261,6 @@ cdef class Loop:
     cdef size_t _size(self, int part) noexcept nogil
 
     # rare paths (with the GIL)
-    cdef bytes _identity(self, int32_t client)
-    cdef bytes _engine_identity(self, int rank)
 
     # failures
 

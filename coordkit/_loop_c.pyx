@@ -1297,17 +1297,3 @@ cdef class Loop:
 
     cdef inline size_t _size(self, int part) noexcept nogil:
         return message_size(&self.message, part)
-
-    # -- rare paths (with the GIL) -------------------------------------------------------
-
-    cdef bytes _identity(self, int32_t client):
-        """A client's routing id."""
-        cdef size_t n
-        cdef const uint8_t* identity = ck_ids_get(&self.client_ids, client, &n)
-        return identity[:n]
-
-    cdef bytes _engine_identity(self, int rank):
-        """An engine's routing id."""
-        cdef size_t n
-        cdef const uint8_t* identity = ck_ids_get(&self.engine_ids, rank, &n)
-        return identity[:n]

@@ -60,11 +60,12 @@ cdef class Control:
         if message is None:
             return
         slot = ck_requests_find_client(&self.loop.requests, client, message.rid)
-        if slot < 0 and (self.loop._identity(client), message.rid) in self.loop.rebuild.awaiting:
+        awaited = (self.loop.peers.identity(client), message.rid) if slot < 0 else None
+        if awaited is not None and awaited in self.loop.rebuild.awaiting:
             # REJOINed, no engine claimed it yet: aborted when one does (_held), else
             # ended at the window's end, never sent again (_end_rebuild)
             self.loop.counters[COUNTER_ABORTS] += 1
-            self.loop.rebuild.aborting.add((self.loop._identity(client), message.rid))
+            self.loop.rebuild.aborting.add(awaited)
             return
         if slot < 0:
             self.loop.refusals.refuse(

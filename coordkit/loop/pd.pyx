@@ -684,7 +684,7 @@ cdef class PD:
         cdef ck_request* request = &self.loop.requests.pool[slot]
         notify = None
         if hop.unsafe and self._megatron_client(request.client):
-            notify = self.loop._identity(request.client)
+            notify = self.loop.peers.identity(request.client)
         deadline = monotonic() + self.lease
         self.orphans[request.server_rid] = [
             hop.prefill, hop.decode, deadline, notify, request.client_rid
@@ -751,7 +751,7 @@ cdef class PD:
         if not self._megatron_client(client):
             self.loop.refusals.fail_request(slot, code, HEADER_SUBMIT_REQUEST)
             return
-        identity = self.loop._identity(client)
+        identity = self.loop.peers.identity(client)
         self.loop._forget(slot)
         self.loop.failed[code] += 1
         if aborted:
@@ -785,7 +785,7 @@ cdef class PD:
         if slot >= 0 and self.hops[slot].stage and self.hops[slot].pins:
             self._release_pins(<uint32_t>slot)
             return
-        identity = self.loop._identity(client)
+        identity = self.loop.peers.identity(client)
         for server_rid, orphan in list(self.orphans.items()):
             if orphan[4] == rid and orphan[3] == identity:
                 self._free_orphan(server_rid)
@@ -809,7 +809,7 @@ cdef class PD:
             self._end(slot, ERROR_ENGINE_FAILED, handoff, True)
             return
         kv_meta, blocks = handoff
-        registration = self.registrations.get(self.loop._engine_identity(rank))
+        registration = self.registrations.get(self.loop.peers.engine_identity(rank))
         if registration is not None and registration.transport == "nixl":
             try:
                 kv_meta = restore_nixl_blobs(kv_meta, registration.instance_meta,
@@ -841,7 +841,7 @@ cdef class PD:
         cdef Hop* hop
         if not self.seats[rank].seated:
             return
-        name = self.loop._engine_identity(rank)
+        name = self.loop.peers.engine_identity(rank)
         order = self.loop.faults.in_order(-1, -1, &n)
         try:
             for i in range(n):

@@ -24,3 +24,5 @@ cdef class Peers:
     cdef disconnect(self, int32_t engine)
     cdef client_gone(self, int32_t client, bint unreachable=*, bint closed=*)
     cdef drop_client(self, int32_t client)
+    cdef bytes identity(self, int32_t client)
+    cdef bytes engine_identity(self, int rank)

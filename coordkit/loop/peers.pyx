@@ -215,7 +215,7 @@ cdef class Peers:
         if fd in self.loop.connections:
             self.loop.engine_fds[fd] = rank
         else:  # it ended already
-            self.end(self.loop._engine_identity(rank), fd)
+            self.end(self.engine_identity(rank), fd)
 
     cdef connect(self, int32_t client):
         """CONNECT: a new client (or a repeated CONNECT), answered with CONNECT_ACK."""
@@ -303,7 +303,7 @@ cdef class Peers:
             if fd in self.loop.connections:
                 self.loop.connections[fd] = index
             else:  # the monitor said its connection ended already
-                self.end(self.loop._identity(index), fd)
+                self.end(self.identity(index), fd)
 
     cdef int32_t tenant(self, str name):
         """The queue's tenant named ``name`` (None: a new one of its own)."""
@@ -340,7 +340,7 @@ cdef class Peers:
         if self.loop.clients[client].tenant >= 0:
             queue_leave(&self.loop.queue, self.loop.clients[client].tenant)
             self.loop.clients[client].tenant = -1
-        self.loop.rebuild.away.pop(self.loop._identity(client), None)
+        self.loop.rebuild.away.pop(self.identity(client), None)
         self.loop.rebuild.n_away = len(self.loop.rebuild.away)
         ck_ids_remove(&self.loop.client_ids, client)
         self.loop.tally.submitted[client] = 0
@@ -364,10 +364,10 @@ cdef class Peers:
                 client = self.loop.connections.pop(value, -1)
                 rank = self.loop.engine_fds.pop(value, -1)
                 if client >= 0:
-                    self.end(self.loop._identity(client), value)
+                    self.end(self.identity(client), value)
                 elif rank >= 0:
                     self.loop.faults.ended(rank)
-                    self.end(self.loop._engine_identity(rank), value)
+                    self.end(self.engine_identity(rank), value)
             elif event & REFUSAL_EVENTS:
                 self.loop.counters[COUNTER_AUTH_REFUSED] += 1
 
@@ -466,3 +466,15 @@ cdef class Peers:
         finally:
             free(order)
         self.remove_client(client)
+
+    cdef bytes identity(self, int32_t client):
+        """A client's routing id."""
+        cdef size_t n
+        cdef const uint8_t* identity = ck_ids_get(&self.loop.client_ids, client, &n)
+        return identity[:n]
+
+    cdef bytes engine_identity(self, int rank):
+        """An engine's routing id."""
+        cdef size_t n
+        cdef const uint8_t* identity = ck_ids_get(&self.loop.engine_ids, rank, &n)
+        return identity[:n]

@@ -351,7 +351,7 @@ cdef class Rebuild:
 
     cdef defer(self, int32_t client, int64_t rid):
         """Keep a request for RESEND once an engine registered (see _submit)."""
-        self.deferred.setdefault(self.loop._identity(client), []).append(rid)
+        self.deferred.setdefault(self.loop.peers.identity(client), []).append(rid)
         self.n_deferred = len(self.deferred)
 
     cdef resend_deferred(self):
@@ -418,7 +418,7 @@ cdef class Rebuild:
                 slot = order[i].slot
                 if self.loop.requests.pool[slot].server_rid == order[i].server_rid and (
                     self.loop.requests.pool[slot].flags & FLAG_ORPHAN
-                ) and (client >= 0 or self.loop._identity(self.loop.requests.pool[slot].client)
+                ) and (client >= 0 or self.loop.peers.identity(self.loop.requests.pool[slot].client)
                        not in self.away):
                     self._drop_orphan(slot)
         finally:
@@ -487,7 +487,7 @@ cdef class Rebuild:
         if self.loop.connections.get(fd, -1) == client:
             self.loop.connections[fd] = -1
         self.loop.clients[client].fd = -1
-        self.away[self.loop._identity(client)] = monotonic() + self.loop.clients[client].hold
+        self.away[self.loop.peers.identity(client)] = monotonic() + self.loop.clients[client].hold
         self.n_away = len(self.away)
         order = self.loop.faults.in_order(-1, client, &n)
         try:
@@ -521,7 +521,7 @@ cdef class Rebuild:
     cdef returned(self, int32_t client):
         """A client not connected (away, or known from an engine's report) sent CONNECT:
         one that was away and has nothing in flight awaits no REJOIN."""
-        identity = self.loop._identity(client)
+        identity = self.loop.peers.identity(client)
         if identity in self.away:
             self.loop.counters[COUNTER_CLIENTS_RETURNED] += 1
             if self.loop.clients[client].inflight == 0:

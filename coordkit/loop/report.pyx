@@ -31,7 +31,7 @@ cdef class Report:
             if not self.loop.clients[client].used or self.loop.clients[client].inflight < least:
                 continue
             clients.append((
-                self.loop._identity(client), self.loop.clients[client].inflight,
+                self.loop.peers.identity(client), self.loop.clients[client].inflight,
                 self.loop.tally.submitted[client] if self.loop.measure_latency else None,
                 self.loop.clients[client].rebuild, not self.loop.clients[client].present,
             ))
