@@ -290,6 +290,7 @@ class Subscriber:
         self._poller = zmq.Poller()
         self.counts = {
             "batches": 0,
+            "handed": 0,  # records handed to the loop (its index counts those it applied)
             "events_malformed": 0,
             "malformed": 0,
             "gaps": 0,
@@ -367,6 +368,7 @@ class Subscriber:
 
     def _emit(self, record: bytes) -> None:
         self._out.append(record)
+        self.counts["handed"] += 1
 
     def _command(
         self, rank: int, endpoint: str | None, replay: str | None, announced: bool
@@ -446,6 +448,7 @@ class Subscriber:
         self.counts["batches"] += 1
         self.counts["events_malformed"] += bad
         self._out.extend(records)
+        self.counts["handed"] += len(records)
 
     def _read_live(self, feed: _Feed) -> None:
         while True:

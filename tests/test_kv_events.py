@@ -84,6 +84,13 @@ def blocks(c: Any, rank: int) -> int | None:
     return None
 
 
+def settled(c: Any, batches: int) -> bool:
+    """``batches`` decoded by the events' thread and every record it made applied by the
+    loop (the thread counts as it decodes; the loop applies between two messages)."""
+    stats = kv(c)
+    return stats["batches"] >= batches and stats["records"] == stats["handed"]
+
+
 def route(c: Any, client: Any, prompt: list[int], rid: int = 0) -> int:
     """The rank a request carrying ``prompt``'s hashes went to (its reply sent, so every
     engine is idle again)."""
@@ -170,7 +177,7 @@ def test_a_block_stored_twice_goes_when_removed_twice(make_cluster, publishers):
         pubs[1].publish(*store_chain("u64", prompt, 0))
         pubs[1].publish(*store_chain("u64", prompt, 0))
         pubs[1].publish(removed([engine_hash("u64", 0), engine_hash("u64", 1)]))
-        wait_for(lambda: kv(c)["batches"] >= 3)
+        wait_for(lambda: settled(c, 3))
         assert blocks(c, 1) == 2
         pubs[1].publish(removed([engine_hash("u64", 1)]))
         wait_for(lambda: blocks(c, 1) == 1)
@@ -188,7 +195,7 @@ def test_another_medium_group_or_lora_does_not_count(make_cluster, publishers):
             stored(ids, None, prompt, BS, lora_name="adapter"),
             stored(ids, None, prompt[: BS // 2], BS // 2),  # another block size
         )
-        wait_for(lambda: kv(c)["batches"] >= 1)
+        wait_for(lambda: settled(c, 1))
         assert blocks(c, 1) == 0
         pubs[1].publish(stored(ids, None, prompt, BS, medium=None, unknown_field=7))
         wait_for(lambda: blocks(c, 1) == 2)

@@ -335,7 +335,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="RANK=ENDPOINT[,REPLAY]",
         help="read the KV-cache events engine RANK publishes in vLLM's wire format at "
         "ENDPOINT (its replay ROUTER at REPLAY), repeatable; 'engines': only those coordkit "
-        "engines announce. prefix then prices each engine that publishes by its events",
+        "engines announce. prefix then prices each engine that publishes by its events "
+        "(default: none read, prefix guesses for every engine)",
     )
     serve.add_argument(
         "--kv-events-topic", default="", metavar="TOPIC", help="their topic filter (a prefix)"
