@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._kvevents import kv_stats
@@ -10,6 +11,9 @@ from .._shared import busiest, metrics_map, stats_map
 
 if TYPE_CHECKING:
     from .loop import Loop
+
+#: Reads of the tables from another thread before one is let fail (see _read_racing).
+READ_ATTEMPTS = 100
 
 
 class Report:
@@ -19,6 +23,13 @@ class Report:
         self._loop = loop
 
     def stats(self) -> dict[str, Any]:
+        return _read_racing(self._stats)
+
+    def metrics(self) -> dict[str, Any]:
+        """Traffic by header and direction, outcomes by error code, latencies."""
+        return _read_racing(self._metrics)
+
+    def _stats(self) -> dict[str, Any]:
         now = time.monotonic()
         measured = self._loop._latency is not None
         stats = stats_map(
@@ -65,8 +76,7 @@ class Report:
             stats["kv_events"] = kv_stats(self._loop._kv.stats(), self._loop._kv_events.stats())
         return stats
 
-    def metrics(self) -> dict[str, Any]:
-        """Traffic by header and direction, outcomes by error code, latencies."""
+    def _metrics(self) -> dict[str, Any]:
         return metrics_map(
             traffic=self._loop._traffic.metrics(),
             failed=list(self._loop._failed),
@@ -76,3 +86,17 @@ class Report:
             queue=self._loop._queue.metrics(),
             engine_latency=None if self._loop._tally.final is None else self._loop._tally.latency(),
         )
+
+
+def _read_racing(read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``read()``, from any thread. A read from another thread (the API, the metrics
+    server) races the loop's thread, and CPython raises when a table changes size
+    under an iteration: read again. (The C core reads its tables without letting the
+    loop's thread run.)"""
+    for _ in range(READ_ATTEMPTS - 1):
+        try:
+            return read()
+        except RuntimeError:
+            continue
+    return read()
+

@@ -44,6 +44,7 @@ from tests.support.peers import (
     REPLY,
     RESEND,
     SET_GENERATION_EPOCH,
+    SHUTDOWN,
     STATS,
     SUBMIT,
     SUBMIT_BATCH,
@@ -268,6 +269,13 @@ class Hostile:
         return common + engine if rogue.kind.endswith("engine") else common + engine[:3]
 
     def mutated(self, frames: list[bytes]) -> list[bytes]:
+        """A copy with one frame changed: a byte replaced, cut short or lengthened; never
+        into a SHUTDOWN (``[PAUSE]`` with its header byte replaced is one)."""
+        while _is_shutdown(mutated := self._mutated(frames)):
+            pass
+        return mutated
+
+    def _mutated(self, frames: list[bytes]) -> list[bytes]:
         rng = self.rng
         out = [bytearray(f) for f in frames]
         frame = out[rng.randrange(len(out))]
@@ -279,6 +287,14 @@ class Hostile:
         else:
             frame += rng.randbytes(rng.randrange(1, 5))
         return [bytes(f) for f in out]
+
+
+def _is_shutdown(frames: list[bytes]) -> bool:
+    try:
+        message = msgpack.unpackb(frames[0])
+    except Exception:
+        return False
+    return isinstance(message, list) and bool(message) and message[0] == SHUTDOWN
 
 
 def main() -> None:
