@@ -8,28 +8,35 @@ only that every variant and prompt length produced positive figures.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import zmq
 
 import coordkit
 from coordkit._shared import COPY_BELOW
 from coordkit.protocol import packb, unpackb
 from coordkit.tools import bench
-from coordkit.tools.bench.load import megatron_reply, read_rid, submitter
+from coordkit.tools.bench.load import engine_child, megatron_reply, read_rid, submitter
 from coordkit.tools.bench.workload import (
     EDGE_MARGIN,
+    MEGATRON_BODIES,
+    MEGATRON_LENGTHS,
     POOLED_FROM,
     SAMPLING,
     SUBMIT_FIELDS,
     THRESHOLDS,
     Prompt,
+    parse_prompt,
     reply_body,
 )
 from tests.support.implementations import REQUIRE_EXTENSION
@@ -96,20 +103,23 @@ def test_quick_run_in_megatron_mains_layout(tmp_path):
 
 
 def test_quick_run_of_the_megatron_workload(tmp_path):
-    """--workload megatron: its three prompt lengths, replies at once with ~200-byte
+    """--workload megatron: replies at once, small (~200 B) and realistic (~1.5 KB)
     bodies, and per request the coordinator's system calls (perf, where it may) and
     context switches beside its CPU."""
     path = tmp_path / "megatron.json"
+    lengths = ["16/small", "2000:range/realistic", "2000/small", "2000/realistic"]
     argv = ["--quick", "--workload", "megatron", "--inflight", "0", "--json", str(path)]
-    assert bench.main(argv) == 0
+    assert bench.main([*argv, "--lengths", *lengths]) == 0
 
     result = json.loads(path.read_text())
     assert not result["failures"]
     config = result["config"]
     assert config["workload"] == "megatron" and config["reply_at_once"]
-    assert 150 <= config["reply_body_bytes"] <= 250
-    assert list(result["summary"]) == ["16", "2000", "32000"]
+    assert 150 <= config["reply_body_bytes"] == config["reply_bodies_bytes"]["small"] <= 250
+    assert 1200 <= config["reply_bodies_bytes"]["realistic"] <= 1600
+    assert sorted(result["summary"]) == sorted(lengths)
     for key, point in result["summary"].items():
+        assert {figures["body"] for figures in point.values()} == {key.partition("/")[2]}
         assert sorted(point) == ["c", "floor"], key
         for variant, figures in point.items():
             assert figures["total_us"] > 0 and figures["switches_per_request"] >= 0
@@ -220,6 +230,57 @@ def test_the_standard_prompts_cross_every_threshold_of_the_loop():
     assert Prompt(2000, "range").packed_bytes() < COPY_BELOW < Prompt(2000).packed_bytes()
     assert Prompt(2000, "range").token_ids() == list(range(2000))
     assert Prompt(16).token_ids() == Prompt(2000).token_ids()[:16]  # prefixes of one sequence
+
+
+def test_the_megatron_workload_crosses_every_threshold_with_both_ids_and_bodies():
+    """Its default table: at each of MEGATRON_LENGTHS random and small ids, the prompts
+    just either side of each threshold, each point with both bodies."""
+    for fields in set(SUBMIT_FIELDS.values()):
+        prompts = bench.megatron_prompts(True, fields)
+        sizes = [p.frame_bytes(True, fields) for p in prompts]
+        assert sizes == sorted(sizes)
+        for threshold in THRESHOLDS.values():
+            assert any(threshold - 2 * EDGE_MARGIN <= s <= threshold - EDGE_MARGIN for s in sizes)
+            assert any(threshold + EDGE_MARGIN <= s <= threshold + 2 * EDGE_MARGIN for s in sizes)
+        shapes = {(p.tokens, p.ids) for p in prompts}
+        assert {(n, ids) for n in MEGATRON_LENGTHS for ids in ("random", "range")} <= shapes
+        for tokens, ids in shapes:
+            bodies = {p.body for p in prompts if (p.tokens, p.ids) == (tokens, ids)}
+            assert bodies == set(MEGATRON_BODIES), (tokens, ids)
+    assert parse_prompt("2000:range/realistic") == Prompt(2000, "range", "realistic")
+    assert parse_prompt("16/small").key == "16/small"
+    with pytest.raises(argparse.ArgumentTypeError, match="expected TOKENS"):
+        parse_prompt("16/huge")
+
+
+def test_the_bench_engine_answers_with_the_body_it_is_told(tmp_path):
+    """The body of a point reaches the client: the engine switches between two points."""
+    ours, theirs = multiprocessing.Pipe()
+    address = f"ipc://{tmp_path}/engine"
+    held = multiprocessing.Value("q", 0, lock=False)
+    args = (theirs, "direct", False, address, 1, False, None, held, "megatron")
+    engine = threading.Thread(target=engine_child, args=args, daemon=True)
+    engine.start()
+    context = zmq.Context()
+    try:
+        assert ours.recv()[0] == "ready"
+        client = context.socket(zmq.DEALER)
+        client.connect(address)
+        submit = submitter(False, Prompt(16), False)
+        for rid, body in enumerate(["", "realistic", "small"]):
+            if body:
+                ours.send(("body", reply_body("megatron", body)))
+                assert ours.recv() == ("body",)
+            client.send_multipart(submit(rid))
+            assert client.poll(10_000)
+            metadata, reply = client.recv_multipart()
+            assert read_rid(metadata) == rid
+            assert reply == reply_body("megatron", body), body
+    finally:
+        ours.send(("stop",))
+        engine.join(10)
+        context.destroy(linger=0)
+    assert not engine.is_alive()
 
 
 def test_the_pool_threshold_is_the_loops():

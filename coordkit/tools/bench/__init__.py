@@ -97,6 +97,7 @@ from .workload import (
     VARIANTS,
     WORKLOADS,
     Prompt,
+    megatron_prompts,
     parse_prompt,
     standard_prompts,
 )
@@ -228,9 +229,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default="standard",
         help="the cost table's load: standard (full reply batches of 8, every threshold's "
         "prompts) or megatron (as Megatron's peers make it: one client, replies at once "
-        "in batches of up to 16 with ~200-byte bodies, prompts of "
-        f"{' '.join(map(str, MEGATRON_LENGTHS))} random ids, 40000 requests after "
-        "10000 of warm-up, variants floor c, 3 repetitions) (default standard)",
+        "in batches of up to 16; prompts of "
+        f"{' '.join(map(str, MEGATRON_LENGTHS))} random and small ('range') ids and "
+        "either side of every threshold, each with small (~200 B) and realistic (~1.5 KB: "
+        "log probs and per-token times) bodies; 40000 requests after 10000 of warm-up, "
+        "variants floor c, 3 repetitions) (default standard)",
     )
     modes = parser.add_argument_group("modes (default: the coordinator cost table)")
     modes.add_argument(
@@ -304,12 +307,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--lengths",
         type=parse_prompt,
         nargs="+",
-        metavar="TOKENS[:range]",
-        help="prompt lengths, random token ids unless ':range' (list(range(TOKENS))); "
+        metavar="TOKENS[:range][/BODY]",
+        help="prompt lengths, random token ids unless ':range' (list(range(TOKENS))), "
+        "answered with the workload's body unless '/small' or '/realistic'; "
         "default: the cost table's standard set (random 16 256 2000 8000 32000, range 16 "
         "2000, and lengths just below and above each size threshold of the loop, "
-        "computed from the packing), 16 2000 for --client, --end-to-end and --latency, "
-        "16 for --scale",
+        "computed from the packing; --workload megatron's own), 16 2000 for --client, "
+        "--end-to-end and --latency, 16 for --scale",
     )
     parser.add_argument(
         "--requests",
@@ -546,7 +550,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         fields = SUBMIT_FIELDS[args.megatron_version]
         # --pd's: 16 tokens' prompt frame (73 bytes) below the size under which a kept
         # frame may be copied (COPY_BELOW, 8 KiB), 2 000's (8 248) just above, 32 000 long.
-        if (megatron and args.cost) or (args.pd and not args.latency):
+        if megatron and args.cost:
+            args.lengths = megatron_prompts(single_frame, fields)
+        elif args.pd and not args.latency:
             args.lengths = [Prompt(n) for n in MEGATRON_LENGTHS]
         elif args.cost:
             args.lengths = standard_prompts(single_frame, fields)

@@ -357,9 +357,10 @@ def _serve_engine(
     body: bytes,
     caches: dict[bytes, kvevents.RankCache],
 ) -> None:
-    """Answer requests with ``body`` in batches of BATCH per rank, or at once; after
-    ``hold_after`` requests, hold them. A rank with a cache in ``caches`` (by route)
-    stores each prompt there and publishes its events with each reply.
+    """Answer requests with ``body`` (until the bench sends another: ``("body", bytes)``)
+    in batches of BATCH per rank, or at once; after ``hold_after`` requests, hold them.
+    A rank with a cache in ``caches`` (by route) stores each prompt there and publishes
+    its events with each reply.
 
     A batch waits until it is full, so every coordinator sees the same
     messages; what is left goes out short once no request came for a while.
@@ -408,9 +409,14 @@ def _serve_engine(
             flush()
         for item, _ in events:
             if item == conn.fileno():
-                command = conn.recv()[0]
+                command, *operands = conn.recv()
                 if command == "kv_batches":
                     conn.send(("kv_batches", sum(c.batches for c in caches.values())))
+                    continue
+                if command == "body":  # the next point's, sent between two points
+                    body = operands[0]
+                    shared_body = zmq.Frame(body)
+                    conn.send(("body",))
                     continue
                 if command != "stats":
                     return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import platform
@@ -23,6 +24,7 @@ from .workload import (
     ECHO_BATCH,
     KV_CACHE_BLOCKS,
     KV_EVENTS,
+    MEGATRON_BODIES,
     MEGATRON_OUTPUT_TOKENS,
     MEMORY_PROMPT_TOKENS,
     OUTPUT_TOKENS,
@@ -65,7 +67,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
     return summary
 
 
-_PROMPT_KEYS = ("tokens", "ids", "prompt_bytes", "frame_bytes")
+_PROMPT_KEYS = ("tokens", "ids", "prompt_bytes", "frame_bytes", "body")
 _KV_KEYS = ("kv_batches_per_request", "kv_records_per_request", "kv_thread_us_per_request")
 
 
@@ -76,9 +78,11 @@ def _ratio(point: dict[str, dict[str, float]], a: str, b: str, key: str = "total
 
 
 def _prompt_label(point: dict[str, Any]) -> str:
-    """``  2000 range     5619``: tokens, their ids, the bytes of the frame carrying them
-    (exactly: the points either side of a threshold are a few bytes apart)."""
-    return f"{point['tokens']:>6} {point['ids']:<6} {point['frame_bytes']:>7}"
+    """``  2000 range     5619 realistic``: tokens, their ids, the bytes of the frame
+    carrying them (exactly: the points either side of a threshold are a few bytes
+    apart), and the reply body the point names (``-``: the workload's)."""
+    body = point.get("body") or "-"
+    return f"{point['tokens']:>6} {point['ids']:<6} {point['frame_bytes']:>7} {body:<9}"
 
 
 def dialect(args: argparse.Namespace) -> str:
@@ -100,15 +104,13 @@ def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, A
     edges = ", ".join(f"{name} at {size} B" for name, size in THRESHOLDS.items())
     print(f"(bytes: the frame carrying the prompt; the loop's thresholds: {edges})")
     if args.workload == "megatron":
-        print(
-            f"(workload megatron: replies at once, up to {ECHO_BATCH} per message, bodies of "
-            f"{len(reply_body('megatron'))} B)"
-        )
+        bodies = ", ".join(f"{b} {len(reply_body('megatron', b))} B" for b in MEGATRON_BODIES)
+        print(f"(workload megatron: replies at once, up to {ECHO_BATCH} per message; {bodies})")
     print(
         "(syscalls: perf stat's raw_syscalls:sys_enter, '-' without perf; switches: "
         "voluntary and involuntary, from getrusage; both per request, every thread)"
     )
-    head = f"{'tokens':>6} {'ids':<6} {'bytes':>7}"
+    head = f"{'tokens':>6} {'ids':<6} {'bytes':>7} {'body':<9}"
     print(
         f"{head}  {'variant':<11} {'µs/req':>8} {'user':>8} {'sys':>8} "
         f"{'>floor':>8} {'req/s':>8} {'batch':>6} {'syscalls':>8} {'switches':>8}"
@@ -437,6 +439,7 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
         "reply_at_once": args.workload == "megatron",
         "output_tokens": MEGATRON_OUTPUT_TOKENS if args.workload == "megatron" else OUTPUT_TOKENS,
         "reply_body_bytes": len(reply_body(args.workload)),
+        "reply_bodies_bytes": {b: len(reply_body(args.workload, b)) for b in MEGATRON_BODIES},
         "sampling_params": SAMPLING,
         "block_size": BLOCK_SIZE if args.policy == "prefix" else None,
         "inflight": args.inflight,
@@ -497,9 +500,14 @@ def plot(
     """µs/request against the bytes of the prompt's frame, the loop's thresholds marked."""
     pyplot = _pyplot()
     figure, axes = pyplot.subplots(figsize=(7, 4.5))
-    for variant in VARIANTS:
+    bodies = sorted({p.get("body", "") for point in summary.values() for p in point.values()})
+    for variant, body in itertools.product(VARIANTS, bodies):
         points = sorted(
-            (point[variant] for point in summary.values() if variant in point),
+            (
+                point[variant]
+                for point in summary.values()
+                if variant in point and point[variant].get("body", "") == body
+            ),
             key=lambda p: p["frame_bytes"],
         )
         if not points:
@@ -510,7 +518,8 @@ def plot(
             [m - p["min_total_us"] for m, p in zip(medians, points, strict=True)],
             [p["max_total_us"] - m for m, p in zip(medians, points, strict=True)],
         ]
-        axes.errorbar(sizes, medians, yerr=spread, marker="o", capsize=3, label=variant)
+        label = f"{variant}, {body} bodies" if body else variant
+        axes.errorbar(sizes, medians, yerr=spread, marker="o", capsize=3, label=label)
     for name, size in THRESHOLDS.items():
         axes.axvline(size, color="grey", linestyle=":", linewidth=1)
         axes.annotate(name, (size, 1), xycoords=("data", "axes fraction"), fontsize=8,

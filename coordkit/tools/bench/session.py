@@ -38,6 +38,7 @@ from .workload import (
     TIMEOUT,
     TRACE_SAMPLES,
     Prompt,
+    reply_body,
     requests_at,
     warmup_at,
 )
@@ -197,6 +198,8 @@ class Session(Processes):
         self.roles = roles
         if roles is not None:
             ranks = len(roles)
+        self.workload = getattr(args, "workload", "standard")
+        self.body = ""  # MEGATRON_BODIES's the engine answers with ("": the workload's)
         try:
             self.address = self._servers(
                 args, directory, coordinator_options, hold_after, ranks, at_once
@@ -252,7 +255,7 @@ class Session(Processes):
                 at_once,
                 hold_after,
                 self.held,
-                getattr(args, "workload", "standard"),
+                self.workload,
                 self.variant in KV_EVENTS,
             )
             return str(self._receive(self.engine)[1])
@@ -296,6 +299,9 @@ class Session(Processes):
 
     def run(self, prompt: Prompt, n: int, warmup: int, window: int) -> dict[str, Any]:
         """Warm up, then ``n`` requests with the coordinator's CPU sampled around them."""
+        if prompt.body != self.body and self.roles is None:
+            self._call(self.engine, ("body", reply_body(self.workload, prompt.body)))
+            self.body = prompt.body
         self.client.conn.send(("load", prompt, n, warmup, window))
         self._receive(self.client, timeout=None)  # warm: the client progresses or says why not
         _, messages0, entries0 = self._call(self.engine, ("stats",))

@@ -60,11 +60,16 @@ LENGTHS = (16, 256, 2000, 8000, 32000)  # random-id prompts of the cost table
 #: ``--workload``: the load the cost table measures. ``standard``: the engine waits for
 #: full batches of BATCH, the bodies carry OUTPUT_TOKENS tokens and log probs, the prompts
 #: cross every threshold. ``megatron``: the load as Megatron's peers make it -- the engine
-#: answers what it reads at once, up to ECHO_BATCH per ENGINE_REPLY, bodies of about 200
-#: bytes (MEGATRON_OUTPUT_TOKENS tokens, no log probs), MEGATRON_LENGTHS random-id prompts.
+#: answers what it reads at once, up to ECHO_BATCH per ENGINE_REPLY; MEGATRON_LENGTHS
+#: prompts of random and of small (``range``) ids and the prompts either side of every
+#: threshold, each with both of MEGATRON_BODIES.
 WORKLOADS = ("standard", "megatron")
 MEGATRON_LENGTHS = (16, 2000, 32000)
+#: The megatron workload's reply bodies: ``small`` (about 200 bytes: 24 tokens, no log
+#: probs) and ``realistic`` (about 1.3 KB: 64 tokens, their log probs and per-token times).
+MEGATRON_BODIES = ("small", "realistic")
 MEGATRON_OUTPUT_TOKENS = 24
+REALISTIC_OUTPUT_TOKENS = 64
 RANKS = 2  # engine ranks in the one engine process
 BATCH = 8  # finished requests per ENGINE_REPLY, at most
 ECHO_BATCH = 16  # the same for an engine answering at once (the endpoints' echo engine)
@@ -110,10 +115,12 @@ _random_ids: list[int] = []  # one sequence, the same in every process; prompts 
 
 @dataclass(frozen=True)
 class Prompt:
-    """``tokens`` token ids: random below VOCAB, or ``list(range(tokens))`` (``ids="range"``)."""
+    """``tokens`` token ids: random below VOCAB, or ``list(range(tokens))`` (``ids="range"``);
+    answered with the workload's body, or one of MEGATRON_BODIES (``body``)."""
 
     tokens: int
     ids: str = "random"
+    body: str = ""
 
     def token_ids(self) -> list[int]:
         if self.ids == "range":
@@ -125,8 +132,10 @@ class Prompt:
 
     @property
     def key(self) -> str:
-        """How the JSON and ``--lengths`` name it: ``2000``, ``2000:range``."""
-        return str(self.tokens) if self.ids == "random" else f"{self.tokens}:{self.ids}"
+        """How the JSON and ``--lengths`` name it: ``2000``, ``2000:range``,
+        ``2000:range/realistic``."""
+        key = str(self.tokens) if self.ids == "random" else f"{self.tokens}:{self.ids}"
+        return f"{key}/{self.body}" if self.body else key
 
     def packed_bytes(self) -> int:
         return len(packb(self.token_ids()))
@@ -147,15 +156,24 @@ class Prompt:
             "ids": self.ids,
             "prompt_bytes": self.packed_bytes(),
             "frame_bytes": self.frame_bytes(single_frame, fields),
+            "body": self.body,
         }
 
 
 def parse_prompt(spec: str) -> Prompt:
-    """``--lengths`` items: ``N`` (random ids) or ``N:range``."""
-    tokens, _, ids = spec.partition(":")
-    if not tokens.isdigit() or int(tokens) < 1 or ids not in ("", "random", "range"):
-        raise argparse.ArgumentTypeError(f"{spec!r}: expected TOKENS or TOKENS:range")
-    return Prompt(int(tokens), ids or "random")
+    """``--lengths`` items: ``N`` (random ids) or ``N:range``, then ``/BODY`` or not."""
+    prompt, _, body = spec.partition("/")
+    tokens, _, ids = prompt.partition(":")
+    if (
+        not tokens.isdigit()
+        or int(tokens) < 1
+        or ids not in ("", "random", "range")
+        or (body and body not in MEGATRON_BODIES)
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{spec!r}: expected TOKENS or TOKENS:range, then /small or /realistic or not"
+        )
+    return Prompt(int(tokens), ids or "random", body)
 
 
 def edge_prompts(single_frame: bool, fields: int = 4) -> list[Prompt]:
@@ -189,6 +207,15 @@ def standard_prompts(single_frame: bool, fields: int = 4) -> list[Prompt]:
     return sorted(prompts, key=lambda p: (p.frame_bytes(single_frame, fields), p.key))
 
 
+def megatron_prompts(single_frame: bool, fields: int = 4) -> list[Prompt]:
+    """The megatron workload's, by frame size: MEGATRON_LENGTHS of random and of small
+    ids, and every edge, each answered with every one of MEGATRON_BODIES."""
+    shapes = [Prompt(n, ids) for n in MEGATRON_LENGTHS for ids in ("random", "range")]
+    shapes += edge_prompts(single_frame, fields)
+    prompts = [Prompt(p.tokens, p.ids, body) for p in shapes for body in MEGATRON_BODIES]
+    return sorted(prompts, key=lambda p: (p.frame_bytes(single_frame, fields), p.key))
+
+
 def requests_at(args: argparse.Namespace, tokens: int) -> int:
     if args.workload == "megatron":  # as the issue's black-box measure: every length alike
         return int(args.requests)
@@ -203,16 +230,22 @@ def warmup_at(args: argparse.Namespace, n: int) -> int:
     return min(n, max(2 * args.window, n // 20))
 
 
-def reply_body(workload: str = "standard") -> bytes:
-    """What a finished request's ENGINE_REPLY entry carries: a realistic msgpack map
-    (``megatron``: about 200 bytes, its tokens without log probs)."""
+def reply_body(workload: str = "standard", body: str = "") -> bytes:
+    """What a finished request's ENGINE_REPLY entry carries: a msgpack map of the
+    workload's shape, or of ``body``'s (MEGATRON_BODIES; the megatron workload's default
+    is ``small``)."""
     rng = random.Random(0)
-    tokens = MEGATRON_OUTPUT_TOKENS if workload == "megatron" else OUTPUT_TOKENS
-    body: dict[str, object] = {
+    kind = body or ("small" if workload == "megatron" else "standard")
+    tokens = {"small": MEGATRON_OUTPUT_TOKENS, "realistic": REALISTIC_OUTPUT_TOKENS}.get(
+        kind, OUTPUT_TOKENS
+    )
+    out: dict[str, object] = {
         "status": "COMPLETED",
         "generated_tokens": [rng.randrange(VOCAB) for _ in range(tokens)],
     }
-    if workload != "megatron":
-        body["generated_log_probs"] = [-rng.expovariate(2.0) for _ in range(tokens)]
-    body.update(generated_length=tokens, finish_reason="length", latency=0.4821)
-    return packb(body)
+    if kind != "small":
+        out["generated_log_probs"] = [-rng.expovariate(2.0) for _ in range(tokens)]
+    if kind == "realistic":  # seconds per output token, as Megatron's engines time them
+        out["tpot"] = [0.02 + rng.random() / 100 for _ in range(tokens)]
+    out.update(generated_length=tokens, finish_reason="length", latency=0.4821)
+    return packb(out)
