@@ -19,6 +19,7 @@ from .includes.framepool cimport (
     ck_buffer_pool_close,
     ck_buffer_pool_new,
 )
+from .includes.handoff cimport ck_agent
 from .includes.libzmq cimport zmq_msg_t
 from .includes.ring cimport ck_ring
 from .includes.tables cimport (

@@ -117,6 +117,13 @@ from .includes.cursor cimport (
     ck_store_be32,
 )
 from .includes.tables cimport ck_cells_for, ck_cells_remove, ck_cells_vacant, ck_mix64
+from .includes.handoff cimport (
+    CK_HANDOFF_OK,
+    ck_handoff,
+    ck_pd_handoff,
+    ck_pd_may_refuse,
+    ck_pd_restore,
+)
 from .includes.ring cimport (
     ck_ring_drop,
     ck_ring_dropped,
@@ -134,7 +141,6 @@ from collections import deque
 import zmq
 
 from . import protocol
-from ._codec_c import read_single_submit
 from ._pd import (
     ABORTED_TEXT,
     LEASE_EXPIRED,
@@ -147,10 +153,8 @@ from ._pd import (
     UNEXPECTED_READINESS,
     cannot_route,
     check_register_role,
-    decode_frames,
     decode_slots,
     handoff_of,
-    prefill_frames,
     prompt_tokens_of,
     refuses_prompt_log_probs,
     removed,
@@ -1131,7 +1135,7 @@ cdef class Loop:
             size = entry.size
             if self.pd is not None and self.pd.hops[slot].stage == PD_STAGE_PREFILL:
                 with gil:  # hop 1's answer
-                    self.pd.prefilled(<uint32_t>slot, engine, (<const char*>body)[:size])
+                    self.pd.prefilled(<uint32_t>slot, engine, body, size)
                 continue
             if not final and self.faults.streamed[slot].known:  # it may have to go on
                 self.faults.stream(<uint32_t>slot, body, size)

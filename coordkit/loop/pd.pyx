@@ -5,6 +5,12 @@ cdef bytes COORDKIT_OVERRIDES = b"".join(
     packb(key) + packb(value) for key, value in PREFILL_OVERRIDES["coordkit"].items()
 )
 cdef uint32_t N_COORDKIT_OVERRIDES = len(PREFILL_OVERRIDES["coordkit"])
+# A #6675 prefill's, as prefill_frames splices them; a str prompt's ask its tokens back.
+cdef bytes MEGATRON_OVERRIDES = b"".join(
+    packb(key) + packb(value) for key, value in PREFILL_OVERRIDES["megatron"].items()
+)
+cdef bytes MEGATRON_TOKENS_BACK = MEGATRON_OVERRIDES + packb("return_prompt_tokens") + packb(True)
+cdef uint32_t N_MEGATRON_OVERRIDES = len(PREFILL_OVERRIDES["megatron"])
 
 
 cdef inline bint map_head(bytes params, size_t* count, size_t* head):
@@ -61,6 +67,45 @@ cdef object hop_head(int64_t header, int64_t rid, bytes params, bytes extra,
     return frame
 
 
+cdef inline bint str_head(const uint8_t* p, size_t n) noexcept nogil:
+    """Whether a packed prompt is a msgpack str (_pd.str_prompt)."""
+    return n > 0 and (0xA0 <= p[0] <= 0xBF or 0xD9 <= p[0] <= 0xDB)
+
+
+@cython.final
+cdef class HandoffReader:
+    """How a #6675 prefill's handoffs are read, from its registration: in C (handoff.h),
+    its NIXL agents' blobs packed once to be put back, or by _pd's Python reading where
+    the C one could not say the same (conflicting agents, a name not a str)."""
+
+    def __cinit__(self, registration):
+        cdef Py_ssize_t i
+        self.fast = True
+        self.frames = []
+        if registration is None or registration.transport != "nixl":
+            return  # no blob put back
+        if registration.agents is None or any(
+            not isinstance(name, str) for name in registration.agents
+        ):
+            self.fast = False
+            return
+        for name, blob in registration.agents.items():
+            self.frames += [packb(name), packb(blob)]
+        self.n_agents = len(registration.agents)
+        self.agents = <ck_agent*>calloc(max(self.n_agents, 1), sizeof(ck_agent))
+        if self.agents == NULL:
+            raise MemoryError()
+        for i in range(<Py_ssize_t>self.n_agents):
+            name, blob = self.frames[2 * i], self.frames[2 * i + 1]
+            self.agents[i].name = <const uint8_t*><const char*>name
+            self.agents[i].name_size = len(name)
+            self.agents[i].blob = <const uint8_t*><const char*>blob
+            self.agents[i].blob_size = len(blob)
+
+    def __dealloc__(self):
+        free(self.agents)
+
+
 cdef class PD:
     """Disaggregated prefill/decode (docs/pd.md): a request's two hops, chained here.
 
@@ -97,6 +142,7 @@ cdef class PD:
         self.transfer = {}
         self.domains = []
         self.registrations = {}
+        self.readers = {}
         self.prefill_router = self._new_router()
         self.decode_routers = []
         self.prefill_queue = deque()
@@ -136,6 +182,7 @@ cdef class PD:
         the whole-request pool unless it runs whole requests, into its role's pools."""
         cdef Seat* seat = &self.seats[rank]
         self.unseat(rank)
+        self.readers.pop(rank, None)  # a new registration: read again at its first handoff
         memset(seat, 0, sizeof(Seat))
         seat.seated = True
         seat.role = role
@@ -151,6 +198,7 @@ cdef class PD:
         if not self.seats[rank].seated:
             return
         self.seats[rank].seated = False
+        self.readers.pop(rank, None)
         self.prefill_router.remove_rank(rank)
         self.decode_routers[self.seats[rank].domain].remove_rank(rank)
         self.transfer.pop(rank, None)
@@ -272,6 +320,7 @@ cdef class PD:
         cdef ck_request* request = &self.loop.requests.pool[slot]
         cdef const uint8_t* data
         cdef size_t count, head
+        cdef ck_single_submit single
         if inbound.header != HEADER_SUBMIT_REQUEST:
             return False
         cdef bint decode_up = self._live(PD_DECODE, -1)
@@ -293,18 +342,21 @@ cdef class PD:
             prompt = None
             if self.prompts[slot] == NULL:
                 prompt = (<const char*>inbound.prompt)[:inbound.prompt_size]
-        else:  # a single frame read as far as its rid
+        else:  # a single frame read as far as its rid: its prompt and params found
             data = <const uint8_t*>zmq_msg_data(inbound.payload)
-            frame = (<const char*>data)[:zmq_msg_size(inbound.payload)]
-            _, _, _, start, middle, end = read_single_submit(frame)
-            prompt, params = frame[start:middle], frame[middle:end]
+            if ck_read_single_submit(data, zmq_msg_size(inbound.payload), &single) != CK_OK:
+                return False  # (the loop read it whole: not met)
+            prompt = (<const char*>data + single.prompt)[:single.params - single.prompt]
+            params = (<const char*>data + single.params)[:single.extra - single.params]
         memset(hop, 0, sizeof(Hop))
         hop.prefill = hop.decode = -1
         hop.tokens = inbound.tokens
         self.kept[slot] = [prompt, params, hashes, b"", b"", None]
         request.rank = -1
-        if self._megatron_client(request.client) and refuses_prompt_log_probs(
-            _params_map(params)
+        if (
+            self._megatron_client(request.client)
+            and ck_pd_may_refuse(<const uint8_t*><const char*>params, len(params))
+            and refuses_prompt_log_probs(_params_map(params))
         ):
             hop.stage = PD_QUEUED_PREFILL
             self._end(slot, ERROR_ENGINE_FAILED, PROMPT_LOG_PROBS, True)
@@ -381,11 +433,13 @@ cdef class PD:
                              N_COORDKIT_OVERRIDES)
             self._send_hop(rank, slot, HEADER_SUBMIT_REQUEST, first, None)
             return True
-        # a #6675 engine's single frame
-        megatron = self.seats[rank].megatron
-        prompt = self._prompt(slot)
-        frames = prefill_frames(megatron, rid, prompt, kept[1], megatron and str_prompt(prompt))
-        self._send_to(rank, frames + self._trailer(rank, slot))
+        # a #6675 engine's single frame (prefill_frames's bytes)
+        if self._str_prompt(slot):
+            self._send_single(rank, slot, HEADER_SUBMIT_REQUEST, 4, self._prompt(slot), kept[1],
+                              MEGATRON_TOKENS_BACK, N_MEGATRON_OVERRIDES + 1, None, None)
+        else:
+            self._send_single(rank, slot, HEADER_SUBMIT_REQUEST, 4, self._prompt(slot), kept[1],
+                              MEGATRON_OVERRIDES, N_MEGATRON_OVERRIDES, None, None)
         return True
 
     cdef bint _join_batch(self, int rank, uint32_t slot) except -1:
@@ -440,10 +494,9 @@ cdef class PD:
         request.rank = rank
         kept = self.kept[slot]
         self._learn(rank, slot)
-        if self.seats[rank].megatron:
-            frames = decode_frames(True, rid, kept[5] or self._prompt(slot), kept[1], kept[3],
-                                   kept[4])
-            self._send_to(rank, frames + self._trailer(rank, slot))
+        if self.seats[rank].megatron:  # decode_frames's bytes
+            self._send_single(rank, slot, HEADER_SUBMIT_REQUEST_WITH_KV, 6,
+                              kept[5] or self._prompt(slot), kept[1], None, 0, kept[3], kept[4])
         else:
             self._send_hop(rank, slot, HEADER_SUBMIT_REQUEST_WITH_KV,
                            hop_head(HEADER_SUBMIT_REQUEST_WITH_KV, rid, kept[1], kept[3], 0),
@@ -509,6 +562,73 @@ cdef class PD:
             return self.kept[slot][0]
         data = kept_prompt(self.prompts[slot], &size)
         return (<const char*>data)[:size]
+
+    cdef bint _str_prompt(self, uint32_t slot):
+        cdef size_t size
+        cdef const uint8_t* data
+        if self.prompts[slot] == NULL:
+            prompt = self.kept[slot][0]
+            return str_head(<const uint8_t*><const char*>prompt, len(prompt))
+        data = kept_prompt(self.prompts[slot], &size)
+        return str_head(data, size)
+
+    cdef bint _send_single(self, int rank, uint32_t slot, int64_t header, uint32_t length,
+                           bytes prompt, bytes params, bytes pairs, uint32_t n_pairs,
+                           bytes kv_meta, bytes blocks):
+        """A #6675 engine's hop, one frame written in C into the message sent:
+        ``[header, rid, prompt, params, ...]`` of ``length`` fields, ``n_pairs`` packed
+        pairs spliced into the params map (hop 1's overrides: with_keys's bytes), else
+        kv_meta and the block ids after the params (hop 2); a rebuild engine's trailer;
+        as _send_to."""
+        cdef Loop loop = self.loop
+        cdef zmq_msg_t msg
+        cdef Origin origin
+        cdef uint8_t* out
+        cdef const uint8_t* p = <const uint8_t*><const char*>params
+        cdef size_t count = 0, head = 0, size = 0, n_head, total
+        cdef bint trailed = loop.engines[rank].rebuild if rank >= 0 else False
+        cdef uint8_t prefix[3 * CK_INT_MAX]
+        cdef size_t n_prefix = ck_write_array(prefix, length)
+        n_prefix += ck_write_int(prefix + n_prefix, header)
+        n_prefix += ck_write_int(prefix + n_prefix, loop.requests.pool[slot].server_rid)
+        if n_pairs:
+            map_head(params, &count, &head)  # takes() ended a request whose params are none
+            count += n_pairs
+        n_head = 0 if not n_pairs else 1 if count <= 0x0F else 3 if count <= 0xFFFF else 5
+        total = n_prefix + len(prompt) + n_head + len(params) - head
+        for extra in (pairs, kv_meta, blocks):
+            if extra is not None:
+                total += len(<bytes>extra)
+        if not self._open(rank):
+            return False
+        zmq_msg_init_size(&msg, total)
+        out = <uint8_t*>zmq_msg_data(&msg)
+        memcpy(out, prefix, n_prefix)
+        size = n_prefix
+        memcpy(out + size, <const char*>prompt, len(prompt))
+        size += len(prompt)
+        if n_head == 1:
+            out[size] = 0x80 | count
+        elif n_head == 3:
+            out[size] = 0xDE
+            ck_store_be16(out + size + 1, <uint16_t>count)
+        elif n_head == 5:
+            out[size] = 0xDF
+            ck_store_be32(out + size + 1, <uint32_t>count)
+        size += n_head
+        memcpy(out + size, p + head, len(params) - head)
+        size += len(params) - head
+        for extra in (pairs, kv_meta, blocks):
+            if extra is not None:
+                memcpy(out + size, <const char*><bytes>extra, len(<bytes>extra))
+                size += len(<bytes>extra)
+        if zmq_msg_send(&msg, loop.sock, ZMQ_SNDMORE if trailed else 0) < 0:
+            zmq_msg_close(&msg)
+        if trailed:
+            self._origin(slot, &origin)
+            total += send_trailer(loop.sock, &origin, 0)
+        traffic_count(&loop.traffic, SENT, header, total)
+        return True
 
     cdef bint _send_hop(self, int rank, uint32_t slot, int64_t header, bytes head, bytes last):
         """A coordkit engine's hop: ``head``, the prompt frame (the kept one shared, not
@@ -792,11 +912,14 @@ cdef class PD:
                 return
         self.loop.counters[COUNTER_UNKNOWN_REQUEST] += 1
 
-    cdef prefilled(self, uint32_t slot, int rank, bytes body):
-        """A #6675 prefill's finished request, read for its handoff (NIXL blobs put back)."""
+    cdef prefilled(self, uint32_t slot, int rank, const uint8_t* body, size_t size):
+        """A #6675 prefill's finished request, read for its handoff (NIXL blobs put back):
+        in C where it can (_handed_c), else by _pd's Python reading."""
         cdef int64_t rid = self.loop.requests.pool[slot].server_rid
+        if self._handed_c(slot, rank, body, size):
+            return
         try:
-            record = unpackb(body)
+            record = unpackb((<const char*>body)[:size])
         except ProtocolError:
             record = None
         handoff = handoff_of(record)
@@ -821,6 +944,39 @@ cdef class PD:
                 return
         tokens = prompt_tokens_of(record) if str_prompt(self._prompt(slot)) else None
         self._handed(rank, rid, packb(kv_meta), packb(blocks), decode_slots(kv_meta), tokens)
+
+    cdef bint _handed_c(self, uint32_t slot, int rank, const uint8_t* body, size_t size) except -1:
+        """The handoff read in C (handoff.h) and on to hop 2, kv_meta and the block ids
+        forwarded as they came, the NIXL blobs put back as kv_meta is written: True; False
+        when the Python reading must say (an aborted request, a str prompt's tokens, a
+        record the C reading cannot vouch for)."""
+        cdef HandoffReader reader
+        cdef ck_handoff handoff
+        cdef bytes kv_meta
+        if self.loop.requests.pool[slot].flags & FLAG_ABORTED or self._str_prompt(slot):
+            return False
+        reader = self._reader(rank)
+        if not reader.fast or ck_pd_handoff(
+            body, size, reader.agents, reader.n_agents, &handoff
+        ) != CK_HANDOFF_OK:
+            return False
+        if not handoff.n_splices:  # nothing to put back
+            kv_meta = (<const char*>handoff.kv_meta)[:handoff.kv_meta_size]
+        else:
+            kv_meta = PyBytes_FromStringAndSize(NULL, handoff.restored_size)
+            ck_pd_restore(&handoff, <uint8_t*>PyBytes_AS_STRING(kv_meta))
+        self._handed(rank, self.loop.requests.pool[slot].server_rid, kv_meta,
+                     (<const char*>handoff.blocks)[:handoff.blocks_size], handoff.ssm, None)
+        return True
+
+    cdef HandoffReader _reader(self, int rank):
+        reader = self.readers.get(rank)
+        if reader is None:
+            reader = HandoffReader(
+                self.registrations.get(self.loop.peers.engine_identity(rank))
+            )
+            self.readers[rank] = reader
+        return reader
 
     cdef stray_reply(self, int rank, int64_t rid):
         """A #6675 prefill's reply of no request of its (ended meanwhile): what it may
