@@ -410,7 +410,11 @@ def _restored(value: Any, agents: dict[Any, Any]) -> Any:
     name = value.get(_AGENT)
     if name is None:
         return value if out is None else out
-    if name not in agents:
+    try:
+        registered = name in agents
+    except TypeError:  # a list or a map names no agent a registration can hold
+        registered = False
+    if not registered:
         raise ValueError(f"NIXL agent {name!r} is absent from instance registration")
     if value.get(_BLOB) is not None and value[_BLOB] != agents[name]:
         raise ValueError(f"NIXL agent {name!r} handoff metadata differs from its registration")

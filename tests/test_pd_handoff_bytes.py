@@ -190,6 +190,12 @@ def test_the_decode_hop_is_the_python_readings(fleet, name):
             f"agent {AGENT!r} handoff metadata differs "
             "from its registration",
         ),
+        (
+            {"agent_name": ["a", "list"]},
+            [1],
+            "invalid NIXL handoff metadata: NIXL agent "
+            "['a', 'list'] is absent from instance registration",
+        ),
         (descriptor(), [True], _pd.BAD_HANDOFF),
         ([1], [1], _pd.BAD_HANDOFF),
     ],

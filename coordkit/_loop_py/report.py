@@ -99,4 +99,3 @@ def _read_racing(read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         except RuntimeError:
             continue
     return read()
-
