@@ -1127,7 +1127,7 @@ cdef class Loop:
                 self.tally.engines[engine].unknown_request += 1
                 if self.pd is not None:
                     with gil:
-                        self.pd.stray_reply(engine, entry.rid)
+                        self.pd.messages.stray_reply(engine, entry.rid)
                 continue
             client = self.requests.pool[slot].client
             client_rid = self.requests.pool[slot].client_rid
@@ -1135,7 +1135,7 @@ cdef class Loop:
             size = entry.size
             if self.pd is not None and self.pd.hops[slot].stage == PD_STAGE_PREFILL:
                 with gil:  # hop 1's answer
-                    self.pd.prefilled(<uint32_t>slot, engine, body, size)
+                    self.pd.messages.prefilled(<uint32_t>slot, engine, body, size)
                 continue
             if not final and self.faults.streamed[slot].known:  # it may have to go on
                 self.faults.stream(<uint32_t>slot, body, size)

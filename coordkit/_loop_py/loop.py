@@ -705,10 +705,10 @@ class Loop:
                 self._counters[Counter.UNKNOWN_REQUEST] += 1
                 self._tally.engines[engine.rank].unknown_request += 1
                 if self._pd is not None:
-                    self._pd.stray_reply(engine, server_rid)
+                    self._pd.messages.stray_reply(engine, server_rid)
                 continue
             if self._pd is not None and self._pd.intercepts(request):  # hop 1's answer
-                self._pd.prefilled(request, engine, data[start:end])
+                self._pd.messages.prefilled(request, engine, data[start:end])
                 continue
             body: Buffer = self._continued(request, data[start:end], final) or data[start:end]
             self._finish(request, final, now)

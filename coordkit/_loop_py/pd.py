@@ -611,49 +611,6 @@ class PD:
         hop = self.hops.get(request.server_rid)
         return hop is not None and hop.stage == _pd.PREFILL
 
-    def prefilled(self, request: _Request, engine: _Engine, body: Buffer) -> None:
-        """A #6675 prefill's finished request, read for its handoff (NIXL blobs put back)."""
-        rid, rank = request.server_rid, engine.rank
-        hop = self.hops[rid]
-        try:
-            record = unpackb(body)
-        except ProtocolError:
-            record = None
-        handoff = _pd.handoff_of(record)
-        if request.flags & ABORTED:
-            self._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
-            self._end(request, ErrorCode.ABORTED, _pd.ABORTED_TEXT, True, aborted=True)
-            return
-        if isinstance(handoff, str):
-            self._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
-            self._end(request, ErrorCode.ENGINE_FAILED, handoff, True)
-            return
-        kv_meta, blocks = handoff
-        registration = self.registrations.get(engine.identity)
-        if registration is not None and registration.transport == "nixl":
-            try:
-                kv_meta = _pd.restore_nixl_blobs(
-                    kv_meta, registration.instance_meta, registration.agents
-                )
-            except ValueError as error:
-                self._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
-                self._end(
-                    request,
-                    ErrorCode.ENGINE_FAILED,
-                    f"invalid NIXL handoff metadata: {error}",
-                    True,
-                )
-                return
-        tokens = _pd.prompt_tokens_of(record) if _pd.str_prompt(hop.prompt) else None
-        self._handed(rank, rid, packb(kv_meta), packb(blocks), _pd.decode_slots(kv_meta), tokens)
-
-    def stray_reply(self, engine: _Engine, rid: int) -> None:
-        """A #6675 prefill's reply of no request of its (ended meanwhile): what it may
-        have pinned for it goes."""
-        seat = self.seats.get(engine.rank)
-        if seat is not None and seat.megatron and seat.role & EngineRole.PREFILL:
-            self._send_to(engine.rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
-
     # -- deaths, leases ------------------------------------------------------------------
 
     def engine_gone(self, engine: _Engine) -> None:

@@ -8,17 +8,17 @@ import zmq
 
 from .. import _codec_py as codec
 from .. import _pd, protocol
-from ..protocol import ErrorCode, Header, ProtocolError
-from .tables import _Engine
+from ..protocol import Buffer, EngineRole, ErrorCode, Header, ProtocolError, packb, unpackb
+from .tables import ABORTED, _Engine, _Request
 
 if TYPE_CHECKING:
     from .pd import PD, Hop
 
 
 class PDMessages:
-    """The P/D engines' messages: a coordkit prefill's HANDOFF, NCCL's KV_TRANSFER_READY,
-    KV_READ_DONE, an engine's REQUEST_ERROR and REQUEST_ABORTED, each read and handed to its
-    request's hops."""
+    """The P/D engines' messages: a coordkit prefill's HANDOFF, a #6675 prefill's reply,
+    NCCL's KV_TRANSFER_READY, KV_READ_DONE, an engine's REQUEST_ERROR and REQUEST_ABORTED,
+    each read and handed to its request's hops."""
 
     def __init__(self, pd: PD):
         self._pd = pd
@@ -148,3 +148,50 @@ class PDMessages:
         orphan = self._pd.orphans.get(message.rid)
         if orphan is not None and orphan.decode == engine.rank:
             self._pd._free_orphan(message.rid)
+
+    # -- a #6675 prefill's replies ------------------------------------------------------
+
+    def prefilled(self, request: _Request, engine: _Engine, body: Buffer) -> None:
+        """A #6675 prefill's finished request, read for its handoff (NIXL blobs put back)."""
+        pd = self._pd
+        rid, rank = request.server_rid, engine.rank
+        hop = pd.hops[rid]
+        try:
+            record = unpackb(body)
+        except ProtocolError:
+            record = None
+        handoff = _pd.handoff_of(record)
+        if request.flags & ABORTED:
+            pd._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
+            pd._end(request, ErrorCode.ABORTED, _pd.ABORTED_TEXT, True, aborted=True)
+            return
+        if isinstance(handoff, str):
+            pd._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
+            pd._end(request, ErrorCode.ENGINE_FAILED, handoff, True)
+            return
+        kv_meta, blocks = handoff
+        registration = pd.registrations.get(engine.identity)
+        if registration is not None and registration.transport == "nixl":
+            try:
+                kv_meta = _pd.restore_nixl_blobs(
+                    kv_meta, registration.instance_meta, registration.agents
+                )
+            except ValueError as error:
+                pd._send_to(rank, [protocol.rids_message(Header.RELEASE_KV, rid)])
+                pd._end(
+                    request,
+                    ErrorCode.ENGINE_FAILED,
+                    f"invalid NIXL handoff metadata: {error}",
+                    True,
+                )
+                return
+        tokens = _pd.prompt_tokens_of(record) if _pd.str_prompt(hop.prompt) else None
+        pd._handed(rank, rid, packb(kv_meta), packb(blocks), _pd.decode_slots(kv_meta), tokens)
+
+    def stray_reply(self, engine: _Engine, rid: int) -> None:
+        """A #6675 prefill's reply of no request of its (ended meanwhile): what it may
+        have pinned for it goes."""
+        pd = self._pd
+        seat = pd.seats.get(engine.rank)
+        if seat is not None and seat.megatron and seat.role & EngineRole.PREFILL:
+            pd._send_to(engine.rank, [protocol.rids_message(Header.RELEASE_KV, rid)])

@@ -51,14 +51,6 @@ cdef struct Release:  # a prefill's pins a KV_READ_DONE of several freed, sent a
 cdef class PDMessages
 
 
-cdef class HandoffReader:  # how a #6675 prefill's handoffs are read (pd.pyx)
-    cdef:
-        bint fast  # in C (handoff.h), else by _pd's Python reading
-        ck_agent* agents  # its NIXL agents' names and blobs, packed (NULL: none put back)
-        size_t n_agents
-        list frames  # the bytes agents point into
-
-
 cdef class PD:
     cdef:
         Loop loop  # whose tables it works on
@@ -81,7 +73,6 @@ cdef class PD:
         dict transfer  # by rank: a decode's metadata for SEND_KV
         list domains  # the domains' names, by index
         dict registrations  # #6675 engines, by identity
-        dict readers  # by rank: a #6675 prefill's HandoffReader, made at its first handoff
         object prefill_router
         list decode_routers  # by domain index
         object prefill_queue  # deque of server ids waiting for a prefill seat
@@ -105,8 +96,6 @@ cdef class PD:
     cdef abort(self, uint32_t slot)
     cdef time_out(self, uint32_t slot)
     cdef client_release(self, int32_t client, int64_t rid)
-    cdef prefilled(self, uint32_t slot, int rank, const uint8_t* body, size_t size)
-    cdef stray_reply(self, int rank, int64_t rid)
     cdef engine_gone(self, int rank)
     cdef bint reported(self, int rank, int64_t rid, bint final) except -1
     cdef tick(self, double now)
@@ -133,8 +122,6 @@ cdef class PD:
     cdef bint _send_to(self, int rank, list frames)
     cdef bytes _prompt(self, uint32_t slot)
     cdef bint _str_prompt(self, uint32_t slot)
-    cdef HandoffReader _reader(self, int rank)
-    cdef bint _handed_c(self, uint32_t slot, int rank, const uint8_t* body, size_t size) except -1
     cdef bint _send_single(self, int rank, uint32_t slot, int64_t header, uint32_t length,
                            bytes prompt, bytes params, bytes pairs, uint32_t n_pairs,
                            bytes kv_meta, bytes blocks)

@@ -72,40 +72,6 @@ cdef inline bint str_head(const uint8_t* p, size_t n) noexcept nogil:
     return n > 0 and (0xA0 <= p[0] <= 0xBF or 0xD9 <= p[0] <= 0xDB)
 
 
-@cython.final
-cdef class HandoffReader:
-    """How a #6675 prefill's handoffs are read, from its registration: in C (handoff.h),
-    its NIXL agents' blobs packed once to be put back, or by _pd's Python reading where
-    the C one could not say the same (conflicting agents, a name not a str)."""
-
-    def __cinit__(self, registration):
-        cdef Py_ssize_t i
-        self.fast = True
-        self.frames = []
-        if registration is None or registration.transport != "nixl":
-            return  # no blob put back
-        if registration.agents is None or any(
-            not isinstance(name, str) for name in registration.agents
-        ):
-            self.fast = False
-            return
-        for name, blob in registration.agents.items():
-            self.frames += [packb(name), packb(blob)]
-        self.n_agents = len(registration.agents)
-        self.agents = <ck_agent*>calloc(max(self.n_agents, 1), sizeof(ck_agent))
-        if self.agents == NULL:
-            raise MemoryError()
-        for i in range(<Py_ssize_t>self.n_agents):
-            name, blob = self.frames[2 * i], self.frames[2 * i + 1]
-            self.agents[i].name = <const uint8_t*><const char*>name
-            self.agents[i].name_size = len(name)
-            self.agents[i].blob = <const uint8_t*><const char*>blob
-            self.agents[i].blob_size = len(blob)
-
-    def __dealloc__(self):
-        free(self.agents)
-
-
 cdef class PD:
     """Disaggregated prefill/decode (docs/pd.md): a request's two hops, chained here.
 
@@ -142,7 +108,6 @@ cdef class PD:
         self.transfer = {}
         self.domains = []
         self.registrations = {}
-        self.readers = {}
         self.prefill_router = self._new_router()
         self.decode_routers = []
         self.prefill_queue = deque()
@@ -182,7 +147,7 @@ cdef class PD:
         the whole-request pool unless it runs whole requests, into its role's pools."""
         cdef Seat* seat = &self.seats[rank]
         self.unseat(rank)
-        self.readers.pop(rank, None)  # a new registration: read again at its first handoff
+        self.messages.readers.pop(rank, None)  # a new registration: read anew at its handoff
         memset(seat, 0, sizeof(Seat))
         seat.seated = True
         seat.role = role
@@ -198,7 +163,7 @@ cdef class PD:
         if not self.seats[rank].seated:
             return
         self.seats[rank].seated = False
-        self.readers.pop(rank, None)
+        self.messages.readers.pop(rank, None)
         self.prefill_router.remove_rank(rank)
         self.decode_routers[self.seats[rank].domain].remove_rank(rank)
         self.transfer.pop(rank, None)
@@ -911,80 +876,6 @@ cdef class PD:
                 self._free_orphan(server_rid)
                 return
         self.loop.counters[COUNTER_UNKNOWN_REQUEST] += 1
-
-    cdef prefilled(self, uint32_t slot, int rank, const uint8_t* body, size_t size):
-        """A #6675 prefill's finished request, read for its handoff (NIXL blobs put back):
-        in C where it can (_handed_c), else by _pd's Python reading."""
-        cdef int64_t rid = self.loop.requests.pool[slot].server_rid
-        if self._handed_c(slot, rank, body, size):
-            return
-        try:
-            record = unpackb((<const char*>body)[:size])
-        except ProtocolError:
-            record = None
-        handoff = handoff_of(record)
-        if self.loop.requests.pool[slot].flags & FLAG_ABORTED:
-            self._send_rid(rank, HEADER_RELEASE_KV, rid)
-            self._end(slot, ERROR_ABORTED, ABORTED_TEXT, True, True)
-            return
-        if isinstance(handoff, str):
-            self._send_rid(rank, HEADER_RELEASE_KV, rid)
-            self._end(slot, ERROR_ENGINE_FAILED, handoff, True)
-            return
-        kv_meta, blocks = handoff
-        registration = self.registrations.get(self.loop.peers.engine_identity(rank))
-        if registration is not None and registration.transport == "nixl":
-            try:
-                kv_meta = restore_nixl_blobs(kv_meta, registration.instance_meta,
-                                             registration.agents)
-            except ValueError as error:
-                self._send_rid(rank, HEADER_RELEASE_KV, rid)
-                self._end(slot, ERROR_ENGINE_FAILED, f"invalid NIXL handoff metadata: {error}",
-                          True)
-                return
-        tokens = prompt_tokens_of(record) if str_prompt(self._prompt(slot)) else None
-        self._handed(rank, rid, packb(kv_meta), packb(blocks), decode_slots(kv_meta), tokens)
-
-    cdef bint _handed_c(self, uint32_t slot, int rank, const uint8_t* body, size_t size) except -1:
-        """The handoff read in C (handoff.h) and on to hop 2, kv_meta and the block ids
-        forwarded as they came, the NIXL blobs put back as kv_meta is written: True; False
-        when the Python reading must say (an aborted request, a str prompt's tokens, a
-        record the C reading cannot vouch for)."""
-        cdef HandoffReader reader
-        cdef ck_handoff handoff
-        cdef bytes kv_meta
-        if self.loop.requests.pool[slot].flags & FLAG_ABORTED or self._str_prompt(slot):
-            return False
-        reader = self._reader(rank)
-        if not reader.fast or ck_pd_handoff(
-            body, size, reader.agents, reader.n_agents, &handoff
-        ) != CK_HANDOFF_OK:
-            return False
-        if not handoff.n_splices:  # nothing to put back
-            kv_meta = (<const char*>handoff.kv_meta)[:handoff.kv_meta_size]
-        else:
-            kv_meta = PyBytes_FromStringAndSize(NULL, handoff.restored_size)
-            ck_pd_restore(&handoff, <uint8_t*>PyBytes_AS_STRING(kv_meta))
-        self._handed(rank, self.loop.requests.pool[slot].server_rid, kv_meta,
-                     (<const char*>handoff.blocks)[:handoff.blocks_size], handoff.ssm, None)
-        return True
-
-    cdef HandoffReader _reader(self, int rank):
-        reader = self.readers.get(rank)
-        if reader is None:
-            reader = HandoffReader(
-                self.registrations.get(self.loop.peers.engine_identity(rank))
-            )
-            self.readers[rank] = reader
-        return reader
-
-    cdef stray_reply(self, int rank, int64_t rid):
-        """A #6675 prefill's reply of no request of its (ended meanwhile): what it may
-        have pinned for it goes."""
-        if self.seats[rank].seated and self.seats[rank].megatron and (
-            self.seats[rank].role & PD_PREFILL
-        ):
-            self._send_rid(rank, HEADER_RELEASE_KV, rid)
 
     # -- deaths, leases ------------------------------------------------------------------
 
