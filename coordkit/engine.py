@@ -257,6 +257,9 @@ class Engine(Following):
                     hello=hello,
                     rebuild=rebuild,
                     held_hashes=held_hashes,
+                    # Every member's hello names the publisher: one prefix view for all.
+                    kv_events=self.kv_events,
+                    kv_events_replay=self.kv_events_replay,
                 )
 
             self._rebuild: Held | None = None

@@ -14,14 +14,17 @@ import collections
 import contextlib
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from coordkit import Client
+from coordkit import Client, Coordinator
 from coordkit.cluster import Member, Spread, read_members, rendezvous
+from coordkit.engine import Engine, Request
+from coordkit.kvpublish import KVPublisher
 from coordkit.tools.etcd_server import free_port
 from tests.support.etcd import EtcdServer, etcd_server
 from tests.support.peers import wait_for
@@ -33,6 +36,7 @@ from tests.support.processes import (
 )
 from tests.support.scripted import run
 from tests.support.steady_engine import started, steady_engines
+from tests.test_kv_events import BS, tokens
 
 TTL = 1
 #: Bounds for a loaded 2-core machine; none is asserted as a timing.
@@ -344,3 +348,84 @@ def test_members_serve_on_while_etcd_is_down(tmp_path, impl):
                 wait_for(lambda: live(name) == {addresses[1]}, SETTLE)
 
     run(body(), timeout=4 * SETTLE)
+
+
+# -- one prefix view: every member reads every engine's KV events -----------------------
+
+
+@contextlib.contextmanager
+def publishing_engines(
+    name: str, impl_name: str, count: int
+) -> Iterator[list[tuple[Engine, KVPublisher]]]:
+    """``count`` Engines shared by NAME's members, each announcing a KVPublisher the test
+    publishes through; on threads, each answering every request with ``{"rank": r}``."""
+    stop = threading.Event()
+    made: list[tuple[Engine, KVPublisher]] = []
+
+    def serve(engine: Engine, rank: int) -> None:
+        while not stop.is_set():
+            for event in engine.poll(0.05):
+                if isinstance(event, Request):
+                    engine.reply([(event.server_rid, {"rank": rank})])
+
+    threads = []
+    try:
+        for rank in range(count):
+            publisher = KVPublisher(block_size=BS, rank=rank)
+            engine = Engine(name, rank, kv_events=publisher, implementation=impl_name)
+            made.append((engine, publisher))
+            threads.append(threading.Thread(target=serve, args=(engine, rank), daemon=True))
+            threads[-1].start()
+        yield made
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        for engine, publisher in made:
+            engine.close()
+            publisher.close()
+
+
+def test_every_member_routes_on_every_engines_events(impl, etcd: EtcdServer):
+    """2 members, 2 shared engines publishing their KV events: each engine's hello at
+    each member names its publisher, so both members read both engines' events, and a
+    prefix neither member ever routed goes, from either member, to the engine whose
+    events hold it (without the events: each member's rotating guess)."""
+    name = etcd.endpoint(f"prefix-view/{impl.name}-{time.monotonic_ns()}")
+    prompts = [tokens(30 + n, 3) for n in range(6)]
+    holders = [1, 0, 0, 1, 1, 0]  # engine rank whose events hold prompts[n]
+
+    async def ask(address: str) -> list[int]:
+        async with await Client.connect(address, implementation=impl.name) as client:
+            await client.wait_for_engines(2, timeout=SETTLE)
+            return [(await client.submit(p, block_size=BS))["rank"] for p in prompts]
+
+    with contextlib.ExitStack() as stack:
+        coords = []
+        for _ in range(2):
+            coord = Coordinator(
+                free_tcp_address(), implementation=impl.name, policy="prefix",
+                block_size=BS, kv_events={}, cluster=True,
+            )  # fmt: skip
+            coord.start()
+            stack.callback(coord.stop)
+            stack.enter_context(Member(name, coord.address, ttl=TTL))
+            coords.append(coord)
+        wait_for(lambda: len(live(name)) == 2, SETTLE)
+        engines = stack.enter_context(publishing_engines(name, impl.name, 2))
+
+        def rows(coord: Coordinator) -> dict[str, dict]:
+            """The member's index by publisher endpoint (its ranks are its own)."""
+            return {row["endpoint"]: row for row in coord.stats()["kv_events"]["engines"]}
+
+        endpoints = [publisher.endpoint for _, publisher in engines]
+        for coord in coords:  # each member got each engine's hello, and subscribed
+            wait_for(lambda c=coord: sorted(rows(c)) == sorted(endpoints), SETTLE)
+            wait_for(lambda c=coord: all(r["state"] == "exact" for r in rows(c).values()), SETTLE)
+        for n, (prompt, holder) in enumerate(zip(prompts, holders, strict=True)):
+            engines[holder][0].kv_stored([100 * n + i for i in range(3)], None, prompt)
+        held = {endpoints[0]: 9, endpoints[1]: 9}
+        for coord in coords:
+            wait_for(lambda c=coord: {e: r["blocks"] for e, r in rows(c).items()} == held, SETTLE)
+        for coord in coords:
+            assert run(ask(coord.address), timeout=SETTLE) == holders

