@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import msgpack
 
+from ._kvevents import decode_batch as decode_kv_batch
 from .protocol import PRIORITY_MAX, PRIORITY_MIN, Buffer, Frame, Header, ProtocolError, block_hashes
 
 __all__ = [
@@ -48,6 +49,8 @@ __all__ = [
     "write_submit",
     "write_header_int",
     "write_single_submit",
+    # the engines' KV events
+    "decode_kv_batch",
 ]
 
 _INT64_MIN = -(1 << 63)

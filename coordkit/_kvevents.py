@@ -261,6 +261,9 @@ class _Feed:
 class Subscriber:
     """The thread that reads every publisher and hands the loop records.
 
+    ``decode`` reads a batch into records: :func:`decode_batch`, or the C core's
+    ``_codec_c.decode_kv_batch``, the same function without the GIL.
+
     ``nudge`` is called (from this thread) whenever records are waiting; the loop
     then calls :meth:`take`. :meth:`add` and :meth:`drop` may be called from any
     thread; the first subscription asks its replay endpoint from 0, so that what the
@@ -275,8 +278,10 @@ class Subscriber:
         topic: bytes = b"",
         media: Iterable[str] = DEFAULT_MEDIA,
         groups: Iterable[int] = DEFAULT_GROUPS,
+        decode: Callable[[bytes, int, Filter], tuple[list[bytes], int]] = decode_batch,
     ):
         self._context = context
+        self._decode = decode
         self._nudge = nudge
         self._topic = topic
         self._keep = Filter(block_size, tuple(media), tuple(groups))
@@ -439,7 +444,7 @@ class Subscriber:
         """The batch ``seq``, next in ``feed``'s sequence, applied."""
         feed.last = seq
         try:
-            records, bad = decode_batch(payload, feed.rank, self._keep)
+            records, bad = self._decode(payload, feed.rank, self._keep)
         except ValueError:
             # Its events are lost: what it removed may still be listed. Anew, then.
             self.counts["malformed"] += 1
