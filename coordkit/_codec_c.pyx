@@ -62,6 +62,7 @@ __all__ = [
     "write_single_submit",
     # the engines' KV events
     "decode_kv_batch",
+    "KVChains",
 ]
 
 include "codec/reader.pyx"

@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import msgpack
 
+from ._kvevents import Chains as KVChains
 from ._kvevents import decode_batch as decode_kv_batch
 from .protocol import PRIORITY_MAX, PRIORITY_MIN, Buffer, Frame, Header, ProtocolError, block_hashes
 
@@ -51,6 +52,7 @@ __all__ = [
     "write_single_submit",
     # the engines' KV events
     "decode_kv_batch",
+    "KVChains",
 ]
 
 _INT64_MIN = -(1 << 63)

@@ -455,6 +455,7 @@ class Coordinator:
                 block_size,
                 kv_events_topic.encode(),
                 decode=impl.codec.decode_kv_batch,
+                chains=impl.codec.KVChains(max_engines),
             )
             for rank, endpoint, replay in publishers:
                 if not 0 <= rank < max_engines:
