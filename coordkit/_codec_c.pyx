@@ -18,7 +18,9 @@ It is laid out by part, as ``_codec_py.py`` is, in the same order:
   coordkit's own endpoints) and a prompt frame's size in tokens;
 * ``codec/single_frame.pyx``: Megatron-Core 0.19's single frames, read as
   byte spans, and the block hashes of a token-id prompt;
-* ``codec/writer.pyx``: the frames the coordinator and the endpoints write.
+* ``codec/writer.pyx``: the frames the coordinator and the endpoints write;
+* ``codec/kvevents.pyx``: the engines' KV-event batches read into the index's
+  records (``_kvevents.decode_batch`` in C).
 
 Every read goes through the bounds-checked cursor of ``includes/cursor.h``,
 and every length read from the data is checked against the bytes left
@@ -58,11 +60,15 @@ __all__ = [
     "write_submit",
     "write_header_int",
     "write_single_submit",
+    # the engines' KV events
+    "decode_kv_batch",
+    "KVChains",
 ]
 
 include "codec/reader.pyx"
 include "codec/multipart.pyx"
 include "codec/single_frame.pyx"
 include "codec/writer.pyx"
+include "codec/kvevents.pyx"
 
 NO_TOKENS, NEW_TOKENS, ALL_TOKENS = CK_NO_TOKENS, CK_NEW_TOKENS, CK_ALL_TOKENS

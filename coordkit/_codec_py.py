@@ -19,6 +19,8 @@ from typing import Any, cast
 
 import msgpack
 
+from ._kvevents import Chains as KVChains
+from ._kvevents import decode_batch as decode_kv_batch
 from .protocol import PRIORITY_MAX, PRIORITY_MIN, Buffer, Frame, Header, ProtocolError, block_hashes
 
 __all__ = [
@@ -48,6 +50,9 @@ __all__ = [
     "write_submit",
     "write_header_int",
     "write_single_submit",
+    # the engines' KV events
+    "decode_kv_batch",
+    "KVChains",
 ]
 
 _INT64_MIN = -(1 << 63)

@@ -24,6 +24,12 @@ chains and counts hashes, never decodes msgpack. A record is little-endian::
             then n Q (the engine's block keys) and n * block_size I (the tokens)
     REMOVE  <B I I>     op, rank, n, then n Q
     STATE   <B I B>     op, rank, state          NONE, UNKNOWN or KNOWN
+    HASHED  <B I I>     op, rank, n, then n Q (the keys) and n Q (coordkit's hashes)
+
+A batch reads into CLEAR, STORE and REMOVE records (:func:`decode_batch`); the
+thread then chains each STORE's hashes itself (:class:`Chains`, which keeps each
+engine's keys by the same records in the same order as the loop's index does) and
+hands the loop a HASHED record instead: the loop only counts hashes.
 
 An engine's own block hash (a u64, an i64 or 32 bytes) is opaque: it becomes a
 *key*, its value modulo 2**64, or the first 8 bytes of the BLAKE2b of its bytes.
@@ -38,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import zmq
@@ -50,15 +56,17 @@ __all__ = [
     "OP_STORE",
     "OP_REMOVE",
     "OP_STATE",
+    "OP_HASHED",
     "STATE_NONE",
     "STATE_UNKNOWN",
     "STATE_KNOWN",
+    "Chains",
     "Subscriber",
     "decode_batch",
     "parse_endpoints",
 ]
 
-OP_CLEAR, OP_STORE, OP_REMOVE, OP_STATE = 0, 1, 2, 3
+OP_CLEAR, OP_STORE, OP_REMOVE, OP_STATE, OP_HASHED = 0, 1, 2, 3, 4
 #: An engine's index: not published (the approximate table prices it), published
 #: but not known (a replay under way: priced as holding nothing), known.
 STATE_NONE, STATE_UNKNOWN, STATE_KNOWN = 0, 1, 2
@@ -67,6 +75,7 @@ HEAD = struct.Struct("<BI")
 STORE = struct.Struct("<BIBQII")
 REMOVE = struct.Struct("<BII")
 STATE = struct.Struct("<BIB")
+HASHED = struct.Struct("<BII")
 
 U64 = (1 << 64) - 1
 #: The fields of each event type in the order of their array encoding.
@@ -211,6 +220,80 @@ def decode_batch(payload: bytes, rank: int, keep: Filter) -> tuple[list[bytes], 
     return records, bad
 
 
+class Chains:
+    """The thread's half of the index: each engine's keys (its block hash, to coordkit's
+    chained hash and the times stored), kept by the records handed in the order they
+    are handed, by the rules the loop's index keeps its own by; so that the thread, not
+    the loop, chains the hashes (a BLAKE2b a block). The twin of
+    ``_codec_c.KVChains``."""
+
+    def __init__(self, max_ranks: int):
+        self._max_ranks = max_ranks  # a record of another rank: the index ignores it too
+        self._keys: dict[int, dict[int, list[int]]] = {}
+        #: STOREs whose parent the engine's events never named (not handed)
+        self.unresolved = 0
+
+    def hand(self, record: bytes) -> bytes | None:
+        """What the loop gets for ``record``: a STORE's HASHED (None: its parent is
+        unknown, or it is malformed), any other record as it is."""
+        if len(record) < HEAD.size:
+            return record
+        op, rank = HEAD.unpack_from(record)
+        if rank >= self._max_ranks:
+            return record
+        if op == OP_CLEAR:
+            self._keys.pop(rank, None)
+        elif op == OP_STORE and len(record) >= STORE.size:
+            return self._store(rank, record)
+        elif op == OP_REMOVE and len(record) >= REMOVE.size:
+            n = REMOVE.unpack_from(record)[2]
+            keys = self._keys.get(rank)
+            if keys is not None and len(record) == REMOVE.size + 8 * n:
+                for key in struct.unpack_from(f"<{n}Q", record, REMOVE.size):
+                    node = keys.get(key)
+                    if node is not None:
+                        node[1] -= 1
+                        if node[1] == 0:
+                            del keys[key]
+        return record
+
+    def _store(self, rank: int, record: bytes) -> bytes | None:
+        _, _, has_parent, parent, n, size = STORE.unpack_from(record)
+        if len(record) != STORE.size + 8 * n + 4 * n * size:
+            return None
+        keys = self._keys.setdefault(rank, {})
+        prev = 0
+        if has_parent:
+            node = keys.get(parent)
+            if node is None:
+                self.unresolved += 1
+                return None
+            prev = node[0]
+        stored = struct.unpack_from(f"<{n}Q", record, STORE.size)
+        tokens = memoryview(record)[STORE.size + 8 * n :]
+        step = 4 * size
+        hashes = []
+        for i, key in enumerate(stored):
+            block = tokens[i * step : (i + 1) * step]
+            digest = hashlib.blake2b(prev.to_bytes(8, "little") + block, digest_size=8).digest()
+            prev = int.from_bytes(digest, "little")
+            hashes.append(prev)
+            node = keys.get(key)
+            if node is None:
+                keys[key] = [prev, 1]
+            else:
+                node[1] += 1  # the same key stored again: removed as often
+        return HASHED.pack(OP_HASHED, rank, n) + struct.pack(f"<{2 * n}Q", *stored, *hashes)
+
+
+class Chainer(Protocol):
+    """What the Subscriber hands records through: :class:`Chains` or its C twin."""
+
+    unresolved: int
+
+    def hand(self, record: bytes) -> bytes | None: ...
+
+
 def kv_stats(index: dict[str, Any], subscriber: dict[str, Any]) -> dict[str, Any]:
     """``stats()["kv_events"]``: the thread's counts, and per engine that publishes its
     state (``"exact"``: its events price it; ``"unknown"``: a replay under way, priced
@@ -222,7 +305,6 @@ def kv_stats(index: dict[str, Any], subscriber: dict[str, Any]) -> dict[str, Any
     ]
     return {
         **subscriber,
-        "unresolved": index["unresolved"],
         "records": index["applied"],
         "engines": engines,
     }
@@ -261,6 +343,11 @@ class _Feed:
 class Subscriber:
     """The thread that reads every publisher and hands the loop records.
 
+    ``decode`` reads a batch into records: :func:`decode_batch`, or the C core's
+    ``_codec_c.decode_kv_batch``, the same function without the GIL; ``chains`` (a
+    :class:`Chains`, or the C core's ``KVChains``) turns each STORE into the HASHED
+    record the loop gets.
+
     ``nudge`` is called (from this thread) whenever records are waiting; the loop
     then calls :meth:`take`. :meth:`add` and :meth:`drop` may be called from any
     thread; the first subscription asks its replay endpoint from 0, so that what the
@@ -275,8 +362,13 @@ class Subscriber:
         topic: bytes = b"",
         media: Iterable[str] = DEFAULT_MEDIA,
         groups: Iterable[int] = DEFAULT_GROUPS,
+        *,
+        decode: Callable[[bytes, int, Filter], tuple[list[bytes], int]],
+        chains: Chainer,
     ):
         self._context = context
+        self._decode = decode
+        self._chains = chains
         self._nudge = nudge
         self._topic = topic
         self._keep = Filter(block_size, tuple(media), tuple(groups))
@@ -335,7 +427,7 @@ class Subscriber:
             }
             for rank, feed in list(self._feeds.items())
         }
-        return {**self.counts, "publishers": engines}
+        return {**self.counts, "unresolved": self._chains.unresolved, "publishers": engines}
 
     # -- the thread --------------------------------------------------------------------
 
@@ -367,8 +459,10 @@ class Subscriber:
                 self._close(feed)
 
     def _emit(self, record: bytes) -> None:
-        self._out.append(record)
-        self.counts["handed"] += 1
+        handed = self._chains.hand(record)
+        if handed is not None:
+            self._out.append(handed)
+            self.counts["handed"] += 1
 
     def _command(
         self, rank: int, endpoint: str | None, replay: str | None, announced: bool
@@ -439,7 +533,7 @@ class Subscriber:
         """The batch ``seq``, next in ``feed``'s sequence, applied."""
         feed.last = seq
         try:
-            records, bad = decode_batch(payload, feed.rank, self._keep)
+            records, bad = self._decode(payload, feed.rank, self._keep)
         except ValueError:
             # Its events are lost: what it removed may still be listed. Anew, then.
             self.counts["malformed"] += 1
@@ -447,8 +541,8 @@ class Subscriber:
             return
         self.counts["batches"] += 1
         self.counts["events_malformed"] += bad
-        self._out.extend(records)
-        self.counts["handed"] += len(records)
+        for record in records:
+            self._emit(record)
 
     def _read_live(self, feed: _Feed) -> None:
         while True:

@@ -366,7 +366,7 @@ cdef class Loop:
         self.traces = Traces(self, options)
         self.kv_events = options.kv_events
         if self.kv_events is not None:
-            self.kv = KVIndex(self.max_engines, options.block_size)
+            self.kv = KVIndex(self.max_engines)
             router.attach_kv(self.kv)
         self.engine_fds = {}
         self.forwards_hashes = router.policy == "prefix"

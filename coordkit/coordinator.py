@@ -450,7 +450,12 @@ class Coordinator:
         self._kv_events: Subscriber | None = None
         if kv_events is not None:
             self._kv_events = Subscriber(
-                context, self._sockets.nudge, block_size, kv_events_topic.encode()
+                context,
+                self._sockets.nudge,
+                block_size,
+                kv_events_topic.encode(),
+                decode=impl.codec.decode_kv_batch,
+                chains=impl.codec.KVChains(max_engines),
             )
             for rank, endpoint, replay in publishers:
                 if not 0 <= rank < max_engines:

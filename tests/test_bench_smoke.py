@@ -131,7 +131,8 @@ def test_quick_run_of_the_megatron_workload(tmp_path):
 def test_quick_run_with_kv_events_flowing(tmp_path, capsys):
     """c-kv-events beside c: the engine's events reach the coordinator (a BlockStored per
     request, each of its full blocks new; evictions once its LRU is full), the CPU of the
-    thread decoding them is counted, and both rows are in the table."""
+    thread decoding them and of the loop's thread are counted apart, and both rows are in
+    the table."""
     if "c-kv-events" not in _variants():
         pytest.skip("c-kv-events runs on the C core")
     path = tmp_path / "kv.json"
@@ -152,6 +153,10 @@ def test_quick_run_with_kv_events_flowing(tmp_path, capsys):
         assert 1 <= kv["kv_records_per_request"] <= 3, key
         assert 1 / 8 <= kv["kv_batches_per_request"] <= 1 / 4, key
         assert 0 < kv["kv_thread_us_per_request"] < kv["total_us"]
+        # the loop's own thread, apart from the events' and libzmq's
+        for variant in ("c", "c-kv-events"):
+            assert 0 < point[variant]["main_us"] < point[variant]["total_us"], variant
+        assert kv["main_us"] + kv["kv_thread_us_per_request"] < kv["total_us"]
     table = capsys.readouterr().out
     for key in ("16", "2000"):
         rows = {line.split()[3] for line in table.splitlines() if line.split()[:1] == [key]}

@@ -5,6 +5,7 @@ sockets, a coordinator that never routed the prefixes it is asked about."""
 from __future__ import annotations
 
 import hashlib
+import random
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,7 +25,14 @@ from tests.support.peers import m, um, wait_for
 from tests.support.processes import coordkit_command, python_env
 from tests.support.scripted import run
 from tests.support.threads import fake_engines
-from tests.support.vllm_publisher import Publisher, batch_payload, cleared, removed, stored
+from tests.support.vllm_publisher import (
+    Publisher,
+    batch_payload,
+    cleared,
+    encode_event,
+    removed,
+    stored,
+)
 from tests.test_demo import demo, hit_rate, table
 
 SUBMIT, REPLY = 20, 21
@@ -340,8 +348,10 @@ def test_an_engine_without_events_keeps_the_approximate_table(make_cluster, publ
         assert [row[-1] for row in engine_rows(history)] == ["exact", "guessed"]
 
 
-def test_the_index_twins_agree(c_impl, py_impl):
-    """Both cores' index rooms, fed the same records, answer the same depths."""
+@pytest.mark.parametrize("chains", ["py", "c"])
+def test_the_index_twins_agree(c_impl, py_impl, chains):
+    """Both cores' index rooms, fed the same records (chained by either core's
+    KVChains), answer the same depths."""
     from coordkit._loop_c import KVIndex as CIndex
     from coordkit._routing_c import Router as CRouter
 
@@ -360,7 +370,9 @@ def test_the_index_twins_agree(c_impl, py_impl):
     records = [STATE.pack(OP_STATE, 3, STATE_KNOWN)]
     for events in batches:
         records += decode_batch(batch_payload(events, "map", "array", 3), 3, Filter(BS))[0]
-    cores = [(PyIndex(BS), PyRouter("prefix", 8)), (CIndex(8, BS), CRouter("prefix", 8))]
+    chainer = (py_impl if chains == "py" else c_impl).codec.KVChains(8)
+    records = [h for h in map(chainer.hand, records) if h is not None]
+    cores = [(PyIndex(), PyRouter("prefix", 8)), (CIndex(8), CRouter("prefix", 8))]
     answers = []
     for index, router in cores:
         for record in records:
@@ -371,7 +383,117 @@ def test_the_index_twins_agree(c_impl, py_impl):
         )
     assert answers[0] == answers[1]
     assert answers[0][0] == [4, 0, 2, 0]  # a's third block removed, then stored again
-    assert answers[0][1]["unresolved"] == 1
+    assert chainer.unresolved == 1
+
+
+def _odd_event(rng: random.Random) -> Any:
+    """An event with one field that may be malformed, filtered or unusual."""
+    blocks = rng.randrange(0, 4)
+    size = rng.choice([BS, BS, BS, 8, 0, -1, True, "16", 1 << 64 - 1])
+    sized = size if type(size) is int and 0 < size < 64 else BS
+    event = stored(
+        [
+            rng.choice(
+                [
+                    rng.randrange(1 << 64),
+                    engine_hash("i64", 5),
+                    engine_hash("bytes", 6),
+                    "x",
+                    None,
+                    1.5,
+                    True,
+                    [1],
+                ]
+            )
+            if rng.random() < 0.2
+            else rng.randrange(1 << 64)
+            for _ in range(blocks)
+        ],
+        rng.choice([None, None, 7, engine_hash("bytes", 8), "s", False]),
+        [
+            rng.choice(
+                [0, 2**32 - 1, rng.randrange(1 << 17), -1, 1 << 32, True, 1.0, "a", 2**64 - 1]
+            )
+            if rng.random() < 0.05
+            else rng.randrange(1 << 32)
+            for _ in range(blocks * sized + rng.choice([0, 0, 0, 1, -1]))
+        ],
+        size,
+        lora_id=rng.choice([None] * 8 + [1]),
+        lora_name=rng.choice([None] * 8 + ["l"]),
+        medium=rng.choice([None, "GPU", "GPU", "CPU", 3, b"GPU", "GP\u00dc"]),
+        extra_keys=rng.choice([None, [None] * blocks, [None, ["x"]], [], 5, [None] * (blocks + 2)]),
+        group_idx=rng.choice([None, 0, 0, 1, False, True, 0.0, "", [], 1 << 63]),
+    )
+    kind = rng.choice(["BlockStored"] * 4 + ["BlockRemoved"] * 2 + ["AllBlocksCleared", "Next", 5])
+    if kind == "BlockRemoved":
+        event = removed(event["block_hashes"], medium=event["medium"], group_idx=event["group_idx"])
+    if rng.random() < 0.5 and kind in ("BlockStored", "BlockRemoved"):
+        array = encode_event(event, "array")
+        return array[: rng.randrange(1, len(array) + 1)] if rng.random() < 0.2 else array
+    event["type"] = kind
+    if rng.random() < 0.1:
+        event[rng.choice(["later", 5, None, 2.5])] = {"k": [1, 2.5, "\u00e9", b"\xff"]}
+    return event
+
+
+def _odd_batch(rng: random.Random) -> bytes:
+    events = [_odd_event(rng) for _ in range(rng.randrange(0, 4))]
+    shape = rng.random()
+    if shape < 0.6:
+        return msgpack.packb([1.5, events, 0])
+    if shape < 0.8:
+        return msgpack.packb({"events": events, "ts": 1.5})
+    if shape < 0.85:
+        return msgpack.packb(rng.choice([[1.5], {"ts": 1}, "events", {"events": 5}]))
+    payload = bytearray(msgpack.packb([1.5, events, 0]))
+    payload[rng.randrange(len(payload))] = rng.randrange(256)  # a str's UTF-8, a length...
+    return bytes(payload) + rng.choice([b"", b"", b"\x01", b"\xc1", b"\xa2\xff\xfe"])
+
+
+@pytest.mark.c_extension
+def test_the_codec_twins_read_batches_alike(c_impl, py_impl, monkeypatch):
+    """The C reader of the batches gives the Python reader's records and counts, reading
+    in C every batch of the usual shapes and leaving the others to the Python reader."""
+    from coordkit._kvevents import Filter
+
+    assert py_impl.codec.decode_kv_batch.__module__ == "coordkit._kvevents"
+    left: list[bytes] = []
+    python_reader = c_impl.codec._decode_batch_py
+
+    def counted(payload: bytes, rank: int, keep: Filter) -> tuple[list[bytes], int]:
+        left.append(payload)
+        return python_reader(payload, rank, keep)
+
+    monkeypatch.setattr(c_impl.codec, "_decode_batch_py", counted)
+
+    def both(payload: bytes, keep: Filter) -> Any:
+        answers = []
+        for decode in (py_impl.codec.decode_kv_batch, c_impl.codec.decode_kv_batch):
+            try:
+                answers.append(decode(payload, 3, keep))
+            except ValueError as exc:
+                answers.append(str(exc))
+        assert answers[0] == answers[1], payload.hex()
+        return answers[0]
+
+    a, b = tokens(20, 3), [70_000 + i for i in range(2 * BS)]
+    usual = [
+        store_chain(kind, prompt, 0, per) + [removed([engine_hash(kind, 1)]), cleared()]
+        for kind in ("u64", "i64", "bytes")
+        for prompt in (a, b)
+        for per in (1, 3)
+    ] + [[stored([1, 2], None, a[: 2 * BS], BS, extra_keys=[None, ["mm"]], group_idx=0)]]
+    for events in usual:
+        for form in ("array", "map"):
+            for batch in ("array", "map"):
+                records, bad = both(batch_payload(events, form, batch, 3), Filter(BS))
+                assert records and not bad
+    assert not left  # every one read in C
+    rng = random.Random(41)
+    for _ in range(3000):
+        both(_odd_batch(rng), Filter(BS, ("GPU", "GP\u00dc"), (0, 1)))
+    assert 500 < len(left) < 2900  # both readers had their share
 
 
 # -- coordkit's own engines publish ------------------------------------------------------
@@ -523,15 +645,16 @@ def test_the_routers_decide_alike_on_the_engines_events(c_impl, py_impl):
     from coordkit._loop_c import KVIndex as CIndex
     from coordkit._routing_c import Router as CRouter
 
-    from coordkit._kvevents import OP_STATE, STATE, STATE_KNOWN, STATE_UNKNOWN, Filter
+    from coordkit._kvevents import OP_STATE, STATE, STATE_KNOWN, STATE_UNKNOWN, Chains, Filter
     from coordkit._kvevents import decode_batch as decode
     from coordkit._loop_py.kvindex import KVIndex as PyIndex
     from coordkit._routing_py import Router as PyRouter
 
     rng = random.Random(41)
     size = 4
-    pairs = [(PyRouter("prefix", 16, block_size=size), PyIndex(size))]
-    pairs.append((CRouter("prefix", 16, block_size=size), CIndex(16, size)))
+    pairs = [(PyRouter("prefix", 16, block_size=size), PyIndex())]
+    pairs.append((CRouter("prefix", 16, block_size=size), CIndex(16)))
+    chains = Chains(16)
     for router, index in pairs:
         router.attach_kv(index)
         for rank in range(8):
@@ -540,8 +663,10 @@ def test_the_routers_decide_alike_on_the_engines_events(c_impl, py_impl):
     held: dict[int, list[int]] = {}  # rank -> keys stored
 
     def feed(record: bytes) -> None:
+        handed = chains.hand(record)
         for router, index in pairs:
-            index.apply(record, router)
+            if handed is not None:
+                index.apply(handed, router)
 
     for rank in range(4):
         feed(STATE.pack(OP_STATE, rank, STATE_KNOWN))

@@ -7,30 +7,30 @@ holds, according to that engine's events.
 
 Per engine it keeps the blocks it holds, keyed by coordkit's own chained block
 hashes (:func:`coordkit.protocol.block_hashes` over each stored block's tokens,
-chained from its parent's), each counted once per engine key that names it; and
-the engine's keys (its own block hashes, opaque), each mapped to its block and
-counted as often as it was stored, so that a BlockRemoved finds what it removes
-and a block stored twice goes when removed twice.
+chained from its parent's: the events' thread chains them, its HASHED records
+carry them), each counted once per engine key that names it; and the engine's
+keys (its own block hashes, opaque), each mapped to its block and counted as
+often as it was stored, so that a BlockRemoved finds what it removes and a block
+stored twice goes when removed twice.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from typing import TYPE_CHECKING, Any
 
 from .._kvevents import (
+    HASHED,
     HEAD,
     OP_CLEAR,
+    OP_HASHED,
     OP_REMOVE,
     OP_STATE,
-    OP_STORE,
     REMOVE,
     STATE,
     STATE_KNOWN,
     STATE_NONE,
     STATE_UNKNOWN,
-    STORE,
 )
 
 if TYPE_CHECKING:
@@ -45,16 +45,14 @@ STATE_NAMES = {STATE_NONE: "none", STATE_UNKNOWN: "unknown", STATE_KNOWN: "exact
 class KVIndex:
     """Every publishing engine's blocks, from its events."""
 
-    __slots__ = ("_block_size", "_blocks", "_keys", "_state", "known", "unresolved", "applied")
+    __slots__ = ("_blocks", "_keys", "_state", "known", "applied")
 
-    def __init__(self, block_size: int) -> None:
-        self._block_size = block_size
+    def __init__(self) -> None:
         self._blocks: dict[int, dict[int, int]] = {}  # rank -> block hash -> keys naming it
         self._keys: dict[int, dict[int, list[int]]] = {}  # rank -> key -> [block hash, count]
         self._state: dict[int, int] = {}  # rank -> STATE_* (absent: STATE_NONE)
         #: The ranks whose index is known, ascending: the prefix policy prices them by it.
         self.known: list[int] = []
-        self.unresolved = 0  # stores whose parent the engine's events never named
         self.applied = 0  # records applied
 
     def attach(self, router: Router) -> None:
@@ -97,10 +95,11 @@ class KVIndex:
             self._keys.pop(rank, None)
         elif op == OP_STATE and len(record) == STATE.size:
             self._set_state(rank, STATE.unpack(record)[2], router)
-        elif op == OP_STORE and len(record) >= STORE.size:
-            _, _, has_parent, parent, n, size = STORE.unpack_from(record)
-            if len(record) == STORE.size + 8 * n + 4 * n * size:
-                self._store(rank, has_parent, parent, n, size, memoryview(record)[STORE.size :])
+        elif op == OP_HASHED and len(record) >= HASHED.size:
+            n = HASHED.unpack_from(record)[2]
+            if len(record) == HASHED.size + 16 * n:
+                pairs = struct.unpack_from(f"<{2 * n}Q", record, HASHED.size)
+                self._store(rank, pairs[:n], pairs[n:])
         elif op == OP_REMOVE and len(record) >= REMOVE.size:
             n = REMOVE.unpack_from(record)[2]
             if len(record) == REMOVE.size + 8 * n:
@@ -121,33 +120,16 @@ class KVIndex:
             else:
                 self.known.remove(rank)
 
-    def _store(
-        self, rank: int, has_parent: int, parent: int, n: int, size: int, data: memoryview
-    ) -> None:
-        if size != self._block_size:
-            return  # (the thread passes the coordinator's block size only)
+    def _store(self, rank: int, stored: tuple[int, ...], hashes: tuple[int, ...]) -> None:
         keys = self._keys.setdefault(rank, {})
         blocks = self._blocks.setdefault(rank, {})
-        prev = 0
-        if has_parent:
-            node = keys.get(parent)
-            if node is None:
-                self.unresolved += 1
-                return
-            prev = node[0]
-        stored = struct.unpack_from(f"<{n}Q", data)
-        tokens = data[8 * n :]
-        step = 4 * size
-        for i, key in enumerate(stored):
-            block = tokens[i * step : (i + 1) * step]
-            digest = hashlib.blake2b(prev.to_bytes(8, "little") + block, digest_size=8).digest()
-            prev = int.from_bytes(digest, "little")
+        for key, block in zip(stored, hashes, strict=True):
             node = keys.get(key)
             if node is not None:
                 node[1] += 1  # the same key stored again: removed as often
                 continue
-            keys[key] = [prev, 1]
-            blocks[prev] = blocks.get(prev, 0) + 1
+            keys[key] = [block, 1]
+            blocks[block] = blocks.get(block, 0) + 1
 
     def _unname(self, blocks: dict[int, int], block: int) -> None:
         left = blocks[block] - 1
@@ -176,6 +158,5 @@ class KVIndex:
                 rank: {"state": STATE_NAMES[state], "blocks": len(self._blocks.get(rank, ()))}
                 for rank, state in sorted(self._state.items())
             },
-            "unresolved": self.unresolved,
             "applied": self.applied,
         }

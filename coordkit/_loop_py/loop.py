@@ -198,7 +198,7 @@ class Loop:
         self._kv_events = options.kv_events
         self._kv: KVIndex | None = None
         if self._kv_events is not None:
-            self._kv = KVIndex(options.block_size)
+            self._kv = KVIndex()
             router.attach_kv(self._kv)
 
     # -- what the Coordinator calls ------------------------------------------------------

@@ -10,7 +10,8 @@
  * and each rank's state (none, unknown, known), with the known ranks listed in
  * ascending order: what the prefix policy reads (ck_kvindex_depth), without the
  * GIL and without a Python object. loop/kvindex.pyx applies the events to it;
- * the rules are coordkit/_loop_py/kvindex.py's.
+ * the rules are coordkit/_loop_py/kvindex.py's. The events' thread keeps a keys
+ * map of its own by the same rules (_codec_c.KVChains), to chain the hashes.
  */
 #ifndef COORDKIT_KVINDEX_H
 #define COORDKIT_KVINDEX_H
@@ -46,9 +47,7 @@ typedef struct {
     uint8_t *state;    /* per rank: CK_KV_* */
     int *known;        /* the ranks whose state is CK_KV_KNOWN, ascending */
     int n_known;
-    uint64_t block_size;
-    uint64_t unresolved; /* stores whose parent the engine's events never named */
-    uint64_t applied;    /* records applied */
+    uint64_t applied; /* records applied */
 } ck_kvindex;
 
 static inline ck_kvcell *ck_kvmap_find(const ck_kvmap *m, uint64_t key)
@@ -122,11 +121,10 @@ static inline void ck_kvmap_clear(ck_kvmap *m)
     m->used = 0;
 }
 
-static inline int ck_kvindex_init(ck_kvindex *t, int max_ranks, uint64_t block_size)
+static inline int ck_kvindex_init(ck_kvindex *t, int max_ranks)
 {
     memset(t, 0, sizeof(*t));
     t->max_ranks = max_ranks;
-    t->block_size = block_size;
     t->blocks = (ck_kvmap *)calloc((size_t)max_ranks, sizeof(ck_kvmap));
     t->keys = (ck_kvmap *)calloc((size_t)max_ranks, sizeof(ck_kvmap));
     t->state = (uint8_t *)calloc((size_t)max_ranks, 1);

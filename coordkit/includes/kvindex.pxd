@@ -25,14 +25,12 @@ cdef extern from "includes/kvindex.h" nogil:
         uint8_t* state  # per rank: CK_KV_*
         int* known  # the ranks whose state is CK_KV_KNOWN, ascending
         int n_known
-        uint64_t block_size
-        uint64_t unresolved
         uint64_t applied
 
     ck_kvcell* ck_kvmap_find(const ck_kvmap* m, uint64_t key)
     ck_kvcell* ck_kvmap_vacant(ck_kvmap* m, uint64_t key)
     void ck_kvmap_delete(ck_kvmap* m, ck_kvcell* c)
     void ck_kvmap_clear(ck_kvmap* m)
-    int ck_kvindex_init(ck_kvindex* t, int max_ranks, uint64_t block_size)
+    int ck_kvindex_init(ck_kvindex* t, int max_ranks)
     void ck_kvindex_free(ck_kvindex* t)
     int64_t ck_kvindex_depth(const ck_kvindex* t, int rank, const uint8_t* hashes, size_t n)

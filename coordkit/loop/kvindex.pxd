@@ -8,10 +8,11 @@ cdef enum:  # the records of coordkit._kvevents (checked at import)
     KV_STORE = 1
     KV_REMOVE = 2
     KV_STATE = 3
+    KV_HASHED = 4
     KV_HEAD = 5  # <B I>: op, rank
-    KV_STORE_HEAD = 22  # <B I B Q I I>: op, rank, has_parent, parent, n, block_size
     KV_REMOVE_HEAD = 9  # <B I I>: op, rank, n
     KV_STATE_SIZE = 6  # <B I B>: op, rank, state
+    KV_HASHED_HEAD = 9  # <B I I>: op, rank, n
 
 
 cdef class KVIndex:
@@ -19,5 +20,5 @@ cdef class KVIndex:
 
     cdef void apply_c(self, const uint8_t* record, size_t n, Router router) noexcept nogil
     cdef void _set_state(self, int rank, int state, Router router) noexcept nogil
-    cdef void _store(self, int rank, const uint8_t* record, size_t n) noexcept nogil
+    cdef void _hashed(self, int rank, const uint8_t* record, size_t n) noexcept nogil
     cdef void _remove(self, int rank, const uint8_t* record, size_t n) noexcept nogil

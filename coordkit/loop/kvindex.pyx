@@ -1,12 +1,6 @@
 # The prefix index from the engines' own KV-cache events (loop/kvindex.pxd). Included
 # by _loop_c.pyx. The rules are coordkit/_loop_py/kvindex.py's, its twin.
 
-from .includes.blake2b cimport (
-    ck_blake2b_final,
-    ck_blake2b_init,
-    ck_blake2b_state,
-    ck_blake2b_update,
-)
 from .includes.kvindex cimport (
     CK_KV_KNOWN,
     CK_KV_NONE,
@@ -20,15 +14,15 @@ from .includes.kvindex cimport (
     ck_kvmap_find,
     ck_kvmap_vacant,
 )
-from .includes.sysdep cimport ck_load_le64, ck_store_le64
+from .includes.sysdep cimport ck_load_le64
 
 from . import _kvevents
 
 if (
-    (_kvevents.OP_CLEAR, _kvevents.OP_STORE, _kvevents.OP_REMOVE, _kvevents.OP_STATE)
-    != (KV_CLEAR, KV_STORE, KV_REMOVE, KV_STATE)
-    or (_kvevents.HEAD.size, _kvevents.STORE.size, _kvevents.REMOVE.size, _kvevents.STATE.size)
-    != (KV_HEAD, KV_STORE_HEAD, KV_REMOVE_HEAD, KV_STATE_SIZE)
+    (_kvevents.OP_CLEAR, _kvevents.OP_REMOVE, _kvevents.OP_STATE, _kvevents.OP_HASHED)
+    != (KV_CLEAR, KV_REMOVE, KV_STATE, KV_HASHED)
+    or (_kvevents.HEAD.size, _kvevents.REMOVE.size, _kvevents.STATE.size, _kvevents.HASHED.size)
+    != (KV_HEAD, KV_REMOVE_HEAD, KV_STATE_SIZE, KV_HASHED_HEAD)
     or (_kvevents.STATE_NONE, _kvevents.STATE_KNOWN) != (CK_KV_NONE, CK_KV_KNOWN)
 ):
     raise ImportError("loop/kvindex.pxd's records differ from coordkit._kvevents': rebuild")
@@ -56,8 +50,8 @@ cdef class KVIndex:
     messages); the router reads ``t`` without it (``ck_kvindex_depth``).
     """
 
-    def __cinit__(self, int max_ranks, uint64_t block_size):
-        if ck_kvindex_init(&self.t, max_ranks, block_size) < 0:
+    def __cinit__(self, int max_ranks):
+        if ck_kvindex_init(&self.t, max_ranks) < 0:
             ck_kvindex_free(&self.t)
             raise MemoryError()
 
@@ -99,7 +93,6 @@ cdef class KVIndex:
                 rank: {"state": names[self.t.state[rank]], "blocks": self.t.blocks[rank].used}
                 for rank in range(self.t.max_ranks) if self.t.state[rank] != CK_KV_NONE
             },
-            "unresolved": self.t.unresolved,
             "applied": self.t.applied,
         }
 
@@ -117,8 +110,8 @@ cdef class KVIndex:
             ck_kvmap_clear(&self.t.keys[rank])
         elif record[0] == KV_STATE and n == KV_STATE_SIZE and record[5] <= CK_KV_KNOWN:
             self._set_state(rank, record[5], router)
-        elif record[0] == KV_STORE and n >= KV_STORE_HEAD:
-            self._store(rank, record, n)
+        elif record[0] == KV_HASHED and n >= KV_HASHED_HEAD:
+            self._hashed(rank, record, n)
         elif record[0] == KV_REMOVE and n >= KV_REMOVE_HEAD:
             self._remove(rank, record, n)
 
@@ -144,31 +137,19 @@ cdef class KVIndex:
                     self.t.n_known -= 1
                     break
 
-    cdef void _store(self, int rank, const uint8_t* record, size_t n) noexcept nogil:
-        cdef uint32_t blocks = kv_u32(record + 14), size = kv_u32(record + 18), i
-        cdef const uint8_t* keys = record + KV_STORE_HEAD
-        cdef const uint8_t* tokens
-        cdef uint64_t prev = 0, key
-        cdef uint8_t digest[8]
-        cdef ck_blake2b_state state
+    cdef void _hashed(self, int rank, const uint8_t* record, size_t n) noexcept nogil:
+        """The keys of a HASHED record and coordkit's hashes of their blocks, the
+        events' thread's chaining (_codec_c.KVChains): counted."""
+        cdef uint32_t blocks = kv_u32(record + 5), i
+        cdef const uint8_t* keys = record + KV_HASHED_HEAD
+        cdef const uint8_t* hashes = keys + 8 * <size_t>blocks
+        cdef uint64_t block, key
         cdef ck_kvcell* cell
-        if size != self.t.block_size or n != KV_STORE_HEAD + (8 + 4 * <size_t>size) * blocks:
+        if n != KV_HASHED_HEAD + 16 * <size_t>blocks:
             return
-        tokens = keys + 8 * <size_t>blocks
-        if record[5]:  # its parent: a block the engine's events named
-            cell = ck_kvmap_find(&self.t.keys[rank], ck_load_le64(record + 6))
-            if cell == NULL:
-                self.t.unresolved += 1
-                return
-            prev = cell.value
         for i in range(blocks):
-            ck_blake2b_init(&state, 8)
-            ck_store_le64(digest, prev)
-            ck_blake2b_update(&state, digest, 8)
-            ck_blake2b_update(&state, tokens + 4 * <size_t>size * i, 4 * <size_t>size)
-            ck_blake2b_final(&state, digest)
-            prev = ck_load_le64(digest)
             key = ck_load_le64(keys + 8 * <size_t>i)
+            block = ck_load_le64(hashes + 8 * <size_t>i)
             cell = ck_kvmap_find(&self.t.keys[rank], key)
             if cell != NULL:
                 cell.count += 1  # the same key stored again: removed as often
@@ -176,11 +157,11 @@ cdef class KVIndex:
             cell = ck_kvmap_vacant(&self.t.keys[rank], key)
             if cell == NULL:
                 return  # memory short: the block is not listed (priced as uncached)
-            cell.value = prev
+            cell.value = block
             cell.count = 1
-            cell = ck_kvmap_find(&self.t.blocks[rank], prev)
+            cell = ck_kvmap_find(&self.t.blocks[rank], block)
             if cell == NULL:
-                cell = ck_kvmap_vacant(&self.t.blocks[rank], prev)
+                cell = ck_kvmap_vacant(&self.t.blocks[rank], block)
                 if cell == NULL:
                     ck_kvmap_delete(&self.t.keys[rank], ck_kvmap_find(&self.t.keys[rank], key))
                     return

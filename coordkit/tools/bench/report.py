@@ -49,7 +49,14 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
         for variant, group in variants.items():
             point: dict[str, Any] = {
                 key: statistics.median(r[key] for r in group)
-                for key in ("total_us", "user_us", "sys_us", "requests_per_s", "reply_batch")
+                for key in (
+                    "total_us",
+                    "user_us",
+                    "sys_us",
+                    "main_us",
+                    "requests_per_s",
+                    "reply_batch",
+                )
             }
             counted = [r["syscalls_per_request"] for r in group]
             point["syscalls_per_request"] = None if None in counted else statistics.median(counted)
@@ -149,30 +156,34 @@ def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, A
 
 
 def _print_kv_events(summary: dict[str, dict[str, dict[str, Any]]]) -> None:
-    """c-kv-events' events per request beside its cost over c's."""
+    """c-kv-events' events per request; the loop's thread's CPU beside c's, measured
+    side by side (its thread CPU clock); the events' thread's per event."""
     rows = [(point, point[v], v) for point in summary.values() for v in KV_EVENTS if v in point]
     if not rows:
         return
     print(
         f"\nKV events (every prompt's full blocks stored, an LRU of {KV_CACHE_BLOCKS} blocks "
-        "per rank evicting; a batch per reply), per request: the batches and events, the "
-        "CPU of the thread decoding them (µs), the rest of the process's over c's (the loop "
-        "applying them, the wake-ups), and the whole excess over c's per event and per block "
-        "stored"
+        "per rank evicting; a batch per reply), per request: the batches and events; the "
+        "CPU (µs) of the loop's thread (the request path, which applies the records) in c "
+        "and here, and their ratio; the CPU of the events' thread (reading and decoding "
+        "them, off the request path) per request and per event; the whole process's excess "
+        "over c's per event"
     )
     print(
         f"{'tokens':>6} {'ids':<6} {'bytes':>7}  {'variant':<11} {'batches':>8} "
-        f"{'events':>8} {'thread':>8} {'rest>c':>8} {'µs/event':>9} {'µs/block':>9}"
+        f"{'events':>8} {'loop c':>8} {'loop':>8} {'loop/c':>7} {'thread':>8} "
+        f"{'thr/event':>9} {'µs/event':>9}"
     )
     for point, p, variant in rows:
-        events, blocks = p["kv_records_per_request"], p["tokens"] // BLOCK_SIZE
-        thread = p["kv_thread_us_per_request"]
-        extra = p["total_us"] - point["c"]["total_us"] if "c" in point else None
-        rest = "-" if extra is None else f"{extra - thread:.2f}"
+        events, thread = p["kv_records_per_request"], p["kv_thread_us_per_request"]
+        c = point.get("c")
+        extra = p["total_us"] - c["total_us"] if c else None
+        loop_c = "-" if c is None else f"{c['main_us']:.2f}"
         print(
             f"{_prompt_label(p)}  {variant:<11} {p['kv_batches_per_request']:8.3f} "
-            f"{events:8.3f} {thread:8.2f} {rest:>8} {_per(extra, events):>9} "
-            f"{_per(extra, blocks):>9}"
+            f"{events:8.3f} {loop_c:>8} {p['main_us']:8.2f} "
+            f"{_ratio(point, variant, 'c', 'main_us'):>7} {thread:8.2f} "
+            f"{_per(thread, events):>9} {_per(extra, events):>9}"
         )
 
 

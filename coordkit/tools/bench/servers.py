@@ -36,6 +36,7 @@ def _usage() -> dict[str, float]:
         "sys": usage.ru_stime,
         "io": _io_threads_cpu(),
         "kv": _kv_thread_cpu(),
+        "main": _thread_cpu(threading.main_thread().native_id),
         "switches": usage.ru_nvcsw + usage.ru_nivcsw,
         "involuntary": usage.ru_nivcsw,
         "page_faults": usage.ru_minflt + usage.ru_majflt,
@@ -63,12 +64,20 @@ def _io_threads_cpu() -> float:
 def _kv_thread_cpu() -> float:
     """CPU seconds of the thread that reads and decodes the KV events (0: none)."""
     for thread in threading.enumerate():
-        if thread.name == THREAD_NAME and thread.native_id is not None:
-            try:
-                return time.clock_gettime((~thread.native_id << 3) | 6)  # as above
-            except OSError:  # it ended meanwhile
-                return 0.0
+        if thread.name == THREAD_NAME:
+            return _thread_cpu(thread.native_id)
     return 0.0
+
+
+def _thread_cpu(native_id: int | None) -> float:
+    """CPU seconds of a thread of this process (0: none, or it ended meanwhile); the main
+    thread's is the loop's (coordinator_child serves there)."""
+    if native_id is None:
+        return 0.0
+    try:
+        return time.clock_gettime((~native_id << 3) | 6)  # as _io_threads_cpu
+    except OSError:
+        return 0.0
 
 
 def coordinator_child(

@@ -326,6 +326,7 @@ class Session(Processes):
             "sys_us": sys_ / n * 1e6,
             "loop_us": (user + sys_ - io) / n * 1e6,  # every thread but libzmq's I/O threads
             "io_us": io / n * 1e6,
+            "main_us": (after["main"] - before["main"]) / n * 1e6,  # the loop's thread alone
             "requests_per_s": n / wall,
             "wall_s": wall,
             "reply_batch": (entries1 - entries0) / max(messages1 - messages0, 1),
