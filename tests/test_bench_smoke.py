@@ -379,7 +379,9 @@ def test_quick_run_with_the_bench_extra_alone(tmp_path):
 
     path = tmp_path / "cost.json"
     result = subprocess.run(
-        [python, "-m", "coordkit", "bench", "--quick", "--json", str(path)],
+        # one point and no memory test: what is asked is which variants run
+        [python, "-m", "coordkit", "bench", "--quick", "--lengths", "16", "--inflight", "0"]
+        + ["--json", str(path)],
         env=env,
         cwd=tmp_path,
         capture_output=True,
