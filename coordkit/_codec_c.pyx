@@ -70,5 +70,6 @@ include "codec/multipart.pyx"
 include "codec/single_frame.pyx"
 include "codec/writer.pyx"
 include "codec/kvevents.pyx"
+include "codec/kvchains.pyx"
 
 NO_TOKENS, NEW_TOKENS, ALL_TOKENS = CK_NO_TOKENS, CK_NEW_TOKENS, CK_ALL_TOKENS
