@@ -316,6 +316,8 @@ def qos_fields(priority: object, deadline: object) -> bytes:
     deadline_ms`` packed (SUBMIT_REQUEST_QOS); empty for the defaults (priority 0, no
     deadline), which are not sent. TypeError or ValueError, in one line, for a priority
     or a deadline coordkit does not take."""
+    if deadline is None and priority.__class__ is int and priority == 0:
+        return b""  # the defaults, most requests': no check to pay for
     value, ms = _priority(priority), _deadline_ms(deadline)
     if value == 0 and ms == 0:
         return b""
