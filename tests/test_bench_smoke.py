@@ -159,7 +159,8 @@ def test_quick_run_with_kv_events_flowing(tmp_path, capsys):
         assert kv["main_us"] + kv["kv_thread_us_per_request"] < kv["total_us"]
     table = capsys.readouterr().out
     for key in ("16", "2000"):
-        rows = {line.split()[3] for line in table.splitlines() if line.split()[:1] == [key]}
+        # tokens, ids, bytes, body, then the variant
+        rows = {line.split()[4] for line in table.splitlines() if line.split()[:1] == [key]}
         assert {"c", "c-kv-events"} <= rows, table
 
 

@@ -226,9 +226,10 @@ def test_one_engine_step_of_partials_for_two_clients(main):
     with main() as c:
         engine = c.add_main_engine()
         clients = [c.main_client(), c.main_client()]
-        for client in clients:
+        rids = []
+        for client in clients:  # one after the other: two sockets keep no order between them
             client.submit(5, [1], STREAM)  # the same client rid from both
-        rids = [server_rid_of(engine), server_rid_of(engine)]
+            rids.append(server_rid_of(engine))
         engine.partial(Raw(partial_bytes(rids[1], 21)), main_partial(rids[0], [20]))
         engine.reply(finished(rids[0]), finished(rids[1]))
         assert clients[0].recv_message() == (PARTIAL, 5, m(main_partial(rids[0], [20])))

@@ -84,6 +84,10 @@ def _ratio(point: dict[str, dict[str, float]], a: str, b: str, key: str = "total
     return f"{point[a][key] / point[b][key]:.2f}"
 
 
+#: The heading of _prompt_label's columns.
+_PROMPT_HEAD = f"{'tokens':>6} {'ids':<6} {'bytes':>7} {'body':<9}"
+
+
 def _prompt_label(point: dict[str, Any]) -> str:
     """``  2000 range     5619 realistic``: tokens, their ids, the bytes of the frame
     carrying them (exactly: the points either side of a threshold are a few bytes
@@ -117,7 +121,7 @@ def print_cpu(args: argparse.Namespace, summary: dict[str, dict[str, dict[str, A
         "(syscalls: perf stat's raw_syscalls:sys_enter, '-' without perf; switches: "
         "voluntary and involuntary, from getrusage; both per request, every thread)"
     )
-    head = f"{'tokens':>6} {'ids':<6} {'bytes':>7} {'body':<9}"
+    head = _PROMPT_HEAD
     print(
         f"{head}  {'variant':<11} {'µs/req':>8} {'user':>8} {'sys':>8} "
         f"{'>floor':>8} {'req/s':>8} {'batch':>6} {'syscalls':>8} {'switches':>8}"
@@ -170,7 +174,7 @@ def _print_kv_events(summary: dict[str, dict[str, dict[str, Any]]]) -> None:
         "over c's per event"
     )
     print(
-        f"{'tokens':>6} {'ids':<6} {'bytes':>7}  {'variant':<11} {'batches':>8} "
+        f"{_PROMPT_HEAD}  {'variant':<11} {'batches':>8} "
         f"{'events':>8} {'loop c':>8} {'loop':>8} {'loop/c':>7} {'thread':>8} "
         f"{'thr/event':>9} {'µs/event':>9}"
     )
