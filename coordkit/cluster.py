@@ -23,12 +23,15 @@ rendezvous, engines shared by all (``coordkit[ha]``; docs/scaling.md).
 * **Engines** connect to every member (:class:`SharedLinks`: one
   :class:`~coordkit.engine.Engine` per member, following the view); a reply goes back
   on the connection its request came in on. A declared capacity is split among the
-  members the engine knows when each link registers.
+  members the engine knows when each link registers. Each member's server ids are its
+  own: one that another member already holds at the engine (adopted from a member
+  lost, which came back and sent it again) gets an id of the engine's own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -41,7 +44,7 @@ import zmq
 
 from . import protocol
 from ._checks import check_address
-from ._events import Event, Request
+from ._events import Abort, Event, Request
 from ._held import Held
 from ._liveness import Candidates
 from .election import (
@@ -103,6 +106,9 @@ _LINK_WATCH = 0.1
 #: Seconds a link to a member of a static list stays lost before what it holds is
 #: handed to the other members (a member in etcd: once it left the view).
 HAND_OVER_AFTER = 1.0
+#: The first of the ids an engine gives a member's request whose server id another
+#: member holds there: past every server id (u64), so they meet none.
+_OWN_IDS = 1 << 64
 
 
 def is_cluster(address: object) -> bool:
@@ -324,6 +330,9 @@ class Spread(Candidates):
         self.epochs: dict[str, int] = {}
         self._seen = set(self.addresses)
         self._tried: set[str] = set()
+        # The address the socket is connected to: the member left, even when it is out
+        # of the view now (a CONNECT must not go its way, round-robin, if it is back).
+        self._connected = self.addresses[0]
 
     @property
     def several(self) -> bool:
@@ -364,10 +373,9 @@ class Spread(Candidates):
         the client (after all of them: the first choice again)."""
         linger = socket.getsockopt(zmq.LINGER)
         socket.setsockopt(zmq.LINGER, 0)
-        if self.index >= 0:
-            with contextlib.suppress(zmq.ZMQError):
-                socket.disconnect(self.current)
-            self._tried.add(self.current)
+        with contextlib.suppress(zmq.ZMQError):
+            socket.disconnect(self._connected)
+        self._tried.add(self._connected)
         socket.setsockopt(zmq.LINGER, linger)
         if discard:
             with contextlib.suppress(zmq.Again):
@@ -378,7 +386,8 @@ class Spread(Candidates):
             self._tried.clear()
             untried = list(self.addresses)
         self.index = self.addresses.index(untried[0])
-        socket.connect(self.current)
+        self._connected = self.current
+        socket.connect(self._connected)
 
     @property
     def current(self) -> str:
@@ -407,6 +416,12 @@ class SharedLinks:
     came in on (by its server id, which each member draws from its own clock: members'
     ids do not meet). A declared capacity is split among the members known when a link
     registers (each at least 1).
+
+    The ids its requests have at the engine are the members' server ids, but where two
+    members' ids meet: a member lost whose requests were handed over, back and sending
+    one of them again (its clients moved on; the member they moved to holds the
+    request under that id). That one gets an id of the engine's own, and its replies
+    and aborts are translated on the way.
     """
 
     def __init__(
@@ -424,7 +439,9 @@ class SharedLinks:
         else:
             addresses = [check_address(a) for a in address]
         self._links: dict[str, Link] = {}
-        self._origin: dict[int, Link] = {}
+        self._origin: dict[int, tuple[Link, int]] = {}  # engine's id -> link, member's id
+        self._ids: dict[Link, dict[int, int]] = {}  # link -> member's id -> engine's id
+        self._next_own = _OWN_IDS
         self._lost_at: dict[str, float] = {}  # links lost, since when
         self._sync(addresses)
 
@@ -445,6 +462,7 @@ class SharedLinks:
                 self._links[address] = link
                 continue
             link.close()
+            self._ids.pop(link, None)
         for address in sorted(wanted - set(self._links)):
             self._links[address] = self._make(address, self._share(len(wanted)))
 
@@ -465,13 +483,32 @@ class SharedLinks:
             # Every link polled each time: its heartbeats and its connection's watch.
             for link in list(self._links.values()):
                 for event in link.poll(0):
-                    if isinstance(event, Request):
-                        self._origin[event.server_rid] = link
-                    events.append(event)
+                    arrived = self._arrived(link, event)
+                    if arrived is not None:
+                        events.append(arrived)
             left = deadline - time.monotonic()
             if events or left <= 0:
                 return events
             poller.poll(round(min(left, _LINK_WATCH) * 1000))
+
+    def _arrived(self, link: Link, event: Event) -> Event | None:
+        """``event`` from ``link`` under the engine's id of its request (None: an abort
+        of nothing this member has here)."""
+        if isinstance(event, Request):
+            rid = event.server_rid
+            owner = self._origin.get(rid)
+            if owner is not None and owner[0] is not link:
+                event = dataclasses.replace(event, server_rid=self._next_own)
+                self._next_own += 1
+            self._ids.setdefault(link, {})[rid] = event.server_rid
+            self._origin[event.server_rid] = (link, rid)
+        elif isinstance(event, Abort):
+            aborted = self._ids.get(link, {}).get(event.server_rid)
+            if aborted is None:
+                return None
+            if aborted != event.server_rid:
+                event = Abort(aborted)
+        return event
 
     def _hand_over(self, members: set[str] | None) -> None:
         """A member lost (its link's connection ended, and it left the view, or a
@@ -503,7 +540,9 @@ class SharedLinks:
                 if destination is None:
                     continue
                 destination.requests[rid] = held.requests.pop(rid)
-                self._origin[rid] = others[target]
+                own = self._ids.get(lost, {}).pop(rid, rid)
+                self._origin[own] = (others[target], rid)
+                self._ids.setdefault(others[target], {})[rid] = own
                 entry = [rid, kept.client_rid, kept.client_id, kept.partials, kept.final]
                 moved.setdefault(target, []).append(entry)
             for target, entries in moved.items():
@@ -521,10 +560,16 @@ class SharedLinks:
     def reply(self, finished: Iterable[Any], partial: bool = False) -> None:
         by_link: dict[int, tuple[Link, list[Any]]] = {}
         for entry in finished:
-            link = self._origin.get(entry[0]) if partial else self._origin.pop(entry[0], None)
-            if link is None:
-                log.warning("coordkit engine: a reply for %d, not a request here", entry[0])
+            own = entry[0]
+            origin = self._origin.get(own) if partial else self._origin.pop(own, None)
+            if origin is None:
+                log.warning("coordkit engine: a reply for %d, not a request here", own)
                 continue
+            link, rid = origin
+            if not partial:
+                self._ids.get(link, {}).pop(rid, None)
+            if rid != own:
+                entry = (rid, *entry[1:])
             by_link.setdefault(id(link), (link, []))[1].append(entry)
         for link, entries in by_link.values():
             (link.reply_partial if partial else link.reply)(entries)

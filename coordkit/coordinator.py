@@ -17,6 +17,7 @@ import errno
 import itertools
 import math
 import os
+import secrets
 import socket
 import stat
 import threading
@@ -69,6 +70,10 @@ _wake_ids = itertools.count()
 #: first server id, both above those of any earlier life at the same place (the
 #: tests pin it to compare frames).
 _clock_ns = time.time_ns
+#: A cluster's members serve at once: each draws its server ids from a random place
+#: below this (the clock would give members started together the same ids once their
+#: index laps; random starts meet with odds of the ids drawn / 2**61).
+_CLUSTER_IDS = 1 << 61
 
 
 #: Options that are gone, and what replaced them: the hint their error gives.
@@ -402,7 +407,7 @@ class Coordinator:
             dialect=dialect,
             block_size=block_size,
             epoch=term.epoch if term is not None else _clock_ns(),
-            first_server_id=_clock_ns(),
+            first_server_id=secrets.randbelow(_CLUSTER_IDS) if cluster else _clock_ns(),
             rebuild_window=rebuild_window,
             cluster=cluster,
             megatron_version=megatron_version,

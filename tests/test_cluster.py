@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from coordkit import Client, Coordinator
 from coordkit.cluster import Member, Spread, read_members, rendezvous
@@ -74,6 +75,35 @@ def test_a_static_list_is_followed_in_rendezvous_order():
     spread = Spread(b"c0123456789abcd", addresses)
     assert list(spread.addresses) == rendezvous(b"c0123456789abcd", addresses)
     assert spread.current == spread.addresses[0] and spread.several
+
+
+def test_a_move_leaves_a_member_gone_from_the_view():
+    """The member followed left the view (its lease lapsed) but lives: a move leaves its
+    connection all the same, so nothing sent after goes its way (a DEALER sends
+    round-robin: a CONNECT there, the REJOIN at the next, would lose the REJOIN)."""
+    key = b"c0123456789abcd"
+    first, second = rendezvous(key, [free_tcp_address() for _ in range(2)])
+    view = [first, second]
+    context = zmq.Context()
+    try:
+        routers = {}
+        for address in view:
+            routers[address] = context.socket(zmq.ROUTER)
+            routers[address].bind(address)
+        spread = Spread(key, view, lambda: list(view))
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(spread.current)
+        view.remove(first)
+        spread.refresh()
+        spread.move(dealer)
+        assert spread.current == second
+        for n in range(4):
+            dealer.send(b"%d" % n)
+        got = [routers[second].recv_multipart()[1] for _ in range(4) if routers[second].poll(2000)]
+        assert got == [b"0", b"1", b"2", b"3"]
+        assert not routers[first].poll(200)
+    finally:
+        context.destroy(linger=0)
 
 
 # -- membership ------------------------------------------------------------------------
@@ -156,8 +186,13 @@ async def connect(name: str, impl_name: str, count: int) -> list[Client]:
 
 
 async def engines_at(client: Client, count: int) -> None:
+    """Until ``count`` engines are registered at the client's member (a client that
+    reconnects meanwhile, on a loaded machine, asks again)."""
     deadline = time.monotonic() + SETTLE
-    while len((await client.stats())["engines"]) < count:
+    while True:
+        with contextlib.suppress(ConnectionError):
+            if len((await client.stats())["engines"]) >= count:
+                return
         assert time.monotonic() < deadline, "the engines did not register"
         await asyncio.sleep(0.1)
 
@@ -176,10 +211,14 @@ def test_members_share_engines_and_spread_clients(tmp_path, impl, etcd: EtcdServ
                 stack.enter_context(member(addresses[i], impl.name, tmp_path / f"m{i}.log", name))
             wait_for(lambda: len(live(name)) == 3, SETTLE)
             stack.enter_context(steady_engines(name, impl.name, logs))
+            # Random ids: 12 clients leave a member without any in 1 test of 40; up to
+            # 48 leave one in 10**8.
             clients = await connect(name, impl.name, 12)
+            three = set(addresses[:3])
+            while {client.address for client in clients} != three and len(clients) < 48:
+                clients += await connect(name, impl.name, 1)
             for client in clients:
                 stack.push_async_callback(client.close)
-            three = set(addresses[:3])
             for client in clients:
                 assert client.address == rendezvous(client._socket.identity, three)[0]
             assert set(client.address for client in clients) == three
@@ -201,7 +240,8 @@ def test_members_share_engines_and_spread_clients(tmp_path, impl, etcd: EtcdServ
                 if client.address != addresses[3]:  # the others' choice is as before
                     assert client.address == rendezvous(key, three)[0]
             share = sum(client.address == addresses[3] for client in later) / len(later)
-            assert 0 < share < 0.5, share  # about a quarter: the pure test above
+            # About a quarter (the pure test above): outside these, 1 run in 10**5.
+            assert 0 < share < 0.6, share
             for client in later:
                 if client.address == addresses[3]:  # once the engines joined the new member
                     await engines_at(client, 2)
@@ -301,6 +341,42 @@ def test_a_member_killed_under_load(tmp_path, impl, etcd: EtcdServer):
             for client in later:
                 stack.push_async_callback(client.close)
             assert any(client.address == addresses[index] for client in later)
+
+    run(body(), timeout=4 * SETTLE)
+
+
+def test_a_member_paused_past_the_timeouts(tmp_path, impl, etcd: EtcdServer):
+    """A member stopped (SIGSTOP, as a starved machine or a long pause stalls one) past
+    its clients' and engines' timeouts and its lease, then resumed: its clients moved
+    on and the engines handed its requests over, as for a member lost; every request of
+    every client ends with its own final, once. The member back draws server ids that
+    may be its adopters' (at the engines: ids of their own) and sends its requests
+    again to engines it takes for restarted: those may run twice (docs/scaling.md)."""
+    name = etcd.endpoint(f"paused/{impl.name}-{time.monotonic_ns()}")
+    addresses = [free_tcp_address() for _ in range(3)]
+    logs = [tmp_path / f"engine-{rank}.log" for rank in range(2)]
+
+    async def body():
+        async with contextlib.AsyncExitStack() as stack:
+            members = [
+                stack.enter_context(member(address, impl.name, tmp_path / f"m{i}.log", name))
+                for i, address in enumerate(addresses)
+            ]
+            wait_for(lambda: len(live(name)) == 3, SETTLE)
+            stack.enter_context(steady_engines(name, impl.name, logs))
+            clients = await connect(name, impl.name, 12)
+            for client in clients:
+                stack.push_async_callback(client.close)
+                await engines_at(client, 2)
+            paused = members[addresses.index(clients[0].address)]
+            futures = [client.submit([n, 1]) for n, client in enumerate(clients)]
+            await asyncio.sleep(0.2)
+            paused.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(1.5 * TTL)  # its clients' and engines' 1 s, and its lease
+            paused.send_signal(signal.SIGCONT)
+            finals = await asyncio.wait_for(asyncio.gather(*futures), SETTLE)
+            assert [final["n"] for final in finals] == list(range(len(clients)))
+            assert sorted(started(logs)) == list(range(len(clients)))
 
     run(body(), timeout=4 * SETTLE)
 
