@@ -197,6 +197,30 @@ async def engines_at(client: Client, count: int) -> None:
         await asyncio.sleep(0.1)
 
 
+async def fleet(
+    stack: contextlib.AsyncExitStack,
+    name: str,
+    impl_name: str,
+    tmp_path: Path,
+    addresses: list[str],
+    logs: list[Path],
+    clients: int,
+) -> tuple[list[subprocess.Popen], list[Client]]:
+    """Members at ``addresses``, a steady engine per log at every member, and
+    ``clients`` clients, each once every engine registered at its member."""
+    members = [
+        stack.enter_context(member(address, impl_name, tmp_path / f"m{i}.log", name))
+        for i, address in enumerate(addresses)
+    ]
+    wait_for(lambda: len(live(name)) == len(addresses), SETTLE)
+    stack.enter_context(steady_engines(name, impl_name, logs))
+    connected = await connect(name, impl_name, clients)
+    for client in connected:
+        stack.push_async_callback(client.close)
+        await engines_at(client, len(logs))
+    return members, connected
+
+
 def test_members_share_engines_and_spread_clients(tmp_path, impl, etcd: EtcdServer):
     """3 members: every client at its rendezvous choice, each member with clients, both
     engines registered at each member and serving them all; a 4th member joining takes
@@ -292,16 +316,7 @@ def test_a_member_killed_under_load(tmp_path, impl, etcd: EtcdServer):
 
     async def body():
         async with contextlib.AsyncExitStack() as stack:
-            members = [
-                stack.enter_context(member(addresses[i], impl.name, tmp_path / f"m{i}.log", name))
-                for i in range(3)
-            ]
-            wait_for(lambda: len(live(name)) == 3, SETTLE)
-            stack.enter_context(steady_engines(name, impl.name, logs))
-            clients = await connect(name, impl.name, 9)
-            for client in clients:
-                stack.push_async_callback(client.close)
-                await engines_at(client, 2)
+            members, clients = await fleet(stack, name, impl.name, tmp_path, addresses, logs, 9)
             victim = clients[0].address
             theirs = [client for client in clients if client.address == victim]
             others = [client for client in clients if client.address != victim]
@@ -358,16 +373,7 @@ def test_a_member_paused_past_the_timeouts(tmp_path, impl, etcd: EtcdServer):
 
     async def body():
         async with contextlib.AsyncExitStack() as stack:
-            members = [
-                stack.enter_context(member(address, impl.name, tmp_path / f"m{i}.log", name))
-                for i, address in enumerate(addresses)
-            ]
-            wait_for(lambda: len(live(name)) == 3, SETTLE)
-            stack.enter_context(steady_engines(name, impl.name, logs))
-            clients = await connect(name, impl.name, 12)
-            for client in clients:
-                stack.push_async_callback(client.close)
-                await engines_at(client, 2)
+            members, clients = await fleet(stack, name, impl.name, tmp_path, addresses, logs, 12)
             paused = members[addresses.index(clients[0].address)]
             futures = [client.submit([n, 1]) for n, client in enumerate(clients)]
             await asyncio.sleep(0.2)
