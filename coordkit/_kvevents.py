@@ -63,6 +63,7 @@ __all__ = [
     "Chains",
     "Subscriber",
     "decode_batch",
+    "engine_names",
     "parse_endpoints",
 ]
 
@@ -310,13 +311,27 @@ def kv_stats(index: dict[str, Any], subscriber: dict[str, Any]) -> dict[str, Any
     }
 
 
-def parse_endpoints(spec: str) -> tuple[int, str, str | None]:
-    """``RANK=ENDPOINT[,REPLAY]`` (``coordkit serve --kv-events``)."""
-    rank, sep, rest = spec.partition("=")
-    if not sep or not rank.strip().isdigit() or not rest:
-        raise ValueError(f"--kv-events takes RANK=ENDPOINT[,REPLAY], not {spec!r}")
+def parse_endpoints(spec: str) -> tuple[int | str, str, str | None]:
+    """``RANK=ENDPOINT[,REPLAY]`` (``coordkit serve --kv-events``): RANK an engine's
+    data-parallel rank (an int) or its routing id (a str)."""
+    name, sep, rest = spec.partition("=")
+    name = name.strip()
+    if not sep or not name or not rest:
+        raise ValueError(
+            f"--kv-events takes RANK=ENDPOINT[,REPLAY] (RANK: an engine's data-parallel "
+            f"rank or its routing id), not {spec!r}"
+        )
     endpoint, _, replay = rest.partition(",")
-    return int(rank), endpoint, replay or None
+    return int(name) if name.isdigit() else name, endpoint, replay or None
+
+
+def engine_names(name: int | str) -> tuple[bytes, ...]:
+    """The routing ids of the engine ``--kv-events`` names: data-parallel rank N is
+    the engine that registers as ``engine-N`` (a coordkit Engine's default) or
+    ``mp-coord-N`` (Megatron's); any other name is a routing id itself."""
+    if isinstance(name, int):
+        return (f"engine-{name}".encode(), f"mp-coord-{name}".encode())
+    return (name.encode(),)
 
 
 @dataclass
@@ -349,9 +364,12 @@ class Subscriber:
     record the loop gets.
 
     ``nudge`` is called (from this thread) whenever records are waiting; the loop
-    then calls :meth:`take`. :meth:`add` and :meth:`drop` may be called from any
-    thread; the first subscription asks its replay endpoint from 0, so that what the
-    engine cached before is known.
+    then calls :meth:`take`. :meth:`add`, :meth:`unannounce` and :meth:`registered`
+    may be called from any thread; the first subscription asks its replay endpoint
+    from 0, so that what the engine cached before is known. The publishers the
+    coordinator was given (:meth:`configure`) are keyed by the engine's routing id, and
+    subscribed for the rank an engine of that id takes when it registers (ranks go by
+    registration order, which is nobody's data-parallel rank).
     """
 
     def __init__(
@@ -378,6 +396,7 @@ class Subscriber:
         )
         self._out: collections.deque[bytes] = collections.deque()
         self._feeds: dict[int, _Feed] = {}
+        self._configured: dict[bytes, tuple[str, str | None]] = {}  # routing id -> endpoints
         self._by_socket: dict[zmq.Socket, _Feed] = {}
         self._poller = zmq.Poller()
         self.counts = {
@@ -406,6 +425,20 @@ class Subscriber:
         """Subscribe to ``rank``'s publisher (again: its state is then asked anew);
         ``announced`` by its engine's hello."""
         self._commands.append((rank, endpoint, replay, announced))
+
+    def configure(self, name: int | str, endpoint: str, replay: str | None) -> None:
+        """The publisher of the engine ``name`` (:func:`engine_names`), read once an
+        engine of that routing id registers. ValueError when it was named already."""
+        for identity in engine_names(name):
+            if identity in self._configured:
+                raise ValueError(f"kv_events: engine {name!r} is given twice")
+            self._configured[identity] = (endpoint, replay)
+
+    def registered(self, rank: int, identity: bytes) -> None:
+        """A new engine took ``rank``: the publisher configured for its routing id is
+        read for it; any its rank's earlier engine had goes."""
+        endpoint, replay = self._configured.get(identity, (None, None))
+        self._commands.append((rank, endpoint, replay, False))
 
     def unannounce(self, rank: int) -> None:
         """``rank``'s engine said hello without a publisher: one its predecessor
@@ -468,7 +501,8 @@ class Subscriber:
         self, rank: int, endpoint: str | None, replay: str | None, announced: bool
     ) -> None:
         old = self._feeds.get(rank)
-        if endpoint is None and (old is None or not old.announced):
+        # No endpoint: drop it (an unannounce: only one its engine announced).
+        if endpoint is None and (old is None or (announced and not old.announced)):
             return
         if old is not None:
             del self._feeds[rank]

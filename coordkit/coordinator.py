@@ -298,10 +298,12 @@ class Coordinator:
     the exporters the ``OTEL_*`` variables configure (docs/deploying.md, "Traces").
 
     ``kv_events`` reads the engines' own KV-cache events (vLLM's wire format,
-    docs/routing.md): a map of rank to ``"ENDPOINT"`` or ``"ENDPOINT,REPLAY"`` for the
+    docs/routing.md): a map of engine to ``"ENDPOINT"`` or ``"ENDPOINT,REPLAY"`` for the
     engines that cannot say (an empty map: only those a coordkit engine announces at
-    its hello); the ``prefix`` policy then prices an engine that publishes by what its
-    events say it holds. ``kv_events_topic`` filters their topic (a prefix).
+    its hello), an engine named by its data-parallel rank N (the one registering as
+    ``engine-N`` or Megatron's ``mp-coord-N``) or by its routing id (a str); the
+    ``prefix`` policy then prices an engine that publishes by what its events say it
+    holds. ``kv_events_topic`` filters their topic (a prefix).
     """
 
     def __init__(
@@ -348,7 +350,7 @@ class Coordinator:
         curve_authorized_keys: str | os.PathLike[str] | None = None,
         context: zmq.Context | None = None,
         implementation: str | None = None,
-        kv_events: Mapping[int, str] | None = None,
+        kv_events: Mapping[int | str, str] | None = None,
         kv_events_topic: str = "",
         **removed: Any,
     ):
@@ -424,7 +426,7 @@ class Coordinator:
             pd_retries=pd_retries,
             engine_histograms=engine_histograms,
         )
-        publishers = [parse_endpoints(f"{r}={spec}") for r, spec in (kv_events or {}).items()]
+        publishers = [parse_endpoints(f"{n}={spec}") for n, spec in (kv_events or {}).items()]
         self._term = term
         router = impl.Router(
             policy,
@@ -462,12 +464,13 @@ class Coordinator:
                 decode=impl.codec.decode_kv_batch,
                 chains=impl.codec.KVChains(max_engines),
             )
-            for rank, endpoint, replay in publishers:
-                if not 0 <= rank < max_engines:
-                    self._sockets.close()
-                    self._close_tracing()
-                    raise ValueError(f"kv_events: rank {rank} is out of range [0, {max_engines})")
-                self._kv_events.add(rank, endpoint, replay)
+            try:
+                for name, endpoint, replay in publishers:
+                    self._kv_events.configure(name, endpoint, replay)
+            except ValueError:
+                self._sockets.close()
+                self._close_tracing()
+                raise
             self.options = dataclasses.replace(self.options, kv_events=self._kv_events)
         self._loop = impl.loop.Loop(
             self.options,

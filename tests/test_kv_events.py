@@ -327,6 +327,26 @@ def test_garbage_on_the_event_socket_never_stops_the_loop(make_cluster, publishe
         assert route(c, client, prompt) == 1
 
 
+def test_a_configured_publisher_follows_its_engines_routing_id(make_cluster, publishers):
+    """``kv_events`` names engines by data-parallel rank (Megatron's ``mp-coord-N``)
+    or routing id, not by the order they register in: rank 1, registered first, is
+    priced by rank 1's events; a routing id names its engine as well."""
+    pubs = [publishers(rank=0), publishers(rank=1), publishers(rank=7)]
+    prompt = tokens(14, 3)
+    config = {0: pubs[0].spec, 1: pubs[1].spec, "gpu-7": pubs[2].spec}
+    with make_cluster(policy="prefix", block_size=BS, kv_events=config) as c:
+        for identity in (b"mp-coord-1", b"gpu-7", b"mp-coord-0"):
+            c.add_engine(identity)
+        for rank in range(3):
+            wait_for(lambda rank=rank: blocks(c, rank) == 0)
+        publishers_at = {e["rank"]: e["endpoint"] for e in kv(c)["engines"]}
+        assert publishers_at == {0: pubs[1].endpoint, 1: pubs[2].endpoint, 2: pubs[0].endpoint}
+        pubs[1].publish(*store_chain("u64", prompt, 0))
+        wait_for(lambda: blocks(c, 0) == 3)
+        client = c.client(coordkit=True)
+        assert route(c, client, prompt, 1) == 0  # where rank 1 (mp-coord-1) registered
+
+
 def test_an_engine_without_events_keeps_the_approximate_table(make_cluster, publishers):
     pub = publishers(rank=0)
     prompt = tokens(14, 3)
@@ -599,6 +619,7 @@ def test_the_demo_runs_on_the_engines_events(impl):
     [
         ("0=tcp://h:5557", (0, "tcp://h:5557")),
         ("3=tcp://h:5557,tcp://h:5558", (3, "tcp://h:5557,tcp://h:5558")),
+        ("mp-coord-2=tcp://h:5557", ("mp-coord-2", "tcp://h:5557")),
         ("engines", None),
     ],
 )

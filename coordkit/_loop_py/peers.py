@@ -212,6 +212,8 @@ class Peers:
                 self._loop._engines.append(_Engine(rank, identity))
             self._loop._tally.reset(rank)
             engine = self._loop._engine_by_identity[identity] = self._loop._engines[rank]
+            if self._loop._kv_events is not None:  # the publisher configured for its id
+                self._loop._kv_events.registered(rank, identity)
         engine.state = ALIVE
         self.watch(engine, fd)
         engine.session = 0

@@ -184,6 +184,8 @@ cdef class Peers:
             self.loop.engines[rank].last_failure = -1
             ck_ids_insert(&self.loop.engine_ids, rank, self.loop._data(0), n)
             engine = rank
+            if self.loop.kv_events is not None:  # the publisher configured for its id
+                self.loop.kv_events.registered(rank, (<const char*>self.loop._data(0))[:n])
         self.loop.engines[engine].state = ENGINE_ALIVE
         self.watch(engine, fd)
         self.loop.engines[engine].session = 0

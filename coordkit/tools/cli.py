@@ -334,9 +334,10 @@ def _parser() -> argparse.ArgumentParser:
         type=_kv_events_spec,
         metavar="RANK=ENDPOINT[,REPLAY]",
         help="read the KV-cache events engine RANK publishes in vLLM's wire format at "
-        "ENDPOINT (its replay ROUTER at REPLAY), repeatable; 'engines': only those coordkit "
-        "engines announce. prefix then prices each engine that publishes by its events "
-        "(default: none read, prefix guesses for every engine)",
+        "ENDPOINT (its replay ROUTER at REPLAY), repeatable; RANK a data-parallel rank N "
+        "(the engine registering as engine-N, or Megatron's mp-coord-N) or a routing id; "
+        "'engines': only those coordkit engines announce. prefix then prices each engine "
+        "that publishes by its events (default: none read, prefix guesses for every engine)",
     )
     serve.add_argument(
         "--kv-events-topic", default="", metavar="TOPIC", help="their topic filter (a prefix)"
@@ -824,15 +825,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _kv_events_spec(text: str) -> tuple[int, str] | None:
-    """``RANK=ENDPOINT[,REPLAY]`` as (rank, "ENDPOINT[,REPLAY]"); ``engines``: None."""
+def _kv_events_spec(text: str) -> tuple[int | str, str] | None:
+    """``RANK=ENDPOINT[,REPLAY]`` as (rank or routing id, "ENDPOINT[,REPLAY]");
+    ``engines``: None."""
     if text == "engines":
         return None
     try:
-        rank, endpoint, replay = parse_endpoints(text)
+        name, endpoint, replay = parse_endpoints(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return rank, endpoint if replay is None else f"{endpoint},{replay}"
+    return name, endpoint if replay is None else f"{endpoint},{replay}"
 
 
 def _non_negative_int(text: str) -> int:
@@ -926,7 +928,7 @@ def _serve(args: argparse.Namespace) -> int:
         publishers = [spec for spec in args.kv_events if spec is not None]
         options["kv_events"] = dict(publishers)
         if len(options["kv_events"]) < len(publishers):
-            raise ValueError("an engine rank is given --kv-events twice")
+            raise ValueError("an engine is given --kv-events twice")
         options["kv_events_topic"] = args.kv_events_topic
     if args.ha is not None and args.cluster is not None:
         raise ValueError(
