@@ -413,9 +413,8 @@ def _source(endpoint: EtcdEndpoint) -> Callable[[], list[str]]:
 class SharedLinks:
     """An engine rank's links to every member: one :class:`Engine` (one DEALER) per
     member, added and dropped as the view changes. A request is answered on the link it
-    came in on (by its server id, which each member draws from its own clock: members'
-    ids do not meet). A declared capacity is split among the members known when a link
-    registers (each at least 1).
+    came in on (by its id at the engine, below). A declared capacity is split among the
+    members known when a link registers (each at least 1).
 
     The ids its requests have at the engine are the members' server ids, but where two
     members' ids meet: a member lost whose requests were handed over, back and sending
