@@ -15,9 +15,12 @@ payload]`` after the empty delimiter, then ``seq == -1`` with an empty payload).
 
 :class:`Subscriber` is a thread of its own: it reads the publishers, keeps each
 one's sequence (gaps replayed, restarts and lost history cleared), decodes the
-batches and hands the loop *records*, bytes the loop's index room applies
-between two messages (``loop/kvindex.pyx``, ``_loop_py/kvindex.py``): the loop only
-chains and counts hashes, never decodes msgpack. A record is little-endian::
+batches into *records* and applies them to the loop's index room
+(``loop/kvindex.pyx``, ``_loop_py/kvindex.py``): it counts the blocks there
+itself, under the index's lock, and hands the loop only the STATE records, which
+the loop applies between two messages (a rank that starts publishing leaves the
+router's table). The loop never decodes msgpack, chains nor counts a hash. A
+record is little-endian::
 
     CLEAR   <B I>       op, rank                 the engine's blocks all dropped
     STORE   <B I B Q I I> op, rank, has_parent, parent, n, block_size,
@@ -28,8 +31,8 @@ chains and counts hashes, never decodes msgpack. A record is little-endian::
 
 A batch reads into CLEAR, STORE and REMOVE records (:func:`decode_batch`); the
 thread then chains each STORE's hashes itself (:class:`Chains`, which keeps each
-engine's keys by the same records in the same order as the loop's index does) and
-hands the loop a HASHED record instead: the loop only counts hashes.
+engine's keys by the same records in the same order as the index does) and counts
+a HASHED record instead.
 
 An engine's own block hash (a u64, an i64 or 32 bytes) is opaque: it becomes a
 *key*, its value modulo 2**64, or the first 8 bytes of the BLAKE2b of its bytes.
@@ -295,6 +298,12 @@ class Chainer(Protocol):
     def hand(self, record: bytes) -> bytes | None: ...
 
 
+class BlockIndex(Protocol):
+    """What the Subscriber counts blocks in: the loop's index room, either core's."""
+
+    def apply_blocks(self, record: bytes) -> None: ...
+
+
 def kv_stats(index: dict[str, Any], subscriber: dict[str, Any]) -> dict[str, Any]:
     """``stats()["kv_events"]``: the thread's counts, and per engine that publishes its
     state (``"exact"``: its events price it; ``"unknown"``: a replay under way, priced
@@ -361,15 +370,17 @@ class Subscriber:
     ``decode`` reads a batch into records: :func:`decode_batch`, or the C core's
     ``_codec_c.decode_kv_batch``, the same function without the GIL; ``chains`` (a
     :class:`Chains`, or the C core's ``KVChains``) turns each STORE into the HASHED
-    record the loop gets.
+    record the index counts.
 
-    ``nudge`` is called (from this thread) whenever records are waiting; the loop
-    then calls :meth:`take`. :meth:`add`, :meth:`unannounce` and :meth:`registered`
-    may be called from any thread; the first subscription asks its replay endpoint
-    from 0, so that what the engine cached before is known. The publishers the
-    coordinator was given (:meth:`configure`) are keyed by the engine's routing id, and
-    subscribed for the rank an engine of that id takes when it registers (ranks go by
-    registration order, which is nobody's data-parallel rank).
+    The records about blocks go to the loop's index (:meth:`attach`) from this
+    thread; ``nudge`` is called (from this thread) whenever STATE records wait,
+    and the loop then calls :meth:`take`. :meth:`add`, :meth:`unannounce` and
+    :meth:`registered` may be called from any thread; the first subscription asks
+    its replay endpoint from 0, so that what the engine cached before is known. The
+    publishers the coordinator was given (:meth:`configure`) are keyed by the
+    engine's routing id, and subscribed for the rank an engine of that id takes when
+    it registers (ranks go by registration order, which is nobody's data-parallel
+    rank).
     """
 
     def __init__(
@@ -394,14 +405,15 @@ class Subscriber:
         self._commands: collections.deque[tuple[int, str | None, str | None, bool]] = (
             collections.deque()
         )
-        self._out: collections.deque[bytes] = collections.deque()
+        self._out: collections.deque[bytes] = collections.deque()  # STATE records
+        self._index: BlockIndex | None = None
         self._feeds: dict[int, _Feed] = {}
         self._configured: dict[bytes, tuple[str, str | None]] = {}  # routing id -> endpoints
         self._by_socket: dict[zmq.Socket, _Feed] = {}
         self._poller = zmq.Poller()
         self.counts = {
             "batches": 0,
-            "handed": 0,  # records handed to the loop (its index counts those it applied)
+            "handed": 0,  # records applied or handed to the loop (its index counts both)
             "events_malformed": 0,
             "malformed": 0,
             "gaps": 0,
@@ -412,6 +424,10 @@ class Subscriber:
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
 
     # -- what the loop and the coordinator call ----------------------------------------
+
+    def attach(self, index: BlockIndex) -> None:
+        """The loop's index, which this thread counts blocks in (before :meth:`start`)."""
+        self._index = index
 
     def start(self) -> None:
         self._thread.start()
@@ -446,7 +462,7 @@ class Subscriber:
         self._commands.append((rank, None, None, True))
 
     def take(self) -> list[bytes]:
-        """The records waiting, in order."""
+        """The STATE records waiting, in order."""
         out = self._out
         return [out.popleft() for _ in range(len(out))]
 
@@ -493,9 +509,14 @@ class Subscriber:
 
     def _emit(self, record: bytes) -> None:
         handed = self._chains.hand(record)
-        if handed is not None:
-            self._out.append(handed)
-            self.counts["handed"] += 1
+        if handed is None:
+            return
+        self.counts["handed"] += 1
+        if len(handed) == STATE.size and handed[0] == OP_STATE:
+            self._out.append(handed)  # the loop's: it touches the router's table
+        else:
+            assert self._index is not None, "attach() the loop's index first"
+            self._index.apply_blocks(handed)
 
     def _command(
         self, rank: int, endpoint: str | None, replay: str | None, announced: bool

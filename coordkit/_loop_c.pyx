@@ -368,6 +368,7 @@ cdef class Loop:
         if self.kv_events is not None:
             self.kv = KVIndex(self.max_engines)
             router.attach_kv(self.kv)
+            self.kv_events.attach(self.kv)
         self.engine_fds = {}
         self.forwards_hashes = router.policy == "prefix"
         latency_init(&self.latency)
@@ -534,7 +535,7 @@ cdef class Loop:
             if zmq_msg_recv(&wake, self.wake, ZMQ_DONTWAIT) < 0:
                 zmq_msg_close(&wake)
                 return woken
-            # stop() sends an empty frame; the KV events' thread, a byte (records wait).
+            # stop() sends an empty frame; the KV events' thread, a byte (STATE records wait).
             if zmq_msg_size(&wake):
                 self.kv_due = True
             else:

@@ -86,7 +86,7 @@ cdef class Router:
         int* hidden          # scratch: the ranks a walk took out of the ranking
         # The engines' own events (loop/kvindex.pyx's index), NULL when none publish:
         # the ranks it knows are priced by it, and the table never lists a publisher.
-        const ck_kvindex* kv
+        ck_kvindex* kv
         object kv_owner  # what holds kv's tables (the loop's KVIndex): alive while read
 
     cdef int choose_c(self, const uint8_t* hashes, size_t n_hashes, uint64_t prompt_tokens,
@@ -95,7 +95,7 @@ cdef class Router:
     cdef bint accepting_c(self, int rank) noexcept nogil
     cdef void remove_rank_c(self, int rank) noexcept nogil
     cdef void forget_c(self, int rank) noexcept nogil
-    cdef void attach_kv_c(self, const ck_kvindex* kv) noexcept nogil
+    cdef void attach_kv_c(self, ck_kvindex* kv) noexcept nogil
 
     # Internals (a cdef class declared in a .pxd declares all its C methods here).
     cdef bint _eligible(self, int rank) noexcept nogil

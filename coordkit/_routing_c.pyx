@@ -29,7 +29,13 @@ from ._constants cimport (
     WEIGHT_SCALE,
     generated_constants,
 )
-from .includes.kvindex cimport CK_KV_NONE, ck_kvindex, ck_kvindex_depth
+from .includes.kvindex cimport (
+    CK_KV_NONE,
+    ck_kvindex,
+    ck_kvindex_depth,
+    ck_kvindex_lock,
+    ck_kvindex_unlock,
+)
 from .includes.sysdep cimport ck_ctz64, ck_load_le64
 from .includes.tables cimport (
     CK_GOLDEN,
@@ -306,7 +312,7 @@ cdef class Router:
         index.attach(self)
         self.kv_owner = index
 
-    cdef void attach_kv_c(self, const ck_kvindex* kv) noexcept nogil:
+    cdef void attach_kv_c(self, ck_kvindex* kv) noexcept nogil:
         """``attach_kv`` of the index whose tables are ``kv``."""
         self.kv = kv
 
@@ -583,15 +589,18 @@ cdef class Router:
         elif length < 0 or not self._affine(start, length, size, &best):
             best.rank = -1
             self._scan(hashes, n_hashes, now, start, size, &best)
-        if self.kv != NULL and n_hashes:
+        if self.kv != NULL and n_hashes and self.kv.n_known:
             # The table priced every rank that publishes as holding nothing: those its
-            # events say hold a prefix are priced again, by that.
+            # events say hold a prefix are priced again, by that (the events' thread
+            # writes their maps: read under its lock).
+            ck_kvindex_lock(self.kv)
             for i in range(self.kv.n_known):
                 r = self.kv.known[i]
                 if r < n and self._eligible(r):
                     d = ck_kvindex_depth(self.kv, r, hashes, n_hashes)
                     if d:
                         self._consider(&best, r, d, start, size)
+            ck_kvindex_unlock(self.kv)
         self.new_blocks = best.new
         if n_hashes:
             self._count_prefix(n_hashes, best.depth)

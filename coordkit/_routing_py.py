@@ -8,6 +8,7 @@ argument check are :mod:`coordkit._policies`'.
 from __future__ import annotations
 
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -49,6 +50,7 @@ class PrefixIndex(Protocol):
     named and not imported: the index tells the router what it forgets)."""
 
     known: list[int]  # the ranks whose events are known, in order
+    lock: threading.Lock  # held while ``held`` is asked: the events' thread writes it
 
     def publishes(self, rank: int) -> bool: ...
 
@@ -465,12 +467,13 @@ class Router:
         else:
             best = self._affine(chain, start, size) or self._scan(hashes, now, start, size)
         kv = self._kv
-        if kv is not None and m:
+        if kv is not None and m and kv.known:
             # The table priced every rank that publishes as holding nothing: those its
             # events say hold a prefix are priced again, by that.
-            for r in kv.known:
-                if r < n and self._eligible(r) and (d := kv.held(r, hashes)):
-                    best = self._consider(best, r, d, start, size)
+            with kv.lock:
+                for r in kv.known:
+                    if r < n and self._eligible(r) and (d := kv.held(r, hashes)):
+                        best = self._consider(best, r, d, start, size)
         _, rank, new, depth = best
         if m:
             counts = self._prefix_counts

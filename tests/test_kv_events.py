@@ -93,8 +93,8 @@ def blocks(c: Any, rank: int) -> int | None:
 
 
 def settled(c: Any, batches: int) -> bool:
-    """``batches`` decoded by the events' thread and every record it made applied by the
-    loop (the thread counts as it decodes; the loop applies between two messages)."""
+    """``batches`` decoded by the events' thread and every record it made applied (the
+    blocks by the thread itself, the states by the loop between two messages)."""
     stats = kv(c)
     return stats["batches"] >= batches and stats["records"] == stats["handed"]
 
@@ -404,6 +404,91 @@ def test_the_index_twins_agree(c_impl, py_impl, chains):
     assert answers[0] == answers[1]
     assert answers[0][0] == [4, 0, 2, 0]  # a's third block removed, then stored again
     assert chainer.unresolved == 1
+
+
+def test_the_events_thread_counts_the_blocks_and_leaves_the_loop_the_states(impl, publishers):
+    """The events' thread counts the blocks in the index itself (under its lock, off the
+    request path): with no loop running, the index holds an engine's prefix; all that
+    waits for the loop is the engine's state, which the router's table depends on."""
+    import importlib
+
+    from coordkit._kvevents import OP_STATE, Subscriber
+
+    module = "coordkit._loop_c" if impl.name == "c" else "coordkit._loop_py.kvindex"
+    index = importlib.import_module(module).KVIndex(*([8] if impl.name == "c" else []))
+    router = impl.Router("prefix", 8, block_size=BS)
+    router.attach_kv(index)
+    for rank in range(2):
+        router.add_rank(rank)
+    pub = publishers()
+    nudged: list[int] = []
+    ctx = zmq.Context()
+    sub = Subscriber(
+        ctx,
+        lambda: nudged.append(1),
+        BS,
+        decode=impl.codec.decode_kv_batch,
+        chains=impl.codec.KVChains(8),
+    )
+    sub.attach(index)
+    sub.add(1, pub.endpoint, pub.replay_endpoint)
+    sub.start()
+    try:
+        prompt = tokens(7, 4)
+        wait_for(lambda: pub.replays == [0])
+        pub.publish(*store_chain("u64", prompt, 0))
+        frame = block_hashes(prompt, BS)
+        wait_for(lambda: index.depth(1, frame) == 4)
+        # Counted, and not yet priced: the rank's state is the loop's to apply.
+        assert index.stats()["engines"] == {} and index.known == []
+        wait_for(lambda: len(nudged) > 0)
+        states = sub.take()
+        assert states and all(record[0] == OP_STATE for record in states)
+        for record in states:
+            index.apply(record, router)
+        assert index.known == [1]
+        assert [router.choose(frame, 0.0) for _ in range(2)] == [1, 1]
+    finally:
+        sub.stop()
+        ctx.destroy(linger=0)
+
+
+def test_the_index_lock_never_meets_the_gil(impl):
+    """Three threads at one index, as the coordinator's are (the events' thread counting
+    blocks, the loop applying states, ``stats()`` read from another): none may wait for
+    the index's lock holding the GIL while another holds the lock waiting for the GIL."""
+    import importlib
+    import struct
+    import threading
+
+    from coordkit._kvevents import HASHED, OP_HASHED, OP_STATE, STATE, STATE_KNOWN, STATE_NONE
+
+    module = "coordkit._loop_c" if impl.name == "c" else "coordkit._loop_py.kvindex"
+    index = importlib.import_module(module).KVIndex(*([8] if impl.name == "c" else []))
+    router = impl.Router("prefix", 8)
+    index.attach(router)
+    n = 2000
+    hashed = HASHED.pack(OP_HASHED, 1, n) + struct.pack(f"<{2 * n}Q", *range(1, 2 * n + 1))
+    states = [STATE.pack(OP_STATE, 1, s) for s in (STATE_KNOWN, STATE_NONE)]
+    until = time.monotonic() + 1.0
+    done: list[str] = []
+
+    def run(name: str, step: Any) -> None:
+        while time.monotonic() < until:
+            step()
+        done.append(name)
+
+    steps = {
+        "events": lambda: index.apply_blocks(hashed),
+        "loop": lambda: [index.apply(record, router) for record in states],
+        "stats": index.stats,
+    }
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in steps.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10.0)
+    assert sorted(done) == sorted(steps)
 
 
 def _odd_event(rng: random.Random) -> Any:

@@ -12,11 +12,16 @@ carry them), each counted once per engine key that names it; and the engine's
 keys (its own block hashes, opaque), each mapped to its block and counted as
 often as it was stored, so that a BlockRemoved finds what it removes and a block
 stored twice goes when removed twice.
+
+Two threads share it: the events' thread counts the blocks (:meth:`KVIndex.apply_blocks`),
+the loop applies the states (:meth:`KVIndex.apply`: a rank that starts publishing
+leaves the router's table) and reads the blocks under :attr:`KVIndex.lock`.
 """
 
 from __future__ import annotations
 
 import struct
+import threading
 from typing import TYPE_CHECKING, Any
 
 from .._kvevents import (
@@ -45,7 +50,7 @@ STATE_NAMES = {STATE_NONE: "none", STATE_UNKNOWN: "unknown", STATE_KNOWN: "exact
 class KVIndex:
     """Every publishing engine's blocks, from its events."""
 
-    __slots__ = ("_blocks", "_keys", "_state", "known", "applied")
+    __slots__ = ("_blocks", "_keys", "_state", "known", "applied", "lock")
 
     def __init__(self) -> None:
         self._blocks: dict[int, dict[int, int]] = {}  # rank -> block hash -> keys naming it
@@ -54,6 +59,8 @@ class KVIndex:
         #: The ranks whose index is known, ascending: the prefix policy prices them by it.
         self.known: list[int] = []
         self.applied = 0  # records applied
+        #: Held while the blocks are counted or read: the states are the loop's alone.
+        self.lock = threading.Lock()
 
     def attach(self, router: Router) -> None:
         """``router`` reads this index (``Router.attach_kv``)."""
@@ -65,10 +72,12 @@ class KVIndex:
 
     def depth(self, rank: int, hashes: bytes) -> int:
         """The leading blocks of ``hashes`` (one LE u64 each) that ``rank`` holds."""
-        return self.held(rank, struct.unpack(f"<{len(hashes) // 8}Q", hashes))
+        with self.lock:
+            return self.held(rank, struct.unpack(f"<{len(hashes) // 8}Q", hashes))
 
     def held(self, rank: int, hashes: tuple[int, ...]) -> int:
-        """The leading blocks of the chain ``hashes`` that ``rank`` holds: O(len(hashes))."""
+        """The leading blocks of the chain ``hashes`` that ``rank`` holds: O(len(hashes)).
+        Under :attr:`lock`."""
         blocks = self._blocks.get(rank)
         if not blocks:
             return 0
@@ -80,21 +89,34 @@ class KVIndex:
         return d
 
     def take(self, events: Subscriber, router: Router) -> None:
-        """The records the events' thread has waiting, applied in order."""
+        """The STATE records the events' thread has waiting, applied in order."""
         for record in events.take():
             self.apply(record, router)
 
     def apply(self, record: bytes, router: Router) -> None:
-        """One record of the events' thread; a malformed one is ignored (it made them)."""
+        """One record, on the loop's thread (any record: a STATE one only here)."""
+        if len(record) == STATE.size and record[0] == OP_STATE:
+            _, rank, state = STATE.unpack(record)
+            with self.lock:
+                self.applied += 1
+            self._set_state(rank, state, router)
+        else:
+            self.apply_blocks(record)
+
+    def apply_blocks(self, record: bytes) -> None:
+        """A CLEAR, HASHED or REMOVE record, from the events' thread; a malformed one is
+        ignored (that thread made them)."""
         if len(record) < HEAD.size:
             return
+        with self.lock:
+            self._apply_blocks(record)
+
+    def _apply_blocks(self, record: bytes) -> None:
         op, rank = HEAD.unpack_from(record)
         self.applied += 1
         if op == OP_CLEAR:
             self._blocks.pop(rank, None)
             self._keys.pop(rank, None)
-        elif op == OP_STATE and len(record) == STATE.size:
-            self._set_state(rank, STATE.unpack(record)[2], router)
         elif op == OP_HASHED and len(record) >= HASHED.size:
             n = HASHED.unpack_from(record)[2]
             if len(record) == HASHED.size + 16 * n:
@@ -153,10 +175,11 @@ class KVIndex:
                 self._unname(blocks, node[0])
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "engines": {
-                rank: {"state": STATE_NAMES[state], "blocks": len(self._blocks.get(rank, ()))}
-                for rank, state in sorted(self._state.items())
-            },
-            "applied": self.applied,
-        }
+        with self.lock:
+            return {
+                "engines": {
+                    rank: {"state": STATE_NAMES[state], "blocks": len(self._blocks.get(rank, ()))}
+                    for rank, state in sorted(self._state.items())
+                },
+                "applied": self.applied,
+            }

@@ -200,6 +200,7 @@ class Loop:
         if self._kv_events is not None:
             self._kv = KVIndex()
             router.attach_kv(self._kv)
+            self._kv_events.attach(self._kv)
 
     # -- what the Coordinator calls ------------------------------------------------------
 
@@ -242,7 +243,7 @@ class Loop:
 
     def _woken(self) -> bool:
         """Whether stop() wrote to the wake socket (an empty frame); the KV events'
-        thread writes a byte there when it has records waiting: they are applied."""
+        thread writes a byte there when it has STATE records waiting: they are applied."""
         woken = False
         while True:
             try:

@@ -12,10 +12,16 @@
  * GIL and without a Python object. loop/kvindex.pyx applies the events to it;
  * the rules are coordkit/_loop_py/kvindex.py's. The events' thread keeps a keys
  * map of its own by the same rules (_codec_c.KVChains), to chain the hashes.
+ *
+ * Two threads share it: the events' thread writes the maps, the loop's thread
+ * writes the states and reads both. The maps are read and written under `lock`
+ * (held for a bounded number of blocks at a time, CK_KV_LOCK_BLOCKS); the states
+ * and the known list are the loop's alone.
  */
 #ifndef COORDKIT_KVINDEX_H
 #define COORDKIT_KVINDEX_H
 
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +33,9 @@
 #define CK_KV_UNKNOWN 1
 #define CK_KV_KNOWN 2
 #define CK_KV_MIN_CELLS 16
+/* The blocks a writer counts in one hold of the lock: some 10 us, so that a
+ * routing decision waiting for it spins rather than sleeps. */
+#define CK_KV_LOCK_BLOCKS 128
 
 typedef struct {
     uint64_t key;
@@ -48,6 +57,7 @@ typedef struct {
     int *known;        /* the ranks whose state is CK_KV_KNOWN, ascending */
     int n_known;
     uint64_t applied; /* records applied */
+    pthread_mutex_t lock; /* the maps' (see above) */
 } ck_kvindex;
 
 static inline ck_kvcell *ck_kvmap_find(const ck_kvmap *m, uint64_t key)
@@ -129,7 +139,25 @@ static inline int ck_kvindex_init(ck_kvindex *t, int max_ranks)
     t->keys = (ck_kvmap *)calloc((size_t)max_ranks, sizeof(ck_kvmap));
     t->state = (uint8_t *)calloc((size_t)max_ranks, 1);
     t->known = (int *)calloc((size_t)max_ranks, sizeof(int));
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+#ifdef PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP
+    /* glibc's adaptive mutex spins a while before it sleeps: holds are short. */
+    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
+#endif
+    pthread_mutex_init(&t->lock, &attr);
+    pthread_mutexattr_destroy(&attr);
     return t->blocks && t->keys && t->state && t->known ? 0 : -1;
+}
+
+static inline void ck_kvindex_lock(ck_kvindex *t)
+{
+    pthread_mutex_lock(&t->lock);
+}
+
+static inline void ck_kvindex_unlock(ck_kvindex *t)
+{
+    pthread_mutex_unlock(&t->lock);
 }
 
 static inline void ck_kvindex_free(ck_kvindex *t)
@@ -144,11 +172,12 @@ static inline void ck_kvindex_free(ck_kvindex *t)
     free(t->keys);
     free(t->state);
     free(t->known);
+    pthread_mutex_destroy(&t->lock);
     memset(t, 0, sizeof(*t));
 }
 
 /* The leading blocks of the chain `hashes` (n little-endian u64s) that `rank`
- * holds according to its events: O(n). */
+ * holds according to its events: O(n). Under the lock. */
 static inline int64_t ck_kvindex_depth(const ck_kvindex *t, int rank, const uint8_t *hashes,
                                        size_t n)
 {

@@ -9,6 +9,7 @@ cdef extern from "includes/kvindex.h" nogil:
         CK_KV_NONE
         CK_KV_UNKNOWN
         CK_KV_KNOWN
+        CK_KV_LOCK_BLOCKS
 
     ctypedef struct ck_kvcell:
         uint64_t key
@@ -33,4 +34,6 @@ cdef extern from "includes/kvindex.h" nogil:
     void ck_kvmap_clear(ck_kvmap* m)
     int ck_kvindex_init(ck_kvindex* t, int max_ranks)
     void ck_kvindex_free(ck_kvindex* t)
+    void ck_kvindex_lock(ck_kvindex* t)
+    void ck_kvindex_unlock(ck_kvindex* t)
     int64_t ck_kvindex_depth(const ck_kvindex* t, int rank, const uint8_t* hashes, size_t n)

@@ -18,7 +18,10 @@ cdef enum:  # the records of coordkit._kvevents (checked at import)
 cdef class KVIndex:
     cdef ck_kvindex t  # what the router reads (Router.attach_kv_c)
 
-    cdef void apply_c(self, const uint8_t* record, size_t n, Router router) noexcept nogil
+    cdef int _rank_of(self, const uint8_t* record, size_t n) noexcept nogil
+    cdef void apply_state_c(self, const uint8_t* record, Router router) noexcept nogil
+    cdef void apply_blocks_c(self, const uint8_t* record, size_t n) noexcept nogil
+    cdef inline void _pause(self, uint32_t i) noexcept nogil
     cdef void _set_state(self, int rank, int state, Router router) noexcept nogil
     cdef void _hashed(self, int rank, const uint8_t* record, size_t n) noexcept nogil
     cdef void _remove(self, int rank, const uint8_t* record, size_t n) noexcept nogil

@@ -168,9 +168,9 @@ def _print_kv_events(summary: dict[str, dict[str, dict[str, Any]]]) -> None:
     print(
         f"\nKV events (every prompt's full blocks stored, an LRU of {KV_CACHE_BLOCKS} blocks "
         "per rank evicting; a batch per reply), per request: the batches and events; the "
-        "CPU (µs) of the loop's thread (the request path, which applies the records) in c "
-        "and here, and their ratio; the CPU of the events' thread (reading and decoding "
-        "them, off the request path) per request and per event; the whole process's excess "
+        "CPU (µs) of the loop's thread (the request path) in c and here, and their ratio; "
+        "the CPU of the events' thread (reading, decoding and counting them in the index, "
+        "off the request path) per request and per event; the whole process's excess "
         "over c's per event"
     )
     print(
